@@ -1,0 +1,1 @@
+"""What crosses a process boundary: framing, codec, typed messages. Pure Python, no torch."""

@@ -1,0 +1,133 @@
+"""Typed messages over any anyio byte stream: framing, codec and the HELLO/WELCOME handshake.
+
+Both ends of every connection (manager, worker, engine, CLI) talk through a
+`MessageStream`; it owns no socket logic, so tests run it over in-memory streams too.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, TypeVar
+
+import anyio
+from anyio.abc import ByteStream
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from protocols.codec import decode, encode
+from protocols.errors import (
+    TruncatedFrameError,
+    UnexpectedMessageError,
+    VersionMismatchError,
+)
+from protocols.framing import DEFAULT_MAX_FRAME_SIZE, HEADER, check_frame_length, encode_frame
+from protocols.messages import PROTOCOL_VERSION, ErrorReply, Hello, Welcome
+
+M = TypeVar("M")
+
+
+class MessageStream:
+    """Send and receive whole messages; one sender at a time is enforced by a lock."""
+
+    def __init__(self, stream: ByteStream, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE):
+        self.stream = stream
+        self.max_frame_size = max_frame_size
+        self._buffered = BufferedByteReceiveStream(stream)
+        self._send_lock = anyio.Lock()
+
+    async def send(self, msg: Any) -> None:
+        """Send one message.
+
+        Cancellation: may leave a partial frame on the wire; close the stream after it.
+        """
+        frame = encode_frame(encode(msg), self.max_frame_size)
+        async with self._send_lock:
+            await self.stream.send(frame)
+
+    async def receive(self) -> Any:
+        """Receive one message; anyio.EndOfStream when the peer closed between frames.
+
+        Cancellation: may consume part of a frame; close the stream after it.
+        """
+        try:
+            header = await self._buffered.receive_exactly(HEADER.size)
+        except anyio.IncompleteRead:
+            if self._buffered.buffer:
+                raise TruncatedFrameError("stream ended inside a frame header") from None
+            raise anyio.EndOfStream from None
+        (length,) = HEADER.unpack(header)
+        check_frame_length(length, self.max_frame_size)
+        try:
+            body = await self._buffered.receive_exactly(length)
+        except anyio.IncompleteRead:
+            raise TruncatedFrameError(f"stream ended inside a frame of {length} bytes") from None
+        return decode(body)
+
+    async def receive_type(self, expected: type[M]) -> M:
+        """Receive one message that must be `expected`; an ErrorReply becomes RemoteError."""
+        msg = await self.receive()
+        if isinstance(msg, expected):
+            return msg
+        if isinstance(msg, ErrorReply):
+            raise RemoteError(msg.kind, msg.message)
+        raise UnexpectedMessageError(
+            f"expected {expected.__name__}, got {type(msg).__name__}"
+        )
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class RemoteError(Exception):
+    """The peer answered with an ErrorReply; `kind` says which refusal it was."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+async def client_handshake(ms: MessageStream, role: str) -> Welcome:
+    """Say HELLO, expect WELCOME with the same protocol version."""
+    await ms.send(Hello(PROTOCOL_VERSION, role, os.getpid()))
+    try:
+        welcome = await ms.receive_type(Welcome)
+    except RemoteError as exc:
+        if exc.kind == "version_mismatch":
+            raise VersionMismatchError(exc.message) from None
+        raise
+    if welcome.protocol_version != PROTOCOL_VERSION:
+        raise VersionMismatchError(_mismatch(PROTOCOL_VERSION, welcome.protocol_version))
+    return welcome
+
+
+async def server_handshake(ms: MessageStream, server: str) -> Hello:
+    """Expect HELLO; answer WELCOME, or an ErrorReply and VersionMismatchError."""
+    hello = await ms.receive_type(Hello)
+    if hello.protocol_version != PROTOCOL_VERSION:
+        text = _mismatch(PROTOCOL_VERSION, hello.protocol_version, peer="client")
+        await ms.send(ErrorReply("version_mismatch", text))
+        raise VersionMismatchError(text)
+    await ms.send(Welcome(PROTOCOL_VERSION, server, os.getpid()))
+    return hello
+
+
+def _mismatch(ours: int, theirs: int, peer: str = "server") -> str:
+    return (
+        f"protocol version mismatch: this side speaks version {ours}, the {peer} "
+        f"speaks version {theirs}; upgrade loomllm on both sides to the same release"
+    )
+
+
+
+
+
+async def open_unix_connection(path: str | os.PathLike[str], role: str) -> MessageStream:
+    """Connect to a manager or worker socket and complete the handshake."""
+    stream = await anyio.connect_unix(os.fspath(path))
+    ms = MessageStream(stream)
+    try:
+        await client_handshake(ms, role)
+    except BaseException:
+        await anyio.aclose_forcefully(stream)
+        raise
+    return ms

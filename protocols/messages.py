@@ -1,0 +1,229 @@
+"""Every message that crosses a process boundary, as frozen dataclasses with type codes.
+
+Three conversations, each opened by Hello/Welcome:
+  engine  <-> manager   control: acquire/release workers, status, ps, unload, stop
+  manager <-> worker    lifecycle: the worker's READY (or why it failed); EOF = go away
+  engine  <-> worker    data: calls tagged with a call_id, answered by result or failure
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from protocols.codec import message
+
+PROTOCOL_VERSION = 1
+
+
+# -- handshake and errors (all connections) -------------------------------------------
+
+
+@message(1)
+@dataclass(frozen=True, slots=True)
+class Hello:
+    protocol_version: int
+    role: str  # "engine", "cli" or "worker": for logs and `ps`
+    pid: int
+
+
+@message(2)
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    protocol_version: int
+    server: str  # "manager" or "worker"
+    pid: int
+
+
+@message(3)
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """A request the server refused; `kind` is a stable machine-readable word."""
+
+    kind: str
+    message: str
+
+
+@message(4)
+@dataclass(frozen=True, slots=True)
+class Ack:
+    pass
+
+
+# -- engine <-> manager -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a worker group is: two engines with equal specs may share warm workers."""
+
+    model: str
+    world_size: int = 1
+    # Loader and cache options that change what the worker holds (dtype, device, ...).
+    options: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Facts about the loaded model that the engine needs (sent in READY)."""
+
+    model: str
+    model_dir: str  # HF-format directory: config, weights, tokenizer files
+    vocab_size: int
+    max_model_len: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    device: str
+    load_seconds: float
+
+
+@message(10)
+@dataclass(frozen=True, slots=True)
+class AcquireWorkers:
+    spec: WorkerSpec
+    keep_alive: float  # seconds to stay warm after release; 0 = exit, -1 = forever
+    engine_id: str
+
+
+@message(11)
+@dataclass(frozen=True, slots=True)
+class WorkersAcquired:
+    group_id: str
+    sockets: list[str]  # data socket path of each rank, in rank order
+    pids: list[int]
+    model_info: ModelInfo
+    reused: bool  # True when warm workers were attached instead of launched
+
+
+@message(12)
+@dataclass(frozen=True, slots=True)
+class ReleaseWorkers:
+    group_id: str
+
+
+@message(13)
+@dataclass(frozen=True, slots=True)
+class WorkerDied:
+    """Pushed by the manager to the engine that owns the dead worker."""
+
+    group_id: str
+    rank: int
+    pid: int
+    exit_code: int | None
+    signal: int | None
+    stderr_tail: str
+
+
+@message(14)
+@dataclass(frozen=True, slots=True)
+class StatusRequest:
+    pass
+
+
+@message(15)
+@dataclass(frozen=True, slots=True)
+class ManagerStatus:
+    pid: int
+    uptime_s: float
+    socket: str
+    num_clients: int
+    num_workers: int
+    max_workers: int
+    max_keep_alive: float
+    idle_timeout: float
+
+
+@message(16)
+@dataclass(frozen=True, slots=True)
+class ListWorkers:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    group_id: str
+    rank: int
+    pid: int
+    model: str
+    state: str  # "loading", "busy" (attached to an engine) or "idle" (warm)
+    rss_bytes: int
+    age_s: float
+    keep_alive: float
+    expires_in_s: float | None  # idle workers only; None = pinned or busy
+
+
+@message(17)
+@dataclass(frozen=True, slots=True)
+class WorkerList:
+    workers: list[WorkerInfo]
+
+
+@message(18)
+@dataclass(frozen=True, slots=True)
+class UnloadModel:
+    model: str
+
+
+@message(19)
+@dataclass(frozen=True, slots=True)
+class Unloaded:
+    num_workers: int
+
+
+@message(20)
+@dataclass(frozen=True, slots=True)
+class ShutdownManager:
+    pass
+
+
+# -- manager <-> worker -----------------------------------------------------------------
+
+
+@message(30)
+@dataclass(frozen=True, slots=True)
+class WorkerReady:
+    rank: int
+    pid: int
+    socket: str
+    model_info: ModelInfo
+
+
+@message(31)
+@dataclass(frozen=True, slots=True)
+class WorkerFailed:
+    """The worker could not start (bad model, out of memory); it exits after this."""
+
+    rank: int
+    message: str
+
+
+# -- engine <-> worker ------------------------------------------------------------------
+
+
+@message(40)
+@dataclass(frozen=True, slots=True)
+class RunCallable:
+    """collective_rpc: a cloudpickled `(fn, args, kwargs)`; fn gets the worker first."""
+
+    call_id: int
+    payload: bytes
+
+
+@message(41)
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    call_id: int
+    payload: bytes  # cloudpickled return value
+
+
+@message(42)
+@dataclass(frozen=True, slots=True)
+class CallFailed:
+    """A call raised in the worker; the worker itself is still sound."""
+
+    call_id: int
+    error_type: str
+    message: str
+    traceback: str

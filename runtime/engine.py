@@ -1,0 +1,200 @@
+"""Engine: the user's handle on a model, one anyio task group in the caller's event loop.
+
+`async with Engine("smollm2") as e:` connects to (or starts) the engine-manager, attaches
+to warm workers or has new ones launched, and holds its connections and reader tasks in
+one task group. Leaving the block closes them all; the workers stay warm for
+`keep_alive` seconds. A dead worker fails the engine with EngineDeadError, promptly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import Any, TypeVar
+
+import anyio
+import cloudpickle
+
+from protocols.connection import open_unix_connection
+from protocols.messages import CallFailed, ModelInfo, RunCallable, WorkerDied, WorkersAcquired
+from protocols.rundir import default_socket_path
+from runtime.config import EngineConfig
+from runtime.errors import EngineClosedError, EngineDeadError, ManagerError, RemoteCallError
+from runtime.manager_client import ManagerClient, PrivateManager, connect_shared_manager
+from runtime.worker_client import WorkerClient
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# How long a broken worker connection waits for the manager's report of why.
+DEATH_REPORT_WAIT_S = 0.5
+
+
+class Engine:
+    """An LLM engine whose model runs in worker processes owned by the engine-manager."""
+
+    def __init__(self, model: str = "smollm2", **options: Any) -> None:
+        self.config = EngineConfig(model=model, **options)
+        self.engine_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._stack: AsyncExitStack | None = None
+        self._workers: WorkerClient | None = None
+        self._acquired: WorkersAcquired | None = None
+        self._lost = anyio.Event()
+        self._lost_reason = ""
+        self._death_report: WorkerDied | None = None
+        self._death_reported = anyio.Event()
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        if self._stack is not None:
+            raise RuntimeError("an Engine can be entered only once; create a new one")
+        self._stack = AsyncExitStack()
+        try:
+            await self._start(self._stack)
+        except BaseException as exc:
+            try:
+                await self._stack.__aexit__(type(exc), exc, exc.__traceback__)
+            except BaseExceptionGroup as eg:
+                raise _simplest(eg) from None
+            raise
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        """Cancellation: its cleanup steps are shielded; workers are released on return."""
+        assert self._stack is not None
+        try:
+            return await self._stack.__aexit__(et, e, tb)
+        except BaseExceptionGroup as eg:
+            raise _simplest(eg) from None
+        finally:
+            self._workers = None
+
+    async def _start(self, stack: AsyncExitStack) -> None:
+        cfg = self.config
+        if cfg.manager == "private":
+            private = await stack.enter_async_context(PrivateManager())
+            ms = await open_unix_connection(private.socket_path, "engine")
+        else:
+            ms = await connect_shared_manager(cfg.manager_socket or default_socket_path())
+        manager = ManagerClient(ms, self._on_worker_died)
+        stack.push_async_callback(manager.aclose)
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tg.cancel_scope.cancel)  # runs after release, before the group exits
+        await tg.start(manager.run)
+        self._acquired = await manager.acquire(cfg.worker_spec(), cfg.keep_alive, self.engine_id)
+        stack.push_async_callback(self._release, manager, self._acquired.group_id)
+        workers = await WorkerClient.connect(self._acquired.sockets)
+        stack.push_async_callback(workers.aclose)
+        workers.start_readers(tg, self._on_rank_lost)
+        tg.start_soon(self._watch_for_death, workers)
+        self._workers = workers
+        logger.info(
+            "engine %s attached to %s workers %s (%s)", self.engine_id,
+            "warm" if self._acquired.reused else "new", self._acquired.pids, cfg.model,
+        )  # fmt: skip
+
+    async def _release(self, manager: ManagerClient, group_id: str) -> None:
+        if self._lost.is_set():
+            return  # the manager tears a broken group down itself
+        try:
+            with anyio.CancelScope(shield=True), anyio.fail_after(5):
+                await manager.release(group_id)
+        except (ManagerError, OSError, anyio.BrokenResourceError, TimeoutError) as exc:
+            # Closing our connection releases the workers too; this was the polite way.
+            logger.warning("could not release workers cleanly: %s", exc)
+
+    # -- worker death -----------------------------------------------------------------
+
+    def _on_worker_died(self, report: WorkerDied) -> None:
+        self._death_report = report
+        self._death_reported.set()
+        self._on_rank_lost(report.rank, "the engine-manager reported its death")
+
+    def _on_rank_lost(self, rank: int, why: str) -> None:
+        if not self._lost.is_set():
+            self._lost_reason = why
+            self._lost.set()
+
+    async def _watch_for_death(self, workers: WorkerClient) -> None:
+        await self._lost.wait()
+        with anyio.move_on_after(DEATH_REPORT_WAIT_S):
+            await self._death_reported.wait()
+        error = EngineDeadError(self._death_reason())
+        workers.fail(error)
+        raise error
+
+    def _death_reason(self) -> str:
+        report = self._death_report
+        if report is None:
+            return f"engine lost its worker: {self._lost_reason}"
+        how = (
+            f"killed by signal {signal.Signals(report.signal).name}"
+            if report.signal is not None
+            else f"exited with code {report.exit_code}"
+        )
+        tail = report.stderr_tail.strip()
+        return f"worker rank {report.rank} (pid {report.pid}) {how}" + (
+            f"; its stderr ended with:\n{tail}" if tail else ""
+        )
+
+    # -- calls ------------------------------------------------------------------------
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._require_acquired().model_info
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return list(self._require_acquired().pids)
+
+    @property
+    def reused_warm_workers(self) -> bool:
+        """True when this engine attached to already-loaded workers."""
+        return self._require_acquired().reused
+
+    async def collective_rpc(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
+        """Run `fn(worker, *args, **kwargs)` on every rank; return the results in rank order.
+
+        `fn` and its arguments are sent with cloudpickle over the local socket.
+        Cancellation: the ranks still run the call; its results are discarded.
+        """
+        if self._workers is None:
+            raise EngineClosedError("the engine is not running: use `async with Engine(...)`")
+        payload = cloudpickle.dumps((fn, args, kwargs))
+        replies = await self._workers.call(lambda call_id: RunCallable(call_id, payload))
+        results = []
+        for rank, reply in enumerate(replies):
+            if isinstance(reply, CallFailed):
+                raise RemoteCallError(rank, reply.error_type, reply.message, reply.traceback)
+            results.append(cloudpickle.loads(reply.payload))
+        return results
+
+    def _require_acquired(self) -> WorkersAcquired:
+        if self._acquired is None:
+            raise EngineClosedError("the engine has not started: use `async with Engine(...)`")
+        return self._acquired
+
+
+def _simplest(eg: BaseExceptionGroup) -> BaseException:
+    """The exception a user should see: the engine's death first, else a lone error."""
+    leaves = list(_leaves(eg))
+    for leaf in leaves:
+        if isinstance(leaf, EngineDeadError):
+            return leaf
+    return leaves[0] if len(leaves) == 1 else eg
+
+
+def _leaves(eg: BaseExceptionGroup) -> Iterator[BaseException]:
+    for exc in eg.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc

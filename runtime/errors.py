@@ -1,0 +1,45 @@
+"""Errors the engine raises to its users.
+
+    LoomError
+    ├── EngineDeadError       a worker died or its connection broke; the engine is done
+    ├── EngineClosedError     the engine was used outside its `async with` block
+    ├── ManagerError          the engine-manager could not be reached, started, or refused us
+    │   └── WorkerStartError  the manager could not start workers (bad model, no memory, ...)
+    └── RemoteCallError       a collective_rpc callable raised on a worker (worker still sound)
+"""
+
+from __future__ import annotations
+
+
+class LoomError(Exception):
+    """Base of every loomllm runtime error."""
+
+
+class EngineDeadError(LoomError):
+    """The engine lost a worker; `reason` says how (exit code or signal, stderr tail)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class EngineClosedError(LoomError):
+    """The engine is not running: enter `async with Engine(...)` first."""
+
+
+class ManagerError(LoomError):
+    """Talking to the engine-manager failed."""
+
+
+class WorkerStartError(ManagerError):
+    """The manager could not start the workers; the message carries the worker's words."""
+
+
+class RemoteCallError(LoomError):
+    """A callable sent with collective_rpc raised on a worker."""
+
+    def __init__(self, rank: int, error_type: str, message: str, traceback: str) -> None:
+        super().__init__(f"rank {rank}: {error_type}: {message}")
+        self.rank = rank
+        self.error_type = error_type
+        self.remote_traceback = traceback

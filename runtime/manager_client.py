@@ -1,0 +1,182 @@
+"""Find, start and talk to the engine-manager: the engine's control connection.
+
+The shared daemon is started with `engine-manager start` (a plain command line under an
+flock, never multiprocessing); a private one runs as our child and exits with us.
+Replies and pushed WorkerDied reports share one connection, split by `run()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+import anyio
+from anyio.abc import Process, TaskStatus
+
+from protocols.connection import MessageStream, RemoteError, open_unix_connection
+from protocols.errors import ProtocolError
+from protocols.messages import (
+    Ack,
+    AcquireWorkers,
+    ErrorReply,
+    ReleaseWorkers,
+    WorkerDied,
+    WorkersAcquired,
+    WorkerSpec,
+)
+from protocols.rundir import log_path
+from runtime.errors import ManagerError, WorkerStartError
+
+logger = logging.getLogger(__name__)
+
+MANAGER_START_TIMEOUT_S = 30.0
+# Loading a model from GGUF the first time takes tens of seconds on a small CPU.
+ACQUIRE_TIMEOUT_S = 900.0
+
+
+def manager_command(socket_path: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "workers.manager", "--socket", str(socket_path), *args]
+
+
+async def connect_shared_manager(socket_path: Path) -> MessageStream:
+    """Connect to the per-user daemon, starting it first if nobody answers."""
+    try:
+        return await open_unix_connection(socket_path, "engine")
+    except (FileNotFoundError, ConnectionRefusedError):
+        pass
+    with anyio.fail_after(MANAGER_START_TIMEOUT_S):
+        # `start` takes the flock and rechecks, so racing engines start one daemon.
+        result = await anyio.run_process(
+            manager_command(socket_path, "start"), check=False, stdin=subprocess.DEVNULL
+        )
+    if result.returncode != 0:
+        raise ManagerError(
+            f"could not start engine-manager on {socket_path}:\n"
+            f"{result.stderr.decode(errors='replace').strip()}"
+        )
+    try:
+        return await open_unix_connection(socket_path, "engine")
+    except OSError as exc:
+        raise ManagerError(f"engine-manager started but {socket_path} refuses: {exc}") from exc
+
+
+class PrivateManager:
+    """An engine-manager that is our child, serves only us and exits when we disconnect."""
+
+    def __init__(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="loomllm-")
+        self.socket_path = Path(self._tmp.name) / "manager.sock"
+        self._process: Process | None = None
+
+    async def __aenter__(self) -> PrivateManager:
+        command = manager_command(
+            self.socket_path, "serve", "--exit-with-client", "--idle-timeout", "-1",
+            "--ready-fd", "1",
+        )  # fmt: skip
+        # A local log file: opening it does not block in any way that matters.
+        with open(log_path(self.socket_path), "wb") as log:  # noqa: ASYNC230
+            self._process = await anyio.open_process(
+                command, stdin=subprocess.DEVNULL, stderr=log, start_new_session=True
+            )
+        assert self._process.stdout is not None
+        try:
+            with anyio.fail_after(MANAGER_START_TIMEOUT_S):
+                line = b""
+                async for chunk in self._process.stdout:
+                    line += chunk
+                    if b"\n" in line:
+                        break
+            if line.strip() != b"ready":
+                raise ManagerError(f"private engine-manager failed to start:\n{self.log_tail()}")
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Cancellation: shielded; the manager (and so its workers) is gone on return."""
+        with anyio.CancelScope(shield=True):
+            if self._process is not None:
+                # It exits by itself once our control connection is closed.
+                with anyio.move_on_after(10):
+                    await self._process.wait()
+                if self._process.returncode is None:
+                    self._process.kill()
+                await self._process.aclose()
+            self._tmp.cleanup()
+
+    def log_tail(self) -> str:
+        try:
+            return log_path(self.socket_path).read_text(errors="replace")[-3000:]
+        except OSError:
+            return ""
+
+
+class ManagerClient:
+    """Requests to the manager, one at a time; WorkerDied pushes go to `on_worker_died`."""
+
+    def __init__(self, ms: MessageStream, on_worker_died: Callable[[WorkerDied], None]):
+        self.ms = ms
+        self._on_worker_died = on_worker_died
+        self._lock = anyio.Lock()
+        self._reply_send, self._reply_receive = anyio.create_memory_object_stream[object](1)
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Read the connection until it closes; runs in the engine's task group."""
+        task_status.started()
+        async with self._reply_send:
+            try:
+                while True:
+                    msg = await self.ms.receive()
+                    if isinstance(msg, WorkerDied):
+                        self._on_worker_died(msg)
+                    else:
+                        await self._reply_send.send(msg)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+            except ProtocolError as exc:
+                logger.error("engine-manager broke the protocol: %s", exc)
+
+    async def request(self, msg: object) -> object:
+        async with self._lock:
+            await self.ms.send(msg)
+            try:
+                reply = await self._reply_receive.receive()
+            except anyio.EndOfStream:
+                raise ManagerError("engine-manager closed the connection") from None
+        if isinstance(reply, ErrorReply):
+            raise RemoteError(reply.kind, reply.message)
+        return reply
+
+    async def acquire(
+        self, spec: WorkerSpec, keep_alive: float, engine_id: str
+    ) -> WorkersAcquired:
+        """Get workers for `spec`: warm ones if the manager has them, else new ones.
+
+        Cancellation: if cancelled while the manager loads, the manager stops the new
+        workers when it sees our connection close.
+        """
+        try:
+            with anyio.fail_after(ACQUIRE_TIMEOUT_S):
+                reply = await self.request(AcquireWorkers(spec, float(keep_alive), engine_id))
+        except RemoteError as exc:
+            if exc.kind == "worker_start_failed":
+                message = f"could not start workers for {spec.model!r}: {exc}"
+                raise WorkerStartError(message) from None
+            raise ManagerError(f"engine-manager refused: {exc}") from None
+        assert isinstance(reply, WorkersAcquired)
+        return reply
+
+    async def release(self, group_id: str) -> None:
+        reply = await self.request(ReleaseWorkers(group_id))
+        assert isinstance(reply, Ack)
+
+    async def aclose(self) -> None:
+        await anyio.aclose_forcefully(self.ms.stream)

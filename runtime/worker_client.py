@@ -1,0 +1,128 @@
+"""One engine's data connections to its worker ranks: send a call to every rank, gather replies.
+
+Each rank has a reader task. A rank whose connection ends or breaks makes the whole
+client dead: every pending and later call fails with EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.abc import TaskGroup
+
+from protocols.connection import MessageStream, RemoteError, open_unix_connection
+from protocols.errors import ProtocolError
+from protocols.messages import CallFailed, CallResult, ErrorReply
+from runtime.errors import EngineDeadError, ManagerError
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0
+DEATH_REPORT_WAIT_S = 1.0
+Reply = CallResult | CallFailed
+
+
+@dataclass(eq=False)
+class _PendingCall:
+    replies: list[Reply | None]
+    done: anyio.Event = field(default_factory=anyio.Event)
+    remaining: int = 0
+
+
+class WorkerClient:
+    """Calls to all ranks of one worker group, answered in rank order."""
+
+    def __init__(self, ranks: list[MessageStream]) -> None:
+        self.ranks = ranks
+        self.dead: EngineDeadError | None = None
+        self._dead_event = anyio.Event()
+        self._pending: dict[int, _PendingCall] = {}
+        self._call_ids = itertools.count(1)
+
+    @classmethod
+    async def connect(cls, sockets: list[str]) -> WorkerClient:
+        ranks: list[MessageStream] = []
+        try:
+            with anyio.fail_after(CONNECT_TIMEOUT_S):
+                for path in sockets:
+                    ranks.append(await open_unix_connection(path, "engine"))
+        except BaseException as exc:
+            for ms in ranks:
+                await anyio.aclose_forcefully(ms.stream)
+            if isinstance(exc, OSError | RemoteError | TimeoutError):
+                raise ManagerError(f"could not attach to worker socket: {exc}") from exc
+            raise
+        return cls(ranks)
+
+    def start_readers(self, tg: TaskGroup, on_lost: Callable[[int, str], None]) -> None:
+        for rank, ms in enumerate(self.ranks):
+            tg.start_soon(self._read, rank, ms, on_lost)
+
+    async def _read(
+        self, rank: int, ms: MessageStream, on_lost: Callable[[int, str], None]
+    ) -> None:
+        try:
+            while True:
+                msg = await ms.receive()
+                if isinstance(msg, CallResult | CallFailed):
+                    self._deliver(rank, msg)
+                elif isinstance(msg, ErrorReply):
+                    raise ProtocolError(f"worker rank {rank} refused: {msg.message}")
+        except (anyio.EndOfStream, anyio.BrokenResourceError) as exc:
+            on_lost(rank, f"connection to worker rank {rank} ended ({type(exc).__name__})")
+        except anyio.ClosedResourceError:
+            pass  # we closed it ourselves
+        except ProtocolError as exc:
+            on_lost(rank, f"worker rank {rank} broke the protocol: {exc}")
+
+    def _deliver(self, rank: int, reply: Reply) -> None:
+        call = self._pending.get(reply.call_id)
+        if call is None or call.replies[rank] is not None:
+            return  # a call whose caller was cancelled: nobody waits for it
+        call.replies[rank] = reply
+        call.remaining -= 1
+        if call.remaining == 0:
+            call.done.set()
+
+    def fail(self, error: EngineDeadError) -> None:
+        """Mark dead and wake every pending call (they raise `error`)."""
+        if self.dead is None:
+            self.dead = error
+            self._dead_event.set()
+        for call in self._pending.values():
+            call.done.set()
+
+    async def call(self, make: Callable[[int], object]) -> list[Reply]:
+        """Send `make(call_id)` to every rank and return the replies in rank order.
+
+        Cancellation: the ranks still run the call; its replies are dropped on arrival.
+        """
+        if self.dead is not None:
+            raise self.dead
+        call_id = next(self._call_ids)
+        call = _PendingCall([None] * len(self.ranks), remaining=len(self.ranks))
+        self._pending[call_id] = call
+        try:
+            msg = make(call_id)
+            for ms in self.ranks:
+                await ms.send(msg)
+            await call.done.wait()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            # The rank is gone; the engine learns why (exit code, stderr) within moments.
+            with anyio.move_on_after(DEATH_REPORT_WAIT_S):
+                await self._dead_event.wait()
+            raise self.dead or EngineDeadError(f"worker connection broke: {exc}") from exc
+        finally:
+            del self._pending[call_id]
+        if self.dead is not None:
+            raise self.dead
+        return [r for r in call.replies if r is not None]
+
+    async def aclose(self) -> None:
+        """Cancellation: forceful close, nothing to wait for."""
+        for ms in self.ranks:
+            await anyio.aclose_forcefully(ms.stream)

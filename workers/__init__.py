@@ -1,0 +1,1 @@
+"""The device side: the engine-manager daemon and the worker processes it launches."""

@@ -1,0 +1,369 @@
+"""engine-manager: the per-user daemon that launches, watches, lends and reuses workers.
+
+One anyio program, single-threaded. Each client connection is a task; each worker
+rank has a watcher task; idle groups and the idle manager have expiry timers.
+Run it as `python -m workers.manager serve` (or `engine-manager start`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import anyio
+from anyio.abc import SocketStream, TaskGroup
+
+from protocols.connection import MessageStream, server_handshake
+from protocols.errors import ProtocolError
+from protocols.messages import (
+    Ack,
+    AcquireWorkers,
+    ErrorReply,
+    ListWorkers,
+    ManagerStatus,
+    ReleaseWorkers,
+    ShutdownManager,
+    StatusRequest,
+    Unloaded,
+    UnloadModel,
+    WorkerDied,
+    WorkerInfo,
+    WorkerList,
+    WorkersAcquired,
+)
+from protocols.rundir import ensure_private_dir, workers_dir
+from workers.peer_auth import refusal
+from workers.worker_group import (
+    WorkerGroup,
+    WorkerProcess,
+    WorkerStartError,
+    launch_rank,
+    stop_rank,
+    wait_ready,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class ManagerServer:
+    """The daemon's state; `serve()` runs it until stopped or idle."""
+
+    def __init__(
+        self,
+        socket_path: Path,
+        *,
+        max_workers: int = 8,
+        max_keep_alive: float = -1,
+        idle_timeout: float = 600,
+        exit_with_client: bool = False,
+        allowed_uid: int | None = None,
+    ) -> None:
+        self.socket_path = socket_path
+        self.workdir = workers_dir(socket_path)
+        self.max_workers = max_workers
+        self.max_keep_alive = max_keep_alive
+        self.idle_timeout = idle_timeout
+        self.exit_with_client = exit_with_client  # private managers die with their engine
+        self.allowed_uid = allowed_uid
+        self.groups: dict[str, WorkerGroup] = {}
+        self.clients: set[MessageStream] = set()
+        self.started_at = time.monotonic()
+        self._group_ids = itertools.count(1)
+        self._tg: TaskGroup | None = None
+        self._idle_scope: anyio.CancelScope | None = None
+
+    async def serve(self, *, ready: anyio.Event | None = None) -> None:
+        ensure_private_dir(self.socket_path.parent)
+        ensure_private_dir(self.workdir)
+        listener = await anyio.create_unix_listener(self.socket_path, mode=0o600)
+        logger.info("engine-manager pid %d listening on %s", os.getpid(), self.socket_path)
+        try:
+            async with listener, anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(listener.serve, self._handle_client)
+                self._arm_idle_timer()
+                if ready is not None:
+                    ready.set()
+        finally:
+            with anyio.CancelScope(shield=True):
+                for group in list(self.groups.values()):
+                    await self._stop_group(group, "manager shutting down")
+            self.socket_path.unlink(missing_ok=True)
+            logger.info("engine-manager stopped")
+
+    def shutdown(self) -> None:
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+
+    # -- clients ----------------------------------------------------------------------
+
+    async def _handle_client(self, stream: SocketStream) -> None:
+        ms = MessageStream(stream)
+        async with stream:
+            why = refusal(stream, self.allowed_uid)
+            if why is not None:
+                logger.warning("refused connection: %s", why)
+                await _try_send(ms, ErrorReply("permission_denied", why))
+                return
+            self.clients.add(ms)
+            self._disarm_idle_timer()
+            try:
+                await server_handshake(ms, "manager")
+                await self._serve_requests(ms)
+            except ProtocolError as exc:
+                logger.warning("dropping client after protocol error: %s", exc)
+                await _try_send(ms, ErrorReply("protocol_error", str(exc)))
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+                pass
+            finally:
+                self.clients.discard(ms)
+                with anyio.CancelScope(shield=True):
+                    # An engine that went away (closed or killed) returns its workers.
+                    for group in [g for g in self.groups.values() if g.owner is ms]:
+                        await self._release(group)
+                if self.exit_with_client:
+                    self.shutdown()
+                self._arm_idle_timer()
+
+    async def _serve_requests(self, ms: MessageStream) -> None:
+        while True:
+            request = await ms.receive()
+            match request:
+                case AcquireWorkers():
+                    reply = await self._acquire(ms, request)
+                case ReleaseWorkers(group_id=group_id):
+                    group = self.groups.get(group_id)
+                    if group is not None and group.owner is ms:
+                        await self._release(group)
+                    reply = Ack()
+                case StatusRequest():
+                    reply = self._status()
+                case ListWorkers():
+                    reply = WorkerList(self._worker_infos())
+                case UnloadModel(model=model):
+                    reply = Unloaded(await self._unload(model))
+                case ShutdownManager():
+                    await ms.send(Ack())
+                    self.shutdown()
+                    return
+                case _:
+                    reply = ErrorReply("bad_request", f"{type(request).__name__} is not a request")
+            await ms.send(reply)
+
+    # -- worker groups ----------------------------------------------------------------
+
+    def _effective_keep_alive(self, requested: float) -> float:
+        if self.max_keep_alive < 0:
+            return requested
+        if requested < 0:
+            return self.max_keep_alive
+        return min(requested, self.max_keep_alive)
+
+    async def _acquire(self, ms: MessageStream, req: AcquireWorkers) -> object:
+        spec = req.spec
+        if spec.world_size < 1 or not spec.model:
+            return ErrorReply("bad_request", "world_size must be >= 1 and model non-empty")
+        keep_alive = self._effective_keep_alive(req.keep_alive)
+        for group in self.groups.values():
+            if group.state == "idle" and group.spec == spec:
+                self._attach(group, ms, keep_alive)
+                logger.info("engine %s reuses warm group %s", req.engine_id, group.group_id)
+                assert group.model_info is not None
+                return WorkersAcquired(
+                    group.group_id, [str(r.socket_path) for r in group.ranks],
+                    group.pids, group.model_info, reused=True,
+                )  # fmt: skip
+        if not await self._make_room(spec.world_size):
+            return ErrorReply(
+                "capacity",
+                f"max-workers is {self.max_workers} and {self._num_workers()} workers are "
+                f"busy or loading; a group of {spec.world_size} does not fit",
+            )
+        group = WorkerGroup(f"g{next(self._group_ids)}", spec, keep_alive)
+        self.groups[group.group_id] = group
+        try:
+            await self._launch(group)
+        except WorkerStartError as exc:
+            await self._stop_group(group, "failed to start")
+            return ErrorReply("worker_start_failed", str(exc))
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._stop_group(group, "start interrupted")
+            raise
+        self._attach(group, ms, keep_alive)
+        assert group.model_info is not None
+        return WorkersAcquired(
+            group.group_id, [str(r.socket_path) for r in group.ranks],
+            group.pids, group.model_info, reused=False,
+        )  # fmt: skip
+
+    async def _launch(self, group: WorkerGroup) -> None:
+        assert self._tg is not None
+        dist_file = self.workdir / f"{group.group_id}.dist"
+        dist_file.unlink(missing_ok=True)
+        for rank in range(group.spec.world_size):
+            worker = await launch_rank(group, rank, self.workdir, dist_init_file=dist_file)
+            group.ranks.append(worker)
+        try:
+            # Ranks load and rendezvous together, so wait for all READYs concurrently.
+            readies: list[object] = [None] * len(group.ranks)
+            async with anyio.create_task_group() as tg:
+                for worker in group.ranks:
+                    tg.start_soon(_store_ready, worker, readies)
+        except BaseExceptionGroup as eg:
+            start_errors = eg.subgroup(WorkerStartError)
+            if start_errors is None:
+                raise
+            raise start_errors.exceptions[0] from None
+        finally:
+            dist_file.unlink(missing_ok=True)
+        group.model_info = readies[0].model_info  # type: ignore[attr-defined]
+        for worker in group.ranks:
+            self._tg.start_soon(self._watch, group, worker)
+
+    async def _watch(self, group: WorkerGroup, worker: WorkerProcess) -> None:
+        """Wait for the rank to exit; report unexpected deaths to the owning engine."""
+        code = await worker.process.wait()
+        if group.state == "stopping":
+            return
+        signum = -code if code < 0 else None
+        exit_code = code if code >= 0 else None
+        logger.error("worker pid %d of %s died (%s)", worker.pid, group.group_id, code)
+        owner = group.owner
+        if isinstance(owner, MessageStream):
+            died = WorkerDied(
+                group.group_id, worker.rank, worker.pid, exit_code, signum, worker.stderr_tail()
+            )
+            await _try_send(owner, died)
+        await self._stop_group(group, "a rank died")
+
+    def _attach(self, group: WorkerGroup, owner: MessageStream, keep_alive: float) -> None:
+        if group.expiry is not None:
+            group.expiry.cancel()
+            group.expiry = None
+        group.state, group.owner, group.keep_alive = "busy", owner, keep_alive
+        group.idle_since = None
+
+    async def _release(self, group: WorkerGroup) -> None:
+        group.owner = None
+        if group.state != "busy":
+            return
+        if group.keep_alive == 0:
+            await self._stop_group(group, "keep_alive is 0")
+            return
+        group.state, group.idle_since = "idle", time.monotonic()
+        if group.keep_alive > 0:
+            assert self._tg is not None
+            group.expiry = anyio.CancelScope()
+            self._tg.start_soon(self._expire, group, group.expiry)
+
+    async def _expire(self, group: WorkerGroup, scope: anyio.CancelScope) -> None:
+        with scope:
+            await anyio.sleep(group.keep_alive)
+            await self._stop_group(group, f"idle for keep_alive={group.keep_alive:g}s")
+
+    async def _stop_group(self, group: WorkerGroup, why: str) -> None:
+        if group.state == "stopping":
+            return
+        logger.info("stopping group %s (%s): %s", group.group_id, group.spec.model, why)
+        group.state = "stopping"
+        if group.expiry is not None:
+            group.expiry.cancel()
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for worker in group.ranks:
+                    tg.start_soon(stop_rank, worker)
+        self.groups.pop(group.group_id, None)
+        self._arm_idle_timer()
+
+    async def _make_room(self, needed: int) -> bool:
+        """Evict idle groups, least recently used first, until `needed` workers fit."""
+        idle = sorted(
+            (g for g in self.groups.values() if g.state == "idle"),
+            key=lambda g: g.idle_since or 0.0,
+        )
+        while self._num_workers() + needed > self.max_workers and idle:
+            await self._stop_group(idle.pop(0), "evicted to make room (max-workers)")
+        return self._num_workers() + needed <= self.max_workers
+
+    async def _unload(self, model: str) -> int:
+        count = 0
+        for group in list(self.groups.values()):
+            if group.spec.model != model:
+                continue
+            count += len(group.ranks)
+            if group.state == "idle":
+                await self._stop_group(group, "unloaded")
+            else:  # in use: it goes when its engine lets go of it
+                group.keep_alive = 0
+        return count
+
+    def _num_workers(self) -> int:
+        return sum(g.spec.world_size for g in self.groups.values())
+
+    # -- introspection ----------------------------------------------------------------
+
+    def _status(self) -> ManagerStatus:
+        return ManagerStatus(
+            os.getpid(), time.monotonic() - self.started_at, str(self.socket_path),
+            len(self.clients), self._num_workers(), self.max_workers,
+            float(self.max_keep_alive), float(self.idle_timeout),
+        )  # fmt: skip
+
+    def _worker_infos(self) -> list[WorkerInfo]:
+        now = time.monotonic()
+        infos = []
+        for group in self.groups.values():
+            expires = None
+            if group.state == "idle" and group.keep_alive > 0 and group.idle_since is not None:
+                expires = max(0.0, group.idle_since + group.keep_alive - now)
+            for w in group.ranks:
+                infos.append(
+                    WorkerInfo(
+                        group.group_id, w.rank, w.pid, group.spec.model, group.state,
+                        w.rss_bytes(), now - w.started_at, float(group.keep_alive), expires,
+                    )  # fmt: skip
+                )
+        return infos
+
+    # -- idle exit --------------------------------------------------------------------
+
+    def _arm_idle_timer(self) -> None:
+        if self.clients or self.groups or self._idle_scope is not None or self._tg is None:
+            return
+        if not math.isfinite(self.idle_timeout) or self.idle_timeout < 0:
+            return
+        self._idle_scope = anyio.CancelScope()
+        self._tg.start_soon(self._idle_exit, self._idle_scope)
+
+    def _disarm_idle_timer(self) -> None:
+        if self._idle_scope is not None:
+            self._idle_scope.cancel()
+            self._idle_scope = None
+
+    async def _idle_exit(self, scope: anyio.CancelScope) -> None:
+        with scope:
+            await anyio.sleep(self.idle_timeout)
+            logger.info("no clients and no workers for %gs: exiting", self.idle_timeout)
+            self.shutdown()
+
+
+async def _store_ready(worker: WorkerProcess, readies: list[object]) -> None:
+    readies[worker.rank] = await wait_ready(worker)
+
+
+async def _try_send(ms: MessageStream, msg: object) -> None:
+    try:
+        await ms.send(msg)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        pass
+
+
+if __name__ == "__main__":  # `python -m workers.manager ...` is the daemon's command line
+    from workers.manager_cli import main
+
+    main()

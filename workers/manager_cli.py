@@ -1,0 +1,284 @@
+"""`engine-manager start|stop|status|ps|logs|unload|serve`: the daemon's command line.
+
+`serve` runs the daemon in the foreground; `start` launches `serve` detached (new
+session, stdin closed, output to the log) under an flock and returns once it listens,
+so two callers starting at once get one daemon. Exit status is non-zero on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+
+from protocols.connection import MessageStream, open_unix_connection
+from protocols.messages import (
+    ListWorkers,
+    ManagerStatus,
+    ShutdownManager,
+    StatusRequest,
+    Unloaded,
+    UnloadModel,
+    WorkerList,
+)
+from protocols.rundir import default_socket_path, ensure_private_dir, lock_path, log_path
+
+START_TIMEOUT_S = 30.0
+MAX_LOG_BYTES = 10 * 1024 * 1024
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    socket_path = Path(args.socket) if args.socket else default_socket_path()
+    sys.exit(args.func(args, socket_path))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="engine-manager", description=__doc__.splitlines()[0])
+    p.add_argument("--socket", help="manager socket (default: $LOOM_MANAGER_SOCKET, ...)")
+    sub = p.add_subparsers(required=True, metavar="COMMAND")
+    for name, func, help_ in [
+        ("serve", _cmd_serve, "run the daemon in the foreground"),
+        ("start", _cmd_start, "start the daemon in the background; return when ready"),
+    ]:
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("--max-workers", type=int, default=8, help="cap on worker processes")
+        s.add_argument("--max-keep-alive", type=float, default=-1,
+                       help="cap on any engine's keep_alive, seconds (-1: no cap)")  # fmt: skip
+        s.add_argument("--idle-timeout", type=float, default=600,
+                       help="exit when idle this long; -1: never")  # fmt: skip
+        s.add_argument("--exit-with-client", action="store_true", help=argparse.SUPPRESS)
+        s.add_argument("--allowed-uid", type=int, default=None, help=argparse.SUPPRESS)
+        s.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+        s.add_argument("--log-level", default="INFO")
+        s.set_defaults(func=func)
+    sub.add_parser("stop", help="stop the daemon and its workers").set_defaults(func=_cmd_stop)
+    sub.add_parser("status", help="is it running? (exit 1 if not)").set_defaults(func=_cmd_status)
+    sub.add_parser("ps", help="list workers").set_defaults(func=_cmd_ps)
+    logs = sub.add_parser("logs", help="print the daemon's log")
+    logs.add_argument("-n", "--lines", type=int, default=50)
+    logs.add_argument("-f", "--follow", action="store_true")
+    logs.set_defaults(func=_cmd_logs)
+    unload = sub.add_parser("unload", help="stop the workers of a model")
+    unload.add_argument("model")
+    unload.set_defaults(func=_cmd_unload)
+    return p
+
+
+# -- serve / start ----------------------------------------------------------------------
+
+
+def _cmd_serve(args: argparse.Namespace, socket_path: Path) -> int:
+    from workers.manager import ManagerServer
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
+    )
+    if _is_running(socket_path):
+        logging.error("an engine-manager already serves %s", socket_path)
+        return 1
+    server = ManagerServer(
+        socket_path,
+        max_workers=args.max_workers,
+        max_keep_alive=args.max_keep_alive,
+        idle_timeout=args.idle_timeout,
+        exit_with_client=args.exit_with_client,
+        allowed_uid=args.allowed_uid,
+    )
+
+    async def run() -> None:
+        ready = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_stop_on_signal, server)
+            tg.start_soon(_report_ready, ready, args.ready_fd)
+            # Stale: nobody answered on it above.
+            socket_path.unlink(missing_ok=True)  # noqa: ASYNC240
+            await server.serve(ready=ready)
+            tg.cancel_scope.cancel()
+
+    try:
+        # asyncio, not trio: trio spawns children from a helper thread, and a worker's
+        # PR_SET_PDEATHSIG fires when the *thread* that spawned it exits.
+        anyio.run(run, backend="asyncio")
+    except Exception:
+        logging.exception("engine-manager failed")
+        return 1
+    return 0
+
+
+async def _stop_on_signal(server: object) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            logging.info("got %s: stopping workers and exiting", signal.Signals(signum).name)
+            server.shutdown()  # type: ignore[attr-defined]
+            return
+
+
+async def _report_ready(ready: anyio.Event, fd: int | None) -> None:
+    await ready.wait()
+    if fd is not None:
+        os.write(fd, b"ready\n")
+        os.close(fd)
+
+
+def _cmd_start(args: argparse.Namespace, socket_path: Path) -> int:
+    ensure_private_dir(socket_path.parent)
+    with open(lock_path(socket_path), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second starter waits here, then finds ours
+        if _is_running(socket_path):
+            print(f"engine-manager already running on {socket_path}")
+            return 0
+        return _spawn_daemon(args, socket_path)
+
+
+def _spawn_daemon(args: argparse.Namespace, socket_path: Path) -> int:
+    log = log_path(socket_path)
+    if log.exists() and log.stat().st_size > MAX_LOG_BYTES:
+        log.replace(log.with_suffix(".log.1"))
+    read_end, write_end = os.pipe()
+    command = [
+        sys.executable, "-m", "workers.manager", "--socket", str(socket_path), "serve",
+        "--max-workers", str(args.max_workers), "--max-keep-alive", str(args.max_keep_alive),
+        "--idle-timeout", str(args.idle_timeout), "--log-level", args.log_level,
+        "--ready-fd", str(write_end),
+    ]  # fmt: skip
+    if args.allowed_uid is not None:
+        command += ["--allowed-uid", str(args.allowed_uid)]
+    with open(log, "ab") as log_file:
+        # The daemon outlives us: its own session, no stdin, output to its log. We never
+        # wait for it; when we exit it is adopted by init, so no zombie is left behind.
+        subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+            pass_fds=(write_end,), start_new_session=True,
+        )  # fmt: skip
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as ready:
+        answer = ready.readline()  # EOF (b"") if it died before listening
+    if answer.strip() != b"ready":
+        print(f"engine-manager failed to start; its log ({log}) ends with:", file=sys.stderr)
+        print(_tail(log, 20), file=sys.stderr)
+        return 1
+    print(f"engine-manager started on {socket_path}")
+    return 0
+
+
+# -- client commands --------------------------------------------------------------------
+
+
+def _request(socket_path: Path, msg: object) -> object:
+    async def go() -> object:
+        with anyio.fail_after(START_TIMEOUT_S):
+            ms: MessageStream = await open_unix_connection(socket_path, "cli")
+            async with ms.stream:
+                await ms.send(msg)
+                return await ms.receive()
+
+    return anyio.run(go)
+
+
+def _is_running(socket_path: Path) -> bool:
+    try:
+        return isinstance(_request(socket_path, StatusRequest()), ManagerStatus)
+    except (OSError, anyio.EndOfStream, anyio.BrokenResourceError):
+        return False
+
+
+def _cmd_status(args: argparse.Namespace, socket_path: Path) -> int:
+    try:
+        status = _request(socket_path, StatusRequest())
+    except OSError:
+        print(f"engine-manager is not running (no daemon on {socket_path})")
+        return 1
+    assert isinstance(status, ManagerStatus)
+    print(
+        f"engine-manager running: pid {status.pid}, up {status.uptime_s:.0f}s, "
+        f"socket {status.socket}\n  clients {status.num_clients}, workers "
+        f"{status.num_workers}/{status.max_workers}, max keep-alive "
+        f"{_seconds(status.max_keep_alive)}, idle timeout {_seconds(status.idle_timeout)}"
+    )
+    return 0
+
+
+def _cmd_ps(args: argparse.Namespace, socket_path: Path) -> int:
+    try:
+        reply = _request(socket_path, ListWorkers())
+    except OSError:
+        print("engine-manager is not running")
+        return 1
+    assert isinstance(reply, WorkerList)
+    rows = [("GROUP", "RANK", "PID", "MODEL", "STATE", "MEMORY", "AGE", "KEEP_ALIVE", "EXPIRES")]
+    for w in reply.workers:
+        expires = "-" if w.expires_in_s is None else f"{w.expires_in_s:.0f}s"
+        rows.append((w.group_id, str(w.rank), str(w.pid), w.model, w.state,
+                     f"{w.rss_bytes / 2**20:.0f} MiB", f"{w.age_s:.0f}s",
+                     _seconds(w.keep_alive), expires))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def _cmd_unload(args: argparse.Namespace, socket_path: Path) -> int:
+    try:
+        reply = _request(socket_path, UnloadModel(args.model))
+    except OSError:
+        print("engine-manager is not running")
+        return 1
+    assert isinstance(reply, Unloaded)
+    print(f"unloaded {args.model}: {reply.num_workers} worker(s)")
+    return 0
+
+
+def _cmd_stop(args: argparse.Namespace, socket_path: Path) -> int:
+    try:
+        _request(socket_path, ShutdownManager())
+    except OSError:
+        print("engine-manager is not running")
+        return 0
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while socket_path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the daemon removes its socket as its very last act
+    print("engine-manager stopped")
+    return 0
+
+
+def _cmd_logs(args: argparse.Namespace, socket_path: Path) -> int:
+    log = log_path(socket_path)
+    if not log.exists():
+        print(f"no log at {log}", file=sys.stderr)
+        return 1
+    print(_tail(log, args.lines))
+    if args.follow:
+        with open(log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            try:
+                while True:
+                    chunk = f.read()
+                    if chunk:
+                        sys.stdout.write(chunk.decode("utf-8", "replace"))
+                        sys.stdout.flush()
+                    else:
+                        time.sleep(0.25)
+            except KeyboardInterrupt:
+                pass
+    return 0
+
+
+def _tail(path: Path, lines: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 200 * lines))
+        return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-lines:])
+
+
+def _seconds(value: float) -> str:
+    return "forever" if value < 0 else f"{value:g}s"

@@ -1,0 +1,32 @@
+"""Who is on the other end of a Unix socket: SO_PEERCRED, and the same-user rule.
+
+The manager and the workers serve only their own user. The allowed uid is injectable so
+tests can play a second user without creating one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+from anyio.abc import SocketAttribute, SocketStream
+
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+def peer_credentials(stream: SocketStream) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process that connected, as the kernel saw it."""
+    sock: socket.socket = stream.extra(SocketAttribute.raw_socket)
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
+    return pid, uid, gid
+
+
+def refusal(stream: SocketStream, allowed_uid: int | None = None) -> str | None:
+    """Why this peer may not talk to us, or None if it may."""
+    allowed = os.getuid() if allowed_uid is None else allowed_uid
+    pid, uid, _ = peer_credentials(stream)
+    if uid != allowed:
+        return f"peer uid {uid} (pid {pid}) is not allowed: this socket serves uid {allowed} only"
+    return None

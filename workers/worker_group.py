@@ -1,0 +1,167 @@
+"""One group of worker processes (the ranks of one engine), as the manager sees it.
+
+Launches each rank as a fresh interpreter (`python -m workers.worker`) in its own
+session and process group, with one end of a socketpair as its lifeline: READY comes
+back over it, and its EOF tells the worker that the manager is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from subprocess import DEVNULL
+
+import anyio
+from anyio.abc import Process, UNIXSocketStream
+
+from protocols.connection import MessageStream
+from protocols.messages import ModelInfo, WorkerFailed, WorkerReady, WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+STDERR_TAIL_BYTES = 4000
+STOP_GRACE_S = 5.0
+
+
+class WorkerStartError(Exception):
+    """A rank could not start; the message says why (its own words or its stderr)."""
+
+
+@dataclass(eq=False)
+class WorkerProcess:
+    rank: int
+    process: Process
+    control: MessageStream
+    log_file: Path
+    socket_path: Path
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stderr_tail(self) -> str:
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - STDERR_TAIL_BYTES))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def rss_bytes(self) -> int:
+        try:
+            with open(f"/proc/{self.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            pass
+        return 0
+
+
+@dataclass(eq=False)
+class WorkerGroup:
+    group_id: str
+    spec: WorkerSpec
+    keep_alive: float
+    state: str = "loading"  # loading -> busy <-> idle -> stopping
+    ranks: list[WorkerProcess] = field(default_factory=list)
+    model_info: ModelInfo | None = None
+    owner: object | None = None  # the manager's client connection that holds it
+    idle_since: float | None = None
+    expiry: anyio.CancelScope | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.pid for r in self.ranks]
+
+
+async def launch_rank(
+    group: WorkerGroup, rank: int, workdir: Path, *, dist_init_file: Path
+) -> WorkerProcess:
+    """Start one rank and return once its process exists (not yet READY)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    log_file = workdir / f"{group.group_id}-rank{rank}.log"
+    socket_path = workdir / f"{group.group_id}-rank{rank}.sock"
+    command = [
+        sys.executable, "-m", "workers.worker",
+        "--model", group.spec.model,
+        "--options", json.dumps(group.spec.options or {}),
+        "--rank", str(rank),
+        "--world-size", str(group.spec.world_size),
+        "--dist-init-file", str(dist_init_file),
+        "--socket", str(socket_path),
+        "--control-fd", str(theirs.fileno()),
+        "--parent-pid", str(os.getpid()),
+    ]  # fmt: skip
+    try:
+        with open(log_file, "wb") as log:  # noqa: ASYNC230 (a local file, opened once)
+            process = await anyio.open_process(
+                command,
+                stdin=DEVNULL,
+                stdout=log,
+                stderr=log,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,  # own session and process group per worker
+            )
+    finally:
+        theirs.close()
+    control = MessageStream(await UNIXSocketStream.from_socket(ours))
+    return WorkerProcess(rank, process, control, log_file, socket_path)
+
+
+async def wait_ready(worker: WorkerProcess) -> WorkerReady:
+    """READY from the rank, or WorkerStartError with its reason or its stderr tail."""
+    try:
+        msg = await worker.control.receive()
+    except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+        code = await worker.process.wait()
+        raise WorkerStartError(
+            f"worker rank {worker.rank} exited with {describe_exit(code)} while starting:\n"
+            f"{worker.stderr_tail()}"
+        ) from None
+    if isinstance(msg, WorkerFailed):
+        raise WorkerStartError(msg.message)
+    if not isinstance(msg, WorkerReady):
+        raise WorkerStartError(f"worker rank {worker.rank} sent {type(msg).__name__}, not READY")
+    return msg
+
+
+async def stop_rank(worker: WorkerProcess) -> None:
+    """Close its lifeline (it exits by itself), then SIGKILL its group after a grace period.
+
+    Cancellation: shielded; the process is gone when this returns.
+    """
+    with anyio.CancelScope(shield=True):
+        await anyio.aclose_forcefully(worker.control)
+        with anyio.move_on_after(STOP_GRACE_S):
+            await worker.process.wait()
+        if worker.process.returncode is None:
+            logger.warning("worker pid %d ignored EOF; killing it", worker.pid)
+            kill_process_group(worker.pid)
+            await worker.process.wait()
+        await worker.process.aclose()
+        worker.socket_path.unlink(missing_ok=True)
+
+
+def kill_process_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "no exit status"
+    if returncode < 0:
+        return f"signal {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
