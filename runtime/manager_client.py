@@ -179,4 +179,6 @@ class ManagerClient:
         assert isinstance(reply, Ack)
 
     async def aclose(self) -> None:
+        """Cancellation: forceful close, nothing to wait for."""
+        self._reply_receive.close()
         await anyio.aclose_forcefully(self.ms.stream)

@@ -37,6 +37,7 @@ from workers.worker_state import Worker
 
 logger = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
+ATTACH_WAIT_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,7 +105,7 @@ class DataServer:
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self.attached = False
+        self._attached = anyio.Lock()
 
     async def handle(self, stream: SocketStream) -> None:
         async with stream:
@@ -116,15 +117,20 @@ class DataServer:
                 return
             try:
                 await server_handshake(ms, "worker")
-                if self.attached:
+                # The manager lends us to one engine at a time, but the previous engine's
+                # EOF may still be in flight when the next one connects: wait for it.
+                attached = False
+                with anyio.move_on_after(ATTACH_WAIT_S):
+                    await self._attached.acquire()
+                    attached = True
+                if not attached:
                     await ms.send(ErrorReply("busy", "this worker serves another engine"))
                     return
-                self.attached = True
                 try:
                     await self._serve(ms)
                 finally:
-                    self.attached = False
                     self.worker.reset_session()
+                    self._attached.release()
             except ProtocolError as exc:
                 logger.warning("dropping engine connection after protocol error: %s", exc)
                 await _try_send(ms, ErrorReply("protocol_error", str(exc)))

@@ -1,0 +1,129 @@
+"""Shared fixtures: both anyio backends, tiny random models, and managers on temporary sockets.
+
+Tests never touch the user's own daemon: every manager here lives under a fresh short
+directory in /tmp (Unix socket paths are limited to 108 bytes), and teardown checks
+that no process started for it is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@dataclass
+class ManagerHandle:
+    """A manager under a temporary socket, driven through the real `engine-manager` CLI."""
+
+    socket: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "LOOM_MANAGER_SOCKET": str(self.socket)}
+
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "workers.manager", *args],
+            env=self.env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+
+    def start(self, *args: str) -> None:
+        result = self.cli("start", *args)
+        assert result.returncode == 0, result.stderr + result.stdout
+
+    def pid(self) -> int:
+        out = self.cli("status").stdout
+        return int(out.split("pid ")[1].split(",")[0])
+
+    def processes(self) -> list[int]:
+        """pids of every process whose command line names this manager's directory."""
+        return pids_mentioning(str(self.socket.parent))
+
+    def stop_and_check_clean(self) -> None:
+        self.cli("stop")
+        deadline = time.monotonic() + 10
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = self.processes()
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(self.socket.parent, ignore_errors=True)
+        assert not left, f"processes left behind: {left}"
+
+
+def pids_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def new_manager_handle() -> ManagerHandle:
+    return ManagerHandle(Path(tempfile.mkdtemp(prefix="loom-", dir="/tmp")) / "m.sock")
+
+
+@pytest.fixture
+def manager() -> Iterator[ManagerHandle]:
+    """A fresh manager socket for one test (started on demand by the test or an Engine)."""
+    handle = new_manager_handle()
+    yield handle
+    handle.stop_and_check_clean()
+
+
+@pytest.fixture(scope="session")
+def shared_manager() -> Iterator[ManagerHandle]:
+    """One running manager for the whole session, so tests share warm workers."""
+    handle = new_manager_handle()
+    handle.start()
+    yield handle
+    handle.stop_and_check_clean()
+
+
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0) -> str:
+    """Save a tiny random-weight decoder of architecture `arch` to `path`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    model_cls(config_cls(**common)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

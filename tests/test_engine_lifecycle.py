@@ -1,0 +1,138 @@
+"""Engine shell against real managers and workers on CPU: attach, reuse, release, RPC, TP.
+
+Uses a tiny random Llama, so a worker starts in a few seconds; every test runs on
+asyncio and trio.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import anyio
+import pytest
+
+from runtime import Engine, EngineClosedError, RemoteCallError, WorkerStartError
+
+pytestmark = pytest.mark.anyio
+
+
+def open_socket_fds() -> set[str]:
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            fds.add(target)
+    return fds
+
+
+def our_threads() -> set[threading.Thread]:
+    # anyio's pytest runner drives trio in guest mode, which polls I/O from "Trio thread"s.
+    return {t for t in threading.enumerate() if not t.name.startswith("Trio thread")}
+
+
+async def test_collective_rpc_and_clean_exit(tiny_model, shared_manager):
+    sockets_before, threads_before = open_socket_fds(), our_threads()
+    async with Engine(tiny_model, manager_socket=shared_manager.socket) as engine:
+        results = await engine.collective_rpc(lambda w, x, *, y: (w.rank, x + y), 2, y=3)
+        assert results == [(0, 5)]
+        assert engine.model_info.vocab_size == 256
+        assert engine.model_info.num_kv_heads == 2
+    # Leaving the block leaves no socket and no thread behind (tasks: the block returned).
+    assert open_socket_fds() <= sockets_before
+    assert our_threads() <= threads_before
+
+
+async def test_second_engine_reuses_warm_workers(tiny_model, shared_manager):
+    async with Engine(tiny_model, manager_socket=shared_manager.socket) as first:
+        pid, loaded_at = (await first.collective_rpc(lambda w: (os.getpid(), w.loaded_at)))[0]
+        await first.collective_rpc(lambda w: w.session.update(secret=1))
+    async with Engine(tiny_model, manager_socket=shared_manager.socket) as second:
+        assert second.reused_warm_workers
+        again = await second.collective_rpc(lambda w: (os.getpid(), w.loaded_at, dict(w.session)))
+        # Same process, same load (not reloaded), and the first engine's state is gone.
+        assert again == [(pid, loaded_at, {})]
+
+
+async def test_engines_with_other_configs_do_not_share(tiny_model, shared_manager):
+    async with Engine(tiny_model, manager_socket=shared_manager.socket) as a:
+        async with Engine(tiny_model, manager_socket=shared_manager.socket) as b:
+            # Both exist at once: the second cannot take the busy workers.
+            assert set(a.worker_pids).isdisjoint(b.worker_pids)
+
+
+async def test_remote_exception_keeps_engine_usable(tiny_model, shared_manager):
+    def boom(worker):
+        raise KeyError("no such thing")
+
+    async with Engine(tiny_model, manager_socket=shared_manager.socket) as engine:
+        with pytest.raises(RemoteCallError, match="rank 0: KeyError") as info:
+            await engine.collective_rpc(boom)
+        assert "boom" in info.value.remote_traceback
+        assert await engine.collective_rpc(lambda w: "still fine") == ["still fine"]
+
+
+async def test_cancelled_call_does_not_confuse_the_next(tiny_model, shared_manager):
+    async with Engine(tiny_model, manager_socket=shared_manager.socket) as engine:
+        with anyio.move_on_after(0.2):
+            await engine.collective_rpc(lambda w: __import__("time").sleep(1) or "slow")
+        assert await engine.collective_rpc(lambda w: "fast") == ["fast"]
+
+
+async def test_use_outside_the_block_is_a_clear_error(tiny_model):
+    engine = Engine(tiny_model)
+    with pytest.raises(EngineClosedError, match="async with"):
+        await engine.collective_rpc(lambda w: 1)
+
+
+async def test_bad_options_fail_before_anything_starts():
+    with pytest.raises(ValueError, match="dtype"):
+        Engine("smollm2", dtype="int3")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        Engine("smollm2", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="keep_alive"):
+        Engine("smollm2", keep_alive=-5)
+    with pytest.raises(ValueError, match="manager"):
+        Engine("smollm2", manager="remote")
+
+
+async def test_unknown_model_is_a_clear_error_and_manager_survives(tiny_model, shared_manager):
+    with pytest.raises(WorkerStartError, match="no-such-model"):
+        async with Engine("/nonexistent/no-such-model", manager_socket=shared_manager.socket):
+            pass
+    assert shared_manager.cli("status").returncode == 0
+    async with Engine(tiny_model, manager_socket=shared_manager.socket) as engine:
+        assert await engine.collective_rpc(lambda w: 1) == [1]
+
+
+async def test_private_manager_exits_with_the_engine(tiny_model):
+    async with Engine(tiny_model, manager="private") as engine:
+        worker_pid = engine.worker_pids[0]
+        assert await engine.collective_rpc(lambda w: os.getpid()) == [worker_pid]
+    # The private manager stops its workers on the way out: the pid is gone (not a zombie).
+    assert not os.path.exists(f"/proc/{worker_pid}") or _is_zombie(worker_pid)
+
+
+async def test_two_ranks_form_a_process_group(tiny_model, manager):
+    def all_reduce(worker):
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([float(worker.rank + 1)])
+        dist.all_reduce(t)
+        return dist.get_backend(), dist.get_world_size(), t.item()
+
+    async with Engine(tiny_model, tensor_parallel_size=2, manager_socket=manager.socket) as e:
+        assert len(e.worker_pids) == 2
+        assert await e.collective_rpc(all_reduce) == [("gloo", 2, 3.0), ("gloo", 2, 3.0)]
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
