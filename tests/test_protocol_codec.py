@@ -36,15 +36,7 @@ from protocols.errors import (
     VersionMismatchError,
 )
 from protocols.framing import HEADER, FrameReader, encode_frame
-from protocols.messages import (
-    PROTOCOL_VERSION,
-    AcquireWorkers,
-    ErrorReply,
-    Hello,
-    StatusRequest,
-    Welcome,
-    WorkersAcquired,
-)
+from protocols.messages import PROTOCOL_VERSION, ErrorReply, Hello, StatusRequest, Welcome
 
 FAST = settings(max_examples=50, deadline=None)
 DTYPES = ["int32", "int64", "uint8", "float16", "float32", "float64", "bool", ">i4"]
@@ -72,6 +64,11 @@ ANY_VALUE = st.recursive(
 ARRAYS = hnp.arrays(
     st.sampled_from(DTYPES), hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=4)
 )
+SIMPLE = {
+    int: st.integers(-(2**63), 2**63 - 1), float: st.floats(allow_nan=False), str: st.text(),
+    bytes: st.binary(), bool: st.booleans(), type(None): st.none(), Any: ANY_VALUE,
+    np.ndarray: ARRAYS,
+}  # fmt: skip
 
 
 def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
@@ -85,31 +82,12 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
         return st.dictionaries(strategy_for(args[0]), strategy_for(args[1]), max_size=4)
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
-        return st.builds(
-            tp, **{f.name: strategy_for(hints[f.name]) for f in dataclasses.fields(tp)}
-        )
-    simple = {
-        int: st.integers(-(2**63), 2**63 - 1), float: st.floats(allow_nan=False),
-        str: st.text(), bytes: st.binary(), bool: st.booleans(), type(None): st.none(),
-        Any: ANY_VALUE, np.ndarray: ARRAYS,
-    }  # fmt: skip
-    return simple[tp]
+        return st.builds(tp, **{name: strategy_for(hints[name]) for name in field_names(tp)})
+    return SIMPLE[tp]
 
 
-def sample(tp: Any) -> Any:
-    """One fixed, non-None value of annotation `tp`."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return sample(next(a for a in args if a is not type(None)))
-    if origin is list:
-        return [sample(args[0]), sample(args[0])]
-    if origin is dict:
-        return {"k": sample(args[1])}
-    if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
-        return tp(**{f.name: sample(hints[f.name]) for f in dataclasses.fields(tp)})
-    simple = {int: 7, float: 0.5, str: "s", bytes: b"b", bool: True, Any: "any"}
-    return np.arange(6, dtype=np.int32).reshape(2, 3) if tp is np.ndarray else simple[tp]
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
 
 
 def plain(v: Any) -> Any:
@@ -117,7 +95,7 @@ def plain(v: Any) -> Any:
     if isinstance(v, np.ndarray):
         return ("ndarray", v.dtype.str, v.shape, v.tobytes())
     if dataclasses.is_dataclass(v):
-        return (type(v), [plain(getattr(v, f.name)) for f in dataclasses.fields(v)])
+        return (type(v), [plain(getattr(v, name)) for name in field_names(type(v))])
     if isinstance(v, dict):
         return (dict, {k: plain(x) for k, x in v.items()})
     if isinstance(v, list):
@@ -125,19 +103,21 @@ def plain(v: Any) -> Any:
     return (type(v), v)
 
 
-MESSAGES = sorted(registered_messages().items())
-BY_NAME = pytest.mark.parametrize("cls", [c for _, c in MESSAGES], ids=lambda c: c.__name__)
+BY_NAME = pytest.mark.parametrize(
+    "cls", [c for _, c in sorted(registered_messages().items())], ids=lambda c: c.__name__
+)
 
 
-def raw_of(msg: Any) -> list[Any]:
-    """The wire form [type_code, fields], arrays left as opaque ext."""
-    return msgpack.unpackb(encode(msg), raw=False)
+def wire_fields(cls: type, data: st.DataObject) -> tuple[int, list[Any]]:
+    """[type_code, fields] of a drawn valid instance of `cls`, arrays left as opaque ext."""
+    return msgpack.unpackb(encode(data.draw(strategy_for(cls))), raw=False)
 
 
-def expect_malformed(body: bytes, *, match: str | None = None) -> MalformedMessageError:
+def expect_malformed(body: Any, match: str | None = None) -> str:
+    """Decode `body` (bytes, or an object to pack first); return the error's text."""
     with pytest.raises(MalformedMessageError, match=match) as info:
-        decode(body)
-    return info.value
+        decode(body if isinstance(body, bytes) else msgpack.packb(body))
+    return str(info.value)
 
 
 # -- every message type -----------------------------------------------------------------
@@ -152,52 +132,48 @@ def test_round_trip(cls: type, data: st.DataObject) -> None:
 
 
 @BY_NAME
-def test_wrong_field_count(cls: type) -> None:
-    code, fields = raw_of(sample(cls))
-    expect_malformed(msgpack.packb([code, [*fields, 1]]), match=rf"^{cls.__name__}: expected")
+@settings(FAST, max_examples=5)
+@given(data=st.data())
+def test_malformed_fields_are_named(cls: type, data: st.DataObject) -> None:
+    code, fields = wire_fields(cls, data)
+    name, hints = cls.__name__, typing.get_type_hints(cls)
+    expect_malformed([code, [*fields, 1]], match=rf"^{name}: expected a list of {len(fields)}")
+    expect_malformed([code, {"a": 1}], match=rf"^{name}: expected a list of {len(fields)}")
     if fields:
-        expect_malformed(msgpack.packb([code, fields[:-1]]), match=rf"^{cls.__name__}: expected")
-    expect_malformed(msgpack.packb([code, {"a": 1}]), match=rf"^{cls.__name__}: expected a list")
-
-
-@BY_NAME
-def test_wrong_field_type_names_the_field(cls: type) -> None:
-    hints = typing.get_type_hints(cls)
-    code, fields = raw_of(sample(cls))
-    for i, f in enumerate(dataclasses.fields(cls)):
-        if hints[f.name] is Any:
+        expect_malformed([code, fields[:-1]], match=rf"^{name}: expected a list")
+    for i, field in enumerate(field_names(cls)):
+        if hints[field] is Any:
             continue  # anything goes
-        wrong = "text" if float in (hints[f.name], *typing.get_args(hints[f.name])) else 1.5
-        bad = [*fields[:i], wrong, *fields[i + 1 :]]
-        error = expect_malformed(msgpack.packb([code, bad]))
-        assert f"{cls.__name__}.{f.name}: expected" in str(error)
+        wrong = "text" if float in (hints[field], *typing.get_args(hints[field])) else 1.5
+        error = expect_malformed([code, [*fields[:i], wrong, *fields[i + 1 :]]])
+        assert error.startswith(f"{name}.{field}: expected")
 
 
 @BY_NAME
-def test_every_truncation_is_malformed(cls: type) -> None:
-    body = encode(sample(cls))
+@settings(FAST, max_examples=5)
+@given(data=st.data())
+def test_every_truncation_is_malformed(cls: type, data: st.DataObject) -> None:
+    body = encode(data.draw(strategy_for(cls)))
     for end in range(len(body)):
         expect_malformed(body[:end])
     expect_malformed(body + b"\x00", match="not valid msgpack")
 
 
 def test_errors_name_nested_fields() -> None:
-    error = expect_malformed(msgpack.packb([1, ["1", "engine", 5]]))
-    assert str(error) == "Hello.protocol_version: expected int, got str '1'"
-    code, (spec, keep_alive, engine_id) = raw_of(sample(AcquireWorkers))
-    spec[1] = "two"
-    expect_malformed(msgpack.packb([code, [spec, keep_alive, engine_id]]),
-                     match=r"^AcquireWorkers\.spec\.world_size: expected int")  # fmt: skip
-    code, fields = raw_of(sample(WorkersAcquired))
-    fields[1][1] = None
-    expect_malformed(msgpack.packb([code, fields]), match=r"^WorkersAcquired\.sockets\[1\]: ")
+    error = expect_malformed([1, ["1", "engine", 5]])
+    assert error == "Hello.protocol_version: expected int, got str '1'"
+    spec = ["model", "two", None]  # AcquireWorkers(spec: WorkerSpec, keep_alive, engine_id)
+    expect_malformed([10, [spec, 0.0, "e"]], match=r"^AcquireWorkers\.spec\.world_size: ")
+    model_info = ["m", "d", 1, 2, 3, 4, 5, "float32", "cpu", 0.5]
+    expect_malformed([11, ["g1", ["a", None], [1, 2], model_info, False]],
+                     match=r"^WorkersAcquired\.sockets\[1\]: expected str")  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "body", [5, "hello", {"a": 1}, [], [1], [1, [], 2], ["1", []], [True, []], [1.0, []]]
 )
 def test_body_that_is_not_type_code_and_fields(body: Any) -> None:
-    expect_malformed(msgpack.packb(body), match=r"must be \[type_code, fields\]")
+    expect_malformed(body, match=r"must be \[type_code, fields\]")
 
 
 def test_unknown_type_code() -> None:
@@ -216,7 +192,7 @@ def test_garbage_bytes_decode_or_raise_protocol_error(body: bytes) -> None:
 
 
 @FAST
-@given(st.sampled_from([code for code, _ in MESSAGES]), st.lists(ANY_VALUE, max_size=10))
+@given(st.sampled_from(sorted(registered_messages())), st.lists(ANY_VALUE, max_size=10))
 def test_random_fields_decode_or_raise_malformed(code: int, fields: list[Any]) -> None:
     try:
         msg = decode(msgpack.packb([code, fields]))
@@ -253,7 +229,7 @@ def test_non_numeric_arrays_are_refused_at_encode(array: np.ndarray) -> None:
         encode(ArrayProbe(array, None, ""))
 
 
-def _array_ext(dtype: Any, shape: Any, raw: Any, code: int = NUMPY_EXT_CODE) -> bytes:
+def array_ext(dtype: Any, shape: Any, raw: Any, code: int = NUMPY_EXT_CODE) -> bytes:
     ext = msgpack.ExtType(code, msgpack.packb([dtype, shape, raw]))
     return msgpack.packb([9001, [ext, None, ""]])
 
@@ -261,17 +237,17 @@ def _array_ext(dtype: Any, shape: Any, raw: Any, code: int = NUMPY_EXT_CODE) -> 
 @pytest.mark.parametrize(
     ("body", "match"),
     [
-        (_array_ext("|O", [1], b"\0" * 8), "dtype object is not allowed"),
-        (_array_ext("<U2", [1], b"\0" * 8), "is not allowed"),
-        (_array_ext("<i4", [3], b"\0" * 8), "bad numpy array ext"),
-        (_array_ext("<i4", [2**40], b"\0" * 8), "bad numpy array ext"),
-        (_array_ext("no such dtype", [1], b""), "bad numpy array ext"),
-        (_array_ext(5, "shape", 7), "bad numpy array ext"),
-        (_array_ext("<i4", [1], b"\0" * 4, code=7), "unknown msgpack ext code 7"),
-        (msgpack.packb([9001, ["not an array", None, ""]]), r"ArrayProbe\.array: expected an"),
+        (array_ext("|O", [1], b"\0" * 8), "dtype object is not allowed"),
+        (array_ext("<U2", [1], b"\0" * 8), "is not allowed"),
+        (array_ext("<i4", [3], b"\0" * 8), "bad numpy array ext"),
+        (array_ext("<i4", [2**40], b"\0" * 8), "bad numpy array ext"),
+        (array_ext("no such dtype", [1], b""), "bad numpy array ext"),
+        (array_ext(5, "shape", 7), "bad numpy array ext"),
+        (array_ext("<i4", [1], b"\0" * 4, code=7), "unknown msgpack ext code 7"),
+        ([9001, ["not an array", None, ""]], r"ArrayProbe\.array: expected an array"),
     ],
 )
-def test_bad_array_ext_is_malformed(body: bytes, match: str) -> None:
+def test_bad_array_ext_is_malformed(body: Any, match: str) -> None:
     expect_malformed(body, match=match)
 
 
@@ -283,18 +259,12 @@ def test_bad_array_ext_is_malformed(body: bytes, match: str) -> None:
 def test_frame_reader_any_chunking(bodies: list[bytes], data: st.DataObject) -> None:
     wire = b"".join(encode_frame(b) for b in bodies)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=10)))
+    if data.draw(st.booleans(), label="byte by byte"):
+        cuts = list(range(len(wire)))
     reader, got = FrameReader(), []
     for start, end in zip([0, *cuts], [*cuts, len(wire)], strict=True):
         got += reader.feed(wire[start:end])
     reader.close()
-    assert got == bodies
-
-
-def test_frame_reader_byte_by_byte() -> None:
-    bodies = [b"", b"a", encode(Hello(1, "engine", 2))]
-    reader, got = FrameReader(), []
-    for byte in b"".join(encode_frame(b) for b in bodies):
-        got += reader.feed(bytes([byte]))
     assert got == bodies
 
 
@@ -328,23 +298,24 @@ async def stream_pair(max_frame_size: int = 1024) -> AsyncIterator[tuple[Message
     """A MessageStream and the raw byte stream at the other end of a socketpair."""
     a, b = socket.socketpair()
     ours = MessageStream(await UNIXSocketStream.from_socket(a), max_frame_size=max_frame_size)
-    theirs = await UNIXSocketStream.from_socket(b)
-    async with ours.stream, theirs:
+    async with ours.stream, await UNIXSocketStream.from_socket(b) as theirs:
         with anyio.fail_after(5):
             yield ours, theirs
 
 
 @pytest.mark.anyio
-async def test_stream_round_trip_and_clean_close() -> None:
-    async with stream_pair() as (ms, raw):
-        peer = MessageStream(raw)
+async def test_stream_round_trip_then_clean_close() -> None:
+    async with stream_pair(max_frame_size=64) as (ms, raw):
+        with pytest.raises(FrameTooLargeError):  # refused before anything is written
+            await ms.send(ErrorReply("big", "x" * 100))
         sent = [Hello(1, "engine", 2), ArrayProbe(np.ones((2, 2), np.float16), None, "x")]
         for msg in sent:
-            await peer.send(msg)
-        assert [plain(await ms.receive()) for _ in sent] == [plain(m) for m in sent]
-        await raw.send_eof()
+            await ms.send(msg)
+        peer = MessageStream(raw)
+        assert [plain(await peer.receive()) for _ in sent] == [plain(m) for m in sent]
+        await ms.stream.send_eof()
         with pytest.raises(anyio.EndOfStream):
-            await ms.receive()
+            await peer.receive()
 
 
 @pytest.mark.anyio
@@ -367,59 +338,45 @@ async def test_stream_bad_bytes(wire: bytes, error: type[Exception], match: str)
 
 
 @pytest.mark.anyio
-async def test_send_refuses_oversized_and_writes_nothing() -> None:
-    async with stream_pair(max_frame_size=64) as (ms, raw):
-        with pytest.raises(FrameTooLargeError):
-            await ms.send(ErrorReply("big", "x" * 100))
-        await ms.send(ErrorReply("small", "x"))
-        assert await MessageStream(raw).receive() == ErrorReply("small", "x")
-
-
-@pytest.mark.anyio
 async def test_handshake() -> None:
     welcomes: list[Welcome] = []
 
     async def client(ms: MessageStream) -> None:
         welcomes.append(await client_handshake(ms, "engine"))
 
-    async with stream_pair() as (ms, raw):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(client, ms)
-            hello = await server_handshake(MessageStream(raw), "worker")
+    async with stream_pair() as (ms, raw), anyio.create_task_group() as tg:
+        tg.start_soon(client, ms)
+        hello = await server_handshake(MessageStream(raw), "worker")
     assert (hello.protocol_version, hello.role) == (PROTOCOL_VERSION, "engine")
     assert (welcomes[0].protocol_version, welcomes[0].server) == (PROTOCOL_VERSION, "worker")
 
 
-def assert_names_both_versions(error: BaseException) -> None:
-    assert f"version {PROTOCOL_VERSION}" in str(error) and "version 999" in str(error)
+def assert_names_both_versions(text: str) -> None:
+    assert f"version {PROTOCOL_VERSION}" in text and "version 999" in text, text
 
 
 @pytest.mark.anyio
-async def test_server_refuses_other_version() -> None:
+async def test_server_refuses_other_version_and_says_why() -> None:
     async with stream_pair() as (server, raw):
         client = MessageStream(raw)
         await client.send(Hello(999, "engine", 1))
         with pytest.raises(VersionMismatchError) as info:
             await server_handshake(server, "manager")
-        assert_names_both_versions(info.value)
-        reply = await client.receive()
-        assert reply.kind == "version_mismatch" and reply.message == str(info.value)
+        assert_names_both_versions(str(info.value))
+        assert await client.receive() == ErrorReply("version_mismatch", str(info.value))
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize(
     "answer",
-    [
-        Welcome(999, "manager", 1),
-        ErrorReply("version_mismatch", "server speaks version 999, client version 1"),
-    ],
+    [Welcome(999, "manager", 1), ErrorReply("version_mismatch", "version 999 vs version 1")],
 )
 async def test_client_refuses_other_version(answer: Any) -> None:
     async with stream_pair() as (client, raw):
         await MessageStream(raw).send(answer)
         with pytest.raises(VersionMismatchError) as info:
             await client_handshake(client, "engine")
-        assert_names_both_versions(info.value)
+        assert_names_both_versions(str(info.value))
 
 
 @pytest.mark.anyio

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import cloudpickle
 import msgpack
 import pytest
 from anyio.abc import UNIXSocketStream
@@ -24,8 +25,10 @@ from protocols.connection import MessageStream, client_handshake, open_unix_conn
 from protocols.framing import HEADER, encode_frame
 from protocols.messages import (
     AcquireWorkers,
+    CallResult,
     ErrorReply,
     Hello,
+    RunCallable,
     StatusRequest,
     WorkerSpec,
 )
@@ -145,12 +148,16 @@ async def test_worker_stays_warm_after_a_broken_session(shared_manager, tiny_mod
     with anyio.fail_after(ENGINE_START_S):
         async with Engine(tiny_model, manager_socket=shared_manager.socket) as engine:
             path, pids = engine._acquired.sockets[0], engine.worker_pids
-        # The worker is idle now: a raw client attaches, then breaks the protocol.
-        assert_refused(await answers_to(path, BROKEN["not_msgpack"], hello_first=True),
-                       "protocol_error")  # fmt: skip
-        async with Engine(tiny_model, manager_socket=shared_manager.socket) as engine:
-            assert engine.reused_warm_workers and engine.worker_pids == pids
-            assert await engine.collective_rpc(lambda w: 1) == [1]
+    # The worker is idle now: a raw client attaches, then breaks the protocol.
+    answers = await answers_to(path, BROKEN["not_msgpack"], hello_first=True)
+    assert_refused(answers, "protocol_error")
+    # The same worker takes the next client (asked directly: the manager may hold others).
+    with anyio.fail_after(REPLY_S):
+        ms = await open_unix_connection(path, "engine")
+        async with ms.stream:
+            await ms.send(RunCallable(1, cloudpickle.dumps((lambda w: os.getpid(), (), {}))))
+            reply = await ms.receive_type(CallResult)
+    assert cloudpickle.loads(reply.payload) == pids[0]
 
 
 # -- SO_PEERCRED ------------------------------------------------------------------------

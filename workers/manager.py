@@ -89,11 +89,14 @@ class ManagerServer:
                 if ready is not None:
                     ready.set()
         finally:
-            with anyio.CancelScope(shield=True):
-                for group in list(self.groups.values()):
-                    await self._stop_group(group, "manager shutting down")
-            self.socket_path.unlink(missing_ok=True)
-            logger.info("engine-manager stopped")
+            self._tg = None  # closed: nothing may be started in it any more
+            try:
+                with anyio.CancelScope(shield=True):
+                    for group in list(self.groups.values()):
+                        await self._stop_group(group, "manager shutting down")
+            finally:
+                self.socket_path.unlink(missing_ok=True)
+                logger.info("engine-manager stopped")
 
     def shutdown(self) -> None:
         assert self._tg is not None
@@ -256,8 +259,7 @@ class ManagerServer:
             await self._stop_group(group, "keep_alive is 0")
             return
         group.state, group.idle_since = "idle", time.monotonic()
-        if group.keep_alive > 0:
-            assert self._tg is not None
+        if group.keep_alive > 0 and self._tg is not None:  # None: shutting down anyway
             group.expiry = anyio.CancelScope()
             self._tg.start_soon(self._expire, group, group.expiry)
 
