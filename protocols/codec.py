@@ -71,7 +71,7 @@ def decode(body: bytes) -> Any:
     except MalformedMessageError:
         raise
     except Exception as exc:  # msgpack raises a zoo of types for garbage input
-        raise MalformedMessageError(f"frame body is not valid msgpack: {exc}") from exc
+        raise MalformedMessageError(f"frame body is not valid msgpack: {exc!r}") from exc
     if not (isinstance(obj, list) and len(obj) == 2 and type(obj[0]) is int):
         raise MalformedMessageError("frame body must be [type_code, fields]")
     code, fields = obj
@@ -206,8 +206,8 @@ def _encode_ext(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind not in _ALLOWED_ARRAY_KINDS:
             raise TypeError(f"arrays of dtype {obj.dtype} cannot cross the wire")
-        arr = np.ascontiguousarray(obj)
-        payload = msgpack.packb([arr.dtype.str, list(arr.shape), arr.tobytes()])
+        # tobytes() is C order whatever the layout; the shape is the original's (0-d stays 0-d).
+        payload = msgpack.packb([obj.dtype.str, list(obj.shape), obj.tobytes()])
         return msgpack.ExtType(NUMPY_EXT_CODE, payload)
     raise TypeError(f"cannot encode {type(obj).__name__}")
 

@@ -88,7 +88,10 @@ class RemoteError(Exception):
 
 async def client_handshake(ms: MessageStream, role: str) -> Welcome:
     """Say HELLO, expect WELCOME with the same protocol version."""
-    await ms.send(Hello(PROTOCOL_VERSION, role, os.getpid()))
+    try:
+        await ms.send(Hello(PROTOCOL_VERSION, role, os.getpid()))
+    except (anyio.BrokenResourceError, OSError):
+        pass  # a server that refused us at once has closed; its reason is still readable
     try:
         welcome = await ms.receive_type(Welcome)
     except RemoteError as exc:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocols.codec import message
+from protocols.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
 
@@ -77,6 +78,8 @@ class ModelInfo:
     dtype: str
     device: str
     load_seconds: float
+    num_kv_blocks: int  # paged KV cache size the worker allocated, in blocks
+    block_size: int  # tokens per KV block
 
 
 @message(10)
@@ -227,3 +230,71 @@ class CallFailed:
     error_type: str
     message: str
     traceback: str
+
+
+# -- engine <-> worker: one step of the model ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request the worker has not seen (or must rebuild after a preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when a preempted request comes back
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]  # masked while fewer than min_tokens are generated
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hits: KV already in these blocks
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    """The diff for a request the worker already holds."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """What to compute in one step: which requests, how many tokens of each."""
+
+    step_id: int
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    # Tokens to compute per request, in batch order; a request whose prompt is then
+    # complete samples one token.
+    num_scheduled_tokens: dict[str, int]
+    # Finished, aborted or preempted since the last step: the worker forgets them.
+    finished_req_ids: list[str]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@message(43)
+@dataclass(frozen=True, slots=True)
+class ExecuteStep:
+    call_id: int
+    scheduler_output: SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprobs:
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@message(44)
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """One sampled token per request that sampled this step (partial prefills do not)."""
+
+    call_id: int
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[float]  # of each sampled token, from the raw logits
+    top_logprobs: list[TopLogprobs | None]  # for requests that asked for `logprobs`

@@ -1,21 +1,35 @@
 """loomllm's user side: the Engine and its errors. Light to import: no torch here."""
 
+from protocols.sampling import RequestOutputKind, SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.engine_core import EngineStats
 from runtime.errors import (
     EngineClosedError,
     EngineDeadError,
+    EngineStepError,
     LoomError,
     ManagerError,
     RemoteCallError,
     WorkerStartError,
 )
+from runtime.llm import LLM
+from runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 __all__ = [
+    "LLM",
+    "CompletionOutput",
     "Engine",
     "EngineClosedError",
     "EngineConfig",
     "EngineDeadError",
+    "EngineStats",
+    "EngineStepError",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
     "LoomError",
     "ManagerError",
     "RemoteCallError",

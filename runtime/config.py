@@ -20,6 +20,15 @@ class EngineConfig:
     model: str = "smollm2"
     dtype: str = "auto"
     device: str = "auto"
+    max_model_len: int | None = None  # default: the model's, capped by the KV cache
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: 2048 (chunked) or max_model_len
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; default 1 GiB on CPU
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU the worker may fill
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
     tensor_parallel_size: int = 1
     # Seconds the workers stay warm after the engine closes; 0: exit with it; -1: pinned.
     keep_alive: float = 300.0
@@ -33,10 +42,23 @@ class EngineConfig:
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)
         _one_of("manager", self.manager, MANAGER_MODES)
-        if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("block_size", self.block_size)
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if type(self.seed) is not int:
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.gpu_memory_utilization, int | float) or not (
+            0 < self.gpu_memory_utilization <= 1
+        ):
             raise ValueError(
-                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.keep_alive, int | float) or not (
             self.keep_alive >= 0 or self.keep_alive == -1
         ):
@@ -46,9 +68,20 @@ class EngineConfig:
 
     def worker_spec(self) -> WorkerSpec:
         """What the workers hold; engines with equal specs share warm workers."""
-        return WorkerSpec(
-            self.model, self.tensor_parallel_size, {"dtype": self.dtype, "device": self.device}
-        )
+        options = {
+            "dtype": self.dtype,
+            "device": self.device,
+            "block_size": self.block_size,
+            "kv_cache_memory": self.kv_cache_memory,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "seed": self.seed,
+        }
+        return WorkerSpec(self.model, self.tensor_parallel_size, options)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:

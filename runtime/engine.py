@@ -12,20 +12,31 @@ import logging
 import os
 import signal
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import AsyncExitStack
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AsyncExitStack, aclosing
 from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
 import cloudpickle
 
-from protocols.connection import open_unix_connection
 from protocols.messages import CallFailed, ModelInfo, RunCallable, WorkerDied, WorkersAcquired
 from protocols.rundir import default_socket_path
+from protocols.sampling import SamplingParams
 from runtime.config import EngineConfig
+from runtime.engine_core import EngineCore, EngineStats
+from runtime.engine_setup import build_engine_core
 from runtime.errors import EngineClosedError, EngineDeadError, ManagerError, RemoteCallError
-from runtime.manager_client import ManagerClient, PrivateManager, connect_shared_manager
+from runtime.manager_client import (
+    ManagerClient,
+    PrivateManager,
+    connect_manager,
+    connect_shared_manager,
+)
+from runtime.output_processor import ParentRequest
+from runtime.outputs import RequestMetrics, RequestOutput, RequestOutputCollector
+from runtime.tokenizer import Tokenizer
 from runtime.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
@@ -43,6 +54,8 @@ class Engine:
         self.engine_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._stack: AsyncExitStack | None = None
         self._workers: WorkerClient | None = None
+        self._core: EngineCore | None = None
+        self.tokenizer: Tokenizer | None = None
         self._acquired: WorkersAcquired | None = None
         self._lost = anyio.Event()
         self._lost_reason = ""
@@ -75,13 +88,13 @@ class Engine:
         except BaseExceptionGroup as eg:
             raise _simplest(eg) from None
         finally:
-            self._workers = None
+            self._workers = self._core = None
 
     async def _start(self, stack: AsyncExitStack) -> None:
         cfg = self.config
         if cfg.manager == "private":
             private = await stack.enter_async_context(PrivateManager())
-            ms = await open_unix_connection(private.socket_path, "engine")
+            ms = await connect_manager(private.socket_path)
         else:
             ms = await connect_shared_manager(cfg.manager_socket or default_socket_path())
         manager = ManagerClient(ms, self._on_worker_died)
@@ -96,6 +109,9 @@ class Engine:
         workers.start_readers(tg, self._on_rank_lost)
         tg.start_soon(self._watch_for_death, workers)
         self._workers = workers
+        self._core = build_engine_core(cfg, self._acquired.model_info, workers)
+        self.tokenizer = self._core.output_processor.tokenizer
+        tg.start_soon(self._core.run)
         logger.info(
             "engine %s attached to %s workers %s (%s)", self.engine_id,
             "warm" if self._acquired.reused else "new", self._acquired.pids, cfg.model,
@@ -176,6 +192,104 @@ class Engine:
                 raise RemoteCallError(rank, reply.error_type, reply.message, reply.traceback)
             results.append(cloudpickle.loads(reply.payload))
         return results
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | dict[str, Any],
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request: a string, or {"prompt_token_ids": [...]}.
+
+        Bad input raises ValueError naming the field before anything is scheduled.
+        Cancellation: leaving the iteration (break, cancel, a deadline) aborts the
+        request; its KV blocks are free after the next step.
+        """
+        core = self._require_core()
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
+        text, token_ids = self._prompt_tokens(prompt)
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if request_id in core.output_processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        parent = ParentRequest(
+            request_id, text, token_ids, params, RequestOutputCollector(params.output_kind),
+            RequestMetrics(arrival_time=time.time()),
+        )  # fmt: skip
+        core.add_request(parent)
+        finished = False
+        try:
+            while not finished:
+                output = await parent.collector.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                core.abort(request_id)
+
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Apply the model's chat template to `messages`, then stream like generate().
+
+        Cancellation: as generate().
+        """
+        self._require_core()
+        assert self.tokenizer is not None
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **(chat_template_kwargs or {})
+        )
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        stream = self.generate({"prompt_token_ids": ids, "prompt": text}, sampling_params,
+                               request_id=request_id)  # fmt: skip
+        async with aclosing(stream):
+            async for output in stream:
+                yield output
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request by id (no-op if it already finished)."""
+        self._require_core().abort(request_id)
+
+    def stats(self) -> EngineStats:
+        """Running/waiting counts, KV blocks free/total, prefix-cache hit rate, steps."""
+        return self._require_core().stats()
+
+    def _prompt_tokens(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
+        core = self._require_core()
+        assert self.tokenizer is not None
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            vocab = self.model_info.vocab_size
+            if not isinstance(ids, list) or not all(
+                type(t) is int and 0 <= t < vocab for t in ids
+            ):
+                raise ValueError(f"prompt_token_ids must be a list of token ids in [0, {vocab})")
+        else:
+            raise ValueError('prompt must be a string or {"prompt_token_ids": [...]}')
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= core.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; it must be shorter than max_model_len "
+                f"({core.max_model_len}) to leave room for output"
+            )
+        return text, list(ids)
+
+    def _require_core(self) -> EngineCore:
+        if self._core is None:
+            raise EngineClosedError("the engine is not running: use `async with Engine(...)`")
+        return self._core
 
     def _require_acquired(self) -> WorkersAcquired:
         if self._acquired is None:

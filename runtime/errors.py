@@ -3,6 +3,7 @@
     LoomError
     ├── EngineDeadError       a worker died or its connection broke; the engine is done
     ├── EngineClosedError     the engine was used outside its `async with` block
+    ├── EngineStepError       the worker raised in a step; those requests fail, others go on
     ├── ManagerError          the engine-manager could not be reached, started, or refused us
     │   └── WorkerStartError  the manager could not start workers (bad model, no memory, ...)
     └── RemoteCallError       a collective_rpc callable raised on a worker (worker still sound)
@@ -43,3 +44,7 @@ class RemoteCallError(LoomError):
         self.rank = rank
         self.error_type = error_type
         self.remote_traceback = traceback
+
+
+class EngineStepError(LoomError):
+    """The worker raised while computing a step: that step's requests fail, the engine lives."""

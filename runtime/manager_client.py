@@ -43,10 +43,20 @@ def manager_command(socket_path: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "workers.manager", "--socket", str(socket_path), *args]
 
 
+async def connect_manager(socket_path: Path) -> MessageStream:
+    """Connect and handshake; a refusal or a broken peer becomes ManagerError."""
+    try:
+        return await open_unix_connection(socket_path, "engine")
+    except RemoteError as exc:
+        raise ManagerError(f"engine-manager on {socket_path} refused: {exc}") from None
+    except (ProtocolError, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
+        raise ManagerError(f"engine-manager on {socket_path} failed the handshake: {exc!r}") from exc
+
+
 async def connect_shared_manager(socket_path: Path) -> MessageStream:
     """Connect to the per-user daemon, starting it first if nobody answers."""
     try:
-        return await open_unix_connection(socket_path, "engine")
+        return await connect_manager(socket_path)
     except (FileNotFoundError, ConnectionRefusedError):
         pass
     with anyio.fail_after(MANAGER_START_TIMEOUT_S):
@@ -60,7 +70,7 @@ async def connect_shared_manager(socket_path: Path) -> MessageStream:
             f"{result.stderr.decode(errors='replace').strip()}"
         )
     try:
-        return await open_unix_connection(socket_path, "engine")
+        return await connect_manager(socket_path)
     except OSError as exc:
         raise ManagerError(f"engine-manager started but {socket_path} refuses: {exc}") from exc
 

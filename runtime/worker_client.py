@@ -16,14 +16,14 @@ from anyio.abc import TaskGroup
 
 from protocols.connection import MessageStream, RemoteError, open_unix_connection
 from protocols.errors import ProtocolError
-from protocols.messages import CallFailed, CallResult, ErrorReply
+from protocols.messages import CallFailed, CallResult, ErrorReply, StepResult
 from runtime.errors import EngineDeadError, ManagerError
 
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
 DEATH_REPORT_WAIT_S = 1.0
-Reply = CallResult | CallFailed
+Reply = CallResult | CallFailed | StepResult
 
 
 @dataclass(eq=False)
@@ -68,7 +68,7 @@ class WorkerClient:
         try:
             while True:
                 msg = await ms.receive()
-                if isinstance(msg, CallResult | CallFailed):
+                if isinstance(msg, CallResult | CallFailed | StepResult):
                     self._deliver(rank, msg)
                 elif isinstance(msg, ErrorReply):
                     raise ProtocolError(f"worker rank {rank} refused: {msg.message}")

@@ -12,12 +12,13 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 
 import anyio
 import pytest
 from conftest import pids_mentioning
-
 from proc_utils import is_alive, wait_gone
+
 from runtime import Engine, ManagerError, WorkerStartError
 
 STARTUP_TIMEOUT_S = 30
@@ -173,8 +174,10 @@ async def test_max_keep_alive_caps_pinned_and_short_keep_alive_expires(tiny_mode
     # The same warm worker, now with keep_alive=1 (under the cap): gone 1 s after release.
     async with Engine(tiny_model, manager_socket=manager.socket, keep_alive=1) as engine:
         assert engine.reused_warm_workers and engine.worker_pids == [worker_pid]
+    released_at = time.monotonic()
     assert is_alive(worker_pid)
     assert wait_gone(worker_pid, timeout=10)
+    assert time.monotonic() - released_at > 0.5  # its keep_alive ran out; not at release
     assert _ps(manager) == []
 
 

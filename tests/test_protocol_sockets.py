@@ -115,8 +115,6 @@ async def test_version_mismatch_names_both_versions(shared_manager) -> None:
     assert "version 1," in message and "version 999" in message
 
 
-@pytest.mark.xfail(reason="manager bug: a request its launcher cannot turn into a command "
-                   "line escapes _handle_client and kills the daemon")  # fmt: skip
 @pytest.mark.parametrize(
     "spec", [WorkerSpec("tiny\x00model"), WorkerSpec("tiny", 1, {"dtype": b"bytes"})],
     ids=["nul_in_model", "bytes_in_options"],
@@ -194,8 +192,6 @@ async def test_manager_refuses_other_uid(manager) -> None:
         stop_refusing_manager(manager)
 
 
-@pytest.mark.xfail(reason="engine bug: connect_shared_manager lets the handshake's "
-                   "RemoteError('permission_denied') escape instead of a ManagerError")  # fmt: skip
 async def test_engine_refused_by_other_uid_raises_manager_error(manager, tiny_model) -> None:
     other_uid = await start_refusing_manager(manager)
     try:

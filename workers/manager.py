@@ -8,6 +8,7 @@ Run it as `python -m workers.manager serve` (or `engine-manager start`).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import os
@@ -18,7 +19,7 @@ import anyio
 from anyio.abc import SocketStream, TaskGroup
 
 from protocols.connection import MessageStream, server_handshake
-from protocols.errors import ProtocolError
+from protocols.errors import ProtocolError, VersionMismatchError
 from protocols.messages import (
     Ack,
     AcquireWorkers,
@@ -34,6 +35,7 @@ from protocols.messages import (
     WorkerInfo,
     WorkerList,
     WorkersAcquired,
+    WorkerSpec,
 )
 from protocols.rundir import ensure_private_dir, workers_dir
 from workers.peer_auth import refusal
@@ -80,6 +82,7 @@ class ManagerServer:
         ensure_private_dir(self.socket_path.parent)
         ensure_private_dir(self.workdir)
         listener = await anyio.create_unix_listener(self.socket_path, mode=0o600)
+        bound_inode = os.stat(self.socket_path).st_ino  # noqa: ASYNC240
         logger.info("engine-manager pid %d listening on %s", os.getpid(), self.socket_path)
         try:
             async with listener, anyio.create_task_group() as tg:
@@ -95,12 +98,12 @@ class ManagerServer:
                     for group in list(self.groups.values()):
                         await self._stop_group(group, "manager shutting down")
             finally:
-                self.socket_path.unlink(missing_ok=True)
+                _unlink_if_ours(self.socket_path, bound_inode)
                 logger.info("engine-manager stopped")
 
     def shutdown(self) -> None:
-        assert self._tg is not None
-        self._tg.cancel_scope.cancel()
+        if self._tg is not None:  # None: shutting down already
+            self._tg.cancel_scope.cancel()
 
     # -- clients ----------------------------------------------------------------------
 
@@ -117,11 +120,17 @@ class ManagerServer:
             try:
                 await server_handshake(ms, "manager")
                 await self._serve_requests(ms)
+            except VersionMismatchError as exc:
+                logger.warning("refused client: %s", exc)  # the handshake said why
             except ProtocolError as exc:
                 logger.warning("dropping client after protocol error: %s", exc)
                 await _try_send(ms, ErrorReply("protocol_error", str(exc)))
             except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
                 pass
+            except Exception as exc:
+                # A bug or an input we did not foresee costs this client, never the daemon.
+                logger.exception("internal error serving a client")
+                await _try_send(ms, ErrorReply("internal_error", f"{type(exc).__name__}: {exc}"))
             finally:
                 self.clients.discard(ms)
                 with anyio.CancelScope(shield=True):
@@ -168,8 +177,9 @@ class ManagerServer:
 
     async def _acquire(self, ms: MessageStream, req: AcquireWorkers) -> object:
         spec = req.spec
-        if spec.world_size < 1 or not spec.model:
-            return ErrorReply("bad_request", "world_size must be >= 1 and model non-empty")
+        problem = _spec_problem(spec)
+        if problem:
+            return ErrorReply("bad_request", problem)
         keep_alive = self._effective_keep_alive(req.keep_alive)
         for group in self.groups.values():
             if group.state == "idle" and group.spec == spec:
@@ -352,6 +362,28 @@ class ManagerServer:
             await anyio.sleep(self.idle_timeout)
             logger.info("no clients and no workers for %gs: exiting", self.idle_timeout)
             self.shutdown()
+
+
+def _unlink_if_ours(path: Path, inode: int) -> None:
+    """Remove our socket file, but never one that another daemon has bound since."""
+    try:
+        if os.stat(path).st_ino == inode:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _spec_problem(spec: WorkerSpec) -> str | None:
+    """Why `spec` cannot become a worker command line, or None."""
+    if spec.world_size < 1:
+        return f"world_size must be >= 1, got {spec.world_size}"
+    if not spec.model or "\x00" in spec.model:
+        return "model must be a non-empty string without NUL characters"
+    try:
+        json.dumps(spec.options or {})
+    except (TypeError, ValueError) as exc:
+        return f"options must be JSON values: {exc}"
+    return None
 
 
 async def _store_ready(worker: WorkerProcess, readies: list[object]) -> None:

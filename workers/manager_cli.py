@@ -19,7 +19,8 @@ from pathlib import Path
 
 import anyio
 
-from protocols.connection import MessageStream, open_unix_connection
+from protocols.connection import MessageStream, RemoteError, open_unix_connection
+from protocols.errors import ProtocolError
 from protocols.messages import (
     ListWorkers,
     ManagerStatus,
@@ -38,7 +39,12 @@ MAX_LOG_BYTES = 10 * 1024 * 1024
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     socket_path = Path(args.socket) if args.socket else default_socket_path()
-    sys.exit(args.func(args, socket_path))
+    try:
+        code = args.func(args, socket_path)
+    except (RemoteError, ProtocolError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
+        print(f"engine-manager on {socket_path} refused or failed: {exc!r}", file=sys.stderr)
+        code = 1
+    sys.exit(code)
 
 
 def _parser() -> argparse.ArgumentParser:

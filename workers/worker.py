@@ -23,12 +23,14 @@ import cloudpickle
 from anyio.abc import SocketStream, UNIXSocketStream
 
 from protocols.connection import MessageStream, server_handshake
-from protocols.errors import ProtocolError
+from protocols.errors import ProtocolError, VersionMismatchError
 from protocols.messages import (
     CallFailed,
     CallResult,
     ErrorReply,
+    ExecuteStep,
     RunCallable,
+    StepResult,
     WorkerFailed,
     WorkerReady,
 )
@@ -131,6 +133,8 @@ class DataServer:
                 finally:
                     self.worker.reset_session()
                     self._attached.release()
+            except VersionMismatchError as exc:
+                logger.warning("refused engine: %s", exc)  # the handshake said why
             except ProtocolError as exc:
                 logger.warning("dropping engine connection after protocol error: %s", exc)
                 await _try_send(ms, ErrorReply("protocol_error", str(exc)))
@@ -140,11 +144,22 @@ class DataServer:
     async def _serve(self, ms: MessageStream) -> None:
         while True:
             msg = await ms.receive()
-            if isinstance(msg, RunCallable):
+            if isinstance(msg, ExecuteStep):
+                reply = self._execute_step(msg)
+            elif isinstance(msg, RunCallable):
                 reply = self._run_callable(msg)
             else:
                 reply = ErrorReply("bad_request", f"a worker does not take {type(msg).__name__}")
             await ms.send(reply)
+
+    def _execute_step(self, msg: ExecuteStep) -> StepResult | CallFailed:
+        try:
+            return self.worker.runner.execute(msg.scheduler_output, msg.call_id)
+        except Exception as exc:
+            logger.exception("step %d failed", msg.scheduler_output.step_id)
+            # The step's requests are failed by the engine; our batch state is suspect.
+            self.worker.runner.reset()
+            return CallFailed(msg.call_id, type(exc).__qualname__, str(exc), traceback.format_exc())
 
     def _run_callable(self, msg: RunCallable) -> CallResult | CallFailed:
         # Runs on the event loop thread on purpose: model work is this process's only job,

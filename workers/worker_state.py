@@ -21,6 +21,7 @@ class Worker:
     world_size: int
     device: str
     loaded: Any  # workers.model_loader.LoadedModel
+    runner: Any  # workers.model_runner.ModelRunner
     model_info: ModelInfo
     loaded_at: float  # time.time() when the weights finished loading
     # Per-engine state (requests, their KV blocks, user RPC scratch): dropped whenever
@@ -41,7 +42,10 @@ class Worker:
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         started = time.monotonic()
+        if options.get("seed") is not None:
+            torch.manual_seed(options["seed"])  # unseeded requests draw from this RNG
         loaded = load_model(model, dtype=options.get("dtype", "auto"), device=device)
+        runner = _make_runner(loaded, options)
         if world_size > 1:
             torch.distributed.init_process_group(
                 backend="nccl" if device == "cuda" else "gloo",
@@ -60,15 +64,54 @@ class Worker:
             dtype=loaded.dtype,
             device=loaded.device,
             load_seconds=time.monotonic() - started,
+            num_kv_blocks=runner.num_blocks,
+            block_size=runner.block_size,
         )
-        logger.info("loaded %s on %s in %.1fs", model, device, info.load_seconds)
-        return cls(rank, world_size, device, loaded, info, time.time())
+        logger.info(
+            "loaded %s on %s in %.1fs; KV cache: %d blocks of %d tokens", model, device,
+            info.load_seconds, runner.num_blocks, runner.block_size,
+        )  # fmt: skip
+        return cls(rank, world_size, device, loaded, runner, info, time.time())
 
     def reset_session(self) -> None:
         self.session.clear()
+        self.runner.reset()
 
     def shutdown(self) -> None:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
+    """Size the paged KV cache from the options and build the model runner."""
+    import torch
+
+    from workers.model_runner import ModelRunner
+
+    block_size = int(options.get("block_size") or DEFAULT_BLOCK_SIZE)
+    dtype = next(loaded.model.parameters()).dtype
+    device = torch.device(loaded.device)
+    per_block = ModelRunner.bytes_per_block(loaded.config, block_size, dtype)
+    budget = options.get("kv_cache_memory")
+    if budget is None and device.type == "cuda":
+        # What the weights left free, times the share the user allows us.
+        free, total = torch.cuda.mem_get_info(device)
+        utilization = float(options.get("gpu_memory_utilization") or 0.9)
+        budget = free - (1 - utilization) * total
+    if budget is None:
+        budget = DEFAULT_CPU_KV_CACHE_BYTES
+    num_blocks = int(budget // per_block)
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory={budget:.0f} bytes holds no KV block ({per_block} bytes each)"
+        )
+    return ModelRunner(
+        loaded.model, loaded.config, device=device, dtype=dtype,
+        block_size=block_size, num_blocks=num_blocks,
+    )  # fmt: skip

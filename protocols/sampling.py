@@ -1,0 +1,127 @@
+"""SamplingParams: how to pick tokens and when to stop, validated, shared by engine and worker.
+
+Names and defaults follow vLLM. Every bad value raises ValueError naming the field and
+the allowed range, before a request is scheduled.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every output carries all text and tokens so far
+    DELTA = 1  # every output carries only what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs per token, besides the sampled one
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        # Accept what vLLM accepts: a single stop string, lists instead of tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, RequestOutputKind):
+            object.__setattr__(self, "output_kind", _enum("output_kind", self.output_kind))
+        self._validate()
+
+    def _validate(self) -> None:
+        _int("n", self.n, low=1)
+        _number("temperature", self.temperature, low=0.0)
+        _number("top_p", self.top_p, low=0.0, low_open=True, high=1.0)
+        _int("top_k", self.top_k, low=-1)
+        _number("min_p", self.min_p, low=0.0, high=1.0)
+        if self.seed is not None:
+            _int("seed", self.seed)
+        _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        for token_id in self.stop_token_ids:
+            _int("stop_token_ids", token_id, low=0)
+        _bool("ignore_eos", self.ignore_eos)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, low=1)
+        _int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, low=0, high=20)
+        _bool("skip_special_tokens", self.skip_special_tokens)
+        _bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPSILON or self.top_k == 1
+
+
+_GREEDY_EPSILON = 1e-5
+
+
+def _enum(name: str, value: int) -> RequestOutputKind:
+    try:
+        return RequestOutputKind(value)
+    except ValueError:
+        raise ValueError(f"{name} must be one of {[k.name for k in RequestOutputKind]}") from None
+
+
+def _int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
+    if type(value) is not int:
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    _range(name, value, low, high, low_open=False)
+
+
+def _number(
+    name: str, value: object, low: float | None = None, high: float | None = None,
+    low_open: bool = False,
+) -> None:  # fmt: skip
+    if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    _range(name, value, low, high, low_open)  # type: ignore[arg-type]
+
+
+def _range(
+    name: str, value: float, low: float | None, high: float | None, low_open: bool
+) -> None:
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        lo = "-inf" if low is None else f"{low:g}"
+        hi = "inf" if high is None else f"{high:g}"
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {bracket}{lo}, {hi}], got {value!r}")
+
+
+def _bool(name: str, value: object) -> None:
+    if type(value) is not bool:
+        raise ValueError(f"{name} must be true or false, got {value!r}")

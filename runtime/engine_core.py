@@ -1,0 +1,132 @@
+"""EngineCore: the step loop (schedule, execute on the workers, update, stream) and intake.
+
+Runs as one task in the Engine's task group. Intake and aborts are synchronous calls
+that only touch the scheduler and wake the loop, so they work from any task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import anyio
+
+from protocols.messages import CallFailed, ExecuteStep, StepResult
+from runtime.errors import EngineStepError
+from runtime.output_processor import OutputProcessor, ParentRequest
+from runtime.request import Request, RequestStatus
+from runtime.scheduler import Scheduler
+from runtime.worker_client import WorkerClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_hit_rate: float
+    num_steps: int
+    num_preemptions: int
+
+
+class EngineCore:
+    """Owns the scheduler and the live requests; `run()` is the step loop."""
+
+    def __init__(
+        self, scheduler: Scheduler, workers: WorkerClient, output_processor: OutputProcessor,
+        eos_token_ids: frozenset[int], max_model_len: int,
+    ) -> None:  # fmt: skip
+        self.scheduler = scheduler
+        self.workers = workers
+        self.output_processor = output_processor
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.num_steps = 0
+        self._work = anyio.Event()
+
+    # -- intake (sync, any task) -----------------------------------------------------------
+
+    def add_request(self, parent: ParentRequest) -> None:
+        params = parent.params
+        for index, child_id in enumerate(self.output_processor.add(parent)):
+            child_params = params
+            if params.n > 1:
+                # Children sample independently; seeded ones stay reproducible (vLLM's rule).
+                seed = None if params.seed is None else params.seed + index
+                child_params = dataclasses.replace(params, n=1, seed=seed)
+            self.scheduler.add_request(
+                Request(
+                    child_id, parent.prompt_token_ids, child_params, self.eos_token_ids,
+                    self.max_model_len, parent.metrics.arrival_time,
+                )  # fmt: skip
+            )
+        self._work.set()
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request; its KV blocks are free at once, the worker forgets it next step."""
+        child_ids = self.output_processor.remove(request_id)
+        if child_ids:
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            self._work.set()
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv_cache_manager
+        return EngineStats(
+            self.scheduler.num_running, self.scheduler.num_waiting, kv.num_free_blocks,
+            kv.num_total_blocks, kv.prefix_cache_hit_rate, self.num_steps,
+            self.scheduler.num_preemptions,
+        )  # fmt: skip
+
+    # -- the step loop ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Step until cancelled; on the way out every open stream ends (abort or error)."""
+        error: BaseException | None = None
+        try:
+            while True:
+                scheduler_output = self.scheduler.schedule()
+                if not scheduler_output.num_scheduled_tokens and not (
+                    scheduler_output.finished_req_ids
+                ):
+                    await self._work.wait()
+                    self._work = anyio.Event()
+                    continue
+                replies = await self.workers.call(
+                    lambda call_id: ExecuteStep(call_id, scheduler_output)
+                )
+                self._process(scheduler_output, replies[0])
+        except BaseException as exc:
+            error = exc if isinstance(exc, Exception) else None
+            raise
+        finally:
+            self.output_processor.abort_all(error)
+
+    def _process(self, scheduler_output: object, reply: object) -> None:
+        self.num_steps += 1
+        if isinstance(reply, CallFailed):
+            self._fail_running(reply)
+            return
+        assert isinstance(reply, StepResult)
+        outputs = self.scheduler.update_from_output(scheduler_output, reply)  # type: ignore[arg-type]
+        stopped = self.output_processor.process(outputs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+
+    def _fail_running(self, failed: CallFailed) -> None:
+        """The worker raised in a step and dropped its batch: fail what it held, keep the rest."""
+        logger.error("step failed on the worker: %s: %s", failed.error_type, failed.message)
+        error = EngineStepError(f"{failed.error_type}: {failed.message}")
+        held = {r.request_id for r in self.scheduler.running}
+        parents = {
+            state.parent.request_id
+            for child_id, state in self.output_processor.states.items()
+            if child_id in held
+        }
+        for request_id in parents:
+            self.output_processor.parents[request_id].collector.put(error)
+            self.abort(request_id)
+        self._work.set()

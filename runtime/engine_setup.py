@@ -1,0 +1,66 @@
+"""Builds an EngineCore from the config and what the workers reported (tokenizer, limits)."""
+
+from __future__ import annotations
+
+import logging
+
+from protocols.messages import ModelInfo
+from runtime.config import EngineConfig
+from runtime.engine_core import EngineCore
+from runtime.output_processor import OutputProcessor
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.tokenizer import Tokenizer
+from runtime.worker_client import WorkerClient
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNKED_TOKEN_BUDGET = 2048
+
+
+def resolve_max_model_len(cfg: EngineConfig, info: ModelInfo) -> int:
+    """The user's max_model_len, else the model's, within what the KV cache can hold."""
+    capacity = info.num_kv_blocks * info.block_size
+    if cfg.max_model_len is not None:
+        if cfg.max_model_len > info.max_model_len:
+            raise ValueError(
+                f"max_model_len={cfg.max_model_len} exceeds the model's {info.max_model_len}"
+            )
+        if cfg.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len={cfg.max_model_len} needs more KV cache than the "
+                f"{capacity} tokens that kv_cache_memory holds; raise kv_cache_memory"
+            )
+        return cfg.max_model_len
+    if capacity < info.max_model_len:
+        logger.warning(
+            "max_model_len lowered from %d to %d: that is what the KV cache holds",
+            info.max_model_len, capacity,
+        )  # fmt: skip
+    return min(info.max_model_len, capacity)
+
+
+def build_engine_core(cfg: EngineConfig, info: ModelInfo, workers: WorkerClient) -> EngineCore:
+    max_model_len = resolve_max_model_len(cfg, info)
+    budget = cfg.max_num_batched_tokens
+    if budget is None:
+        budget = DEFAULT_CHUNKED_TOKEN_BUDGET if cfg.enable_chunked_prefill else max_model_len
+    if not cfg.enable_chunked_prefill and budget < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_model_len}) "
+            "when enable_chunked_prefill is off: a prompt must fit in one step"
+        )
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            block_size=info.block_size,
+            num_blocks=info.num_kv_blocks,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+        )
+    )
+    tokenizer = Tokenizer.from_model_dir(info.model_dir)
+    return EngineCore(
+        scheduler, workers, OutputProcessor(tokenizer), tokenizer.eos_token_ids, max_model_len
+    )

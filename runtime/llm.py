@@ -1,0 +1,150 @@
+"""LLM: the blocking facade over Engine, for scripts, notebook cells and threads.
+
+The Engine lives in an event loop on a daemon thread of its own (an anyio
+BlockingPortal), so it works where a loop already runs (Jupyter) and where none does.
+A program that forgets close() still exits: the workers go back to the manager, warm.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+from anyio.from_thread import BlockingPortal
+from tqdm.auto import tqdm
+
+from protocols.sampling import RequestOutputKind, SamplingParams
+from runtime.engine import Engine
+from runtime.outputs import RequestOutput
+
+Prompt = str | dict[str, Any]
+
+
+class LLM:
+    """`LLM("smollm2").generate(prompts, params)` -> outputs in input order."""
+
+    def __init__(self, model: str = "smollm2", **options: Any) -> None:
+        self.engine = Engine(model, **options)
+        self._portal: BlockingPortal | None = None
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._serve, args=(ready,), name="loomllm-LLM", daemon=True
+        )
+        self._thread.start()
+        ready.wait()
+        assert self._portal is not None
+        self._engine_cm = self._portal.wrap_async_context_manager(self.engine)
+        try:
+            self._engine_cm.__enter__()
+        except BaseException:
+            self._stop_portal()
+            raise
+        self._closer = weakref.finalize(self, LLM._close_parts, self._engine_cm, self._portal)
+        atexit.register(self._closer)
+
+    def _serve(self, ready: threading.Event) -> None:
+        async def main() -> None:
+            async with BlockingPortal() as portal:
+                self._portal = portal
+                ready.set()
+                await portal.sleep_until_stopped()
+
+        anyio.run(main)
+
+    # -- generation ----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched by the engine; results in input order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        calls = [(self.engine.generate, p, sp) for p, sp in zip(prompts, params, strict=True)]
+        return self._run(calls, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; answers in input order."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        params = _per_prompt(sampling_params, len(conversations))
+        calls = [(self.engine.chat, m, sp) for m, sp in zip(conversations, params, strict=True)]
+        return self._run(calls, use_tqdm)
+
+    def _run(self, calls: list[tuple[Any, Any, SamplingParams]], use_tqdm: bool) -> list:
+        portal = self._require_portal()
+        with tqdm(total=len(calls), desc="Processed prompts", disable=not use_tqdm) as bar:
+            try:
+                return portal.call(_run_all, calls, bar)
+            except BaseExceptionGroup as eg:
+                raise eg.exceptions[0] if len(eg.exceptions) == 1 else eg from None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the workers (they stay warm in the manager) and stop the loop thread."""
+        self._closer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _require_portal(self) -> BlockingPortal:
+        if not self._closer.alive or self._portal is None:
+            raise RuntimeError("this LLM is closed")
+        return self._portal
+
+    def _stop_portal(self) -> None:
+        if self._portal is not None:
+            self._portal.call(self._portal.stop)
+        self._thread.join()
+
+    @staticmethod
+    def _close_parts(engine_cm: Any, portal: BlockingPortal) -> None:
+        try:
+            engine_cm.__exit__(None, None, None)
+        finally:
+            portal.call(portal.stop)
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        chosen = [params or SamplingParams()] * count
+    else:
+        chosen = list(params)
+        if len(chosen) != count:
+            raise ValueError(f"got {len(chosen)} sampling_params for {count} prompts")
+    # Only the final output matters here; skip building the intermediate ones.
+    return [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in chosen]
+
+
+async def _run_all(calls: list[tuple[Any, Any, SamplingParams]], bar: tqdm) -> list:
+    results: list[RequestOutput | None] = [None] * len(calls)
+
+    async def one(index: int, method: Any, prompt: Any, params: SamplingParams) -> None:
+        async for output in method(prompt, params):
+            results[index] = output
+        bar.update(1)
+
+    async with anyio.create_task_group() as tg:
+        for index, (method, prompt, params) in enumerate(calls):
+            tg.start_soon(one, index, method, prompt, params)
+    return results

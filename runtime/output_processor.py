@@ -1,0 +1,199 @@
+"""Turns the scheduler's per-step token lists into RequestOutputs: text, logprobs, stop strings.
+
+One RequestState per scheduled (child) request; a request with n > 1 fans out into n
+children whose outputs a ParentRequest gathers. Stop strings found here are reported
+back so the scheduler finishes those requests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from protocols.messages import TopLogprobs
+from protocols.sampling import RequestOutputKind, SamplingParams
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputCollector,
+)
+from runtime.scheduler import EngineCoreOutput
+from runtime.tokenizer import Tokenizer
+
+
+@dataclass(eq=False)
+class ParentRequest:
+    """The user's request: prompt, params, the consumer's collector, and its n children."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    collector: RequestOutputCollector
+    metrics: RequestMetrics
+    children: dict[int, CompletionOutput] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+
+    def child_ids(self) -> list[str]:
+        if self.params.n == 1:
+            return [self.request_id]
+        return [f"{i}_{self.request_id}" for i in range(self.params.n)]
+
+    @property
+    def finished(self) -> bool:
+        return len(self.children) == self.params.n and all(
+            c.finished() for c in self.children.values()
+        )
+
+    def emit(self, latest: CompletionOutput) -> None:
+        kind = self.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+            return
+        if kind == RequestOutputKind.DELTA:
+            outputs = [latest]
+        else:
+            outputs = [self.children[i] for i in sorted(self.children)]
+        self.collector.put(
+            RequestOutput(
+                self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
+                self.metrics, self.num_cached_tokens,
+            )  # fmt: skip
+        )
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One child sequence: its tokens, text and logprobs so far."""
+
+    parent: ParentRequest
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    num_sent_tokens: int = 0  # for DELTA outputs
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OutputProcessor:
+    """Owns the RequestStates of the engine's live requests."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentRequest] = {}
+        self.states: dict[str, RequestState] = {}
+
+    def add(self, parent: ParentRequest) -> list[str]:
+        """Register a request; returns its child request ids for the scheduler."""
+        self.parents[parent.request_id] = parent
+        child_ids = parent.child_ids()
+        for index, child_id in enumerate(child_ids):
+            params = parent.params
+            self.states[child_id] = RequestState(
+                parent, index,
+                IncrementalDetokenizer(
+                    self.tokenizer, parent.prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                ),
+                logprobs=[] if params.logprobs is not None else None,
+            )  # fmt: skip
+        return child_ids
+
+    def remove(self, request_id: str) -> list[str]:
+        """Forget a request (aborted by its consumer); returns the child ids to abort."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return []
+        child_ids = parent.child_ids()
+        for child_id in child_ids:
+            self.states.pop(child_id, None)
+        return child_ids
+
+    def process(self, outputs: list[EngineCoreOutput]) -> list[str]:
+        """Stream one step's results; returns child ids that a stop string finished."""
+        now = time.time()
+        stopped: list[str] = []
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            if state is None:
+                continue  # aborted while the step ran
+            if self._update(state, out, now):
+                stopped.append(out.request_id)
+            parent = state.parent
+            parent.emit(self._completion(state))
+            if state.finish_reason is not None:
+                del self.states[out.request_id]
+                if parent.finished:
+                    parent.metrics.finished_time = now
+                    del self.parents[parent.request_id]
+        return stopped
+
+    def abort_all(self, error: BaseException | None = None) -> None:
+        """Engine shutdown: every open stream ends, with `error` or finish_reason "abort"."""
+        for parent in list(self.parents.values()):
+            if error is not None:
+                parent.collector.put(error)
+                continue
+            for child_id in parent.child_ids():
+                state = self.states.get(child_id)
+                if state is not None:
+                    state.finish_reason = "abort"
+                    parent.emit(self._completion(state))
+        self.parents.clear()
+        self.states.clear()
+
+    def _update(self, state: RequestState, out: EngineCoreOutput, now: float) -> bool:
+        metrics = state.parent.metrics
+        if out.new_token_ids and metrics.first_token_time is None:
+            metrics.first_token_time = now
+        if out.new_token_ids:
+            metrics.last_token_time = now
+        state.token_ids.extend(out.new_token_ids)
+        state.cumulative_logprob += sum(out.new_logprobs)
+        if state.logprobs is not None:
+            for token_id, lp, top in zip(
+                out.new_token_ids, out.new_logprobs, out.new_top_logprobs, strict=True
+            ):
+                state.logprobs.append(self._logprob_entry(token_id, lp, top))
+        stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+        stop_string = state.detokenizer.update(out.new_token_ids, stop_terminated)
+        if out.finish_reason is not None:
+            state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
+        elif stop_string is not None:
+            state.finish_reason, state.stop_reason = "stop", stop_string
+            return True
+        return False
+
+    def _logprob_entry(
+        self, token_id: int, logprob: float, top: TopLogprobs | None
+    ) -> dict[int, Logprob]:
+        entry: dict[int, Logprob] = {}
+        if top is not None:
+            for rank, (tid, lp) in enumerate(zip(top.token_ids, top.logprobs, strict=True), 1):
+                entry[tid] = Logprob(lp, rank, self.tokenizer.decode([tid], False))
+        if token_id not in entry:
+            entry[token_id] = Logprob(logprob, None, self.tokenizer.decode([token_id], False))
+        return entry
+
+    def _completion(self, state: RequestState) -> CompletionOutput:
+        finished = state.finish_reason is not None
+        delta = state.parent.params.output_kind == RequestOutputKind.DELTA
+        text = state.detokenizer.get_next_output_text(finished, delta)
+        if delta:
+            token_ids = state.token_ids[state.num_sent_tokens :]
+            logprobs = None if state.logprobs is None else state.logprobs[state.num_sent_tokens :]
+            state.num_sent_tokens = len(state.token_ids)
+        else:
+            token_ids = list(state.token_ids)
+            logprobs = None if state.logprobs is None else list(state.logprobs)
+        completion = CompletionOutput(
+            state.index, text, token_ids, state.cumulative_logprob, logprobs,
+            state.finish_reason, state.stop_reason,
+        )  # fmt: skip
+        state.parent.children[state.index] = completion
+        return completion

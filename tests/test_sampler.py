@@ -1,0 +1,292 @@
+"""Sampler unit tests: every SamplingParams field against a direct computation on small vocabularies."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from protocols.sampling import SamplingParams
+from workers.sampler import (
+    SamplingMetadata,
+    apply_penalties,
+    make_generator,
+    sample,
+)
+
+V = 16
+
+
+def _meta(
+    params: Sequence[SamplingParams],
+    *,
+    generators: Sequence[torch.Generator | None] | None = None,
+    prompts: Sequence[list[int]] | None = None,
+    outputs: Sequence[list[int]] | None = None,
+    banned: Sequence[list[int]] | None = None,
+) -> SamplingMetadata:
+    n = len(params)
+    return SamplingMetadata.from_params(
+        list(params),
+        list(generators) if generators is not None else [None] * n,
+        list(prompts) if prompts is not None else [[] for _ in range(n)],
+        list(outputs) if outputs is not None else [[] for _ in range(n)],
+        list(banned) if banned is not None else [[] for _ in range(n)],
+    )
+
+
+def _logits(batch: int, seed: int = 0, vocab: int = V) -> torch.Tensor:
+    return torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * 2  # [B, V]
+
+
+def _draws(logits_row: torch.Tensor, params: SamplingParams, n: int = 4000) -> torch.Tensor:
+    """n independent samples of one row, as one batch of n identical rows (fixed seed)."""
+    logits = logits_row[None, :].expand(n, -1)  # [n, V]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        return sample(logits, _meta([params] * n)).sampled_token_ids  # [n]
+
+
+def _reachable(logits_row: torch.Tensor, params: SamplingParams, n: int = 4000) -> set[int]:
+    return set(_draws(logits_row, params, n).tolist())
+
+
+def test_from_params_builds_tensors_and_maps_top_k_off() -> None:
+    meta = _meta([SamplingParams(top_k=-1, logprobs=3), SamplingParams(top_k=5, temperature=0.0)])
+    assert meta.top_k.tolist() == [0, 5] and meta.top_k.dtype == torch.int64
+    assert meta.temperature.dtype == torch.float32 and meta.temperature.shape == (2,)
+    assert meta.num_logprobs == [3, None]
+    assert meta.is_greedy == [False, True] and not meta.is_all_greedy and not meta.has_penalties
+
+
+def test_greedy_is_argmax_and_touches_no_rng() -> None:
+    logits = _logits(6)
+    gens = [make_generator(7, "cpu") if i % 2 else None for i in range(6)]
+    gen_states = [g.get_state() if g is not None else None for g in gens]
+    rng_state = torch.get_rng_state()
+    out = sample(logits, _meta([SamplingParams(temperature=0.0)] * 6, generators=gens))
+    assert out.sampled_token_ids.tolist() == logits.argmax(-1).tolist()
+    assert out.sampled_token_ids.dtype == torch.int64
+    assert torch.equal(torch.get_rng_state(), rng_state)
+    for g, state in zip(gens, gen_states, strict=True):
+        assert g is None or torch.equal(g.get_state(), state)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1e-6), SamplingParams(top_k=1), SamplingParams(temperature=2.0, top_k=1)],
+)
+def test_greedy_equivalents(params: SamplingParams) -> None:
+    logits = _logits(5, seed=1)
+    for _ in range(5):
+        assert sample(logits, _meta([params] * 5)).sampled_token_ids.tolist() == logits.argmax(-1).tolist()
+
+
+def test_mixed_batch_greedy_rows_stay_argmax() -> None:
+    logits = _logits(4, seed=2)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=5.0)] * 2
+    for _ in range(20):
+        got = sample(logits, _meta(params)).sampled_token_ids
+        assert got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
+
+
+def test_top_k_never_samples_outside_top_k() -> None:
+    row = _logits(1, seed=3)[0]
+    top5 = set(row.topk(5).indices.tolist())
+    assert _reachable(row, SamplingParams(temperature=3.0, top_k=5)) == top5
+
+
+def test_top_p_keeps_exactly_the_nucleus() -> None:
+    probs = torch.tensor([0.05, 0.4, 0.02, 0.3, 0.15, 0.08])
+    row = probs.log()
+    # sorted: 0.4, 0.3, 0.15, 0.08, 0.05, 0.02 -> mass before each: 0, .4, .7, .85, .93, .98
+    assert _reachable(row, SamplingParams(top_p=0.65)) == {1, 3}
+    assert _reachable(row, SamplingParams(top_p=0.75)) == {1, 3, 4}
+    assert _reachable(row, SamplingParams(top_p=0.9)) == {1, 3, 4, 5}
+    assert _reachable(row, SamplingParams(top_p=1e-6)) == {1}  # the top token always stays
+    assert _reachable(row, SamplingParams(top_p=1.0), n=20000) == set(range(6))
+
+
+def test_top_p_applies_after_top_k() -> None:
+    row = torch.tensor([0.05, 0.4, 0.02, 0.3, 0.15, 0.08]).log()
+    # top_k=3 renormalizes {.4, .3, .15} to {.47, .35, .18}: 0.8 needs all three.
+    assert _reachable(row, SamplingParams(top_k=3, top_p=0.8)) == {1, 3, 4}
+    assert _reachable(row, SamplingParams(top_k=3, top_p=0.5)) == {1, 3}
+
+
+def test_min_p_drops_low_tokens() -> None:
+    probs = torch.tensor([0.05, 0.4, 0.02, 0.3, 0.15, 0.08])
+    row = probs.log()
+    # threshold 0.3 * 0.4 = 0.12 keeps .4, .3, .15; with temperature 2 the ratio is sqrt'd.
+    assert _reachable(row, SamplingParams(min_p=0.3)) == {1, 3, 4}
+    kept = {i for i, p in enumerate(probs.tolist()) if math.sqrt(p / 0.4) >= 0.5}
+    assert _reachable(row, SamplingParams(min_p=0.5, temperature=2.0)) == kept
+
+
+def _reference_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]
+) -> torch.Tensor:
+    expected = logits.clone()
+    for i, p in enumerate(params):
+        for t in range(logits.shape[1]):
+            value = expected[i, t].item()
+            if t in prompts[i] or t in outputs[i]:
+                value = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+            count = outputs[i].count(t)
+            value -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+            expected[i, t] = value
+    return expected
+
+
+def test_penalties_match_definition() -> None:
+    logits = _logits(4, seed=4, vocab=12)
+    params = [
+        SamplingParams(repetition_penalty=1.7),
+        SamplingParams(frequency_penalty=0.6),
+        SamplingParams(presence_penalty=-1.1),
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.3, presence_penalty=1.5),
+    ]
+    prompts = [[0, 1, 2, 2], [3, 4], [], [5, 11]]
+    outputs = [[2, 6, 6], [4, 4, 4, 7], [8, 9, 9], [5, 5, 10]]
+    meta = _meta(params, prompts=prompts, outputs=outputs)
+    assert meta.has_penalties and meta.has_repetition_penalty
+    got = apply_penalties(logits, meta)
+    torch.testing.assert_close(got, _reference_penalties(logits, params, prompts, outputs))
+
+
+def test_no_penalty_rows_are_untouched_and_fast_path_flag() -> None:
+    assert not _meta([SamplingParams()] * 3, outputs=[[1], [2], [3]]).has_penalties
+    logits = _logits(2, seed=5)
+    meta = _meta([SamplingParams(), SamplingParams(presence_penalty=1.0)], outputs=[[1, 2], [1, 2]])
+    got = apply_penalties(logits, meta)
+    assert torch.equal(got[0], logits[0]) and not meta.has_repetition_penalty
+
+
+def test_penalties_flip_greedy_choice() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.5, 1.0]] * 3)
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, frequency_penalty=0.3),
+        SamplingParams(temperature=0.0, presence_penalty=0.6),
+    ]
+    # Row 0: 3.0 in the prompt -> 2.0 < 2.5. Rows 1, 2: 3.0 seen twice in the output.
+    out = sample(logits, _meta(params, prompts=[[1], [], []], outputs=[[], [1, 1], [1, 1]]))
+    assert out.sampled_token_ids.tolist() == [2, 2, 2]
+    unpenalized = sample(logits, _meta(params, prompts=[[0], [], []], outputs=[[], [3], [3]]))
+    assert unpenalized.sampled_token_ids.tolist() == [1, 1, 1]
+
+
+def test_banned_ids_never_sampled() -> None:
+    row = _logits(1, seed=6)[0]
+    order = row.argsort(descending=True).tolist()
+    banned = order[:3]
+    n = 3000
+    logits = row[None, :].expand(n, -1)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=5.0)] * (n // 2)
+    meta = _meta(params, banned=[banned] * n, outputs=[[banned[0]]] * n)
+    got = set(sample(logits, meta).sampled_token_ids.tolist())
+    assert not got & set(banned) and order[3] in got
+    # Penalties must not revive a banned id (-inf stays -inf).
+    meta = _meta([SamplingParams(temperature=0.0, frequency_penalty=-2.0)], outputs=[[banned[0]] * 50],
+                 banned=[banned])  # fmt: skip
+    assert sample(row[None, :], meta).sampled_token_ids.item() == order[3]
+
+
+def test_seeded_rows_ignore_batch_companions() -> None:
+    target = _logits(1, seed=7)[0]
+    params = SamplingParams(temperature=1.5, top_p=0.9, top_k=12, seed=42)
+
+    def run(companions: int, companion_seed: int | None, steps: int = 8) -> list[int]:
+        gen = make_generator(42, "cpu")
+        tokens = []
+        for step in range(steps):
+            others = _logits(companions, seed=100 + step + companions) if companions else None
+            logits = target[None, :] if others is None else torch.cat([others, target[None, :]])
+            others_params = [SamplingParams(temperature=1.0)] * companions
+            others_gens = [
+                make_generator(companion_seed, "cpu") if companion_seed is not None else None
+            ] * companions
+            meta = _meta(others_params + [params], generators=others_gens + [gen])
+            tokens.append(sample(logits, meta).sampled_token_ids[-1].item())
+        return tokens
+
+    alone = run(0, None)
+    assert run(3, None) == alone
+    assert run(5, 9) == alone
+    assert len(set(alone)) > 1  # a seeded row is still random from step to step
+    other_gen = make_generator(43, "cpu")
+    meta = _meta([params] * 8, generators=[other_gen] * 8)
+    assert sample(target[None, :].expand(8, -1), meta).sampled_token_ids.tolist() != alone
+
+
+def test_unseeded_rows_are_random() -> None:
+    logits = torch.zeros(2, V)
+    meta = _meta([SamplingParams()] * 2)
+    draws = [tuple(sample(logits, meta).sampled_token_ids.tolist()) for _ in range(30)]
+    assert len(set(draws)) > 10
+
+
+def test_logprobs_are_raw_log_softmax_at_sampled_ids() -> None:
+    logits = _logits(5, seed=8)
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=2.0),
+        SamplingParams(temperature=0.7, logprobs=3),
+        SamplingParams(temperature=1.0, presence_penalty=1.0, logprobs=0),
+        SamplingParams(temperature=0.0, logprobs=20),
+        SamplingParams(top_k=4, logprobs=1),
+    ]
+    out = sample(logits, _meta(params, prompts=[[1, 2]] * 5, outputs=[[3]] * 5))
+    raw = torch.log_softmax(logits, dim=-1)
+    expected = raw.gather(1, out.sampled_token_ids[:, None])[:, 0]
+    assert out.logprobs.dtype == torch.float32
+    torch.testing.assert_close(out.logprobs, expected, atol=1e-6, rtol=0)
+    assert out.top_token_ids[0] is None and out.top_logprobs[0] is None
+    assert out.top_token_ids[2] == [] and out.top_logprobs[2] == []
+    for i, k in [(1, 3), (3, 16), (4, 1)]:  # k=20 > V returns the whole vocabulary
+        values, ids = raw[i].topk(k)
+        assert out.top_token_ids[i] == ids.tolist()
+        lps = out.top_logprobs[i]
+        assert lps is not None and lps == sorted(lps, reverse=True)
+        torch.testing.assert_close(torch.tensor(lps), values, atol=1e-6, rtol=0)
+
+
+def test_sample_does_not_modify_caller_logits() -> None:
+    logits = _logits(2, seed=9)
+    before = logits.clone()
+    sample(logits, _meta([SamplingParams(repetition_penalty=1.5, top_p=0.5)] * 2, prompts=[[0, 1]] * 2,
+                         banned=[[2], [3]]))  # fmt: skip
+    assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_empirical_distribution_matches_softmax(temperature: float) -> None:
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.2, 1.3, -2.0, 0.7])
+    n = 20000
+    counts = torch.bincount(_draws(row, SamplingParams(temperature=temperature), n), minlength=10)
+    expected = torch.softmax(row / temperature, dim=-1)
+    assert (counts / n - expected).abs().max() < 0.02
+    chi2 = (((counts - n * expected) ** 2) / (n * expected)).sum().item()
+    assert chi2 < 40  # 9 degrees of freedom: p < 1e-5
+
+
+def test_bfloat16_logits() -> None:
+    logits = _logits(4, seed=10).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(top_k=3, top_p=0.9, min_p=0.1),
+              SamplingParams(presence_penalty=0.5), SamplingParams(seed=1)]  # fmt: skip
+    gens = [None, None, None, make_generator(1, "cpu")]
+    out = sample(logits, _meta(params, generators=gens, outputs=[[1]] * 4))
+    assert out.sampled_token_ids.dtype == torch.int64 and out.logprobs.dtype == torch.float32
+    assert out.sampled_token_ids[0] == logits[0].float().argmax()
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    torch.testing.assert_close(
+        out.logprobs, raw.gather(1, out.sampled_token_ids[:, None])[:, 0], atol=1e-6, rtol=0
+    )
+    assert set(row := out.top_token_ids[0] or []) == set(raw[0].topk(2).indices.tolist()) and len(row) == 2
+
+
+def test_make_generator_is_reproducible() -> None:
+    a = torch.empty(8).exponential_(generator=make_generator(5, "cpu"))
+    b = torch.empty(8).exponential_(generator=make_generator(5, "cpu"))
+    assert torch.equal(a, b)

@@ -1,0 +1,133 @@
+"""Paged attention for stock HF decoder models: a torch reference behind transformers' interface.
+
+The model runner packs all scheduled tokens of all requests into one `[1, T]` sequence;
+transformers computes Q/K/V (RoPE applied) and calls `paged_attention` per layer, which
+writes the new K/V into the paged cache and attends each request over its own context.
+Written for clarity; a fused kernel replaces it behind the same metadata later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTENTION_NAME = "loom_paged"
+
+
+@dataclass(slots=True)
+class PrefillRow:
+    """A request computing several tokens this step (prompt or chunk of it)."""
+
+    token_start: int  # first of its tokens in the packed batch
+    num_tokens: int
+    context_slots: torch.Tensor  # [seq_len] cache slot of every token of its context
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs for one step, built once per step by the model runner."""
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [num_slots, KVH, D]
+    slot_mapping: torch.Tensor  # [T] where each packed token's K/V is written
+    # Requests computing exactly one token, batched: their token index in the packed batch,
+    # their context slots padded to the longest, and which padded entries are real.
+    decode_token_idx: torch.Tensor  # [Bd]
+    decode_slots: torch.Tensor  # [Bd, L]
+    decode_valid: torch.Tensor  # [Bd, L] bool
+    prefills: list[PrefillRow]
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, KVH, T, D]
+    value: torch.Tensor,  # [1, KVH, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    attn_metadata: AttentionMetadata | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    if attn_metadata is None:
+        raise RuntimeError("loom_paged attention needs attn_metadata (run it via ModelRunner)")
+    meta = attn_metadata
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    group = num_heads // num_kv_heads
+    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    out = torch.empty_like(q)  # [T, H, D]
+    if meta.decode_token_idx.numel():
+        out[meta.decode_token_idx] = _decode(
+            q[meta.decode_token_idx], k_cache, v_cache, meta, group, scaling, sliding_window
+        )
+    for row in meta.prefills:
+        rows = slice(row.token_start, row.token_start + row.num_tokens)
+        out[rows] = _prefill(q[rows], k_cache, v_cache, row, group, scaling, sliding_window)
+    return out.unsqueeze(0), None  # [1, T, H, D]
+
+
+def _decode(
+    q: torch.Tensor,  # [Bd, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    group: int,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    bd, num_heads, dim = q.shape
+    k = k_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)  # [Bd, KVH, L, D]
+    v = v_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)
+    valid = meta.decode_valid
+    if sliding_window is not None:
+        valid = valid & _window_keep(valid, sliding_window)
+    # GQA without copying K/V: the `group` query heads sharing a KV head become query rows.
+    qg = q.view(bd, num_heads // group, group, dim)  # [Bd, KVH, G, D]
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scaling)
+    return o.reshape(bd, num_heads, dim)  # [Bd, H, D]
+
+
+def _prefill(
+    q: torch.Tensor,  # [n, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row: PrefillRow,
+    group: int,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    n, num_heads, dim = q.shape
+    seq_len = row.context_slots.numel()
+    k = k_cache[row.context_slots].transpose(0, 1).to(q.dtype)  # [KVH, L, D]
+    v = v_cache[row.context_slots].transpose(0, 1).to(q.dtype)
+    # Query j sits at absolute position seq_len - n + j and sees keys up to it.
+    q_pos = torch.arange(seq_len - n, seq_len).unsqueeze(1)  # [n, 1]
+    k_pos = torch.arange(seq_len).unsqueeze(0)  # [1, L]
+    mask = k_pos <= q_pos  # [n, L]
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    qg = q.permute(1, 0, 2).reshape(num_heads // group, group * n, dim)  # [KVH, G*n, D]
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(group, 1), scale=scaling)
+    return o.view(num_heads, n, dim).permute(1, 0, 2)  # [n, H, D]
+
+
+def _window_keep(valid: torch.Tensor, window: int) -> torch.Tensor:
+    """For decode rows: keep the last `window` real keys of each row."""
+    lengths = valid.sum(dim=1, keepdim=True)  # [Bd, 1]
+    k_pos = torch.arange(valid.shape[1]).unsqueeze(0)  # [1, L]
+    return k_pos >= lengths - window
+
+
+def register() -> None:
+    """Make `attn_implementation="loom_paged"` available to every HF model (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    # Masks are built per request inside the attention function: HF must not build one.
+    AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)

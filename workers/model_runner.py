@@ -1,0 +1,191 @@
+"""ModelRunner: the worker's persistent batch, input packing, forward pass, KV cache and sampling.
+
+Each step the engine sends a SchedulerOutput diff; the runner updates its per-request
+state, packs every scheduled token of every request into one `[1, T]` batch with
+positions and cache slots, runs the stock HF model over the paged KV cache, and samples
+one token for each request whose prompt is complete.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from protocols.messages import NewRequestData, SchedulerOutput, StepResult, TopLogprobs
+from protocols.sampling import SamplingParams
+from workers import attention
+from workers.sampler import SamplingMetadata, make_generator, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    banned_until_min_tokens: list[int]  # eos + stop_token_ids, masked while output < min_tokens
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+    all_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+
+class ModelRunner:
+    """Runs steps for one worker rank; owns the model and the KV cache."""
+
+    def __init__(
+        self, model: torch.nn.Module, config: object, *, device: torch.device,
+        dtype: torch.dtype, block_size: int, num_blocks: int,
+    ) -> None:  # fmt: skip
+        attention.register()
+        model.set_attn_implementation(attention.ATTENTION_NAME)
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        text = getattr(config, "text_config", None) or config
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)  # slot-major: one row a token
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(text.num_hidden_layers)
+        ]  # fmt: skip
+        self.requests: dict[str, CachedRequestState] = {}
+
+    @staticmethod
+    def bytes_per_block(config: object, block_size: int, dtype: torch.dtype) -> int:
+        text = getattr(config, "text_config", None) or config
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * text.num_hidden_layers * block_size * num_kv_heads * head_dim * element
+
+    def reset(self) -> None:
+        """Forget every request (the attached engine went away)."""
+        self.requests.clear()
+
+    # -- persistent batch ----------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.new_requests:
+            self.requests[new.req_id] = self._new_state(new)
+        for cached in so.cached_requests:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _new_state(self, new: NewRequestData) -> CachedRequestState:
+        params = new.sampling_params
+        seed = params.seed
+        return CachedRequestState(
+            new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), params,
+            sorted(set(new.eos_token_ids) | set(params.stop_token_ids)), list(new.block_ids),
+            new.num_computed_tokens,
+            make_generator(seed, self.device) if seed is not None else None,
+        )  # fmt: skip
+
+    # -- one step --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput, call_id: int) -> StepResult:
+        self._update_states(so)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_idx: list[int] = []  # packed index of the last token of each sampling request
+        samplers: list[CachedRequestState] = []
+        decode_idx: list[int] = []
+        decode_ctx: list[list[int]] = []
+        prefills: list[attention.PrefillRow] = []
+        bs = self.block_size
+        for req_id, num_new in so.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
+            token_start = len(input_ids)
+            input_ids.extend(state.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = state.block_ids
+            context = [blocks[p // bs] * bs + p % bs for p in range(end)]
+            slots.extend(context[start:end])
+            if num_new == 1:
+                decode_idx.append(token_start)
+                decode_ctx.append(context)
+            else:
+                prefills.append(attention.PrefillRow(token_start, num_new, torch.tensor(context)))
+            if end == len(state.all_token_ids):  # prompt complete: this step samples
+                sample_idx.append(len(input_ids) - 1)
+                samplers.append(state)
+            state.num_computed_tokens = end
+        meta = self._attention_metadata(slots, decode_idx, decode_ctx, prefills)
+        if not input_ids:
+            return StepResult(call_id, [], [], [], [])
+        out = self.model(
+            input_ids=torch.tensor([input_ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            use_cache=False,
+            attn_metadata=meta,
+            logits_to_keep=torch.tensor(sample_idx, dtype=torch.long, device=self.device),
+        )
+        if not samplers:
+            return StepResult(call_id, [], [], [], [])
+        logits = out.logits[0]  # [num_samplers, V]
+        return self._sample(logits, samplers, call_id)
+
+    def _attention_metadata(
+        self, slots: list[int], decode_idx: list[int], decode_ctx: list[list[int]],
+        prefills: list[attention.PrefillRow],
+    ) -> attention.AttentionMetadata:  # fmt: skip
+        longest = max((len(c) for c in decode_ctx), default=0)
+        padded = torch.zeros((len(decode_ctx), longest), dtype=torch.long)
+        valid = torch.zeros((len(decode_ctx), longest), dtype=torch.bool)
+        for i, context in enumerate(decode_ctx):
+            padded[i, : len(context)] = torch.tensor(context)
+            valid[i, : len(context)] = True
+        return attention.AttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            decode_token_idx=torch.tensor(decode_idx, dtype=torch.long, device=self.device),
+            decode_slots=padded.to(self.device),
+            decode_valid=valid.to(self.device),
+            prefills=prefills,
+        )
+
+    def _sample(
+        self, logits: torch.Tensor, samplers: list[CachedRequestState], call_id: int
+    ) -> StepResult:
+        banned = [
+            s.banned_until_min_tokens
+            if len(s.output_token_ids) < s.sampling_params.min_tokens
+            else []
+            for s in samplers
+        ]
+        meta = SamplingMetadata.from_params(
+            [s.sampling_params for s in samplers],
+            [s.generator for s in samplers],
+            [s.prompt_token_ids for s in samplers],
+            [s.output_token_ids for s in samplers],
+            banned,
+        )
+        result = sample(logits, meta)
+        token_ids = result.sampled_token_ids.tolist()
+        for state, token_id in zip(samplers, token_ids, strict=True):
+            state.output_token_ids.append(token_id)
+            state.all_token_ids.append(token_id)
+        top = [
+            None if ids is None else TopLogprobs(ids, lps)
+            for ids, lps in zip(result.top_token_ids, result.top_logprobs, strict=True)
+        ]
+        return StepResult(
+            call_id, [s.req_id for s in samplers], token_ids, result.logprobs.tolist(), top
+        )

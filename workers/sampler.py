@@ -1,0 +1,214 @@
+"""Batched sampling with vLLM semantics: the last step of a worker's forward pass, logits to token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from protocols.sampling import SamplingParams
+
+_GREEDY_EPSILON = 1e-5  # same threshold as SamplingParams.is_greedy
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row sampling parameters of the rows that sample this step (B rows).
+
+    The tensors may live on any device (`sample` moves them to the logits' device); the
+    flags below are computed once from them, so build this on the CPU to avoid a sync.
+    """
+
+    temperature: torch.Tensor  # [B] float32
+    top_p: torch.Tensor  # [B] float32 (1.0 = off)
+    top_k: torch.Tensor  # [B] int64 (0 = off)
+    min_p: torch.Tensor  # [B] float32 (0.0 = off)
+    presence_penalty: torch.Tensor  # [B] float32
+    frequency_penalty: torch.Tensor  # [B] float32
+    repetition_penalty: torch.Tensor  # [B] float32
+    generators: list[torch.Generator | None]  # per row: a seeded request's own generator
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]  # tokens generated so far
+    banned_token_ids: list[list[int]]  # ids forbidden this step (eos/stop while < min_tokens)
+    num_logprobs: list[int | None]  # how many top logprobs to return
+    is_greedy: list[bool] = field(init=False)
+    is_all_greedy: bool = field(init=False)
+    has_penalties: bool = field(init=False)
+    has_repetition_penalty: bool = field(init=False)
+    has_top_k_top_p: bool = field(init=False)  # among random rows
+    has_min_p: bool = field(init=False)  # among random rows
+
+    def __post_init__(self) -> None:
+        greedy = (self.temperature < _GREEDY_EPSILON) | (self.top_k == 1)  # [B]
+        self.is_greedy = greedy.tolist()
+        self.is_all_greedy = all(self.is_greedy)
+        has_rep = bool((self.repetition_penalty != 1.0).any())
+        self.has_repetition_penalty = has_rep
+        self.has_penalties = has_rep or bool(
+            ((self.presence_penalty != 0.0) | (self.frequency_penalty != 0.0)).any()
+        )
+        random = ~greedy
+        self.has_top_k_top_p = bool((random & ((self.top_k > 1) | (self.top_p < 1.0))).any())
+        self.has_min_p = bool((random & (self.min_p > 0.0)).any())
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        banned_token_ids: list[list[int]],
+    ) -> SamplingMetadata:
+        """Build the per-row tensors on the CPU; top_k -1 (vLLM's "off") becomes 0."""
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32)  # [B]
+
+        return cls(
+            temperature=floats([p.temperature for p in params]),
+            top_p=floats([p.top_p for p in params]),
+            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64),
+            min_p=floats([p.min_p for p in params]),
+            presence_penalty=floats([p.presence_penalty for p in params]),
+            frequency_penalty=floats([p.frequency_penalty for p in params]),
+            repetition_penalty=floats([p.repetition_penalty for p in params]),
+            generators=list(generators),
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+            banned_token_ids=banned_token_ids,
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32: raw log_softmax (before penalties) at the sampled id
+    top_token_ids: list[list[int] | None]  # per row, sorted by logprob desc; None: not asked
+    top_logprobs: list[list[float] | None]
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A seeded request's own generator: its draws never depend on the other rows."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    """Sample one token per row of `logits` [B, V] (any float dtype; computed in float32)."""
+    raw = logits.float()  # [B, V]; never modified in place (may be the caller's tensor)
+    lse = torch.logsumexp(raw, dim=-1)  # [B]
+    x = apply_banned(raw, meta.banned_token_ids)  # [B, V]
+    if meta.has_penalties:
+        x = apply_penalties(x, meta)
+    if meta.is_all_greedy:  # the common case: no RNG touched, a few tensor ops
+        sampled = x.argmax(dim=-1)  # [B]
+    else:
+        sampled = _sample_random(x, meta)
+    logprobs = raw.gather(1, sampled[:, None])[:, 0] - lse  # [B]
+    top_ids, top_lps = _top_logprobs(raw, lse, meta.num_logprobs)
+    return SamplerOutput(sampled, logprobs, top_ids, top_lps)
+
+
+def apply_banned(x: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
+    """Set each row's banned ids to -inf (out of place); `x` [B, V] is returned when none."""
+    if not any(banned):
+        return x
+    rows = [i for i, ids in enumerate(banned) for _ in ids]
+    cols = [t for ids in banned for t in ids]
+    index = (torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device))
+    return x.index_put(index, torch.tensor(float("-inf"), device=x.device))
+
+
+def apply_penalties(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """vLLM's penalties on logits `x` [B, V], out of place.
+
+    repetition p over tokens in prompt or output: logit > 0 -> logit / p, else logit * p;
+    then logit -= frequency * count_in_output + presence * (count_in_output > 0).
+    """
+    batch, vocab = x.shape
+    device = x.device
+    output = _padded(meta.output_token_ids, vocab, device)  # [B, Lo], pad = vocab
+    counts = torch.zeros(batch, vocab + 1, device=device)  # [B, V + 1]; last column eats pads
+    counts.scatter_add_(1, output, torch.ones_like(output, dtype=torch.float32))
+    counts = counts[:, :vocab]  # [B, V]
+    seen = counts > 0  # [B, V]
+    if meta.has_repetition_penalty:
+        prompt = _padded(meta.prompt_token_ids, vocab, device)  # [B, Lp]
+        in_prompt = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
+        in_prompt.scatter_(1, prompt, True)
+        rep = meta.repetition_penalty.to(device)[:, None]  # [B, 1]
+        penalized = torch.where(x > 0, x / rep, x * rep)  # [B, V]
+        x = torch.where(in_prompt[:, :vocab] | seen, penalized, x)
+    freq = meta.frequency_penalty.to(device)[:, None]  # [B, 1]
+    presence = meta.presence_penalty.to(device)[:, None]  # [B, 1]
+    return x - freq * counts - presence * seen.float()
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Ragged id lists as one [B, width] int64 tensor, padded with `pad`."""
+    width = max((len(r) for r in rows), default=0)
+    padded = [r + [pad] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(rows), width)
+
+
+def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then an exponential race; greedy rows take argmax."""
+    device = x.device
+    greedy = torch.tensor(meta.is_greedy, device=device)  # [B] bool
+    temperature = meta.temperature.to(device)
+    scaled = x / torch.where(greedy, 1.0, temperature)[:, None]  # [B, V]
+    if meta.has_top_k_top_p:
+        scaled = _apply_top_k_top_p(scaled, meta.top_k.to(device), meta.top_p.to(device))
+    probs = scaled.softmax(dim=-1)  # [B, V]
+    if meta.has_min_p:
+        threshold = meta.min_p.to(device)[:, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+        probs = probs.masked_fill(probs < threshold, 0.0)  # the race needs no renormalizing
+    # argmax(p / q) with q ~ Exp(1) draws from p; each seeded row draws only from its own
+    # generator, so its tokens do not depend on which other rows share the batch.
+    q = torch.empty_like(probs)  # [B, V]
+    rows = list(zip(meta.is_greedy, meta.generators, strict=True))
+    if any(not is_greedy and gen is None for is_greedy, gen in rows):
+        q.exponential_()  # one batched draw from the default RNG for all unseeded rows
+    for i, (is_greedy, gen) in enumerate(rows):
+        if gen is not None and not is_greedy:
+            q[i].exponential_(generator=gen)
+    sampled = (probs / q).argmax(dim=-1)  # [B]
+    if any(meta.is_greedy):
+        sampled = torch.where(greedy, x.argmax(dim=-1), sampled)
+    return sampled
+
+
+def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask with -inf all but each row's k largest logits, then all but the smallest set whose
+    probability mass reaches top_p (the top token is always kept). x: [B, V]; top_k, top_p: [B]."""
+    vocab = x.shape[-1]
+    ordered, order = x.sort(dim=-1, descending=True)  # [B, V]
+    position = torch.arange(vocab, device=x.device)  # [V]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]  # [B, 1]
+    ordered = ordered.masked_fill(position >= k, float("-inf"))
+    probs = ordered.softmax(dim=-1)  # [B, V]
+    mass_before = probs.cumsum(dim=-1) - probs  # [B, V]: mass of strictly more likely tokens
+    # top_p = 1 is off outright: rounding in the cumsum must not drop the tail.
+    drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, ordered)
+
+
+def _top_logprobs(
+    raw: torch.Tensor, lse: torch.Tensor, num_logprobs: list[int | None]
+) -> tuple[list[list[int] | None], list[list[float] | None]]:
+    """Each asking row's k largest raw logprobs, descending. raw: [B, V]; lse: [B]."""
+    wanted = [k for k in num_logprobs if k is not None]
+    if not wanted:
+        return [None] * len(num_logprobs), [None] * len(num_logprobs)
+    k_max = min(max(wanted), raw.shape[-1])
+    values, ids = raw.topk(k_max, dim=-1)  # [B, k_max], sorted descending
+    all_ids = ids.tolist()
+    all_lps = (values - lse[:, None]).tolist()
+    top_ids: list[list[int] | None] = []
+    top_lps: list[list[float] | None] = []
+    for i, k in enumerate(num_logprobs):
+        top_ids.append(None if k is None else all_ids[i][:k])
+        top_lps.append(None if k is None else all_lps[i][:k])
+    return top_ids, top_lps
