@@ -106,22 +106,46 @@ def shared_manager() -> Iterator[ManagerHandle]:
     handle.stop_and_check_clean()
 
 
+TINY_VOCAB = 256
+
+
 def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0) -> str:
-    """Save a tiny random-weight decoder of architecture `arch` to `path`."""
+    """Save a tiny random-weight decoder of architecture `arch`, with a tokenizer, to `path`."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[arch]
-    model_cls(config_cls(**common)).save_pretrained(path)
+    extra = {"head_dim": 16} if arch == "qwen3" else {}
+    model_cls(config_cls(**common, **extra)).save_pretrained(path)
+    save_tiny_tokenizer(path)
     return str(path)
+
+
+def save_tiny_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary: token i is the word "w{i}"."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(TINY_VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "w1", "eos_token": "w2", "unk_token": "w0",
+              "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Batched sampling with vLLM semantics: the last step of a worker's forward pass, logits to token ids."""
+"""Batched sampling with vLLM semantics: a worker's last step, from logits to token ids."""
 
 from __future__ import annotations
 

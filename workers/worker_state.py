@@ -105,7 +105,8 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
         utilization = float(options.get("gpu_memory_utilization") or 0.9)
         budget = free - (1 - utilization) * total
     if budget is None:
-        budget = DEFAULT_CPU_KV_CACHE_BYTES
+        # Room for 32 full-length sequences, at most 1 GiB: small models stay small.
+        budget = min(DEFAULT_CPU_KV_CACHE_BYTES, 32 * loaded.max_model_len * per_block / block_size)
     num_blocks = int(budget // per_block)
     if num_blocks < 1:
         raise ValueError(

@@ -1,0 +1,102 @@
+"""Request: one sequence's scheduling state (tokens, computed tokens, status).
+
+The engine builds it from a tokenized prompt; the scheduler moves it between its
+waiting and running queues and appends the tokens the worker samples.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from protocols.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # back in the waiting queue, KV blocks freed, to be recomputed
+    FINISHED_STOPPED = enum.auto()  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens or max_model_len
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+
+_FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """A prompt plus what has been generated for it, and how much of it the KV cache holds.
+
+    `num_computed_tokens` counts the tokens whose KV is in the cache *after the step
+    that was last scheduled* (the scheduler advances it in `schedule()`); the tokens
+    from there to `num_tokens` are what the next step has to compute.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
+        "output_token_ids", "num_computed_tokens", "num_cached_tokens", "status",
+        "stop_reason", "max_tokens", "_all_token_ids",
+    )  # fmt: skip
+
+    def __init__(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int], max_model_len: int, arrival_time: float,
+    ) -> None:  # fmt: skip
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = arrival_time
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        room = max_model_len - len(prompt_token_ids)
+        requested = sampling_params.max_tokens
+        self.max_tokens = room if requested is None else min(requested, room)
+        # prompt + output, kept alongside so that reading all tokens never copies.
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens; a live view: read it, never mutate it."""
+        return self._all_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's word once finished: "stop", "length" or "abort"; else None."""
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

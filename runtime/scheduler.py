@@ -1,0 +1,293 @@
+"""Scheduler: continuous batching under one token budget, chunked prefill, preemption by recompute.
+
+Sits between intake and the workers: `schedule()` picks the tokens of one step (a
+SchedulerOutput for the workers), `update_from_output()` takes the sampled tokens
+back, applies the stop rules and frees the blocks of finished requests.
+
+Invariant on `Request.num_computed_tokens` (as in vLLM v1): `schedule()` advances it by
+the tokens it schedules, right after building the step, so it already counts the KV the
+step in flight is writing. `update_from_output()` only appends sampled tokens; it never
+touches it. The messages carry the value from *before* the step: the worker computes
+tokens `num_computed_tokens .. num_computed_tokens + num_scheduled_tokens[req_id]`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from protocols.messages import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+    StepResult,
+    TopLogprobs,
+)
+from runtime.kv_blocks import KVCacheManager
+from runtime.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int  # requests running at once
+    max_num_batched_tokens: int  # tokens computed per step, all requests together
+    max_model_len: int  # prompt + output tokens of one request
+    block_size: int  # tokens per KV block
+    num_blocks: int  # KV blocks the workers allocated
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                     "num_blocks"):  # fmt: skip
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        capacity = self.num_blocks * self.block_size
+        if self.max_model_len > capacity:
+            # One request alone must always fit, or preemption could never make room.
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) must be <= the KV cache's "
+                f"{capacity} tokens (num_blocks * block_size)"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is off"
+            )
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request: its new tokens and, at the end, why it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]  # logprob of each new token
+    new_top_logprobs: list[TopLogprobs | None]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    stop_reason: int | str | None  # the stop token id (or string) that ended it
+
+
+class Scheduler:
+    """FCFS continuous batching: running requests first, then waiting ones, in one budget."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: deque[Request] = deque()  # new and preempted, FCFS
+        self.running: list[Request] = []  # hold KV blocks; oldest first
+        # Finished, aborted or preempted since the last schedule(): the workers forget them.
+        self.finished_req_ids: dict[str, None] = {}
+        self.step_id = 0  # schedule() calls so far
+        self.num_preemptions = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; ValueError if it could never run or its id is taken."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt < 1:
+            raise ValueError("prompt_token_ids must not be empty")
+        # SchedulerConfig holds max_model_len <= num_blocks * block_size, so a prompt within
+        # max_model_len also fits the whole cache: alone, it can always run.
+        if num_prompt > self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {num_prompt} tokens, more than max_model_len "
+                f"({self.config.max_model_len})"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string): blocks are free on return.
+
+        Unknown or already finished ids are ignored. The ids reach the workers in the next
+        SchedulerOutput; a result for them from a step already in flight is ignored.
+        """
+        if not status.is_finished:
+            raise ValueError(f"status must be a FINISHED_* status, got {status.name}")
+        removed_waiting = False
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                removed_waiting = True
+            request.status = status
+            self._free_request(request)
+        if removed_waiting:
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick the work of one step and advance `num_computed_tokens` of what it picked."""
+        config = self.config
+        kv = self.kv_cache_manager
+        token_budget = config.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        cached_requests: list[CachedRequestData] = []
+        new_requests: list[NewRequestData] = []
+        preempted = False
+
+        # Running requests, oldest first: decodes and the rest of chunked prefills.
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                token_budget,
+                config.max_model_len - request.num_computed_tokens,
+            )
+            if num_new <= 0:
+                index += 1
+                continue
+            new_block_ids = kv.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                # Out of blocks: the newest running request gives its blocks back.
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_block_ids = kv.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break
+            num_scheduled_tokens[request.request_id] = num_new
+            cached_requests.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            )
+            token_budget -= num_new
+            index += 1
+
+        # Waiting requests, FCFS; none if this step had to preempt (memory is short).
+        while (
+            not preempted and self.waiting and token_budget > 0
+            and len(self.running) < config.max_num_seqs
+        ):  # fmt: skip
+            request = self.waiting[0]
+            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if not config.enable_chunked_prefill and num_new > token_budget:
+                break
+            num_new = min(num_new, token_budget)
+            if kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:  # first admission, not a resume
+                request.num_cached_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            self.running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new
+            new_requests.append(self._new_request_data(request))
+            token_budget -= num_new
+
+        for request_id, num_new in num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_new
+        output = SchedulerOutput(
+            step_id=self.step_id,
+            new_requests=new_requests,
+            cached_requests=cached_requests,
+            num_scheduled_tokens=num_scheduled_tokens,
+            finished_req_ids=list(self.finished_req_ids),
+        )
+        self.finished_req_ids = {}
+        self.step_id += 1
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, result: StepResult
+    ) -> list[EngineCoreOutput]:
+        """Append each sampled token, apply the stop rules, free what finished."""
+        outputs: list[EngineCoreOutput] = []
+        for req_id, token_id, logprob, top in zip(
+            result.req_ids, result.sampled_token_ids, result.logprobs, result.top_logprobs,
+            strict=True,
+        ):  # fmt: skip
+            request = self.requests.get(req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished (aborted) while the step ran
+            assert request.num_computed_tokens == request.num_tokens, (
+                f"{req_id} sampled before its prompt was complete"
+            )
+            request.append_output_token_id(token_id)
+            if self._check_stop(request):
+                self.running.remove(request)
+                self._free_request(request)
+            finish_reason, stop_reason = request.finish_reason, request.stop_reason
+            outputs.append(
+                EngineCoreOutput(req_id, [token_id], [logprob], [top], finish_reason, stop_reason)
+            )
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget cached KV (e.g. after a failed step); False while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _check_stop(self, request: Request) -> bool:
+        """vLLM's check_stop, stop tokens first: sets the finished status and stop_reason."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if last in request.eos_token_ids and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: drop its KV, put it first in line; workers drop its state."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self.finished_req_ids[request.request_id] = None
+        self.num_preemptions += 1
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids[request.request_id] = None
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        # Snapshot of the lists that keep growing: the message may be read after this step.
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            eos_token_ids=sorted(request.eos_token_ids),
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+        )

@@ -1,0 +1,245 @@
+"""runtime.tokenizer: ids, special tokens and chat templates equal to transformers' own, and
+the module stays light (no torch, no transformers) in the user's process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+from transformers import AutoTokenizer
+
+from runtime.tokenizer import Tokenizer
+from workers.model_loader import prepare_model_dir, resolve_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TEXTS = [
+    "Hello, world!",
+    "The capital of France is",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnewlines\r\n\n  indented",
+    "naïve café déjà vu, Ærøskøbing, Straße",
+    "日本語のテキストと中文文本",
+    "emoji 😀👍🏽 👨‍👩‍👧 🇫🇷 flags",
+    "def f(x: int) -> int:\n    return x ** 2  # square\n",
+    '{"key": [1, 2.5, null], "nested": {"a": "b"}}',
+    "<|im_start|>user\nspecial tokens inline<|im_end|>",
+    "Ελληνικά, русский текст, עברית, العربية",
+    "",
+    "1234567890 3.14159 -42 1e10",
+]
+
+SYSTEM_USER = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2+2?"},
+]
+MULTI_TURN = [
+    {"role": "user", "content": "Hi! 😀"},
+    {"role": "assistant", "content": "Hello. How can I help?"},
+    {"role": "user", "content": 'Write <b>bold</b> & "quoted" text.'},
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    return prepare_model_dir(resolve_model("smollm2"))
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def theirs(smollm2_dir: Path):
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_matches_transformers(ours, theirs, add_special_tokens):
+    for text in TEXTS:
+        expected = theirs.encode(text, add_special_tokens=add_special_tokens)
+        assert ours.encode(text, add_special_tokens) == expected, text
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_matches_transformers(ours, theirs, skip_special_tokens):
+    for text in TEXTS:
+        ids = ours.encode(text)
+        expected = theirs.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert ours.decode(ids, skip_special_tokens) == expected, text
+
+
+@pytest.mark.parametrize("messages", [SYSTEM_USER, MULTI_TURN], ids=["system+user", "multi-turn"])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(ours, theirs, messages, add_generation_prompt):
+    text = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    expected = theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert text == expected
+    # What the engine sends: the rendered text encoded without adding special tokens again.
+    expected_ids = theirs.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+    )
+    assert ours.encode(text, add_special_tokens=False) == list(expected_ids)
+
+
+def test_chat_template_defaults_to_a_generation_prompt(ours):
+    assert ours.apply_chat_template(SYSTEM_USER).endswith("<|im_start|>assistant\n")
+
+
+def test_smollm2_special_tokens(ours, theirs):
+    assert 2 in ours.eos_token_ids  # <|im_end|>
+    assert ours.inner.id_to_token(2) == "<|im_end|>"
+    assert ours.bos_token_id == theirs.bos_token_id == 1
+    assert ours.vocab_size == len(theirs)
+    assert all(ours.is_special(i) for i in theirs.all_special_ids)
+    assert not ours.is_special(ours.encode("hello")[0])
+
+
+def test_text_parts_are_joined(ours):
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    as_parts = ours.apply_chat_template([{"role": "user", "content": parts}])
+    assert as_parts == ours.apply_chat_template([{"role": "user", "content": "first\nsecond"}])
+
+
+@pytest.mark.parametrize(
+    "messages, field",
+    [
+        ("hello", "messages"),
+        ([], "messages"),
+        ([{"role": "user", "content": "a"}, "b"], r"messages\[1\]"),
+        ([{"content": "a"}], r"messages\[0\]\.role"),
+        ([{"role": "user", "content": "a"}, {"role": "user"}], r"messages\[1\]\.content"),
+        ([{"role": "user", "content": 5}], r"messages\[0\]\.content"),
+        ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}],
+         r"messages\[0\]\.content\[1\]"),
+        ([{"role": "user", "content": [{"type": "text", "text": 3}]}],
+         r"messages\[0\]\.content\[0\]\.text"),
+    ],
+)  # fmt: skip
+def test_bad_messages_name_the_field(ours, messages, field):
+    with pytest.raises(ValueError, match=field):
+        ours.apply_chat_template(messages)
+
+
+def test_import_stays_light():
+    code = "import runtime.tokenizer, runtime.detokenizer, sys; print('torch' in sys.modules, 'transformers' in sys.modules)"  # noqa: E501
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False"]
+
+
+# ---- tiny model directories: template sources, variables, errors -------------------------
+
+
+# Indented block tags on their own lines exercise trim_blocks and lstrip_blocks.
+RICH_TEMPLATE = """{{ bos_token }}{% set ns = namespace(n=0) %}
+{% if tools %}
+Tools: {{ tools | tojson }}
+{% endif %}
+{% for message in messages %}
+    {% if message['role'] == 'stop' %}{% break %}{% endif %}
+    {% set ns.n = ns.n + 1 %}
+    {% if message['role'] == 'assistant' %}
+        {% generation %}A: {{ message['content'] }}{% endgeneration %}
+    {% else %}
+  {{ message['role'] | upper }}: {{ message['content'] }}
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}A:{% endif %}{{ ns.n }}{{ eos_token }}{{ extra | default('') }}"""
+
+
+def make_dir(
+    tmp_path: Path, template: str | list | None = None, files: dict[str, object] | None = None
+) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, "hello": 3, "world": 4}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.decoder = decoders.WordPiece()
+    raw.add_special_tokens(["<s>", "</s>", "<unk>"])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    eos = {"__type": "AddedToken", "content": "</s>", "special": True}  # the older config form
+    config: dict = {"bos_token": "<s>", "eos_token": eos, "unk_token": "<unk>",
+                    "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    if template is not None:
+        config["chat_template"] = template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    for name, content in (files or {}).items():
+        text = content if isinstance(content, str) else json.dumps(content)
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def test_rich_template_matches_transformers(tmp_path):
+    model_dir = make_dir(tmp_path, RICH_TEMPLATE)
+    ours, theirs = Tokenizer.from_model_dir(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    tools = [{"type": "function", "function": {"name": "f", "description": "<a> & 'b' é"}}]
+    messages = [*MULTI_TURN, {"role": "stop", "content": "x"}, {"role": "user", "content": "y"}]
+    for kwargs in ({}, {"tools": tools}, {"extra": "!"}, {"eos_token": "[override]"}):
+        for add in (True, False):
+            expected = theirs.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add, **kwargs
+            )
+            text = ours.apply_chat_template(messages, add_generation_prompt=add, **kwargs)
+            assert text == expected
+
+
+def test_named_templates_and_template_files(tmp_path):
+    named = [{"name": "default", "template": "D{{ messages | length }}"},
+             {"name": "tool_use", "template": "T{{ messages | length }}"}]  # fmt: skip
+    tok = Tokenizer.from_model_dir(make_dir(tmp_path, named))
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat) == "D1"
+    assert tok.apply_chat_template(chat, tools=[{"name": "f"}]) == "T1"
+    assert tok.apply_chat_template(chat, chat_template="tool_use") == "T1"
+    inline = "inline {{ messages[0].content }}"
+    assert tok.apply_chat_template(chat, chat_template=inline) == "inline hi"
+    # A chat_template.jinja file wins over the config's templates, as in transformers.
+    other = make_dir(tmp_path / "f", "config", {"chat_template.jinja": "file"})
+    assert Tokenizer.from_model_dir(other).apply_chat_template(chat) == "file"
+
+
+def test_template_errors_are_value_errors(tmp_path):
+    chat = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer.from_model_dir(make_dir(tmp_path)).apply_chat_template(chat)
+    raising = make_dir(tmp_path / "r", "{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match="roles must alternate"):
+        Tokenizer.from_model_dir(raising).apply_chat_template(chat)
+    broken = make_dir(tmp_path / "b", "{% for %}")
+    with pytest.raises(ValueError, match="does not compile"):
+        Tokenizer.from_model_dir(broken).apply_chat_template(chat)
+    sandboxed = make_dir(tmp_path / "s", "{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ValueError):
+        Tokenizer.from_model_dir(sandboxed).apply_chat_template(chat)
+
+
+def test_template_helpers(tmp_path):
+    template = "{{ {'k': '<é>'} | tojson }} {{ strftime_now('%Y') | length }}"
+    tok = Tokenizer.from_model_dir(make_dir(tmp_path, template))
+    assert tok.apply_chat_template([{"role": "user", "content": ""}]) == '{"k": "<é>"} 4'
+
+
+def test_eos_ids_come_from_every_config(tmp_path):
+    configs = {"generation_config.json": {"eos_token_id": [3, 4]},
+               "config.json": {"eos_token_id": 0}}  # fmt: skip
+    model_dir = make_dir(tmp_path, files=configs)
+    tok = Tokenizer.from_model_dir(model_dir)
+    assert tok.eos_token_ids == {0, 1, 3, 4}  # 1 is </s>, the tokenizer's eos_token
+    assert tok.bos_token_id == 0
+    assert tok.is_special(1) and not tok.is_special(3)
+
+
+def test_missing_tokenizer_json(tmp_path):
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        Tokenizer.from_model_dir(tmp_path)
