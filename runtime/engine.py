@@ -13,8 +13,8 @@ import os
 import signal
 import uuid
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AsyncExitStack, aclosing
+from collections.abc import Callable, Iterator
+from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -35,7 +35,8 @@ from runtime.manager_client import (
     connect_shared_manager,
 )
 from runtime.output_processor import ParentRequest
-from runtime.outputs import RequestMetrics, RequestOutput, RequestOutputCollector
+from runtime.outputs import RequestMetrics, RequestOutputCollector
+from runtime.request_stream import RequestStream
 from runtime.tokenizer import Tokenizer
 from runtime.worker_client import WorkerClient
 
@@ -195,18 +196,19 @@ class Engine:
 
     # -- generation -------------------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self,
         prompt: str | dict[str, Any],
         sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request: a string, or {"prompt_token_ids": [...]}.
+    ) -> RequestStream:
+        """Start one request and return its stream of outputs (`async for out in ...`).
 
-        Bad input raises ValueError naming the field before anything is scheduled.
-        Cancellation: leaving the iteration (break, cancel, a deadline) aborts the
-        request; its KV blocks are free after the next step.
+        `prompt` is a string or {"prompt_token_ids": [...]}. Bad input raises ValueError
+        naming the field here, before anything is scheduled. Leaving the stream (break,
+        cancellation, a deadline, `aclose()`) aborts the request; its KV blocks are free
+        again before the next step.
         """
         core = self._require_core()
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -221,39 +223,26 @@ class Engine:
             RequestMetrics(arrival_time=time.time()),
         )  # fmt: skip
         core.add_request(parent)
-        finished = False
-        try:
-            while not finished:
-                output = await parent.collector.get()
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:
-                core.abort(request_id)
+        return RequestStream(request_id, parent.collector, core.abort)
 
-    async def chat(
+    def chat(
         self,
         messages: list[dict[str, Any]],
         sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Apply the model's chat template to `messages`, then stream like generate().
-
-        Cancellation: as generate().
-        """
+    ) -> RequestStream:
+        """Apply the model's chat template to `messages`, then stream like generate()."""
         self._require_core()
         assert self.tokenizer is not None
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, **(chat_template_kwargs or {})
         )
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        stream = self.generate({"prompt_token_ids": ids, "prompt": text}, sampling_params,
-                               request_id=request_id)  # fmt: skip
-        async with aclosing(stream):
-            async for output in stream:
-                yield output
+        return self.generate(
+            {"prompt_token_ids": ids, "prompt": text}, sampling_params, request_id=request_id
+        )
 
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op if it already finished)."""

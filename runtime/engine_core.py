@@ -47,6 +47,7 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.num_steps = 0
         self._work = anyio.Event()
+        self._pending_aborts: list[str] = []
 
     # -- intake (sync, any task) -----------------------------------------------------------
 
@@ -67,11 +68,17 @@ class EngineCore:
         self._work.set()
 
     def abort(self, request_id: str) -> None:
-        """Drop a request; its KV blocks are free at once, the worker forgets it next step."""
+        """Drop a request before the next step (its KV blocks are freed then).
+
+        Only queues the id: it may be called from a finalizer, in the middle of anything.
+        """
+        self._pending_aborts.append(request_id)
+        self._work.set()
+
+    def _abort_now(self, request_id: str) -> None:
         child_ids = self.output_processor.remove(request_id)
         if child_ids:
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-            self._work.set()
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
@@ -88,6 +95,8 @@ class EngineCore:
         error: BaseException | None = None
         try:
             while True:
+                while self._pending_aborts:
+                    self._abort_now(self._pending_aborts.pop())
                 scheduler_output = self.scheduler.schedule()
                 if not scheduler_output.num_scheduled_tokens and not (
                     scheduler_output.finished_req_ids
@@ -128,5 +137,5 @@ class EngineCore:
         }
         for request_id in parents:
             self.output_processor.parents[request_id].collector.put(error)
-            self.abort(request_id)
+            self._abort_now(request_id)
         self._work.set()

@@ -1,0 +1,232 @@
+"""The generation API on a tiny model: sampling semantics end to end, logprobs against HF,
+stop strings, output kinds, n > 1, cancellation and bad input. asyncio and trio.
+"""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+import pytest
+
+from runtime import Engine, RequestOutputKind, SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = {"prompt_token_ids": [5, 17, 42, 99, 7, 3]}
+OTHER = {"prompt_token_ids": [11, 12, 13]}
+
+
+@pytest.fixture
+async def engine(tiny_model, shared_manager):
+    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32") as e:
+        yield e
+
+
+async def final(engine: Engine, prompt, params: SamplingParams):
+    out = None
+    async for out in engine.generate(prompt, params):
+        pass
+    assert out is not None and out.finished
+    return out
+
+
+async def test_temperature_zero_and_top_k_one_equal_greedy(engine):
+    greedy = await final(engine, PROMPT, SamplingParams(temperature=0, max_tokens=12))
+    top1 = await final(engine, PROMPT, SamplingParams(temperature=1.5, top_k=1, max_tokens=12))
+    assert top1.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+async def test_seeded_request_ignores_batch_companions(engine):
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = await final(engine, PROMPT, params)
+    results = {}
+
+    async def run(name, prompt, p):
+        results[name] = await final(engine, prompt, p)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, "seeded", PROMPT, params)
+        for i in range(3):
+            tg.start_soon(run, f"other{i}", OTHER, SamplingParams(temperature=1.0, max_tokens=20))
+    assert results["seeded"].outputs[0].token_ids == alone.outputs[0].token_ids
+    different = await final(engine, PROMPT, SamplingParams(temperature=1.0, seed=99,
+                                                          max_tokens=16, ignore_eos=True))
+    assert different.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+async def test_logprobs_match_hf_log_softmax(engine, tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = await final(engine, PROMPT, SamplingParams(temperature=0, max_tokens=6, logprobs=3,
+                                                     ignore_eos=True))  # fmt: skip
+    completion = out.outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT["prompt_token_ids"] + completion.token_ids])
+    with torch.no_grad():
+        ref = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+    start = len(PROMPT["prompt_token_ids"]) - 1
+    total = 0.0
+    for step, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        row = ref[start + step]
+        assert abs(entry[token_id].logprob - row[token_id].item()) < 1e-4
+        top = torch.topk(row, 3)
+        ranked = sorted((lp.rank, tid) for tid, lp in entry.items() if lp.rank is not None)
+        assert [tid for _, tid in ranked] == top.indices.tolist()
+        total += row[token_id].item()
+    assert math.isclose(completion.cumulative_logprob, total, abs_tol=1e-3)
+
+
+async def test_output_kinds_agree(engine):
+    base = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outputs = {}
+    for kind in RequestOutputKind:
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_kind=kind)
+        outputs[kind] = [o async for o in engine.generate(PROMPT, params)]
+    cumulative = outputs[RequestOutputKind.CUMULATIVE]
+    assert len(outputs[RequestOutputKind.FINAL_ONLY]) == 1
+    final_out = outputs[RequestOutputKind.FINAL_ONLY][0].outputs[0]
+    assert final_out.text == cumulative[-1].outputs[0].text
+    assert final_out.token_ids == cumulative[-1].outputs[0].token_ids
+    deltas = outputs[RequestOutputKind.DELTA]
+    assert "".join(d.outputs[0].text for d in deltas) == final_out.text
+    assert sum((d.outputs[0].token_ids for d in deltas), []) == final_out.token_ids
+    assert (await final(engine, PROMPT, base)).outputs[0].token_ids == final_out.token_ids
+
+
+async def test_n_samples_share_a_prompt(engine):
+    out = await final(engine, PROMPT, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8,
+                                                     ignore_eos=True))  # fmt: skip
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # independent samples
+    again = await final(engine, PROMPT, SamplingParams(n=3, temperature=1.0, seed=7,
+                                                       max_tokens=8, ignore_eos=True))
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+async def test_stop_string_across_tokens_never_leaks(engine):
+    greedy = await final(engine, PROMPT, SamplingParams(temperature=0, max_tokens=12,
+                                                        ignore_eos=True))  # fmt: skip
+    text = greedy.outputs[0].text  # words like " w124 w61 ..."
+    words = text.split()
+    # A stop string that starts inside one token and ends inside the next.
+    stop = words[3][1:] + " " + words[4][:2]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
+                            output_kind=RequestOutputKind.DELTA)  # fmt: skip
+    deltas = [o async for o in engine.generate(PROMPT, params)]
+    streamed = "".join(d.outputs[0].text for d in deltas)
+    assert stop not in streamed and streamed == text[: text.index(stop)]
+    assert deltas[-1].outputs[0].finish_reason == "stop"
+    assert deltas[-1].outputs[0].stop_reason == stop
+    included = await final(engine, PROMPT, SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
+        include_stop_str_in_output=True))  # fmt: skip
+    assert included.outputs[0].text == text[: text.index(stop) + len(stop)]
+
+
+async def test_stop_token_ids_and_min_tokens(engine):
+    greedy = await final(engine, PROMPT, SamplingParams(temperature=0, max_tokens=12,
+                                                        ignore_eos=True))  # fmt: skip
+    third = greedy.outputs[0].token_ids[2]
+    out = await final(engine, PROMPT, SamplingParams(temperature=0, max_tokens=12,
+                                                     stop_token_ids=[third], ignore_eos=True))
+    first_at = greedy.outputs[0].token_ids.index(third)
+    assert out.outputs[0].token_ids == greedy.outputs[0].token_ids[: first_at + 1]
+    assert out.outputs[0].stop_reason == third and out.outputs[0].finish_reason == "stop"
+    held = await final(engine, PROMPT, SamplingParams(
+        temperature=0, max_tokens=12, stop_token_ids=[third], min_tokens=first_at + 2,
+        ignore_eos=True))  # fmt: skip
+    assert third not in held.outputs[0].token_ids[: first_at + 2]  # banned until min_tokens
+
+
+async def _blocks_back(engine: Engine, free_before: int) -> None:
+    # Aborts free blocks at once; wait for the step loop to be idle again.
+    with anyio.fail_after(10):
+        while engine.stats().num_free_blocks != free_before or engine.stats().num_running:
+            await anyio.sleep(0.01)
+
+
+async def test_consumer_leaving_aborts_the_request(engine):
+    free_before = engine.stats().num_free_blocks
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    # 1: break after 3 chunks
+    count = 0
+    async for _ in engine.generate(PROMPT, long):
+        count += 1
+        if count == 3:
+            break
+    await _blocks_back(engine, free_before)
+    # 2: a deadline
+    with anyio.move_on_after(0.3):
+        async for _ in engine.generate(PROMPT, long):
+            pass
+    await _blocks_back(engine, free_before)
+    # 3: the consumer's task group is cancelled
+    async with anyio.create_task_group() as tg:
+
+        async def consume(task_status=anyio.TASK_STATUS_IGNORED):
+            async for _ in engine.generate(OTHER, long):
+                task_status.started()
+
+        await tg.start(consume)
+        tg.cancel_scope.cancel()
+    await _blocks_back(engine, free_before)
+    assert engine.stats().num_waiting == 0
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ("", SamplingParams(), "prompt must not be empty"),
+        ({"prompt_token_ids": []}, SamplingParams(), "prompt must not be empty"),
+        ({"prompt_token_ids": [1] * 600}, SamplingParams(), "max_model_len"),
+        ({"prompt_token_ids": [100000]}, SamplingParams(), "prompt_token_ids"),
+        (42, SamplingParams(), "prompt must be"),
+    ],
+)
+async def test_bad_prompts_fail_clearly_and_others_continue(engine, prompt, params, match):
+    async def good():
+        return await final(engine, PROMPT, SamplingParams(temperature=0, max_tokens=20,
+                                                          ignore_eos=True))  # fmt: skip
+
+    async with anyio.create_task_group() as tg:
+        results = []
+        tg.start_soon(lambda: _append(results, good()))
+        with pytest.raises(ValueError, match=match):
+            await final(engine, prompt, params)
+    assert len(results[0].outputs[0].token_ids) == 20
+
+
+async def _append(results, coro):
+    results.append(await coro)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [(dict(n=0), "n"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+     (dict(max_tokens=0), "max_tokens"), (dict(top_k=-3), "top_k"),
+     (dict(presence_penalty=float("nan")), "presence_penalty")],
+)  # fmt: skip
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field} "):
+        SamplingParams(**kwargs)
+
+
+async def test_max_tokens_beyond_context_stops_at_max_model_len(tiny_model, shared_manager):
+    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
+                      max_model_len=20) as e:  # fmt: skip
+        out = await final(e, PROMPT, SamplingParams(temperature=0, max_tokens=1000,
+                                                    ignore_eos=True))  # fmt: skip
+    assert out.outputs[0].finish_reason == "length"
+    assert len(PROMPT["prompt_token_ids"]) + len(out.outputs[0].token_ids) == 20
+
+
+async def test_duplicate_request_id_is_refused(engine):
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    first = engine.generate(PROMPT, params, request_id="same")
+    await first.__anext__()
+    with pytest.raises(ValueError, match="already running"):
+        await engine.generate(PROMPT, params, request_id="same").__anext__()
+    await first.aclose()
