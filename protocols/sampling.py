@@ -46,8 +46,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, RequestOutputKind):
-            object.__setattr__(self, "output_kind", _enum("output_kind", self.output_kind))
+        kind = self.output_kind
+        if isinstance(kind, int) and not isinstance(kind, RequestOutputKind):
+            object.__setattr__(self, "output_kind", _enum("output_kind", kind))
         self._validate()
 
     def _validate(self) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import uuid
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AsyncExitStack
 from types import TracebackType
@@ -247,6 +247,13 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op if it already finished)."""
         self._require_core().abort(request_id)
+
+    async def wait_until_idle(self) -> None:
+        """Wait until the engine has no request left (drain before shutdown, tests).
+
+        Cancellation: nothing to undo.
+        """
+        await self._require_core().wait_until_idle()
 
     def stats(self) -> EngineStats:
         """Running/waiting counts, KV blocks free/total, prefix-cache hit rate, steps."""

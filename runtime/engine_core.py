@@ -7,12 +7,13 @@ that only touch the scheduler and wake the loop, so they work from any task.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
 import anyio
 
-from protocols.messages import CallFailed, ExecuteStep, StepResult
+from protocols.messages import CallFailed, ExecuteStep, SchedulerOutput, StepResult
 from runtime.errors import EngineStepError
 from runtime.output_processor import OutputProcessor, ParentRequest
 from runtime.request import Request, RequestStatus
@@ -48,6 +49,7 @@ class EngineCore:
         self.num_steps = 0
         self._work = anyio.Event()
         self._pending_aborts: list[str] = []
+        self._idle = anyio.Event()  # set while the loop waits for work
 
     # -- intake (sync, any task) -----------------------------------------------------------
 
@@ -80,6 +82,14 @@ class EngineCore:
         if child_ids:
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
 
+    async def wait_until_idle(self) -> None:
+        """Wait until no request is left and every abort has been applied."""
+        while self._pending_aborts or self._work.is_set() or not self._idle.is_set():
+            if self._idle.is_set():
+                await anyio.lowlevel.checkpoint()  # the loop has yet to see the new work
+            else:
+                await self._idle.wait()
+
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
         return EngineStats(
@@ -101,11 +111,13 @@ class EngineCore:
                 if not scheduler_output.num_scheduled_tokens and not (
                     scheduler_output.finished_req_ids
                 ):
+                    self._idle.set()
                     await self._work.wait()
                     self._work = anyio.Event()
+                    self._idle = anyio.Event()
                     continue
                 replies = await self.workers.call(
-                    lambda call_id: ExecuteStep(call_id, scheduler_output)
+                    functools.partial(_execute_step, scheduler_output=scheduler_output)
                 )
                 self._process(scheduler_output, replies[0])
         except BaseException as exc:
@@ -139,3 +151,7 @@ class EngineCore:
             self.output_processor.parents[request_id].collector.put(error)
             self._abort_now(request_id)
         self._work.set()
+
+
+def _execute_step(call_id: int, scheduler_output: SchedulerOutput) -> ExecuteStep:
+    return ExecuteStep(call_id, scheduler_output)

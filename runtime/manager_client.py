@@ -50,7 +50,8 @@ async def connect_manager(socket_path: Path) -> MessageStream:
     except RemoteError as exc:
         raise ManagerError(f"engine-manager on {socket_path} refused: {exc}") from None
     except (ProtocolError, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
-        raise ManagerError(f"engine-manager on {socket_path} failed the handshake: {exc!r}") from exc
+        message = f"engine-manager on {socket_path} failed the handshake: {exc!r}"
+        raise ManagerError(message) from exc
 
 
 async def connect_shared_manager(socket_path: Path) -> MessageStream:

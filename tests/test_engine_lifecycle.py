@@ -11,8 +11,8 @@ import threading
 
 import anyio
 import pytest
-
 from proc_utils import wait_gone
+
 from runtime import Engine, EngineClosedError, RemoteCallError, WorkerStartError
 
 pytestmark = pytest.mark.anyio

@@ -14,8 +14,8 @@ import time
 
 import anyio
 import pytest
-
 from proc_utils import is_alive, wait_gone
+
 from runtime import Engine, EngineDeadError
 
 

@@ -24,11 +24,9 @@ async def engine(tiny_model, shared_manager):
 
 
 async def final(engine: Engine, prompt, params: SamplingParams):
-    out = None
-    async for out in engine.generate(prompt, params):
-        pass
-    assert out is not None and out.finished
-    return out
+    outputs = [out async for out in engine.generate(prompt, params)]
+    assert outputs and outputs[-1].finished
+    return outputs[-1]
 
 
 async def test_temperature_zero_and_top_k_one_equal_greedy(engine):
@@ -68,7 +66,8 @@ async def test_logprobs_match_hf_log_softmax(engine, tiny_model):
         ref = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
     start = len(PROMPT["prompt_token_ids"]) - 1
     total = 0.0
-    for step, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+    pairs = zip(completion.token_ids, completion.logprobs, strict=True)
+    for step, (token_id, entry) in enumerate(pairs):
         row = ref[start + step]
         assert abs(entry[token_id].logprob - row[token_id].item()) < 1e-4
         top = torch.topk(row, 3)
@@ -142,10 +141,10 @@ async def test_stop_token_ids_and_min_tokens(engine):
 
 
 async def _blocks_back(engine: Engine, free_before: int) -> None:
-    # Aborts free blocks at once; wait for the step loop to be idle again.
     with anyio.fail_after(10):
-        while engine.stats().num_free_blocks != free_before or engine.stats().num_running:
-            await anyio.sleep(0.01)
+        await engine.wait_until_idle()
+    assert engine.stats().num_free_blocks == free_before
+    assert engine.stats().num_running == 0
 
 
 async def test_consumer_leaving_aborts_the_request(engine):

@@ -10,8 +10,8 @@ import random
 
 import anyio
 import pytest
-
 from conftest import make_tiny_model
+
 from runtime import Engine, SamplingParams
 
 pytestmark = pytest.mark.anyio

@@ -8,6 +8,7 @@ the HELLO/WELCOME handshake run over a real socketpair on asyncio and trio.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import socket
 import types
 import typing
@@ -37,6 +38,7 @@ from protocols.errors import (
 )
 from protocols.framing import HEADER, FrameReader, encode_frame
 from protocols.messages import PROTOCOL_VERSION, ErrorReply, Hello, StatusRequest, Welcome
+from protocols.sampling import RequestOutputKind, SamplingParams
 
 FAST = settings(max_examples=50, deadline=None)
 DTYPES = ["int32", "int64", "uint8", "float16", "float32", "float64", "bool", ">i4"]
@@ -70,6 +72,18 @@ SIMPLE = {
 }  # fmt: skip
 
 
+# SamplingParams validates itself: draw only values it accepts.
+VALID_SAMPLING_PARAMS = st.builds(
+    SamplingParams,
+    n=st.integers(1, 4), temperature=st.floats(0, 2), top_p=st.floats(0.01, 1),
+    top_k=st.integers(-1, 50), seed=st.none() | st.integers(0, 2**31),
+    stop=st.lists(st.text(min_size=1), max_size=2).map(tuple),
+    stop_token_ids=st.lists(st.integers(0, 1000), max_size=2).map(tuple),
+    max_tokens=st.none() | st.integers(1, 100), logprobs=st.none() | st.integers(0, 5),
+    output_kind=st.sampled_from(list(RequestOutputKind)),
+)  # fmt: skip
+
+
 def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
     """Values of annotation `tp`, as the codec understands annotations."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -77,6 +91,12 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
         return st.one_of(*(strategy_for(a) for a in args))
     if origin is list:
         return st.lists(strategy_for(args[0]), max_size=4)
+    if origin is tuple:
+        return st.lists(strategy_for(args[0]), max_size=4).map(tuple)
+    if tp is SamplingParams:
+        return VALID_SAMPLING_PARAMS
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return st.sampled_from(list(tp))
     if origin is dict:
         return st.dictionaries(strategy_for(args[0]), strategy_for(args[1]), max_size=4)
     if dataclasses.is_dataclass(tp):
