@@ -101,3 +101,52 @@ async def test_preemption_under_a_tiny_kv_cache(arch_case, shared_manager):
         assert await generate_all(e, prompts) == expected
         assert e.stats().num_preemptions > 0
         assert e.stats().num_free_blocks == 8
+
+
+SMOL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three uses of copper:",
+    "The quick brown fox",
+    "Translate to French: I would like a cup of coffee, please.",
+    "In 1969, the first humans to walk on the Moon were",
+    "Q: What is 12 times 12?\nA:",
+]
+SYSTEM = "You are a concise assistant. Answer in one short sentence. " * 3
+
+
+@pytest.fixture(scope="module")
+def smollm2_case():
+    from runtime.tokenizer import Tokenizer
+    from workers.model_loader import prepare_model_dir, resolve_model
+
+    model_dir = str(prepare_model_dir(resolve_model("smollm2")))
+    tok = Tokenizer.from_model_dir(model_dir)
+    # The last four share a long system prefix: prefix-cache hits across requests.
+    prompts = [tok.encode(p) for p in SMOL_PROMPTS[:4]]
+    prompts += [tok.encode(SYSTEM + p) for p in SMOL_PROMPTS[4:]]
+    return prompts, hf_greedy(model_dir, prompts)
+
+
+@pytest.mark.slow
+async def test_smollm2_greedy_parity(smollm2_case, shared_manager):
+    prompts, expected = smollm2_case
+    async with Engine("smollm2", manager_socket=shared_manager.socket, dtype="float32") as e:
+        assert await generate_all(e, prompts) == expected
+        assert await generate_all(e, prompts, staggered=True) == expected
+        assert e.stats().prefix_cache_hit_rate > 0
+    async with Engine("smollm2", manager_socket=shared_manager.socket, dtype="float32",
+                      max_num_batched_tokens=24) as e:  # fmt: skip
+        assert await generate_all(e, prompts) == expected
+
+
+@pytest.mark.slow
+async def test_smollm2_greedy_parity_under_preemption(smollm2_case, shared_manager):
+    prompts, expected = smollm2_case
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 KV heads x 64
+    async with Engine("smollm2", manager_socket=shared_manager.socket, dtype="float32",
+                      kv_cache_memory=10 * block_bytes, max_model_len=160) as e:  # fmt: skip
+        assert e.stats().num_total_blocks == 10
+        assert await generate_all(e, prompts) == expected
+        assert e.stats().num_preemptions > 0

@@ -20,4 +20,6 @@ def test_example_notebook_executes(shared_manager, monkeypatch):
         out.get("text", "") for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
     )
     assert "warm: True" in outputs
+    assert "Paris" in outputs  # the streamed chat answer
+    assert "'The capital of Italy is' ->" in outputs  # the LLM facade
     assert "(trio)" in outputs
