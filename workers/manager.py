@@ -43,9 +43,8 @@ from workers.worker_group import (
     WorkerGroup,
     WorkerProcess,
     WorkerStartError,
-    launch_rank,
+    launch_group,
     stop_rank,
-    wait_ready,
 )
 
 logger = logging.getLogger(__name__)
@@ -216,25 +215,7 @@ class ManagerServer:
 
     async def _launch(self, group: WorkerGroup) -> None:
         assert self._tg is not None
-        dist_file = self.workdir / f"{group.group_id}.dist"
-        dist_file.unlink(missing_ok=True)
-        for rank in range(group.spec.world_size):
-            worker = await launch_rank(group, rank, self.workdir, dist_init_file=dist_file)
-            group.ranks.append(worker)
-        try:
-            # Ranks load and rendezvous together, so wait for all READYs concurrently.
-            readies: list[object] = [None] * len(group.ranks)
-            async with anyio.create_task_group() as tg:
-                for worker in group.ranks:
-                    tg.start_soon(_store_ready, worker, readies)
-        except BaseExceptionGroup as eg:
-            start_errors = eg.subgroup(WorkerStartError)
-            if start_errors is None:
-                raise
-            raise start_errors.exceptions[0] from None
-        finally:
-            dist_file.unlink(missing_ok=True)
-        group.model_info = readies[0].model_info  # type: ignore[attr-defined]
+        await launch_group(group, self.workdir)
         for worker in group.ranks:
             self._tg.start_soon(self._watch, group, worker)
 
@@ -384,10 +365,6 @@ def _spec_problem(spec: WorkerSpec) -> str | None:
     except (TypeError, ValueError) as exc:
         return f"options must be JSON values: {exc}"
     return None
-
-
-async def _store_ready(worker: WorkerProcess, readies: list[object]) -> None:
-    readies[worker.rank] = await wait_ready(worker)
 
 
 async def _try_send(ms: MessageStream, msg: object) -> None:

@@ -118,6 +118,32 @@ async def launch_rank(
     return WorkerProcess(rank, process, control, log_file, socket_path)
 
 
+async def launch_group(group: WorkerGroup, workdir: Path) -> None:
+    """Start every rank, wait for all READYs (they load and rendezvous together)."""
+    dist_file = workdir / f"{group.group_id}.dist"
+    dist_file.unlink(missing_ok=True)
+    for rank in range(group.spec.world_size):
+        group.ranks.append(await launch_rank(group, rank, workdir, dist_init_file=dist_file))
+    readies: list[WorkerReady | None] = [None] * len(group.ranks)
+
+    async def store_ready(worker: WorkerProcess) -> None:
+        readies[worker.rank] = await wait_ready(worker)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for worker in group.ranks:
+                tg.start_soon(store_ready, worker)
+    except BaseExceptionGroup as eg:
+        start_errors = eg.subgroup(WorkerStartError)
+        if start_errors is None:
+            raise
+        raise start_errors.exceptions[0] from None
+    finally:
+        dist_file.unlink(missing_ok=True)
+    assert readies[0] is not None
+    group.model_info = readies[0].model_info
+
+
 async def wait_ready(worker: WorkerProcess) -> WorkerReady:
     """READY from the rank, or WorkerStartError with its reason or its stderr tail."""
     try:
