@@ -102,6 +102,9 @@ class Engine:
         stack.push_async_callback(manager.aclose)
         tg = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(tg.cancel_scope.cancel)  # runs after release, before the group exits
+        # Readers end by their stream closing, not by cancellation: anyio's asyncio Unix
+        # socket can fail a read cancelled just as data arrives ("invalid state").
+        stack.push_async_callback(manager.aclose)
         await tg.start(manager.run)
         self._acquired = await manager.acquire(cfg.worker_spec(), cfg.keep_alive, self.engine_id)
         stack.push_async_callback(self._release, manager, self._acquired.group_id)

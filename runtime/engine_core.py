@@ -150,6 +150,8 @@ class EngineCore:
         for request_id in parents:
             self.output_processor.parents[request_id].collector.put(error)
             self._abort_now(request_id)
+        # Blocks hashed for that step never got their KV: no later request may hit them.
+        self.scheduler.reset_prefix_cache()
         self._work.set()
 
 
