@@ -3,8 +3,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# A cache of converted models shared by the tests (the GGUF is dequantized once).
-export LOOM_CACHE_DIR ?= $(HOME)/.cache/loomllm
 
 .PHONY: setup demo test test-fast lint clean
 

@@ -7,10 +7,11 @@ Both ends of every connection (manager, worker, engine, CLI) talk through a
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any, TypeVar
 
 import anyio
-from anyio.abc import ByteStream
+from anyio.abc import ByteStream, SocketAttribute
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from protocols.codec import decode, encode
@@ -72,6 +73,19 @@ class MessageStream:
         raise UnexpectedMessageError(
             f"expected {expected.__name__}, got {type(msg).__name__}"
         )
+
+    def shutdown(self) -> None:
+        """Shut the socket both ways: a task blocked in receive() sees EOF and ends itself.
+
+        Closing (or cancelling) a read instead races with data already in flight; anyio's
+        asyncio Unix sockets then fail a callback with "invalid state".
+        """
+        sock = self.stream.extra(SocketAttribute.raw_socket, None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected any more
 
     async def aclose(self) -> None:
         await self.stream.aclose()

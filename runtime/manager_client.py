@@ -138,22 +138,31 @@ class ManagerClient:
         self._on_worker_died = on_worker_died
         self._lock = anyio.Lock()
         self._reply_send, self._reply_receive = anyio.create_memory_object_stream[object](1)
+        self._started = False
+        self._done = anyio.Event()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Read the connection until it closes; runs in the engine's task group."""
+        self._started = True
         task_status.started()
         async with self._reply_send:
             try:
-                while True:
-                    msg = await self.ms.receive()
-                    if isinstance(msg, WorkerDied):
-                        self._on_worker_died(msg)
-                    else:
-                        await self._reply_send.send(msg)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass
-            except ProtocolError as exc:
-                logger.error("engine-manager broke the protocol: %s", exc)
+                await self._read_until_closed()
+            finally:
+                self._done.set()
+
+    async def _read_until_closed(self) -> None:
+        try:
+            while True:
+                msg = await self.ms.receive()
+                if isinstance(msg, WorkerDied):
+                    self._on_worker_died(msg)
+                else:
+                    await self._reply_send.send(msg)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+        except ProtocolError as exc:
+            logger.error("engine-manager broke the protocol: %s", exc)
 
     async def request(self, msg: object) -> object:
         async with self._lock:
@@ -190,6 +199,13 @@ class ManagerClient:
         assert isinstance(reply, Ack)
 
     async def aclose(self) -> None:
-        """Cancellation: forceful close, nothing to wait for."""
+        """Let the reader see EOF and end, then close.
+
+        Cancellation: shielded, bounded by a short timeout.
+        """
+        self.ms.shutdown()
+        if self._started:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                await self._done.wait()
         self._reply_receive.close()
         await anyio.aclose_forcefully(self.ms.stream)

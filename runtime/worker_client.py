@@ -40,6 +40,8 @@ class WorkerClient:
         self.ranks = ranks
         self.dead: EngineDeadError | None = None
         self._dead_event = anyio.Event()
+        self._closing = False
+        self._readers_done: list[anyio.Event] = []
         self._pending: dict[int, _PendingCall] = {}
         self._call_ids = itertools.count(1)
 
@@ -60,9 +62,20 @@ class WorkerClient:
 
     def start_readers(self, tg: TaskGroup, on_lost: Callable[[int, str], None]) -> None:
         for rank, ms in enumerate(self.ranks):
-            tg.start_soon(self._read, rank, ms, on_lost)
+            done = anyio.Event()
+            self._readers_done.append(done)
+            tg.start_soon(self._read, rank, ms, on_lost, done)
 
     async def _read(
+        self, rank: int, ms: MessageStream, on_lost: Callable[[int, str], None],
+        done: anyio.Event,
+    ) -> None:  # fmt: skip
+        try:
+            await self._read_until_closed(rank, ms, on_lost)
+        finally:
+            done.set()
+
+    async def _read_until_closed(
         self, rank: int, ms: MessageStream, on_lost: Callable[[int, str], None]
     ) -> None:
         try:
@@ -73,7 +86,8 @@ class WorkerClient:
                 elif isinstance(msg, ErrorReply):
                     raise ProtocolError(f"worker rank {rank} refused: {msg.message}")
         except (anyio.EndOfStream, anyio.BrokenResourceError) as exc:
-            on_lost(rank, f"connection to worker rank {rank} ended ({type(exc).__name__})")
+            if not self._closing:
+                on_lost(rank, f"connection to worker rank {rank} ended ({type(exc).__name__})")
         except anyio.ClosedResourceError:
             pass  # we closed it ourselves
         except ProtocolError as exc:
@@ -123,6 +137,15 @@ class WorkerClient:
         return [r for r in call.replies if r is not None]
 
     async def aclose(self) -> None:
-        """Cancellation: forceful close, nothing to wait for."""
+        """Let the readers see EOF and end, then close.
+
+        Cancellation: shielded, bounded by a short timeout.
+        """
+        self._closing = True
+        for ms in self.ranks:
+            ms.shutdown()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CONNECT_TIMEOUT_S):
+            for done in self._readers_done:
+                await done.wait()
         for ms in self.ranks:
             await anyio.aclose_forcefully(ms.stream)
