@@ -96,9 +96,14 @@ def _enum(name: str, value: int) -> RequestOutputKind:
         raise ValueError(f"{name} must be one of {[k.name for k in RequestOutputKind]}") from None
 
 
+_INT64 = (-(2**63), 2**63 - 1)  # what crosses the wire (msgpack)
+
+
 def _int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
     if type(value) is not int:
         raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not _INT64[0] <= value <= _INT64[1]:
+        raise ValueError(f"{name} must fit in 64 bits, got {value!r}")
     _range(name, value, low, high, low_open=False)
 
 

@@ -172,6 +172,11 @@ class Engine:
         return self._require_acquired().model_info
 
     @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output a request may have (the model's, within the KV cache)."""
+        return self._require_core().max_model_len
+
+    @property
     def worker_pids(self) -> list[int]:
         return list(self._require_acquired().pids)
 

@@ -229,3 +229,8 @@ async def test_duplicate_request_id_is_refused(engine):
     with pytest.raises(ValueError, match="already running"):
         await engine.generate(PROMPT, params, request_id="same").__anext__()
     await first.aclose()
+
+
+def test_integers_beyond_64_bits_are_refused():
+    with pytest.raises(ValueError, match="^seed must fit in 64 bits"):
+        SamplingParams(seed=2**100)

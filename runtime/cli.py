@@ -1,0 +1,134 @@
+"""The `loom` command: `loom serve` (OpenAI-compatible HTTP server) and `loom generate`.
+
+Engine options are vLLM's names as dashed flags. SIGINT/SIGTERM stop the server
+gracefully (in-flight requests get a few seconds), the engine closes, exit code 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from runtime.errors import LoomError
+
+ENGINE_FLAGS: list[tuple[str, Any, str]] = [
+    ("--dtype", str, "auto | float32 | bfloat16 | float16"),
+    ("--device", str, "auto | cpu | cuda"),
+    ("--max-model-len", int, "longest prompt + output, in tokens"),
+    ("--max-num-seqs", int, "most requests in one batch"),
+    ("--max-num-batched-tokens", int, "most tokens in one step"),
+    ("--kv-cache-memory", int, "KV cache size in bytes"),
+    ("--block-size", int, "tokens per KV block"),
+    ("--seed", int, "engine seed"),
+    ("--keep-alive", float, "seconds the workers stay warm after exit (-1: pinned)"),
+    ("--manager-socket", Path, "engine-manager socket (default: the per-user one)"),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loom", description="loomllm: serve or run a model")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def engine_args(p: argparse.ArgumentParser) -> None:
+        for flag, kind, help_ in ENGINE_FLAGS:
+            p.add_argument(flag, type=kind, default=None, help=help_)
+        p.add_argument("--manager", choices=["auto", "private"], default=None,
+                       help="auto: the shared daemon; private: one that dies with us")  # fmt: skip
+        p.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio")
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("model", nargs="?", default="smollm2")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    serve.add_argument("--served-model-name", default=None, help="the name clients send")
+    engine_args(serve)
+
+    gen = sub.add_parser("generate", help="stream one completion to stdout")
+    gen.add_argument("model")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    engine_args(gen)
+    return parser
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags that were given, as Engine keyword arguments."""
+    names = [flag[2:].replace("-", "_") for flag, _, _ in ENGINE_FLAGS] + ["manager"]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+async def _watch_signals(stop: anyio.Event, scope: anyio.CancelScope, serving: list[bool]) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            print(f"loom: {signal.Signals(signum).name}, stopping", file=sys.stderr)
+            if stop.is_set() or not serving:
+                scope.cancel()  # a second signal, or still starting: stop now
+            stop.set()
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from runtime.engine import Engine
+    from runtime.server import build_app, serve
+
+    stop = anyio.Event()
+    serving: list[bool] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_watch_signals, stop, tg.cancel_scope, serving)
+        async with Engine(args.model, **engine_options(args)) as engine:
+            app = build_app(engine, args.served_model_name or args.model, api_key=args.api_key)
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            serving.append(True)
+            await serve(app, f"{host}:{args.port}", stop.wait)
+        tg.cancel_scope.cancel()
+
+
+async def _generate(args: argparse.Namespace) -> None:
+    from protocols.sampling import RequestOutputKind, SamplingParams
+    from runtime.engine import Engine
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed,
+        output_kind=RequestOutputKind.DELTA,
+    )  # fmt: skip
+    async with Engine(args.model, **engine_options(args)) as engine:
+        async with engine.generate(args.prompt, params) as stream:
+            async for out in stream:
+                sys.stdout.write(out.outputs[0].text)
+                sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    run = {"serve": _serve, "generate": _generate}[args.command]
+    try:
+        anyio.run(run, args, backend=args.loop)
+    except KeyboardInterrupt:
+        return 0
+    except BaseExceptionGroup as eg:
+        leaf = _first_leaf(eg)
+        if not isinstance(leaf, ValueError | LoomError | OSError):
+            raise
+        print(f"loom: {leaf}", file=sys.stderr)
+        return 2 if isinstance(leaf, ValueError) else 1
+    except (ValueError, LoomError, OSError) as exc:  # bad options name the option
+        print(f"loom: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    return 0
+
+
+def _first_leaf(eg: BaseExceptionGroup) -> BaseException:
+    first = eg.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""OpenAI request bodies parsed into SamplingParams and plain fields; bad input: ApiError(400).
+
+Hand-written on purpose: each check names the field (in the message and as `param`), the
+engine's own ValueErrors (SamplingParams, prompt checks) are translated here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from protocols.sampling import RequestOutputKind, SamplingParams
+
+# Body fields passed to SamplingParams as they are (vLLM's extras included).
+_SAMPLING_FIELDS = {
+    "temperature": "number", "top_p": "number", "n": "int", "seed": "int",
+    "presence_penalty": "number", "frequency_penalty": "number", "top_k": "int",
+    "min_p": "number", "repetition_penalty": "number", "ignore_eos": "bool",
+    "min_tokens": "int", "stop_token_ids": "int_list", "skip_special_tokens": "bool",
+    "include_stop_str_in_output": "bool",
+}  # fmt: skip
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 128  # choices per prompt: more would flood the batch
+_KIND_WORDS = {
+    "int": "an integer", "number": "a number", "bool": "true or false", "str": "a string",
+    "int_list": "a list of integers", "dict": "an object", "list": "a list",
+}  # fmt: skip
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's `{"error": {message, type, param, code}}`."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None,
+        type_: str = "invalid_request_error", code: str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = (
+            status, message, param, type_, code,
+        )  # fmt: skip
+
+    def body(self) -> dict[str, Any]:
+        error = {"message": self.message, "type": self.type, "param": self.param,
+                 "code": self.code if self.code is not None else self.status}  # fmt: skip
+        return {"error": error}
+
+
+def bad(message: str, param: str | None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+def from_value_error(exc: ValueError, default_param: str, renames: dict[str, str]) -> ApiError:
+    """A ValueError whose message starts with a field name, as a 400 naming that field.
+
+    Only names in `renames` or SamplingParams' fields count; else `default_param`.
+    """
+    message = str(exc)
+    first = message.split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0]
+    if first in renames or first in SamplingParams.__dataclass_fields__:
+        param = renames.get(first, first)
+        message = param + message[len(first):] if param != first else message
+    else:
+        param = default_param
+    if not message.startswith(param):
+        message = f"{param}: {message}"
+    return bad(message, param)
+
+
+def field(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:
+    """body[name] checked against `kind`; `default` when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = {
+        "int": type(value) is int,
+        "number": type(value) in (int, float),
+        "bool": type(value) is bool,
+        "str": isinstance(value, str),
+        "dict": isinstance(value, dict),
+        "list": isinstance(value, list),
+        "int_list": isinstance(value, list) and all(type(v) is int for v in value),
+    }[kind]
+    if not ok:
+        raise bad(f"{name} must be {_KIND_WORDS[kind]}, got {value!r}"[:300], name)
+    if kind in ("int", "int_list") and not all(
+        _INT64_MIN <= v <= _INT64_MAX for v in (value if kind == "int_list" else [value])
+    ):  # msgpack carries 64-bit integers only: a bigger one must not reach the engine
+        raise bad(f"{name} must fit in 64 bits", name)
+    return value
+
+
+def check_model(body: dict[str, Any], served: str) -> None:
+    model = field(body, "model", "str")
+    if model is not None and model != served:
+        raise ApiError(404, f"the model {model!r} does not exist; this server has {served!r}",
+                       "model", "NotFoundError", "model_not_found")  # fmt: skip
+
+
+@dataclass(slots=True)
+class Common:
+    """What completions and chat share besides the prompt."""
+
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+def parse_common(
+    body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+    renames: dict[str, str], stream_kind: RequestOutputKind = RequestOutputKind.DELTA,
+) -> Common:  # fmt: skip
+    stream = field(body, "stream", "bool", False)
+    options = field(body, "stream_options", "dict", {})
+    if options and not stream:
+        raise bad("stream_options is only allowed with stream: true", "stream_options")
+    include_usage = options.get("include_usage", False)
+    if type(include_usage) is not bool:
+        raise bad("stream_options.include_usage must be true or false", "stream_options")
+    kwargs = {name: v for name, kind in _SAMPLING_FIELDS.items()
+              if (v := field(body, name, kind)) is not None}  # fmt: skip
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise bad("stop must be a non-empty string or a list of them", "stop")
+        kwargs["stop"] = stop
+    if kwargs.get("n", 1) > MAX_N:
+        raise bad(f"n must be in [1, {MAX_N}], got {kwargs['n']}", "n")
+    kind = stream_kind if stream else RequestOutputKind.FINAL_ONLY
+    try:
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=kind,
+                                **kwargs)  # fmt: skip
+    except ValueError as exc:
+        raise from_value_error(exc, "body", renames) from None
+    return Common(params, stream, include_usage)
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    prompts: list[str | dict[str, Any]]  # each a string or {"prompt_token_ids": [...]}
+    echo: bool
+    common: Common
+
+
+def parse_completion(body: dict[str, Any]) -> CompletionRequest:
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad("prompt is required (a string, a list of strings or of token ids)", "prompt")
+    raw = body["prompt"]
+    prompts: list[str | dict[str, Any]]
+    if isinstance(raw, str):
+        prompts = [raw]
+    elif isinstance(raw, list) and raw and all(type(t) is int for t in raw):
+        prompts = [{"prompt_token_ids": raw}]
+    elif isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
+        prompts = list(raw)
+    elif isinstance(raw, list) and raw and all(
+        isinstance(p, list) and p and all(type(t) is int for t in p) for p in raw
+    ):
+        prompts = [{"prompt_token_ids": p} for p in raw]
+    else:
+        raise bad("prompt must be a string, a non-empty list of strings, or token id lists",
+                  "prompt")  # fmt: skip
+    if field(body, "suffix", "str"):
+        raise bad("suffix is not supported", "suffix")
+    echo = field(body, "echo", "bool", False)
+    logprobs = field(body, "logprobs", "int")
+    if echo and logprobs is not None:
+        raise bad("logprobs with echo (prompt logprobs) is not supported yet", "echo")
+    max_tokens = field(body, "max_tokens", "int", 16)
+    return CompletionRequest(prompts, echo, parse_common(body, max_tokens, logprobs, {}))
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    messages: list[Any]
+    common: Common
+    want_logprobs: bool
+
+
+def parse_chat(body: dict[str, Any]) -> ChatRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages is required: a non-empty list of {role, content} objects",
+                  "messages")  # fmt: skip
+    want_logprobs = field(body, "logprobs", "bool", False)
+    top = field(body, "top_logprobs", "int")
+    if top is not None and not want_logprobs:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    max_tokens = field(body, "max_completion_tokens", "int")
+    renames = {"logprobs": "top_logprobs"}
+    if max_tokens is None:
+        max_tokens = field(body, "max_tokens", "int")
+    else:
+        renames["max_tokens"] = "max_completion_tokens"
+    common = parse_common(body, max_tokens, logprobs, renames)
+    return ChatRequest(messages, common, want_logprobs)

@@ -1,0 +1,239 @@
+"""Completions and chat completions: start engine requests, shape OpenAI bodies and chunks.
+
+Between the HTTP layer (app.py) and the Engine. Every RequestStream is held in an
+`async with` so leaving early (disconnect, error) aborts its request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+
+from runtime.engine import Engine
+from runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from runtime.request_stream import RequestStream
+from runtime.server import sse
+from runtime.server.schemas import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    from_value_error,
+)
+
+
+def start_streams(
+    engine: Engine, prompts: list[Any], req: CompletionRequest | ChatRequest, base_id: str
+) -> list[RequestStream]:
+    """One engine request per prompt; a bad prompt aborts those already started (400)."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = f"{base_id}-{i}"
+            if isinstance(req, ChatRequest):
+                streams.append(engine.chat(req.messages, req.common.params, request_id=rid))
+            else:
+                streams.append(engine.generate(prompt, req.common.params, request_id=rid))
+    except ValueError as exc:
+        for s in streams:
+            s.close()
+        param = "messages" if isinstance(req, ChatRequest) else "prompt"
+        renames = {"prompt_token_ids": "prompt", "prompt": "prompt", "messages": "messages"}
+        raise from_value_error(exc, param, renames) from None
+    return streams
+
+
+async def drive(
+    streams: list[RequestStream], handle: Callable[[int, RequestOutput], Awaitable[None]]
+) -> None:
+    """Call handle(prompt index, output) for all streams' outputs as they come, in this task.
+
+    An engine error is raised here. Cancellation: every request is aborted.
+    """
+    send, receive = anyio.create_memory_object_stream[tuple[int, Any]](len(streams))
+
+    async def pump(i: int, stream: RequestStream, out: Any) -> None:
+        async with out, stream:
+            try:
+                async for item in stream:
+                    await out.send((i, item))
+            except Exception as exc:  # delivered to the consumer, not the task group
+                await out.send((i, exc))
+
+    error: Exception | None = None
+    async with AsyncExitStack() as stack:
+        for s in streams:
+            stack.push_async_callback(s.aclose)
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tg.cancel_scope.cancel)
+        async with send:
+            for i, s in enumerate(streams):
+                tg.start_soon(pump, i, s, send.clone())
+        async with receive:
+            try:
+                async for i, item in receive:
+                    if isinstance(item, Exception):
+                        raise item
+                    await handle(i, item)
+            except Exception as exc:  # raised below, outside the task group: no group
+                error = exc
+    if error is not None:
+        raise error
+
+
+def engine_error(exc: Exception) -> ApiError:
+    return ApiError(500, f"the engine failed this request: {exc}", None, "internal_error")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+class Formatter:
+    """Turns CompletionOutputs into OpenAI choice objects (text or chat, logprobs)."""
+
+    def __init__(self, engine: Engine, model: str, chat: bool, want_logprobs: bool) -> None:
+        assert engine.tokenizer is not None
+        self.tokenizer = engine.tokenizer
+        self.model, self.chat, self.want_logprobs = model, chat, want_logprobs
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.offsets: dict[int, int] = {}  # choice index -> text offset so far (completions)
+
+    def token_text(self, token_id: int, lp: Logprob | None = None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def logprobs(self, index: int, c: CompletionOutput) -> dict[str, Any] | None:
+        if not self.want_logprobs or c.logprobs is None:
+            return None
+        entries = list(zip(c.token_ids, c.logprobs, strict=False))
+        if self.chat:
+            content = []
+            for tid, row in entries:
+                top = sorted((lp.rank, t, lp) for t, lp in row.items() if lp.rank is not None)
+                tok = self.token_text(tid, row.get(tid))
+                content.append({
+                    "token": tok, "logprob": row[tid].logprob, "bytes": list(tok.encode()),
+                    "top_logprobs": [
+                        {"token": (s := self.token_text(t, lp)), "logprob": lp.logprob,
+                         "bytes": list(s.encode())} for _, t, lp in top
+                    ],
+                })  # fmt: skip
+            return {"content": content}
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = self.offsets.get(index, 0)
+        for tid, row in entries:
+            tok = self.token_text(tid, row.get(tid))
+            tokens.append(tok)
+            token_lps.append(row[tid].logprob)
+            ranked = sorted((lp.rank, t, lp) for t, lp in row.items() if lp.rank is not None)
+            tops.append({self.token_text(t, lp): lp.logprob for _, t, lp in ranked})
+            offsets.append(offset)
+            offset += len(tok)
+        self.offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}  # fmt: skip
+
+    def envelope(self, choices: list[Any], chunk: bool, usage_: Any = None) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if chunk and self.chat else "")  # fmt: skip
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices}  # fmt: skip
+        if not chunk or usage_ is not None:
+            body["usage"] = usage_
+        return body
+
+
+async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: str) -> Any:
+    """The whole answer as one body (stream: false)."""
+    chat = isinstance(req, ChatRequest)
+    fmt = Formatter(engine, model, chat, req.want_logprobs if chat else req.common.params.logprobs
+                    is not None)  # fmt: skip
+    prompts = [None] if chat else req.prompts
+    streams = start_streams(engine, prompts, req, fmt.id)
+    finals: dict[int, RequestOutput] = {}
+
+    async def keep(i: int, out: RequestOutput) -> None:
+        finals[i] = out
+
+    try:
+        await drive(streams, keep)
+    except Exception as exc:
+        raise engine_error(exc) from exc
+    n = req.common.params.n
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for i in range(len(prompts)):
+        out = finals[i]
+        prompt_tokens += len(out.prompt_token_ids)
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            completion_tokens += len(c.token_ids)
+            index = i * n + c.index
+            choice: dict[str, Any] = {"index": index}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                echo = req.echo and (out.prompt if out.prompt is not None else
+                                     fmt.tokenizer.decode(out.prompt_token_ids))  # fmt: skip
+                choice["text"] = (echo or "") + c.text
+            choice["logprobs"] = fmt.logprobs(index, c)
+            choice["finish_reason"] = c.finish_reason
+            choices.append(choice)
+    return fmt.envelope(choices, chunk=False, usage_=usage(prompt_tokens, completion_tokens))
+
+
+def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: str) -> Any:
+    """Start the requests now (bad input: ApiError before any byte), return the SSE producer."""
+    chat = isinstance(req, ChatRequest)
+    fmt = Formatter(engine, model, chat, req.want_logprobs if chat else req.common.params.logprobs
+                    is not None)  # fmt: skip
+    prompts = [None] if chat else req.prompts
+    streams = start_streams(engine, prompts, req, fmt.id)
+    n = req.common.params.n
+
+    def chunk(index: int, piece: dict[str, Any], logprobs: Any = None,
+              finish: str | None = None) -> bytes:  # fmt: skip
+        choice = {"index": index, **piece, "logprobs": logprobs, "finish_reason": finish}
+        return sse.event(fmt.envelope([choice], chunk=True))
+
+    async def produce(send: sse.Send) -> None:
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        started: set[int] = set()
+
+        async def handle(i: int, out: RequestOutput) -> None:
+            nonlocal completion_tokens
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            for c in out.outputs:
+                index = i * n + c.index
+                if index not in started:
+                    started.add(index)
+                    if chat:
+                        await send(chunk(index, {"delta": {"role": "assistant",
+                                                           "content": ""}}))  # fmt: skip
+                    elif req.echo:
+                        text = out.prompt if out.prompt is not None else \
+                            fmt.tokenizer.decode(out.prompt_token_ids)
+                        await send(chunk(index, {"text": text}))
+                completion_tokens += len(c.token_ids)
+                if not c.text and not c.token_ids and c.finish_reason is None:
+                    continue
+                piece = {"delta": {"content": c.text}} if chat else {"text": c.text}
+                await send(chunk(index, piece, fmt.logprobs(index, c), c.finish_reason))
+        try:
+            await drive(streams, handle)
+        except Exception as exc:
+            await send(sse.event(engine_error(exc).body()))
+        else:
+            if req.common.include_usage:
+                used = usage(sum(prompt_tokens.values()), completion_tokens)
+                await send(sse.event(fmt.envelope([], chunk=True, usage_=used)))
+        await send(sse.DONE)
+
+    return produce

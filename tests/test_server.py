@@ -1,0 +1,287 @@
+"""The OpenAI-compatible server, for real: hypercorn on 127.0.0.1 (port 0) over a tiny model's
+Engine, driven with httpx. Bodies, streaming, errors, API key, disconnect. asyncio and trio.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from runtime import Engine
+from runtime.server import build_app, serve
+
+pytestmark = pytest.mark.anyio
+
+NAME = "tiny"
+TEMPLATE = (
+    "{% for m in messages %}w{{ 10 + loop.index }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}w9{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_model, tmp_path_factory) -> str:
+    """A copy of the tiny model with a simple chat template."""
+    path = tmp_path_factory.mktemp("tiny-chat") / "m"
+    shutil.copytree(tiny_model, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@asynccontextmanager
+async def running(model: str, manager, **app_options):
+    """(engine, client) with the app served by hypercorn on a free port in this task group."""
+    async with Engine(model, manager_socket=manager.socket, dtype="float32") as engine:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        bind = f"fd://{sock.detach()}"
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve, build_app(engine, NAME, **app_options), bind, stop.wait)
+            base = f"http://127.0.0.1:{port}"
+            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                with anyio.fail_after(10):
+                    while True:  # the server accepts as soon as it listens
+                        try:
+                            await client.get("/version")
+                            break
+                        except httpx.ConnectError:
+                            await anyio.sleep(0.02)
+                yield engine, client
+            stop.set()
+
+
+@pytest.fixture
+async def server(tiny_model, shared_manager):
+    async with running(tiny_model, shared_manager) as pair:
+        yield pair
+
+
+async def sse_events(response: httpx.Response) -> list:
+    events = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    if param is not None:
+        assert param in error["message"]
+    return error
+
+
+async def test_models_health_version(server):
+    _, client = server
+    models = (await client.get("/v1/models")).json()
+    assert models["object"] == "list" and models["data"][0]["id"] == NAME
+    health = await client.get("/health")
+    assert health.status_code == 200
+    assert "version" in (await client.get("/version")).json()
+
+
+async def test_completion_streaming_matches_non_streaming(server):
+    engine, client = server
+    body = {"model": NAME, "prompt": "w5 w17 w42", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    whole = (await client.post("/v1/completions", json=body)).json()
+    assert whole["object"] == "text_completion" and whole["model"] == NAME
+    choice = whole["choices"][0]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length"
+    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=stream_body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = await sse_events(response)
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+    chunks = events[:-2]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    tokens = await client.post("/tokenize", json={"prompt": "w5 w17 w42"})
+    assert tokens.json()["tokens"] == [5, 17, 42]
+    text = await client.post("/detokenize", json={"tokens": [5, 17]})
+    assert text.json()["prompt"] == "w5 w17"
+
+
+async def test_completion_n_lists_logprobs_echo(server):
+    _, client = server
+    body = {"prompt": [[5, 6, 7], [8, 9]], "n": 2, "max_tokens": 3, "seed": 1,
+            "ignore_eos": True, "logprobs": 2}  # fmt: skip
+    out = (await client.post("/v1/completions", json=body)).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert out["usage"]["prompt_tokens"] == 5 and out["usage"]["completion_tokens"] == 12
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 3 and len(lp["top_logprobs"][0]) == 2
+    echoed = (await client.post("/v1/completions", json={
+        "prompt": "w5 w6", "echo": True, "max_tokens": 2, "temperature": 0})).json()  # fmt: skip
+    assert echoed["choices"][0]["text"].startswith("w5 w6")
+
+
+async def test_bad_input_is_400_naming_the_field(server):
+    engine, client = server
+    cases = [
+        ({"prompt": "w5", "temperature": -1}, "temperature"),
+        ({"prompt": "w5", "top_p": 0}, "top_p"),
+        ({"prompt": "w5", "n": 0}, "n"),
+        ({"prompt": "w5", "max_tokens": "x"}, "max_tokens"),
+        ({"prompt": "w5", "stop": [1]}, "stop"),
+        ({"prompt": "w5", "seed": 2**100}, "seed"),  # would not fit the wire to the worker
+        ({"prompt": "w5", "n": 1000}, "n"),
+        ({"prompt": "w5", "logprobs": 21}, "logprobs"),
+        ({"prompt": "w5", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "w5", "min_tokens": 9, "max_tokens": 2}, "min_tokens"),
+        ({"max_tokens": 3}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [99999]}, "prompt"),
+        ({"prompt": " ".join(["w5"] * 600)}, "prompt"),
+    ]
+    for body, param in cases:
+        assert_error(await client.post("/v1/completions", json=body), 400, param)
+    assert_error(await client.post("/v1/completions", json={"model": "gpt-9", "prompt": "w5"}),
+                 404, "model")  # fmt: skip
+    assert_error(await client.post("/v1/completions", content=b"{not json"), 400, None)
+    assert_error(await client.post("/v1/completions", json=[1, 2]), 400, None)
+    assert_error(await client.post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
+    assert (await client.get("/v1/nothing")).status_code == 404
+    # No template on this model: a clear 400, not a 500.
+    chat = {"messages": [{"role": "user", "content": "w5"}]}
+    error = assert_error(await client.post("/v1/chat/completions", json=chat), 400, "messages")
+    assert "chat template" in error["message"]
+    assert_error(await client.post("/v1/chat/completions", json={"messages": []}), 400,
+                 "messages")  # fmt: skip
+    await engine.wait_until_idle()
+    assert engine.stats().num_running == 0
+
+
+async def test_chat_happy_path_and_stream(chat_model, shared_manager):
+    async with running(chat_model, shared_manager) as (_, client):
+        body = {"model": NAME, "messages": [{"role": "user", "content": "w5 w6"}],
+                "max_completion_tokens": 5, "temperature": 0, "ignore_eos": True,
+                "logprobs": True, "top_logprobs": 2}  # fmt: skip
+        whole = (await client.post("/v1/chat/completions", json=body)).json()
+        assert whole["object"] == "chat.completion"
+        message = whole["choices"][0]["message"]
+        assert message["role"] == "assistant" and message["content"]
+        assert whole["usage"]["completion_tokens"] == 5
+        content_lps = whole["choices"][0]["logprobs"]["content"]
+        assert len(content_lps) == 5 and len(content_lps[0]["top_logprobs"]) == 2
+        assert_error(await client.post("/v1/chat/completions", json={**body, "top_logprobs": 99}),
+                     400, "top_logprobs")  # fmt: skip
+        stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with client.stream("POST", "/v1/chat/completions", json=stream_body) as response:
+            events = await sse_events(response)
+        assert events[-1] == "[DONE]" and events[-2]["usage"] == whole["usage"]
+        assert events[0]["object"] == "chat.completion.chunk"
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2])
+        assert text == message["content"]
+        assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_api_key(tiny_model, shared_manager):
+    async with running(tiny_model, shared_manager, api_key="s3cret") as (_, client):
+        assert_error(await client.get("/v1/models"), 401, None)
+        wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        ok = await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        assert (await client.get("/health")).status_code == 200
+
+
+async def post_then_hang_up(port: int, body: dict, engine: Engine, until_data: bool) -> None:
+    """POST over a raw socket; close it once the request runs (first SSE event, or running)."""
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()  # fmt: skip
+    async with await anyio.connect_tcp("127.0.0.1", port) as conn:
+        await conn.send(head + data)
+        if until_data:
+            received = b""
+            while b"data: " not in received:
+                received += await conn.receive()
+        else:
+            with anyio.fail_after(10):
+                while engine.stats().num_running == 0:  # noqa: ASYNC110 (no such event)
+                    await anyio.sleep(0.01)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_disconnect_aborts_the_request(server, stream):
+    engine, client = server
+    steps_before = engine.stats().num_steps
+    body = {"prompt": "w5 w6", "max_tokens": 400, "ignore_eos": True, "stream": stream}
+    await post_then_hang_up(client.base_url.port, body, engine, until_data=stream)
+    with anyio.fail_after(10):
+        await engine.wait_until_idle()
+    assert engine.stats().num_running == 0
+    assert engine.stats().num_steps - steps_before < 300  # aborted, far from 400 tokens
+    # The engine still serves.
+    again = await client.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2})
+    assert again.status_code == 200
+
+def test_chat_template_file_exists(chat_model):
+    assert "chat_template" in json.loads((Path(chat_model) / "tokenizer_config.json").read_text())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_loom_serve_cli_stops_cleanly_on_sigterm(tiny_model, shared_manager, loop):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "runtime.cli", "serve", tiny_model, "--port", str(port),
+           "--served-model-name", NAME, "--dtype", "float32", "--loop", loop,
+           "--manager-socket", str(shared_manager.socket)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "loom serve did not come up"
+                time.sleep(0.1)
+        assert health.status_code == 200
+        body = {"model": NAME, "prompt": "w5", "max_tokens": 2}
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def test_loom_generate_streams_to_stdout(tiny_model, shared_manager):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "runtime.cli", "generate", tiny_model, "w5 w6", "--max-tokens",
+           "4", "--dtype", "float32", "--manager-socket", str(shared_manager.socket)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split()) >= 1 and result.stdout.endswith("\n")
