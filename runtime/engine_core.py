@@ -126,13 +126,13 @@ class EngineCore:
         finally:
             self.output_processor.abort_all(error)
 
-    def _process(self, scheduler_output: object, reply: object) -> None:
+    def _process(self, scheduler_output: SchedulerOutput, reply: object) -> None:
         self.num_steps += 1
         if isinstance(reply, CallFailed):
             self._fail_running(reply)
             return
         assert isinstance(reply, StepResult)
-        outputs = self.scheduler.update_from_output(scheduler_output, reply)  # type: ignore[arg-type]
+        outputs = self.scheduler.update_from_output(scheduler_output, reply)
         stopped = self.output_processor.process(outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

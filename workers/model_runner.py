@@ -37,6 +37,14 @@ class CachedRequestState:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
 
 
+def kv_geometry(config: object) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of an HF decoder config (or its text config)."""
+    text = getattr(config, "text_config", None) or config
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers, num_kv_heads, head_dim
+
+
 class ModelRunner:
     """Runs steps for one worker rank; owns the model and the KV cache."""
 
@@ -50,24 +58,20 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        text = getattr(config, "text_config", None) or config
-        num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        num_layers, num_kv_heads, head_dim = kv_geometry(config)
         shape = (num_blocks * block_size, num_kv_heads, head_dim)  # slot-major: one row a token
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(text.num_hidden_layers)
+            for _ in range(num_layers)
         ]  # fmt: skip
         self.requests: dict[str, CachedRequestState] = {}
 
     @staticmethod
     def bytes_per_block(config: object, block_size: int, dtype: torch.dtype) -> int:
-        text = getattr(config, "text_config", None) or config
-        num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        num_layers, num_kv_heads, head_dim = kv_geometry(config)
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * text.num_hidden_layers * block_size * num_kv_heads * head_dim * element
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
     def reset(self) -> None:
         """Forget every request (the attached engine went away)."""
