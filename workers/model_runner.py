@@ -32,6 +32,9 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = None
     all_token_ids: list[int] = field(default_factory=list)
+    # Cache slot of each position computed so far: block ids never change once given, so
+    # each step extends this instead of recomputing the whole context (the hot path).
+    slots: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
@@ -120,7 +123,8 @@ class ModelRunner:
             input_ids.extend(state.all_token_ids[start:end])
             positions.extend(range(start, end))
             blocks = state.block_ids
-            context = [blocks[p // bs] * bs + p % bs for p in range(end)]
+            state.slots.extend(blocks[p // bs] * bs + p % bs for p in range(len(state.slots), end))
+            context = state.slots[:end]
             slots.extend(context[start:end])
             if num_new == 1:
                 decode_idx.append(token_start)
