@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo serve test test-fast lint clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: setup
 	$(PY) examples/quickstart.py
+
+# The OpenAI-compatible server on the embedded SmolLM2; e.g. SERVE_ARGS="--port 8080".
+serve: setup
+	$(VENV)/bin/loom serve smollm2 $(SERVE_ARGS)
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -24,8 +24,11 @@ from protocols.messages import (
     Ack,
     AcquireWorkers,
     ErrorReply,
+    ListWorkers,
     ReleaseWorkers,
     WorkerDied,
+    WorkerInfo,
+    WorkerList,
     WorkersAcquired,
     WorkerSpec,
 )
@@ -37,16 +40,17 @@ logger = logging.getLogger(__name__)
 MANAGER_START_TIMEOUT_S = 30.0
 # Loading a model from GGUF the first time takes tens of seconds on a small CPU.
 ACQUIRE_TIMEOUT_S = 900.0
+REQUEST_TIMEOUT_S = 30.0  # a request the manager answers from memory
 
 
 def manager_command(socket_path: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "workers.manager", "--socket", str(socket_path), *args]
 
 
-async def connect_manager(socket_path: Path) -> MessageStream:
+async def connect_manager(socket_path: Path, role: str = "engine") -> MessageStream:
     """Connect and handshake; a refusal or a broken peer becomes ManagerError."""
     try:
-        return await open_unix_connection(socket_path, "engine")
+        return await open_unix_connection(socket_path, role)
     except RemoteError as exc:
         raise ManagerError(f"engine-manager on {socket_path} refused: {exc}") from None
     except (ProtocolError, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
@@ -74,6 +78,30 @@ async def connect_shared_manager(socket_path: Path) -> MessageStream:
         return await connect_manager(socket_path)
     except OSError as exc:
         raise ManagerError(f"engine-manager started but {socket_path} refuses: {exc}") from exc
+
+
+async def list_workers(socket_path: Path) -> list[WorkerInfo]:
+    """What the manager at `socket_path` runs (ListWorkers); never starts one.
+
+    Raises ManagerError when no manager answers there. Cancellation: the connection is
+    closed, nothing else happened.
+    """
+    try:
+        with anyio.fail_after(REQUEST_TIMEOUT_S):
+            ms = await connect_manager(socket_path, "cli")
+            async with ms.stream:
+                await ms.send(ListWorkers())
+                reply = await ms.receive_type(WorkerList)
+    except (FileNotFoundError, ConnectionRefusedError):
+        raise ManagerError(f"no engine-manager is running on {socket_path}") from None
+    except TimeoutError:
+        message = f"engine-manager on {socket_path} did not answer in {REQUEST_TIMEOUT_S:g}s"
+        raise ManagerError(message) from None
+    except RemoteError as exc:
+        raise ManagerError(f"engine-manager on {socket_path} refused: {exc}") from None
+    except (ProtocolError, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
+        raise ManagerError(f"engine-manager on {socket_path} failed: {exc!r}") from exc
+    return reply.workers
 
 
 class PrivateManager:

@@ -314,11 +314,16 @@ class ManagerServer:
             expires = None
             if group.state == "idle" and group.keep_alive > 0 and group.idle_since is not None:
                 expires = max(0.0, group.idle_since + group.keep_alive - now)
+            if group.model_info is not None:
+                dtype = group.model_info.dtype
+            else:
+                dtype = str((group.spec.options or {}).get("dtype", "auto"))
             for w in group.ranks:
                 infos.append(
                     WorkerInfo(
                         group.group_id, w.rank, w.pid, group.spec.model, group.state,
                         w.rss_bytes(), now - w.started_at, float(group.keep_alive), expires,
+                        group.spec.world_size, dtype,
                     )  # fmt: skip
                 )
         return infos

@@ -31,6 +31,7 @@ from protocols.messages import (
     WorkerList,
 )
 from protocols.rundir import default_socket_path, ensure_private_dir, lock_path, log_path
+from protocols.worker_table import format_seconds, ps_table
 
 START_TIMEOUT_S = 30.0
 MAX_LOG_BYTES = 10 * 1024 * 1024
@@ -209,7 +210,8 @@ def _cmd_status(args: argparse.Namespace, socket_path: Path) -> int:
         f"engine-manager running: pid {status.pid}, up {status.uptime_s:.0f}s, "
         f"socket {status.socket}\n  clients {status.num_clients}, workers "
         f"{status.num_workers}/{status.max_workers}, max keep-alive "
-        f"{_seconds(status.max_keep_alive)}, idle timeout {_seconds(status.idle_timeout)}"
+        f"{format_seconds(status.max_keep_alive)}, "
+        f"idle timeout {format_seconds(status.idle_timeout)}"
     )
     return 0
 
@@ -221,15 +223,7 @@ def _cmd_ps(args: argparse.Namespace, socket_path: Path) -> int:
         print("engine-manager is not running")
         return 1
     assert isinstance(reply, WorkerList)
-    rows = [("GROUP", "RANK", "PID", "MODEL", "STATE", "MEMORY", "AGE", "KEEP_ALIVE", "EXPIRES")]
-    for w in reply.workers:
-        expires = "-" if w.expires_in_s is None else f"{w.expires_in_s:.0f}s"
-        rows.append((w.group_id, str(w.rank), str(w.pid), w.model, w.state,
-                     f"{w.rss_bytes / 2**20:.0f} MiB", f"{w.age_s:.0f}s",
-                     _seconds(w.keep_alive), expires))  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print(ps_table(reply.workers))
     return 0
 
 
@@ -284,7 +278,3 @@ def _tail(path: Path, lines: int) -> str:
         f.seek(0, os.SEEK_END)
         f.seek(max(0, f.tell() - 200 * lines))
         return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-lines:])
-
-
-def _seconds(value: float) -> str:
-    return "forever" if value < 0 else f"{value:g}s"
