@@ -8,13 +8,17 @@ Three conversations, each opened by Hello/Welcome:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from protocols.codec import message
 from protocols.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
+# 2: WorkerInfo gained world_size and dtype.
+# 3: SamplingParams.prompt_logprobs; StepResult.prompt_logprobs.
+PROTOCOL_VERSION = 3
 
 
 # -- handshake and errors (all connections) -------------------------------------------
@@ -155,6 +159,8 @@ class WorkerInfo:
     age_s: float
     keep_alive: float
     expires_in_s: float | None  # idle workers only; None = pinned or busy
+    world_size: int  # ranks in its group (tensor-parallel size)
+    dtype: str  # the loaded weights' dtype; the requested one ("auto", ...) while loading
 
 
 @message(17)
@@ -288,6 +294,24 @@ class TopLogprobs:
     logprobs: list[float]
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """One prefill chunk's prompt logprobs for one request that set `prompt_logprobs` (k).
+
+    Row j is about prompt token `start + j` (start >= 1: nothing predicts token 0), scored
+    by the raw distribution the model predicted at the position before it. A prompt split
+    by chunked prefill arrives in several of these; a request recomputed after a
+    preemption before its first sampled token sends its rows again, with the same values.
+    """
+
+    req_id: str
+    start: int  # prompt index of row 0's token
+    token_logprobs: np.ndarray  # [N] float32: each prompt token's logprob
+    ranks: np.ndarray  # [N] int64: its rank, 1 = most likely (ties share the worse rank)
+    top_token_ids: np.ndarray  # [N, k] int64, by logprob descending
+    top_logprobs: np.ndarray  # [N, k] float32
+
+
 @message(44)
 @dataclass(frozen=True, slots=True)
 class StepResult:
@@ -298,3 +322,6 @@ class StepResult:
     sampled_token_ids: list[int]
     logprobs: list[float]  # of each sampled token, from the raw logits
     top_logprobs: list[TopLogprobs | None]  # for requests that asked for `logprobs`
+    # This step's prompt positions of the requests that asked for `prompt_logprobs`,
+    # sampled this step or not.
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)

@@ -34,6 +34,9 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per token, besides the sampled one
+    # Logprob of each prompt token (after the first) plus this many top logprobs at each
+    # prompt position; None: off. Such a request skips the prefix cache (all of it is computed).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -75,7 +78,9 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         if self.logprobs is not None:
-            _int("logprobs", self.logprobs, low=0, high=20)
+            _int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         _bool("skip_special_tokens", self.skip_special_tokens)
         _bool("include_stop_str_in_output", self.include_stop_str_in_output)
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -87,6 +92,7 @@ class SamplingParams:
 
 
 _GREEDY_EPSILON = 1e-5
+MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI allows
 
 
 def _enum(name: str, value: int) -> RequestOutputKind:
@@ -111,6 +117,10 @@ def _number(
     name: str, value: object, low: float | None = None, high: float | None = None,
     low_open: bool = False,
 ) -> None:  # fmt: skip
+    # An int beyond 64 bits could not cross the wire (and may overflow a float).
+    if type(value) is int and not -(2**63) <= value < 2**63:  # type: ignore[operator]
+        raise ValueError(f"{name} must be a finite number, got an integer of "
+                         f"{value.bit_length()} bits")  # fmt: skip
     if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     _range(name, value, low, high, low_open)  # type: ignore[arg-type]

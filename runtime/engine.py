@@ -256,6 +256,10 @@ class Engine:
         """Abort a request by id (no-op if it already finished)."""
         self._require_core().abort(request_id)
 
+    def abort_all(self) -> None:
+        """Abort every running request: each open stream ends with finish_reason "abort"."""
+        self._require_core().abort_all()
+
     async def wait_until_idle(self) -> None:
         """Wait until the engine has no request left (drain before shutdown, tests).
 

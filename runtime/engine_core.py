@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import anyio
 
 from protocols.messages import CallFailed, ExecuteStep, SchedulerOutput, StepResult
+from runtime.engine_metrics import HistogramSnapshot
 from runtime.errors import EngineStepError
 from runtime.output_processor import OutputProcessor, ParentRequest
 from runtime.request import Request, RequestStatus
@@ -25,6 +26,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
+    """The engine now (queues, KV blocks) and its totals since start (runtime/engine_metrics.py).
+
+    Latency histograms and finishes are per sequence (n=2 counts twice); prompt tokens
+    once per request.
+    """
+
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -32,6 +39,17 @@ class EngineStats:
     prefix_cache_hit_rate: float
     num_steps: int
     num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_finished: dict[str, int]  # by finish reason: stop, length, abort, error
+    time_to_first_token: HistogramSnapshot
+    inter_token_latency: HistogramSnapshot
+    e2e_request_latency: HistogramSnapshot
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of KV blocks held by requests, 0..1 (free cached blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
 
 
 class EngineCore:
@@ -49,6 +67,7 @@ class EngineCore:
         self.num_steps = 0
         self._work = anyio.Event()
         self._pending_aborts: list[str] = []
+        self._pending_child_aborts: list[str] = []  # streams already ended by abort_all()
         self._idle = anyio.Event()  # set while the loop waits for work
 
     # -- intake (sync, any task) -----------------------------------------------------------
@@ -60,7 +79,11 @@ class EngineCore:
             if params.n > 1:
                 # Children sample independently; seeded ones stay reproducible (vLLM's rule).
                 seed = None if params.seed is None else params.seed + index
-                child_params = dataclasses.replace(params, n=1, seed=seed)
+                # The prompt is the same for all: child 0 alone scores it (prompt_logprobs).
+                prompt_logprobs = params.prompt_logprobs if index == 0 else None
+                child_params = dataclasses.replace(
+                    params, n=1, seed=seed, prompt_logprobs=prompt_logprobs
+                )
             self.scheduler.add_request(
                 Request(
                     child_id, parent.prompt_token_ids, child_params, self.eos_token_ids,
@@ -77,14 +100,27 @@ class EngineCore:
         self._pending_aborts.append(request_id)
         self._work.set()
 
-    def _abort_now(self, request_id: str) -> None:
-        child_ids = self.output_processor.remove(request_id)
+    def abort_all(self) -> None:
+        """End every live request now with finish_reason "abort" (a server's drain deadline).
+
+        The streams end at once; the scheduler drops the requests before the next step.
+        """
+        for parent in self.output_processor.parents.values():
+            self._pending_child_aborts.extend(parent.child_ids())
+        self.output_processor.abort_all()
+        self._work.set()
+
+    def _abort_now(self, request_id: str, finish_reason: str = "abort") -> None:
+        child_ids = self.output_processor.remove(request_id, finish_reason)
         if child_ids:
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
 
     async def wait_until_idle(self) -> None:
         """Wait until no request is left and every abort has been applied."""
-        while self._pending_aborts or self._work.is_set() or not self._idle.is_set():
+        while (
+            self._pending_aborts or self._pending_child_aborts or self._work.is_set()
+            or not self._idle.is_set()
+        ):  # fmt: skip
             if self._idle.is_set():
                 await anyio.lowlevel.checkpoint()  # the loop has yet to see the new work
             else:
@@ -92,10 +128,13 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
+        m = self.output_processor.metrics
         return EngineStats(
             self.scheduler.num_running, self.scheduler.num_waiting, kv.num_free_blocks,
             kv.num_total_blocks, kv.prefix_cache_hit_rate, self.num_steps,
-            self.scheduler.num_preemptions,
+            self.scheduler.num_preemptions, m.num_prompt_tokens, m.num_generation_tokens,
+            dict(m.num_finished), m.time_to_first_token.snapshot(),
+            m.inter_token_latency.snapshot(), m.e2e_request_latency.snapshot(),
         )  # fmt: skip
 
     # -- the step loop ---------------------------------------------------------------------
@@ -107,6 +146,9 @@ class EngineCore:
             while True:
                 while self._pending_aborts:
                     self._abort_now(self._pending_aborts.pop())
+                if self._pending_child_aborts:
+                    children, self._pending_child_aborts = self._pending_child_aborts, []
+                    self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
                 scheduler_output = self.scheduler.schedule()
                 if not scheduler_output.num_scheduled_tokens and not (
                     scheduler_output.finished_req_ids
@@ -133,6 +175,7 @@ class EngineCore:
             return
         assert isinstance(reply, StepResult)
         outputs = self.scheduler.update_from_output(scheduler_output, reply)
+        self.output_processor.add_prompt_logprobs(reply.prompt_logprobs)
         stopped = self.output_processor.process(outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -149,7 +192,7 @@ class EngineCore:
         }
         for request_id in parents:
             self.output_processor.parents[request_id].collector.put(error)
-            self._abort_now(request_id)
+            self._abort_now(request_id, "error")
         # Blocks hashed for that step never got their KV: no later request may hit them.
         self.scheduler.reset_prefix_cache()
         self._work.set()

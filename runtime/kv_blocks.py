@@ -136,9 +136,11 @@ class KVCacheManager:
         """Cached blocks holding a prefix of a new request, and how many tokens they cover.
 
         Full blocks only, and never the whole prompt: at most `num_tokens - 1` tokens, so
-        the step still computes one token and gets its logits. Changes nothing.
+        the step still computes one token and gets its logits. Changes nothing. A request
+        asking for prompt logprobs finds none (vLLM's rule): every prompt position must be
+        computed to get its logits. Its own full blocks are still cached for others.
         """
-        if not self.enable_prefix_caching:
+        if not self._can_read_cache(request):
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []
@@ -174,7 +176,7 @@ class KVCacheManager:
             return None
         if req_blocks is None:
             req_blocks = self.req_to_blocks[rid] = []
-            if self.enable_prefix_caching:
+            if self._can_read_cache(request):  # the hit rate counts lookups only
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += len(new_computed_blocks) * self.block_size
         pool.touch(new_computed_blocks)
@@ -185,6 +187,9 @@ class KVCacheManager:
             num_full = min(num_tokens, request.num_tokens) // self.block_size
             self._cache_full_blocks(request, req_blocks, num_full)
         return new_blocks
+
+    def _can_read_cache(self, request: Request) -> bool:
+        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so that the tail is evicted first."""

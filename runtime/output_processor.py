@@ -2,7 +2,8 @@
 
 One RequestState per scheduled (child) request; a request with n > 1 fans out into n
 children whose outputs a ParentRequest gathers. Stop strings found here are reported
-back so the scheduler finishes those requests.
+back so the scheduler finishes those requests. Prompt logprobs come per prefill chunk
+and gather on the ParentRequest until the whole prompt is scored.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from protocols.messages import TopLogprobs
+from protocols.messages import PromptLogprobs, TopLogprobs
 from protocols.sampling import RequestOutputKind, SamplingParams
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.engine_metrics import EngineMetrics
 from runtime.outputs import (
     CompletionOutput,
     Logprob,
@@ -36,6 +38,20 @@ class ParentRequest:
     metrics: RequestMetrics
     children: dict[int, CompletionOutput] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    # One entry per prompt token while being filled (params.prompt_logprobs set): child 0
+    # alone asks the workers, n > 1 children share the prompt.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_prompt_logprobs_missing: int = 0
+    prompt_logprobs_sent: bool = False  # DELTA sends them once
+
+    def _prompt_logprobs_to_send(self) -> list[dict[int, Logprob] | None] | None:
+        if self.prompt_logprobs is None or self.num_prompt_logprobs_missing:
+            return None
+        if self.params.output_kind == RequestOutputKind.DELTA:
+            if self.prompt_logprobs_sent:
+                return None
+            self.prompt_logprobs_sent = True
+        return self.prompt_logprobs
 
     def child_ids(self) -> list[str]:
         if self.params.n == 1:
@@ -59,7 +75,7 @@ class ParentRequest:
         self.collector.put(
             RequestOutput(
                 self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
-                self.metrics, self.num_cached_tokens,
+                self.metrics, self.num_cached_tokens, self._prompt_logprobs_to_send(),
             )  # fmt: skip
         )
 
@@ -77,6 +93,7 @@ class RequestState:
     num_sent_tokens: int = 0  # for DELTA outputs
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    last_token_time: float | None = None  # this sequence's, for the inter-token latency
 
 
 class OutputProcessor:
@@ -86,10 +103,14 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentRequest] = {}
         self.states: dict[str, RequestState] = {}
+        self.metrics = EngineMetrics()
 
     def add(self, parent: ParentRequest) -> list[str]:
         """Register a request; returns its child request ids for the scheduler."""
         self.parents[parent.request_id] = parent
+        if parent.params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(parent.prompt_token_ids)
+            parent.num_prompt_logprobs_missing = len(parent.prompt_token_ids) - 1
         child_ids = parent.child_ids()
         for index, child_id in enumerate(child_ids):
             params = parent.params
@@ -104,15 +125,52 @@ class OutputProcessor:
             )  # fmt: skip
         return child_ids
 
-    def remove(self, request_id: str) -> list[str]:
-        """Forget a request (aborted by its consumer); returns the child ids to abort."""
+    def remove(self, request_id: str, finish_reason: str = "abort") -> list[str]:
+        """Forget a request (aborted by its consumer, or failed); returns the child ids to abort.
+
+        Its unfinished sequences count as finished with `finish_reason` in the metrics.
+        """
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return []
+        now = time.time()
         child_ids = parent.child_ids()
         for child_id in child_ids:
-            self.states.pop(child_id, None)
+            if self.states.pop(child_id, None) is not None:
+                self.metrics.record_finished(finish_reason, parent.metrics.arrival_time, now)
         return child_ids
+
+    def add_prompt_logprobs(self, chunks: list[PromptLogprobs]) -> None:
+        """Fill in one step's prompt logprobs; call before `process` of the same step."""
+        decoded: dict[int, str] = {}
+
+        def decode(token_id: int) -> str:
+            text = decoded.get(token_id)
+            if text is None:
+                text = decoded[token_id] = self.tokenizer.decode([token_id], False)
+            return text
+
+        for chunk in chunks:
+            state = self.states.get(chunk.req_id)
+            if state is None or state.parent.prompt_logprobs is None:
+                continue  # aborted while the step ran
+            parent = state.parent
+            entries = parent.prompt_logprobs
+            assert entries is not None and 1 <= chunk.start
+            assert chunk.start + len(chunk.token_logprobs) <= len(entries)
+            rows = zip(
+                chunk.token_logprobs.tolist(), chunk.ranks.tolist(),
+                chunk.top_token_ids.tolist(), chunk.top_logprobs.tolist(), strict=True,
+            )  # fmt: skip
+            for position, (logprob, rank, top_ids, top_lps) in enumerate(rows, chunk.start):
+                token_id = parent.prompt_token_ids[position]
+                entry = {token_id: Logprob(logprob, rank, decode(token_id))}
+                for top_rank, (tid, lp) in enumerate(zip(top_ids, top_lps, strict=True), 1):
+                    if tid not in entry:  # the prompt token keeps its own rank (ties)
+                        entry[tid] = Logprob(lp, top_rank, decode(tid))
+                if entries[position] is None:  # a recompute after preemption rewrites
+                    parent.num_prompt_logprobs_missing -= 1
+                entries[position] = entry
 
     def process(self, outputs: list[EngineCoreOutput]) -> list[str]:
         """Stream one step's results; returns child ids that a stop string finished."""
@@ -128,6 +186,7 @@ class OutputProcessor:
             parent.emit(self._completion(state))
             if state.finish_reason is not None:
                 del self.states[out.request_id]
+                self.metrics.record_finished(state.finish_reason, parent.metrics.arrival_time, now)
                 if parent.finished:
                     parent.metrics.finished_time = now
                     del self.parents[parent.request_id]
@@ -135,7 +194,12 @@ class OutputProcessor:
 
     def abort_all(self, error: BaseException | None = None) -> None:
         """Engine shutdown: every open stream ends, with `error` or finish_reason "abort"."""
+        now = time.time()
         for parent in list(self.parents.values()):
+            for child_id in parent.child_ids():
+                if child_id in self.states:
+                    reason = "abort" if error is None else "error"
+                    self.metrics.record_finished(reason, parent.metrics.arrival_time, now)
             if error is not None:
                 parent.collector.put(error)
                 continue
@@ -149,10 +213,14 @@ class OutputProcessor:
 
     def _update(self, state: RequestState, out: EngineCoreOutput, now: float) -> bool:
         metrics = state.parent.metrics
-        if out.new_token_ids and metrics.first_token_time is None:
-            metrics.first_token_time = now
         if out.new_token_ids:
-            metrics.last_token_time = now
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                self.metrics.num_prompt_tokens += len(state.parent.prompt_token_ids)
+            last = state.last_token_time
+            since = metrics.arrival_time if last is None else last
+            self.metrics.record_tokens(len(out.new_token_ids), last is None, since, now)
+            metrics.last_token_time = state.last_token_time = now
         state.token_ids.extend(out.new_token_ids)
         state.cumulative_logprob += sum(out.new_logprobs)
         if state.logprobs is not None:

@@ -53,6 +53,11 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    # (nothing predicts it); each holds the token's own Logprob (with its rank) and the
+    # top-k of the distribution predicted at the position before. Set from the first output
+    # on (DELTA: in the first output only); None when not asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def merge_delta(self, newer: RequestOutput) -> None:
         """Fold a later DELTA output into this one (the consumer has not taken this yet)."""
@@ -69,6 +74,8 @@ class RequestOutput:
             mine.cumulative_logprob = c.cumulative_logprob
             mine.finish_reason, mine.stop_reason = c.finish_reason, c.stop_reason
         self.finished, self.metrics = newer.finished, newer.metrics
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = newer.prompt_logprobs
         self.num_cached_tokens = newer.num_cached_tokens
 
 

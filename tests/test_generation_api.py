@@ -234,3 +234,8 @@ async def test_duplicate_request_id_is_refused(engine):
 def test_integers_beyond_64_bits_are_refused():
     with pytest.raises(ValueError, match="^seed must fit in 64 bits"):
         SamplingParams(seed=2**100)
+    for huge in (2**70, 10**400):  # number fields: msgpack cannot carry them, float overflows
+        with pytest.raises(ValueError, match="^temperature must be a finite number"):
+            SamplingParams(temperature=huge)
+    with pytest.raises(ValueError, match="^top_p must be a finite number"):
+        SamplingParams(top_p=float("nan"))

@@ -47,7 +47,7 @@ DTYPES = ["int32", "int64", "uint8", "float16", "float32", "float64", "bool", ">
 @message(9001)
 @dataclasses.dataclass(frozen=True, slots=True)
 class ArrayProbe:
-    """Test-only message: no production message carries an array yet."""
+    """Test-only message: a required and an optional array at the top level."""
 
     array: np.ndarray
     maybe: np.ndarray | None
@@ -80,6 +80,7 @@ VALID_SAMPLING_PARAMS = st.builds(
     stop=st.lists(st.text(min_size=1), max_size=2).map(tuple),
     stop_token_ids=st.lists(st.integers(0, 1000), max_size=2).map(tuple),
     max_tokens=st.none() | st.integers(1, 100), logprobs=st.none() | st.integers(0, 5),
+    prompt_logprobs=st.none() | st.integers(0, 5),
     output_kind=st.sampled_from(list(RequestOutputKind)),
 )  # fmt: skip
 
@@ -387,7 +388,8 @@ async def test_server_refuses_other_version_and_says_why() -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize(
     "answer",
-    [Welcome(999, "manager", 1), ErrorReply("version_mismatch", "version 999 vs version 1")],
+    [Welcome(999, "manager", 1),
+     ErrorReply("version_mismatch", f"version 999 vs version {PROTOCOL_VERSION}")],
 )
 async def test_client_refuses_other_version(answer: Any) -> None:
     async with stream_pair() as (client, raw):

@@ -3,20 +3,29 @@
 Each step the engine sends a SchedulerOutput diff; the runner updates its per-request
 state, packs every scheduled token of every request into one `[1, T]` batch with
 positions and cache slots, runs the stock HF model over the paged KV cache, and samples
-one token for each request whose prompt is complete.
+one token for each request whose prompt is complete. Requests that asked for
+`prompt_logprobs` also keep the logits of this step's prompt positions, to score the
+prompt token that follows each.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
 import torch
 
-from protocols.messages import NewRequestData, SchedulerOutput, StepResult, TopLogprobs
+from protocols.messages import (
+    NewRequestData,
+    PromptLogprobs,
+    SchedulerOutput,
+    StepResult,
+    TopLogprobs,
+)
 from protocols.sampling import SamplingParams
 from workers import attention
-from workers.sampler import SamplingMetadata, make_generator, sample
+from workers.sampler import SamplingMetadata, compute_prompt_logprobs, make_generator, sample
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +121,8 @@ class ModelRunner:
         slots: list[int] = []
         sample_idx: list[int] = []  # packed index of the last token of each sampling request
         samplers: list[CachedRequestState] = []
+        prompt_idx: list[int] = []  # packed index of each position scored for prompt_logprobs
+        scored: list[tuple[CachedRequestState, int, int]] = []  # (state, first position, count)
         decode_idx: list[int] = []
         decode_ctx: list[list[int]] = []
         prefills: list[attention.PrefillRow] = []
@@ -131,6 +142,12 @@ class ModelRunner:
                 decode_ctx.append(context)
             else:
                 prefills.append(attention.PrefillRow(token_start, num_new, torch.tensor(context)))
+            if state.sampling_params.prompt_logprobs is not None and not state.output_token_ids:
+                # Position p predicts prompt token p + 1: the last prompt position samples.
+                num_scored = min(end, len(state.prompt_token_ids) - 1) - start
+                if num_scored > 0:
+                    prompt_idx.extend(range(token_start, token_start + num_scored))
+                    scored.append((state, start, num_scored))
             if end == len(state.all_token_ids):  # prompt complete: this step samples
                 sample_idx.append(len(input_ids) - 1)
                 samplers.append(state)
@@ -143,12 +160,36 @@ class ModelRunner:
             position_ids=torch.tensor([positions], device=self.device),
             use_cache=False,
             attn_metadata=meta,
-            logits_to_keep=torch.tensor(sample_idx, dtype=torch.long, device=self.device),
+            logits_to_keep=torch.tensor(
+                sample_idx + prompt_idx, dtype=torch.long, device=self.device
+            ),
         )
+        logits = out.logits[0]  # [num_samplers + num_prompt_positions, V]
+        prompt_lps = self._prompt_logprobs(logits[len(sample_idx) :], scored) if scored else []
         if not samplers:
-            return StepResult(call_id, [], [], [], [])
-        logits = out.logits[0]  # [num_samplers, V]
-        return self._sample(logits, samplers, call_id)
+            return StepResult(call_id, [], [], [], [], prompt_lps)
+        result = self._sample(logits[: len(sample_idx)], samplers, call_id)
+        return dataclasses.replace(result, prompt_logprobs=prompt_lps) if scored else result
+
+    def _prompt_logprobs(
+        self, logits: torch.Tensor, scored: list[tuple[CachedRequestState, int, int]]
+    ) -> list[PromptLogprobs]:
+        """Each scored request's chunk: the logprob, rank and top-k of its next prompt tokens."""
+        chunks = []
+        row = 0
+        for state, start, num in scored:
+            targets = state.prompt_token_ids[start + 1 : start + 1 + num]
+            lps, ranks, top_ids, top_lps = compute_prompt_logprobs(
+                logits[row : row + num],  # [num, V]
+                torch.tensor(targets, dtype=torch.long, device=logits.device),
+                state.sampling_params.prompt_logprobs or 0,
+            )
+            chunks.append(PromptLogprobs(
+                state.req_id, start + 1, lps.numpy(), ranks.numpy(), top_ids.numpy(),
+                top_lps.numpy(),
+            ))  # fmt: skip
+            row += num
+        return chunks
 
     def _attention_metadata(
         self, slots: list[int], decode_idx: list[int], decode_ctx: list[list[int]],

@@ -212,3 +212,29 @@ def _top_logprobs(
         top_ids.append(None if k is None else all_ids[i][:k])
         top_lps.append(None if k is None else all_lps[i][:k])
     return top_ids, top_lps
+
+
+_PROMPT_ROWS = 1024  # rows of float32 log_softmax at a time: bounds memory for long prompts
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Score the next prompt token at each row of `logits` [N, V] (any float dtype).
+
+    Returns, on the CPU: each target's raw logprob [N] float32, its rank [N] int64 (vLLM's:
+    1 + the number of other tokens at least as likely), and the top-k ids [N, k] int64 and
+    logprobs [N, k] float32, descending. `target_ids` [N] is on the logits' device.
+    """
+    lps, ranks, top_ids, top_lps = [], [], [], []
+    k = min(k, logits.shape[-1])
+    for start in range(0, logits.shape[0], _PROMPT_ROWS):
+        rows = logits[start : start + _PROMPT_ROWS].float().log_softmax(dim=-1)  # [n, V]
+        target = rows.gather(1, target_ids[start : start + _PROMPT_ROWS, None])  # [n, 1]
+        lps.append(target[:, 0])
+        ranks.append((rows >= target).sum(dim=-1))  # [n]
+        values, ids = rows.topk(k, dim=-1)  # [n, k]
+        top_lps.append(values)
+        top_ids.append(ids)
+    lp, rank, ids, values = (torch.cat(t).cpu() for t in (lps, ranks, top_ids, top_lps))
+    return lp, rank, ids, values

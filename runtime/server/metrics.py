@@ -1,0 +1,112 @@
+"""GET /metrics: the engine's stats in Prometheus' text format, read at scrape time.
+
+A custom prometheus_client collector turns one `engine.stats()` snapshot into metric
+families named as vLLM's (prefix `loomllm:`), in a registry of the app's own: never the
+process-wide default one, so several apps can live in one process. The totals are the
+current engine's: they restart from zero when a supervisor replaces it (a counter reset,
+which Prometheus' rate() handles); while there is no engine the page is empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+from starlette.requests import Request
+from starlette.responses import Response
+
+from runtime.engine import Engine
+from runtime.engine_metrics import FINISH_REASONS, HistogramSnapshot
+from runtime.errors import EngineClosedError
+from runtime.server.supervisor import EngineSlot
+
+PREFIX = "loomllm:"
+
+
+class EngineCollector:
+    """Yields the metric families of the engine (or the slot's engine) under model_name."""
+
+    def __init__(self, source: Engine | EngineSlot, model_name: str) -> None:
+        self.source = source
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        # The slot's engine itself, not require(): a draining server still reports.
+        source = self.source
+        engine = source.engine if isinstance(source, EngineSlot) else source
+        if engine is None:
+            return
+        try:
+            stats = engine.stats()
+        except EngineClosedError:
+            return
+        labels = [self.model_name]
+        yield _gauge("num_requests_running", "Requests holding KV blocks, in the batch.",
+                     labels, stats.num_running)  # fmt: skip
+        yield _gauge("num_requests_waiting", "Requests queued (new or preempted).",
+                     labels, stats.num_waiting)  # fmt: skip
+        yield _gauge("kv_cache_usage_perc", "Share of KV cache blocks in use, 0 to 1.",
+                     labels, stats.kv_cache_usage)  # fmt: skip
+        yield _gauge("prefix_cache_hit_rate", "Share of queried prompt tokens found in the "
+                     "prefix cache, since start.", labels, stats.prefix_cache_hit_rate)  # fmt: skip
+        yield _counter("prompt_tokens", "Prompt tokens processed (once per request).",
+                       labels, stats.num_prompt_tokens)  # fmt: skip
+        yield _counter("generation_tokens", "Tokens generated.", labels,
+                       stats.num_generation_tokens)  # fmt: skip
+        yield _counter("num_preemptions", "Requests preempted (KV freed, to be recomputed).",
+                       labels, stats.num_preemptions)  # fmt: skip
+        success = CounterMetricFamily(
+            PREFIX + "request_success", "Finished sequences by finish reason.",
+            labels=["model_name", "finished_reason"],
+        )  # fmt: skip
+        reasons = list(FINISH_REASONS) + sorted(set(stats.num_finished) - set(FINISH_REASONS))
+        for reason in reasons:
+            success.add_metric([self.model_name, reason], stats.num_finished.get(reason, 0))
+        yield success
+        yield _histogram("time_to_first_token_seconds", "Arrival to a sequence's first token.",
+                         labels, stats.time_to_first_token)  # fmt: skip
+        yield _histogram("inter_token_latency_seconds", "Gap between consecutive tokens of "
+                         "one sequence.", labels, stats.inter_token_latency)  # fmt: skip
+        yield _histogram("e2e_request_latency_seconds", "Arrival to a sequence's end.",
+                         labels, stats.e2e_request_latency)  # fmt: skip
+
+
+def _gauge(name: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+    family.add_metric(labels, value)
+    return family
+
+
+def _counter(name: str, doc: str, labels: list[str], value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+    family.add_metric(labels, value)
+    return family
+
+
+def _histogram(
+    name: str, doc: str, labels: list[str], snap: HistogramSnapshot
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
+    buckets = [(floatToGoString(bound), n) for bound, n in snap.cumulative_buckets()]
+    family.add_metric(labels, buckets, snap.sum)
+    return family
+
+
+def build_metrics_handler(
+    source: Engine | EngineSlot, model_name: str
+) -> Callable[[Request], Awaitable[Response]]:
+    """The /metrics endpoint over `source`, with its own CollectorRegistry."""
+    registry = CollectorRegistry(auto_describe=False)  # no describe(): nothing read at register
+    registry.register(EngineCollector(source, model_name))
+
+    async def metrics_handler(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return metrics_handler
