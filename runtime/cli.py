@@ -1,4 +1,4 @@
-"""The `loom` command: `loom serve` (OpenAI-compatible HTTP server) and `loom generate`.
+"""The `loom` command: `serve` (OpenAI-compatible HTTP server), `generate`, `chat`, `models`.
 
 Engine options are vLLM's names as dashed flags. SIGINT/SIGTERM stop the server
 gracefully (in-flight requests get a few seconds), the engine closes, exit code 0.
@@ -47,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     serve.add_argument("--served-model-name", default=None, help="the name clients send")
+    serve.add_argument("--restart-on-failure", action=argparse.BooleanOptionalAction,
+                       default=True, help="start a new engine when a worker dies (else exit 1)")
+    serve.add_argument("--shutdown-grace", type=float, default=10.0,
+                       help="seconds in-flight requests get on SIGTERM before they are aborted")
+    serve.add_argument("--max-request-body", type=int, default=None,
+                       help="largest request body in bytes (default 8 MiB; larger: 413)")
     engine_args(serve)
 
     gen = sub.add_parser("generate", help="stream one completion to stdout")
@@ -56,6 +62,19 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     engine_args(gen)
+
+    chat = sub.add_parser("chat", help="chat with a model in the terminal, streaming")
+    chat.add_argument("model", nargs="?", default="smollm2")
+    chat.add_argument("--system", default=None, metavar="PROMPT", help="system prompt")
+    chat.add_argument("--max-tokens", type=int, default=512, help="longest reply, in tokens")
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--sampling-seed", type=int, default=None)
+    engine_args(chat)
+
+    models = sub.add_parser("models", help="list the models the engine-manager keeps warm")
+    models.add_argument("--manager-socket", type=Path, default=None,
+                        help="engine-manager socket (default: the per-user one)")  # fmt: skip
+    models.set_defaults(loop="asyncio")
     return parser
 
 
@@ -74,20 +93,48 @@ async def _watch_signals(stop: anyio.Event, scope: anyio.CancelScope, serving: l
             stop.set()
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace) -> int:
+    """Serve until a signal (exit 0) or until the engine is gone for good (exit 1)."""
+    from functools import partial
+
     from runtime.engine import Engine
     from runtime.server import build_app, serve
+    from runtime.server.supervisor import EngineSlot, drain, supervise
 
     stop = anyio.Event()
     serving: list[bool] = []
+    slot = EngineSlot()
+    options = engine_options(args)
+    app_options = {} if args.max_request_body is None else {
+        "max_body_bytes": args.max_request_body}  # fmt: skip
     async with anyio.create_task_group() as tg:
         tg.start_soon(_watch_signals, stop, tg.cancel_scope, serving)
-        async with Engine(args.model, **engine_options(args)) as engine:
-            app = build_app(engine, args.served_model_name or args.model, api_key=args.api_key)
-            host = f"[{args.host}]" if ":" in args.host else args.host
-            serving.append(True)
-            await serve(app, f"{host}:{args.port}", stop.wait)
+        await tg.start(partial(supervise, lambda: Engine(args.model, **options), slot,
+                               restart_on_failure=args.restart_on_failure))  # fmt: skip
+        app = build_app(slot, args.served_model_name or args.model, api_key=args.api_key,
+                        **app_options)  # fmt: skip
+
+        async def shutdown_trigger() -> None:
+            async with anyio.create_task_group() as first:
+                for event in (stop, slot.failed):
+                    first.start_soon(_set_then_cancel, event, first.cancel_scope)
+            # Stop listening now; in-flight requests finish while hypercorn waits for them.
+            tg.start_soon(drain, slot, args.shutdown_grace)
+
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        serving.append(True)
+        await serve(app, f"{host}:{args.port}", shutdown_trigger,
+                    graceful_timeout=args.shutdown_grace + 5)  # fmt: skip
         tg.cancel_scope.cancel()
+    if slot.failure is not None:
+        print(f"loom: {slot.failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _set_then_cancel(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
 
 
 async def _generate(args: argparse.Namespace) -> None:
@@ -106,11 +153,32 @@ async def _generate(args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
+async def _chat(args: argparse.Namespace) -> None:
+    from protocols.sampling import RequestOutputKind, SamplingParams
+    from runtime.chat_cli import chat_in_terminal
+    from runtime.engine import Engine
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed,
+        output_kind=RequestOutputKind.DELTA,
+    )  # fmt: skip
+    async with Engine(args.model, **engine_options(args)) as engine:
+        await chat_in_terminal(engine, params, system=args.system)
+
+
+async def _models(args: argparse.Namespace) -> None:
+    from protocols.rundir import default_socket_path
+    from protocols.worker_table import models_table
+    from runtime.manager_client import list_workers
+
+    print(models_table(await list_workers(args.manager_socket or default_socket_path())))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    run = {"serve": _serve, "generate": _generate}[args.command]
+    run = {"serve": _serve, "generate": _generate, "chat": _chat, "models": _models}[args.command]
     try:
-        anyio.run(run, args, backend=args.loop)
+        code = anyio.run(run, args, backend=args.loop)
     except KeyboardInterrupt:
         return 0
     except BaseExceptionGroup as eg:
@@ -122,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, LoomError, OSError) as exc:  # bad options name the option
         print(f"loom: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 def _first_leaf(eg: BaseExceptionGroup) -> BaseException:

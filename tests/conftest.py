@@ -151,3 +151,22 @@ def save_tiny_tokenizer(path: Path) -> None:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}w{{ 10 + loop.index }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}w9{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_model(tiny_model, tmp_path_factory) -> str:
+    """A copy of the tiny model with a simple chat template (CHAT_TEMPLATE)."""
+    import json
+
+    path = tmp_path_factory.mktemp("tiny-chat") / "m"
+    shutil.copytree(tiny_model, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(path)

@@ -24,6 +24,7 @@ from protocols.codec import encode
 from protocols.connection import MessageStream, client_handshake, open_unix_connection
 from protocols.framing import HEADER, encode_frame
 from protocols.messages import (
+    PROTOCOL_VERSION,
     AcquireWorkers,
     CallResult,
     ErrorReply,
@@ -112,7 +113,7 @@ async def test_manager_refuses_bad_bytes_after_hello(shared_manager, tiny_model,
 async def test_version_mismatch_names_both_versions(shared_manager) -> None:
     wire, _ = BAD_OPENING["version_mismatch"]
     message = (await answers_to(shared_manager.socket, wire))[0].message
-    assert "version 1," in message and "version 999" in message
+    assert f"version {PROTOCOL_VERSION}," in message and "version 999" in message
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ Engine, driven with httpx. Bodies, streaming, errors, API key, disconnect. async
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,21 +19,6 @@ from runtime.server import build_app, serve
 pytestmark = pytest.mark.anyio
 
 NAME = "tiny"
-TEMPLATE = (
-    "{% for m in messages %}w{{ 10 + loop.index }} {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}w9{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def chat_model(tiny_model, tmp_path_factory) -> str:
-    """A copy of the tiny model with a simple chat template."""
-    path = tmp_path_factory.mktemp("tiny-chat") / "m"
-    shutil.copytree(tiny_model, path)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return str(path)
 
 
 @asynccontextmanager
@@ -168,6 +152,23 @@ async def test_bad_input_is_400_naming_the_field(server):
                  "messages")  # fmt: skip
     await engine.wait_until_idle()
     assert engine.stats().num_running == 0
+
+
+async def test_oversized_and_undecodable_bodies_are_4xx(tiny_model, shared_manager):
+    async with running(tiny_model, shared_manager, max_body_bytes=1 << 20) as (engine, client):
+        ten_mb = b'{"model": "tiny", "prompt": "' + b"w5 " * 3_500_000 + b'"}'
+        error = assert_error(await client.post("/v1/completions", content=ten_mb), 413, None)
+        assert error["code"] == "request_too_large"
+
+        async def chunked():  # no content-length: the limit counts what arrives
+            for _ in range(40):
+                yield b" " * 65536
+
+        assert_error(await client.post("/v1/chat/completions", content=chunked()), 413, None)
+        bad_utf8 = b'{"model": "tiny", "prompt": "w5 \xff\xfe"}'
+        assert_error(await client.post("/v1/completions", content=bad_utf8), 400, None)
+        ok = await client.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
 async def test_chat_happy_path_and_stream(chat_model, shared_manager):

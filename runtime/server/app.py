@@ -24,6 +24,8 @@ from starlette.routing import Route
 from protocols.sampling import SamplingParams
 from runtime.engine import Engine
 from runtime.server import serving
+from runtime.server.metrics import build_metrics_handler
+from runtime.server.openapi import build_openapi
 from runtime.server.schemas import (
     ApiError,
     bad,
@@ -33,17 +35,40 @@ from runtime.server.schemas import (
     parse_completion,
 )
 from runtime.server.sse import EventStreamResponse
+from runtime.server.supervisor import EngineSlot
 
 logger = logging.getLogger(__name__)
-OPEN_PATHS = ("/health", "/version")
+OPEN_PATHS = ("/health", "/version", "/metrics", "/openapi.json")  # as vLLM: no API key
+MAX_BODY_BYTES = 8 * 1024 * 1024  # a 128k-token prompt as JSON ids is ~1 MB
+DISCARD_BYTES = 64 * 1024 * 1024  # past this an oversized body's connection is just closed
+
+
+def too_large(max_bytes: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {max_bytes} bytes", None,
+                    "invalid_request_error", "request_too_large")  # fmt: skip
 
 
 def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object; over `max_bytes` (declared or streamed): 413.
+
+    An oversized body is still read (not kept) up to DISCARD_BYTES, so that a client still
+    sending gets the 413 instead of a connection reset.
+    """
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            if size > DISCARD_BYTES:
+                break
+            continue
+        chunks.append(chunk)
+    if size > max_bytes:
+        raise too_large(max_bytes)
+    raw = b"".join(chunks)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -88,37 +113,48 @@ async def answer(engine: Engine, request: Request, req: Any, model: str) -> Resp
 
 
 def build_app(
-    engine: Engine, served_model_name: str | None = None, *, api_key: str | None = None,
-    health_timeout: float = 10.0,
+    engine: Engine | EngineSlot, served_model_name: str | None = None, *,
+    api_key: str | None = None, health_timeout: float = 10.0,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> Starlette:  # fmt: skip
     """An ASGI app serving `engine` under the model name `served_model_name`.
 
-    With `api_key`, every route but /health and /version needs `Authorization: Bearer <key>`.
+    `engine` may be an EngineSlot whose engine is replaced while the app runs (restarts);
+    each request uses the engine there at its start, and gets 503 while there is none.
+    With `api_key`, every route outside OPEN_PATHS needs `Authorization: Bearer <key>`.
+    Bodies over `max_body_bytes` get 413.
     """
-    model = served_model_name or engine.config.model
+    slot = engine if isinstance(engine, EngineSlot) else EngineSlot(engine)
+    first = slot.require()
+    root, max_model_len = first.config.model, first.max_model_len
+    model = served_model_name or root
     created = int(time.time())
+
+    async def read_body(request: Request) -> dict[str, Any]:
+        return await read_json(request, max_body_bytes)
 
     async def models(request: Request) -> Response:
         card = {"id": model, "object": "model", "created": created, "owned_by": "loomllm",
-                "root": engine.config.model, "max_model_len": engine.max_model_len}  # fmt: skip
+                "root": root, "max_model_len": max_model_len}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_body(request)
         check_model(body, model)
-        return await answer(engine, request, parse_completion(body), model)
+        return await answer(slot.require(), request, parse_completion(body), model)
 
     async def chat(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_body(request)
         check_model(body, model)
-        return await answer(engine, request, parse_chat(body), model)
+        return await answer(slot.require(), request, parse_chat(body), model)
 
     async def tokenize(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_body(request)
         check_model(body, model)
-        tokenizer = engine.tokenizer
+        tokenizer = slot.require().tokenizer
         assert tokenizer is not None
         add_special = field(body, "add_special_tokens", "bool", True)
+        text = field(body, "prompt", "str")  # checked even when messages win
         if body.get("messages") is not None:
             try:
                 text = tokenizer.apply_chat_template(field(body, "messages", "list"))
@@ -126,17 +162,16 @@ def build_app(
                 raise bad(str(exc), "messages") from None
             ids = tokenizer.encode(text, add_special_tokens=False)
         else:
-            text = field(body, "prompt", "str")
             if text is None:
                 raise bad("prompt (a string) or messages is required", "prompt")
             ids = tokenizer.encode(text, add_special_tokens=add_special)
-        limit = engine.max_model_len
-        return JSONResponse({"count": len(ids), "max_model_len": limit, "tokens": ids})
+        return JSONResponse({"count": len(ids), "max_model_len": max_model_len, "tokens": ids})
 
     async def detokenize(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_body(request)
         check_model(body, model)
         tokens = field(body, "tokens", "int_list")
+        engine = slot.require()
         vocab = engine.model_info.vocab_size
         if tokens is None or not all(0 <= t < vocab for t in tokens):
             raise bad(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
@@ -146,6 +181,10 @@ def build_app(
     async def health(request: Request) -> Response:
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         try:
+            engine = slot.require()
+        except ApiError as exc:
+            return JSONResponse({"status": "unhealthy", "error": exc.message}, status_code=503)
+        try:
             with anyio.fail_after(health_timeout):
                 async with engine.generate({"prompt_token_ids": [0]}, params) as stream:
                     async for _ in stream:
@@ -154,6 +193,12 @@ def build_app(
             logger.warning("health check failed: %r", exc)
             return JSONResponse({"status": "unhealthy", "error": repr(exc)}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    schema = build_openapi(model, max_model_len, first.model_info.vocab_size,
+                           needs_api_key=api_key is not None, open_paths=OPEN_PATHS)
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(schema)
 
     async def version(request: Request) -> Response:
         try:
@@ -170,6 +215,8 @@ def build_app(
         Route("/detokenize", _guard(detokenize), methods=["POST"]),
         Route("/health", _guard(health), methods=["GET"]),
         Route("/version", _guard(version), methods=["GET"]),
+        Route("/metrics", _guard(build_metrics_handler(slot, model)), methods=["GET"]),
+        Route("/openapi.json", _guard(openapi), methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     if api_key is not None:
@@ -180,8 +227,10 @@ def build_app(
 def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
-                                   f"{exc.detail}", None, kind))  # fmt: skip
+    response = error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
+                                       f"{exc.detail}", None, kind))  # fmt: skip
+    response.headers.update(exc.headers or {})  # 405's Allow (RFC 9110)
+    return response
 
 
 def _guard(handler: Callable[[Request], Awaitable[Response]]) -> Callable[..., Any]:

@@ -21,13 +21,15 @@ def hypercorn_config(bind: str, *, graceful_timeout: float = 5.0) -> Config:
 
 
 async def serve(
-    app: Any, bind: str, shutdown_trigger: Callable[[], Awaitable[Any]]
-) -> None:
-    """Serve `app` until `shutdown_trigger()` returns, then finish in-flight requests.
+    app: Any, bind: str, shutdown_trigger: Callable[[], Awaitable[Any]],
+    graceful_timeout: float = 5.0,
+) -> None:  # fmt: skip
+    """Serve `app` until `shutdown_trigger()` returns, then stop listening and give
+    in-flight requests `graceful_timeout` seconds before their connections are dropped.
 
     Cancellation: the server stops at once; open connections are dropped.
     """
-    config = hypercorn_config(bind)
+    config = hypercorn_config(bind, graceful_timeout=graceful_timeout)
     if sniffio.current_async_library() == "trio":
         from hypercorn.trio import serve as hypercorn_serve
     else:

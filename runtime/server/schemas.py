@@ -71,6 +71,10 @@ def field(body: dict[str, Any], name: str, kind: str, default: Any = None) -> An
     value = body.get(name)
     if value is None:
         return default
+    if kind == "int":
+        value = as_int(value)
+    elif kind == "int_list" and isinstance(value, list):
+        value = [as_int(v) for v in value]
     ok = {
         "int": type(value) is int,
         "number": type(value) in (int, float),
@@ -82,10 +86,23 @@ def field(body: dict[str, Any], name: str, kind: str, default: Any = None) -> An
     }[kind]
     if not ok:
         raise bad(f"{name} must be {_KIND_WORDS[kind]}, got {value!r}"[:300], name)
+    if kind == "number" and type(value) is int:
+        # A float from here on: an integer past 64 bits could not cross to the workers.
+        try:
+            value = float(value)
+        except OverflowError:
+            raise bad(f"{name} must be a finite number", name) from None
     if kind in ("int", "int_list") and not all(
         _INT64_MIN <= v <= _INT64_MAX for v in (value if kind == "int_list" else [value])
     ):  # msgpack carries 64-bit integers only: a bigger one must not reach the engine
         raise bad(f"{name} must fit in 64 bits", name)
+    return value
+
+
+def as_int(value: Any) -> Any:
+    """An integral float as the int it is (JSON has one number type: 3.0 is 3), else `value`."""
+    if type(value) is float and value.is_integer():
+        return int(value)
     return value
 
 
@@ -108,6 +125,7 @@ class Common:
 def parse_common(
     body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
     renames: dict[str, str], stream_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    prompt_logprobs: int | None = None,
 ) -> Common:  # fmt: skip
     stream = field(body, "stream", "bool", False)
     options = field(body, "stream_options", "dict", {})
@@ -130,7 +148,7 @@ def parse_common(
     kind = stream_kind if stream else RequestOutputKind.FINAL_ONLY
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=kind,
-                                **kwargs)  # fmt: skip
+                                prompt_logprobs=prompt_logprobs, **kwargs)  # fmt: skip
     except ValueError as exc:
         raise from_value_error(exc, "body", renames) from None
     return Common(params, stream, include_usage)
@@ -147,6 +165,8 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     if "prompt" not in body or body["prompt"] is None:
         raise bad("prompt is required (a string, a list of strings or of token ids)", "prompt")
     raw = body["prompt"]
+    if isinstance(raw, list):
+        raw = [[as_int(t) for t in p] if isinstance(p, list) else as_int(p) for p in raw]
     prompts: list[str | dict[str, Any]]
     if isinstance(raw, str):
         prompts = [raw]
@@ -165,10 +185,11 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
         raise bad("suffix is not supported", "suffix")
     echo = field(body, "echo", "bool", False)
     logprobs = field(body, "logprobs", "int")
-    if echo and logprobs is not None:
-        raise bad("logprobs with echo (prompt logprobs) is not supported yet", "echo")
     max_tokens = field(body, "max_tokens", "int", 16)
-    return CompletionRequest(prompts, echo, parse_common(body, max_tokens, logprobs, {}))
+    # echo with logprobs scores the prompt too: its tokens' logprobs come first.
+    prompt_logprobs = logprobs if echo else None
+    common = parse_common(body, max_tokens, logprobs, {}, prompt_logprobs=prompt_logprobs)
+    return CompletionRequest(prompts, echo, common)
 
 
 @dataclass(slots=True)
@@ -189,9 +210,12 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
     max_tokens = field(body, "max_completion_tokens", "int")
+    legacy_max_tokens = field(body, "max_tokens", "int")
+    if legacy_max_tokens is not None and legacy_max_tokens < 1:  # checked even when unused
+        raise bad(f"max_tokens must be in [1, inf], got {legacy_max_tokens}", "max_tokens")
     renames = {"logprobs": "top_logprobs"}
     if max_tokens is None:
-        max_tokens = field(body, "max_tokens", "int")
+        max_tokens = legacy_max_tokens
     else:
         renames["max_tokens"] = "max_completion_tokens"
     common = parse_common(body, max_tokens, logprobs, renames)

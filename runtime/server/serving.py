@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
 
 from runtime.engine import Engine
+from runtime.errors import EngineClosedError, EngineDeadError
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.request_stream import RequestStream
 from runtime.server import sse
@@ -86,12 +87,23 @@ async def drive(
 
 
 def engine_error(exc: Exception) -> ApiError:
+    """A dead or closed engine is 503 (retry later: it restarts); any other failure 500."""
+    if isinstance(exc, EngineDeadError | EngineClosedError):
+        return ApiError(503, f"the engine stopped during this request: {exc}", None,
+                        "service_unavailable")  # fmt: skip
     return ApiError(500, f"the engine failed this request: {exc}", None, "internal_error")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two completions logprobs objects as one, `first`'s entries first."""
+    if first is None or then is None:
+        return then if first is None else first
+    return {key: first[key] + then[key] for key in first}
 
 
 class Formatter:
@@ -127,16 +139,34 @@ class Formatter:
                     ],
                 })  # fmt: skip
             return {"content": content}
+        return self._text_logprobs(index, entries)
+
+    def prompt_logprobs(
+        self, index: int, token_ids: list[int], rows: list[dict[int, Logprob] | None] | None
+    ) -> dict[str, Any] | None:
+        """The echoed prompt's part of a completion choice's logprobs: it goes first."""
+        if not self.want_logprobs or rows is None:
+            return None
+        return self._text_logprobs(index, list(zip(token_ids, rows, strict=True)))
+
+    def _text_logprobs(
+        self, index: int, entries: Sequence[tuple[int, dict[int, Logprob] | None]]
+    ) -> dict[str, Any]:
+        """Completions' logprobs object; a None row (the first prompt token) has nulls."""
         tokens, token_lps, tops, offsets = [], [], [], []
         offset = self.offsets.get(index, 0)
         for tid, row in entries:
-            tok = self.token_text(tid, row.get(tid))
+            tok = self.token_text(tid, None if row is None else row.get(tid))
             tokens.append(tok)
+            offsets.append(offset)
+            offset += len(tok)
+            if row is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
             token_lps.append(row[tid].logprob)
             ranked = sorted((lp.rank, t, lp) for t, lp in row.items() if lp.rank is not None)
             tops.append({self.token_text(t, lp): lp.logprob for _, t, lp in ranked})
-            offsets.append(offset)
-            offset += len(tok)
         self.offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
@@ -182,7 +212,10 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
                 echo = req.echo and (out.prompt if out.prompt is not None else
                                      fmt.tokenizer.decode(out.prompt_token_ids))  # fmt: skip
                 choice["text"] = (echo or "") + c.text
-            choice["logprobs"] = fmt.logprobs(index, c)
+            echoed = None
+            if not chat and req.echo:  # before the completion's: text_offset runs on
+                echoed = fmt.prompt_logprobs(index, out.prompt_token_ids, out.prompt_logprobs)
+            choice["logprobs"] = joined(echoed, fmt.logprobs(index, c))
             choice["finish_reason"] = c.finish_reason
             choices.append(choice)
     return fmt.envelope(choices, chunk=False, usage_=usage(prompt_tokens, completion_tokens))
@@ -206,10 +239,14 @@ def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: str) -> 
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
         started: set[int] = set()
+        # DELTA: only a request's first output carries them; n > 1 choices echo them all.
+        prompt_lps: dict[int, Any] = {}
 
         async def handle(i: int, out: RequestOutput) -> None:
             nonlocal completion_tokens
             prompt_tokens[i] = len(out.prompt_token_ids)
+            if out.prompt_logprobs is not None:
+                prompt_lps[i] = out.prompt_logprobs
             for c in out.outputs:
                 index = i * n + c.index
                 if index not in started:
@@ -220,7 +257,9 @@ def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: str) -> 
                     elif req.echo:
                         text = out.prompt if out.prompt is not None else \
                             fmt.tokenizer.decode(out.prompt_token_ids)
-                        await send(chunk(index, {"text": text}))
+                        echoed = fmt.prompt_logprobs(index, out.prompt_token_ids,
+                                                     prompt_lps.get(i))  # fmt: skip
+                        await send(chunk(index, {"text": text}, echoed))
                 completion_tokens += len(c.token_ids)
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue

@@ -1,0 +1,85 @@
+"""A real `loom serve` subprocess on a free loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+@dataclass(frozen=True, slots=True)
+class LoomServer:
+    base_url: str  # http://127.0.0.1:PORT
+    port: int
+    pid: int
+    proc: subprocess.Popen
+    log_path: Path  # its stdout and stderr
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_bytes(pid: int) -> int:
+    """The process's resident set size (VmRSS in /proc/<pid>/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+@contextmanager
+def loom_serve(
+    model: str, manager_socket: Path, name: str, loop: str = "asyncio", *args: str,
+    start_timeout: float = 60,
+) -> Iterator[LoomServer]:  # fmt: skip
+    """Start `loom serve` (more flags in `args`), wait for /health, yield; then, unless it
+    has exited already (the test checks that itself), SIGTERM it and check it exits 0.
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "runtime.cli", "serve", model, "--port", str(port),
+           "--served-model-name", name, "--dtype", "float32", "--loop", loop,
+           "--manager-socket", str(manager_socket), *args]  # fmt: skip
+    # Output goes to a file, not a pipe: a long test could fill a pipe nobody reads.
+    log_path = Path(manager_socket).parent / f"serve-{port}.log"
+    with open(log_path, "w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + start_timeout
+            while True:
+                assert proc.poll() is None, _tail(log)
+                try:
+                    if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "loom serve did not come up: " + _tail(log)
+                time.sleep(0.1)
+            yield LoomServer(base, port, proc.pid, proc, log_path)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=30) == 0, _tail(log)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _tail(log) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-4000:]
