@@ -213,6 +213,8 @@ class OutputProcessor:
 
     def _update(self, state: RequestState, out: EngineCoreOutput, now: float) -> bool:
         metrics = state.parent.metrics
+        if state.index == 0:  # n > 1: the later children find the first one's prompt cached
+            state.parent.num_cached_tokens = out.num_cached_tokens
         if out.new_token_ids:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now

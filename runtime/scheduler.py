@@ -71,6 +71,7 @@ class EngineCoreOutput:
     new_top_logprobs: list[TopLogprobs | None]
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     stop_reason: int | str | None  # the stop token id (or string) that ended it
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
 
 
 class Scheduler:
@@ -236,7 +237,8 @@ class Scheduler:
                 self._free_request(request)
             finish_reason, stop_reason = request.finish_reason, request.stop_reason
             outputs.append(
-                EngineCoreOutput(req_id, [token_id], [logprob], [top], finish_reason, stop_reason)
+                EngineCoreOutput(req_id, [token_id], [logprob], [top], finish_reason, stop_reason,
+                                 request.num_cached_tokens)  # fmt: skip
             )
         return outputs
 

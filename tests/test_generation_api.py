@@ -105,6 +105,16 @@ async def test_n_samples_share_a_prompt(engine):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
 
+async def test_num_cached_tokens_counts_prefix_cache_hits(engine):
+    prompt = {"prompt_token_ids": [(7 * i) % 250 + 3 for i in range(40)]}  # 2 full blocks + 8
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    first = await final(engine, prompt, params)
+    second = await final(engine, prompt, params)
+    block = engine.model_info.block_size
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == (40 // block) * block > 0
+
+
 async def test_stop_string_across_tokens_never_leaks(engine):
     greedy = await final(engine, PROMPT, SamplingParams(temperature=0, max_tokens=12,
                                                         ignore_eos=True))  # fmt: skip
