@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterator
 from importlib import metadata
@@ -228,9 +227,10 @@ def test_concurrent_prepare_converts_once(
 
 
 @pytest.fixture(scope="session")
-def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A cache root holding the converted SmolLM2; an already-set LOOM_CACHE_DIR is shared."""
-    root = os.environ.get("LOOM_CACHE_DIR") or str(tmp_path_factory.mktemp("loom-cache"))
+def smollm2_cache() -> Iterator[Path]:
+    """The cache root holding the converted SmolLM2: the same one the engine's workers use
+    (LOOM_CACHE_DIR or the per-user default), so a fresh machine converts only once."""
+    root = str(model_loader.cache_root())
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LOOM_CACHE_DIR", root)
         prepare_model_dir(resolve_model("smollm2"))  # converts at most once per session
