@@ -1,10 +1,13 @@
-"""Offline throughput, side by side in one run: loomllm vs transformers `generate` (padded batch).
+"""Offline throughput and single-stream decode, side by side in one run: loomllm vs
+transformers `generate` (padded batch) vs transformers `generate_batch` (its continuous
+batching).
 
 Same model, same dtype, same prompts (token ids drawn from a fixed seed), same number of
-output tokens (`ignore_eos` / `min_new_tokens`, so EOS cannot end a request early).
+output tokens (`ignore_eos` / EOS disabled, so EOS cannot end a request early). The single
+stream: one request, time to first token and decode ms/token after it.
 
     .venv/bin/python benchmarks/offline_throughput.py [--num-prompts 64] [--prompt-len 100]
-        [--output-len 128] [--dtype float32] [--skip-hf]
+        [--output-len 128] [--dtype float32] [--skip-hf] [--skip-generate-batch]
 """
 
 from __future__ import annotations
@@ -36,14 +39,19 @@ def run_loomllm(prompts: list[list[int]], output_len: int, dtype: str) -> tuple[
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
-def run_hf(prompts: list[list[int]], output_len: int, dtype: str) -> tuple[float, int]:
+def load_hf(dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
 
     from workers.model_loader import prepare_model_dir, resolve_model
 
     model_dir = prepare_model_dir(resolve_model("smollm2"))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+
+
+def run_hf(model, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+    import torch
+
     pad = model.generation_config.pad_token_id or 0
     longest = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts])  # left padding
@@ -58,6 +66,60 @@ def run_hf(prompts: list[list[int]], output_len: int, dtype: str) -> tuple[float
     return elapsed, (out.shape[1] - longest) * len(prompts)
 
 
+def run_hf_generate_batch(model, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1,
+                              pad_token_id=0)  # fmt: skip
+    model.generate_batch([prompts[0]], generation_config=GenerationConfig(
+        max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0))  # warm-up
+    start = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=config)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(o.generated_tokens) for o in out.values())
+
+
+def single_stream_loomllm(prompt: list[int], output_len: int, dtype: str) -> tuple[float, float]:
+    """(time to first token, decode seconds per token) for one request alone."""
+    import anyio
+
+    from runtime import Engine, RequestOutputKind, SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0,
+                            output_kind=RequestOutputKind.DELTA)  # fmt: skip
+
+    async def run() -> tuple[float, float]:
+        async with Engine("smollm2", dtype=dtype) as engine:
+            async with engine.generate({"prompt_token_ids": prompt[:8]}, params) as s:
+                async for _ in s:  # warm-up
+                    pass
+            start = time.perf_counter()
+            first = None
+            async with engine.generate({"prompt_token_ids": prompt}, params) as s:
+                async for _ in s:
+                    first = first or time.perf_counter()
+            end = time.perf_counter()
+        return first - start, (end - first) / (output_len - 1)
+
+    return anyio.run(run)
+
+
+def single_stream_hf(model, prompt: list[int], output_len: int) -> tuple[float, float]:
+    import torch
+
+    ids = torch.tensor([prompt])
+    kwargs = dict(do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, **kwargs)  # warm-up
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+        whole = time.perf_counter() - start
+    return ttft, (whole - ttft) / (output_len - 1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-prompts", type=int, default=64)
@@ -66,12 +128,20 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-generate-batch", action="store_true", help="slow on CPU")
     args = p.parse_args()
     prompts = make_prompts(args.num_prompts, args.prompt_len, 49152, args.seed)
     rows = [("loomllm", *run_loomllm(prompts, args.output_len, args.dtype))]
+    streams = [("loomllm", *single_stream_loomllm(prompts[0], args.output_len, args.dtype))]
     if not args.skip_hf:
+        model = load_hf(args.dtype)
         rows.append(("transformers generate (padded batch)",
-                     *run_hf(prompts, args.output_len, args.dtype)))  # fmt: skip
+                     *run_hf(model, prompts, args.output_len)))  # fmt: skip
+        if not args.skip_generate_batch:
+            rows.append(("transformers generate_batch",
+                         *run_hf_generate_batch(model, prompts, args.output_len)))  # fmt: skip
+        streams.append(("transformers generate", *single_stream_hf(model, prompts[0],
+                                                                   args.output_len)))
     print(f"\n{args.num_prompts} prompts x ~{args.prompt_len} tokens, {args.output_len} output "
           f"tokens each, {args.dtype}, SmolLM2-135M, CPU")  # fmt: skip
     base = rows[0][2] / rows[0][1]
@@ -79,6 +149,11 @@ def main() -> None:
     for name, seconds, tokens in rows:
         rate = tokens / seconds
         print(f"{name:40} {seconds:8.1f} {tokens:7d} {rate:8.1f} {base / rate:10.2f}")
+    print(f"\none stream, {len(prompts[0])}-token prompt, {args.output_len} output tokens")
+    print(f"{'engine':40} {'TTFT ms':>8} {'ms/tok':>7} {'tok/s':>8} {'loomllm/x':>10}")
+    for name, ttft, per_token in streams:
+        print(f"{name:40} {ttft * 1e3:8.1f} {per_token * 1e3:7.1f} {1 / per_token:8.1f} "
+              f"{per_token / streams[0][2]:10.2f}")
 
 
 main()
