@@ -101,7 +101,8 @@ def test_load_tiny_llama_gives_the_same_logits(
     tiny_llama_dir: tuple[Path, LlamaForCausalLM],
 ) -> None:
     model_dir, original = tiny_llama_dir
-    loaded = load_model(str(model_dir))
+    # float32 explicitly: "auto" is bfloat16 on CPUs with native bf16 (tests/test_cpu_dtype.py).
+    loaded = load_model(str(model_dir), dtype="float32")
     assert loaded.model_dir == model_dir.resolve()
     assert not loaded.model.training
     facts = (loaded.vocab_size, loaded.max_model_len, loaded.num_layers, loaded.num_kv_heads)
@@ -266,7 +267,7 @@ def test_smollm2_cache_matches_the_gguf(
     smollm2_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LOOM_CACHE_DIR", str(smollm2_cache))
-    loaded = load_model("smollm2")
+    loaded = load_model("smollm2", dtype="float32")  # "auto" may be bfloat16 on this CPU
     assert (loaded.vocab_size, loaded.max_model_len, loaded.num_layers) == (49152, 8192, 30)
     assert (loaded.num_kv_heads, loaded.head_dim, loaded.dtype) == (3, 64, "float32")
     gguf = Path(loaded.source.path)
