@@ -40,7 +40,14 @@ class MessageStream:
 
         Cancellation: may leave a partial frame on the wire; close the stream after it.
         """
-        frame = encode_frame(encode(msg), self.max_frame_size)
+        await self.send_frame(self.frame(msg))
+
+    def frame(self, msg: Any) -> bytes:
+        """Encode one message as a frame for `send_frame` (one encoding for many streams)."""
+        return encode_frame(encode(msg), self.max_frame_size)
+
+    async def send_frame(self, frame: bytes) -> None:
+        """Send one frame made by `frame()`. Cancellation: as `send`."""
         async with self._send_lock:
             await self.stream.send(frame)
 

@@ -325,3 +325,6 @@ class StepResult:
     # This step's prompt positions of the requests that asked for `prompt_logprobs`,
     # sampled this step or not.
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # Seconds the worker spent executing the step (forward, sampling): the engine's
+    # step timings subtract it from the wait for this reply.
+    worker_time_s: float = 0.0

@@ -268,7 +268,7 @@ class Engine:
         await self._require_core().wait_until_idle()
 
     def stats(self) -> EngineStats:
-        """Running/waiting counts, KV blocks free/total, prefix-cache hit rate, steps."""
+        """Running/waiting counts, KV blocks, prefix-cache hit rate, steps and their timings."""
         return self._require_core().stats()
 
     def _prompt_tokens(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:

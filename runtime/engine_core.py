@@ -19,6 +19,7 @@ from runtime.errors import EngineStepError
 from runtime.output_processor import OutputProcessor, ParentRequest
 from runtime.request import Request, RequestStatus
 from runtime.scheduler import Scheduler
+from runtime.step_timings import StepClock, StepTimings
 from runtime.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,8 @@ class EngineStats:
     time_to_first_token: HistogramSnapshot
     inter_token_latency: HistogramSnapshot
     e2e_request_latency: HistogramSnapshot
+    # Where the step loop's time went, by phase (runtime/step_timings.py).
+    step_timings: StepTimings = dataclasses.field(default_factory=StepTimings)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -65,6 +68,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.num_steps = 0
+        self._clock = StepClock()
         self._work = anyio.Event()
         self._pending_aborts: list[str] = []
         self._pending_child_aborts: list[str] = []  # streams already ended by abort_all()
@@ -135,6 +139,7 @@ class EngineCore:
             self.scheduler.num_preemptions, m.num_prompt_tokens, m.num_generation_tokens,
             dict(m.num_finished), m.time_to_first_token.snapshot(),
             m.inter_token_latency.snapshot(), m.e2e_request_latency.snapshot(),
+            self._clock.snapshot(),
         )  # fmt: skip
 
     # -- the step loop ---------------------------------------------------------------------
@@ -149,6 +154,7 @@ class EngineCore:
                 if self._pending_child_aborts:
                     children, self._pending_child_aborts = self._pending_child_aborts, []
                     self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+                self._clock.start()
                 scheduler_output = self.scheduler.schedule()
                 if not scheduler_output.num_scheduled_tokens and not (
                     scheduler_output.finished_req_ids
@@ -158,10 +164,15 @@ class EngineCore:
                     self._work = anyio.Event()
                     self._idle = anyio.Event()
                     continue
+                self._clock.scheduled()  # only steps count: an idle turn charges nothing
                 replies = await self.workers.call(
-                    functools.partial(_execute_step, scheduler_output=scheduler_output)
+                    functools.partial(_execute_step, scheduler_output=scheduler_output),
+                    on_encoded=self._clock.encoded,
                 )
-                self._process(scheduler_output, replies[0])
+                reply = replies[0]
+                self._clock.replied(reply.worker_time_s if isinstance(reply, StepResult) else 0.0)
+                self._process(scheduler_output, reply)
+                self._clock.finish()
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else None
             raise
@@ -175,6 +186,7 @@ class EngineCore:
             return
         assert isinstance(reply, StepResult)
         outputs = self.scheduler.update_from_output(scheduler_output, reply)
+        self._clock.updated()
         self.output_processor.add_prompt_logprobs(reply.prompt_logprobs)
         stopped = self.output_processor.process(outputs)
         if stopped:

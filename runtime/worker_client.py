@@ -110,8 +110,13 @@ class WorkerClient:
         for call in self._pending.values():
             call.done.set()
 
-    async def call(self, make: Callable[[int], object]) -> list[Reply]:
+    async def call(
+        self, make: Callable[[int], object], on_encoded: Callable[[], object] | None = None
+    ) -> list[Reply]:
         """Send `make(call_id)` to every rank and return the replies in rank order.
+
+        The message is encoded once for all ranks; `on_encoded()` runs right after (the
+        step timings' mark: from there on the engine waits on sockets and the worker).
 
         Cancellation: the ranks still run the call; its replies are dropped on arrival.
         """
@@ -121,9 +126,11 @@ class WorkerClient:
         call = _PendingCall([None] * len(self.ranks), remaining=len(self.ranks))
         self._pending[call_id] = call
         try:
-            msg = make(call_id)
+            frame = self.ranks[0].frame(make(call_id))
+            if on_encoded is not None:
+                on_encoded()
             for ms in self.ranks:
-                await ms.send(msg)
+                await ms.send_frame(frame)
             await call.done.wait()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             # The rank is gone; the engine learns why (exit code, stderr) within moments.

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import logging
 import os
 import signal
 import socket
 import sys
+import time
 import traceback
 
 import anyio
@@ -154,7 +156,9 @@ class DataServer:
 
     def _execute_step(self, msg: ExecuteStep) -> StepResult | CallFailed:
         try:
-            return self.worker.runner.execute(msg.scheduler_output, msg.call_id)
+            start = time.perf_counter()
+            result = self.worker.runner.execute(msg.scheduler_output, msg.call_id)
+            return dataclasses.replace(result, worker_time_s=time.perf_counter() - start)
         except Exception as exc:
             logger.exception("step %d failed", msg.scheduler_output.step_id)
             # The step's requests are failed by the engine; our batch state is suspect.

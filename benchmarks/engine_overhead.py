@@ -1,0 +1,143 @@
+"""Engine overhead: steps/s and where each step's time goes, with a model whose forward is ~free.
+
+A tiny random llama (hidden 64, 2 layers, vocab 256) makes the worker's forward pass
+cheap, so what is left is the engine: schedule, encode, receive, update, and
+detokenize+stream. B requests run concurrently (ignore_eos, fixed max_tokens) for each
+batch size B; the split comes from `Engine.stats().step_timings` (runtime/step_timings.py).
+
+    .venv/bin/python benchmarks/engine_overhead.py [--batch-sizes 1,16,64]
+        [--max-tokens 128] [--prompt-len 16] [--backends asyncio,trio] [--worker-threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+from protocols.sampling import RequestOutputKind, SamplingParams
+from runtime.engine import Engine
+from runtime.step_timings import PHASES, StepTimings
+
+VOCAB = 256
+Row = tuple[int, float, int, StepTimings]  # batch size, seconds, tokens generated, timings
+
+
+def make_tiny_llama(path: Path) -> str:
+    """A tiny random llama with a word-level tokenizer (token i is "w{i}"), as the tests use."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "w1", "eos_token": "w2", "unk_token": "w0",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }))  # fmt: skip
+    return str(path)
+
+
+async def run_batch(
+    engine: Engine, batch: int, max_tokens: int, prompt_len: int, seed: int
+) -> tuple[float, int, StepTimings]:
+    """Run `batch` requests at once; return (seconds, tokens generated, their step timings)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(prompt_len)] for _ in range(batch)]
+    # What a streaming server asks for: greedy here, so sampling adds nothing to the forward.
+    params = SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+        output_kind=RequestOutputKind.DELTA,
+    )  # fmt: skip
+    num_tokens = 0
+
+    async def consume(prompt: list[int]) -> None:
+        nonlocal num_tokens
+        async with engine.generate({"prompt_token_ids": prompt}, params) as stream:
+            async for out in stream:
+                num_tokens += len(out.outputs[0].token_ids)
+
+    before = engine.stats().step_timings
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for prompt in prompts:
+            tg.start_soon(consume, prompt)
+    elapsed = time.perf_counter() - start
+    return elapsed, num_tokens, engine.stats().step_timings - before
+
+
+async def run_all(model: str, args: argparse.Namespace) -> list[Row]:
+    options = dict(
+        dtype="float32", device=args.device, max_num_seqs=max(args.batch_sizes),
+        kv_cache_memory=64 * 2**20, keep_alive=0,
+    )  # fmt: skip
+    if args.manager_socket:
+        options["manager_socket"] = Path(args.manager_socket)
+    else:
+        options["manager"] = "private"
+    rows = []
+    async with Engine(model, **options) as engine:
+        await run_batch(engine, max(args.batch_sizes), 8, args.prompt_len, seed=-1)  # warm-up
+        for batch in args.batch_sizes:
+            rows.append((batch, *await run_batch(
+                engine, batch, args.max_tokens, args.prompt_len, args.seed
+            )))  # fmt: skip
+    return rows
+
+
+def print_table(backend: str, rows: list[Row]) -> None:
+    print(f"\nbackend {backend}: ms per step (schedule .. output add up to 'step'; "
+          "'loop' is wall time / steps)")  # fmt: skip
+    head = ["batch", "steps", "steps/s", "tok/s", *PHASES, "step", "outside fwd", "loop"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for batch, seconds, tokens, t in rows:
+        ms = t.per_step_ms()
+        cells = [str(batch), str(t.num_steps), f"{t.num_steps / seconds:.0f}",
+                 f"{tokens / seconds:.0f}", *(f"{ms[c]:.3f}" for c in PHASES),
+                 f"{ms['total']:.3f}", f"{ms['outside_forward']:.3f}",
+                 f"{seconds * 1e3 / max(t.num_steps, 1):.3f}"]  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", type=lambda s: [int(b) for b in s.split(",")],
+                   default=[1, 16, 64])  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--backends", default="asyncio,trio")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--manager-socket", help="use this running manager instead of a private one")
+    p.add_argument("--worker-threads", type=int, default=1,
+                   help="OMP_NUM_THREADS for the private manager's workers (0: leave as is)")
+    args = p.parse_args()
+    if args.worker_threads:
+        # A tiny forward gains nothing from threads, and idle OpenMP threads spinning on a
+        # small machine take the cores the engine process needs.
+        os.environ["OMP_NUM_THREADS"] = str(args.worker_threads)
+    with tempfile.TemporaryDirectory(prefix="loom-bench-") as tmp:
+        model = make_tiny_llama(Path(tmp))
+        for backend in args.backends.split(","):
+            rows = anyio.run(run_all, model, args, backend=backend)
+            print_table(backend, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Where the engine's step loop spends its time: per-phase wall-clock totals since start.
+
+EngineCore drives a StepClock through each step's phases; `Engine.stats().step_timings`
+is a copy of the totals. A few perf_counter reads a step: cheap enough to stay always on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+PHASES = ("schedule", "encode", "worker", "receive", "update", "output")
+
+
+@dataclass(slots=True)
+class StepTimings:
+    """Seconds summed over `num_steps` steps, by phase; the phases add up to `total_s`.
+
+    `worker_s` is what the worker reports for its own execute (forward and sampling);
+    `receive_s` is the rest of the wait for the reply: both socket writes, the worker's
+    decode of the step and encode of its result, the engine's decode and wake-up. Other
+    tasks of the engine's event loop (the request streams' consumers) run during that
+    wait, in parallel with the worker: they show in `receive_s` only where they take
+    longer than the worker.
+    """
+
+    num_steps: int = 0
+    schedule_s: float = 0.0  # scheduler.schedule()
+    encode_s: float = 0.0  # build and encode the ExecuteStep (once for all ranks)
+    worker_s: float = 0.0  # the worker's own execute time
+    receive_s: float = 0.0  # the rest of the call, until the reply is in (see above)
+    update_s: float = 0.0  # scheduler.update_from_output()
+    output_s: float = 0.0  # detokenize, check stops, put outputs in the request streams
+    total_s: float = 0.0  # whole steps, first phase to last
+
+    @property
+    def outside_forward_s(self) -> float:
+        """Step time that is not the worker's execute: the engine's overhead."""
+        return self.total_s - self.worker_s
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Milliseconds per step of each phase, then "outside_forward" and "total"."""
+        n = max(self.num_steps, 1)
+        ms = {phase: getattr(self, f"{phase}_s") * 1e3 / n for phase in PHASES}
+        ms["outside_forward"] = self.outside_forward_s * 1e3 / n
+        ms["total"] = self.total_s * 1e3 / n
+        return ms
+
+    def __sub__(self, earlier: StepTimings) -> StepTimings:
+        """The timings of the steps between two snapshots (`after - before`)."""
+        return StepTimings(
+            *(getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self))
+        )
+
+
+class StepClock:
+    """Marks one step at a time: `start()`, then one call per phase in order, `finish()` last.
+
+    A step's phases are the gaps between its marks, so they add up to exactly its total.
+    Only `finish()` adds them to the totals: a snapshot taken mid-step holds whole steps.
+    """
+
+    __slots__ = ("totals", "_now", "_marks", "_worker_s")
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self.totals = StepTimings()
+        self._now = now
+        self._marks = [0.0] * 5  # start, scheduled, encoded, replied, updated
+        self._worker_s = 0.0
+
+    def start(self) -> None:
+        self._marks[0] = self._now()
+
+    def scheduled(self) -> None:
+        self._marks[1] = self._now()
+
+    def encoded(self) -> None:
+        self._marks[2] = self._now()
+
+    def replied(self, worker_s: float) -> None:
+        """`worker_s`: the worker's own execute time, from its reply (0 if it failed)."""
+        self._marks[3] = self._marks[4] = self._now()  # a failed step has no update
+        self._worker_s = worker_s
+
+    def updated(self) -> None:
+        self._marks[4] = self._now()
+
+    def finish(self) -> None:
+        end = self._now()
+        start, scheduled, encoded, replied, updated = self._marks
+        wait = replied - encoded
+        # Same monotonic clock in both processes, but never let a report exceed the wait.
+        worker_s = min(max(self._worker_s, 0.0), wait)
+        t = self.totals
+        t.num_steps += 1
+        t.schedule_s += scheduled - start
+        t.encode_s += encoded - scheduled
+        t.worker_s += worker_s
+        t.receive_s += wait - worker_s
+        t.update_s += updated - replied
+        t.output_s += end - updated
+        t.total_s += end - start
+
+    def snapshot(self) -> StepTimings:
+        return dataclasses.replace(self.totals)
