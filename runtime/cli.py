@@ -137,14 +137,20 @@ async def _set_then_cancel(event: anyio.Event, scope: anyio.CancelScope) -> None
     scope.cancel()
 
 
-async def _generate(args: argparse.Namespace) -> None:
+def _streaming_params(args: argparse.Namespace) -> Any:
+    """SamplingParams from --max-tokens/--temperature/--sampling-seed, streamed as deltas."""
     from protocols.sampling import RequestOutputKind, SamplingParams
-    from runtime.engine import Engine
 
-    params = SamplingParams(
+    return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed,
         output_kind=RequestOutputKind.DELTA,
     )  # fmt: skip
+
+
+async def _generate(args: argparse.Namespace) -> None:
+    from runtime.engine import Engine
+
+    params = _streaming_params(args)
     async with Engine(args.model, **engine_options(args)) as engine:
         async with engine.generate(args.prompt, params) as stream:
             async for out in stream:
@@ -154,14 +160,10 @@ async def _generate(args: argparse.Namespace) -> None:
 
 
 async def _chat(args: argparse.Namespace) -> None:
-    from protocols.sampling import RequestOutputKind, SamplingParams
     from runtime.chat_cli import chat_in_terminal
     from runtime.engine import Engine
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed,
-        output_kind=RequestOutputKind.DELTA,
-    )  # fmt: skip
+    params = _streaming_params(args)
     async with Engine(args.model, **engine_options(args)) as engine:
         await chat_in_terminal(engine, params, system=args.system)
 

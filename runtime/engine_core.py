@@ -71,7 +71,6 @@ class EngineCore:
         self._clock = StepClock()
         self._work = anyio.Event()
         self._pending_aborts: list[str] = []
-        self._pending_child_aborts: list[str] = []  # streams already ended by abort_all()
         self._idle = anyio.Event()  # set while the loop waits for work
 
     # -- intake (sync, any task) -----------------------------------------------------------
@@ -107,11 +106,12 @@ class EngineCore:
     def abort_all(self) -> None:
         """End every live request now with finish_reason "abort" (a server's drain deadline).
 
-        The streams end at once; the scheduler drops the requests before the next step.
+        The streams end and the KV blocks are free at once (a step in flight has its
+        results for them ignored, as for any finished request).
         """
-        for parent in self.output_processor.parents.values():
-            self._pending_child_aborts.extend(parent.child_ids())
+        children = [c for p in self.output_processor.parents.values() for c in p.child_ids()]
         self.output_processor.abort_all()
+        self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
         self._work.set()
 
     def _abort_now(self, request_id: str, finish_reason: str = "abort") -> None:
@@ -121,10 +121,7 @@ class EngineCore:
 
     async def wait_until_idle(self) -> None:
         """Wait until no request is left and every abort has been applied."""
-        while (
-            self._pending_aborts or self._pending_child_aborts or self._work.is_set()
-            or not self._idle.is_set()
-        ):  # fmt: skip
+        while self._pending_aborts or self._work.is_set() or not self._idle.is_set():
             if self._idle.is_set():
                 await anyio.lowlevel.checkpoint()  # the loop has yet to see the new work
             else:
@@ -151,9 +148,6 @@ class EngineCore:
             while True:
                 while self._pending_aborts:
                     self._abort_now(self._pending_aborts.pop())
-                if self._pending_child_aborts:
-                    children, self._pending_child_aborts = self._pending_child_aborts, []
-                    self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
                 self._clock.start()
                 scheduler_output = self.scheduler.schedule()
                 if not scheduler_output.num_scheduled_tokens and not (

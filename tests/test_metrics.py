@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import time
 from contextlib import asynccontextmanager
 
@@ -19,15 +18,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.routing import Route
+from test_server import running
 
 from protocols.sampling import SamplingParams
-from runtime import Engine
 from runtime.engine_core import EngineStats
 from runtime.engine_metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, EngineMetrics, Histogram
 from runtime.output_processor import OutputProcessor, ParentRequest
 from runtime.outputs import RequestMetrics, RequestOutputCollector
 from runtime.scheduler import EngineCoreOutput
-from runtime.server import build_app, serve
 from runtime.server.metrics import build_metrics_handler
 from runtime.server.supervisor import EngineSlot
 from runtime.tokenizer import Tokenizer
@@ -169,27 +167,11 @@ async def test_collector_renders_the_stats():
 
 
 @asynccontextmanager
-async def running(model: str, manager, api_key: str):
-    """(engine, client) with the app served by hypercorn on a free loopback port."""
-    async with Engine(model, manager_socket=manager.socket, dtype="float32") as engine:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        stop = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            app = build_app(engine, NAME, api_key=api_key)
-            tg.start_soon(serve, app, f"fd://{sock.detach()}", stop.wait)
-            base, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {api_key}"}
-            async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as c:
-                with anyio.fail_after(10):
-                    while True:  # the server accepts as soon as it listens
-                        try:
-                            await c.get("/version")
-                            break
-                        except httpx.ConnectError:
-                            await anyio.sleep(0.02)
-                yield engine, c
-            stop.set()
+async def served(model: str, manager, api_key: str):
+    """test_server's (engine, client) with the API key on, the client sending it."""
+    async with running(model, manager, api_key=api_key) as (engine, client):
+        client.headers["Authorization"] = f"Bearer {api_key}"
+        yield engine, client
 
 
 async def scrape(client: httpx.AsyncClient) -> dict:
@@ -213,7 +195,7 @@ async def streamed_usage(client: httpx.AsyncClient, payload: dict) -> dict:
 
 
 async def test_served_counters_match_the_usage(tiny_model, shared_manager):
-    async with running(tiny_model, shared_manager, "secret") as (engine, client):
+    async with served(tiny_model, shared_manager, "secret") as (engine, client):
         refused = await client.get("/v1/models", headers={"Authorization": ""})
         assert refused.status_code == 401  # the key is on, yet /metrics is open
         s = await scrape(client)

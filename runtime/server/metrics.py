@@ -10,6 +10,7 @@ which Prometheus' rate() handles); while there is no engine the page is empty.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -79,13 +80,16 @@ class EngineCollector:
 
 
 def _gauge(name: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-    family.add_metric(labels, value)
-    return family
+    return _single(GaugeMetricFamily, name, doc, labels, value)
 
 
 def _counter(name: str, doc: str, labels: list[str], value: float) -> CounterMetricFamily:
-    family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+    return _single(CounterMetricFamily, name, doc, labels, value)
+
+
+def _single(family_type: Any, name: str, doc: str, labels: list[str], value: float) -> Any:
+    """A family of `family_type` with one sample, labelled model_name."""
+    family = family_type(PREFIX + name, doc, labels=["model_name"])
     family.add_metric(labels, value)
     return family
 
