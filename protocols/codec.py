@@ -27,11 +27,11 @@ _ALLOWED_ARRAY_KINDS = frozenset("biuf")
 
 T = TypeVar("T")
 Encoder = Callable[[Any], Any]
-Decoder = Callable[[Any, str], Any]
+Decoder = Callable[[Any, Any], Any]  # (value, where: the path for errors)
 
 _class_by_code: dict[int, type] = {}
 _code_by_class: dict[type, int] = {}
-_fields_by_class: dict[type, tuple[tuple[str, Encoder, Decoder], ...]] = {}
+_fields_by_class: dict[type, tuple[tuple[str, Encoder | None, Decoder, str], ...]] = {}
 
 
 def message(code: int) -> Callable[[type[T]], type[T]]:
@@ -82,116 +82,196 @@ def decode(body: bytes) -> Any:
 
 
 # -- fields -------------------------------------------------------------------------
+#
+# Decoders take the value and `where`, the path to it for error messages. The path is only
+# formatted when a check fails: a step message holds thousands of fields, and building a
+# string per field cost more than the checks themselves. A path is a str (the message
+# name) or a tuple (parent path, step): a str step is appended as is (".field"), an int
+# step is a list index, a 1-tuple step is a map key.
+
+Where = Any
 
 
-def _field_specs(cls: type) -> tuple[tuple[str, Encoder, Decoder], ...]:
+def _where_text(where: Where) -> str:
+    steps = []
+    while isinstance(where, tuple):
+        where, step = where
+        if isinstance(step, str):
+            steps.append(step)
+        elif isinstance(step, int):
+            steps.append(f"[{step}]")
+        else:
+            steps.append(f"[{step[0]!r}]")
+    return where + "".join(reversed(steps))
+
+
+def _field_specs(cls: type) -> tuple[tuple[str, Encoder | None, Decoder, str], ...]:
+    """Per field: name, encoder (None: sent as is), decoder, and its path step."""
     specs = _fields_by_class.get(cls)
     if specs is None:
         hints = typing.get_type_hints(cls)
         specs = tuple(
-            (f.name, *_compile(hints[f.name])) for f in dataclasses.fields(cls) if f.init
+            (f.name, *_compile(hints[f.name]), "." + f.name)
+            for f in dataclasses.fields(cls)
+            if f.init
         )
         _fields_by_class[cls] = specs
     return specs
 
 
 def _encode_dataclass(obj: Any) -> list[Any]:
-    return [enc(getattr(obj, name)) for name, enc, _ in _field_specs(type(obj))]
+    return [
+        getattr(obj, name) if enc is None else enc(getattr(obj, name))
+        for name, enc, _, _ in _field_specs(type(obj))
+    ]
 
 
-def _decode_dataclass(cls: type, fields: Any, where: str) -> Any:
+def _decode_dataclass(cls: type, fields: Any, where: Where) -> Any:
     specs = _field_specs(cls)
-    if not isinstance(fields, list) or len(fields) != len(specs):
+    if type(fields) is not list or len(fields) != len(specs):
         raise MalformedMessageError(
-            f"{where}: expected a list of {len(specs)} fields, got {_describe(fields)}"
+            f"{_where_text(where)}: expected a list of {len(specs)} fields, "
+            f"got {_describe(fields)}"
         )
     kwargs = {
-        name: dec(value, f"{where}.{name}")
-        for (name, _, dec), value in zip(specs, fields, strict=True)
+        name: dec(value, (where, step))
+        for (name, _, dec, step), value in zip(specs, fields, strict=True)
     }
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:  # a message's own __post_init__ validation
-        raise MalformedMessageError(f"{where}: {exc}") from exc
+        raise MalformedMessageError(f"{_where_text(where)}: {exc}") from exc
+
+
+def _compile(tp: Any) -> tuple[Encoder | None, Decoder]:
+    """Build the (encode, decode-and-check) pair for one annotation; encode None = as is."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return None, lambda v, where: v
+    if origin in (typing.Union, types.UnionType):
+        return _compile_union(typing.get_args(tp))
+    if origin in (list, tuple):
+        item_t = typing.get_args(tp)[0]
+        make = list if origin is list else tuple
+        if item_t in _SCALAR_TYPES:
+            return None, _scalar_sequence_decoder(item_t, make)
+        item_enc, item_dec = _compile(item_t)
+
+        def dec_seq(v: Any, where: Where) -> Any:
+            _check(type(v) is list, v, where, "a list")
+            return make([item_dec(x, (where, i)) for i, x in enumerate(v)])
+
+        if item_enc is None:
+            return None, dec_seq
+        return (lambda v: [item_enc(x) for x in v]), dec_seq
+    if origin is dict:
+        key_t, value_t = typing.get_args(tp)
+        if key_t in _SCALAR_TYPES and value_t in (int, str, bool):
+            return None, _scalar_map_decoder(key_t, value_t)
+        key_enc, key_dec = _compile(key_t)
+        val_enc, val_dec = _compile(value_t)
+
+        def dec_map(v: Any, where: Where) -> dict[Any, Any]:
+            _check(type(v) is dict, v, where, "a map")
+            return {key_dec(k, where): val_dec(x, (where, (k,))) for k, x in v.items()}
+
+        if key_enc is None and val_enc is None:
+            return None, dec_map
+        key_enc = key_enc or _identity
+        val_enc = val_enc or _identity
+        return (lambda v: {key_enc(k): val_enc(x) for k, x in v.items()}), dec_map
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+
+        def dec_nested(v: Any, where: Where) -> Any:
+            return _decode_dataclass(tp, v, where)
+
+        return _encode_dataclass, dec_nested
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+
+        def dec_enum(v: Any, where: Where) -> Any:
+            try:
+                return tp(v)
+            except ValueError:
+                raise MalformedMessageError(
+                    f"{_where_text(where)}: {v!r} is not a {tp.__name__}"
+                ) from None
+
+        return (lambda v: v.value), dec_enum
+    if tp is float:
+        return None, _checker(lambda v: type(v) in (float, int), "a number", float)
+    if tp is np.ndarray:
+        return None, _checker(lambda v: isinstance(v, np.ndarray), "an array")
+    if tp in (int, str, bytes, bool, type(None)):
+        return None, _checker(lambda v: type(v) is tp, tp.__name__)
+    raise TypeError(f"no wire encoding for annotation {tp!r}")
 
 
 def _identity(value: Any) -> Any:
     return value
 
 
-def _compile(tp: Any) -> tuple[Encoder, Decoder]:
-    """Build the (encode, decode-and-check) pair for one annotation."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return _identity, lambda v, where: v
-    if origin in (typing.Union, types.UnionType):
-        return _compile_union(typing.get_args(tp))
-    if origin in (list, tuple):
-        item_enc, item_dec = _compile(typing.get_args(tp)[0])
-        make = list if origin is list else tuple
-
-        def dec_seq(v: Any, where: str) -> Any:
-            _check(isinstance(v, list), v, where, "a list")
-            return make(item_dec(x, f"{where}[{i}]") for i, x in enumerate(v))
-
-        return (lambda v: [item_enc(x) for x in v]), dec_seq
-    if origin is dict:
-        key_t, value_t = typing.get_args(tp)
-        key_enc, key_dec = _compile(key_t)
-        val_enc, val_dec = _compile(value_t)
-
-        def dec_map(v: Any, where: str) -> dict[Any, Any]:
-            _check(isinstance(v, dict), v, where, "a map")
-            return {key_dec(k, where): val_dec(x, f"{where}[{k!r}]") for k, x in v.items()}
-
-        return (lambda v: {key_enc(k): val_enc(x) for k, x in v.items()}), dec_map
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-
-        def dec_nested(v: Any, where: str) -> Any:
-            return _decode_dataclass(tp, v, where)
-
-        return _encode_dataclass, dec_nested
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-
-        def dec_enum(v: Any, where: str) -> Any:
-            try:
-                return tp(v)
-            except ValueError:
-                raise MalformedMessageError(f"{where}: {v!r} is not a {tp.__name__}") from None
-
-        return (lambda v: v.value), dec_enum
-    if tp is float:
-        return _identity, _checker(lambda v: type(v) in (float, int), "a number", float)
-    if tp is np.ndarray:
-        return _identity, _checker(lambda v: isinstance(v, np.ndarray), "an array")
-    if tp in (int, str, bytes, bool, type(None)):
-        return _identity, _checker(lambda v: type(v) is tp, tp.__name__)
-    raise TypeError(f"no wire encoding for annotation {tp!r}")
+# Element types whose lists are checked in one pass (token ids, request ids, logprobs).
+_SCALAR_TYPES = (int, str, bool, float)
 
 
-def _compile_union(options: tuple[Any, ...]) -> tuple[Encoder, Decoder]:
+def _scalar_sequence_decoder(item_t: type, make: type) -> Decoder:
+    allowed = {float, int} if item_t is float else {item_t}
+
+    def dec(v: Any, where: Where) -> Any:
+        _check(type(v) is list, v, where, "a list")
+        if not allowed.issuperset(map(type, v)):
+            i, bad = next((i, x) for i, x in enumerate(v) if type(x) not in allowed)
+            _check(False, bad, (where, i), "a number" if item_t is float else item_t.__name__)
+        if item_t is float:
+            return make(map(float, v))
+        return v if make is list else make(v)
+
+    return dec
+
+
+def _scalar_map_decoder(key_t: type, value_t: type) -> Decoder:
+    key_dec, value_dec = _compile(key_t)[1], _compile(value_t)[1]
+
+    def dec(v: Any, where: Where) -> Any:
+        _check(type(v) is dict, v, where, "a map")
+        if not ({key_t}.issuperset(map(type, v)) and {value_t}.issuperset(map(type, v.values()))):
+            for k, x in v.items():  # name the first bad entry
+                key_dec(k, where)
+                value_dec(x, (where, (k,)))
+        return v
+
+    return dec
+
+
+def _compile_union(options: tuple[Any, ...]) -> tuple[Encoder | None, Decoder]:
     non_none = [t for t in options if t is not type(None)]
     if len(non_none) != 1:
         raise TypeError(f"only `X | None` unions can cross the wire, not {options!r}")
     enc, dec = _compile(non_none[0])
-    return (lambda v: None if v is None else enc(v)), (
-        lambda v, where: None if v is None else dec(v, where)
-    )
+
+    def dec_optional(v: Any, where: Where) -> Any:
+        return None if v is None else dec(v, where)
+
+    if enc is None:
+        return None, dec_optional
+    return (lambda v: None if v is None else enc(v)), dec_optional
 
 
 def _checker(
     ok: Callable[[Any], bool], what: str, convert: Callable[[Any], Any] = _identity
 ) -> Decoder:
-    def dec(v: Any, where: str) -> Any:
+    def dec(v: Any, where: Where) -> Any:
         _check(ok(v), v, where, what)
         return convert(v)
 
     return dec
 
 
-def _check(ok: bool, value: Any, where: str, what: str) -> None:
+def _check(ok: bool, value: Any, where: Where, what: str) -> None:
     if not ok:
-        raise MalformedMessageError(f"{where}: expected {what}, got {_describe(value)}")
+        raise MalformedMessageError(
+            f"{_where_text(where)}: expected {what}, got {_describe(value)}"
+        )
 
 
 def _describe(value: Any) -> str:

@@ -18,7 +18,8 @@ from protocols.sampling import SamplingParams
 
 # 2: WorkerInfo gained world_size and dtype.
 # 3: SamplingParams.prompt_logprobs; StepResult.prompt_logprobs.
-PROTOCOL_VERSION = 3
+# 4: SchedulerOutput.cached (columns) replaced the list of CachedRequestData.
+PROTOCOL_VERSION = 4
 
 
 # -- handshake and errors (all connections) -------------------------------------------
@@ -255,12 +256,21 @@ class NewRequestData:
 
 
 @dataclass(frozen=True, slots=True)
-class CachedRequestData:
-    """The diff for a request the worker already holds."""
+class CachedRequests:
+    """The diff for the requests the worker already holds, as columns: one entry per request.
 
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    Columns, not a list of per-request records: at batch 64 every step carries 64 of them,
+    and flat lists encode and check in one pass each (the validating decoder costs per
+    object, not per int).
+    """
+
+    req_ids: list[str]
+    new_block_ids: list[list[int]]  # blocks added this step (mostly empty)
+    num_computed_tokens: list[int]
+
+    def __post_init__(self) -> None:
+        if not len(self.req_ids) == len(self.new_block_ids) == len(self.num_computed_tokens):
+            raise ValueError("CachedRequests columns differ in length")
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +279,7 @@ class SchedulerOutput:
 
     step_id: int
     new_requests: list[NewRequestData]
-    cached_requests: list[CachedRequestData]
+    cached: CachedRequests
     # Tokens to compute per request, in batch order; a request whose prompt is then
     # complete samples one token.
     num_scheduled_tokens: dict[str, int]

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from protocols.messages import (
-    CachedRequestData,
+    CachedRequests,
     NewRequestData,
     SchedulerOutput,
     StepResult,
@@ -146,7 +146,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         token_budget = config.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
-        cached_requests: list[CachedRequestData] = []
+        cached = CachedRequests([], [], [])
         new_requests: list[NewRequestData] = []
         preempted = False
 
@@ -174,9 +174,9 @@ class Scheduler:
             if new_block_ids is None:
                 break
             num_scheduled_tokens[request.request_id] = num_new
-            cached_requests.append(
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
-            )
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_block_ids)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
             token_budget -= num_new
             index += 1
 
@@ -208,7 +208,7 @@ class Scheduler:
         output = SchedulerOutput(
             step_id=self.step_id,
             new_requests=new_requests,
-            cached_requests=cached_requests,
+            cached=cached,
             num_scheduled_tokens=num_scheduled_tokens,
             finished_req_ids=list(self.finished_req_ids),
         )

@@ -37,7 +37,14 @@ from protocols.errors import (
     VersionMismatchError,
 )
 from protocols.framing import HEADER, FrameReader, encode_frame
-from protocols.messages import PROTOCOL_VERSION, ErrorReply, Hello, StatusRequest, Welcome
+from protocols.messages import (
+    PROTOCOL_VERSION,
+    CachedRequests,
+    ErrorReply,
+    Hello,
+    StatusRequest,
+    Welcome,
+)
 from protocols.sampling import RequestOutputKind, SamplingParams
 
 FAST = settings(max_examples=50, deadline=None)
@@ -83,6 +90,12 @@ VALID_SAMPLING_PARAMS = st.builds(
     prompt_logprobs=st.none() | st.integers(0, 5),
     output_kind=st.sampled_from(list(RequestOutputKind)),
 )  # fmt: skip
+# CachedRequests' columns have one length.
+VALID_CACHED_REQUESTS = st.lists(
+    st.tuples(st.text(), st.lists(st.integers(0, 2**31), max_size=3), st.integers(0, 2**31)),
+    max_size=4,
+).map(lambda rows: CachedRequests(*(list(column) for column in zip(*rows, strict=True)))
+      if rows else CachedRequests([], [], []))  # fmt: skip
 
 
 def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
@@ -96,6 +109,8 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
         return st.lists(strategy_for(args[0]), max_size=4).map(tuple)
     if tp is SamplingParams:
         return VALID_SAMPLING_PARAMS
+    if tp is CachedRequests:
+        return VALID_CACHED_REQUESTS
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return st.sampled_from(list(tp))
     if origin is dict:
@@ -187,6 +202,20 @@ def test_errors_name_nested_fields() -> None:
     model_info = ["m", "d", 1, 2, 3, 4, 5, "float32", "cpu", 0.5]
     expect_malformed([11, ["g1", ["a", None], [1, 2], model_info, False]],
                      match=r"^WorkersAcquired\.sockets\[1\]: expected str")  # fmt: skip
+    # Deep paths, built only when a check fails: a list of lists, a map value, columns.
+    cached = [["a", "b"], [[], [7, "8"]], [3, 4]]
+    step = [0, [], cached, {"a": 1, "b": 1}, []]
+    expect_malformed([43, [1, step]], match=(
+        r"^ExecuteStep\.scheduler_output\.cached\.new_block_ids\[1\]\[1\]: expected int, "
+        "got str"))  # fmt: skip
+    step = [0, [], [["a"], [[]], [3]], {"a": 1, "b": True}, []]
+    expect_malformed([43, [1, step]], match=(
+        r"^ExecuteStep\.scheduler_output\.num_scheduled_tokens\['b'\]: expected int"))
+    step = [0, [], [["a", "b"], [[]], [3]], {}, []]
+    expect_malformed([43, [1, step]], match=(
+        r"^ExecuteStep\.scheduler_output\.cached: CachedRequests columns differ in length"))
+    expect_malformed([44, [1, ["a"], [5], [0.5, "x"], [None], [], 0.0]],
+                     match=r"^StepResult\.logprobs\[1\]: expected a number")  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -59,12 +59,15 @@ class FakeWorker:
             self.states[new.req_id] = _WorkerState(
                 list(new.prompt_token_ids), tokens, list(new.block_ids), new.num_computed_tokens
             )
-        for cached in so.cached_requests:
-            state = self.states[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+        cached = so.cached
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self.states[req_id]
+            state.block_ids.extend(new_block_ids)
             # The worker advanced it itself last step: both sides must agree.
-            assert state.num_computed_tokens == cached.num_computed_tokens
-        batch_order = [c.req_id for c in so.cached_requests] + [n.req_id for n in so.new_requests]
+            assert state.num_computed_tokens == num_computed
+        batch_order = cached.req_ids + [n.req_id for n in so.new_requests]
         assert list(so.num_scheduled_tokens) == batch_order
         # Like paged attention, every layer writes all new KV before anything reads.
         spans = {}
@@ -215,7 +218,7 @@ def test_num_computed_tokens_advances_in_schedule_and_messages_carry_the_old_val
     driver.scheduler.update_from_output(so, driver.worker.execute(so))
     assert request.num_computed_tokens == 10 and request.num_tokens == 11  # not counted twice
     so = driver.step()
-    assert so.cached_requests[0].num_computed_tokens == 10
+    assert so.cached.num_computed_tokens[0] == 10
     assert so.num_scheduled_tokens == {"a": 1} and request.num_computed_tokens == 11
 
 

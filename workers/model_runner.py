@@ -96,10 +96,14 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         for new in so.new_requests:
             self.requests[new.req_id] = self._new_state(new)
-        for cached in so.cached_requests:
-            state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+        cached = so.cached
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self.requests[req_id]
+            if new_block_ids:
+                state.block_ids.extend(new_block_ids)
+            state.num_computed_tokens = num_computed
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         params = new.sampling_params
@@ -201,12 +205,16 @@ class ModelRunner:
         for i, context in enumerate(decode_ctx):
             padded[i, : len(context)] = torch.tensor(context)
             valid[i, : len(context)] = True
+        valid = valid.to(self.device)
+        bias = torch.zeros(valid.shape, dtype=self.kv_caches[0][0].dtype, device=self.device)
+        bias.masked_fill_(~valid, float("-inf"))
         return attention.AttentionMetadata(
             kv_caches=self.kv_caches,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             decode_token_idx=torch.tensor(decode_idx, dtype=torch.long, device=self.device),
             decode_slots=padded.to(self.device),
-            decode_valid=valid.to(self.device),
+            decode_valid=valid,
+            decode_bias=bias[:, None, None, :],
             prefills=prefills,
         )
 
