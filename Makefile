@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo serve test test-fast lint clean
+.PHONY: setup demo serve test test-fast lint clean bench-peers bench-tools
 
 setup: $(STAMP)
 
@@ -28,6 +28,29 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+# Peers for benchmarks/serving.py, outside the test path: llama.cpp's `llama-server` and
+# `llama-bench` built from the source the llama-cpp-python sdist carries (~5 min on 2 cores),
+# and guidellm in a venv of its own so its pins never touch ours.
+PEERS := .peers
+LLAMA_CPP_PY := 0.3.36
+LLAMA_SRC := $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp
+LLAMA_SERVER := $(LLAMA_SRC)/build/bin/llama-server
+GUIDELLM := $(PEERS)/guidellm-venv/bin/guidellm
+
+bench-peers: $(LLAMA_SERVER) $(GUIDELLM)
+
+$(LLAMA_SERVER):
+	mkdir -p $(PEERS)
+	$(PYTHON) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PY) -d $(PEERS)
+	tar xzf $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PY).tar.gz -C $(PEERS)
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_SRC)/build -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON \
+		-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF > $(PEERS)/cmake.log
+	cmake --build $(LLAMA_SRC)/build --target llama-server llama-bench -j2 > $(PEERS)/build.log
+
+$(GUIDELLM):
+	$(PYTHON) -m venv $(PEERS)/guidellm-venv
+	$(PEERS)/guidellm-venv/bin/python -m pip install -q -c constraints.txt guidellm
 
 lint: setup
 	$(PY) -m ruff check runtime workers protocols tests examples benchmarks

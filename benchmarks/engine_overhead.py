@@ -5,8 +5,9 @@ cheap, so what is left is the engine: schedule, encode, receive, update, and
 detokenize+stream. B requests run concurrently (ignore_eos, fixed max_tokens) for each
 batch size B; the split comes from `Engine.stats().step_timings` (runtime/step_timings.py).
 
-    .venv/bin/python benchmarks/engine_overhead.py [--batch-sizes 1,16,64]
-        [--max-tokens 128] [--prompt-len 16] [--backends asyncio,trio] [--worker-threads 1]
+    loom bench overhead [--batch-sizes 1,16,64] [--max-tokens 128] [--prompt-len 16]
+        [--backends asyncio,trio] [--worker-threads 1]
+    (or: .venv/bin/python benchmarks/engine_overhead.py ...)
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from runtime.step_timings import PHASES, StepTimings
 
 VOCAB = 256
 Row = tuple[int, float, int, StepTimings]  # batch size, seconds, tokens generated, timings
+
+PROG = "loom bench overhead"
 
 
 def make_tiny_llama(path: Path) -> str:
@@ -115,8 +118,8 @@ def print_table(backend: str, rows: list[Row]) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", type=lambda s: [int(b) for b in s.split(",")],
                    default=[1, 16, 64])  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=128)
@@ -127,7 +130,7 @@ def main() -> None:
     p.add_argument("--manager-socket", help="use this running manager instead of a private one")
     p.add_argument("--worker-threads", type=int, default=1,
                    help="OMP_NUM_THREADS for the private manager's workers (0: leave as is)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.worker_threads:
         # A tiny forward gains nothing from threads, and idle OpenMP threads spinning on a
         # small machine take the cores the engine process needs.

@@ -6,8 +6,9 @@ Same model, same dtype, same prompts (token ids drawn from a fixed seed), same n
 output tokens (`ignore_eos` / EOS disabled, so EOS cannot end a request early). The single
 stream: one request, time to first token and decode ms/token after it.
 
-    .venv/bin/python benchmarks/offline_throughput.py [--num-prompts 64] [--prompt-len 100]
-        [--output-len 128] [--dtype float32] [--skip-hf] [--skip-generate-batch]
+    loom bench offline [--num-prompts 64] [--prompt-len 100] [--output-len 128]
+        [--dtype float32] [--skip-hf] [--skip-generate-batch]
+    (or: .venv/bin/python benchmarks/offline_throughput.py ...)
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import random
 import time
+
+PROG = "loom bench offline"
 
 
 def make_prompts(num: int, mean_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -120,8 +123,8 @@ def single_stream_hf(model, prompt: list[int], output_len: int) -> tuple[float, 
     return ttft, (whole - ttft) / (output_len - 1)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=100)
     p.add_argument("--output-len", type=int, default=128)
@@ -129,7 +132,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-generate-batch", action="store_true", help="slow on CPU")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     prompts = make_prompts(args.num_prompts, args.prompt_len, 49152, args.seed)
     rows = [("loomllm", *run_loomllm(prompts, args.output_len, args.dtype))]
     streams = [("loomllm", *single_stream_loomllm(prompts[0], args.output_len, args.dtype))]
@@ -156,4 +159,5 @@ def main() -> None:
               f"{per_token / streams[0][2]:10.2f}")
 
 
-main()
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,5 @@
-"""The `loom` command: `serve` (OpenAI-compatible HTTP server), `generate`, `chat`, `models`.
+"""The `loom` command: `serve` (OpenAI-compatible HTTP server), `generate`, `chat`, `models`,
+`bench` (the benchmarks in `benchmarks/`).
 
 Engine options are vLLM's names as dashed flags. SIGINT/SIGTERM stop the server
 gracefully (in-flight requests get a few seconds), the engine closes, exit code 0.
@@ -28,6 +29,14 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--keep-alive", float, "seconds the workers stay warm after exit (-1: pinned)"),
     ("--manager-socket", Path, "engine-manager socket (default: the per-user one)"),
 ]
+
+
+# `loom bench NAME`: the module in benchmarks/ that runs it.
+BENCHMARKS = {
+    "offline": "benchmarks.offline_throughput",
+    "overhead": "benchmarks.engine_overhead",
+    "serving": "benchmarks.serving",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,6 +84,14 @@ def _parser() -> argparse.ArgumentParser:
     models.add_argument("--manager-socket", type=Path, default=None,
                         help="engine-manager socket (default: the per-user one)")  # fmt: skip
     models.set_defaults(loop="asyncio")
+
+    bench = sub.add_parser(
+        "bench", help="run a benchmark: loomllm and its peers in one run, a table of ratios",
+        description="Benchmarks in one run, same prompts for every engine. Flags after the "
+        "name go to the benchmark: `loom bench offline --help`.",
+    )  # fmt: skip
+    bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     return parser
 
 
@@ -176,8 +193,18 @@ async def _models(args: argparse.Namespace) -> None:
     print(models_table(await list_workers(args.manager_socket or default_socket_path())))
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    # Benchmarks run their own event loops and processes: not inside anyio.run.
+    importlib.import_module(BENCHMARKS[args.benchmark]).main(args.bench_args)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
     run = {"serve": _serve, "generate": _generate, "chat": _chat, "models": _models}[args.command]
     try:
         code = anyio.run(run, args, backend=args.loop)

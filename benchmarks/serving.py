@@ -1,0 +1,241 @@
+"""Serving, side by side in one run: `loom serve` vs llama.cpp's `llama-server`, same GGUF,
+same load from guidellm.
+
+guidellm (its own venv, `make bench-peers`) drives each server in turn with synthetic
+prompts of a fixed token count drawn from a fixed seed, streaming `/v1/completions` with
+`ignore_eos` so every request produces exactly `--output-tokens` tokens, at each
+concurrency level; then the table: output tok/s, TTFT and inter-token latency (p50), and
+loomllm / llama.cpp ratios. The servers run one after the other, never together: the
+machine has two cores.
+
+    make bench-peers        # once: llama-server and guidellm under .peers/
+    loom bench serving [--concurrency 1,8,32] [--prompt-tokens 128] [--output-tokens 64]
+        [--requests 2] [--skip-llama-cpp]
+    (or: .venv/bin/python benchmarks/serving.py ...)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+PROG = "loom bench serving"
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / ".peers"
+DEFAULT_LLAMA_SERVER = PEERS / "llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
+DEFAULT_GUIDELLM = PEERS / "guidellm-venv/bin/guidellm"
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """guidellm's figures for one server at one concurrency."""
+
+    concurrency: int
+    requests: int
+    errors: int
+    output_tok_s: float
+    ttft_p50_ms: float
+    itl_p50_ms: float
+    ttft_p99_ms: float
+    itl_p99_ms: float
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server at {url} not healthy after {timeout} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scenario(url: str, model: str, args: argparse.Namespace, level: int) -> dict:
+    """A guidellm scenario: `level` concurrent streams, `requests x level` requests (at
+    least 8) so the level reaches its steady state."""
+    return {
+        "spec": {
+            "backend": {
+                "kind": "openai_http", "target": url, "model": model,
+                "request_format": "/v1/completions", "http2": False,
+            },
+            "profile": {"kind": "concurrent", "streams": level},
+            "data": [{
+                "kind": "synthetic_text", "prompt_tokens": args.prompt_tokens,
+                "output_tokens": args.output_tokens,
+            }],
+            "seed": {"kind": "static", "value": args.seed},
+            "constraints": [{"kind": "max_requests", "count": max(8, args.requests * level)}],
+        },
+    }  # fmt: skip
+
+
+def run_guidellm(
+    guidellm: Path, tokenizer_dir: Path, url: str, model: str, args: argparse.Namespace,
+    levels: list[int], workdir: Path, name: str,
+) -> list[Level]:  # fmt: skip
+    """guidellm once per level (each with its own request count), parsed into Levels."""
+    results = []
+    for level in levels:
+        config = workdir / f"{name}-{level}.json"
+        config.write_text(json.dumps(scenario(url, model, args, level)))
+        report = workdir / f"{name}-{level}-report.json"
+        cmd = [str(guidellm), "run", "--config", str(config),
+               "--tokenizer", f"kind=huggingface_auto,model={tokenizer_dir}",
+               "--output", f"kind=json,path={report}", "--disable-console-interactive"]  # fmt: skip
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"guidellm failed ({done.returncode}):\n{done.stdout[-3000:]}"
+                               f"\n{done.stderr[-3000:]}")  # fmt: skip
+        results.append(parse_report(json.loads(report.read_text()), level))
+    return results
+
+
+def parse_report(report: dict, level: int) -> Level:
+    bench = report["benchmarks"][0]
+    metrics = bench["metrics"]
+
+    def stat(metric: str, key: str) -> float:
+        successful = metrics[metric]["successful"]
+        if key == "p50":
+            return successful["median"]
+        return successful["percentiles"][key]
+
+    totals = metrics["request_totals"]
+    return Level(
+        level, totals["successful"], totals["errored"],
+        metrics["output_tokens_per_second"]["successful"]["mean"],
+        stat("time_to_first_token_ms", "p50"), stat("inter_token_latency_ms", "p50"),
+        stat("time_to_first_token_ms", "p99"), stat("inter_token_latency_ms", "p99"),
+    )  # fmt: skip
+
+
+def serve_loom(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    log = workdir / "loom-serve.log"
+    cmd = [str(Path(sys.executable).parent / "loom"), "serve", "smollm2", "--port", str(port),
+           "--served-model-name", "smollm2", "--dtype", args.dtype, *args.loom_args]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def serve_llama_cpp(
+    args: argparse.Namespace, gguf: Path, slots: int, workdir: Path
+) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    log = workdir / "llama-server.log"
+    ctx = slots * (args.prompt_tokens + args.output_tokens + 64)  # each slot gets ctx / slots
+    cmd = [str(args.llama_server), "-m", str(gguf), "-t", "2", "-np", str(slots), "-c", str(ctx),
+           "--host", "127.0.0.1", "--port", str(port), "--alias", "smollm2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def print_table(levels: list[int], results: dict[str, list[Level]]) -> None:
+    names = list(results)
+    print("\n| server | concurrency | requests (errors) | output tok/s | TTFT p50 ms | "
+          "ITL p50 ms | TTFT p99 ms | ITL p99 ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for i, level in enumerate(levels):
+        for name in names:
+            r = results[name][i]
+            print(f"| {name} | {level} | {r.requests} ({r.errors}) | {r.output_tok_s:.1f} | "
+                  f"{r.ttft_p50_ms:.0f} | {r.itl_p50_ms:.1f} | {r.ttft_p99_ms:.0f} | "
+                  f"{r.itl_p99_ms:.1f} |")  # fmt: skip
+    if len(names) == 2:
+        a, b = names
+        print(f"\n| concurrency | {a} / {b} output tok/s | {a} / {b} ITL p50 (lower is better) |")
+        print("|---|---|---|")
+        for i, level in enumerate(levels):
+            ra, rb = results[a][i], results[b][i]
+            print(f"| {level} | {ra.output_tok_s / rb.output_tok_s:.2f} | "
+                  f"{ra.itl_p50_ms / rb.itl_p50_ms:.2f} |")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")],
+                   default=[1, 8, 32])  # fmt: skip
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--requests", type=int, default=2, help="requests per level = this x level")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--loom-args", nargs=argparse.REMAINDER, default=[],
+                   help="more `loom serve` flags (last on the line)")  # fmt: skip
+    p.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER)
+    p.add_argument("--guidellm", type=Path, default=DEFAULT_GUIDELLM)
+    p.add_argument("--skip-llama-cpp", action="store_true")
+    args = p.parse_args(argv)
+    if not args.guidellm.exists():
+        sys.exit(f"no guidellm at {args.guidellm}: run `make bench-peers` (or pass --guidellm)")
+    if not args.skip_llama_cpp and not args.llama_server.exists():
+        sys.exit(f"no llama-server at {args.llama_server}: run `make bench-peers` "
+                 "(or pass --llama-server, or --skip-llama-cpp)")  # fmt: skip
+
+    from workers.model_loader import prepare_model_dir, resolve_model
+
+    source = resolve_model("smollm2")
+    tokenizer_dir = prepare_model_dir(source)
+    levels = args.concurrency
+    results: dict[str, list[Level]] = {}
+    workdir = Path(tempfile.mkdtemp(prefix="loom-bench-serving-"))
+    servers = [("loomllm", lambda: serve_loom(args, workdir))]
+    if not args.skip_llama_cpp:
+        servers.append(("llama.cpp", lambda: serve_llama_cpp(
+            args, Path(source.path), max(levels), workdir)))  # fmt: skip
+    try:
+        for name, start in servers:
+            proc, url, log = start()
+            try:
+                wait_healthy(url, proc, log)
+                print(f"{name}: serving at {url}; guidellm at concurrency {levels}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                results[name] = run_guidellm(
+                    args.guidellm, tokenizer_dir, url, "smollm2", args, levels, workdir, name
+                )
+            finally:
+                stop(proc)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"prompt {args.prompt_tokens} tokens, output {args.output_tokens} tokens (ignore_eos), "
+          f"streaming /v1/completions, guidellm concurrent profile")  # fmt: skip
+    print_table(levels, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""`loom bench`: the benchmarks in benchmarks/ run from the installed command."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def loom(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "runtime.cli", *args],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_overhead_benchmark_runs_and_its_phases_add_up() -> None:
+    done = loom("bench", "overhead", "--batch-sizes", "1,3", "--max-tokens", "4",
+                "--backends", "asyncio")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "3"]
+    for row in rows:
+        cells = [float(c) for c in row.strip("|").split("|")]
+        batch, steps, _, tok_s, *phases, step, outside, _loop = cells
+        assert steps >= 4 and tok_s > 0
+        assert sum(phases) == pytest.approx(step, rel=0.02, abs=0.005)
+        assert outside == pytest.approx(step - phases[2], rel=0.02, abs=0.005)  # minus worker
+
+
+def test_serving_benchmark_says_how_to_get_its_peers() -> None:
+    done = loom("bench", "serving", "--guidellm", "/nonexistent/guidellm")
+    assert done.returncode != 0
+    assert "make bench-peers" in done.stderr
+
+
+def test_unknown_benchmark_is_refused() -> None:
+    done = loom("bench", "nosuch")
+    assert done.returncode == 2 and "invalid choice" in done.stderr
