@@ -37,6 +37,8 @@ LLAMA_CPP_PY := 0.3.36
 LLAMA_SRC := $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp
 LLAMA_SERVER := $(LLAMA_SRC)/build/bin/llama-server
 GUIDELLM := $(PEERS)/guidellm-venv/bin/guidellm
+# benchmarks/serving.py writes guidellm's scenario schema of this version.
+GUIDELLM_VERSION := 0.8.1
 
 bench-peers: $(LLAMA_SERVER) $(GUIDELLM)
 
@@ -50,7 +52,7 @@ $(LLAMA_SERVER):
 
 $(GUIDELLM):
 	$(PYTHON) -m venv $(PEERS)/guidellm-venv
-	$(PEERS)/guidellm-venv/bin/python -m pip install -q -c constraints.txt guidellm
+	$(PEERS)/guidellm-venv/bin/python -m pip install -q -c constraints.txt guidellm==$(GUIDELLM_VERSION)
 
 lint: setup
 	$(PY) -m ruff check runtime workers protocols tests examples benchmarks

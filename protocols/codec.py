@@ -166,7 +166,7 @@ def _compile(tp: Any) -> tuple[Encoder | None, Decoder]:
         return (lambda v: [item_enc(x) for x in v]), dec_seq
     if origin is dict:
         key_t, value_t = typing.get_args(tp)
-        if key_t in _SCALAR_TYPES and value_t in (int, str, bool):
+        if key_t in (int, str) and value_t in (int, str, bool):
             return None, _scalar_map_decoder(key_t, value_t)
         key_enc, key_dec = _compile(key_t)
         val_enc, val_dec = _compile(value_t)
