@@ -115,7 +115,25 @@ class Engine:
         self._workers = workers
         self._core = build_engine_core(cfg, self._acquired.model_info, workers)
         self.tokenizer = self._core.output_processor.tokenizer
-        tg.start_soon(self._core.run)
+        core_scope, core_done = anyio.CancelScope(), anyio.Event()
+
+        async def run_core(core: EngineCore) -> None:
+            try:
+                with core_scope:
+                    await core.run()
+            finally:
+                core_done.set()
+
+        async def stop_core() -> None:
+            # First on the way out: a step still in flight (the one that tells the worker
+            # about the last finished requests, say) must end before the worker sockets
+            # close, or it would fail as a dead worker and raise from __aexit__.
+            core_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await core_done.wait()
+
+        tg.start_soon(run_core, self._core)
+        stack.push_async_callback(stop_core)
         logger.info(
             "engine %s attached to %s workers %s (%s)", self.engine_id,
             "warm" if self._acquired.reused else "new", self._acquired.pids, cfg.model,

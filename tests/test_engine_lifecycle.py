@@ -7,6 +7,8 @@ asyncio and trio.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import anyio
@@ -107,6 +109,39 @@ async def test_unknown_model_is_a_clear_error_and_manager_survives(tiny_model, s
     assert shared_manager.cli("status").returncode == 0
     async with Engine(tiny_model, manager_socket=shared_manager.socket) as engine:
         assert await engine.collective_rpc(lambda w: 1) == [1]
+
+
+LEAVE_MID_STEP = """
+import sys, anyio
+from runtime import Engine, SamplingParams
+
+def slow_steps(w):
+    import time
+    execute = w.runner.execute
+    w.runner.execute = lambda *a: (time.sleep(0.3), execute(*a))[1]
+
+async def main():
+    async with Engine(sys.argv[1], manager="private", keep_alive=0) as engine:
+        await engine.collective_rpc(slow_steps)
+        async for _ in engine.generate({"prompt_token_ids": [5, 6, 7]},
+                                       SamplingParams(max_tokens=1)):
+            pass
+    print("left cleanly")
+
+anyio.run(main, backend=sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_leaving_right_after_the_last_output_is_clean(tiny_model, backend):
+    """The user leaves the block as the engine starts the step that tells the worker about
+    the finished request: that step must be cancelled, not sent on a closing socket and
+    reported as a dead worker out of `__aexit__`. A plain script, not a test task: the
+    race needs the ordinary event loop's scheduling (seen in a script on both backends)."""
+    done = subprocess.run([sys.executable, "-c", LEAVE_MID_STEP, tiny_model, backend],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "left cleanly" in done.stdout, done.stderr[-3000:]
+    assert "could not release" not in done.stderr
 
 
 async def test_private_manager_exits_with_the_engine(tiny_model):
