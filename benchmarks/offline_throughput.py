@@ -29,17 +29,46 @@ def make_prompts(num: int, mean_len: int, vocab: int, seed: int) -> list[list[in
     ]
 
 
-def run_loomllm(prompts: list[list[int]], output_len: int, dtype: str) -> tuple[float, int]:
+def run_loomllm(
+    prompts: list[list[int]], output_len: int, dtype: str, weight_dtype: str | None = None
+) -> tuple[float, int]:
     from runtime import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
-    with LLM("smollm2", dtype=dtype, max_num_seqs=len(prompts)) as llm:
+    options = dict(dtype=dtype, weight_dtype=weight_dtype, max_num_seqs=len(prompts))
+    with LLM("smollm2", **options) as llm:
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4),
                      use_tqdm=False)  # warm-up  # fmt: skip
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         elapsed = time.perf_counter() - start
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def weight_dtype_accuracy(
+    prompts: list[list[int]], output_len: int, weight_dtype: str
+) -> tuple[int, float, float]:
+    """Greedy runs with float32 and with 16-bit weights on the same prompts: how many
+    outputs are identical, the mean share of each output before the first difference, and
+    the mean |logprob difference| of the chosen tokens over those common prefixes."""
+    from runtime import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0, logprobs=0)
+    runs = []
+    for wd in (None, weight_dtype):
+        with LLM("smollm2", dtype="float32", weight_dtype=wd) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)  # fmt: skip
+        runs.append([o.outputs[0] for o in outs])
+    identical, shares, drifts = 0, [], []
+    for a, b in zip(*runs, strict=True):
+        pairs = enumerate(zip(a.token_ids, b.token_ids, strict=True))  # ignore_eos: same length
+        same = next((i for i, (x, y) in pairs if x != y), len(a.token_ids))
+        identical += same == len(a.token_ids)
+        shares.append(same / len(a.token_ids))
+        drifts += [abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob)
+                   for i, t in enumerate(a.token_ids[:same])]  # fmt: skip
+    return identical, sum(shares) / len(shares), sum(drifts) / max(len(drifts), 1)
 
 
 def load_hf(dtype: str):
@@ -82,7 +111,9 @@ def run_hf_generate_batch(model, prompts: list[list[int]], output_len: int) -> t
     return elapsed, sum(len(o.generated_tokens) for o in out.values())
 
 
-def single_stream_loomllm(prompt: list[int], output_len: int, dtype: str) -> tuple[float, float]:
+def single_stream_loomllm(
+    prompt: list[int], output_len: int, dtype: str, weight_dtype: str | None = None
+) -> tuple[float, float]:
     """(time to first token, decode seconds per token) for one request alone."""
     import anyio
 
@@ -92,7 +123,7 @@ def single_stream_loomllm(prompt: list[int], output_len: int, dtype: str) -> tup
                             output_kind=RequestOutputKind.DELTA)  # fmt: skip
 
     async def run() -> tuple[float, float]:
-        async with Engine("smollm2", dtype=dtype) as engine:
+        async with Engine("smollm2", dtype=dtype, weight_dtype=weight_dtype) as engine:
             async with engine.generate({"prompt_token_ids": prompt[:8]}, params) as s:
                 async for _ in s:  # warm-up
                     pass
@@ -132,10 +163,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-generate-batch", action="store_true", help="slow on CPU")
+    p.add_argument("--weight-dtype", choices=["bfloat16", "float16"], default=None,
+                   help="also run loomllm with float32 math and 16-bit linear weights, and "
+                   "measure its greedy agreement and logprob drift against float32")
     args = p.parse_args(argv)
     prompts = make_prompts(args.num_prompts, args.prompt_len, 49152, args.seed)
     rows = [("loomllm", *run_loomllm(prompts, args.output_len, args.dtype))]
     streams = [("loomllm", *single_stream_loomllm(prompts[0], args.output_len, args.dtype))]
+    accuracy = None
+    if args.weight_dtype:
+        name = f"loomllm, {args.weight_dtype} weights"
+        rows.append((name, *run_loomllm(prompts, args.output_len, "float32", args.weight_dtype)))
+        streams.append((name, *single_stream_loomllm(prompts[0], args.output_len, "float32",
+                                                     args.weight_dtype)))  # fmt: skip
+        accuracy = weight_dtype_accuracy(prompts[:16], 64, args.weight_dtype)
     if not args.skip_hf:
         model = load_hf(args.dtype)
         rows.append(("transformers generate (padded batch)",
@@ -157,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     for name, ttft, per_token in streams:
         print(f"{name:40} {ttft * 1e3:8.1f} {per_token * 1e3:7.1f} {1 / per_token:8.1f} "
               f"{per_token / streams[0][2]:10.2f}")
+
+    if accuracy is not None:
+        identical, share, drift = accuracy
+        print(f"\n{args.weight_dtype} weights vs float32, 16 prompts x 64 greedy tokens: "
+              f"{identical}/16 identical, {share:.1%} of tokens before the first difference, "
+              f"mean |logprob drift| {drift:.4f} on the common prefixes")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from runtime.errors import LoomError
 
 ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--dtype", str, "auto | float32 | bfloat16 | float16"),
+    ("--weight-dtype", str, "bfloat16 | float16: a float32 model's linear weights in 16 bits"),
     ("--device", str, "auto | cpu | cuda"),
     ("--max-model-len", int, "longest prompt + output, in tokens"),
     ("--max-num-seqs", int, "most requests in one batch"),

@@ -11,6 +11,7 @@ from pathlib import Path
 from protocols.messages import WorkerSpec
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_DTYPES = (None, "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 MANAGER_MODES = ("auto", "private")
 
@@ -19,6 +20,9 @@ MANAGER_MODES = ("auto", "private")
 class EngineConfig:
     model: str = "smollm2"
     dtype: str = "auto"
+    # A float32 model's linear weights stored in 16 bits (workers/half_weights.py): ~1.4x
+    # faster single-stream decode on CPUs, at a measured accuracy cost. None: as `dtype`.
+    weight_dtype: str | None = None
     device: str = "auto"
     max_model_len: int | None = None  # default: the model's, capped by the KV cache
     max_num_seqs: int = 256
@@ -41,6 +45,10 @@ class EngineConfig:
             raise ValueError("model must be a non-empty string (a path, hub id or 'smollm2')")
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"weight_dtype must be bfloat16, float16 or None; got {self.weight_dtype!r}"
+            )
         _one_of("manager", self.manager, MANAGER_MODES)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
@@ -70,6 +78,7 @@ class EngineConfig:
         """What the workers hold; engines with equal specs share warm workers."""
         options = {
             "dtype": self.dtype,
+            "weight_dtype": self.weight_dtype,
             "device": self.device,
             "block_size": self.block_size,
             "kv_cache_memory": self.kv_cache_memory,

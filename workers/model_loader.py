@@ -85,6 +85,9 @@ class LoadedModel:
     device: str  # "cpu", "cuda:0", ...
 
 
+WEIGHT_DTYPE_NAMES = ("bfloat16", "float16")  # workers.half_weights.WEIGHT_DTYPES
+
+
 def cache_root() -> Path:
     """$LOOM_CACHE_DIR if set, else ~/.cache/loomllm."""
     env = os.environ.get("LOOM_CACHE_DIR")
@@ -227,13 +230,22 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise ModelLoadError(f"could not convert GGUF file {gguf_path}: {exc}") from exc
 
 
-def load_model(model: str, *, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+def load_model(
+    model: str, *, dtype: str = "auto", device: str = "cpu", weight_dtype: str | None = None
+) -> LoadedModel:
     """Resolve, prepare and load `model` in eval mode on `device`.
 
     dtype: "auto" (on CPU: bfloat16 where the CPU computes it natively, else float32; see
     workers.cpu_features; on CUDA: the checkpoint's 16-bit dtype, else bfloat16),
     "float32", "bfloat16" or "float16". device: "cpu", "cuda", "cuda:N" or "auto".
+    weight_dtype: "bfloat16" or "float16" stores a float32 model's linear weights in 16
+    bits (workers.half_weights); ignored, with a log line, when the model is 16-bit anyway.
     """
+    if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPE_NAMES:
+        raise ValueError(
+            f"weight_dtype must be one of {', '.join(WEIGHT_DTYPE_NAMES)} or None; "
+            f"got {weight_dtype!r}"
+        )
     if dtype != "auto" and dtype not in DTYPES:
         allowed = ", ".join(map(repr, ["auto", *DTYPES]))
         raise ValueError(f"dtype must be one of {allowed}; got {dtype!r}")
@@ -251,6 +263,13 @@ def load_model(model: str, *, dtype: str = "auto", device: str = "cpu") -> Loade
     except Exception as exc:
         raise ModelLoadError(f"could not load model {model!r} from {model_dir}: {exc}") from exc
     module.eval()
+    if weight_dtype is not None:
+        if torch_dtype == torch.float32:
+            from workers.half_weights import store_linear_weights_in
+
+            store_linear_weights_in(module, weight_dtype)
+        else:
+            logger.info("weight_dtype=%s ignored: the model runs in %s", weight_dtype, torch_dtype)
     text = module.config.get_text_config()
     num_heads: int = text.num_attention_heads
     max_len = getattr(text, "max_position_embeddings", None)

@@ -44,7 +44,10 @@ class Worker:
         started = time.monotonic()
         if options.get("seed") is not None:
             torch.manual_seed(options["seed"])  # unseeded requests draw from this RNG
-        loaded = load_model(model, dtype=options.get("dtype", "auto"), device=device)
+        loaded = load_model(
+            model, dtype=options.get("dtype", "auto"), device=device,
+            weight_dtype=options.get("weight_dtype"),
+        )  # fmt: skip
         runner = _make_runner(loaded, options)
         if world_size > 1:
             torch.distributed.init_process_group(
@@ -95,7 +98,7 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     from workers.model_runner import ModelRunner
 
     block_size = int(options.get("block_size") or DEFAULT_BLOCK_SIZE)
-    dtype = next(loaded.model.parameters()).dtype
+    dtype = getattr(torch, loaded.dtype)  # the model's: weight_dtype leaves it as it is
     device = torch.device(loaded.device)
     per_block = ModelRunner.bytes_per_block(loaded.config, block_size, dtype)
     budget = options.get("kv_cache_memory")
