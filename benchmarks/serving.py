@@ -149,7 +149,8 @@ def serve_loom(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Pope
     log = workdir / "loom-serve.log"
     cmd = [str(Path(sys.executable).parent / "loom"), "serve", "smollm2", "--port", str(port),
            "--served-model-name", "smollm2", "--dtype", args.dtype, *args.loom_args]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    with log.open("w") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}", log
 
 
@@ -161,7 +162,8 @@ def serve_llama_cpp(
     ctx = slots * (args.prompt_tokens + args.output_tokens + 64)  # each slot gets ctx / slots
     cmd = [str(args.llama_server), "-m", str(gguf), "-t", "2", "-np", str(slots), "-c", str(ctx),
            "--host", "127.0.0.1", "--port", str(port), "--alias", "smollm2"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    with log.open("w") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}", log
 
 
