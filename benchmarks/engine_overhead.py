@@ -22,6 +22,7 @@ from pathlib import Path
 
 import anyio
 
+from benchmarks import int_list
 from protocols.sampling import RequestOutputKind, SamplingParams
 from runtime.engine import Engine
 from runtime.step_timings import PHASES, StepTimings
@@ -120,8 +121,7 @@ def print_table(backend: str, rows: list[Row]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    p.add_argument("--batch-sizes", type=lambda s: [int(b) for b in s.split(",")],
-                   default=[1, 16, 64])  # fmt: skip
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 16, 64])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--backends", default="asyncio,trio")

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import int_list
+
 PROG = "loom bench serving"
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -190,8 +192,7 @@ def print_table(levels: list[int], results: dict[str, list[Level]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")],
-                   default=[1, 8, 32])  # fmt: skip
+    p.add_argument("--concurrency", type=int_list, default=[1, 8, 32])
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=2, help="requests per level = this x level")

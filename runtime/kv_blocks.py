@@ -168,12 +168,6 @@ class KVCacheManager:
         num_held = len(req_blocks) if req_blocks is not None else 0
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_tokens = num_computed + num_new_tokens
-        if num_tokens <= num_held * self.block_size and not new_computed_blocks:
-            # The common decode step: room left in the last block, nothing to allocate.
-            if self.enable_prefix_caching:
-                num_full = min(num_tokens, request.num_tokens) // self.block_size
-                self._cache_full_blocks(request, req_blocks, num_full)  # type: ignore[arg-type]
-            return []
         num_required = -(-num_tokens // self.block_size) - num_held - len(new_computed_blocks)
         num_required = max(num_required, 0)
         # Hits that sit in the free queue leave it, so they count against the free blocks.
@@ -185,9 +179,11 @@ class KVCacheManager:
             if self._can_read_cache(request):  # the hit rate counts lookups only
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += len(new_computed_blocks) * self.block_size
-        pool.touch(new_computed_blocks)
-        req_blocks.extend(new_computed_blocks)
-        new_blocks = pool.get_new_blocks(num_required)
+        if new_computed_blocks:
+            pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+        # Most decode steps have room left in the last block: nothing to take or extend.
+        new_blocks = pool.get_new_blocks(num_required) if num_required else []
         req_blocks.extend(new_blocks)
         if self.enable_prefix_caching:
             num_full = min(num_tokens, request.num_tokens) // self.block_size

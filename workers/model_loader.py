@@ -26,6 +26,7 @@ import torch
 import transformers
 
 from workers.cpu_features import cpu_supports_bf16
+from workers.half_weights import WEIGHT_DTYPES, store_linear_weights_in
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,6 @@ class LoadedModel:
     head_dim: int
     dtype: str  # "float32", "bfloat16", "float16"
     device: str  # "cpu", "cuda:0", ...
-
-
-WEIGHT_DTYPE_NAMES = ("bfloat16", "float16")  # workers.half_weights.WEIGHT_DTYPES
 
 
 def cache_root() -> Path:
@@ -241,9 +239,9 @@ def load_model(
     weight_dtype: "bfloat16" or "float16" stores a float32 model's linear weights in 16
     bits (workers.half_weights); ignored, with a log line, when the model is 16-bit anyway.
     """
-    if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPE_NAMES:
+    if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(
-            f"weight_dtype must be one of {', '.join(WEIGHT_DTYPE_NAMES)} or None; "
+            f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)} or None; "
             f"got {weight_dtype!r}"
         )
     if dtype != "auto" and dtype not in DTYPES:
@@ -265,8 +263,6 @@ def load_model(
     module.eval()
     if weight_dtype is not None:
         if torch_dtype == torch.float32:
-            from workers.half_weights import store_linear_weights_in
-
             store_linear_weights_in(module, weight_dtype)
         else:
             logger.info("weight_dtype=%s ignored: the model runs in %s", weight_dtype, torch_dtype)
