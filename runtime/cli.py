@@ -37,6 +37,7 @@ BENCHMARKS = {
     "offline": "benchmarks.offline_throughput",
     "overhead": "benchmarks.engine_overhead",
     "serving": "benchmarks.serving",
+    "worker-start": "benchmarks.worker_start",
 }
 
 

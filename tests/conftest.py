@@ -52,6 +52,11 @@ class ManagerHandle:
         out = self.cli("status").stdout
         return int(out.split("pid ")[1].split(",")[0])
 
+    def worker_states(self) -> dict[int, str]:
+        """{pid: state} of every worker rank, from `engine-manager ps`."""
+        lines = self.cli("ps").stdout.splitlines()[1:]
+        return {int(line.split()[2]): line.split()[4] for line in lines}
+
     def processes(self) -> list[int]:
         """pids of every process whose command line names this manager's directory."""
         return pids_mentioning(str(self.socket.parent))

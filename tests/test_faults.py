@@ -102,7 +102,7 @@ def test_kill_user_process_returns_workers(tiny_model, manager, keep_alive):
     )  # fmt: skip
     try:
         worker_pid = int(user.stdout.readline().split()[0])  # attached, state set, now waiting
-        assert _worker_states(manager) == {worker_pid: "busy"}
+        assert manager.worker_states() == {worker_pid: "busy"}
         user.kill()
         user.wait()
     finally:
@@ -111,18 +111,13 @@ def test_kill_user_process_returns_workers(tiny_model, manager, keep_alive):
         assert wait_gone(worker_pid, timeout=10)
         return
     deadline = time.monotonic() + 5
-    while _worker_states(manager) != {worker_pid: "idle"}:
-        assert time.monotonic() < deadline, _worker_states(manager)
+    while manager.worker_states() != {worker_pid: "idle"}:
+        assert time.monotonic() < deadline, manager.worker_states()
         time.sleep(0.05)
     # Warm, and nothing of the dead user's state survived.
     out = subprocess.run([sys.executable, "-c", _attach_script(tiny_model, 300, wait=False)],
                          env=manager.env, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.stdout.split() == [str(worker_pid), "{}"], out.stderr
-
-
-def _worker_states(manager) -> dict[int, str]:
-    lines = manager.cli("ps").stdout.splitlines()[1:]
-    return {int(line.split()[2]): line.split()[4] for line in lines}
 
 
 def _attach_script(model: str, keep_alive: float, wait: bool) -> str:

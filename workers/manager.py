@@ -46,6 +46,7 @@ from workers.worker_group import (
     launch_group,
     stop_rank,
 )
+from workers.zygote_client import Zygote
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class ManagerServer:
         self._group_ids = itertools.count(1)
         self._tg: TaskGroup | None = None
         self._idle_scope: anyio.CancelScope | None = None
+        self.zygote = Zygote(self.workdir)
 
     async def serve(self, *, ready: anyio.Event | None = None) -> None:
         ensure_private_dir(self.socket_path.parent)
@@ -83,22 +85,28 @@ class ManagerServer:
         listener = await anyio.create_unix_listener(self.socket_path, mode=0o600)
         bound_inode = os.stat(self.socket_path).st_ino  # noqa: ASYNC240
         logger.info("engine-manager pid %d listening on %s", os.getpid(), self.socket_path)
-        try:
-            async with listener, anyio.create_task_group() as tg:
-                self._tg = tg
-                tg.start_soon(listener.serve, self._handle_client)
-                self._arm_idle_timer()
-                if ready is not None:
-                    ready.set()
-        finally:
-            self._tg = None  # closed: nothing may be started in it any more
+        # The zygote outlives the listener's task group: on the way out the workers are
+        # stopped first (EOF on their lifelines), and only then the zygote they came from.
+        async with anyio.create_task_group() as zygote_tg:
+            zygote_tg.start_soon(self.zygote.run)
+            self.zygote.want()  # its imports take seconds: start them before the first engine
             try:
-                with anyio.CancelScope(shield=True):
-                    for group in list(self.groups.values()):
-                        await self._stop_group(group, "manager shutting down")
+                async with listener, anyio.create_task_group() as tg:
+                    self._tg = tg
+                    tg.start_soon(listener.serve, self._handle_client)
+                    self._arm_idle_timer()
+                    if ready is not None:
+                        ready.set()
             finally:
-                _unlink_if_ours(self.socket_path, bound_inode)
-                logger.info("engine-manager stopped")
+                self._tg = None  # closed: nothing may be started in it any more
+                try:
+                    with anyio.CancelScope(shield=True):
+                        for group in list(self.groups.values()):
+                            await self._stop_group(group, "manager shutting down")
+                finally:
+                    _unlink_if_ours(self.socket_path, bound_inode)
+                    zygote_tg.cancel_scope.cancel()
+                    logger.info("engine-manager stopped")
 
     def shutdown(self) -> None:
         if self._tg is not None:  # None: shutting down already
@@ -215,7 +223,7 @@ class ManagerServer:
 
     async def _launch(self, group: WorkerGroup) -> None:
         assert self._tg is not None
-        await launch_group(group, self.workdir)
+        await launch_group(group, self.workdir, self.zygote)
         for worker in group.ranks:
             self._tg.start_soon(self._watch, group, worker)
 

@@ -1,8 +1,9 @@
 """One group of worker processes (the ranks of one engine), as the manager sees it.
 
-Launches each rank as a fresh interpreter (`python -m workers.worker`) in its own
-session and process group, with one end of a socketpair as its lifeline: READY comes
-back over it, and its EOF tells the worker that the manager is gone.
+Launches each rank in its own session and process group, forked by the zygote
+(workers/zygote.py) or else as a fresh interpreter (`python -m workers.worker`), with one
+end of a socketpair as its lifeline: READY comes back over it, and its EOF tells the
+worker that the manager is gone.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from anyio.abc import Process, UNIXSocketStream
 
 from protocols.connection import MessageStream
 from protocols.messages import ModelInfo, WorkerFailed, WorkerReady, WorkerSpec
+from workers.zygote_client import ForkedProcess, Zygote
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ class WorkerStartError(Exception):
 @dataclass(eq=False)
 class WorkerProcess:
     rank: int
-    process: Process
+    process: Process | ForkedProcess
     control: MessageStream
     log_file: Path
     socket_path: Path
@@ -85,45 +87,48 @@ class WorkerGroup:
 
 
 async def launch_rank(
-    group: WorkerGroup, rank: int, workdir: Path, *, dist_init_file: Path
+    group: WorkerGroup, rank: int, workdir: Path, *, dist_init_file: Path, zygote: Zygote
 ) -> WorkerProcess:
-    """Start one rank and return once its process exists (not yet READY)."""
+    """Start one rank (forked by the zygote, else a fresh interpreter); return once its
+    process exists, not yet READY."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     log_file = workdir / f"{group.group_id}-rank{rank}.log"
     socket_path = workdir / f"{group.group_id}-rank{rank}.sock"
-    command = [
-        sys.executable, "-m", "workers.worker",
+    args = [
         "--model", group.spec.model,
         "--options", json.dumps(group.spec.options or {}),
         "--rank", str(rank),
         "--world-size", str(group.spec.world_size),
         "--dist-init-file", str(dist_init_file),
         "--socket", str(socket_path),
-        "--control-fd", str(theirs.fileno()),
-        "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
     try:
         with open(log_file, "wb") as log:  # noqa: ASYNC230 (a local file, opened once)
-            process = await anyio.open_process(
-                command,
-                stdin=DEVNULL,
-                stdout=log,
-                stderr=log,
-                pass_fds=(theirs.fileno(),),
-                start_new_session=True,  # own session and process group per worker
-            )
+            process = await zygote.spawn(args, theirs.fileno(), log.fileno())
+            if process is None:
+                lifeline = ["--control-fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
+                process = await anyio.open_process(
+                    [sys.executable, "-m", "workers.worker", *args, *lifeline],
+                    stdin=DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,  # own session and process group per worker
+                )
     finally:
         theirs.close()
     control = MessageStream(await UNIXSocketStream.from_socket(ours))
     return WorkerProcess(rank, process, control, log_file, socket_path)
 
 
-async def launch_group(group: WorkerGroup, workdir: Path) -> None:
+async def launch_group(group: WorkerGroup, workdir: Path, zygote: Zygote) -> None:
     """Start every rank, wait for all READYs (they load and rendezvous together)."""
     dist_file = workdir / f"{group.group_id}.dist"
     dist_file.unlink(missing_ok=True)
     for rank in range(group.spec.world_size):
-        group.ranks.append(await launch_rank(group, rank, workdir, dist_init_file=dist_file))
+        group.ranks.append(await launch_rank(
+            group, rank, workdir, dist_init_file=dist_file, zygote=zygote
+        ))
     readies: list[WorkerReady | None] = [None] * len(group.ranks)
 
     async def store_ready(worker: WorkerProcess) -> None:

@@ -1,0 +1,58 @@
+"""Workers fork from the manager's zygote; without it (dead, or switched off) they still start.
+
+Each test has its own manager: they kill its zygote or start it with the zygote off.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from proc_utils import wait_gone
+
+from runtime import LLM, EngineDeadError, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def command_line(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+def generate_once(llm: LLM) -> list[int]:
+    [output] = llm.generate(["w5 w6 w7"], GREEDY, use_tqdm=False)
+    return output.outputs[0].token_ids
+
+
+def test_a_dead_zygote_takes_its_workers_and_the_next_engine_gets_a_new_one(tiny_model, manager):
+    manager.start()
+    with pytest.raises(EngineDeadError), LLM(tiny_model, manager_socket=manager.socket) as llm:
+        expected = generate_once(llm)
+        [worker] = manager.worker_states()
+        zygote = parent_of(worker)
+        assert "workers.zygote" in command_line(zygote)
+        assert parent_of(zygote) == manager.pid()
+        os.kill(zygote, signal.SIGKILL)
+        assert wait_gone(worker, timeout=5)
+        generate_once(llm)
+    with LLM(tiny_model, manager_socket=manager.socket) as llm:
+        assert generate_once(llm) == expected
+        [worker] = manager.worker_states()
+        assert parent_of(worker) not in (zygote, manager.pid())
+
+
+def test_without_the_zygote_workers_start_as_fresh_interpreters(tiny_model, manager, monkeypatch):
+    monkeypatch.setenv("LOOM_WORKER_ZYGOTE", "0")
+    manager.start()
+    with LLM(tiny_model, manager_socket=manager.socket) as llm:
+        assert len(generate_once(llm)) == 4
+        [worker] = manager.worker_states()
+        assert parent_of(worker) == manager.pid()
+        assert "workers.worker" in command_line(worker)

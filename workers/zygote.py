@@ -1,0 +1,176 @@
+"""The zygote: an interpreter with torch and transformers already imported that forks workers.
+
+Importing torch and transformers takes most of a worker's start (6-8 s on a 2-core box,
+against well under a second for a tiny model's weights), so the manager keeps one of
+these and asks it for each rank: the fork inherits the imports and goes straight to
+`workers.worker.main`. The zygote never touches CUDA and never runs a torch op, so the
+fork is safe (no CUDA context, no OpenMP pool, no other thread).
+
+Started only by the manager (workers/zygote_client.py), with one end of a SOCK_SEQPACKET
+socketpair. Each message from the manager is a JSON list of worker arguments with two
+file descriptors attached (the rank's lifeline socket and its log file); the zygote
+answers {"spawned": pid}, and later {"exited": pid, "code": returncode} for every child
+that ends (a negative code is a signal, as in `subprocess`). EOF from the manager ends
+the zygote; its children die with it (PR_SET_PDEATHSIG), as they would with the manager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import sys
+import traceback
+
+logger = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+MAX_MESSAGE = 64 * 1024
+# What a worker imports before it can load a model: the slow part of its start.
+PRELOAD = (
+    "torch",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen2.modeling_qwen2",
+    "gguf",
+    "workers.worker",
+    "workers.model_loader",
+    "workers.model_runner",
+    "workers.attention",
+    "workers.sampler",
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m workers.zygote")
+    # The manager's directory is only named so that the zygote and every worker forked
+    # from it show it in their command line (ps, and the tests' leak checks).
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--control-fd", type=int, required=True)
+    p.add_argument("--parent-pid", type=int, required=True)
+    args = p.parse_args(argv)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != args.parent_pid:
+        os._exit(1)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s zygote %(process)d %(levelname)s: %(message)s"
+    )
+    channel = socket.socket(fileno=args.control_fd)
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except ImportError as exc:  # an optional architecture: the worker imports it itself
+            logger.info("not preloaded: %s (%s)", name, exc)
+    Zygote(channel).serve()
+    logging.shutdown()
+    os._exit(0)  # skips tearing down torch's imports (seconds): nothing else is left to do
+
+
+class Zygote:
+    """The fork loop: requests from the manager in, children's pids and exits out."""
+
+    def __init__(self, channel: socket.socket) -> None:
+        self.channel = channel
+        self.children: set[int] = set()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd fires
+        signal.set_wakeup_fd(self._wake_write)
+
+    def serve(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self.channel, selectors.EVENT_READ, "request")
+        selector.register(self._wake_read, selectors.EVENT_READ, "child")
+        self._send({"ready": os.getpid()})
+        while True:
+            for key, _ in selector.select():
+                if key.data == "child":
+                    os.read(self._wake_read, 4096)
+                    self._reap()
+                elif not self._handle_request():
+                    return  # the manager is gone: so are we, and our children with us
+
+    def _handle_request(self) -> bool:
+        try:
+            data, fds, _, _ = socket.recv_fds(self.channel, MAX_MESSAGE, 2)
+        except ConnectionError:
+            return False
+        if not data:
+            return False
+        try:
+            lifeline, log = fds
+            worker_args = json.loads(data)
+        except ValueError:
+            logger.error("bad request from the manager: %r with fds %s", data[:200], fds)
+            for fd in fds:
+                os.close(fd)
+            self._send({"error": "bad request"})
+            return True
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            self._become_worker(worker_args, lifeline, log)  # never returns
+        os.close(lifeline)
+        os.close(log)
+        self.children.add(pid)
+        self._send({"spawned": pid})
+        return True
+
+    def _become_worker(self, worker_args: list[str], lifeline: int, log: int) -> None:
+        code = 1
+        try:
+            os.setsid()  # own session and process group, as a freshly started worker has
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            for fd in (null, log, self._wake_read, self._wake_write):
+                os.close(fd)
+            self.channel.close()
+            logging.root.handlers.clear()  # the worker sets up its own
+            from workers import worker
+
+            parent = ["--control-fd", str(lifeline), "--parent-pid", str(os.getppid())]
+            worker.main([*worker_args, *parent])
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.children.discard(pid)
+            self._send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def _send(self, message: dict[str, object]) -> None:
+        try:
+            self.channel.send(json.dumps(message).encode())
+        except OSError:
+            pass  # the manager is gone; the next read sees EOF
+
+
+if __name__ == "__main__":
+    main()
