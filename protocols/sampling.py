@@ -42,15 +42,15 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        # Accept what vLLM accepts: a single stop string, lists instead of tuples.
+        # Accept what vLLM accepts: a single stop string, lists instead of tuples, None.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        elif isinstance(self.stop, list):
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if isinstance(self.stop_token_ids, list):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is None or isinstance(value, list):
+                object.__setattr__(self, name, tuple(value or ()))
         kind = self.output_kind
-        if isinstance(kind, int) and not isinstance(kind, RequestOutputKind):
+        if type(kind) is int:  # a bool is no output kind
             object.__setattr__(self, "output_kind", _enum("output_kind", kind))
         self._validate()
 
@@ -65,8 +65,12 @@ class SamplingParams:
         _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        stop = self.stop
+        if not isinstance(stop, tuple) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        if not isinstance(self.stop_token_ids, tuple):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got "
+                             f"{self.stop_token_ids!r}")  # fmt: skip
         for token_id in self.stop_token_ids:
             _int("stop_token_ids", token_id, low=0)
         _bool("ignore_eos", self.ignore_eos)

@@ -5,6 +5,8 @@ Names follow vLLM's engine arguments. Bad values raise ValueError naming the opt
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,9 +58,9 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
-        if type(self.seed) is not int:
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.gpu_memory_utilization, int | float) or not (
+        if type(self.seed) is not int or not _INT64[0] <= self.seed <= _INT64[1]:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
+        if not _is_number(self.gpu_memory_utilization) or not (
             0 < self.gpu_memory_utilization <= 1
         ):
             raise ValueError(
@@ -67,12 +69,12 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if not isinstance(self.keep_alive, int | float) or not (
-            self.keep_alive >= 0 or self.keep_alive == -1
-        ):
+        if not _is_number(self.keep_alive) or not (self.keep_alive >= 0 or self.keep_alive == -1):
             raise ValueError(
                 f"keep_alive must be seconds >= 0, or -1 to pin, got {self.keep_alive!r}"
             )
+        if self.manager_socket is not None:
+            object.__setattr__(self, "manager_socket", _socket_path(self.manager_socket))
 
     def worker_spec(self) -> WorkerSpec:
         """What the workers hold; engines with equal specs share warm workers."""
@@ -88,9 +90,31 @@ class EngineConfig:
         return WorkerSpec(self.model, self.tensor_parallel_size, options)
 
 
+_INT64 = (-(2**63), 2**63 - 1)  # what crosses the wire to the workers (msgpack)
+# sockaddr_un.sun_path is 108 bytes on Linux, its terminating NUL included.
+MAX_SOCKET_PATH_BYTES = 107
+
+
 def _positive_int(name: str, value: object) -> None:
-    if type(value) is not int or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if type(value) is not int or not 1 <= value <= _INT64[1]:
+        raise ValueError(f"{name} must be an integer in [1, 2**63), got {value!r}")
+
+
+def _is_number(value: object) -> bool:
+    """A 64-bit int or a float but NaN (infinity passes: a bound checks it); never a bool."""
+    if type(value) is int:
+        return _INT64[0] <= value <= _INT64[1]
+    return type(value) is float and not math.isnan(value)
+
+
+def _socket_path(value: object) -> Path:
+    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
+        raise ValueError(f"manager_socket must be a path, got {value!r}")
+    path = os.fsencode(value)
+    if b"\0" in path or len(path) > MAX_SOCKET_PATH_BYTES:
+        raise ValueError(f"manager_socket must be a Unix socket path of at most "
+                         f"{MAX_SOCKET_PATH_BYTES} bytes with no NUL, got {value!r}"[:400])
+    return Path(os.fsdecode(path))
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -77,7 +77,14 @@ class Tokenizer:
         """Token ids of `text`; add_special_tokens=False for text that already has them (chats)."""
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
-        return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # what tokenizers raises for a str that is no valid Unicode
+            bad = next((i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF), None)
+            if bad is None:
+                raise
+            raise ValueError(f"text is not valid Unicode: a lone surrogate "
+                             f"{text[bad]!r} at index {bad}") from None  # fmt: skip
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (whole-sequence decode; see IncrementalDetokenizer for streaming)."""

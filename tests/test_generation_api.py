@@ -193,6 +193,7 @@ async def test_consumer_leaving_aborts_the_request(engine):
         ({"prompt_token_ids": [1] * 600}, SamplingParams(), "max_model_len"),
         ({"prompt_token_ids": [100000]}, SamplingParams(), "prompt_token_ids"),
         (42, SamplingParams(), "prompt must be"),
+        ("w5 \ud800", SamplingParams(), "lone surrogate '\\\\ud800' at index 3"),
     ],
 )
 async def test_bad_prompts_fail_clearly_and_others_continue(engine, prompt, params, match):

@@ -208,6 +208,7 @@ ERRORS = {
     "401": "missing or wrong API key",
     "404": "no such model",
     "413": "request body too large",
+    "415": "Content-Type other than application/json",
     "500": "the engine failed this request",
     "503": "the engine is restarting or the server is shutting down",
 }
@@ -234,7 +235,7 @@ def build_openapi(
 
     With `needs_api_key`, the routes outside `open_paths` require a Bearer token (else 401).
     """
-    body_errors = ["400", "404", "413", "500", "503"] + (["401"] if needs_api_key else [])
+    body_errors = ["400", "404", "413", "415", "500", "503"] + (["401"] if needs_api_key else [])
     get_errors = ["401"] if needs_api_key else []  # /v1/models; /health and /version: open
 
     def json_(schema: Schema) -> Schema:

@@ -21,6 +21,7 @@ _SAMPLING_FIELDS = {
 }  # fmt: skip
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # choices per prompt: more would flood the batch
+MAX_MESSAGE_CHARS = 1000
 _KIND_WORDS = {
     "int": "an integer", "number": "a number", "bool": "true or false", "str": "a string",
     "int_list": "a list of integers", "dict": "an object", "list": "a list",
@@ -63,7 +64,7 @@ def from_value_error(exc: ValueError, default_param: str, renames: dict[str, str
         param = default_param
     if not message.startswith(param):
         message = f"{param}: {message}"
-    return bad(message, param)
+    return bad(message[:MAX_MESSAGE_CHARS], param)  # it may quote a huge value
 
 
 def field(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:

@@ -42,8 +42,9 @@ def start_streams(
     except ValueError as exc:
         for s in streams:
             s.close()
+        # A chat's prompt is its rendered messages: a prompt error names them.
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
-        renames = {"prompt_token_ids": "prompt", "prompt": "prompt", "messages": "messages"}
+        renames = {"prompt_token_ids": param, "prompt": param, "messages": "messages"}
         raise from_value_error(exc, param, renames) from None
     return streams
 
