@@ -126,7 +126,7 @@ async def client_handshake(ms: MessageStream, role: str) -> Welcome:
 
 async def server_handshake(ms: MessageStream, server: str) -> Hello:
     """Expect HELLO; answer WELCOME, or an ErrorReply and VersionMismatchError."""
-    hello = await ms.receive_type(Hello)
+    hello = await receive_request(ms, Hello)
     if hello.protocol_version != PROTOCOL_VERSION:
         text = _mismatch(PROTOCOL_VERSION, hello.protocol_version, peer="client")
         await ms.send(ErrorReply("version_mismatch", text))
@@ -135,14 +135,20 @@ async def server_handshake(ms: MessageStream, server: str) -> Hello:
     return hello
 
 
+async def receive_request(ms: MessageStream, expected: type[M]) -> M:
+    """Receive a client's message that must be `expected`: anything else, an ErrorReply
+    included (a client has nothing to refuse), is UnexpectedMessageError."""
+    msg = await ms.receive()
+    if not isinstance(msg, expected):
+        raise UnexpectedMessageError(f"expected {expected.__name__}, got {type(msg).__name__}")
+    return msg
+
+
 def _mismatch(ours: int, theirs: int, peer: str = "server") -> str:
     return (
         f"protocol version mismatch: this side speaks version {ours}, the {peer} "
         f"speaks version {theirs}; upgrade loomllm on both sides to the same release"
     )
-
-
-
 
 
 async def open_unix_connection(path: str | os.PathLike[str], role: str) -> MessageStream:

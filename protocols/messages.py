@@ -2,8 +2,9 @@
 
 Three conversations, each opened by Hello/Welcome:
   engine  <-> manager   control: acquire/release workers, status, ps, unload, stop
-  manager <-> worker    lifecycle: the worker's READY (or why it failed); EOF = go away
-  engine  <-> worker    data: calls tagged with a call_id, answered by result or failure
+  manager <-> worker    lifecycle: the worker's READY (or why it failed), leases; EOF = go away
+  engine  <-> worker    data: Attach with the lease token, then calls tagged with a call_id,
+                        answered by result or failure
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from protocols.sampling import SamplingParams
 # 2: WorkerInfo gained world_size and dtype.
 # 3: SamplingParams.prompt_logprobs; StepResult.prompt_logprobs.
 # 4: SchedulerOutput.cached (columns) replaced the list of CachedRequestData.
-PROTOCOL_VERSION = 4
+# 5: worker leases: WorkersAcquired.lease_token, Lease (manager -> worker), Attach.
+PROTOCOL_VERSION = 5
 
 
 # -- handshake and errors (all connections) -------------------------------------------
@@ -103,6 +105,8 @@ class WorkersAcquired:
     pids: list[int]
     model_info: ModelInfo
     reused: bool  # True when warm workers were attached instead of launched
+    # The secret this engine presents in Attach: the workers serve only its holder.
+    lease_token: bytes = field(repr=False)
 
 
 @message(12)
@@ -209,7 +213,31 @@ class WorkerFailed:
     message: str
 
 
+@message(32)
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """The manager lent the worker to a new engine (or took it back: an empty token).
+
+    From now on the data socket attaches only a client whose Attach carries `token`, and
+    a session attached under another token is cut off. The worker answers Ack.
+    """
+
+    token: bytes = field(repr=False)
+
+
 # -- engine <-> worker ------------------------------------------------------------------
+
+
+@message(45)
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """An engine's first message after the handshake: the lease token from WorkersAcquired.
+
+    The worker answers Ack once it serves this engine, else an ErrorReply ("lease_refused",
+    or "busy" while another engine stays attached) and closes the connection.
+    """
+
+    token: bytes = field(repr=False)
 
 
 @message(40)

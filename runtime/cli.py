@@ -8,6 +8,7 @@ gracefully (in-flight requests get a few seconds), the engine closes, exit code 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -56,10 +57,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("model", nargs="?", default="smollm2")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    # From the environment by default: a key on the command line shows in `ps`.
+    serve.add_argument("--api-key", default=os.environ.get("LOOM_API_KEY") or None,
+                       help="require Authorization: Bearer KEY on every route but /health, "
+                       "/metrics, /version and /openapi.json (default: $LOOM_API_KEY)")
     serve.add_argument("--served-model-name", default=None, help="the name clients send")
     serve.add_argument("--restart-on-failure", action=argparse.BooleanOptionalAction,
                        default=True, help="start a new engine when a worker dies (else exit 1)")
+    serve.add_argument("--max-restarts", type=int, default=5,
+                       help="exit 1 after more worker deaths than this within 10 minutes")
     serve.add_argument("--shutdown-grace", type=float, default=10.0,
                        help="seconds in-flight requests get on SIGTERM before they are aborted")
     serve.add_argument("--max-request-body", type=int, default=None,
@@ -129,7 +135,8 @@ async def _serve(args: argparse.Namespace) -> int:
     async with anyio.create_task_group() as tg:
         tg.start_soon(_watch_signals, stop, tg.cancel_scope, serving)
         await tg.start(partial(supervise, lambda: Engine(args.model, **options), slot,
-                               restart_on_failure=args.restart_on_failure))  # fmt: skip
+                               restart_on_failure=args.restart_on_failure,
+                               max_restarts=args.max_restarts))  # fmt: skip
         app = build_app(slot, args.served_model_name or args.model, api_key=args.api_key,
                         **app_options)  # fmt: skip
 

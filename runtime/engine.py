@@ -108,7 +108,7 @@ class Engine:
         await tg.start(manager.run)
         self._acquired = await manager.acquire(cfg.worker_spec(), cfg.keep_alive, self.engine_id)
         stack.push_async_callback(self._release, manager, self._acquired.group_id)
-        workers = await WorkerClient.connect(self._acquired.sockets)
+        workers = await WorkerClient.connect(self._acquired.sockets, self._acquired.lease_token)
         stack.push_async_callback(workers.aclose)
         workers.start_readers(tg, self._on_rank_lost)
         tg.start_soon(self._watch_for_death, workers)

@@ -1,7 +1,9 @@
 """One engine's data connections to its worker ranks: send a call to every rank, gather replies.
 
-Each rank has a reader task. A rank whose connection ends or breaks makes the whole
-client dead: every pending and later call fails with EngineDeadError.
+Each connection opens with the handshake and Attach, which shows the lease token the
+manager gave us (the ranks admit only its holder). Each rank has a reader task. A rank
+whose connection ends or breaks makes the whole client dead: every pending and later call
+fails with EngineDeadError.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from anyio.abc import TaskGroup
 
 from protocols.connection import MessageStream, RemoteError, open_unix_connection
 from protocols.errors import ProtocolError
-from protocols.messages import CallFailed, CallResult, ErrorReply, StepResult
+from protocols.messages import Ack, Attach, CallFailed, CallResult, ErrorReply, StepResult
 from runtime.errors import EngineDeadError, ManagerError
 
 logger = logging.getLogger(__name__)
@@ -46,12 +48,19 @@ class WorkerClient:
         self._call_ids = itertools.count(1)
 
     @classmethod
-    async def connect(cls, sockets: list[str]) -> WorkerClient:
+    async def connect(cls, sockets: list[str], lease_token: bytes) -> WorkerClient:
+        """Attach to every rank with the lease token from WorkersAcquired.
+
+        A refusal (no such lease, another engine still attached) is ManagerError.
+        """
         ranks: list[MessageStream] = []
         try:
             with anyio.fail_after(CONNECT_TIMEOUT_S):
                 for path in sockets:
-                    ranks.append(await open_unix_connection(path, "engine"))
+                    ms = await open_unix_connection(path, "engine")
+                    ranks.append(ms)
+                    await ms.send(Attach(lease_token))
+                    await ms.receive_type(Ack)
         except BaseException as exc:
             for ms in ranks:
                 await anyio.aclose_forcefully(ms.stream)

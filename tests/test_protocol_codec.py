@@ -39,9 +39,11 @@ from protocols.errors import (
 from protocols.framing import HEADER, FrameReader, encode_frame
 from protocols.messages import (
     PROTOCOL_VERSION,
+    Attach,
     CachedRequests,
     ErrorReply,
     Hello,
+    Lease,
     StatusRequest,
     Welcome,
 )
@@ -200,7 +202,7 @@ def test_errors_name_nested_fields() -> None:
     spec = ["model", "two", None]  # AcquireWorkers(spec: WorkerSpec, keep_alive, engine_id)
     expect_malformed([10, [spec, 0.0, "e"]], match=r"^AcquireWorkers\.spec\.world_size: ")
     model_info = ["m", "d", 1, 2, 3, 4, 5, "float32", "cpu", 0.5]
-    expect_malformed([11, ["g1", ["a", None], [1, 2], model_info, False]],
+    expect_malformed([11, ["g1", ["a", None], [1, 2], model_info, False, b"token"]],
                      match=r"^WorkersAcquired\.sockets\[1\]: expected str")  # fmt: skip
     # Deep paths, built only when a check fails: a list of lists, a map value, columns.
     cached = [["a", "b"], [[], [7, "8"]], [3, 4]]
@@ -429,8 +431,16 @@ async def test_client_refuses_other_version(answer: Any) -> None:
 
 
 @pytest.mark.anyio
-async def test_server_wants_hello_first() -> None:
+@pytest.mark.parametrize("first", [StatusRequest(), ErrorReply("no", "a client refuses nothing")])
+async def test_server_wants_hello_first(first: Any) -> None:
     async with stream_pair() as (server, raw):
-        await MessageStream(raw).send(StatusRequest())
-        with pytest.raises(UnexpectedMessageError, match="expected Hello, got StatusRequest"):
+        await MessageStream(raw).send(first)
+        expected = f"expected Hello, got {type(first).__name__}"
+        with pytest.raises(UnexpectedMessageError, match=expected):
             await server_handshake(server, "manager")
+
+
+def test_lease_tokens_stay_out_of_reprs() -> None:
+    secret = b"\x01secret-token"
+    for msg in [Lease(secret), Attach(secret)]:
+        assert repr(secret) not in repr(msg) and "secret-token" not in repr(msg)

@@ -1,17 +1,18 @@
 """engine-manager: the per-user daemon that launches, watches, lends and reuses workers.
 
 One anyio program, single-threaded. Each client connection is a task; each worker
-rank has a watcher task; idle groups and the idle manager have expiry timers.
+rank has a watcher task; idle groups and the idle manager have expiry timers. Each loan
+of a group to an engine is a lease: a fresh secret the ranks admit and the engine shows.
 Run it as `python -m workers.manager serve` (or `engine-manager start`).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -35,20 +36,23 @@ from protocols.messages import (
     WorkerInfo,
     WorkerList,
     WorkersAcquired,
-    WorkerSpec,
 )
 from protocols.rundir import ensure_private_dir, workers_dir
 from workers.peer_auth import refusal
 from workers.worker_group import (
+    LeaseError,
     WorkerGroup,
     WorkerProcess,
     WorkerStartError,
     launch_group,
+    lease_group,
+    spec_problem,
     stop_rank,
 )
 from workers.zygote_client import Zygote
 
 logger = logging.getLogger(__name__)
+LEASE_TOKEN_BYTES = 32
 
 
 class ManagerServer:
@@ -184,18 +188,21 @@ class ManagerServer:
 
     async def _acquire(self, ms: MessageStream, req: AcquireWorkers) -> object:
         spec = req.spec
-        problem = _spec_problem(spec)
+        problem = spec_problem(spec)
         if problem:
             return ErrorReply("bad_request", problem)
         keep_alive = self._effective_keep_alive(req.keep_alive)
-        for group in self.groups.values():
+        for group in list(self.groups.values()):
             if group.state == "idle" and group.spec == spec:
                 self._attach(group, ms, keep_alive)
+                token = await self._lend(group)
+                if token is None:
+                    continue  # it is being stopped: look further, or launch anew
                 logger.info("engine %s reuses warm group %s", req.engine_id, group.group_id)
                 assert group.model_info is not None
                 return WorkersAcquired(
                     group.group_id, [str(r.socket_path) for r in group.ranks],
-                    group.pids, group.model_info, reused=True,
+                    group.pids, group.model_info, reused=True, lease_token=token,
                 )  # fmt: skip
         if not await self._make_room(spec.world_size):
             return ErrorReply(
@@ -215,11 +222,27 @@ class ManagerServer:
                 await self._stop_group(group, "start interrupted")
             raise
         self._attach(group, ms, keep_alive)
+        token = await self._lend(group)
+        if token is None:
+            return ErrorReply("worker_start_failed", f"the new workers of {spec.model!r} "
+                              "did not take their lease; see the manager's log")  # fmt: skip
         assert group.model_info is not None
         return WorkersAcquired(
             group.group_id, [str(r.socket_path) for r in group.ranks],
-            group.pids, group.model_info, reused=False,
+            group.pids, group.model_info, reused=False, lease_token=token,
         )  # fmt: skip
+
+    async def _lend(self, group: WorkerGroup) -> bytes | None:
+        """A fresh lease token that every rank of `group` (just attached) admits; None if a
+        rank did not take it or died meanwhile: the group is then stopped."""
+        token = secrets.token_bytes(LEASE_TOKEN_BYTES)
+        try:
+            await lease_group(group, token)
+        except LeaseError as exc:
+            logger.warning("%s", exc)
+            await self._stop_group(group, "a rank did not take its lease")
+            return None
+        return token if group.state == "busy" else None
 
     async def _launch(self, group: WorkerGroup) -> None:
         assert self._tg is not None
@@ -257,6 +280,16 @@ class ManagerServer:
         if group.keep_alive == 0:
             await self._stop_group(group, "keep_alive is 0")
             return
+        try:
+            # Its engine is gone, and so is its lease. Not waited for: a rank still busy
+            # with that engine's last call answers when it is done (the next _lend reads it).
+            await lease_group(group, b"", wait=False)
+        except LeaseError as exc:
+            logger.warning("%s", exc)
+            await self._stop_group(group, "a rank did not take back its lease")
+            return
+        if group.state != "busy":
+            return  # stopped meanwhile (a rank died)
         group.state, group.idle_since = "idle", time.monotonic()
         if group.keep_alive > 0 and self._tg is not None:  # None: shutting down anyway
             group.expiry = anyio.CancelScope()
@@ -317,24 +350,7 @@ class ManagerServer:
 
     def _worker_infos(self) -> list[WorkerInfo]:
         now = time.monotonic()
-        infos = []
-        for group in self.groups.values():
-            expires = None
-            if group.state == "idle" and group.keep_alive > 0 and group.idle_since is not None:
-                expires = max(0.0, group.idle_since + group.keep_alive - now)
-            if group.model_info is not None:
-                dtype = group.model_info.dtype
-            else:
-                dtype = str((group.spec.options or {}).get("dtype", "auto"))
-            for w in group.ranks:
-                infos.append(
-                    WorkerInfo(
-                        group.group_id, w.rank, w.pid, group.spec.model, group.state,
-                        w.rss_bytes(), now - w.started_at, float(group.keep_alive), expires,
-                        group.spec.world_size, dtype,
-                    )  # fmt: skip
-                )
-        return infos
+        return [info for group in self.groups.values() for info in group.infos(now)]
 
     # -- idle exit --------------------------------------------------------------------
 
@@ -365,19 +381,6 @@ def _unlink_if_ours(path: Path, inode: int) -> None:
             path.unlink()
     except FileNotFoundError:
         pass
-
-
-def _spec_problem(spec: WorkerSpec) -> str | None:
-    """Why `spec` cannot become a worker command line, or None."""
-    if spec.world_size < 1:
-        return f"world_size must be >= 1, got {spec.world_size}"
-    if not spec.model or "\x00" in spec.model:
-        return "model must be a non-empty string without NUL characters"
-    try:
-        json.dumps(spec.options or {})
-    except (TypeError, ValueError) as exc:
-        return f"options must be JSON values: {exc}"
-    return None
 
 
 async def _try_send(ms: MessageStream, msg: object) -> None:

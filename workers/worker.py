@@ -1,9 +1,10 @@
 """Worker process main: load the model, report READY to the manager, serve one engine at a time.
 
 Started only by the manager (`python -m workers.worker ...`). It dies with the manager:
-EOF on its lifeline socket ends it cleanly, PR_SET_PDEATHSIG is the backstop. When its
-engine disconnects (closed, crashed or killed) it drops that engine's state and stays
-warm for the next one.
+EOF on its lifeline socket ends it cleanly, PR_SET_PDEATHSIG is the backstop. The data
+socket serves only the engine the manager lent the worker to: the one that presents the
+current lease's token. When that engine disconnects (closed, crashed or killed) the worker
+drops its state and stays warm for the next one.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import hmac
 import json
 import logging
 import os
@@ -24,19 +26,22 @@ import anyio
 import cloudpickle
 from anyio.abc import SocketStream, UNIXSocketStream
 
-from protocols.connection import MessageStream, server_handshake
+from protocols.connection import MessageStream, receive_request, server_handshake
 from protocols.errors import ProtocolError, VersionMismatchError
 from protocols.messages import (
+    Ack,
+    Attach,
     CallFailed,
     CallResult,
     ErrorReply,
     ExecuteStep,
+    Lease,
     RunCallable,
     StepResult,
     WorkerFailed,
     WorkerReady,
 )
-from workers.peer_auth import refusal
+from workers.peer_auth import peer_credentials, refusal
 from workers.worker_state import Worker
 
 logger = logging.getLogger(__name__)
@@ -88,39 +93,64 @@ async def _run(args: argparse.Namespace) -> int:
         await control.send(WorkerReady(args.rank, os.getpid(), args.socket, worker.model_info))
         async with anyio.create_task_group() as tg:
             tg.start_soon(listener.serve, server.handle)
-            await _wait_for_eof(control)
+            await _serve_lifeline(control, server)
             logger.info("manager closed our lifeline: exiting")
             tg.cancel_scope.cancel()
     worker.shutdown()
     return 0
 
 
-async def _wait_for_eof(control: MessageStream) -> None:
+async def _serve_lifeline(control: MessageStream, server: DataServer) -> None:
+    """Take the manager's leases until it closes the lifeline (or breaks it: same thing)."""
     try:
         while True:
             msg = await control.receive()
-            logger.warning("ignoring %s on the control socket", type(msg).__name__)
+            if isinstance(msg, Lease):
+                server.set_lease(msg.token)
+                await control.send(Ack())
+            else:
+                logger.warning("ignoring %s on the control socket", type(msg).__name__)
     except (anyio.EndOfStream, anyio.BrokenResourceError, ProtocolError, OSError):
         return
 
 
 class DataServer:
-    """Serves the data socket: one attached engine at a time, calls answered in order."""
+    """Serves the data socket: one attached engine at a time, calls answered in order.
 
-    def __init__(self, worker: Worker) -> None:
+    Only the holder of the current lease attaches: RunCallable runs cloudpickled code, so
+    being the same user is not enough; it must be the engine the manager lent us to.
+    """
+
+    def __init__(self, worker: Worker, *, allowed_uid: int | None = None) -> None:
         self.worker = worker
+        self.allowed_uid = allowed_uid  # None: our own uid (tests play another user)
+        self._lease = b""  # the current lease's token; empty: lent to nobody
         self._attached = anyio.Lock()
+        self._session: tuple[MessageStream, bytes] | None = None  # attached, and its token
+
+    def set_lease(self, token: bytes) -> None:
+        """The manager's new lease: only its holder attaches from now on, and a session
+        attached under an older lease is cut off (its engine no longer owns us)."""
+        self._lease = token
+        if self._session is not None and not self._is_leased_to(self._session[1]):
+            self._session[0].shutdown()
+
+    def _is_leased_to(self, token: bytes) -> bool:
+        return bool(self._lease) and hmac.compare_digest(token, self._lease)
 
     async def handle(self, stream: SocketStream) -> None:
         async with stream:
             ms = MessageStream(stream)
-            why = refusal(stream)
+            why = refusal(stream, self.allowed_uid)
             if why is not None:
                 logger.warning("refused connection: %s", why)
                 await _try_send(ms, ErrorReply("permission_denied", why))
                 return
             try:
                 await server_handshake(ms, "worker")
+                attach = await receive_request(ms, Attach)
+                if await self._refused(ms, stream, attach.token):
+                    return
                 # The manager lends us to one engine at a time, but the previous engine's
                 # EOF may still be in flight when the next one connects: wait for it.
                 attached = False
@@ -131,9 +161,15 @@ class DataServer:
                     await ms.send(ErrorReply("busy", "this worker serves another engine"))
                     return
                 try:
+                    if await self._refused(ms, stream, attach.token):  # lent again meanwhile
+                        return
+                    self._session = (ms, attach.token)
+                    await ms.send(Ack())
                     await self._serve(ms)
                 finally:
-                    self.worker.reset_session()
+                    if self._session is not None:  # it served: drop its requests
+                        self._session = None
+                        self.worker.reset_session()
                     self._attached.release()
             except VersionMismatchError as exc:
                 logger.warning("refused engine: %s", exc)  # the handshake said why
@@ -142,6 +178,20 @@ class DataServer:
                 await _try_send(ms, ErrorReply("protocol_error", str(exc)))
             except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
                 logger.info("engine disconnected; state dropped, staying warm")
+            except Exception as exc:
+                # A bug or an input we did not foresee costs this client, never the worker.
+                logger.exception("internal error serving a data connection")
+                await _try_send(ms, ErrorReply("internal_error", f"{type(exc).__name__}: {exc}"))
+
+    async def _refused(self, ms: MessageStream, stream: SocketStream, token: bytes) -> bool:
+        """Refuse (and log) a client without the current lease's token; True if refused."""
+        if self._is_leased_to(token):
+            return False
+        pid, _, _ = peer_credentials(stream)
+        logger.warning("refused pid %d: it does not hold this worker's current lease", pid)
+        await ms.send(ErrorReply("lease_refused", "this worker is lent to another engine (or "
+                                 "to none): attach through the engine-manager"))  # fmt: skip
+        return True
 
     async def _serve(self, ms: MessageStream) -> None:
         while True:

@@ -2,8 +2,8 @@
 
 Launches each rank in its own session and process group, forked by the zygote
 (workers/zygote.py) or else as a fresh interpreter (`python -m workers.worker`), with one
-end of a socketpair as its lifeline: READY comes back over it, and its EOF tells the
-worker that the manager is gone.
+end of a socketpair as its lifeline: READY comes back over it, leases go out over it,
+and its EOF tells the worker that the manager is gone.
 """
 
 from __future__ import annotations
@@ -22,18 +22,34 @@ from subprocess import DEVNULL
 import anyio
 from anyio.abc import Process, UNIXSocketStream
 
-from protocols.connection import MessageStream
-from protocols.messages import ModelInfo, WorkerFailed, WorkerReady, WorkerSpec
+from protocols.connection import MessageStream, RemoteError
+from protocols.errors import ProtocolError
+from protocols.messages import (
+    Ack,
+    Lease,
+    ModelInfo,
+    WorkerFailed,
+    WorkerInfo,
+    WorkerReady,
+    WorkerSpec,
+)
 from workers.zygote_client import ForkedProcess, Zygote
 
 logger = logging.getLogger(__name__)
 
 STDERR_TAIL_BYTES = 4000
 STOP_GRACE_S = 5.0
+# A rank answers a lease from its event loop: only a call that blocks it for this long
+# (a stuck collective_rpc, say) delays the answer past it.
+LEASE_TIMEOUT_S = 10.0
 
 
 class WorkerStartError(Exception):
     """A rank could not start; the message says why (its own words or its stderr)."""
+
+
+class LeaseError(Exception):
+    """A rank did not take its lease (gone, stuck or broken): the group cannot be lent."""
 
 
 @dataclass(eq=False)
@@ -44,6 +60,7 @@ class WorkerProcess:
     log_file: Path
     socket_path: Path
     started_at: float = field(default_factory=time.monotonic)
+    leases_unanswered: int = 0  # Leases sent whose Ack is still to be read
 
     @property
     def pid(self) -> int:
@@ -84,6 +101,36 @@ class WorkerGroup:
     @property
     def pids(self) -> list[int]:
         return [r.pid for r in self.ranks]
+
+    def infos(self, now: float) -> list[WorkerInfo]:
+        """One row per rank for `engine-manager ps`."""
+        expires = None
+        if self.state == "idle" and self.keep_alive > 0 and self.idle_since is not None:
+            expires = max(0.0, self.idle_since + self.keep_alive - now)
+        if self.model_info is not None:
+            dtype = self.model_info.dtype
+        else:
+            dtype = str((self.spec.options or {}).get("dtype", "auto"))
+        return [
+            WorkerInfo(
+                self.group_id, w.rank, w.pid, self.spec.model, self.state, w.rss_bytes(),
+                now - w.started_at, float(self.keep_alive), expires, self.spec.world_size, dtype,
+            )  # fmt: skip
+            for w in self.ranks
+        ]
+
+
+def spec_problem(spec: WorkerSpec) -> str | None:
+    """Why `spec` cannot become a worker command line, or None."""
+    if spec.world_size < 1:
+        return f"world_size must be >= 1, got {spec.world_size}"
+    if not spec.model or "\x00" in spec.model:
+        return "model must be a non-empty string without NUL characters"
+    try:
+        json.dumps(spec.options or {})
+    except (TypeError, ValueError) as exc:
+        return f"options must be JSON values: {exc}"
+    return None
 
 
 async def launch_rank(
@@ -164,6 +211,32 @@ async def wait_ready(worker: WorkerProcess) -> WorkerReady:
     if not isinstance(msg, WorkerReady):
         raise WorkerStartError(f"worker rank {worker.rank} sent {type(msg).__name__}, not READY")
     return msg
+
+
+async def lease_group(group: WorkerGroup, token: bytes, *, wait: bool = True) -> None:
+    """Lend every rank to the engine holding `token` (empty: to nobody).
+
+    With `wait`, return once every rank has taken it (and every lease sent before it), so
+    that the engine's Attach finds it there; else only send it. LeaseError when a rank is
+    gone or takes longer than LEASE_TIMEOUT_S.
+    Cancellation: the lifelines may be left mid-frame; stop the group after it.
+    """
+    try:
+        with anyio.fail_after(LEASE_TIMEOUT_S):
+            for worker in group.ranks:
+                await worker.control.send(Lease(token))
+                worker.leases_unanswered += 1
+            if not wait:
+                return
+            for worker in group.ranks:
+                while worker.leases_unanswered:
+                    await worker.control.receive_type(Ack)
+                    worker.leases_unanswered -= 1
+    except (
+        TimeoutError, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
+        OSError, ProtocolError, RemoteError,
+    ) as exc:  # fmt: skip
+        raise LeaseError(f"group {group.group_id} did not take its lease: {exc!r}") from exc
 
 
 async def stop_rank(worker: WorkerProcess) -> None:
