@@ -1,4 +1,4 @@
-"""Worker start: time from `Engine(...)` to a usable engine, forked by the zygote vs a fresh interpreter.
+"""Worker start: `Engine(...)` to a usable engine, worker forked by the zygote vs a fresh one.
 
 Both sides in one run, each with its own manager under a temporary directory: the
 manager is started first and given time to get its zygote ready (as a daemon that is
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, times in (("fresh interpreter", fresh), ("forked by the zygote", forked)):
         print(f"| {name} | {len(times)} | {statistics.median(times):.2f} | "
               f"{min(times):.2f} | {max(times):.2f} |")  # fmt: skip
-    print(f"\nzygote speed-up (median): {statistics.median(fresh) / statistics.median(forked):.1f}x")
+    speedup = statistics.median(fresh) / statistics.median(forked)
+    print(f"\nzygote speed-up (median): {speedup:.1f}x")
 
 
 if __name__ == "__main__":

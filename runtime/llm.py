@@ -11,8 +11,9 @@ import atexit
 import dataclasses
 import threading
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -23,6 +24,7 @@ from runtime.engine import Engine
 from runtime.outputs import RequestOutput
 
 Prompt = str | dict[str, Any]
+T = TypeVar("T")
 
 
 class LLM:
@@ -84,6 +86,10 @@ class LLM:
         params = _per_prompt(sampling_params, len(conversations))
         calls = [(self.engine.chat, m, sp) for m, sp in zip(conversations, params, strict=True)]
         return self._run(calls, use_tqdm)
+
+    def collective_rpc(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
+        """Run `fn(worker, *args, **kwargs)` on every worker rank; results by rank."""
+        return self._require_portal().call(partial(self.engine.collective_rpc, fn, *args, **kwargs))
 
     def _run(self, calls: list[tuple[Any, Any, SamplingParams]], use_tqdm: bool) -> list:
         portal = self._require_portal()

@@ -102,6 +102,14 @@ def manager() -> Iterator[ManagerHandle]:
     handle.stop_and_check_clean()
 
 
+@pytest.fixture
+def other_manager() -> Iterator[ManagerHandle]:
+    """A second fresh manager socket, for tests that run two managers side by side."""
+    handle = new_manager_handle()
+    yield handle
+    handle.stop_and_check_clean()
+
+
 @pytest.fixture(scope="session")
 def shared_manager() -> Iterator[ManagerHandle]:
     """One running manager for the whole session, so tests share warm workers."""

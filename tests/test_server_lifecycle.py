@@ -40,10 +40,12 @@ async def wait_for(predicate) -> None:
 
 
 @pytest.mark.anyio
-async def test_supervisor_restarts_an_engine_whose_worker_died(tiny_model, manager):
+async def test_supervisor_restarts_an_engine_whose_worker_died(tiny_model, shared_manager):
     slot = EngineSlot()
     async with anyio.create_task_group() as tg:
-        await tg.start(partial(supervise, opener(tiny_model, manager), slot))
+        # Options of its own: the worker it kills is no other test's warm one.
+        open_engine = opener(tiny_model, shared_manager, max_num_seqs=12)
+        await tg.start(partial(supervise, open_engine, slot))
         first = slot.engine
         assert first is not None
         with pytest.raises(EngineDeadError):
