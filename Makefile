@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo serve test test-fast lint clean bench-peers bench-tools
+.PHONY: setup demo serve test test-fast soak lint clean bench-peers bench-tools
 
 setup: $(STAMP)
 
@@ -28,6 +28,12 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+# Five minutes of random traffic, cancellations and disconnects against `loom serve`, then the
+# leak checks (KV blocks, queues, fds, processes); `make test` runs the same test for 8 s.
+soak: setup
+	LOOM_SOAK_SECONDS=300 $(PY) -m pytest -q -p no:cacheprovider -s --timeout 600 \
+		tests/reliability/test_soak.py
 
 # Peers for benchmarks/serving.py, outside the test path: llama.cpp's `llama-server` and
 # `llama-bench` built from the source the llama-cpp-python sdist carries (~5 min on 2 cores),

@@ -26,6 +26,7 @@ from runtime.engine_metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Engin
 from runtime.output_processor import OutputProcessor, ParentRequest
 from runtime.outputs import RequestMetrics, RequestOutputCollector
 from runtime.scheduler import EngineCoreOutput
+from runtime.server.loop_tasks import count_loop_tasks
 from runtime.server.metrics import build_metrics_handler
 from runtime.server.supervisor import EngineSlot
 from runtime.tokenizer import Tokenizer
@@ -114,10 +115,14 @@ def fixed_stats() -> EngineStats:
 
 
 def parse(text: str) -> dict[tuple[str, frozenset], float]:
-    """{(sample name, labels but model_name): value}; every sample has model_name="tiny"."""
+    """{(sample name, labels but model_name): value}; every engine sample has
+    model_name="tiny" (the process' event_loop_tasks has no labels)."""
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            if s.name == P + "event_loop_tasks":
+                assert s.labels == {} and s.value >= 1, s
+                continue
             labels = dict(s.labels)
             assert labels.pop("model_name") == NAME, s
             samples[s.name, frozenset(labels.items())] = s.value
@@ -136,13 +141,14 @@ def buckets(samples: dict, name: str) -> list[tuple[float, float]]:
 async def test_collector_renders_the_stats():
     stats = fixed_stats()
     handler = build_metrics_handler(StubEngine(stats), NAME)  # type: ignore[arg-type]
-    no_engine = build_metrics_handler(EngineSlot(), NAME)  # restarting: an empty page
+    no_engine = build_metrics_handler(EngineSlot(), NAME)  # restarting: the process' gauge
     app = Starlette(routes=[Route("/metrics", handler), Route("/empty", no_engine)])
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         response = await client.get("/metrics")
         empty = await client.get("/empty")
-    assert empty.status_code == 200 and empty.text == ""
+    assert empty.status_code == 200 and parse(empty.text) == {}
+    assert "event_loop_tasks" in empty.text
     assert response.status_code == 200
     assert response.headers["content-type"] == CONTENT_TYPE_LATEST
     s = parse(response.text)
@@ -164,6 +170,17 @@ async def test_collector_renders_the_stats():
     assert value(s, "inter_token_latency_seconds_count") == 3
     assert buckets(s, "inter_token_latency_seconds")[0] == (0.01, 2)  # the two zero gaps
     assert buckets(s, "e2e_request_latency_seconds")[-2:] == [(7680.0, 2), (float("inf"), 2)]
+
+
+async def test_loop_task_count_follows_the_tasks():
+    before = count_loop_tasks()
+    async with anyio.create_task_group() as tg:
+        for _ in range(5):
+            tg.start_soon(anyio.sleep_forever)
+        await anyio.sleep(0.01)
+        assert count_loop_tasks() == before + 5
+        tg.cancel_scope.cancel()
+    assert count_loop_tasks() == before
 
 
 @asynccontextmanager

@@ -4,7 +4,8 @@ A custom prometheus_client collector turns one `engine.stats()` snapshot into me
 families named as vLLM's (prefix `loomllm:`), in a registry of the app's own: never the
 process-wide default one, so several apps can live in one process. The totals are the
 current engine's: they restart from zero when a supervisor replaces it (a counter reset,
-which Prometheus' rate() handles); while there is no engine the page is empty.
+which Prometheus' rate() handles); while there is no engine only the process' own gauge
+(`event_loop_tasks`) is there.
 """
 
 from __future__ import annotations
@@ -26,9 +27,19 @@ from starlette.responses import Response
 from runtime.engine import Engine
 from runtime.engine_metrics import FINISH_REASONS, HistogramSnapshot
 from runtime.errors import EngineClosedError
+from runtime.server.loop_tasks import count_loop_tasks
 from runtime.server.supervisor import EngineSlot
 
 PREFIX = "loomllm:"
+
+
+class LoopTasksCollector:
+    """The server process' event-loop task count: flat when idle, or something leaks."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(PREFIX + "event_loop_tasks", "Tasks alive in the server's "
+                                "event loop (all of them, this scrape's included).",
+                                value=count_loop_tasks())  # fmt: skip
 
 
 class EngineCollector:
@@ -109,6 +120,7 @@ def build_metrics_handler(
     """The /metrics endpoint over `source`, with its own CollectorRegistry."""
     registry = CollectorRegistry(auto_describe=False)  # no describe(): nothing read at register
     registry.register(EngineCollector(source, model_name))
+    registry.register(LoopTasksCollector())
 
     async def metrics_handler(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
