@@ -1,5 +1,6 @@
 """Shared fixtures: both anyio backends, tiny random models, and managers on temporary sockets.
 
+The reliability suite's fault table (fault_report.py) prints at the end of the run.
 Tests never touch the user's own daemon: every manager here lives under a fresh short
 directory in /tmp (Unix socket paths are limited to 108 bytes), and teardown checks
 that no process started for it is left behind.
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fault_report import REPORT, FaultReport, write_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -183,3 +185,12 @@ def chat_model(tiny_model, tmp_path_factory) -> str:
     config["chat_template"] = CHAT_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def fault_report() -> FaultReport:
+    return REPORT
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    write_summary(terminalreporter)

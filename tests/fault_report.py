@@ -1,7 +1,9 @@
 """The reliability suite's report: each fault test records its trials and worst detection time.
 
-`fault_report.record(name, passed, run, worst_s)` adds a row; the table prints at the end
-of the pytest run (terminal summary), so CI's log carries the figures.
+`fault_report.record(name, passed, run, worst_s)` adds a row; tests/conftest.py prints the
+table at the end of the pytest run (terminal summary), so CI's log carries the figures.
+A module, not tests/reliability/conftest.py: a second conftest would shadow the first one's
+name in `from conftest import ...`.
 """
 
 from __future__ import annotations
@@ -65,19 +67,14 @@ class FaultReport:
         assert not failures, "\n".join(failures)
 
 
-_REPORT = FaultReport()
+REPORT = FaultReport()
 
 
-@pytest.fixture(scope="session")
-def fault_report() -> FaultReport:
-    return _REPORT
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not _REPORT.rows:
+def write_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not REPORT.rows:
         return
     terminalreporter.section("reliability: fault trials")
     terminalreporter.write_line("| fault | trials passed / run | worst detection |")
     terminalreporter.write_line("|---|---|---|")
-    for fault, passed, run, worst in _REPORT.rows:
+    for fault, passed, run, worst in REPORT.rows:
         terminalreporter.write_line(f"| {fault} | {passed} / {run} | {worst} |")
