@@ -16,6 +16,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from protocols.codec import decode, encode
 from protocols.errors import (
+    SilentPeerError,
     TruncatedFrameError,
     UnexpectedMessageError,
     VersionMismatchError,
@@ -24,6 +25,9 @@ from protocols.framing import DEFAULT_MAX_FRAME_SIZE, HEADER, check_frame_length
 from protocols.messages import PROTOCOL_VERSION, ErrorReply, Hello, Welcome
 
 M = TypeVar("M")
+# A client that connects sends its opening messages at once; one that holds a connection
+# without speaking would keep a task and an fd of the server's forever.
+OPENING_TIMEOUT_S = 10.0
 
 
 class MessageStream:
@@ -135,10 +139,17 @@ async def server_handshake(ms: MessageStream, server: str) -> Hello:
     return hello
 
 
-async def receive_request(ms: MessageStream, expected: type[M]) -> M:
-    """Receive a client's message that must be `expected`: anything else, an ErrorReply
-    included (a client has nothing to refuse), is UnexpectedMessageError."""
-    msg = await ms.receive()
+async def receive_request(
+    ms: MessageStream, expected: type[M], within: float = OPENING_TIMEOUT_S
+) -> M:
+    """Receive a client's opening message, which must be `expected`: anything else, an
+    ErrorReply included (a client has nothing to refuse), is UnexpectedMessageError;
+    nothing within `within` seconds is SilentPeerError."""
+    msg = None
+    with anyio.move_on_after(within):  # a frame cut off here is dropped with the connection
+        msg = await ms.receive()
+    if msg is None:  # only the timeout leaves it so: receive never returns None
+        raise SilentPeerError(f"no {expected.__name__} within {within:g} s of connecting")
     if not isinstance(msg, expected):
         raise UnexpectedMessageError(f"expected {expected.__name__}, got {type(msg).__name__}")
     return msg

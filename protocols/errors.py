@@ -6,7 +6,8 @@
     ├── MalformedMessageError     a frame that is not a well-formed message
     │   └── UnknownMessageError   a well-formed body with a type code nobody registered
     ├── VersionMismatchError      HELLO/WELCOME carried another protocol_version
-    └── UnexpectedMessageError    a valid message at a point where another was expected
+    ├── UnexpectedMessageError    a valid message at a point where another was expected
+    └── SilentPeerError           a client that connected and did not open the conversation
 """
 
 from __future__ import annotations
@@ -38,3 +39,7 @@ class VersionMismatchError(ProtocolError):
 
 class UnexpectedMessageError(ProtocolError):
     """A message of the wrong type for this point of the conversation."""
+
+
+class SilentPeerError(ProtocolError):
+    """A client sent nothing (or not all of its first message) within the time allowed."""

@@ -194,8 +194,8 @@ class ManagerServer:
         keep_alive = self._effective_keep_alive(req.keep_alive)
         for group in list(self.groups.values()):
             if group.state == "idle" and group.spec == spec:
-                self._attach(group, ms, keep_alive)
-                token = await self._lend(group)
+                self._reserve(group, keep_alive)
+                token = await self._lend(group, ms)
                 if token is None:
                     continue  # it is being stopped: look further, or launch anew
                 logger.info("engine %s reuses warm group %s", req.engine_id, group.group_id)
@@ -221,8 +221,8 @@ class ManagerServer:
             with anyio.CancelScope(shield=True):
                 await self._stop_group(group, "start interrupted")
             raise
-        self._attach(group, ms, keep_alive)
-        token = await self._lend(group)
+        self._reserve(group, keep_alive)
+        token = await self._lend(group, ms)
         if token is None:
             return ErrorReply("worker_start_failed", f"the new workers of {spec.model!r} "
                               "did not take their lease; see the manager's log")  # fmt: skip
@@ -232,9 +232,12 @@ class ManagerServer:
             group.pids, group.model_info, reused=False, lease_token=token,
         )  # fmt: skip
 
-    async def _lend(self, group: WorkerGroup) -> bytes | None:
-        """A fresh lease token that every rank of `group` (just attached) admits; None if a
-        rank did not take it or died meanwhile: the group is then stopped."""
+    async def _lend(self, group: WorkerGroup, owner: MessageStream) -> bytes | None:
+        """Lend `group` (just reserved) to `owner`: a fresh lease token that every rank
+        admits; None if a rank did not take it or died meanwhile (the group is then stopped).
+
+        The owner is set only once the lease is taken: a rank dying while we wait for it
+        must not send WorkerDied to an engine that has not been given the group."""
         token = secrets.token_bytes(LEASE_TOKEN_BYTES)
         try:
             await lease_group(group, token)
@@ -242,7 +245,10 @@ class ManagerServer:
             logger.warning("%s", exc)
             await self._stop_group(group, "a rank did not take its lease")
             return None
-        return token if group.state == "busy" else None
+        if group.state != "busy":
+            return None
+        group.owner = owner  # no await from here to the reply: _handle_client's cleanup holds
+        return token
 
     async def _launch(self, group: WorkerGroup) -> None:
         assert self._tg is not None
@@ -266,12 +272,12 @@ class ManagerServer:
             await _try_send(owner, died)
         await self._stop_group(group, "a rank died")
 
-    def _attach(self, group: WorkerGroup, owner: MessageStream, keep_alive: float) -> None:
+    def _reserve(self, group: WorkerGroup, keep_alive: float) -> None:
+        """Take `group` off the idle list for a lease (_lend sets its owner)."""
         if group.expiry is not None:
             group.expiry.cancel()
             group.expiry = None
-        group.state, group.owner, group.keep_alive = "busy", owner, keep_alive
-        group.idle_since = None
+        group.state, group.keep_alive, group.idle_since = "busy", keep_alive, None
 
     async def _release(self, group: WorkerGroup) -> None:
         group.owner = None

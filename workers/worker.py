@@ -165,12 +165,14 @@ class DataServer:
                         return
                     self._session = (ms, attach.token)
                     await ms.send(Ack())
-                    await self._serve(ms)
+                    await self._serve(ms, attach.token)
                 finally:
-                    if self._session is not None:  # it served: drop its requests
-                        self._session = None
-                        self.worker.reset_session()
-                    self._attached.release()
+                    try:
+                        if self._session is not None:  # it served: drop its requests
+                            self._session = None
+                            self.worker.reset_session()
+                    finally:
+                        self._attached.release()
             except VersionMismatchError as exc:
                 logger.warning("refused engine: %s", exc)  # the handshake said why
             except ProtocolError as exc:
@@ -193,9 +195,14 @@ class DataServer:
                                  "to none): attach through the engine-manager"))  # fmt: skip
         return True
 
-    async def _serve(self, ms: MessageStream) -> None:
+    async def _serve(self, ms: MessageStream, token: bytes) -> None:
         while True:
             msg = await ms.receive()
+            # Calls the engine queued before its lease was revoked are still readable after
+            # set_lease's shutdown: none of them runs.
+            if not self._is_leased_to(token):
+                logger.info("the attached engine's lease ended: dropping its session")
+                return
             if isinstance(msg, ExecuteStep):
                 reply = self._execute_step(msg)
             elif isinstance(msg, RunCallable):

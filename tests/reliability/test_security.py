@@ -27,7 +27,13 @@ from anyio.abc import UNIXSocketStream
 from serve_utils import loom_serve
 
 from protocols.codec import decode
-from protocols.connection import MessageStream, open_unix_connection
+from protocols.connection import (
+    MessageStream,
+    client_handshake,
+    open_unix_connection,
+    receive_request,
+)
+from protocols.errors import SilentPeerError
 from protocols.framing import FrameReader
 from protocols.messages import (
     Ack,
@@ -35,6 +41,7 @@ from protocols.messages import (
     Attach,
     CallResult,
     ErrorReply,
+    Hello,
     ReleaseWorkers,
     RunCallable,
     WorkersAcquired,
@@ -132,7 +139,53 @@ async def test_refusal_over_a_socketpair() -> None:
             )
 
 
+@pytest.mark.anyio
+async def test_a_silent_client_is_dropped() -> None:
+    """Connected, and says nothing: the server gives up on it instead of holding a task and
+    an fd forever (the manager and the worker open every conversation this way)."""
+    a, b = socket.socketpair()
+    async with await UNIXSocketStream.from_socket(a) as server, \
+            await UNIXSocketStream.from_socket(b):  # fmt: skip
+        with anyio.fail_after(5), pytest.raises(SilentPeerError, match="no Hello within 0.2 s"):
+            await receive_request(MessageStream(server), Hello, within=0.2)
+
+
 # -- worker leases ----------------------------------------------------------------------
+
+
+class RecordingWorker:
+    """What DataServer needs of a worker, recording the callables it runs."""
+
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+
+    def reset_session(self) -> None:
+        pass
+
+
+@pytest.mark.anyio
+async def test_a_revoked_session_runs_none_of_its_queued_calls() -> None:
+    """Calls already in the socket when the lease is revoked stay readable (AF_UNIX keeps
+    queued data across shutdown): the worker must not run them for an engine it left."""
+    from workers.worker import DataServer
+
+    worker = RecordingWorker()
+    server = DataServer(worker)  # type: ignore[arg-type]
+    server.set_lease(b"t1")
+    a, b = socket.socketpair()
+    async with anyio.create_task_group() as tg, await UNIXSocketStream.from_socket(b) as raw:
+        tg.start_soon(server.handle, await UNIXSocketStream.from_socket(a))
+        client = MessageStream(raw)
+        with anyio.fail_after(5):
+            await client_handshake(client, "worker")
+            await client.send(Attach(b"t1"))
+            assert isinstance(await client.receive(), Ack)
+            call = RunCallable(1, cloudpickle.dumps((lambda w: w.ran.append("late"), (), {})))
+            b.sendall(client.frame(call))  # no await: the server has not read it yet...
+            server.set_lease(b"t2")  # ...when the manager lends the worker to another engine
+            with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                await client.receive()
+    assert worker.ran == []
 
 
 async def intrude(path: str, attach: Attach | None, call: RunCallable) -> list[Any]:
