@@ -6,8 +6,11 @@ detokenize+stream. B requests run concurrently (ignore_eos, fixed max_tokens) fo
 batch size B; the split comes from `Engine.stats().step_timings` (runtime/step_timings.py).
 
     loom bench overhead [--batch-sizes 1,16,64] [--max-tokens 128] [--prompt-len 16]
-        [--backends asyncio,trio] [--worker-threads 1]
+        [--backends asyncio,trio] [--worker-threads 1] [--model M --kv-cache-memory GIB]
     (or: .venv/bin/python benchmarks/engine_overhead.py ...)
+
+With `--model` (smollm2, a path), the same split for a real model: how much of its step is
+outside the forward pass, i.e. what overlapping the engine with the worker could win.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ async def run_batch(
 async def run_all(model: str, args: argparse.Namespace) -> list[Row]:
     options = dict(
         dtype="float32", device=args.device, max_num_seqs=max(args.batch_sizes),
-        kv_cache_memory=64 * 2**20, keep_alive=0,
+        kv_cache_memory=int(args.kv_cache_memory * 2**30), keep_alive=0,
     )  # fmt: skip
     if args.manager_socket:
         options["manager_socket"] = Path(args.manager_socket)
@@ -107,7 +110,8 @@ async def run_all(model: str, args: argparse.Namespace) -> list[Row]:
 def print_table(backend: str, rows: list[Row]) -> None:
     print(f"\nbackend {backend}: ms per step (schedule .. output add up to 'step'; "
           "'loop' is wall time / steps)")  # fmt: skip
-    head = ["batch", "steps", "steps/s", "tok/s", *PHASES, "step", "outside fwd", "loop"]
+    head = ["batch", "steps", "steps/s", "tok/s", *PHASES, "step", "outside fwd", "outside %",
+            "loop"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for batch, seconds, tokens, t in rows:
@@ -115,6 +119,7 @@ def print_table(backend: str, rows: list[Row]) -> None:
         cells = [str(batch), str(t.num_steps), f"{t.num_steps / seconds:.0f}",
                  f"{tokens / seconds:.0f}", *(f"{ms[c]:.3f}" for c in PHASES),
                  f"{ms['total']:.3f}", f"{ms['outside_forward']:.3f}",
+                 f"{100 * ms['outside_forward'] / max(ms['total'], 1e-9):.1f}",
                  f"{seconds * 1e3 / max(t.num_steps, 1):.3f}"]  # fmt: skip
         print("| " + " | ".join(cells) + " |")
 
@@ -128,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--manager-socket", help="use this running manager instead of a private one")
+    p.add_argument("--model", default=None,
+                   help="a real model (smollm2, a path) instead of the tiny random llama")
+    p.add_argument("--kv-cache-memory", type=float, default=0.0625, help="GiB of KV cache")
     p.add_argument("--worker-threads", type=int, default=1,
                    help="OMP_NUM_THREADS for the private manager's workers (0: leave as is)")
     args = p.parse_args(argv)
@@ -136,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         # small machine take the cores the engine process needs.
         os.environ["OMP_NUM_THREADS"] = str(args.worker_threads)
     with tempfile.TemporaryDirectory(prefix="loom-bench-") as tmp:
-        model = make_tiny_llama(Path(tmp))
+        model = args.model or make_tiny_llama(Path(tmp))
         for backend in args.backends.split(","):
             rows = anyio.run(run_all, model, args, backend=backend)
             print_table(backend, rows)

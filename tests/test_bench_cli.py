@@ -24,10 +24,11 @@ def test_overhead_benchmark_runs_and_its_phases_add_up() -> None:
     assert [row.split("|")[1].strip() for row in rows] == ["1", "3"]
     for row in rows:
         cells = [float(c) for c in row.strip("|").split("|")]
-        batch, steps, _, tok_s, *phases, step, outside, _loop = cells
+        batch, steps, _, tok_s, *phases, step, outside, share, _loop = cells
         assert steps >= 4 and tok_s > 0
         assert sum(phases) == pytest.approx(step, rel=0.02, abs=0.005)
         assert outside == pytest.approx(step - phases[2], rel=0.02, abs=0.005)  # minus worker
+        assert share == pytest.approx(100 * outside / step, abs=0.1)
 
 
 def test_serving_benchmark_says_how_to_get_its_peers() -> None:
