@@ -20,6 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+# No GPU here: Triton kernels run in Triton's interpreter, on CPU tensors. Set before any
+# import of triton (it reads it when kernels are defined and when they run); subprocesses
+# inherit it, harmlessly: their CPU path does not use Triton.
+os.environ["TRITON_INTERPRET"] = "1"
+
 from fault_report import REPORT, FaultReport, write_summary
 
 ROOT = Path(__file__).resolve().parent.parent

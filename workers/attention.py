@@ -2,8 +2,9 @@
 
 The model runner packs all scheduled tokens of all requests into one `[1, T]` sequence;
 transformers computes Q/K/V (RoPE applied) and calls `paged_attention` per layer, which
-writes the new K/V into the paged cache and attends each request over its own context.
-Written for clarity; a fused kernel replaces it behind the same metadata later.
+writes the new K/V into the paged cache and attends each request over its own context:
+here in torch (the CPU backend, and the reference), or with the Triton kernels of
+workers.triton_attention when the metadata carries their block tables (`paged`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,24 @@ class PrefillRow:
 
 
 @dataclass(slots=True)
+class PagedBatch:
+    """The Triton backend's view of a step: block tables and lengths, int32 on the device.
+
+    Decode rows are the requests computing one token, in decode_token_idx order; prefill
+    rows the others, with where their queries start in the packed batch."""
+
+    block_size: int
+    decode_tables: torch.Tensor  # [Bd, max_blocks]
+    decode_lens: torch.Tensor  # [Bd] context length, this step's token included
+    max_decode_len: int
+    prefill_tables: torch.Tensor  # [P, max_blocks]
+    prefill_q_starts: torch.Tensor  # [P]
+    prefill_q_lens: torch.Tensor  # [P]
+    prefill_lens: torch.Tensor  # [P]
+    max_prefill_q_len: int
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything attention needs for one step, built once per step by the model runner."""
 
@@ -43,6 +62,7 @@ class AttentionMetadata:
     # SDPA's CPU kernel takes a float mask ~1.5x faster than a bool one.
     decode_bias: torch.Tensor  # [Bd, 1, 1, L]
     prefills: list[PrefillRow]
+    paged: PagedBatch | None = None  # set: the Triton kernels attend (the fields above unused)
 
 
 def paged_attention(
@@ -66,6 +86,9 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
     q = query[0].transpose(0, 1)  # [T, H, D]
+    if meta.paged is not None:
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        return _triton(q, k_cache, v_cache, meta, meta.paged, scale, sliding_window), None
     if not meta.prefills:  # decode only: token i is decode row i, no gather or scatter
         return _decode(q, k_cache, v_cache, meta, group, scaling, sliding_window)[None], None
     out = torch.empty_like(q)  # [T, H, D]
@@ -77,6 +100,38 @@ def paged_attention(
         rows = slice(row.token_start, row.token_start + row.num_tokens)
         out[rows] = _prefill(q[rows], k_cache, v_cache, row, group, scaling, sliding_window)
     return out.unsqueeze(0), None  # [1, T, H, D]
+
+
+def _triton(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    paged: PagedBatch,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    from workers import triton_attention  # only where Triton is the backend
+
+    bs = paged.block_size
+    num_decodes = paged.decode_tables.shape[0]
+    if num_decodes == q.shape[0]:  # decode only: token i is decode row i
+        out = triton_attention.decode_attention(
+            q, k_cache, v_cache, paged.decode_tables, paged.decode_lens, paged.max_decode_len,
+            bs, scale, sliding_window,
+        )  # fmt: skip
+        return out.unsqueeze(0)
+    out = torch.empty_like(q)
+    if num_decodes:
+        out[meta.decode_token_idx] = triton_attention.decode_attention(
+            q[meta.decode_token_idx], k_cache, v_cache, paged.decode_tables, paged.decode_lens,
+            paged.max_decode_len, bs, scale, sliding_window,
+        )  # fmt: skip
+    triton_attention.prefill_attention(
+        q, k_cache, v_cache, paged.prefill_tables, paged.prefill_q_starts, paged.prefill_q_lens,
+        paged.prefill_lens, paged.max_prefill_q_len, bs, scale, sliding_window, out=out,
+    )  # fmt: skip
+    return out.unsqueeze(0)  # [1, T, H, D]
 
 
 def _decode(

@@ -29,6 +29,9 @@ from workers.sampler import SamplingMetadata, compute_prompt_logprobs, make_gene
 
 logger = logging.getLogger(__name__)
 
+# torch: the reference, and the CPU's backend; triton: workers.triton_attention (CUDA).
+ATTENTION_BACKENDS = ("torch", "triton")
+
 
 @dataclass(slots=True)
 class CachedRequestState:
@@ -62,10 +65,17 @@ class ModelRunner:
 
     def __init__(
         self, model: torch.nn.Module, config: object, *, device: torch.device,
-        dtype: torch.dtype, block_size: int, num_blocks: int,
+        dtype: torch.dtype, block_size: int, num_blocks: int, attention_backend: str = "torch",
     ) -> None:  # fmt: skip
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {attention_backend!r}")  # fmt: skip
+        if attention_backend == "triton" and (block_size < 16 or block_size & (block_size - 1)):
+            raise ValueError(f"block_size must be a power of two >= 16 for the Triton "
+                             f"attention backend, got {block_size}")  # fmt: skip
         attention.register()
         model.set_attn_implementation(attention.ATTENTION_NAME)
+        self.attention_backend = attention_backend
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -129,7 +139,10 @@ class ModelRunner:
         scored: list[tuple[CachedRequestState, int, int]] = []  # (state, first position, count)
         decode_idx: list[int] = []
         decode_ctx: list[list[int]] = []
+        decode_states: list[CachedRequestState] = []
         prefills: list[attention.PrefillRow] = []
+        prefill_states: list[CachedRequestState] = []
+        triton = self.attention_backend == "triton"
         bs = self.block_size
         for req_id, num_new in so.num_scheduled_tokens.items():
             state = self.requests[req_id]
@@ -144,8 +157,12 @@ class ModelRunner:
             if num_new == 1:
                 decode_idx.append(token_start)
                 decode_ctx.append(context)
+                decode_states.append(state)
             else:
-                prefills.append(attention.PrefillRow(token_start, num_new, torch.tensor(context)))
+                # The Triton kernels read the context through the block table instead.
+                ctx = torch.empty(0, dtype=torch.long) if triton else torch.tensor(context)
+                prefills.append(attention.PrefillRow(token_start, num_new, ctx))
+                prefill_states.append(state)
             if state.sampling_params.prompt_logprobs is not None and not state.output_token_ids:
                 # Position p predicts prompt token p + 1: the last prompt position samples.
                 num_scored = min(end, len(state.prompt_token_ids) - 1) - start
@@ -156,7 +173,10 @@ class ModelRunner:
                 sample_idx.append(len(input_ids) - 1)
                 samplers.append(state)
             state.num_computed_tokens = end
-        meta = self._attention_metadata(slots, decode_idx, decode_ctx, prefills)
+        if triton:
+            meta = self._paged_metadata(slots, decode_idx, decode_states, prefills, prefill_states)
+        else:
+            meta = self._attention_metadata(slots, decode_idx, decode_ctx, prefills)
         if not input_ids:
             return StepResult(call_id, [], [], [], [])
         out = self.model(
@@ -217,6 +237,41 @@ class ModelRunner:
             decode_bias=bias[:, None, None, :],
             prefills=prefills,
         )
+
+    def _paged_metadata(
+        self, slots: list[int], decode_idx: list[int], decode_states: list[CachedRequestState],
+        prefills: list[attention.PrefillRow], prefill_states: list[CachedRequestState],
+    ) -> attention.AttentionMetadata:  # fmt: skip
+        """The Triton backend's metadata: block tables and lengths, no per-slot context."""
+        dev = self.device
+
+        def tables(states: list[CachedRequestState]) -> torch.Tensor:
+            width = max((len(s.block_ids) for s in states), default=0)
+            rows = [s.block_ids + [0] * (width - len(s.block_ids)) for s in states]
+            return torch.tensor(rows, dtype=torch.int32).reshape(len(states), width).to(dev)
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=dev)
+
+        decode_lens = [s.num_computed_tokens for s in decode_states]  # already advanced
+        prefill_lens = [s.num_computed_tokens for s in prefill_states]
+        paged = attention.PagedBatch(
+            block_size=self.block_size,
+            decode_tables=tables(decode_states), decode_lens=ints(decode_lens),
+            max_decode_len=max(decode_lens, default=0),
+            prefill_tables=tables(prefill_states),
+            prefill_q_starts=ints([p.token_start for p in prefills]),
+            prefill_q_lens=ints([p.num_tokens for p in prefills]), prefill_lens=ints(prefill_lens),
+            max_prefill_q_len=max((p.num_tokens for p in prefills), default=0),
+        )  # fmt: skip
+        none = torch.empty((0, 0), dtype=torch.long, device=dev)
+        return attention.AttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            decode_token_idx=torch.tensor(decode_idx, dtype=torch.long, device=dev),
+            decode_slots=none, decode_valid=none.bool(), decode_bias=none, prefills=prefills,
+            paged=paged,
+        )  # fmt: skip
 
     def _sample(
         self, logits: torch.Tensor, samplers: list[CachedRequestState], call_id: int

@@ -1,0 +1,272 @@
+"""Paged attention kernels in Triton (the CUDA path): prefill over the packed batch, split-K decode.
+
+Both read K/V through per-request block tables from the slot-major cache that
+workers.attention writes ([num_blocks * block_size, KVH, D]: slot = block * block_size +
+offset), after the step's new K/V are in it. GQA: the decode kernel computes the `group`
+query heads of one KV head together, so each K/V page is read once per KV head.
+
+- `prefill_attention`: requests computing several tokens (a prompt or a chunk of one).
+  One program per (request, query head, tile of BLOCK_M queries); causal over the
+  request's whole context, with an optional sliding window.
+- `decode_attention`: requests computing one token. One program per (request, KV head,
+  split of the context); each split keeps a running max, sum and weighted V (online
+  softmax) and a second kernel merges the splits, so a long context is spread over many
+  programs instead of one.
+
+On the CPU they run under TRITON_INTERPRET=1 (tests compare them with the torch
+reference); the torch reference stays the CPU backend, being faster there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # queries per prefill program; tl.dot needs 16 rows at least
+MIN_DOT_ROWS = 16
+TARGET_PROGRAMS = 264  # decode splits aim at ~2 programs per SM of an H100 (132 SMs)
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _dot(a, b, EXACT: tl.constexpr):
+    """a @ b with float32 accumulation; EXACT: float32 operands and no TF32 (float32 models,
+    and the interpreter, whose numpy has no bfloat16 matmul)."""
+    if EXACT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b.to(a.dtype)).to(tl.float32)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, q_starts_ptr, q_lens_ptr, seq_lens_ptr,
+    scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_len = tl.load(q_lens_ptr + req)
+    if tile * BLOCK_M < q_len:
+        q_start = tl.load(q_starts_ptr + req)
+        seq_len = tl.load(seq_lens_ptr + req)
+        kv_head = head // GROUP
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        q_pos = seq_len - q_len + rows  # each query's absolute position
+        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        s_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        # Keys from the first one the tile's first query sees to its last query's position.
+        last_key = tl.minimum(seq_len - q_len + (tile + 1) * BLOCK_M, seq_len) - 1
+        first_key = tl.where(window > 0, tl.maximum(seq_len - q_len + tile * BLOCK_M - window + 1,
+                                                    0), 0)  # fmt: skip
+        offs = tl.arange(0, BLOCK_SIZE)
+        for page in range(first_key // BLOCK_SIZE, last_key // BLOCK_SIZE + 1):
+            block = tl.load(block_tables_ptr + req * stride_bt + page)
+            k_pos = page * BLOCK_SIZE + offs
+            slots = (block * BLOCK_SIZE + offs).to(tl.int64)
+            kv_ok = (k_pos < seq_len)[:, None] & d_ok[None, :]
+            k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh
+                        + d[None, :], mask=kv_ok, other=0.0)  # fmt: skip
+            s = _dot(q, tl.trans(k), EXACT) * scale  # [BLOCK_M, BLOCK_SIZE]
+            seen = k_pos[None, :] <= q_pos[:, None]
+            seen &= (k_pos[None, :] > q_pos[:, None] - window) | (window <= 0)
+            s = tl.where(seen, s, float("-inf"))
+            m, s_sum, acc = _online_softmax_step(
+                s, m, s_sum, acc, v_cache_ptr, slots, kv_ok, kv_head, stride_ks, stride_kh, d,
+                EXACT,
+            )
+        out = acc / tl.where(s_sum > 0, s_sum, 1.0)[:, None]
+        out_rows = out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh
+        tl.store(out_rows + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _online_softmax_step(
+    s, m, s_sum, acc, v_cache_ptr, slots, kv_ok, kv_head, stride_ks, stride_kh, d,
+    EXACT: tl.constexpr,
+):  # fmt: skip
+    """Fold one page's scores `s` [rows, keys] (masked keys at -inf) into the running max
+    `m`, sum `s_sum` and weighted values `acc`."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    v = tl.load(v_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                mask=kv_ok, other=0.0)  # fmt: skip
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT)
+    return m_new, s_sum * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    scale, window,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PAGES_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    EXACT: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    g = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + g
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + req * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=(g < GROUP)[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    s_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    first_key = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    first_page = tl.maximum(split * PAGES_PER_SPLIT, first_key // BLOCK_SIZE)
+    end_page = tl.minimum((split + 1) * PAGES_PER_SPLIT, tl.cdiv(seq_len, BLOCK_SIZE))
+    offs = tl.arange(0, BLOCK_SIZE)
+    for page in range(first_page, end_page):
+        block = tl.load(block_tables_ptr + req * stride_bt + page)
+        k_pos = page * BLOCK_SIZE + offs
+        slots = (block * BLOCK_SIZE + offs).to(tl.int64)
+        key_ok = (k_pos < seq_len) & (k_pos >= first_key)
+        kv_ok = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                    mask=kv_ok, other=0.0)  # fmt: skip
+        s = _dot(q, tl.trans(k), EXACT) * scale  # [GROUP_PAD, BLOCK_SIZE]
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        m, s_sum, acc = _online_softmax_step(
+            s, m, s_sum, acc, v_cache_ptr, slots, kv_ok, kv_head, stride_ks, stride_kh, d, EXACT
+        )
+    # Partials laid out [B, H, NUM_SPLITS] (+ [D]): contiguous, made by decode_attention.
+    num_heads = tl.num_programs(1) * GROUP
+    row = (req * num_heads + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+    g_ok = g < GROUP
+    tl.store(part_max_ptr + row, m, mask=g_ok)
+    tl.store(part_sum_ptr + row, s_sum, mask=g_ok)
+    tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc,
+             mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < NUM_SPLITS
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    row = (req * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    m = tl.load(part_max_ptr + row, mask=split_ok, other=float("-inf"))
+    s_sum = tl.load(part_sum_ptr + row, mask=split_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                  mask=split_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    m_all = tl.max(m, 0)
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # empty splits weigh 0
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(s_sum * weight, 0)
+    tl.store(out_ptr + req * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)  # fmt: skip
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, H, D], the packed batch's queries
+    k_cache: torch.Tensor,  # [S, KVH, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [P, max_blocks] int32, one row per prefill request
+    q_starts: torch.Tensor,  # [P] int32: first row of each request's queries in q
+    q_lens: torch.Tensor,  # [P] int32
+    seq_lens: torch.Tensor,  # [P] int32: context length, this step's tokens included
+    max_q_len: int,
+    block_size: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each prefill request's queries over its paged context; rows of
+    `out` (default: a new [T, H, D]) outside the requests are left as they are."""
+    _check(q, k_cache, v_cache, block_size)
+    out = torch.empty_like(q) if out is None else out
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    grid = (block_tables.shape[0], num_heads, triton.cdiv(max_q_len, BLOCK_M))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, seq_lens,
+        scale, sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), block_tables.stride(0),
+        GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
+        EXACT=_exact(q),
+    )  # fmt: skip
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, H, D], one query per request
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, this step's token included
+    max_seq_len: int,
+    block_size: int,
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Each request's one query over its paged context, split-K: [B, H, D]."""
+    _check(q, k_cache, v_cache, block_size)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    pages = triton.cdiv(max_seq_len, block_size)
+    if num_splits is None:  # enough programs to fill the GPU, at least a page each
+        num_splits = min(MAX_SPLITS, pages, triton.cdiv(TARGET_PROGRAMS, batch * num_kv_heads))
+    # A power of two of pages per split: few kernel variants however lengths vary.
+    pages_per_split = triton.next_power_of_2(triton.cdiv(pages, max(num_splits, 1)))
+    num_splits = triton.cdiv(pages, pages_per_split)
+    part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
+                           device=q.device)  # fmt: skip
+    part_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    d_pad = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum,
+        scale, sliding_window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        PAGES_PER_SPLIT=pages_per_split, NUM_SPLITS=num_splits, EXACT=_exact(q),
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(batch, num_heads)](
+        part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+    )  # fmt: skip
+    return out
+
+
+def _exact(q: torch.Tensor) -> bool:
+    return q.dtype == torch.float32 or bool(triton.knobs.runtime.interpret)
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> None:
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("q and the caches need a contiguous last dimension, K and V alike")
+    if q.shape[1] % k_cache.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads do not share {k_cache.shape[1]} KV heads")
+    if block_size < MIN_DOT_ROWS or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= {MIN_DOT_ROWS}, got {block_size}")
