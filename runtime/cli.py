@@ -20,8 +20,10 @@ from runtime.errors import LoomError
 
 ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--dtype", str, "auto | float32 | bfloat16 | float16"),
+    ("--load-format", str, "auto | dummy (random weights from the config, for benchmarks)"),
     ("--weight-dtype", str, "bfloat16 | float16: a float32 model's linear weights in 16 bits"),
     ("--device", str, "auto | cpu | cuda"),
+    ("--attention-backend", str, "auto | torch | triton (auto: triton on CUDA, torch on CPU)"),
     ("--max-model-len", int, "longest prompt + output, in tokens"),
     ("--max-num-seqs", int, "most requests in one batch"),
     ("--max-num-batched-tokens", int, "most tokens in one step"),

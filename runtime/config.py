@@ -16,16 +16,22 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = (None, "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 MANAGER_MODES = ("auto", "private")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "smollm2"
+    # "dummy": random weights from the model's config, for benchmarks (as vLLM's).
+    load_format: str = "auto"
     dtype: str = "auto"
     # A float32 model's linear weights stored in 16 bits (workers/half_weights.py): ~1.4x
     # faster single-stream decode on CPUs, at a measured accuracy cost. None: as `dtype`.
     weight_dtype: str | None = None
     device: str = "auto"
+    # "auto": the Triton kernels on CUDA, the torch reference on the CPU.
+    attention_backend: str = "auto"
     max_model_len: int | None = None  # default: the model's, capped by the KV cache
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: 2048 (chunked) or max_model_len
@@ -47,6 +53,8 @@ class EngineConfig:
             raise ValueError("model must be a non-empty string (a path, hub id or 'smollm2')")
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)
+        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _one_of("load_format", self.load_format, LOAD_FORMATS)
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(
                 f"weight_dtype must be bfloat16, float16 or None; got {self.weight_dtype!r}"
@@ -82,6 +90,8 @@ class EngineConfig:
             "dtype": self.dtype,
             "weight_dtype": self.weight_dtype,
             "device": self.device,
+            "attention_backend": self.attention_backend,
+            "load_format": self.load_format,
             "block_size": self.block_size,
             "kv_cache_memory": self.kv_cache_memory,
             "gpu_memory_utilization": self.gpu_memory_utilization,

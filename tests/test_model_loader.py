@@ -121,6 +121,24 @@ def test_load_in_bfloat16(tiny_llama_dir: tuple[Path, LlamaForCausalLM]) -> None
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
 
 
+def test_dummy_format_builds_the_shapes_with_random_weights(
+    tiny_llama_dir: tuple[Path, LlamaForCausalLM],
+) -> None:
+    model_dir, original = tiny_llama_dir
+    torch.manual_seed(3)
+    dummy = load_model(str(model_dir), dtype="float32", load_format="dummy").model
+    torch.manual_seed(3)
+    again = load_model(str(model_dir), dtype="float32", load_format="dummy").model
+    real = dict(original.named_parameters())
+    for name, param in dummy.named_parameters():
+        assert param.shape == real[name].shape, name
+        assert torch.equal(param, dict(again.named_parameters())[name]), name  # seeded
+    weight = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(dict(dummy.named_parameters())[weight], real[weight])
+    with pytest.raises(ValueError, match="load_format must be one of auto, dummy; got 'pt'"):
+        load_model(str(model_dir), load_format="pt")
+
+
 def test_bad_dtype_and_device(tiny_llama_dir: tuple[Path, LlamaForCausalLM]) -> None:
     with pytest.raises(ValueError, match=r"dtype must be one of .*'float32'.*got 'float8'"):
         load_model(str(tiny_llama_dir[0]), dtype="float8")

@@ -55,6 +55,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+LOAD_FORMATS = ("auto", "dummy")
 # Bump when the conversion changes, so caches written by an older loader are not reused.
 _CACHE_FORMAT = 1
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -229,8 +230,9 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 
 def load_model(
-    model: str, *, dtype: str = "auto", device: str = "cpu", weight_dtype: str | None = None
-) -> LoadedModel:
+    model: str, *, dtype: str = "auto", device: str = "cpu", weight_dtype: str | None = None,
+    load_format: str = "auto",
+) -> LoadedModel:  # fmt: skip
     """Resolve, prepare and load `model` in eval mode on `device`.
 
     dtype: "auto" (on CPU: bfloat16 where the CPU computes it natively, else float32; see
@@ -238,7 +240,13 @@ def load_model(
     "float32", "bfloat16" or "float16". device: "cpu", "cuda", "cuda:N" or "auto".
     weight_dtype: "bfloat16" or "float16" stores a float32 model's linear weights in 16
     bits (workers.half_weights); ignored, with a log line, when the model is 16-bit anyway.
+    load_format: "auto" reads the weights; "dummy" builds the model from its config with
+    random weights, on the device (as vLLM's dummy format: benchmarks, where with
+    ignore_eos the values change nothing of the cost).
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; "
+                         f"got {load_format!r}")  # fmt: skip
     if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(
             f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)} or None; "
@@ -255,9 +263,13 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(model_dir)
         torch_dtype = _pick_dtype(dtype, config, torch_device)
-        module = AutoModelForCausalLM.from_pretrained(
-            model_dir, config=config, dtype=torch_dtype, device_map={"": torch_device}
-        )
+        if load_format == "dummy":
+            with torch_device:  # initialized where it runs: an 8B model never sits in RAM
+                module = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        else:
+            module = AutoModelForCausalLM.from_pretrained(
+                model_dir, config=config, dtype=torch_dtype, device_map={"": torch_device}
+            )
     except Exception as exc:
         raise ModelLoadError(f"could not load model {model!r} from {model_dir}: {exc}") from exc
     module.eval()

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,7 @@ class Worker:
         loaded = load_model(
             model, dtype=options.get("dtype", "auto"), device=device,
             weight_dtype=options.get("weight_dtype"),
+            load_format=options.get("load_format", "auto"),
         )  # fmt: skip
         runner = _make_runner(loaded, options)
         if world_size > 1:
@@ -118,4 +120,15 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     return ModelRunner(
         loaded.model, loaded.config, device=device, dtype=dtype,
         block_size=block_size, num_blocks=num_blocks,
+        attention_backend=_attention_backend(options.get("attention_backend"), device),
     )  # fmt: skip
+
+
+def _attention_backend(asked: str | None, device: Any) -> str:
+    """"auto": Triton's kernels on CUDA, the torch reference on the CPU (faster there)."""
+    if asked in (None, "auto"):
+        return "triton" if device.type == "cuda" else "torch"
+    if asked == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend='triton' needs a CUDA device (on the CPU only "
+                         "Triton's interpreter runs it, with TRITON_INTERPRET=1: for tests)")
+    return asked

@@ -44,6 +44,8 @@ BAD_ENGINE = {
     "dtype": ["int3", "", None, 5, "FLOAT32"],
     "weight_dtype": ["float32", "int8", "", 5],
     "device": ["tpu", "", None, 5],
+    "attention_backend": ["flash", "", None, 5, "Triton"],
+    "load_format": ["pt", "", None, 5, "DUMMY"],
     "max_model_len": [0, -1, 1.5, "512", True, HUGE],
     "max_num_seqs": [0, -1, 1.5, None, HUGE],
     "max_num_batched_tokens": [0, -1, "1", HUGE],
