@@ -41,6 +41,7 @@ BENCHMARKS = {
     "overhead": "benchmarks.engine_overhead",
     "serving": "benchmarks.serving",
     "worker-start": "benchmarks.worker_start",
+    "gpu": "benchmarks.gpu_bench",
 }
 
 

@@ -31,6 +31,20 @@ def test_overhead_benchmark_runs_and_its_phases_add_up() -> None:
         assert share == pytest.approx(100 * outside / step, abs=0.1)
 
 
+def test_gpu_benchmark_runs_on_the_cpu_at_the_tiny_shape() -> None:
+    """The GPU benchmark's every part, on the CPU: what a GPU session runs at full shapes."""
+    done = loom("bench", "gpu", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+                "--num-requests", "6", "--prompt-mean", "12", "--output-mean", "8",
+                "--stream-tokens", "8", "--hf-batch", "4", timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in done.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| engine")}  # fmt: skip
+    asked = int(re.search(r"(\d+) output tokens", done.stdout).group(1))
+    assert len(rows) == 3 and all(int(cells[1]) == asked for cells in rows.values()), rows
+    assert re.search(r"the device idles \d+\.\d% of each step", done.stdout)
+    assert re.search(r"one stream: [\d.]+ tok/s .* bandwidth limit [\d.]+ tok/s", done.stdout)
+
+
 def test_serving_benchmark_says_how_to_get_its_peers() -> None:
     done = loom("bench", "serving", "--guidellm", "/nonexistent/guidellm")
     assert done.returncode != 0

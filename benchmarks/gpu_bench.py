@@ -1,0 +1,285 @@
+"""GPU benchmark: loomllm vs transformers on random-weight models shaped like Llama-3.1-8B and
+Qwen2.5-0.5B, in one run on one device.
+
+Self-contained for a GPU machine with torch, transformers and triton but no package index:
+the model is a config plus a word-level tokenizer written to a temporary directory, its
+weights random on the device (`load_format="dummy"`; with `ignore_eos` the values change
+no cost). The workload: N requests with ShareGPT-like lengths (log-normal, prompt mean ~200,
+output mean ~180 tokens, from a fixed seed), all submitted at once.
+
+    loom bench gpu [--shape llama-8b|qwen-0.5b|tiny] [--num-requests 500] [--skip-hf]
+    (or: python benchmarks/gpu_bench.py ...)
+
+Prints (a) output tokens/s of loomllm, transformers `generate` (padded batches of
+--hf-batch) and transformers' continuous batching (each request with its own
+max_new_tokens), with ratios; (b) one stream's decode tokens/s against the bandwidth limit
+(measured device copy bandwidth / weight bytes); (c) the share of each engine step that the
+device spends idle waiting for the engine (schedule, IPC, output: Engine.stats()'s step
+timings, the forward excluded). `--shape tiny --device cpu` runs it on a CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PROG = "loom bench gpu"
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     rope_theta=500000.0, max_position_embeddings=8192),  # fmt: skip
+    "qwen-0.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                      num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                      rope_theta=1000000.0, max_position_embeddings=8192,
+                      tie_word_embeddings=True),  # fmt: skip
+    "tiny": dict(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=2048),  # fmt: skip
+}
+
+
+def write_model_dir(shape: str, path: Path) -> str:
+    """config.json of `shape` and a word-level tokenizer over its vocabulary ("w{i}")."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    fields = dict(SHAPES[shape])
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[
+        fields.pop("arch")
+    ]
+    config = config_cls(**fields, bos_token_id=1, eos_token_id=2)
+    config.save_pretrained(path)
+    vocab = fields["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "w1", "eos_token": "w2", "unk_token": "w0",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }))  # fmt: skip
+    return str(path)
+
+
+def sharegpt_like(num: int, vocab: int, seed: int, prompt_mean: float = 200,
+                  output_mean: float = 180, longest: int = 2048) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) pairs: log-normal lengths (sigma 0.8) with these
+    means, as ShareGPT's are long-tailed; prompt + output within `longest`."""
+    rng = random.Random(seed)
+
+    def draw(mean: float, cap: int) -> int:
+        sigma = 0.8
+        return max(4, min(cap, round(rng.lognormvariate(math.log(mean) - sigma**2 / 2, sigma))))
+
+    pairs = []
+    for _ in range(num):
+        prompt_len = draw(prompt_mean, longest // 2)
+        pairs.append(([rng.randrange(3, vocab) for _ in range(prompt_len)],
+                      draw(output_mean, longest - prompt_len)))  # fmt: skip
+    return pairs
+
+
+def run_loomllm(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace):
+    """(seconds, output tokens, the engine's step timings over the run)."""
+    import anyio
+
+    from runtime import Engine, SamplingParams
+
+    async def run() -> tuple[float, int, Any]:
+        async with Engine(model, load_format="dummy", dtype=args.dtype, device=args.device,
+                          max_num_seqs=args.max_num_seqs, keep_alive=0,
+                          manager="private") as engine:  # fmt: skip
+            warm = SamplingParams(max_tokens=4, ignore_eos=True)
+            async with engine.generate({"prompt_token_ids": work[0][0]}, warm) as stream:
+                async for _ in stream:
+                    pass
+            before = engine.stats().step_timings
+            tokens = 0
+
+            async def one(prompt: list[int], n: int) -> None:
+                nonlocal tokens
+                params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+                async with engine.generate({"prompt_token_ids": prompt}, params) as stream:
+                    async for out in stream:
+                        last = out
+                tokens += len(last.outputs[0].token_ids)
+
+            start = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for prompt, n in work:
+                    tg.start_soon(one, prompt, n)
+            elapsed = time.perf_counter() - start
+            return elapsed, tokens, engine.stats().step_timings - before
+
+    return anyio.run(run)
+
+
+def single_stream_loomllm(model: str, prompt: list[int], n: int, args: argparse.Namespace):
+    """Decode seconds per token of one request alone (after its first token)."""
+    import anyio
+
+    from runtime import Engine, RequestOutputKind, SamplingParams
+
+    params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0,
+                            output_kind=RequestOutputKind.DELTA)  # fmt: skip
+
+    async def run() -> float:
+        async with Engine(model, load_format="dummy", dtype=args.dtype, device=args.device,
+                          keep_alive=0, manager="private") as engine:  # fmt: skip
+            for _ in range(2):  # the first is the warm-up
+                first = None
+                async with engine.generate({"prompt_token_ids": prompt}, params) as stream:
+                    async for _ in stream:
+                        first = first or time.perf_counter()
+                end = time.perf_counter()
+            return (end - first) / (n - 1)
+
+    return anyio.run(run)
+
+
+def load_hf(model: str, args: argparse.Namespace):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device(args.device):
+        return AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(model), dtype=getattr(torch, args.dtype)
+        ).eval()
+
+
+def run_hf_generate(hf, work: list[tuple[list[int], int]], batch: int) -> tuple[float, int]:
+    """Padded batches of `batch` requests in order; each runs to its longest output, and
+    only the requested tokens count."""
+    import torch
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(work), batch):
+            chunk = work[i : i + batch]
+            longest = max(len(p) for p, _ in chunk)
+            ids = torch.tensor([[0] * (longest - len(p)) + p for p, _ in chunk], device=hf.device)
+            mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in chunk],
+                                device=hf.device)  # fmt: skip
+            most = max(n for _, n in chunk)
+            hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=most,
+                        min_new_tokens=most, pad_token_id=0)  # fmt: skip
+    _sync(hf.device)
+    return time.perf_counter() - start, sum(n for _, n in work)
+
+
+def run_hf_continuous(hf, work: list[tuple[list[int], int]]) -> tuple[float, int]:
+    """transformers' continuous batching, each request with its own max_new_tokens."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
+                              max_new_tokens=max(n for _, n in work))  # fmt: skip
+    manager = hf.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        start = time.perf_counter()
+        for prompt, n in work:
+            manager.add_request(prompt, max_new_tokens=n)
+        tokens = 0
+        for _ in work:
+            result = manager.get_result(timeout=3600)
+            tokens += len(result.generated_tokens)
+        return time.perf_counter() - start, tokens
+    finally:
+        manager.stop(block=True)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second a device-to-device copy moves (read + write), best of 5."""
+    import torch
+
+    src = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() / best
+
+
+def weight_bytes(shape: str, dtype: str) -> int:
+    import torch
+    import transformers
+
+    fields = dict(SHAPES[shape])
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[
+        fields.pop("arch")
+    ]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config_cls(**fields))
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return sum(p.numel() for p in model.parameters()) * element  # tied weights counted once
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
+    p.add_argument("--num-requests", type=int, default=500)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--hf-batch", type=int, default=64, help="requests per padded generate")
+    p.add_argument("--prompt-mean", type=float, default=200)
+    p.add_argument("--output-mean", type=float, default=180)
+    p.add_argument("--stream-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-hf", action="store_true")
+    args = p.parse_args(argv)
+    import torch
+
+    device_name = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+                   else "cpu")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="loom-gpu-bench-") as tmp:
+        model = write_model_dir(args.shape, Path(tmp))
+        work = sharegpt_like(args.num_requests, SHAPES[args.shape]["vocab_size"], args.seed,
+                             args.prompt_mean, args.output_mean)  # fmt: skip
+        prompt_tokens = sum(len(p) for p, _ in work)
+        print(f"{args.shape} on {device_name}, {args.dtype}: {len(work)} requests, "
+              f"{prompt_tokens} prompt and {sum(n for _, n in work)} output tokens")  # fmt: skip
+        rows = []
+        seconds, tokens, timings = run_loomllm(model, work, args)
+        rows.append(("loomllm", seconds, tokens))
+        if not args.skip_hf:
+            hf = load_hf(model, args)
+            rows.append((f"transformers generate (padded, {args.hf_batch} a batch)",
+                         *run_hf_generate(hf, work, args.hf_batch)))  # fmt: skip
+            rows.append(("transformers continuous batching", *run_hf_continuous(hf, work)))
+            del hf
+        ours = rows[0][2] / rows[0][1]
+        print("\n| engine | seconds | output tokens | output tok/s | loomllm / x |")
+        print("|---|---|---|---|---|")
+        for name, s, n in rows:
+            print(f"| {name} | {s:.1f} | {n} | {n / s:.0f} | {ours / (n / s):.2f} |")
+        ms = timings.per_step_ms()
+        idle = 100 * ms["outside_forward"] / max(ms["total"], 1e-9)
+        print(f"\nengine steps: {timings.num_steps}, {ms['total']:.2f} ms each, of which "
+              f"{ms['outside_forward']:.2f} ms outside the worker's forward: the device idles "
+              f"{idle:.1f}% of each step")  # fmt: skip
+        per_token = single_stream_loomllm(model, work[0][0], args.stream_tokens, args)
+        limit = copy_bandwidth(args.device) / weight_bytes(args.shape, args.dtype)
+        print(f"\none stream: {1 / per_token:.1f} tok/s ({per_token * 1e3:.2f} ms/token); "
+              f"bandwidth limit {limit:.1f} tok/s; {100 / per_token / limit:.0f}% of it")
+
+
+if __name__ == "__main__":
+    main()
