@@ -95,6 +95,10 @@ class EngineConfig:
             "block_size": self.block_size,
             "kv_cache_memory": self.kv_cache_memory,
             "gpu_memory_utilization": self.gpu_memory_utilization,
+            # The biggest step the engine sends: on CUDA its activations are set aside
+            # before the KV cache takes the rest (None: the worker assumes 2048 tokens).
+            "profile_tokens": self.max_num_batched_tokens
+            or (None if self.enable_chunked_prefill else self.max_model_len),
             "seed": self.seed,
         }
         return WorkerSpec(self.model, self.tensor_parallel_size, options)

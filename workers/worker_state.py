@@ -90,38 +90,36 @@ class Worker:
 
 
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     """Size the paged KV cache from the options and build the model runner."""
     import torch
 
+    from workers.kv_sizing import kv_cache_budget
     from workers.model_runner import ModelRunner
 
     block_size = int(options.get("block_size") or DEFAULT_BLOCK_SIZE)
     dtype = getattr(torch, loaded.dtype)  # the model's: weight_dtype leaves it as it is
     device = torch.device(loaded.device)
+    backend = _attention_backend(options.get("attention_backend"), device)
+
+    def make_runner(num_blocks: int) -> ModelRunner:
+        return ModelRunner(
+            loaded.model, loaded.config, device=device, dtype=dtype,
+            block_size=block_size, num_blocks=num_blocks, attention_backend=backend,
+        )  # fmt: skip
+
     per_block = ModelRunner.bytes_per_block(loaded.config, block_size, dtype)
-    budget = options.get("kv_cache_memory")
-    if budget is None and device.type == "cuda":
-        # What the weights left free, times the share the user allows us.
-        free, total = torch.cuda.mem_get_info(device)
-        utilization = float(options.get("gpu_memory_utilization") or 0.9)
-        budget = free - (1 - utilization) * total
-    if budget is None:
-        # Room for 32 full-length sequences, at most 1 GiB: small models stay small.
-        budget = min(DEFAULT_CPU_KV_CACHE_BYTES, 32 * loaded.max_model_len * per_block / block_size)
+    budget = kv_cache_budget(loaded, options, block_size, per_block, make_runner)
     num_blocks = int(budget // per_block)
     if num_blocks < 1:
-        raise ValueError(
-            f"kv_cache_memory={budget:.0f} bytes holds no KV block ({per_block} bytes each)"
-        )
-    return ModelRunner(
-        loaded.model, loaded.config, device=device, dtype=dtype,
-        block_size=block_size, num_blocks=num_blocks,
-        attention_backend=_attention_backend(options.get("attention_backend"), device),
-    )  # fmt: skip
+        where = "kv_cache_memory" if options.get("kv_cache_memory") is not None else (
+            "the default KV cache budget (on CUDA: gpu_memory_utilization of the GPU, less "
+            "what is in use and a step's activations)")  # fmt: skip
+        raise ValueError(f"{where}, {budget:.0f} bytes, holds no KV block ({per_block} "
+                         f"bytes each)")  # fmt: skip
+    return make_runner(num_blocks)
 
 
 def _attention_backend(asked: str | None, device: Any) -> str:

@@ -1,0 +1,79 @@
+"""How many bytes of KV cache a worker gets: the user's, a CPU default, or on CUDA what is left
+of the allowed share of the GPU after a profiling forward pass of a full step.
+
+On CUDA the weights are loaded first; then one prefill of `profile_tokens` tokens (the
+engine's max_num_batched_tokens: the biggest step it will send) runs through a throwaway
+runner with just enough KV blocks, and its peak activation memory is set aside. The KV
+cache gets the rest of `gpu_memory_utilization` x the GPU's memory, counting everything
+already in use on the device (weights, the CUDA context, other processes).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+DEFAULT_PROFILE_TOKENS = 2048  # the engine's default max_num_batched_tokens (chunked prefill)
+GiB = float(1 << 30)
+
+
+def kv_cache_budget(loaded: Any, options: dict[str, Any], block_size: int, per_block: int,
+                    make_runner: Any) -> float:  # fmt: skip
+    """Bytes for the KV cache. `make_runner(num_blocks)` builds a ModelRunner."""
+    import torch
+
+    if options.get("kv_cache_memory") is not None:
+        return float(options["kv_cache_memory"])
+    device = torch.device(loaded.device)
+    if device.type == "cuda":
+        utilization = float(options.get("gpu_memory_utilization") or 0.9)
+        tokens = min(int(options.get("profile_tokens") or DEFAULT_PROFILE_TOKENS),
+                     loaded.max_model_len)  # fmt: skip
+        peak = profile_activation_bytes(device, tokens, block_size, loaded.vocab_size,
+                                        make_runner)  # fmt: skip
+        free, total = torch.cuda.mem_get_info(device)
+        budget = gpu_kv_budget(total, free, peak, utilization)
+        logger.info(
+            "KV cache: %.2f GiB (%.0f%% of %.1f GiB, less %.2f GiB in use and %.2f GiB of "
+            "activations for a %d-token step)", budget / GiB, utilization * 100, total / GiB,
+            (total - free) / GiB, peak / GiB, tokens,
+        )  # fmt: skip
+        return budget
+    # Room for 32 full-length sequences, at most 1 GiB: small models stay small.
+    return min(DEFAULT_CPU_KV_CACHE_BYTES, 32 * loaded.max_model_len * per_block / block_size)
+
+
+def gpu_kv_budget(total: float, free: float, activation_peak: float, utilization: float) -> float:
+    """The share of the GPU the user allows, less what is in use now and the forward's peak."""
+    return utilization * total - (total - free) - activation_peak
+
+
+def profile_activation_bytes(device: Any, tokens: int, block_size: int, vocab_size: int,
+                             make_runner: Any) -> int:  # fmt: skip
+    """Peak memory of one prefill of `tokens` tokens, beyond the weights and its KV blocks."""
+    import torch
+
+    from protocols.messages import CachedRequests, NewRequestData, SchedulerOutput
+    from protocols.sampling import SamplingParams
+
+    num_blocks = -(-tokens // block_size)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    runner = make_runner(num_blocks)
+    with_cache = torch.cuda.memory_allocated(device)
+    prompt = [i % vocab_size for i in range(tokens)]
+    request = NewRequestData("profile", prompt, [], SamplingParams(max_tokens=1), [],
+                             list(range(num_blocks)), 0)  # fmt: skip
+    step = SchedulerOutput(0, [request], CachedRequests([], [], []), {"profile": tokens}, [])
+    runner.execute(step, 0)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - with_cache
+    del runner
+    torch.cuda.empty_cache()
+    logger.debug("profiling step: %d tokens, %d bytes of KV blocks, peak %d bytes above them",
+                 tokens, with_cache - before, peak)  # fmt: skip
+    return peak
