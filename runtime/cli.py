@@ -30,6 +30,7 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--kv-cache-memory", int, "KV cache size in bytes"),
     ("--block-size", int, "tokens per KV block"),
     ("--seed", int, "engine seed"),
+    ("--tensor-parallel-size", int, "ranks each layer's weights and KV heads are split over"),
     ("--keep-alive", float, "seconds the workers stay warm after exit (-1: pinned)"),
     ("--manager-socket", Path, "engine-manager socket (default: the per-user one)"),
 ]
@@ -42,6 +43,7 @@ BENCHMARKS = {
     "serving": "benchmarks.serving",
     "worker-start": "benchmarks.worker_start",
     "gpu": "benchmarks.gpu_bench",
+    "broadcast": "benchmarks.step_broadcast",
 }
 
 

@@ -45,6 +45,18 @@ def test_gpu_benchmark_runs_on_the_cpu_at_the_tiny_shape() -> None:
     assert re.search(r"one stream: [\d.]+ tok/s .* bandwidth limit [\d.]+ tok/s", done.stdout)
 
 
+def test_broadcast_benchmark_measures_every_step_and_rank_count() -> None:
+    done = loom("bench", "broadcast", "--batch-sizes", "1,8", "--repeats", "3", "--ranks", "1,2")
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
+            if line.startswith("| decode") or line.startswith("| prefill")]  # fmt: skip
+    assert [r[0].strip() for r in rows] == ["decode, batch 1", "decode, batch 8",
+                                            "prefill, 1 x 100 tokens", "prefill, 8 x 100 tokens"]
+    sizes = [int(r[1]) for r in rows]
+    assert sizes[0] < sizes[1] < sizes[3] and sizes[2] < sizes[3]
+    assert all(float(c) > 0 for r in rows for c in r[2:])
+
+
 def test_serving_benchmark_says_how_to_get_its_peers() -> None:
     done = loom("bench", "serving", "--guidellm", "/nonexistent/guidellm")
     assert done.returncode != 0

@@ -85,6 +85,7 @@ class LoadedModel:
     head_dim: int
     dtype: str  # "float32", "bfloat16", "float16"
     device: str  # "cpu", "cuda:0", ...
+    tp_size: int = 1  # tensor-parallel ranks the weights (and KV heads) are split over
 
 
 def cache_root() -> Path:
@@ -231,7 +232,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 def load_model(
     model: str, *, dtype: str = "auto", device: str = "cpu", weight_dtype: str | None = None,
-    load_format: str = "auto",
+    load_format: str = "auto", tensor_parallel_size: int = 1,
 ) -> LoadedModel:  # fmt: skip
     """Resolve, prepare and load `model` in eval mode on `device`.
 
@@ -243,6 +244,8 @@ def load_model(
     load_format: "auto" reads the weights; "dummy" builds the model from its config with
     random weights, on the device (as vLLM's dummy format: benchmarks, where with
     ignore_eos the values change nothing of the cost).
+    tensor_parallel_size > 1: this rank's shard only (transformers' tp_plan over the
+    torch.distributed group the caller has initialized); heads must split evenly.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; "
@@ -263,7 +266,12 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(model_dir)
         torch_dtype = _pick_dtype(dtype, config, torch_device)
-        if load_format == "dummy":
+        if tensor_parallel_size > 1:
+            _check_tensor_parallel(config, tensor_parallel_size, weight_dtype, load_format)
+            module = AutoModelForCausalLM.from_pretrained(
+                model_dir, config=config, dtype=torch_dtype, tp_plan="auto"
+            )
+        elif load_format == "dummy":
             with torch_device:  # initialized where it runs: an 8B model never sits in RAM
                 module = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
         else:
@@ -295,7 +303,28 @@ def load_model(
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
         dtype=str(torch_dtype).removeprefix("torch."),
         device=str(next(module.parameters()).device),  # "cuda:0" where "cuda" was asked for
+        tp_size=tensor_parallel_size,
     )
+
+
+def _check_tensor_parallel(
+    config: Any, tp_size: int, weight_dtype: str | None, load_format: str
+) -> None:
+    """ValueError unless transformers can shard this model over `tp_size` ranks evenly."""
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if not getattr(text, "base_model_tp_plan", None):
+        raise ValueError(f"tensor_parallel_size={tp_size}: transformers has no tensor-parallel "
+                         f"plan for {type(text).__name__}")  # fmt: skip
+    if heads % tp_size or kv_heads % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} must divide the model's {heads} attention heads "
+            f"and {kv_heads} KV heads (each rank holds an equal share of them)"
+        )
+    if weight_dtype is not None or load_format != "auto":
+        raise ValueError(f"tensor_parallel_size={tp_size} works with the default weight_dtype "
+                         "and load_format only")  # fmt: skip
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -52,12 +52,13 @@ class CachedRequestState:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
 
 
-def kv_geometry(config: object) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of an HF decoder config (or its text config)."""
+def kv_geometry(config: object, tp_size: int = 1) -> tuple[int, int, int]:
+    """(layers, KV heads of one rank, head dim) of an HF decoder config (or its text
+    config), its KV heads split over `tp_size` tensor-parallel ranks."""
     text = getattr(config, "text_config", None) or config
     num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers, num_kv_heads, head_dim
+    return text.num_hidden_layers, num_kv_heads // tp_size, head_dim
 
 
 class ModelRunner:
@@ -66,6 +67,7 @@ class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, config: object, *, device: torch.device,
         dtype: torch.dtype, block_size: int, num_blocks: int, attention_backend: str = "torch",
+        tp_size: int = 1,
     ) -> None:  # fmt: skip
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
@@ -80,7 +82,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        num_layers, num_kv_heads, head_dim = kv_geometry(config)
+        num_layers, num_kv_heads, head_dim = kv_geometry(config, tp_size)
         shape = (num_blocks * block_size, num_kv_heads, head_dim)  # slot-major: one row a token
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device),
@@ -90,8 +92,10 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
 
     @staticmethod
-    def bytes_per_block(config: object, block_size: int, dtype: torch.dtype) -> int:
-        num_layers, num_kv_heads, head_dim = kv_geometry(config)
+    def bytes_per_block(
+        config: object, block_size: int, dtype: torch.dtype, tp_size: int = 1
+    ) -> int:
+        num_layers, num_kv_heads, head_dim = kv_geometry(config, tp_size)
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 

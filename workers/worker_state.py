@@ -45,19 +45,21 @@ class Worker:
         started = time.monotonic()
         if options.get("seed") is not None:
             torch.manual_seed(options["seed"])  # unseeded requests draw from this RNG
-        loaded = load_model(
-            model, dtype=options.get("dtype", "auto"), device=device,
-            weight_dtype=options.get("weight_dtype"),
-            load_format=options.get("load_format", "auto"),
-        )  # fmt: skip
-        runner = _make_runner(loaded, options)
         if world_size > 1:
+            # Before the load: transformers shards the weights over this group (tp_plan).
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
             torch.distributed.init_process_group(
                 backend="nccl" if device == "cuda" else "gloo",
                 init_method=f"file://{dist_init_file}",
                 rank=rank,
                 world_size=world_size,
             )
+        loaded = load_model(
+            model, dtype=options.get("dtype", "auto"), device=device,
+            weight_dtype=options.get("weight_dtype"),
+            load_format=options.get("load_format", "auto"), tensor_parallel_size=world_size,
+        )  # fmt: skip
+        runner = _make_runner(loaded, options)
         info = ModelInfo(
             model=model,
             model_dir=str(loaded.model_dir),
@@ -108,9 +110,10 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
         return ModelRunner(
             loaded.model, loaded.config, device=device, dtype=dtype,
             block_size=block_size, num_blocks=num_blocks, attention_backend=backend,
+            tp_size=loaded.tp_size,
         )  # fmt: skip
 
-    per_block = ModelRunner.bytes_per_block(loaded.config, block_size, dtype)
+    per_block = ModelRunner.bytes_per_block(loaded.config, block_size, dtype, loaded.tp_size)
     budget = kv_cache_budget(loaded, options, block_size, per_block, make_runner)
     num_blocks = int(budget // per_block)
     if num_blocks < 1:
