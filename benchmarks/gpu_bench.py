@@ -12,15 +12,17 @@ output mean ~180 tokens, from a fixed seed), all submitted at once.
 
 Prints (a) output tokens/s of loomllm, transformers `generate` (padded batches of
 --hf-batch) and transformers' continuous batching (each request with its own
-max_new_tokens), with ratios; (b) one stream's decode tokens/s against the bandwidth limit
-(measured device copy bandwidth / weight bytes); (c) the share of each engine step that the
-device spends idle waiting for the engine (schedule, IPC, output: Engine.stats()'s step
-timings, the forward excluded). `--shape tiny --device cpu` runs it on a CPU in seconds.
+max_new_tokens), with ratios; (b) one stream's decode tokens/s against the bandwidth
+limit (measured device copy bandwidth / the weight bytes a decode step reads); (c) the
+share of each engine step that the device spends idle waiting for the engine (schedule,
+IPC, output: Engine.stats()'s step timings, the forward excluded).
+`--shape tiny --device cpu` runs it on a CPU in seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
@@ -188,6 +190,8 @@ def run_hf_continuous(hf, work: list[tuple[list[int], int]]) -> tuple[float, int
         tokens = 0
         for _ in work:
             result = manager.get_result(timeout=3600)
+            if result is None or getattr(result, "error", None):
+                raise RuntimeError(f"transformers' continuous batching failed: {result!r}"[:500])
             tokens += len(result.generated_tokens)
         return time.perf_counter() - start, tokens
     finally:
@@ -210,7 +214,9 @@ def copy_bandwidth(device: str) -> float:
     return 2 * src.numel() / best
 
 
-def weight_bytes(shape: str, dtype: str) -> int:
+def decode_weight_bytes(shape: str, dtype: str) -> int:
+    """Bytes one decode step reads: every weight but an untied input embedding (of which a
+    step reads one row per request)."""
     import torch
     import transformers
 
@@ -221,7 +227,10 @@ def weight_bytes(shape: str, dtype: str) -> int:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config_cls(**fields))
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    return sum(p.numel() for p in model.parameters()) * element  # tied weights counted once
+    params = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    if not model.config.tie_word_embeddings:
+        params -= model.get_input_embeddings().weight.numel()
+    return params * element
 
 
 def _sync(device: Any) -> None:
@@ -264,7 +273,10 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((f"transformers generate (padded, {args.hf_batch} a batch)",
                          *run_hf_generate(hf, work, args.hf_batch)))  # fmt: skip
             rows.append(("transformers continuous batching", *run_hf_continuous(hf, work)))
-            del hf
+            del hf  # and its cached blocks: the next engine's worker sizes its KV cache
+            gc.collect()
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
         ours = rows[0][2] / rows[0][1]
         print("\n| engine | seconds | output tokens | output tok/s | loomllm / x |")
         print("|---|---|---|---|---|")
@@ -276,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{ms['outside_forward']:.2f} ms outside the worker's forward: the device idles "
               f"{idle:.1f}% of each step")  # fmt: skip
         per_token = single_stream_loomllm(model, work[0][0], args.stream_tokens, args)
-        limit = copy_bandwidth(args.device) / weight_bytes(args.shape, args.dtype)
+        limit = copy_bandwidth(args.device) / decode_weight_bytes(args.shape, args.dtype)
         print(f"\none stream: {1 / per_token:.1f} tok/s ({per_token * 1e3:.2f} ms/token); "
               f"bandwidth limit {limit:.1f} tok/s; {100 / per_token / limit:.0f}% of it")
 

@@ -96,9 +96,10 @@ class EngineConfig:
             "kv_cache_memory": self.kv_cache_memory,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             # The biggest step the engine sends: on CUDA its activations are set aside
-            # before the KV cache takes the rest (None: the worker assumes 2048 tokens).
+            # before the KV cache takes the rest (None: 2048 tokens, the chunked default;
+            # -1: the model's whole context, where a step holds a whole prompt).
             "profile_tokens": self.max_num_batched_tokens
-            or (None if self.enable_chunked_prefill else self.max_model_len),
+            or (None if self.enable_chunked_prefill else self.max_model_len or -1),
             "seed": self.seed,
         }
         return WorkerSpec(self.model, self.tensor_parallel_size, options)

@@ -1,9 +1,9 @@
 """How many bytes of KV cache a worker gets: the user's, a CPU default, or on CUDA what is left
 of the allowed share of the GPU after a profiling forward pass of a full step.
 
-On CUDA the weights are loaded first; then one prefill of `profile_tokens` tokens (the
+On CUDA the weights are loaded first; then one step of `profile_tokens` prompt tokens (the
 engine's max_num_batched_tokens: the biggest step it will send) runs through a throwaway
-runner with just enough KV blocks, and its peak activation memory is set aside. The KV
+runner with just enough KV blocks, and its peak memory is set aside. The KV
 cache gets the rest of `gpu_memory_utilization` x the GPU's memory, counting everything
 already in use on the device (weights, the CUDA context, other processes).
 """
@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DEFAULT_PROFILE_TOKENS = 2048  # the engine's default max_num_batched_tokens (chunked prefill)
+WHOLE_CONTEXT = -1  # profile_tokens for "the model's max_model_len" (chunked prefill off)
 GiB = float(1 << 30)
 
 
@@ -30,10 +31,11 @@ def kv_cache_budget(loaded: Any, options: dict[str, Any], block_size: int, per_b
     device = torch.device(loaded.device)
     if device.type == "cuda":
         utilization = float(options.get("gpu_memory_utilization") or 0.9)
-        tokens = min(int(options.get("profile_tokens") or DEFAULT_PROFILE_TOKENS),
-                     loaded.max_model_len)  # fmt: skip
+        tokens = int(options.get("profile_tokens") or DEFAULT_PROFILE_TOKENS)
+        if tokens == WHOLE_CONTEXT:  # no chunked prefill: a step holds a whole prompt
+            tokens = loaded.max_model_len
         peak = profile_activation_bytes(device, tokens, block_size, loaded.vocab_size,
-                                        make_runner)  # fmt: skip
+                                        loaded.max_model_len, make_runner)  # fmt: skip
         free, total = torch.cuda.mem_get_info(device)
         budget = gpu_kv_budget(total, free, peak, utilization)
         logger.info(
@@ -52,28 +54,37 @@ def gpu_kv_budget(total: float, free: float, activation_peak: float, utilization
 
 
 def profile_activation_bytes(device: Any, tokens: int, block_size: int, vocab_size: int,
-                             make_runner: Any) -> int:  # fmt: skip
-    """Peak memory of one prefill of `tokens` tokens, beyond the weights and its KV blocks."""
+                             max_model_len: int, make_runner: Any) -> int:  # fmt: skip
+    """Peak memory of one step of `tokens` prompt tokens (as many requests as the context
+    length needs), beyond the weights and its KV blocks: reserved by the allocator, so its
+    fragmentation counts, and with every position's logprobs computed, the worst a step's
+    logits can take (prompt_logprobs)."""
     import torch
 
     from protocols.messages import CachedRequests, NewRequestData, SchedulerOutput
     from protocols.sampling import SamplingParams
 
-    num_blocks = -(-tokens // block_size)
+    sizes = [min(max_model_len, tokens - start) for start in range(0, tokens, max_model_len)]
+    blocks = [-(-n // block_size) for n in sizes]
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    runner = make_runner(num_blocks)
-    with_cache = torch.cuda.memory_allocated(device)
-    prompt = [i % vocab_size for i in range(tokens)]
-    request = NewRequestData("profile", prompt, [], SamplingParams(max_tokens=1), [],
-                             list(range(num_blocks)), 0)  # fmt: skip
-    step = SchedulerOutput(0, [request], CachedRequests([], [], []), {"profile": tokens}, [])
+    before = torch.cuda.memory_reserved(device)
+    runner = make_runner(sum(blocks))
+    with_cache = torch.cuda.memory_reserved(device)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    requests, first = [], 0
+    for i, (n, b) in enumerate(zip(sizes, blocks, strict=True)):
+        prompt = [(first + j) % vocab_size for j in range(n)]
+        requests.append(NewRequestData(f"profile-{i}", prompt, [], params, [],
+                                       list(range(first, first + b)), 0))  # fmt: skip
+        first += b
+    step = SchedulerOutput(0, requests, CachedRequests([], [], []),
+                           {r.req_id: len(r.prompt_token_ids) for r in requests}, [])  # fmt: skip
     runner.execute(step, 0)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - with_cache
+    peak = torch.cuda.max_memory_reserved(device) - with_cache
     del runner
     torch.cuda.empty_cache()
-    logger.debug("profiling step: %d tokens, %d bytes of KV blocks, peak %d bytes above them",
-                 tokens, with_cache - before, peak)  # fmt: skip
+    logger.debug("profiling step: %d tokens in %d requests, %d bytes of KV blocks, peak %d "
+                 "bytes above them", tokens, len(sizes), with_cache - before, peak)  # fmt: skip
     return peak

@@ -115,8 +115,8 @@ def _decode_split_kernel(
     scale, window,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, PAGES_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    EXACT: tl.constexpr,
+    pages_per_split,
+    BLOCK_SIZE: tl.constexpr, EXACT: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -132,8 +132,8 @@ def _decode_split_kernel(
     s_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     first_key = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    first_page = tl.maximum(split * PAGES_PER_SPLIT, first_key // BLOCK_SIZE)
-    end_page = tl.minimum((split + 1) * PAGES_PER_SPLIT, tl.cdiv(seq_len, BLOCK_SIZE))
+    first_page = tl.maximum(split * pages_per_split, first_key // BLOCK_SIZE)
+    end_page = tl.minimum((split + 1) * pages_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
     offs = tl.arange(0, BLOCK_SIZE)
     for page in range(first_page, end_page):
         block = tl.load(block_tables_ptr + req * stride_bt + page)
@@ -148,9 +148,9 @@ def _decode_split_kernel(
         m, s_sum, acc = _online_softmax_step(
             s, m, s_sum, acc, v_cache_ptr, slots, kv_ok, kv_head, stride_ks, stride_kh, d, EXACT
         )
-    # Partials laid out [B, H, NUM_SPLITS] (+ [D]): contiguous, made by decode_attention.
+    # Partials laid out [B, H, splits] (+ [D]): contiguous, made by decode_attention.
     num_heads = tl.num_programs(1) * GROUP
-    row = (req * num_heads + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+    row = (req * num_heads + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
     g_ok = g < GROUP
     tl.store(part_max_ptr + row, m, mask=g_ok)
     tl.store(part_sum_ptr + row, s_sum, mask=g_ok)
@@ -160,17 +160,16 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < NUM_SPLITS
+    split_ok = splits < num_splits
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    row = (req * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    row = (req * tl.num_programs(1) + head) * num_splits + splits
     m = tl.load(part_max_ptr + row, mask=split_ok, other=float("-inf"))
     s_sum = tl.load(part_sum_ptr + row, mask=split_ok, other=0.0)
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
@@ -208,7 +207,7 @@ def prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), block_tables.stride(0),
         GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
+        D_PAD=_d_pad(head_dim), BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
         EXACT=_exact(q),
     )  # fmt: skip
     return out
@@ -234,29 +233,33 @@ def decode_attention(
     pages = triton.cdiv(max_seq_len, block_size)
     if num_splits is None:  # enough programs to fill the GPU, at least a page each
         num_splits = min(MAX_SPLITS, pages, triton.cdiv(TARGET_PROGRAMS, batch * num_kv_heads))
-    # A power of two of pages per split: few kernel variants however lengths vary.
-    pages_per_split = triton.next_power_of_2(triton.cdiv(pages, max(num_splits, 1)))
+    # The split count and size are runtime arguments: one compiled kernel whatever the
+    # batch and the lengths.
+    pages_per_split = triton.cdiv(pages, min(max(num_splits, 1), MAX_SPLITS))
     num_splits = triton.cdiv(pages, pages_per_split)
     part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
                            device=q.device)  # fmt: skip
     part_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    d_pad = triton.next_power_of_2(head_dim)
+    d_pad = _d_pad(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum,
         scale, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        PAGES_PER_SPLIT=pages_per_split, NUM_SPLITS=num_splits, EXACT=_exact(q),
+        pages_per_split=pages_per_split, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        EXACT=_exact(q),
     )  # fmt: skip
     out = torch.empty_like(q)
     _decode_merge_kernel[(batch, num_heads)](
-        part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=MAX_SPLITS,
     )  # fmt: skip
     return out
+
+
+def _d_pad(head_dim: int) -> int:
+    return max(MIN_DOT_ROWS, triton.next_power_of_2(head_dim))  # tl.dot's minimum on GPUs
 
 
 def _exact(q: torch.Tensor) -> bool:
