@@ -156,15 +156,16 @@ class ModelRunner:
             positions.extend(range(start, end))
             blocks = state.block_ids
             state.slots.extend(blocks[p // bs] * bs + p % bs for p in range(len(state.slots), end))
-            context = state.slots[:end]
-            slots.extend(context[start:end])
+            slots.extend(state.slots[start:end])
+            # The torch backend gathers each context by slot; Triton's kernels read it
+            # through the block table, so no per-step copy of it.
             if num_new == 1:
                 decode_idx.append(token_start)
-                decode_ctx.append(context)
                 decode_states.append(state)
+                if not triton:
+                    decode_ctx.append(state.slots[:end])
             else:
-                # The Triton kernels read the context through the block table instead.
-                ctx = torch.empty(0, dtype=torch.long) if triton else torch.tensor(context)
+                ctx = torch.tensor([] if triton else state.slots[:end], dtype=torch.long)
                 prefills.append(attention.PrefillRow(token_start, num_new, ctx))
                 prefill_states.append(state)
             if state.sampling_params.prompt_logprobs is not None and not state.output_token_ids:
