@@ -8,10 +8,12 @@ no cost). The workload: N requests with ShareGPT-like lengths (log-normal, promp
 output mean ~180 tokens, from a fixed seed), all submitted at once.
 
     loom bench gpu [--shape llama-8b|qwen-0.5b|tiny] [--num-requests 500] [--skip-hf]
+        [--skip-serve]
     (or: python benchmarks/gpu_bench.py ...)
 
-Prints (a) output tokens/s of loomllm, transformers `generate` (padded batches of
---hf-batch) and transformers' continuous batching (each request with its own
+Prints (a) output tokens/s of loomllm (offline, and through `loom serve` with every
+request sent at once), transformers `generate` (padded batches of --hf-batch) and
+transformers' continuous batching (each request with its own
 max_new_tokens), with ratios; (b) one stream's decode tokens/s against the bandwidth
 limit (measured device copy bandwidth / the weight bytes a decode step reads); (c) the
 share of each engine step that the device spends idle waiting for the engine (schedule,
@@ -120,6 +122,65 @@ def run_loomllm(model: str, work: list[tuple[list[int], int]], args: argparse.Na
             return elapsed, tokens, engine.stats().step_timings - before
 
     return anyio.run(run)
+
+
+def run_served(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace):
+    """The same requests through `loom serve`, all sent at once (an unlimited request rate):
+    (seconds, output tokens from the responses' usage)."""
+    import socket
+    import subprocess
+    import sys
+
+    import anyio
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "runtime.cli", "serve", model, "--port", str(port),
+           "--served-model-name", "m", "--load-format", "dummy", "--dtype", args.dtype,
+           "--device", args.device, "--max-num-seqs", str(args.max_num_seqs),
+           "--keep-alive", "0", "--manager", "private"]  # fmt: skip
+    log_path = Path(model) / "serve.log"  # a file, not a pipe: nobody reads it meanwhile
+    base = f"http://127.0.0.1:{port}"
+    server: subprocess.Popen | None = None
+
+    async def run() -> tuple[float, int]:
+        limits = httpx.Limits(max_connections=len(work), max_keepalive_connections=len(work))
+        async with httpx.AsyncClient(base_url=base, timeout=3600, limits=limits) as client:
+            with anyio.fail_after(900):
+                while True:  # the first engine of a private manager loads a worker
+                    try:
+                        if (await client.get("/health")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    if server is not None and server.poll() is not None:
+                        raise RuntimeError(f"loom serve exited: {log_path.read_text()[-2000:]}")
+                    await anyio.sleep(0.5)
+            tokens = 0
+
+            async def one(prompt: list[int], n: int) -> None:
+                nonlocal tokens
+                body = {"model": "m", "prompt": prompt, "max_tokens": n, "ignore_eos": True,
+                        "temperature": 0.0}  # fmt: skip
+                response = await client.post("/v1/completions", json=body)
+                response.raise_for_status()
+                tokens += response.json()["usage"]["completion_tokens"]
+
+            start = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for prompt, n in work:
+                    tg.start_soon(one, prompt, n)
+            return time.perf_counter() - start, tokens
+
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            return anyio.run(run)
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
 
 
 def single_stream_loomllm(model: str, prompt: list[int], n: int, args: argparse.Namespace):
@@ -253,6 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stream-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-serve", action="store_true",
+                   help="no loom serve run (it needs starlette and hypercorn: make gpu-wheels)")
     args = p.parse_args(argv)
     import torch
 
@@ -268,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
         rows = []
         seconds, tokens, timings = run_loomllm(model, work, args)
         rows.append(("loomllm", seconds, tokens))
+        if not args.skip_serve:
+            rows.append(("loomllm through loom serve", *run_served(model, work, args)))
         if not args.skip_hf:
             hf = load_hf(model, args)
             rows.append((f"transformers generate (padded, {args.hf_batch} a batch)",

@@ -40,7 +40,7 @@ def test_gpu_benchmark_runs_on_the_cpu_at_the_tiny_shape() -> None:
     rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in done.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| engine")}  # fmt: skip
     asked = int(re.search(r"(\d+) output tokens", done.stdout).group(1))
-    assert len(rows) == 3 and all(int(cells[1]) == asked for cells in rows.values()), rows
+    assert len(rows) == 4 and all(int(cells[1]) == asked for cells in rows.values()), rows
     assert re.search(r"the device idles \d+\.\d% of each step", done.stdout)
     assert re.search(r"one stream: [\d.]+ tok/s .* bandwidth limit [\d.]+ tok/s", done.stdout)
 
