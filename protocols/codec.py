@@ -275,8 +275,23 @@ def _check(ok: bool, value: Any, where: Where, what: str) -> None:
 
 
 def _describe(value: Any) -> str:
-    text = repr(value)
+    text = _shown(value)
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _shown(value: Any, depth: int = 0) -> str:
+    """repr for an error message, with bytes as their length only: a malformed message can
+    carry a secret (a lease token) that must not reach a log."""
+    if isinstance(value, bytes | bytearray):
+        return f"<{len(value)} bytes>"
+    if depth < 3 and isinstance(value, list | tuple):
+        return "[" + ", ".join(_shown(v, depth + 1) for v in value[:8]) + (
+            ", ...]" if len(value) > 8 else "]")  # fmt: skip
+    if depth < 3 and isinstance(value, dict):
+        items = list(value.items())[:8]
+        return "{" + ", ".join(f"{_shown(k, depth + 1)}: {_shown(v, depth + 1)}"
+                               for k, v in items) + "}"  # fmt: skip
+    return repr(value)
 
 
 # -- numpy arrays as msgpack ext --------------------------------------------------------

@@ -157,6 +157,14 @@ def expect_malformed(body: Any, match: str | None = None) -> str:
     return str(info.value)
 
 
+def test_error_text_shows_no_bytes_content() -> None:
+    """A malformed Attach (an extra field) names what it got without its token's bytes."""
+    token = bytes(range(65, 97))
+    code = next(c for c, cls in registered_messages().items() if cls.__name__ == "Attach")
+    text = expect_malformed([code, [token, token]])
+    assert "<32 bytes>" in text and token.decode() not in text and "ABC" not in text
+
+
 # -- every message type -----------------------------------------------------------------
 
 
