@@ -16,7 +16,6 @@ outside the forward pass, i.e. what overlapping the engine with the worker could
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import anyio
 
-from benchmarks import int_list
+from benchmarks import int_list, save_word_tokenizer
 from protocols.sampling import RequestOutputKind, SamplingParams
 from runtime.engine import Engine
 from runtime.step_timings import PHASES, StepTimings
@@ -40,7 +39,6 @@ def make_tiny_llama(path: Path) -> str:
     """A tiny random llama with a word-level tokenizer (token i is "w{i}"), as the tests use."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -49,14 +47,7 @@ def make_tiny_llama(path: Path) -> str:
         bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     transformers.LlamaForCausalLM(config).save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "w1", "eos_token": "w2", "unk_token": "w0",
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }))  # fmt: skip
+    save_word_tokenizer(path, VOCAB)
     return str(path)
 
 

@@ -9,7 +9,8 @@ output mean ~180 tokens, from a fixed seed), all submitted at once.
 
     loom bench gpu [--shape llama-8b|qwen-0.5b|tiny] [--num-requests 500] [--skip-hf]
         [--skip-serve]
-    (or: python benchmarks/gpu_bench.py ...)
+    (or, from the repository's root where loomllm is not installed:
+     python -m benchmarks.gpu_bench ...)
 
 Prints (a) output tokens/s of loomllm (offline, and through `loom serve` with every
 request sent at once), transformers `generate` (padded batches of --hf-batch) and
@@ -25,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import random
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import save_word_tokenizer
 
 PROG = "loom bench gpu"
 SHAPES: dict[str, dict[str, Any]] = {
@@ -48,26 +50,21 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def write_model_dir(shape: str, path: Path) -> str:
-    """config.json of `shape` and a word-level tokenizer over its vocabulary ("w{i}")."""
+def shape_config(shape: str) -> Any:
+    """The transformers config of `shape`."""
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     fields = dict(SHAPES[shape])
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[
         fields.pop("arch")
     ]
-    config = config_cls(**fields, bos_token_id=1, eos_token_id=2)
-    config.save_pretrained(path)
-    vocab = fields["vocab_size"]
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "w1", "eos_token": "w2", "unk_token": "w0",
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }))  # fmt: skip
+    return config_cls(**fields, bos_token_id=1, eos_token_id=2)
+
+
+def write_model_dir(shape: str, path: Path) -> str:
+    """config.json of `shape` and a word-level tokenizer over its vocabulary ("w{i}")."""
+    shape_config(shape).save_pretrained(path)
+    save_word_tokenizer(path, SHAPES[shape]["vocab_size"])
     return str(path)
 
 
@@ -281,12 +278,8 @@ def decode_weight_bytes(shape: str, dtype: str) -> int:
     import torch
     import transformers
 
-    fields = dict(SHAPES[shape])
-    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[
-        fields.pop("arch")
-    ]
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config_cls(**fields))
+        model = transformers.AutoModelForCausalLM.from_config(shape_config(shape))
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     params = sum(p.numel() for p in model.parameters())  # tied weights counted once
     if not model.config.tie_word_embeddings:

@@ -44,6 +44,20 @@ async def consume(stream, seen: list[int], ends: list[tuple[str, float]], first)
         ends.append((f"step error: {exc}", time.monotonic()))
 
 
+async def stream_until_flowing(tg, engine: Engine, prompts: list[str]):
+    """Start a consumer per prompt (LONG requests) and return once each has a token:
+    (tokens seen per stream, how and when each ended)."""
+    seen: list[list[int]] = [[] for _ in prompts]
+    ends: list[tuple[str, float]] = []
+    firsts = [anyio.Event() for _ in prompts]
+    for k, prompt in enumerate(prompts):
+        tg.start_soon(consume, engine.generate(prompt, LONG), seen[k], ends, firsts[k])
+    with anyio.fail_after(30):
+        for first in firsts:
+            await first.wait()
+    return seen, ends
+
+
 @pytest.mark.anyio
 async def test_worker_killed_mid_stream_fails_every_stream_within_1s(
     tiny_model, shared_manager, fault_report, anyio_backend
@@ -63,15 +77,7 @@ async def test_worker_killed_mid_stream_fails_every_stream_within_1s(
         async with anyio.create_task_group() as tg:
             engine = await tg.start(own_engine)
             pid = engine.worker_pids[0]
-            seen: list[list[int]] = [[], [], []]
-            ends: list[tuple[str, float]] = []
-            firsts = [anyio.Event() for _ in seen]
-            for k in range(len(seen)):
-                stream = engine.generate(f"w{5 + k} w6", LONG)
-                tg.start_soon(consume, stream, seen[k], ends, firsts[k])
-            with anyio.fail_after(30):
-                for first in firsts:
-                    await first.wait()
+            seen, ends = await stream_until_flowing(tg, engine, [f"w{5 + k} w6" for k in range(3)])
             killed_at = time.monotonic()
             os.kill(pid, signal.SIGKILL)
         assert [how for how, _ in ends] == ["dead"] * len(seen), ends  # each once, as failed
@@ -104,16 +110,8 @@ async def test_step_that_raises_fails_its_requests_and_the_engine_serves_on(
                       max_num_seqs=14) as engine:  # fmt: skip
 
         async def trial(_: int) -> float:
-            seen: list[list[int]] = [[], []]
-            ends: list[tuple[str, float]] = []
             async with anyio.create_task_group() as tg:
-                firsts = [anyio.Event() for _ in seen]
-                for k in range(len(seen)):
-                    stream = engine.generate(f"w{5 + k} w7", LONG)
-                    tg.start_soon(consume, stream, seen[k], ends, firsts[k])
-                with anyio.fail_after(30):
-                    for first in firsts:
-                        await first.wait()
+                seen, ends = await stream_until_flowing(tg, engine, ["w5 w7", "w6 w7"])
                 injected_at = time.monotonic()
                 await engine.collective_rpc(raise_on_next_step)
             assert [how for how, _ in ends] == [

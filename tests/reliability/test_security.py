@@ -25,8 +25,9 @@ import httpx
 import pytest
 from anyio.abc import UNIXSocketStream
 from serve_utils import loom_serve
+from test_protocol_sockets import answers_to
 
-from protocols.codec import decode
+from protocols.codec import decode, encode
 from protocols.connection import (
     MessageStream,
     client_handshake,
@@ -34,7 +35,7 @@ from protocols.connection import (
     receive_request,
 )
 from protocols.errors import SilentPeerError
-from protocols.framing import FrameReader
+from protocols.framing import FrameReader, encode_frame
 from protocols.messages import (
     Ack,
     AcquireWorkers,
@@ -191,21 +192,9 @@ async def test_a_revoked_session_runs_none_of_its_queued_calls() -> None:
 async def intrude(path: str, attach: Attach | None, call: RunCallable) -> list[Any]:
     """A same-user client: handshake, `attach` (None: none), `call`; every answer until
     the worker hangs up."""
-    with anyio.fail_after(REPLY_S):
-        ms = await open_unix_connection(path, "engine")
-        async with ms.stream:
-            try:
-                for msg in [attach, call] if attach is not None else [call]:
-                    await ms.send(msg)
-                await ms.stream.send_eof()
-            except (anyio.BrokenResourceError, OSError):
-                pass  # refused already; the answer is still there to read
-            answers = []
-            while True:
-                try:
-                    answers.append(await ms.receive())
-                except (anyio.EndOfStream, anyio.BrokenResourceError):
-                    return answers
+    msgs = [attach, call] if attach is not None else [call]
+    return await answers_to(path, b"".join(encode_frame(encode(m)) for m in msgs),
+                            hello_first=True)  # fmt: skip
 
 
 async def assert_refused(path: str, token: bytes | None, call: RunCallable) -> None:
