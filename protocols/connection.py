@@ -46,6 +46,14 @@ class MessageStream:
         """
         await self.send_frame(self.frame(msg))
 
+    async def send_if_open(self, msg: Any) -> None:
+        """Send one message to a peer that may be gone already (a refusal, a last word):
+        a closed or broken connection is not an error here."""
+        try:
+            await self.send(msg)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+
     def frame(self, msg: Any) -> bytes:
         """Encode one message as a frame for `send_frame` (one encoding for many streams)."""
         return encode_frame(encode(msg), self.max_frame_size)

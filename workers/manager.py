@@ -35,7 +35,6 @@ from protocols.messages import (
     WorkerDied,
     WorkerInfo,
     WorkerList,
-    WorkersAcquired,
 )
 from protocols.rundir import ensure_private_dir, workers_dir
 from workers.peer_auth import refusal
@@ -124,7 +123,7 @@ class ManagerServer:
             why = refusal(stream, self.allowed_uid)
             if why is not None:
                 logger.warning("refused connection: %s", why)
-                await _try_send(ms, ErrorReply("permission_denied", why))
+                await ms.send_if_open(ErrorReply("permission_denied", why))
                 return
             self.clients.add(ms)
             self._disarm_idle_timer()
@@ -135,13 +134,13 @@ class ManagerServer:
                 logger.warning("refused client: %s", exc)  # the handshake said why
             except ProtocolError as exc:
                 logger.warning("dropping client after protocol error: %s", exc)
-                await _try_send(ms, ErrorReply("protocol_error", str(exc)))
+                await ms.send_if_open(ErrorReply("protocol_error", str(exc)))
             except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
                 pass
             except Exception as exc:
                 # A bug or an input we did not foresee costs this client, never the daemon.
                 logger.exception("internal error serving a client")
-                await _try_send(ms, ErrorReply("internal_error", f"{type(exc).__name__}: {exc}"))
+                await ms.send_if_open(ErrorReply("internal_error", f"{type(exc).__name__}: {exc}"))
             finally:
                 self.clients.discard(ms)
                 with anyio.CancelScope(shield=True):
@@ -199,11 +198,7 @@ class ManagerServer:
                 if token is None:
                     continue  # it is being stopped: look further, or launch anew
                 logger.info("engine %s reuses warm group %s", req.engine_id, group.group_id)
-                assert group.model_info is not None
-                return WorkersAcquired(
-                    group.group_id, [str(r.socket_path) for r in group.ranks],
-                    group.pids, group.model_info, reused=True, lease_token=token,
-                )  # fmt: skip
+                return group.acquired(token, reused=True)
         if not await self._make_room(spec.world_size):
             return ErrorReply(
                 "capacity",
@@ -226,11 +221,7 @@ class ManagerServer:
         if token is None:
             return ErrorReply("worker_start_failed", f"the new workers of {spec.model!r} "
                               "did not take their lease; see the manager's log")  # fmt: skip
-        assert group.model_info is not None
-        return WorkersAcquired(
-            group.group_id, [str(r.socket_path) for r in group.ranks],
-            group.pids, group.model_info, reused=False, lease_token=token,
-        )  # fmt: skip
+        return group.acquired(token, reused=False)
 
     async def _lend(self, group: WorkerGroup, owner: MessageStream) -> bytes | None:
         """Lend `group` (just reserved) to `owner`: a fresh lease token that every rank
@@ -269,7 +260,7 @@ class ManagerServer:
             died = WorkerDied(
                 group.group_id, worker.rank, worker.pid, exit_code, signum, worker.stderr_tail()
             )
-            await _try_send(owner, died)
+            await owner.send_if_open(died)
         await self._stop_group(group, "a rank died")
 
     def _reserve(self, group: WorkerGroup, keep_alive: float) -> None:
@@ -388,12 +379,6 @@ def _unlink_if_ours(path: Path, inode: int) -> None:
     except FileNotFoundError:
         pass
 
-
-async def _try_send(ms: MessageStream, msg: object) -> None:
-    try:
-        await ms.send(msg)
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-        pass
 
 
 if __name__ == "__main__":  # `python -m workers.manager ...` is the daemon's command line

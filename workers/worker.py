@@ -144,7 +144,7 @@ class DataServer:
             why = refusal(stream, self.allowed_uid)
             if why is not None:
                 logger.warning("refused connection: %s", why)
-                await _try_send(ms, ErrorReply("permission_denied", why))
+                await ms.send_if_open(ErrorReply("permission_denied", why))
                 return
             try:
                 await server_handshake(ms, "worker")
@@ -177,13 +177,13 @@ class DataServer:
                 logger.warning("refused engine: %s", exc)  # the handshake said why
             except ProtocolError as exc:
                 logger.warning("dropping engine connection after protocol error: %s", exc)
-                await _try_send(ms, ErrorReply("protocol_error", str(exc)))
+                await ms.send_if_open(ErrorReply("protocol_error", str(exc)))
             except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
                 logger.info("engine disconnected; state dropped, staying warm")
             except Exception as exc:
                 # A bug or an input we did not foresee costs this client, never the worker.
                 logger.exception("internal error serving a data connection")
-                await _try_send(ms, ErrorReply("internal_error", f"{type(exc).__name__}: {exc}"))
+                await ms.send_if_open(ErrorReply("internal_error", f"{type(exc).__name__}: {exc}"))
 
     async def _refused(self, ms: MessageStream, stream: SocketStream, token: bytes) -> bool:
         """Refuse (and log) a client without the current lease's token; True if refused."""
@@ -231,12 +231,6 @@ class DataServer:
         except Exception as exc:
             return CallFailed(msg.call_id, type(exc).__qualname__, str(exc), traceback.format_exc())
 
-
-async def _try_send(ms: MessageStream, msg: object) -> None:
-    try:
-        await ms.send(msg)
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-        pass
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from protocols.messages import (
     WorkerFailed,
     WorkerInfo,
     WorkerReady,
+    WorkersAcquired,
     WorkerSpec,
 )
 from workers.zygote_client import ForkedProcess, Zygote
@@ -101,6 +102,14 @@ class WorkerGroup:
     @property
     def pids(self) -> list[int]:
         return [r.pid for r in self.ranks]
+
+    def acquired(self, lease_token: bytes, *, reused: bool) -> WorkersAcquired:
+        """The reply that hands this (ready, leased) group to an engine."""
+        assert self.model_info is not None
+        return WorkersAcquired(
+            self.group_id, [str(r.socket_path) for r in self.ranks], self.pids,
+            self.model_info, reused=reused, lease_token=lease_token,
+        )  # fmt: skip
 
     def infos(self, now: float) -> list[WorkerInfo]:
         """One row per rank for `engine-manager ps`."""
