@@ -71,6 +71,10 @@ class WorkerSpec:
     options: dict[str, Any] | None = None
 
 
+# options["profile_tokens"] for "a step holds a whole context" (chunked prefill off).
+PROFILE_WHOLE_CONTEXT = -1
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     """Facts about the loaded model that the engine needs (sent in READY)."""

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocols.messages import WorkerSpec
+from protocols.messages import PROFILE_WHOLE_CONTEXT, WorkerSpec
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = (None, "bfloat16", "float16")
@@ -97,9 +97,10 @@ class EngineConfig:
             "gpu_memory_utilization": self.gpu_memory_utilization,
             # The biggest step the engine sends: on CUDA its activations are set aside
             # before the KV cache takes the rest (None: 2048 tokens, the chunked default;
-            # -1: the model's whole context, where a step holds a whole prompt).
+            # PROFILE_WHOLE_CONTEXT: the model's whole context, a step holding a prompt).
             "profile_tokens": self.max_num_batched_tokens
-            or (None if self.enable_chunked_prefill else self.max_model_len or -1),
+            or (None if self.enable_chunked_prefill
+                else self.max_model_len or PROFILE_WHOLE_CONTEXT),
             "seed": self.seed,
         }
         return WorkerSpec(self.model, self.tensor_parallel_size, options)

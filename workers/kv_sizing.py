@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from protocols.messages import PROFILE_WHOLE_CONTEXT
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DEFAULT_PROFILE_TOKENS = 2048  # the engine's default max_num_batched_tokens (chunked prefill)
-WHOLE_CONTEXT = -1  # profile_tokens for "the model's max_model_len" (chunked prefill off)
 GiB = float(1 << 30)
 
 
@@ -32,7 +33,7 @@ def kv_cache_budget(loaded: Any, options: dict[str, Any], block_size: int, per_b
     if device.type == "cuda":
         utilization = float(options.get("gpu_memory_utilization") or 0.9)
         tokens = int(options.get("profile_tokens") or DEFAULT_PROFILE_TOKENS)
-        if tokens == WHOLE_CONTEXT:  # no chunked prefill: a step holds a whole prompt
+        if tokens == PROFILE_WHOLE_CONTEXT:  # no chunked prefill: a step holds a whole prompt
             tokens = loaded.max_model_len
         peak = profile_activation_bytes(device, tokens, block_size, loaded.vocab_size,
                                         loaded.max_model_len, make_runner)  # fmt: skip
