@@ -19,9 +19,10 @@ def test_two_ranks_give_the_tokens_of_one(arch, tmp_path, shared_manager):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     tokens = {}
     for tp in (1, 2):
-        # max_num_batched_tokens=32: the 40-token prompt is prefilled in two chunks.
+        # max_num_batched_tokens=32: the 40-token prompt is prefilled in two chunks. float32:
+        # "auto" is bfloat16 on CPUs with native bf16, whose rounding breaks near-ties.
         with LLM(model, tensor_parallel_size=tp, keep_alive=0, max_num_batched_tokens=32,
-                 manager_socket=shared_manager.socket) as llm:  # fmt: skip
+                 dtype="float32", manager_socket=shared_manager.socket) as llm:  # fmt: skip
             tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params,
                                                                        use_tqdm=False)]  # fmt: skip
             if tp == 2:
