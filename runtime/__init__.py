@@ -3,7 +3,7 @@
 from protocols.sampling import RequestOutputKind, SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.engine_core import EngineStats
+from runtime.engine_stats import EngineStats
 from runtime.errors import (
     EngineClosedError,
     EngineDeadError,

@@ -31,6 +31,7 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--block-size", int, "tokens per KV block"),
     ("--seed", int, "engine seed"),
     ("--tensor-parallel-size", int, "ranks each layer's weights and KV heads are split over"),
+    ("--data-parallel-size", int, "independent replicas, each request to the least loaded"),
     ("--keep-alive", float, "seconds the workers stay warm after exit (-1: pinned)"),
     ("--manager-socket", Path, "engine-manager socket (default: the per-user one)"),
 ]

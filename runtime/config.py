@@ -42,6 +42,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
+    # Independent replicas (each tensor_parallel_size ranks, its own scheduler and KV cache)
+    # behind this one engine; each request goes to the least loaded.
+    data_parallel_size: int = 1
     # Seconds the workers stay warm after the engine closes; 0: exit with it; -1: pinned.
     keep_alive: float = 300.0
     # "auto": use (or start) the shared per-user daemon; "private": one that dies with us.
@@ -61,6 +64,7 @@ class EngineConfig:
             )
         _one_of("manager", self.manager, MANAGER_MODES)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("data_parallel_size", self.data_parallel_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("block_size", self.block_size)
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory"):
@@ -84,8 +88,8 @@ class EngineConfig:
         if self.manager_socket is not None:
             object.__setattr__(self, "manager_socket", _socket_path(self.manager_socket))
 
-    def worker_spec(self) -> WorkerSpec:
-        """What the workers hold; engines with equal specs share warm workers."""
+    def worker_spec(self, data_parallel_rank: int = 0) -> WorkerSpec:
+        """What one replica's workers hold; engines with equal specs share warm workers."""
         options = {
             "dtype": self.dtype,
             "weight_dtype": self.weight_dtype,
@@ -102,6 +106,10 @@ class EngineConfig:
             or (None if self.enable_chunked_prefill
                 else self.max_model_len or PROFILE_WHOLE_CONTEXT),
             "seed": self.seed,
+            # On CUDA, replica r's ranks take the devices after those of replicas 0..r-1;
+            # on the CPU the engine's ranks share the cores.
+            "data_parallel_rank": data_parallel_rank,
+            "data_parallel_size": self.data_parallel_size,
         }
         return WorkerSpec(self.model, self.tensor_parallel_size, options)
 

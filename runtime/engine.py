@@ -3,14 +3,15 @@
 `async with Engine("smollm2") as e:` connects to (or starts) the engine-manager, attaches
 to warm workers or has new ones launched, and holds its connections and reader tasks in
 one task group. Leaving the block closes them all; the workers stay warm for
-`keep_alive` seconds. A dead worker fails the engine with EngineDeadError, promptly.
+`keep_alive` seconds. A dead worker fails the engine with EngineDeadError, promptly; with
+data parallelism only its replica's requests fail while another replica lives.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,9 +26,9 @@ from protocols.messages import CallFailed, ModelInfo, RunCallable, WorkerDied, W
 from protocols.rundir import default_socket_path
 from protocols.sampling import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine_core import EngineCore, EngineStats
-from runtime.engine_setup import build_engine_core
-from runtime.errors import EngineClosedError, EngineDeadError, ManagerError, RemoteCallError
+from runtime.engine_core import EngineCore
+from runtime.engine_stats import EngineStats, merge_stats
+from runtime.errors import EngineClosedError, EngineDeadError, RemoteCallError
 from runtime.manager_client import (
     ManagerClient,
     PrivateManager,
@@ -36,32 +37,30 @@ from runtime.manager_client import (
 )
 from runtime.output_processor import ParentRequest
 from runtime.outputs import RequestMetrics, RequestOutputCollector
+from runtime.replica import Replica, least_loaded
 from runtime.request_stream import RequestStream
 from runtime.tokenizer import Tokenizer
-from runtime.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# How long a broken worker connection waits for the manager's report of why.
-DEATH_REPORT_WAIT_S = 0.5
 
 
 class Engine:
-    """An LLM engine whose model runs in worker processes owned by the engine-manager."""
+    """An LLM engine whose model runs in worker processes owned by the engine-manager.
+
+    With `data_parallel_size=N` it runs N replicas (runtime/replica.py), each with its own
+    workers, scheduler and KV cache; a request goes to the least loaded one.
+    """
 
     def __init__(self, model: str = "smollm2", **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
         self.engine_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._stack: AsyncExitStack | None = None
-        self._workers: WorkerClient | None = None
-        self._core: EngineCore | None = None
+        self._replicas: list[Replica] = []
+        self._running = False
+        self._turn = itertools.count()  # round-robin among equally loaded replicas
         self.tokenizer: Tokenizer | None = None
-        self._acquired: WorkersAcquired | None = None
-        self._lost = anyio.Event()
-        self._lost_reason = ""
-        self._death_report: WorkerDied | None = None
-        self._death_reported = anyio.Event()
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -77,6 +76,7 @@ class Engine:
             except BaseExceptionGroup as eg:
                 raise _simplest(eg) from None
             raise
+        self._running = True
         return self
 
     async def __aexit__(
@@ -89,7 +89,7 @@ class Engine:
         except BaseExceptionGroup as eg:
             raise _simplest(eg) from None
         finally:
-            self._workers = self._core = None
+            self._running = False
 
     async def _start(self, stack: AsyncExitStack) -> None:
         cfg = self.config
@@ -106,118 +106,73 @@ class Engine:
         # socket can fail a read cancelled just as data arrives ("invalid state").
         stack.push_async_callback(manager.aclose)
         await tg.start(manager.run)
-        self._acquired = await manager.acquire(cfg.worker_spec(), cfg.keep_alive, self.engine_id)
-        stack.push_async_callback(self._release, manager, self._acquired.group_id)
-        workers = await WorkerClient.connect(self._acquired.sockets, self._acquired.lease_token)
-        stack.push_async_callback(workers.aclose)
-        workers.start_readers(tg, self._on_rank_lost)
-        tg.start_soon(self._watch_for_death, workers)
-        self._workers = workers
-        self._core = build_engine_core(cfg, self._acquired.model_info, workers)
-        self.tokenizer = self._core.output_processor.tokenizer
-        core_scope, core_done = anyio.CancelScope(), anyio.Event()
-
-        async def run_core(core: EngineCore) -> None:
-            try:
-                with core_scope:
-                    await core.run()
-            finally:
-                core_done.set()
-
-        async def stop_core() -> None:
-            # First on the way out: a step still in flight (the one that tells the worker
-            # about the last finished requests, say) must end before the worker sockets
-            # close, or it would fail as a dead worker and raise from __aexit__.
-            core_scope.cancel()
-            with anyio.CancelScope(shield=True):
-                await core_done.wait()
-
-        tg.start_soon(run_core, self._core)
-        stack.push_async_callback(stop_core)
-        logger.info(
-            "engine %s attached to %s workers %s (%s)", self.engine_id,
-            "warm" if self._acquired.reused else "new", self._acquired.pids, cfg.model,
-        )  # fmt: skip
-
-    async def _release(self, manager: ManagerClient, group_id: str) -> None:
-        if self._lost.is_set():
-            return  # the manager tears a broken group down itself
-        try:
-            with anyio.CancelScope(shield=True), anyio.fail_after(5):
-                await manager.release(group_id)
-        except (ManagerError, OSError, anyio.BrokenResourceError, TimeoutError) as exc:
-            # Closing our connection releases the workers too; this was the polite way.
-            logger.warning("could not release workers cleanly: %s", exc)
+        num_replicas = cfg.data_parallel_size
+        for index in range(num_replicas):
+            engine_id = self.engine_id if num_replicas == 1 else f"{self.engine_id}/dp{index}"
+            replica = Replica(index, cfg, engine_id, self._on_replica_death)
+            self._replicas.append(replica)
+            # One at a time: the manager answers one engine's requests in order anyway.
+            await replica.start(stack, tg, manager, self.tokenizer)
+            assert replica.core is not None and replica.acquired is not None
+            self.tokenizer = replica.core.output_processor.tokenizer
+            logger.info(
+                "engine %s attached to %s workers %s (%s)", engine_id,
+                "warm" if replica.acquired.reused else "new", replica.acquired.pids, cfg.model,
+            )  # fmt: skip
 
     # -- worker death -----------------------------------------------------------------
 
     def _on_worker_died(self, report: WorkerDied) -> None:
-        self._death_report = report
-        self._death_reported.set()
-        self._on_rank_lost(report.rank, "the engine-manager reported its death")
+        for replica in self._replicas:
+            if replica.acquired is not None and replica.acquired.group_id == report.group_id:
+                replica.on_worker_died(report)
 
-    def _on_rank_lost(self, rank: int, why: str) -> None:
-        if not self._lost.is_set():
-            self._lost_reason = why
-            self._lost.set()
-
-    async def _watch_for_death(self, workers: WorkerClient) -> None:
-        await self._lost.wait()
-        with anyio.move_on_after(DEATH_REPORT_WAIT_S):
-            await self._death_reported.wait()
-        error = EngineDeadError(self._death_reason())
-        workers.fail(error)
-        raise error
-
-    def _death_reason(self) -> str:
-        report = self._death_report
-        if report is None:
-            return f"engine lost its worker: {self._lost_reason}"
-        how = (
-            f"killed by signal {signal.Signals(report.signal).name}"
-            if report.signal is not None
-            else f"exited with code {report.exit_code}"
-        )
-        tail = report.stderr_tail.strip()
-        return f"worker rank {report.rank} (pid {report.pid}) {how}" + (
-            f"; its stderr ended with:\n{tail}" if tail else ""
-        )
+    def _on_replica_death(self, replica: Replica) -> bool:
+        """A replica lost a rank: the engine goes on while another one lives."""
+        live = [r for r in self._replicas if r.dead is None]
+        if live:
+            logger.error("data-parallel replica %d died (%s); %d of %d replicas go on",
+                         replica.index, replica.dead, len(live), len(self._replicas))  # fmt: skip
+        return bool(live)
 
     # -- calls ------------------------------------------------------------------------
 
     @property
     def model_info(self) -> ModelInfo:
-        return self._require_acquired().model_info
+        return self._require_acquired()[0].model_info
 
     @property
     def max_model_len(self) -> int:
         """Longest prompt + output a request may have (the model's, within the KV cache)."""
-        return self._require_core().max_model_len
+        return min(core.max_model_len for core in self._cores())
 
     @property
     def worker_pids(self) -> list[int]:
-        return list(self._require_acquired().pids)
+        """Every rank's pid, replica by replica."""
+        return [pid for acquired in self._require_acquired() for pid in acquired.pids]
 
     @property
     def reused_warm_workers(self) -> bool:
-        """True when this engine attached to already-loaded workers."""
-        return self._require_acquired().reused
+        """True when this engine attached to already-loaded workers (every replica)."""
+        return all(acquired.reused for acquired in self._require_acquired())
 
     async def collective_rpc(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
-        """Run `fn(worker, *args, **kwargs)` on every rank; return the results in rank order.
+        """Run `fn(worker, *args, **kwargs)` on every rank; return the results in rank order
+        (replica by replica with data parallelism; a dead replica raises EngineDeadError).
 
         `fn` and its arguments are sent with cloudpickle over the local socket.
         Cancellation: the ranks still run the call; its results are discarded.
         """
-        if self._workers is None:
-            raise EngineClosedError("the engine is not running: use `async with Engine(...)`")
+        self._require_running()
         payload = cloudpickle.dumps((fn, args, kwargs))
-        replies = await self._workers.call(lambda call_id: RunCallable(call_id, payload))
         results = []
-        for rank, reply in enumerate(replies):
-            if isinstance(reply, CallFailed):
-                raise RemoteCallError(rank, reply.error_type, reply.message, reply.traceback)
-            results.append(cloudpickle.loads(reply.payload))
+        for replica in self._replicas:
+            assert replica.workers is not None
+            replies = await replica.workers.call(lambda call_id: RunCallable(call_id, payload))
+            for rank, reply in enumerate(replies):
+                if isinstance(reply, CallFailed):
+                    raise RemoteCallError(rank, reply.error_type, reply.message, reply.traceback)
+                results.append(cloudpickle.loads(reply.payload))
         return results
 
     # -- generation -------------------------------------------------------------------------
@@ -236,14 +191,17 @@ class Engine:
         cancellation, a deadline, `aclose()`) aborts the request; its KV blocks are free
         again before the next step.
         """
-        core = self._require_core()
+        self._require_running()
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
         text, token_ids = self._prompt_tokens(prompt)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        if request_id in core.output_processor.parents:
+        if self.replica_index(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already running")
+        replica = least_loaded(self._replicas, next(self._turn))
+        core = replica.core
+        assert core is not None
         parent = ParentRequest(
             request_id, text, token_ids, params, RequestOutputCollector(params.output_kind),
             RequestMetrics(arrival_time=time.time()),
@@ -260,7 +218,7 @@ class Engine:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Apply the model's chat template to `messages`, then stream like generate()."""
-        self._require_core()
+        self._require_running()
         assert self.tokenizer is not None
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, **(chat_template_kwargs or {})
@@ -272,25 +230,41 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op if it already finished)."""
-        self._require_core().abort(request_id)
+        self._require_running()
+        index = self.replica_index(request_id)
+        if index is not None:
+            core = self._replicas[index].core
+            assert core is not None
+            core.abort(request_id)
 
     def abort_all(self) -> None:
         """Abort every running request: each open stream ends with finish_reason "abort"."""
-        self._require_core().abort_all()
+        for core in self._cores():
+            core.abort_all()
+
+    def replica_index(self, request_id: str) -> int | None:
+        """The data-parallel replica that runs the request, or None if none does (now)."""
+        for index, core in enumerate(self._cores()):
+            if request_id in core.output_processor.parents:
+                return index
+        return None
 
     async def wait_until_idle(self) -> None:
         """Wait until the engine has no request left (drain before shutdown, tests).
 
         Cancellation: nothing to undo.
         """
-        await self._require_core().wait_until_idle()
+        for core in self._cores():
+            await core.wait_until_idle()
 
     def stats(self) -> EngineStats:
-        """Running/waiting counts, KV blocks, prefix-cache hit rate, steps and their timings."""
-        return self._require_core().stats()
+        """Running/waiting counts, KV blocks, prefix-cache hit rate, steps and their timings:
+        all replicas together, each one's in `replicas` when there are several."""
+        self._require_running()
+        return merge_stats([replica.stats() for replica in self._replicas])
 
     def _prompt_tokens(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
-        core = self._require_core()
+        max_model_len = self.max_model_len
         assert self.tokenizer is not None
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
@@ -305,22 +279,27 @@ class Engine:
             raise ValueError('prompt must be a string or {"prompt_token_ids": [...]}')
         if not ids:
             raise ValueError("prompt must not be empty")
-        if len(ids) >= core.max_model_len:
+        if len(ids) >= max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; it must be shorter than max_model_len "
-                f"({core.max_model_len}) to leave room for output"
+                f"({max_model_len}) to leave room for output"
             )
         return text, list(ids)
 
-    def _require_core(self) -> EngineCore:
-        if self._core is None:
+    def _require_running(self) -> None:
+        if not self._running:
             raise EngineClosedError("the engine is not running: use `async with Engine(...)`")
-        return self._core
 
-    def _require_acquired(self) -> WorkersAcquired:
-        if self._acquired is None:
+    def _cores(self) -> list[EngineCore]:
+        """The live replicas' step loops (every one but those whose worker died)."""
+        self._require_running()
+        return [r.core for r in self._replicas if r.dead is None and r.core is not None]
+
+    def _require_acquired(self) -> list[WorkersAcquired]:
+        acquired = [r.acquired for r in self._replicas if r.acquired is not None]
+        if not acquired:
             raise EngineClosedError("the engine has not started: use `async with Engine(...)`")
-        return self._acquired
+        return acquired
 
 
 def _simplest(eg: BaseExceptionGroup) -> BaseException:

@@ -9,50 +9,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from dataclasses import dataclass
 
 import anyio
 
 from protocols.messages import CallFailed, ExecuteStep, SchedulerOutput, StepResult
-from runtime.engine_metrics import HistogramSnapshot
+from runtime.engine_stats import EngineStats
 from runtime.errors import EngineStepError
 from runtime.output_processor import OutputProcessor, ParentRequest
 from runtime.request import Request, RequestStatus
 from runtime.scheduler import Scheduler
-from runtime.step_timings import StepClock, StepTimings
+from runtime.step_timings import StepClock
 from runtime.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """The engine now (queues, KV blocks) and its totals since start (runtime/engine_metrics.py).
-
-    Latency histograms and finishes are per sequence (n=2 counts twice); prompt tokens
-    once per request.
-    """
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_hit_rate: float
-    num_steps: int
-    num_preemptions: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_finished: dict[str, int]  # by finish reason: stop, length, abort, error
-    time_to_first_token: HistogramSnapshot
-    inter_token_latency: HistogramSnapshot
-    e2e_request_latency: HistogramSnapshot
-    # Where the step loop's time went, by phase (runtime/step_timings.py).
-    step_timings: StepTimings = dataclasses.field(default_factory=StepTimings)
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Share of KV blocks held by requests, 0..1 (free cached blocks count as free)."""
-        return 1.0 - self.num_free_blocks / self.num_total_blocks
 
 
 class EngineCore:
@@ -136,7 +105,7 @@ class EngineCore:
             self.scheduler.num_preemptions, m.num_prompt_tokens, m.num_generation_tokens,
             dict(m.num_finished), m.time_to_first_token.snapshot(),
             m.inter_token_latency.snapshot(), m.e2e_request_latency.snapshot(),
-            self._clock.snapshot(),
+            self._clock.snapshot(), kv.prefix_cache_queries,
         )  # fmt: skip
 
     # -- the step loop ---------------------------------------------------------------------

@@ -37,6 +37,14 @@ class HistogramSnapshot:
     sum: float
     count: int
 
+    def __add__(self, other: HistogramSnapshot) -> HistogramSnapshot:
+        """Two histograms of the same buckets as one (data-parallel replicas' merge)."""
+        if other.bounds != self.bounds:
+            raise ValueError("histograms with different bounds do not add")
+        counts = tuple(a + b for a, b in zip(self.counts, other.counts, strict=True))
+        return HistogramSnapshot(self.bounds, counts, self.sum + other.sum,
+                                 self.count + other.count)  # fmt: skip
+
     def cumulative_buckets(self) -> list[tuple[float, int]]:
         """(upper bound, values <= it) pairs, ending with (inf, count): Prometheus' `le`."""
         total, buckets = 0, []

@@ -39,7 +39,10 @@ def resolve_max_model_len(cfg: EngineConfig, info: ModelInfo) -> int:
     return min(info.max_model_len, capacity)
 
 
-def build_engine_core(cfg: EngineConfig, info: ModelInfo, workers: WorkerClient) -> EngineCore:
+def build_engine_core(
+    cfg: EngineConfig, info: ModelInfo, workers: WorkerClient, tokenizer: Tokenizer | None = None
+) -> EngineCore:
+    """`tokenizer`: the model's, when another replica has it loaded already."""
     max_model_len = resolve_max_model_len(cfg, info)
     budget = cfg.max_num_batched_tokens
     if budget is None:
@@ -60,7 +63,8 @@ def build_engine_core(cfg: EngineConfig, info: ModelInfo, workers: WorkerClient)
             enable_chunked_prefill=cfg.enable_chunked_prefill,
         )
     )
-    tokenizer = Tokenizer.from_model_dir(info.model_dir)
+    if tokenizer is None:
+        tokenizer = Tokenizer.from_model_dir(info.model_dir)
     return EngineCore(
         scheduler, workers, OutputProcessor(tokenizer), tokenizer.eos_token_ids, max_model_len
     )

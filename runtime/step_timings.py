@@ -48,6 +48,12 @@ class StepTimings:
         ms["total"] = self.total_s * 1e3 / n
         return ms
 
+    def __add__(self, other: StepTimings) -> StepTimings:
+        """Two loops' timings together (data-parallel replicas' merge)."""
+        return StepTimings(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self))
+        )
+
     def __sub__(self, earlier: StepTimings) -> StepTimings:
         """The timings of the steps between two snapshots (`after - before`)."""
         return StepTimings(

@@ -21,8 +21,8 @@ from starlette.routing import Route
 from test_server import running
 
 from protocols.sampling import SamplingParams
-from runtime.engine_core import EngineStats
 from runtime.engine_metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, EngineMetrics, Histogram
+from runtime.engine_stats import EngineStats
 from runtime.output_processor import OutputProcessor, ParentRequest
 from runtime.outputs import RequestMetrics, RequestOutputCollector
 from runtime.scheduler import EngineCoreOutput

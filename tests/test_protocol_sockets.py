@@ -133,14 +133,14 @@ async def test_worker_refuses_bad_opening(shared_manager, tiny_model, wire, kind
     with anyio.fail_after(ENGINE_START_S):
         async with Engine(tiny_model, manager_socket=shared_manager.socket) as engine:
             # The engine is attached; a second connection's bad bytes must not disturb it.
-            assert_refused(await answers_to(engine._acquired.sockets[0], wire), kind)
+            assert_refused(await answers_to(engine._replicas[0].acquired.sockets[0], wire), kind)
             assert await engine.collective_rpc(lambda w: 1) == [1]
 
 
 async def test_worker_stays_warm_after_a_broken_session(shared_manager, tiny_model) -> None:
     with anyio.fail_after(ENGINE_START_S):
         async with Engine(tiny_model, manager_socket=shared_manager.socket) as engine:
-            path, pids = engine._acquired.sockets[0], engine.worker_pids
+            path, pids = engine._replicas[0].acquired.sockets[0], engine.worker_pids
     # The worker is idle now: a raw client says hello, then breaks the protocol.
     answers = await answers_to(path, BROKEN["not_msgpack"], hello_first=True)
     assert_refused(answers, "protocol_error")

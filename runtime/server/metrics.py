@@ -5,7 +5,8 @@ families named as vLLM's (prefix `loomllm:`), in a registry of the app's own: ne
 process-wide default one, so several apps can live in one process. The totals are the
 current engine's: they restart from zero when a supervisor replaces it (a counter reset,
 which Prometheus' rate() handles); while there is no engine only the process' own gauge
-(`event_loop_tasks`) is there.
+(`event_loop_tasks`) is there. With data parallelism the families are the replicas'
+sums, and `replica_*` families break the main ones down by replica.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from starlette.responses import Response
 
 from runtime.engine import Engine
 from runtime.engine_metrics import FINISH_REASONS, HistogramSnapshot
+from runtime.engine_stats import EngineStats
 from runtime.errors import EngineClosedError
 from runtime.server.loop_tasks import count_loop_tasks
 from runtime.server.supervisor import EngineSlot
@@ -88,6 +90,30 @@ class EngineCollector:
                          "one sequence.", labels, stats.inter_token_latency)  # fmt: skip
         yield _histogram("e2e_request_latency_seconds", "Arrival to a sequence's end.",
                          labels, stats.e2e_request_latency)  # fmt: skip
+        if stats.replicas:
+            yield from self._per_replica(stats.replicas)
+
+    def _per_replica(self, replicas: tuple[EngineStats, ...]) -> Iterator[Metric]:
+        """Data parallel: the main figures again, one sample per replica (label `replica`)."""
+        rows: list[tuple[Any, str, str, Callable[[EngineStats], float]]] = [
+            (GaugeMetricFamily, "replica_up", "1 while the replica serves, 0 once its worker "
+             "died.", lambda s: float(s.is_alive)),
+            (GaugeMetricFamily, "replica_num_requests_running", "Requests in the replica's "
+             "batch.", lambda s: s.num_running),
+            (GaugeMetricFamily, "replica_num_requests_waiting", "Requests queued at the "
+             "replica.", lambda s: s.num_waiting),
+            (GaugeMetricFamily, "replica_kv_cache_usage_perc", "Share of the replica's KV "
+             "blocks in use, 0 to 1.", lambda s: s.kv_cache_usage),
+            (CounterMetricFamily, "replica_generation_tokens", "Tokens the replica generated.",
+             lambda s: s.num_generation_tokens),
+            (CounterMetricFamily, "replica_request_success", "Sequences the replica finished "
+             "(any reason).", lambda s: sum(s.num_finished.values())),
+        ]  # fmt: skip
+        for family_type, name, doc, value in rows:
+            family = family_type(PREFIX + name, doc, labels=["model_name", "replica"])
+            for index, replica in enumerate(replicas):
+                family.add_metric([self.model_name, str(index)], value(replica))
+            yield family
 
 
 def _gauge(name: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:

@@ -309,7 +309,7 @@ def test_worker_refuses_fuzzed_connections(
     with open_llm() as llm:
         # The engine holds the worker's lease all along: fuzzed connections never wait for
         # it to leave, and must not disturb it.
-        path, [pid] = llm.engine._acquired.sockets[0], llm.engine.worker_pids
+        path, [pid] = llm.engine._replicas[0].acquired.sockets[0], llm.engine.worker_pids
         expected = llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, use_tqdm=False)
 
         def served() -> bool:

@@ -70,7 +70,7 @@ def logs_of(manager_socket: Path) -> str:
 
 def test_sockets_are_private(shared_manager, tiny_model) -> None:
     with LLM(tiny_model, manager_socket=shared_manager.socket, dtype="float32") as llm:
-        worker_socket = Path(llm.engine._acquired.sockets[0])
+        worker_socket = Path(llm.engine._replicas[0].acquired.sockets[0])
     for path, mode in [(shared_manager.socket, 0o600), (worker_socket, 0o600),
                        (shared_manager.socket.parent, 0o700), (worker_socket.parent, 0o700)]:
         assert stat.S_IMODE(os.stat(path).st_mode) == mode, path  # fmt: skip
@@ -215,8 +215,8 @@ async def test_only_the_lease_holder_runs_callables(shared_manager, tiny_model, 
                           dtype="float32")  # fmt: skip
     with anyio.fail_after(ENGINE_START_S):
         async with open_engine() as engine:
-            path, pids = engine._acquired.sockets[0], engine.worker_pids
-            token = engine._acquired.lease_token
+            path, pids = engine._replicas[0].acquired.sockets[0], engine.worker_pids
+            token = engine._replicas[0].acquired.lease_token
             assert len(token) == 32
             near_misses = [token[:-1] + bytes([token[-1] ^ 1]), token[:16], token + b"\0"]
             for guess in [None, b"", os.urandom(32), *near_misses]:
@@ -225,7 +225,7 @@ async def test_only_the_lease_holder_runs_callables(shared_manager, tiny_model, 
         await assert_refused(path, token, call)  # idle: the lease left with its engine
         async with open_engine() as engine:
             assert engine.reused_warm_workers and engine.worker_pids == pids
-            assert engine._acquired.lease_token != token
+            assert engine._replicas[0].acquired.lease_token != token
             await assert_refused(path, token, call)  # the old lease opens nothing
             assert not ran.exists()
             await engine.collective_rpc(touch)  # the owner's call does run

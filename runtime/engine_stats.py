@@ -1,0 +1,90 @@
+"""EngineStats: one snapshot of an engine's queues, KV blocks and totals, and their merge.
+
+EngineCore.stats() takes one replica's; with data parallelism the Engine merges them
+(`merge_stats`) and keeps each replica's in `replicas` for the breakdown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+
+from runtime.engine_metrics import HistogramSnapshot
+from runtime.step_timings import StepTimings
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine now (queues, KV blocks) and its totals since start (runtime/engine_metrics.py).
+
+    Latency histograms and finishes are per sequence (n=2 counts twice); prompt tokens
+    once per request.
+    """
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_hit_rate: float
+    num_steps: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_finished: dict[str, int]  # by finish reason: stop, length, abort, error
+    time_to_first_token: HistogramSnapshot
+    inter_token_latency: HistogramSnapshot
+    e2e_request_latency: HistogramSnapshot
+    # Where the step loop's time went, by phase (runtime/step_timings.py).
+    step_timings: StepTimings = dataclasses.field(default_factory=StepTimings)
+    num_prefix_cache_queries: int = 0  # prompt tokens looked up: the hit rate's weight
+    is_alive: bool = True  # False: a replica whose worker died (its gauges are zero)
+    # Data parallel: each replica's own stats, in replica order (empty for one replica).
+    replicas: tuple[EngineStats, ...] = ()
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of KV blocks held by requests, 0..1 (free cached blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+def merge_stats(parts: list[EngineStats]) -> EngineStats:
+    """The replicas' stats as one engine's: counts and totals add up; `replicas` keeps them.
+
+    KV usage is over all replicas' blocks; the prefix-cache hit rate is weighted by the
+    tokens each replica looked up.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    queries = sum(p.num_prefix_cache_queries for p in parts)
+    hits = sum(p.prefix_cache_hit_rate * p.num_prefix_cache_queries for p in parts)
+    finished: Counter[str] = Counter()
+    for p in parts:
+        finished.update(p.num_finished)
+    return EngineStats(
+        num_running=sum(p.num_running for p in parts),
+        num_waiting=sum(p.num_waiting for p in parts),
+        num_free_blocks=sum(p.num_free_blocks for p in parts),
+        num_total_blocks=sum(p.num_total_blocks for p in parts),
+        prefix_cache_hit_rate=hits / queries if queries else 0.0,
+        num_steps=sum(p.num_steps for p in parts),
+        num_preemptions=sum(p.num_preemptions for p in parts),
+        num_prompt_tokens=sum(p.num_prompt_tokens for p in parts),
+        num_generation_tokens=sum(p.num_generation_tokens for p in parts),
+        num_finished=dict(finished),
+        time_to_first_token=_sum(p.time_to_first_token for p in parts),
+        inter_token_latency=_sum(p.inter_token_latency for p in parts),
+        e2e_request_latency=_sum(p.e2e_request_latency for p in parts),
+        step_timings=_sum(p.step_timings for p in parts),
+        num_prefix_cache_queries=queries,
+        is_alive=any(p.is_alive for p in parts),
+        replicas=tuple(parts),
+    )
+
+
+def _sum(values):  # noqa: ANN001, ANN202 (HistogramSnapshot or StepTimings: both add)
+    values = iter(values)
+    total = next(values)
+    for value in values:
+        total = total + value
+    return total
