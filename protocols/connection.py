@@ -170,10 +170,31 @@ def _mismatch(ours: int, theirs: int, peer: str = "server") -> str:
     )
 
 
+TCP_SCHEME = "tcp://"
+
+
+def tcp_address(host: str, port: int) -> str:
+    """A worker's data address when it is reached over the network (a Ray rank)."""
+    return f"{TCP_SCHEME}{host}:{port}"
+
+
+async def open_connection(address: str, role: str) -> MessageStream:
+    """Connect to a worker's data address, `tcp://host:port` or a Unix socket path, and
+    complete the handshake."""
+    if address.startswith(TCP_SCHEME):
+        host, _, port = address[len(TCP_SCHEME) :].rpartition(":")
+        stream: ByteStream = await anyio.connect_tcp(host, int(port))
+        return await _handshake(MessageStream(stream), role)
+    return await open_unix_connection(address, role)
+
+
 async def open_unix_connection(path: str | os.PathLike[str], role: str) -> MessageStream:
     """Connect to a manager or worker socket and complete the handshake."""
-    stream = await anyio.connect_unix(os.fspath(path))
-    ms = MessageStream(stream)
+    return await _handshake(MessageStream(await anyio.connect_unix(os.fspath(path))), role)
+
+
+async def _handshake(ms: MessageStream, role: str) -> MessageStream:
+    stream = ms.stream
     try:
         await client_handshake(ms, role)
     except BaseException:

@@ -32,6 +32,8 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--seed", int, "engine seed"),
     ("--tensor-parallel-size", int, "ranks each layer's weights and KV heads are split over"),
     ("--data-parallel-size", int, "independent replicas, each request to the least loaded"),
+    ("--distributed-executor-backend", str, "local | ray (ranks as actors of a Ray cluster "
+     "at $RAY_ADDRESS; pip install 'loomllm[ray]')"),
     ("--keep-alive", float, "seconds the workers stay warm after exit (-1: pinned)"),
     ("--manager-socket", Path, "engine-manager socket (default: the per-user one)"),
 ]

@@ -18,6 +18,9 @@ DEVICES = ("auto", "cpu", "cuda")
 MANAGER_MODES = ("auto", "private")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+# "local": ranks are processes the engine-manager starts on this machine; "ray": actors
+# it places in an existing Ray cluster (address: $RAY_ADDRESS, else the local node's).
+EXECUTOR_BACKENDS = ("local", "ray")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,7 @@ class EngineConfig:
     # Independent replicas (each tensor_parallel_size ranks, its own scheduler and KV cache)
     # behind this one engine; each request goes to the least loaded.
     data_parallel_size: int = 1
+    distributed_executor_backend: str = "local"
     # Seconds the workers stay warm after the engine closes; 0: exit with it; -1: pinned.
     keep_alive: float = 300.0
     # "auto": use (or start) the shared per-user daemon; "private": one that dies with us.
@@ -63,6 +67,8 @@ class EngineConfig:
                 f"weight_dtype must be bfloat16, float16 or None; got {self.weight_dtype!r}"
             )
         _one_of("manager", self.manager, MANAGER_MODES)
+        _one_of("distributed_executor_backend", self.distributed_executor_backend,
+                EXECUTOR_BACKENDS)  # fmt: skip
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _positive_int("data_parallel_size", self.data_parallel_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
@@ -110,7 +116,13 @@ class EngineConfig:
             # on the CPU the engine's ranks share the cores.
             "data_parallel_rank": data_parallel_rank,
             "data_parallel_size": self.data_parallel_size,
+            "distributed_executor_backend": self.distributed_executor_backend,
         }
+        if self.distributed_executor_backend == "ray":
+            options["ray_address"] = os.environ.get("RAY_ADDRESS") or "auto"
+            # This machine's address in the cluster, where Ray cannot find it (vLLM's
+            # VLLM_HOST_IP): the manager's node runs a raylet at that address.
+            options["ray_node_ip_address"] = os.environ.get("LOOM_HOST_IP")
         return WorkerSpec(self.model, self.tensor_parallel_size, options)
 
 

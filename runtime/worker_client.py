@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import TaskGroup
 
-from protocols.connection import MessageStream, RemoteError, open_unix_connection
+from protocols.connection import MessageStream, RemoteError, open_connection
 from protocols.errors import ProtocolError
 from protocols.messages import Ack, Attach, CallFailed, CallResult, ErrorReply, StepResult
 from runtime.errors import EngineDeadError, ManagerError
@@ -56,8 +56,8 @@ class WorkerClient:
         ranks: list[MessageStream] = []
         try:
             with anyio.fail_after(CONNECT_TIMEOUT_S):
-                for path in sockets:
-                    ms = await open_unix_connection(path, "engine")
+                for address in sockets:
+                    ms = await open_connection(address, "engine")
                     ranks.append(ms)
                     await ms.send(Attach(lease_token))
                     await ms.receive_type(Ack)

@@ -38,6 +38,7 @@ from protocols.messages import (
 )
 from protocols.rundir import ensure_private_dir, workers_dir
 from workers.peer_auth import refusal
+from workers.ray_group import RayDriver, launch_ray_group
 from workers.worker_group import (
     LeaseError,
     WorkerGroup,
@@ -81,6 +82,7 @@ class ManagerServer:
         self._tg: TaskGroup | None = None
         self._idle_scope: anyio.CancelScope | None = None
         self.zygote = Zygote(self.workdir)
+        self.ray = RayDriver()  # connects when a group asks for distributed_executor_backend=ray
 
     async def serve(self, *, ready: anyio.Event | None = None) -> None:
         ensure_private_dir(self.socket_path.parent)
@@ -243,7 +245,10 @@ class ManagerServer:
 
     async def _launch(self, group: WorkerGroup) -> None:
         assert self._tg is not None
-        await launch_group(group, self.workdir, self.zygote)
+        if (group.spec.options or {}).get("distributed_executor_backend") == "ray":
+            await launch_ray_group(group, self.ray)
+        else:
+            await launch_group(group, self.workdir, self.zygote)
         for worker in group.ranks:
             self._tg.start_soon(self._watch, group, worker)
 
@@ -308,6 +313,8 @@ class ManagerServer:
             async with anyio.create_task_group() as tg:
                 for worker in group.ranks:
                     tg.start_soon(stop_rank, worker)
+            if group.placement is not None:
+                await group.placement.remove()
         self.groups.pop(group.group_id, None)
         self._arm_idle_timer()
 

@@ -1,7 +1,8 @@
 """Who is on the other end of a Unix socket: SO_PEERCRED, and the same-user rule.
 
 The manager and the workers serve only their own user. The allowed uid is injectable so
-tests can play a second user without creating one.
+tests can play a second user without creating one. A Ray rank's TCP socket has no peer
+credentials: there the lease token that Attach presents is the only key.
 """
 
 from __future__ import annotations
@@ -23,8 +24,22 @@ def peer_credentials(stream: SocketStream) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
+def is_unix(stream: SocketStream) -> bool:
+    return stream.extra(SocketAttribute.family) == socket.AF_UNIX
+
+
+def describe_peer(stream: SocketStream) -> str:
+    """"pid N" on a Unix socket, "host:port" over TCP: for the logs."""
+    if is_unix(stream):
+        return f"pid {peer_credentials(stream)[0]}"
+    host, port = stream.extra(SocketAttribute.remote_address)[:2]
+    return f"{host}:{port}"
+
+
 def refusal(stream: SocketStream, allowed_uid: int | None = None) -> str | None:
-    """Why this peer may not talk to us, or None if it may."""
+    """Why this peer may not talk to us, or None if it may (always None over TCP)."""
+    if not is_unix(stream):
+        return None
     allowed = os.getuid() if allowed_uid is None else allowed_uid
     pid, uid, _ = peer_credentials(stream)
     if uid != allowed:

@@ -21,10 +21,12 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import cloudpickle
-from anyio.abc import SocketStream, UNIXSocketStream
+from anyio.abc import Listener, SocketStream, UNIXSocketStream
 
 from protocols.connection import MessageStream, receive_request, server_handshake
 from protocols.errors import ProtocolError, VersionMismatchError
@@ -41,7 +43,7 @@ from protocols.messages import (
     WorkerFailed,
     WorkerReady,
 )
-from workers.peer_auth import peer_credentials, refusal
+from workers.peer_auth import describe_peer, refusal
 from workers.worker_state import Worker
 
 logger = logging.getLogger(__name__)
@@ -79,18 +81,36 @@ async def _run(args: argparse.Namespace) -> int:
     control = MessageStream(
         await UNIXSocketStream.from_socket(socket.socket(fileno=args.control_fd))
     )
-    try:
-        worker = Worker.start(
+
+    def start() -> Worker:
+        return Worker.start(
             args.model, json.loads(args.options), args.rank, args.world_size,
-            args.dist_init_file,
+            f"file://{args.dist_init_file}",
         )  # fmt: skip
+
+    async def open_listener() -> tuple[Listener[Any], str]:
+        return await anyio.create_unix_listener(args.socket, mode=0o600), args.socket
+
+    return await serve_rank(control, args.rank, start, open_listener)
+
+
+async def serve_rank(
+    control: MessageStream, rank: int, start: Callable[[], Worker],
+    open_listener: Callable[[], Awaitable[tuple[Listener[Any], str]]],
+) -> int:  # fmt: skip
+    """A rank's life after launch, whatever launched it (the manager, or a Ray actor):
+    load (`start`), open the data listener, report READY with its address over `control`,
+    serve engines until `control` closes. Returns the exit code."""
+    try:
+        worker = start()
     except Exception as exc:
         logger.exception("worker failed to start")
-        await control.send(WorkerFailed(args.rank, f"{type(exc).__name__}: {exc}"))
+        await control.send(WorkerFailed(rank, f"{type(exc).__name__}: {exc}"))
         return 1
     server = DataServer(worker)
-    async with await anyio.create_unix_listener(args.socket, mode=0o600) as listener:
-        await control.send(WorkerReady(args.rank, os.getpid(), args.socket, worker.model_info))
+    listener, address = await open_listener()
+    async with listener:
+        await control.send(WorkerReady(rank, os.getpid(), address, worker.model_info))
         async with anyio.create_task_group() as tg:
             tg.start_soon(listener.serve, server.handle)
             await _serve_lifeline(control, server)
@@ -189,8 +209,8 @@ class DataServer:
         """Refuse (and log) a client without the current lease's token; True if refused."""
         if self._is_leased_to(token):
             return False
-        pid, _, _ = peer_credentials(stream)
-        logger.warning("refused pid %d: it does not hold this worker's current lease", pid)
+        logger.warning("refused %s: it does not hold this worker's current lease",
+                       describe_peer(stream))  # fmt: skip
         await ms.send(ErrorReply("lease_refused", "this worker is lent to another engine (or "
                                  "to none): attach through the engine-manager"))  # fmt: skip
         return True

@@ -3,7 +3,8 @@
 Launches each rank in its own session and process group, forked by the zygote
 (workers/zygote.py) or else as a fresh interpreter (`python -m workers.worker`), with one
 end of a socketpair as its lifeline: READY comes back over it, leases go out over it,
-and its EOF tells the worker that the manager is gone.
+and its EOF tells the worker that the manager is gone. (Ranks in a Ray cluster are
+launched by workers/ray_group.py and held the same way, with a TCP lifeline.)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from protocols.messages import (
     WorkersAcquired,
     WorkerSpec,
 )
+from workers.ray_handles import RankHandle, RayPlacement
 from workers.zygote_client import ForkedProcess, Zygote
 
 logger = logging.getLogger(__name__)
@@ -55,11 +57,15 @@ class LeaseError(Exception):
 
 @dataclass(eq=False)
 class WorkerProcess:
+    """One rank as the manager holds it: a local process (zygote-forked or not), or a Ray
+    actor (workers/ray_group.py: no log file or socket path of ours, a tcp:// address)."""
+
     rank: int
-    process: Process | ForkedProcess
+    process: Process | ForkedProcess | RankHandle
     control: MessageStream
-    log_file: Path
-    socket_path: Path
+    log_file: Path | None
+    socket_path: Path | None
+    address: str = ""  # where engines attach: from its READY
     started_at: float = field(default_factory=time.monotonic)
     leases_unanswered: int = 0  # Leases sent whose Ack is still to be read
 
@@ -68,6 +74,8 @@ class WorkerProcess:
         return self.process.pid
 
     def stderr_tail(self) -> str:
+        if self.log_file is None:
+            return self.process.error_text if isinstance(self.process, RankHandle) else ""
         try:
             with open(self.log_file, "rb") as f:
                 f.seek(0, os.SEEK_END)
@@ -77,6 +85,8 @@ class WorkerProcess:
             return ""
 
     def rss_bytes(self) -> int:
+        if isinstance(self.process, RankHandle):
+            return 0  # its pid may live on another node
         try:
             with open(f"/proc/{self.pid}/status") as f:
                 for line in f:
@@ -98,6 +108,7 @@ class WorkerGroup:
     owner: object | None = None  # the manager's client connection that holds it
     idle_since: float | None = None
     expiry: anyio.CancelScope | None = None
+    placement: RayPlacement | None = None  # the Ray ranks' bundles (workers/ray_group.py)
 
     @property
     def pids(self) -> list[int]:
@@ -107,7 +118,7 @@ class WorkerGroup:
         """The reply that hands this (ready, leased) group to an engine."""
         assert self.model_info is not None
         return WorkersAcquired(
-            self.group_id, [str(r.socket_path) for r in self.ranks], self.pids,
+            self.group_id, [r.address for r in self.ranks], self.pids,
             self.model_info, reused=reused, lease_token=lease_token,
         )  # fmt: skip
 
@@ -185,6 +196,15 @@ async def launch_group(group: WorkerGroup, workdir: Path, zygote: Zygote) -> Non
         group.ranks.append(await launch_rank(
             group, rank, workdir, dist_init_file=dist_file, zygote=zygote
         ))
+    try:
+        await wait_group_ready(group)
+    finally:
+        dist_file.unlink(missing_ok=True)
+
+
+async def wait_group_ready(group: WorkerGroup) -> None:
+    """Wait for every rank's READY (they load and rendezvous together); note each rank's
+    data address and the model's info. WorkerStartError from the first rank that fails."""
     readies: list[WorkerReady | None] = [None] * len(group.ranks)
 
     async def store_ready(worker: WorkerProcess) -> None:
@@ -199,8 +219,9 @@ async def launch_group(group: WorkerGroup, workdir: Path, zygote: Zygote) -> Non
         if start_errors is None:
             raise
         raise start_errors.exceptions[0] from None
-    finally:
-        dist_file.unlink(missing_ok=True)
+    for worker, ready in zip(group.ranks, readies, strict=True):
+        assert ready is not None
+        worker.address = ready.socket
     assert readies[0] is not None
     group.model_info = readies[0].model_info
 
@@ -259,10 +280,14 @@ async def stop_rank(worker: WorkerProcess) -> None:
             await worker.process.wait()
         if worker.process.returncode is None:
             logger.warning("worker pid %d ignored EOF; killing it", worker.pid)
-            kill_process_group(worker.pid)
+            if isinstance(worker.process, RankHandle):
+                await worker.process.kill()
+            else:
+                kill_process_group(worker.pid)
             await worker.process.wait()
         await worker.process.aclose()
-        worker.socket_path.unlink(missing_ok=True)
+        if worker.socket_path is not None:
+            worker.socket_path.unlink(missing_ok=True)
 
 
 def kill_process_group(pid: int) -> None:

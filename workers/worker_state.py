@@ -31,8 +31,12 @@ class Worker:
 
     @classmethod
     def start(
-        cls, model: str, options: dict[str, Any], rank: int, world_size: int, dist_init_file: str
-    ) -> Worker:
+        cls, model: str, options: dict[str, Any], rank: int, world_size: int,
+        dist_init_method: str,
+    ) -> Worker:  # fmt: skip
+        """Load the model (its shard, joining the torch.distributed group at
+        `dist_init_method`, a file:// or tcp:// URL, when world_size > 1) and size the KV
+        cache."""
         import torch
 
         from workers.model_loader import load_model
@@ -53,7 +57,7 @@ class Worker:
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
             torch.distributed.init_process_group(
                 backend="nccl" if device == "cuda" else "gloo",
-                init_method=f"file://{dist_init_file}",
+                init_method=dist_init_method,
                 rank=rank,
                 world_size=world_size,
             )

@@ -57,6 +57,7 @@ BAD_ENGINE = {
     "seed": [1.5, "0", None, True, HUGE],
     "tensor_parallel_size": [0, -1, 1.5, None, HUGE],
     "data_parallel_size": [0, -1, 1.5, None, "2", True, HUGE],
+    "distributed_executor_backend": ["mp", "", None, 5, "Ray"],
     "keep_alive": [-5, -0.5, -INF, NAN, "300", None, True, HUGE],
     "manager": ["remote", "", None, 5],
     "manager_socket": [5, "", b"/tmp/m.sock", "/tmp/a\0b", "/tmp/" + "x" * 200],

@@ -1,0 +1,144 @@
+"""distributed_executor_backend="ray": a Ray cluster of two nodes on loopback (127.0.0.2, the
+head and the engine-manager's node, and 127.0.0.3), one CPU each, so a group of two ranks
+spans both. TP=2 there gives the greedy tokens of one local rank; a killed rank is an
+EngineDeadError as locally; a missing cluster and a missing Ray are clear errors.
+
+Skipped, with the reason, when Ray is not installed or its nodes cannot start.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import make_tiny_model, new_manager_handle, pids_mentioning
+from serve_utils import free_port
+
+from protocols.sampling import SamplingParams
+from runtime import LLM, EngineDeadError, WorkerStartError
+
+HEAD_IP, NODE_IP = "127.0.0.2", "127.0.0.3"
+PROMPTS = ["w5 w6 w7", "w9 " * 40, "w11", "w3 w200 w17 w4"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def ray_cli() -> str:
+    return str(Path(sys.executable).parent / "ray")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """Two Ray nodes on loopback; yields the head's address; every Ray process is gone after."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("Ray is not installed: pip install 'loomllm[ray]'")
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray puts sockets there
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+           "GLOO_SOCKET_IFNAME": "lo"}  # gloo's rendezvous between the "nodes" stays on lo
+    port = free_port()
+    # Each node's object store would take a share of all memory (/dev/shm) by default.
+    common = ["--num-cpus=1", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+              "--object-store-memory=100000000"]
+    started = []
+    try:
+        for args in (["--head", f"--node-ip-address={HEAD_IP}", f"--port={port}",
+                      "--include-dashboard=false"],
+                     [f"--address={HEAD_IP}:{port}", f"--node-ip-address={NODE_IP}"]):
+            result = subprocess.run([ray_cli(), "start", *args, *common], env=env,
+                                    capture_output=True, text=True, timeout=120)  # fmt: skip
+            started.append(result)
+            if result.returncode != 0:
+                pytest.skip(f"Ray could not start a node: {result.stderr[-1500:]}")
+        yield f"{HEAD_IP}:{port}"
+    finally:
+        kill_tree(pids_mentioning(temp_dir))
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def kill_tree(roots: list[int]) -> None:
+    """SIGKILL these processes and every descendant (Ray's agents and actors: their command
+    lines do not name the temp dir), children first found, then all killed."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def ray_env(ray_cluster, monkeypatch):
+    """The engine finds the cluster as a user's would: RAY_ADDRESS, and this machine's
+    address in it (the manager is a driver on the head's node)."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
+    monkeypatch.setenv("LOOM_HOST_IP", HEAD_IP)
+    handle = new_manager_handle()
+    yield handle
+    handle.stop_and_check_clean()
+
+
+def test_tp2_across_two_ray_nodes_gives_one_local_ranks_tokens(tmp_path, ray_env):
+    model = make_tiny_model(tmp_path, "llama")
+    options = dict(keep_alive=0, dtype="float32", max_num_batched_tokens=32,
+                   manager_socket=ray_env.socket)  # fmt: skip
+    with LLM(model, **options) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    started = time.monotonic()
+    with LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray",
+             **options) as llm:  # fmt: skip
+        startup = time.monotonic() - started
+        sockets = llm.engine._replicas[0].acquired.sockets
+        assert all(s.startswith("tcp://127.0.0.") for s in sockets), sockets
+        nodes = llm.collective_rpc(lambda w: __import__("ray").get_runtime_context().get_node_id())
+        assert len(set(nodes)) == 2, "the two ranks share a node"
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert tokens == expected
+    assert startup < 120, startup
+
+
+def test_a_killed_ray_rank_is_an_engine_death(tmp_path, ray_env):
+    model = make_tiny_model(tmp_path, "llama")
+    with pytest.raises(EngineDeadError, match="rank 1"):
+        with LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", keep_alive=0,
+                 dtype="float32", manager_socket=ray_env.socket) as llm:  # fmt: skip
+            os.kill(llm.engine.worker_pids[1], signal.SIGKILL)
+            llm.generate(["w5 w6"], SamplingParams(max_tokens=200), use_tqdm=False)
+
+
+def test_no_ray_cluster_is_a_clear_error(tiny_model, monkeypatch, manager):
+    monkeypatch.setenv("RAY_ADDRESS", f"{HEAD_IP}:{free_port()}")  # nobody there
+    with pytest.raises(WorkerStartError, match="no Ray cluster answers at address="):
+        LLM(tiny_model, distributed_executor_backend="ray", keep_alive=0,
+            manager_socket=manager.socket)  # fmt: skip
+
+
+def test_no_ray_installed_is_a_clear_error(tiny_model, tmp_path, monkeypatch, manager):
+    # A manager whose Python cannot import ray: a `ray` package on its path that refuses.
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('no ray here')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    manager.start()
+    with pytest.raises(WorkerStartError, match=r"needs Ray .*pip install 'loomllm\[ray\]'"):
+        LLM(tiny_model, distributed_executor_backend="ray", keep_alive=0,
+            manager_socket=manager.socket)  # fmt: skip

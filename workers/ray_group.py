@@ -1,0 +1,142 @@
+"""Worker ranks as Ray actors, for `distributed_executor_backend="ray"`: ranks on many machines.
+
+The engine-manager is the Ray driver (the user's process never imports ray): it connects
+to an existing cluster (`ray start`) at the spec's address, reserves a placement group of
+one bundle per rank, and starts a RankActor (workers/ray_rank.py) in each bundle. The
+ranks rendezvous for torch.distributed at rank 0's node over TCP. Each rank's lifeline is
+a TCP connection that the manager opens with a secret given to that actor alone; engines
+attach to each rank's TCP data port with their lease token, as they do locally.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from functools import partial
+from typing import Any
+
+import anyio
+
+from protocols.connection import MessageStream
+from protocols.messages import Attach
+from workers.ray_handles import RankHandle, RayPlacement
+from workers.ray_rank import RankActor
+from workers.worker_group import WorkerGroup, WorkerProcess, WorkerStartError, wait_group_ready
+
+logger = logging.getLogger(__name__)
+
+# A placement group waits for room in the cluster; none after this is a clear error.
+PLACEMENT_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 60.0  # ray.init, and each actor's bind()
+PROBE_TIMEOUT_S = 5.0  # a TCP connect to the cluster's address before ray.init
+
+
+class RayDriver:
+    """The manager's one connection to a Ray cluster, made when a Ray group is first asked."""
+
+    def __init__(self) -> None:
+        self._address: str | None = None
+        self._lock = anyio.Lock()
+
+    async def connect(self, address: str, node_ip_address: str | None = None) -> Any:
+        """The `ray` module, connected to the cluster at `address` ("auto": the local
+        node's) as a driver on the node at `node_ip_address` (None: Ray's guess);
+        WorkerStartError saying why when Ray is missing or no cluster answers."""
+        try:
+            import ray
+        except ImportError as exc:
+            raise WorkerStartError(
+                "distributed_executor_backend='ray' needs Ray where the engine-manager runs: "
+                f"pip install 'loomllm[ray]' ({exc})"
+            ) from None
+        async with self._lock:
+            if self._address is None:
+                await _check_reachable(address)
+                init = partial(ray.init, address=address, namespace="loomllm",
+                               _node_ip_address=node_ip_address, log_to_driver=False,
+                               logging_level=logging.WARNING)  # fmt: skip
+                try:
+                    with anyio.fail_after(CONNECT_TIMEOUT_S):
+                        await anyio.to_thread.run_sync(init, abandon_on_cancel=True)
+                except Exception as exc:  # ConnectionError, TimeoutError, ...
+                    raise WorkerStartError(
+                        f"no Ray cluster answers at address={address!r} ({type(exc).__name__}: "
+                        f"{exc}); start one with `ray start --head`, or set RAY_ADDRESS"
+                    ) from None
+                self._address = address
+                logger.info("connected to the Ray cluster at %s", address)
+            elif address != self._address:
+                raise WorkerStartError(
+                    f"this engine-manager is the driver of the Ray cluster at "
+                    f"{self._address!r}; it cannot also use {address!r}"
+                )
+        return ray
+
+
+async def _check_reachable(address: str) -> None:
+    """Fail fast where nothing listens at host:port: ray.init would wait for minutes."""
+    host, _, port = address.rpartition(":")
+    if address == "auto" or not port.isdigit():
+        return  # "auto" finds the local node's cluster, or fails at once by itself
+    try:
+        with anyio.fail_after(PROBE_TIMEOUT_S):
+            stream = await anyio.connect_tcp(host, int(port))
+    except (OSError, TimeoutError) as exc:
+        raise WorkerStartError(
+            f"no Ray cluster answers at address={address!r} ({exc or 'timed out'}); start "
+            "one with `ray start --head`, or set RAY_ADDRESS"
+        ) from None
+    await stream.aclose()
+
+
+async def launch_ray_group(group: WorkerGroup, driver: RayDriver) -> None:
+    """Place and start every rank of `group` in the cluster; return once all are READY."""
+    options = group.spec.options or {}
+    ray = await driver.connect(str(options.get("ray_address") or "auto"),
+                               options.get("ray_node_ip_address"))  # fmt: skip
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    world_size = group.spec.world_size
+    on_gpu = options.get("device") != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
+    bundle = {"GPU": 1} if on_gpu else {"CPU": 1}
+    # PACK: ranks share a node where they fit (fast collectives), spill over where not.
+    pg = placement_group([bundle] * world_size, strategy="PACK")
+    group.placement = RayPlacement(ray, pg)
+    try:
+        await anyio.to_thread.run_sync(
+            partial(ray.get, pg.ready(), timeout=PLACEMENT_TIMEOUT_S), abandon_on_cancel=True
+        )
+    except ray.exceptions.GetTimeoutError:
+        raise WorkerStartError(
+            f"the Ray cluster has no room for {world_size} bundle(s) of {bundle} within "
+            f"{PLACEMENT_TIMEOUT_S:g} s (available: {ray.available_resources()})"
+        ) from None
+    actor_class = ray.remote(RankActor)
+    actors = [
+        actor_class.options(
+            num_cpus=0 if on_gpu else 1, num_gpus=1 if on_gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=rank),
+        ).remote()
+        for rank in range(world_size)
+    ]  # fmt: skip
+    binds = await anyio.to_thread.run_sync(
+        partial(ray.get, [a.bind.remote(rank == 0) for rank, a in enumerate(actors)],
+                timeout=CONNECT_TIMEOUT_S), abandon_on_cancel=True,
+    )  # fmt: skip
+    rank0_host, _, dist_port, _ = binds[0]
+    dist_init = f"tcp://{rank0_host}:{dist_port}"
+    for rank, (actor, (host, lifeline_port, _, pid)) in enumerate(zip(actors, binds, strict=True)):
+        secret = secrets.token_bytes(32)
+        serve_ref = actor.serve.remote(group.spec.model, json.dumps(options), rank, world_size,
+                                       dist_init, secret)  # fmt: skip
+        handle = RankHandle(ray, actor, pid, serve_ref)
+        with anyio.fail_after(CONNECT_TIMEOUT_S):
+            control = MessageStream(await anyio.connect_tcp(host, lifeline_port))
+        group.ranks.append(WorkerProcess(rank, handle, control, None, None))
+        await control.send(Attach(secret))
+    logger.info("group %s: %d Ray rank(s) on %s", group.group_id, world_size,
+                sorted({host for host, *_ in binds}))  # fmt: skip
+    await wait_group_ready(group)

@@ -1,0 +1,110 @@
+"""A worker rank inside a Ray actor: the life of a local rank (workers/worker.py), over TCP.
+
+The manager (workers/ray_group.py) places one RankActor per rank and calls `bind()`, then
+`serve()`, which runs until the manager closes the lifeline. The lifeline and the data
+listener are TCP sockets on the actor's node: the manager opens the lifeline with a
+secret only it was given; engines attach to the data port with their lease token.
+This module imports no ray at module level: the manager wraps RankActor with ray.remote.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import socket
+from typing import Any
+
+import anyio
+from anyio.abc import Listener, SocketAttribute, SocketListener
+
+from protocols.connection import MessageStream, tcp_address
+from protocols.errors import ProtocolError
+from protocols.messages import Attach
+
+logger = logging.getLogger(__name__)
+
+# The manager connects right after `serve()` is called; a stranger that connects first and
+# says nothing, or the wrong thing, is dropped.
+LIFELINE_WAIT_S = 60.0
+OPENING_WAIT_S = 5.0
+
+
+class RankActor:
+    """One rank of a Ray-placed worker group."""
+
+    def __init__(self) -> None:
+        self.host = ""
+        self._lifeline: socket.socket | None = None
+
+    def bind(self, reserve_dist_port: bool) -> tuple[str, int, int, int]:
+        """(this node's address, the lifeline's port, a free port for torch.distributed's
+        rendezvous if asked (rank 0) else 0, our pid)."""
+        import ray
+
+        self.host = ray.util.get_node_ip_address()
+        self._lifeline = socket.create_server((self.host, 0))
+        dist_port = 0
+        if reserve_dist_port:
+            with socket.create_server((self.host, 0)) as probe:
+                dist_port = probe.getsockname()[1]
+        return self.host, self._lifeline.getsockname()[1], dist_port, os.getpid()
+
+    def serve(
+        self, model: str, options_json: str, rank: int, world_size: int, dist_init_method: str,
+        secret: bytes,
+    ) -> int:  # fmt: skip
+        """Run the rank until the manager closes its lifeline; the exit code."""
+        assert self._lifeline is not None, "bind() first"
+        logging.basicConfig(
+            level=logging.INFO,
+            format=f"%(asctime)s rank{rank} %(process)d %(levelname)s %(name)s: %(message)s",
+        )
+        try:
+            return anyio.run(_serve, self._lifeline, self.host, secret, model, options_json,
+                             rank, world_size, dist_init_method, backend="trio")  # fmt: skip
+        finally:
+            self._lifeline.close()  # a manager still waiting to be accepted sees it at once
+
+
+# Not a method: Ray makes an actor with any `async def` method an asyncio actor, whose
+# methods may run concurrently and inside Ray's own event loop.
+async def _serve(
+    lifeline: socket.socket, host: str, secret: bytes, model: str, options_json: str,
+    rank: int, world_size: int, dist_init_method: str,
+) -> int:  # fmt: skip
+    from workers.worker import serve_rank
+    from workers.worker_state import Worker
+
+    control = await accept_lifeline(await SocketListener.from_socket(lifeline), secret)
+
+    def start() -> Worker:
+        return Worker.start(model, json.loads(options_json), rank, world_size, dist_init_method)
+
+    async def open_listener() -> tuple[Listener[Any], str]:
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=0)
+        return listener, tcp_address(host, listener.extra(SocketAttribute.local_port))
+
+    async with control.stream:
+        return await serve_rank(control, rank, start, open_listener)
+
+
+async def accept_lifeline(listener: SocketListener, secret: bytes) -> MessageStream:
+    """The first connection whose opening Attach carries `secret`: the manager's."""
+    async with listener:
+        with anyio.fail_after(LIFELINE_WAIT_S):
+            while True:
+                stream = await listener.accept()
+                ms = MessageStream(stream)
+                try:
+                    with anyio.fail_after(OPENING_WAIT_S):
+                        opening = await ms.receive_type(Attach)
+                    if hmac.compare_digest(opening.token, secret):
+                        return ms
+                except (TimeoutError, ProtocolError, anyio.EndOfStream,
+                        anyio.BrokenResourceError, OSError):  # fmt: skip
+                    pass
+                logger.warning("dropped a lifeline connection without the manager's secret")
+                await anyio.aclose_forcefully(stream)
+
