@@ -126,9 +126,11 @@ class OutputProcessor:
         return child_ids
 
     def remove(self, request_id: str, finish_reason: str = "abort") -> list[str]:
-        """Forget a request (aborted by its consumer, or failed); returns the child ids to abort.
+        """Forget a request (aborted, or failed); returns the child ids to abort.
 
-        Its unfinished sequences count as finished with `finish_reason` in the metrics.
+        Its unfinished sequences count as finished with `finish_reason` in the metrics, and
+        its stream gets their last output with that reason (a consumer still reading, of a
+        request aborted by id, sees it end; one that left, or got an error, never reads it).
         """
         parent = self.parents.pop(request_id, None)
         if parent is None:
@@ -136,8 +138,11 @@ class OutputProcessor:
         now = time.time()
         child_ids = parent.child_ids()
         for child_id in child_ids:
-            if self.states.pop(child_id, None) is not None:
+            state = self.states.pop(child_id, None)
+            if state is not None:
                 self.metrics.record_finished(finish_reason, parent.metrics.arrival_time, now)
+                state.finish_reason = finish_reason
+                parent.emit(self._completion(state))
         return child_ids
 
     def add_prompt_logprobs(self, chunks: list[PromptLogprobs]) -> None:

@@ -157,6 +157,21 @@ async def _blocks_back(engine: Engine, free_before: int) -> None:
     assert engine.stats().num_running == 0
 
 
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+async def test_abort_by_id_ends_the_stream_with_finish_reason_abort(engine, kind):
+    free_before = engine.stats().num_free_blocks
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, n=2, output_kind=kind)
+    stream = engine.generate(PROMPT, long, request_id="by-id")
+    if kind != RequestOutputKind.FINAL_ONLY:
+        await stream.__anext__()  # it runs
+    engine.abort("by-id")
+    with anyio.fail_after(10):
+        outputs = [out async for out in stream]
+    assert outputs[-1].finished
+    assert {c.finish_reason for c in outputs[-1].outputs} == {"abort"}
+    await _blocks_back(engine, free_before)
+
+
 async def test_consumer_leaving_aborts_the_request(engine):
     free_before = engine.stats().num_free_blocks
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
