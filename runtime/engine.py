@@ -26,7 +26,6 @@ from protocols.messages import CallFailed, ModelInfo, RunCallable, WorkerDied, W
 from protocols.rundir import default_socket_path
 from protocols.sampling import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine_core import EngineCore
 from runtime.engine_stats import EngineStats, merge_stats
 from runtime.errors import EngineClosedError, EngineDeadError, RemoteCallError
 from runtime.manager_client import (
@@ -144,7 +143,8 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         """Longest prompt + output a request may have (the model's, within the KV cache)."""
-        return min(core.max_model_len for core in self._cores())
+        self._require_running()
+        return min(r.core.max_model_len for r in self._replicas if r.core is not None)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -199,8 +199,10 @@ class Engine:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if self.replica_index(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already running")
-        replica = least_loaded(self._replicas, next(self._turn))
-        core = replica.core
+        live = self._live_replicas()
+        if not live:  # the engine is on its way out: its task group has the error
+            raise EngineDeadError(f"every replica's worker died: {self._replicas[-1].dead}")
+        core = least_loaded(live, next(self._turn)).core
         assert core is not None
         parent = ParentRequest(
             request_id, text, token_ids, params, RequestOutputCollector(params.output_kind),
@@ -239,14 +241,16 @@ class Engine:
 
     def abort_all(self) -> None:
         """Abort every running request: each open stream ends with finish_reason "abort"."""
-        for core in self._cores():
-            core.abort_all()
+        for replica in self._live_replicas():
+            assert replica.core is not None
+            replica.core.abort_all()
 
     def replica_index(self, request_id: str) -> int | None:
         """The data-parallel replica that runs the request, or None if none does (now)."""
-        for index, core in enumerate(self._cores()):
-            if request_id in core.output_processor.parents:
-                return index
+        for replica in self._live_replicas():
+            assert replica.core is not None
+            if request_id in replica.core.output_processor.parents:
+                return replica.index
         return None
 
     async def wait_until_idle(self) -> None:
@@ -254,8 +258,9 @@ class Engine:
 
         Cancellation: nothing to undo.
         """
-        for core in self._cores():
-            await core.wait_until_idle()
+        for replica in self._live_replicas():
+            assert replica.core is not None
+            await replica.core.wait_until_idle()
 
     def stats(self) -> EngineStats:
         """Running/waiting counts, KV blocks, prefix-cache hit rate, steps and their timings:
@@ -290,10 +295,10 @@ class Engine:
         if not self._running:
             raise EngineClosedError("the engine is not running: use `async with Engine(...)`")
 
-    def _cores(self) -> list[EngineCore]:
-        """The live replicas' step loops (every one but those whose worker died)."""
+    def _live_replicas(self) -> list[Replica]:
+        """Every replica but those whose worker died."""
         self._require_running()
-        return [r.core for r in self._replicas if r.dead is None and r.core is not None]
+        return [r for r in self._replicas if r.dead is None]
 
     def _require_acquired(self) -> list[WorkersAcquired]:
         acquired = [r.acquired for r in self._replicas if r.acquired is not None]

@@ -165,12 +165,9 @@ class Replica:
         )
 
 
-def least_loaded(replicas: list[Replica], turn: int) -> Replica:
-    """The live replica with the lowest load; ties go round-robin from `turn`.
-
-    The counts are exact at once (intake is synchronous), so a burst alternates.
-    """
-    live = [r for r in replicas if r.dead is None]
+def least_loaded(live: list[Replica], turn: int) -> Replica:
+    """The replica of `live` (not empty) with the lowest load; ties go round-robin from
+    `turn`. The counts are exact at once (intake is synchronous), so a burst alternates."""
     start = turn % len(live)
     rotated = live[start:] + live[:start]
     return min(rotated, key=lambda r: r.load)

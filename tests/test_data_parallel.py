@@ -111,6 +111,12 @@ async def test_a_killed_replica_fails_only_its_requests(tiny_model, shared_manag
         # The survivor takes every new request.
         for prompt in PROMPTS[:4]:
             assert len(await final(dp.generate(prompt, GREEDY))) == GREEDY.max_tokens
+        # Aborts by id reach the survivor (replica 1, now the only one listed as live).
+        stream = dp.generate("w5 w6", LONG, request_id="late")
+        assert dp.replica_index("late") == 1
+        dp.abort("late")
+        outputs = [out async for out in stream]
+        assert outputs[-1].outputs[0].finish_reason == "abort"
         stats = dp.stats()
         assert [r.is_alive for r in stats.replicas] == [False, True] and stats.is_alive
         assert stats.replicas[0].num_running == stats.replicas[0].num_waiting == 0
