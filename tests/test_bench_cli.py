@@ -28,7 +28,10 @@ def test_overhead_benchmark_runs_and_its_phases_add_up() -> None:
         assert steps >= 4 and tok_s > 0
         assert sum(phases) == pytest.approx(step, rel=0.02, abs=0.005)
         assert outside == pytest.approx(step - phases[2], rel=0.02, abs=0.005)  # minus worker
-        assert share == pytest.approx(100 * outside / step, abs=0.1)
+        # The table prints ms to 2 decimals and the share (from the unrounded times) to 1:
+        # recomputed from the printed times it may differ by their rounding's effect.
+        slack = 0.05 + 100 * 0.005 * (step + outside) / step**2
+        assert share == pytest.approx(100 * outside / step, abs=slack)
 
 
 def test_gpu_benchmark_runs_on_the_cpu_at_the_tiny_shape() -> None:
