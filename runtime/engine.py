@@ -128,7 +128,7 @@ class Engine:
 
     def _on_replica_death(self, replica: Replica) -> bool:
         """A replica lost a rank: the engine goes on while another one lives."""
-        live = [r for r in self._replicas if r.dead is None]
+        live = [r for r in self._replicas if r.is_alive]
         if live:
             logger.error("data-parallel replica %d died (%s); %d of %d replicas go on",
                          replica.index, replica.dead, len(live), len(self._replicas))  # fmt: skip
@@ -160,7 +160,8 @@ class Engine:
         """Run `fn(worker, *args, **kwargs)` on every rank; return the results in rank order
         (replica by replica with data parallelism; a dead replica raises EngineDeadError).
 
-        `fn` and its arguments are sent with cloudpickle over the local socket.
+        `fn` and its arguments are sent with cloudpickle over each rank's data connection
+        (a local socket; TCP to a Ray rank).
         Cancellation: the ranks still run the call; its results are discarded.
         """
         self._require_running()
@@ -169,9 +170,10 @@ class Engine:
         for replica in self._replicas:
             assert replica.workers is not None
             replies = await replica.workers.call(lambda call_id: RunCallable(call_id, payload))
-            for rank, reply in enumerate(replies):
-                if isinstance(reply, CallFailed):
-                    raise RemoteCallError(rank, reply.error_type, reply.message, reply.traceback)
+            for reply in replies:
+                if isinstance(reply, CallFailed):  # the rank: its place in the results
+                    raise RemoteCallError(len(results), reply.error_type, reply.message,
+                                          reply.traceback)  # fmt: skip
                 results.append(cloudpickle.loads(reply.payload))
         return results
 
@@ -201,7 +203,9 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already running")
         live = self._live_replicas()
         if not live:  # the engine is on its way out: its task group has the error
-            raise EngineDeadError(f"every replica's worker died: {self._replicas[-1].dead}")
+            dead = [str(r.dead or "its worker's connection broke") for r in self._replicas]
+            raise EngineDeadError(dead[0] if len(dead) == 1 else
+                                  f"every replica's worker died: {'; '.join(dead)}")  # fmt: skip
         core = least_loaded(live, next(self._turn)).core
         assert core is not None
         parent = ParentRequest(
@@ -298,7 +302,7 @@ class Engine:
     def _live_replicas(self) -> list[Replica]:
         """Every replica but those whose worker died."""
         self._require_running()
-        return [r for r in self._replicas if r.dead is None]
+        return [r for r in self._replicas if r.is_alive]
 
     def _require_acquired(self) -> list[WorkersAcquired]:
         acquired = [r.acquired for r in self._replicas if r.acquired is not None]

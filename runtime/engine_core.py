@@ -41,6 +41,7 @@ class EngineCore:
         self._work = anyio.Event()
         self._pending_aborts: list[str] = []
         self._idle = anyio.Event()  # set while the loop waits for work
+        self._stopped = False  # the loop has ended (its worker died, or the engine closed)
 
     # -- intake (sync, any task) -----------------------------------------------------------
 
@@ -89,8 +90,10 @@ class EngineCore:
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
 
     async def wait_until_idle(self) -> None:
-        """Wait until no request is left and every abort has been applied."""
-        while self._pending_aborts or self._work.is_set() or not self._idle.is_set():
+        """Wait until no request is left and every abort has been applied, or the loop ended."""
+        while not self._stopped and (
+            self._pending_aborts or self._work.is_set() or not self._idle.is_set()
+        ):
             if self._idle.is_set():
                 await anyio.lowlevel.checkpoint()  # the loop has yet to see the new work
             else:
@@ -141,6 +144,8 @@ class EngineCore:
             raise
         finally:
             self.output_processor.abort_all(error)
+            self._stopped = True
+            self._idle.set()  # wakes wait_until_idle: nothing will run here any more
 
     def _process(self, scheduler_output: SchedulerOutput, reply: object) -> None:
         self.num_steps += 1

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from runtime.engine_metrics import HistogramSnapshot
 from runtime.step_timings import StepTimings
@@ -49,23 +51,24 @@ class EngineStats:
 
 
 def merge_stats(parts: list[EngineStats]) -> EngineStats:
-    """The replicas' stats as one engine's: counts and totals add up; `replicas` keeps them.
+    """The replicas' stats as one engine's: totals add up; `replicas` keeps each one's.
 
-    KV usage is over all replicas' blocks; the prefix-cache hit rate is weighted by the
-    tokens each replica looked up.
+    The queues and KV blocks are the live replicas' (a dead one serves nothing); the
+    prefix-cache hit rate is weighted by the tokens each replica looked up.
     """
     if len(parts) == 1:
         return parts[0]
+    now = [p for p in parts if p.is_alive] or parts
     queries = sum(p.num_prefix_cache_queries for p in parts)
     hits = sum(p.prefix_cache_hit_rate * p.num_prefix_cache_queries for p in parts)
     finished: Counter[str] = Counter()
     for p in parts:
         finished.update(p.num_finished)
     return EngineStats(
-        num_running=sum(p.num_running for p in parts),
-        num_waiting=sum(p.num_waiting for p in parts),
-        num_free_blocks=sum(p.num_free_blocks for p in parts),
-        num_total_blocks=sum(p.num_total_blocks for p in parts),
+        num_running=sum(p.num_running for p in now),
+        num_waiting=sum(p.num_waiting for p in now),
+        num_free_blocks=sum(p.num_free_blocks for p in now),
+        num_total_blocks=sum(p.num_total_blocks for p in now),
         prefix_cache_hit_rate=hits / queries if queries else 0.0,
         num_steps=sum(p.num_steps for p in parts),
         num_preemptions=sum(p.num_preemptions for p in parts),
@@ -82,9 +85,10 @@ def merge_stats(parts: list[EngineStats]) -> EngineStats:
     )
 
 
-def _sum(values):  # noqa: ANN001, ANN202 (HistogramSnapshot or StepTimings: both add)
-    values = iter(values)
-    total = next(values)
-    for value in values:
+def _sum(values: Iterable[Any]) -> Any:
+    """The sum of HistogramSnapshots, or of StepTimings (both define +)."""
+    it = iter(values)
+    total = next(it)
+    for value in it:
         total = total + value
     return total

@@ -101,6 +101,11 @@ class Replica:
         stack.push_async_callback(stop_core)
 
     @property
+    def is_alive(self) -> bool:
+        """Not dead, nor about to be declared so (a rank's connection already broke)."""
+        return self.dead is None and not self._lost.is_set()
+
+    @property
     def load(self) -> int:
         """vLLM's data-parallel routing score: 4 x waiting + running (children count)."""
         assert self.core is not None
@@ -108,7 +113,7 @@ class Replica:
 
     def stats(self) -> EngineStats:
         assert self.core is not None
-        return dataclasses.replace(self.core.stats(), is_alive=self.dead is None)
+        return dataclasses.replace(self.core.stats(), is_alive=self.is_alive)
 
     async def _release(self, manager: ManagerClient, group_id: str) -> None:
         if self._lost.is_set():

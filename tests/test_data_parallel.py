@@ -97,17 +97,26 @@ async def test_a_killed_replica_fails_only_its_requests(tiny_model, shared_manag
             except EngineDeadError:
                 ends[request_id] = "dead"
 
+        idle = anyio.Event()
+
+        async def wait_idle() -> None:  # from before the death: must not wait for the dead
+            with anyio.fail_after(60):
+                await dp.wait_until_idle()
+            idle.set()
+
         async with anyio.create_task_group() as tg:
             for request_id in flowing:
                 tg.start_soon(consume, request_id)
             with anyio.fail_after(30):
                 for event in flowing.values():
                     await event.wait()
+            tg.start_soon(wait_idle)
             on = {request_id: dp.replica_index(request_id) for request_id in flowing}
             # Both hold some (how many each depends on when their loops took the first).
             assert set(on.values()) == {0, 1}, on
             os.kill(dp.worker_pids[0], signal.SIGKILL)
         assert ends == {rid: "dead" if on[rid] == 0 else "finished" for rid in flowing}
+        assert idle.is_set()
         # The survivor takes every new request.
         for prompt in PROMPTS[:4]:
             assert len(await final(dp.generate(prompt, GREEDY))) == GREEDY.max_tokens
@@ -138,7 +147,7 @@ def test_loom_serve_with_two_replicas(tiny_model, shared_manager):
     with loom_serve(tiny_model, shared_manager.socket, "tiny", "asyncio",
                     "--data-parallel-size", "2", "--max-num-seqs", "19") as server:  # fmt: skip
         base = server.base_url
-        before = replica_counts(base, "replica_request_success")
+        before = replica_counts(base, "replica_requests_finished")
 
         def complete(k: int) -> str:
             body = {"model": "tiny", "prompt": PROMPTS[k % len(PROMPTS)], "max_tokens": 5,
@@ -151,7 +160,7 @@ def test_loom_serve_with_two_replicas(tiny_model, shared_manager):
         with ThreadPoolExecutor(CONCURRENCY) as pool:
             ids = list(pool.map(complete, range(NUM_REQUESTS)))
         assert len(set(ids)) == NUM_REQUESTS
-        after = replica_counts(base, "replica_request_success")
+        after = replica_counts(base, "replica_requests_finished")
         served = [after[r] - before[r] for r in ("0", "1")]
         assert sum(served) == NUM_REQUESTS and min(served) >= 0.4 * NUM_REQUESTS, served
 
@@ -185,12 +194,26 @@ def test_merged_stats_add_up_and_keep_the_breakdown():
         return EngineStats(running, 1, 10, 20, rate, 5, 0, 7, 9, {"stop": running}, hist, hist,
                            hist, num_prefix_cache_queries=queries, is_alive=alive)  # fmt: skip
 
-    a, b = part(2, 300, 0.5), part(4, 100, 0.1, alive=False)
-    merged = merge_stats([a, b])
+    a, b, c = part(2, 300, 0.5), part(4, 100, 0.1), part(8, 0, 0.0, alive=False)
+    merged = merge_stats([a, b, c])
+    # The queues and blocks of the live ones; the totals of all.
     assert (merged.num_running, merged.num_waiting, merged.num_total_blocks) == (6, 2, 40)
     assert merged.kv_cache_usage == 0.5
     assert merged.prefix_cache_hit_rate == pytest.approx((150 + 10) / 400)
-    assert merged.num_finished == {"stop": 6}
-    assert merged.time_to_first_token.counts == (6, 2) and merged.e2e_request_latency.sum == 5
-    assert merged.is_alive and merged.replicas == (a, b)
+    assert merged.num_finished == {"stop": 14}
+    assert merged.time_to_first_token.counts == (14, 3) and merged.e2e_request_latency.sum == 7.5
+    assert merged.is_alive and merged.replicas == (a, b, c)
+    assert not merge_stats([c, c]).is_alive
     assert merge_stats([a]) is a
+
+
+def test_each_cuda_rank_gets_a_gpu_of_its_own():
+    from workers.worker_state import cuda_device_index
+
+    dp2_tp2 = {"data_parallel_size": 2, "data_parallel_rank": 1}
+    assert [cuda_device_index(dp2_tp2, rank, 2, 4) for rank in (0, 1)] == [2, 3]
+    assert cuda_device_index({}, 1, 2, 2) == 1
+    assert cuda_device_index({"distributed_executor_backend": "ray"}, 1, 2, 1) == 0
+    with pytest.raises(ValueError, match=r"2 x 2 ranks need 4 GPUs, one each; this machine "
+                       "has 3"):  # fmt: skip
+        cuda_device_index(dp2_tp2, 0, 2, 3)

@@ -12,21 +12,29 @@ import importlib.util
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 
+import anyio
 import pytest
+from anyio.abc import SocketListener
 from conftest import make_tiny_model, new_manager_handle, pids_mentioning
 from serve_utils import free_port
 
+from protocols.connection import MessageStream
+from protocols.messages import Ack, Attach, ErrorReply
 from protocols.sampling import SamplingParams
 from runtime import LLM, EngineDeadError, WorkerStartError
+from workers.ray_rank import accept_lifeline
 
 HEAD_IP, NODE_IP = "127.0.0.2", "127.0.0.3"
+HOST = "127.0.0.1"
 PROMPTS = ["w5 w6 w7", "w9 " * 40, "w11", "w3 w200 w17 w4"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -124,6 +132,43 @@ def test_a_killed_ray_rank_is_an_engine_death(tmp_path, ray_env):
                  dtype="float32", manager_socket=ray_env.socket) as llm:  # fmt: skip
             os.kill(llm.engine.worker_pids[1], signal.SIGKILL)
             llm.generate(["w5 w6"], SamplingParams(max_tokens=200), use_tqdm=False)
+
+
+@pytest.mark.anyio
+async def test_a_ray_ranks_lifeline_admits_only_the_managers_secret():
+    """Strangers on the lifeline port (silent, an ErrorReply, a wrong secret, a huge frame)
+    are dropped, each on its own; the manager's connection is the one taken."""
+    secret = b"s" * 32
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    chosen: list[MessageStream] = []
+
+    async def accept() -> None:
+        chosen.append(await accept_lifeline(await SocketListener.from_socket(sock), secret))
+
+    async with AsyncExitStack() as stack:
+        strangers = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(accept)
+            for opening in (None, ErrorReply("x", "y"), Attach(b"w" * 32), b"\0" * 8192):
+                stream = await stack.enter_async_context(await anyio.connect_tcp(HOST, port))
+                strangers.append(stream)
+                if isinstance(opening, bytes):  # a header announcing a frame too big
+                    await stream.send(len(opening).to_bytes(4, "big") + opening[:16])
+                elif opening is not None:
+                    await MessageStream(stream).send(opening)
+            manager = MessageStream(
+                await stack.enter_async_context(await anyio.connect_tcp(HOST, port))
+            )
+            await manager.send(Attach(secret))
+        lifeline = chosen[0]
+        stack.push_async_callback(lifeline.stream.aclose)
+        await lifeline.send(Ack())
+        assert isinstance(await manager.receive(), Ack)
+        for stream in strangers:  # each was dropped (closed, or reset if it had sent more)
+            with anyio.fail_after(10), pytest.raises((anyio.EndOfStream,
+                                                      anyio.BrokenResourceError)):  # fmt: skip
+                await stream.receive()
 
 
 def test_no_ray_cluster_is_a_clear_error(tiny_model, monkeypatch, manager):

@@ -106,8 +106,8 @@ class EngineCollector:
              "blocks in use, 0 to 1.", lambda s: s.kv_cache_usage),
             (CounterMetricFamily, "replica_generation_tokens", "Tokens the replica generated.",
              lambda s: s.num_generation_tokens),
-            (CounterMetricFamily, "replica_request_success", "Sequences the replica finished "
-             "(any reason).", lambda s: sum(s.num_finished.values())),
+            (CounterMetricFamily, "replica_requests_finished", "Sequences the replica "
+             "finished, for any reason.", lambda s: sum(s.num_finished.values())),
         ]  # fmt: skip
         for family_type, name, doc, value in rows:
             family = family_type(PREFIX + name, doc, labels=["model_name", "replica"])
