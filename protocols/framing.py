@@ -14,6 +14,8 @@ HEADER = struct.Struct(">I")
 # 64 MiB: far above any step message (a few KiB) or collective_rpc payload we expect,
 # far below what would let a hostile peer make us allocate the machine's memory.
 DEFAULT_MAX_FRAME_SIZE = 64 * 1024 * 1024
+# A connection's opening messages (Hello, Attach) before it has shown a secret: tiny.
+OPENING_MAX_FRAME_SIZE = 4096
 
 
 def encode_frame(body: bytes, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:

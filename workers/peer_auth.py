@@ -36,10 +36,13 @@ def describe_peer(stream: SocketStream) -> str:
     return f"{host}:{port}"
 
 
-def refusal(stream: SocketStream, allowed_uid: int | None = None) -> str | None:
-    """Why this peer may not talk to us, or None if it may (always None over TCP)."""
+def refusal(
+    stream: SocketStream, allowed_uid: int | None = None, *, allow_tcp: bool = False
+) -> str | None:
+    """Why this peer may not talk to us, or None if it may. Over TCP (`allow_tcp`: a Ray
+    rank's data port) there is no uid to check: the caller's token check is the key."""
     if not is_unix(stream):
-        return None
+        return None if allow_tcp else "this socket serves local (Unix socket) peers only"
     allowed = os.getuid() if allowed_uid is None else allowed_uid
     pid, uid, _ = peer_credentials(stream)
     if uid != allowed:

@@ -10,6 +10,7 @@ attach to each rank's TCP data port with their lease token, as they do locally.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import secrets
@@ -43,19 +44,21 @@ class RayDriver:
         """The `ray` module, connected to the cluster at `address` ("auto": the local
         node's) as a driver on the node at `node_ip_address` (None: Ray's guess);
         WorkerStartError saying why when Ray is missing or no cluster answers."""
-        try:
-            import ray
-        except ImportError as exc:
-            raise WorkerStartError(
-                "distributed_executor_backend='ray' needs Ray where the engine-manager runs: "
-                f"pip install 'loomllm[ray]' ({exc})"
-            ) from None
         async with self._lock:
+            try:  # off the event loop: importing ray takes a second
+                ray = await anyio.to_thread.run_sync(importlib.import_module, "ray")
+            except ImportError as exc:
+                raise WorkerStartError(
+                    "distributed_executor_backend='ray' needs Ray where the engine-manager "
+                    f"runs, and loomllm on every node: pip install 'loomllm[ray]' ({exc})"
+                ) from None
             if self._address is None:
                 await _check_reachable(address)
+                # ignore_reinit_error: an earlier init that outlived its timeout may have
+                # connected meanwhile; then this one finds it done.
                 init = partial(ray.init, address=address, namespace="loomllm",
                                _node_ip_address=node_ip_address, log_to_driver=False,
-                               logging_level=logging.WARNING)  # fmt: skip
+                               logging_level=logging.WARNING, ignore_reinit_error=True)
                 try:
                     with anyio.fail_after(CONNECT_TIMEOUT_S):
                         await anyio.to_thread.run_sync(init, abandon_on_cancel=True)
@@ -77,8 +80,8 @@ class RayDriver:
 async def _check_reachable(address: str) -> None:
     """Fail fast where nothing listens at host:port: ray.init would wait for minutes."""
     host, _, port = address.rpartition(":")
-    if address == "auto" or not port.isdigit():
-        return  # "auto" finds the local node's cluster, or fails at once by itself
+    if "://" in address or not port.isdigit():
+        return  # "auto" (fails at once by itself), or a ray:// client address
     try:
         with anyio.fail_after(PROBE_TIMEOUT_S):
             stream = await anyio.connect_tcp(host, int(port))
@@ -91,13 +94,45 @@ async def _check_reachable(address: str) -> None:
 
 
 async def launch_ray_group(group: WorkerGroup, driver: RayDriver) -> None:
-    """Place and start every rank of `group` in the cluster; return once all are READY."""
+    """Place and start every rank of `group` in the cluster; return once all are READY.
+
+    Anything that fails on the way is a WorkerStartError naming the cause; the manager
+    then stops the group, which removes its placement group and with it every actor.
+    """
     options = group.spec.options or {}
     ray = await driver.connect(str(options.get("ray_address") or "auto"),
                                options.get("ray_node_ip_address"))  # fmt: skip
+    try:
+        with anyio.fail_after(PLACEMENT_TIMEOUT_S + CONNECT_TIMEOUT_S):
+            placed = await anyio.to_thread.run_sync(
+                partial(_place_ranks, ray, group), abandon_on_cancel=True
+            )
+            for rank, (actor, serve_ref, bind, secret) in enumerate(placed):
+                host, lifeline_port, _, pid = bind
+                control = MessageStream(await anyio.connect_tcp(host, lifeline_port))
+                handle = RankHandle(ray, actor, pid, serve_ref)
+                group.ranks.append(WorkerProcess(rank, handle, control, None, None))
+                await control.send(Attach(secret))
+    except WorkerStartError:
+        raise
+    except (Exception, TimeoutError) as exc:  # Ray's errors, a lifeline that does not connect
+        raise WorkerStartError(
+            f"the Ray ranks of {group.spec.model!r} did not start: {type(exc).__name__}: {exc} "
+            "(is loomllm installed on every node?)"
+        ) from None
+    logger.info("group %s: %d Ray rank(s) on %s", group.group_id, group.spec.world_size,
+                sorted({host for _, _, (host, *_), _ in placed}))  # fmt: skip
+    await wait_group_ready(group)
+
+
+def _place_ranks(ray: Any, group: WorkerGroup) -> list[tuple[Any, Any, tuple, bytes]]:
+    """In a thread (Ray's calls block): reserve one bundle per rank, start a RankActor in
+    each, bind its ports and start its serve() call; per rank (actor, serve ref, bind
+    reply, lifeline secret)."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    options = group.spec.options or {}
     world_size = group.spec.world_size
     on_gpu = options.get("device") != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
     bundle = {"GPU": 1} if on_gpu else {"CPU": 1}
@@ -105,9 +140,7 @@ async def launch_ray_group(group: WorkerGroup, driver: RayDriver) -> None:
     pg = placement_group([bundle] * world_size, strategy="PACK")
     group.placement = RayPlacement(ray, pg)
     try:
-        await anyio.to_thread.run_sync(
-            partial(ray.get, pg.ready(), timeout=PLACEMENT_TIMEOUT_S), abandon_on_cancel=True
-        )
+        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         raise WorkerStartError(
             f"the Ray cluster has no room for {world_size} bundle(s) of {bundle} within "
@@ -122,21 +155,14 @@ async def launch_ray_group(group: WorkerGroup, driver: RayDriver) -> None:
         ).remote()
         for rank in range(world_size)
     ]  # fmt: skip
-    binds = await anyio.to_thread.run_sync(
-        partial(ray.get, [a.bind.remote(rank == 0) for rank, a in enumerate(actors)],
-                timeout=CONNECT_TIMEOUT_S), abandon_on_cancel=True,
-    )  # fmt: skip
+    binds = ray.get([a.bind.remote(rank == 0) for rank, a in enumerate(actors)],
+                    timeout=CONNECT_TIMEOUT_S)  # fmt: skip
     rank0_host, _, dist_port, _ = binds[0]
     dist_init = f"tcp://{rank0_host}:{dist_port}"
-    for rank, (actor, (host, lifeline_port, _, pid)) in enumerate(zip(actors, binds, strict=True)):
-        secret = secrets.token_bytes(32)
-        serve_ref = actor.serve.remote(group.spec.model, json.dumps(options), rank, world_size,
-                                       dist_init, secret)  # fmt: skip
-        handle = RankHandle(ray, actor, pid, serve_ref)
-        with anyio.fail_after(CONNECT_TIMEOUT_S):
-            control = MessageStream(await anyio.connect_tcp(host, lifeline_port))
-        group.ranks.append(WorkerProcess(rank, handle, control, None, None))
-        await control.send(Attach(secret))
-    logger.info("group %s: %d Ray rank(s) on %s", group.group_id, world_size,
-                sorted({host for host, *_ in binds}))  # fmt: skip
-    await wait_group_ready(group)
+    placed = []
+    for rank, (actor, bind) in enumerate(zip(actors, binds, strict=True)):
+        secret = secrets.token_bytes(32)  # this rank's alone: its lifeline's key
+        serve_ref = actor.serve.remote(group.spec.model, json.dumps(options), rank,
+                                       world_size, dist_init, secret)  # fmt: skip
+        placed.append((actor, serve_ref, tuple(bind), secret))
+    return placed

@@ -13,6 +13,9 @@ import anyio
 
 logger = logging.getLogger(__name__)
 
+# A call to Ray that does not answer by then is given up (the manager must not hang).
+RAY_CALL_TIMEOUT_S = 30.0
+
 
 class RankHandle:
     """A rank's actor, as the manager's process handle: `wait()` ends with its `serve()`
@@ -26,34 +29,33 @@ class RankHandle:
         self.returncode: int | None = None
         self.error_text = ""
         self._serve_ref = serve_ref
-        self._ended = anyio.Event()
-        self._waiting = False
+        # Its own threads: a rank's whole life spent in ray.get must not hold one of the
+        # default limiter's 40 tokens that every other to_thread call of the manager needs.
+        self._threads = anyio.CapacityLimiter(4)
 
     async def wait(self) -> int:
-        if not self._waiting:  # the first waiter asks Ray; the others wait for its answer
-            self._waiting = True
+        """Cancellation: the thread's ray.get is abandoned; a later wait asks again."""
+        if self.returncode is None:
             try:
                 code = await anyio.to_thread.run_sync(
-                    self.ray.get, self._serve_ref, abandon_on_cancel=True
+                    self.ray.get, self._serve_ref, abandon_on_cancel=True, limiter=self._threads
                 )
             except self.ray.exceptions.RayActorError as exc:  # the actor's process is gone
                 code, self.error_text = -signal.SIGKILL, f"{type(exc).__name__}: {exc}"[-4000:]
             except Exception as exc:  # serve() raised
                 code, self.error_text = 1, f"{type(exc).__name__}: {exc}"[-4000:]
-            finally:
-                self._waiting = False  # cancelled: the next waiter asks again
-            self.returncode = code
-            self._ended.set()
-        await self._ended.wait()
-        assert self.returncode is not None
+            if self.returncode is None:
+                self.returncode = code
         return self.returncode
 
     async def kill(self) -> None:
-        """End the actor (and so its process) now."""
-        try:
-            await anyio.to_thread.run_sync(self.ray.kill, self.actor)
-        except Exception as exc:  # already gone, or the cluster is
-            logger.info("ray.kill of rank pid %d: %s", self.pid, exc)
+        """End the actor (and so its process) now; bounded, like every call to Ray here."""
+        with anyio.move_on_after(RAY_CALL_TIMEOUT_S):
+            try:
+                await anyio.to_thread.run_sync(self.ray.kill, self.actor,
+                                               abandon_on_cancel=True, limiter=self._threads)
+            except Exception as exc:  # already gone, or the cluster is
+                logger.info("ray.kill of rank pid %d: %s", self.pid, exc)
 
     async def aclose(self) -> None:
         """After the rank has ended: free its actor (an idle actor holds its bundle)."""
@@ -70,7 +72,9 @@ class RayPlacement:
     async def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        try:
-            await anyio.to_thread.run_sync(remove_placement_group, self.placement_group)
-        except Exception as exc:  # the cluster may be gone: nothing left to free then
-            logger.warning("could not remove placement group: %s", exc)
+        with anyio.move_on_after(RAY_CALL_TIMEOUT_S):
+            try:
+                await anyio.to_thread.run_sync(remove_placement_group, self.placement_group,
+                                               abandon_on_cancel=True)  # fmt: skip
+            except Exception as exc:  # the cluster may be gone: nothing left to free then
+                logger.warning("could not remove placement group: %s", exc)

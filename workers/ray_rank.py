@@ -17,10 +17,10 @@ import socket
 from typing import Any
 
 import anyio
-from anyio.abc import Listener, SocketAttribute, SocketListener
+from anyio.abc import Listener, SocketAttribute, SocketListener, SocketStream, TaskGroup
 
 from protocols.connection import MessageStream, tcp_address
-from protocols.errors import ProtocolError
+from protocols.framing import DEFAULT_MAX_FRAME_SIZE, OPENING_MAX_FRAME_SIZE
 from protocols.messages import Attach
 
 logger = logging.getLogger(__name__)
@@ -91,20 +91,33 @@ async def _serve(
 
 
 async def accept_lifeline(listener: SocketListener, secret: bytes) -> MessageStream:
-    """The first connection whose opening Attach carries `secret`: the manager's."""
+    """The first connection whose opening Attach carries `secret`: the manager's.
+
+    Each connection is vetted in a task of its own, so strangers that connect and say
+    nothing cannot hold the manager's turn; whatever they send, they are only dropped.
+    """
+    chosen: list[MessageStream] = []
+
+    async def vet(stream: SocketStream, tg: TaskGroup) -> None:
+        ms = MessageStream(stream, max_frame_size=OPENING_MAX_FRAME_SIZE)
+        try:
+            with anyio.fail_after(OPENING_WAIT_S):
+                opening = await ms.receive()
+            if isinstance(opening, Attach) and hmac.compare_digest(opening.token, secret):
+                ms.max_frame_size = DEFAULT_MAX_FRAME_SIZE
+                chosen.append(ms)
+                tg.cancel_scope.cancel()
+                return
+        except Exception:  # anything a stranger sends only gets it dropped
+            pass
+        finally:
+            if ms not in chosen:  # also when cancelled: the manager got in first
+                await anyio.aclose_forcefully(stream)
+        logger.warning("dropped a lifeline connection without the manager's secret")
+
     async with listener:
         with anyio.fail_after(LIFELINE_WAIT_S):
-            while True:
-                stream = await listener.accept()
-                ms = MessageStream(stream)
-                try:
-                    with anyio.fail_after(OPENING_WAIT_S):
-                        opening = await ms.receive_type(Attach)
-                    if hmac.compare_digest(opening.token, secret):
-                        return ms
-                except (TimeoutError, ProtocolError, anyio.EndOfStream,
-                        anyio.BrokenResourceError, OSError):  # fmt: skip
-                    pass
-                logger.warning("dropped a lifeline connection without the manager's secret")
-                await anyio.aclose_forcefully(stream)
-
+            async with anyio.create_task_group() as tg:
+                while True:
+                    tg.start_soon(vet, await listener.accept(), tg)
+    return chosen[0]

@@ -30,6 +30,7 @@ from anyio.abc import Listener, SocketStream, UNIXSocketStream
 
 from protocols.connection import MessageStream, receive_request, server_handshake
 from protocols.errors import ProtocolError, VersionMismatchError
+from protocols.framing import DEFAULT_MAX_FRAME_SIZE, OPENING_MAX_FRAME_SIZE
 from protocols.messages import (
     Ack,
     Attach,
@@ -160,8 +161,10 @@ class DataServer:
 
     async def handle(self, stream: SocketStream) -> None:
         async with stream:
-            ms = MessageStream(stream)
-            why = refusal(stream, self.allowed_uid)
+            # Small frames until the engine has shown the lease token (over TCP, anyone
+            # can connect to a Ray rank's data port).
+            ms = MessageStream(stream, max_frame_size=OPENING_MAX_FRAME_SIZE)
+            why = refusal(stream, self.allowed_uid, allow_tcp=True)
             if why is not None:
                 logger.warning("refused connection: %s", why)
                 await ms.send_if_open(ErrorReply("permission_denied", why))
@@ -184,6 +187,7 @@ class DataServer:
                     if await self._refused(ms, stream, attach.token):  # lent again meanwhile
                         return
                     self._session = (ms, attach.token)
+                    ms.max_frame_size = DEFAULT_MAX_FRAME_SIZE
                     await ms.send(Ack())
                     await self._serve(ms, attach.token)
                 finally:

@@ -284,7 +284,8 @@ async def stop_rank(worker: WorkerProcess) -> None:
                 await worker.process.kill()
             else:
                 kill_process_group(worker.pid)
-            await worker.process.wait()
+            with anyio.move_on_after(STOP_GRACE_S):  # a Ray rank's node may be unreachable
+                await worker.process.wait()
         await worker.process.aclose()
         if worker.socket_path is not None:
             worker.socket_path.unlink(missing_ok=True)

@@ -44,9 +44,10 @@ class Worker:
         device = options.get("device", "auto")
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        local_rank = rank
         if device == "cuda":
-            first = int(options.get("data_parallel_rank") or 0) * world_size
-            torch.cuda.set_device((first + rank) % torch.cuda.device_count())
+            local_rank = cuda_device_index(options, rank, world_size, torch.cuda.device_count())
+            torch.cuda.set_device(local_rank)
         else:
             _share_cores(int(options.get("data_parallel_size") or 1))
         started = time.monotonic()
@@ -54,7 +55,8 @@ class Worker:
             torch.manual_seed(options["seed"])  # unseeded requests draw from this RNG
         if world_size > 1:
             # Before the load: transformers shards the weights over this group (tp_plan).
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank),
+                              WORLD_SIZE=str(world_size))  # fmt: skip
             torch.distributed.init_process_group(
                 backend="nccl" if device == "cuda" else "gloo",
                 init_method=dist_init_method,
@@ -99,6 +101,24 @@ class Worker:
 
 
 DEFAULT_BLOCK_SIZE = 16
+
+
+def cuda_device_index(
+    options: dict[str, Any], rank: int, world_size: int, device_count: int
+) -> int:
+    """This rank's GPU: data-parallel replica r's ranks take the GPUs after those of
+    replicas 0..r-1, one each (each sizes its KV cache as if the GPU were its own). A Ray
+    rank sees only the GPU of its bundle: index 0."""
+    if options.get("distributed_executor_backend") == "ray":
+        return 0
+    num_replicas = int(options.get("data_parallel_size") or 1)
+    needed = num_replicas * world_size
+    if needed > device_count:
+        raise ValueError(
+            f"data_parallel_size x tensor_parallel_size = {num_replicas} x {world_size} ranks "
+            f"need {needed} GPUs, one each; this machine has {device_count}"
+        )
+    return int(options.get("data_parallel_rank") or 0) * world_size + rank
 
 
 def _share_cores(num_replicas: int) -> None:
