@@ -115,7 +115,7 @@ async def launch_ray_group(group: WorkerGroup, driver: RayDriver) -> None:
                 await control.send(Attach(secret))
     except WorkerStartError:
         raise
-    except (Exception, TimeoutError) as exc:  # Ray's errors, a lifeline that does not connect
+    except Exception as exc:  # Ray's errors, a lifeline that does not connect (TimeoutError)
         raise WorkerStartError(
             f"the Ray ranks of {group.spec.model!r} did not start: {type(exc).__name__}: {exc} "
             "(is loomllm installed on every node?)"
