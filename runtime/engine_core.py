@@ -143,7 +143,11 @@ class EngineCore:
             error = exc if isinstance(exc, Exception) else None
             raise
         finally:
+            # An ended loop holds nothing: its streams end, its requests free their blocks.
             self.output_processor.abort_all(error)
+            self.scheduler.finish_requests(
+                list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED
+            )
             self._stopped = True
             self._idle.set()  # wakes wait_until_idle: nothing will run here any more
 

@@ -19,11 +19,11 @@ from anyio.abc import TaskGroup
 
 from protocols.messages import WorkerDied, WorkersAcquired
 from runtime.config import EngineConfig
-from runtime.engine_core import EngineCore, EngineStats
+from runtime.engine_core import EngineCore
 from runtime.engine_setup import build_engine_core
+from runtime.engine_stats import EngineStats
 from runtime.errors import EngineDeadError, ManagerError
 from runtime.manager_client import ManagerClient
-from runtime.request import RequestStatus
 from runtime.tokenizer import Tokenizer
 from runtime.worker_client import WorkerClient
 
@@ -81,11 +81,7 @@ class Replica:
                     await core.run()
             except EngineDeadError as exc:
                 if not self._die(exc):
-                    raise
-                # Its streams have their error (core.run's exit); nothing holds KV any more.
-                core.scheduler.finish_requests(
-                    list(core.scheduler.requests), RequestStatus.FINISHED_ABORTED
-                )
+                    raise  # the engine's last replica: the engine dies with it
             finally:
                 core_done.set()
 
