@@ -42,7 +42,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "output_token_ids", "num_computed_tokens", "num_cached_tokens", "status",
-        "stop_reason", "max_tokens", "_all_token_ids",
+        "stop_reason", "max_tokens", "num_output_placeholders", "_all_token_ids",
     )  # fmt: skip
 
     def __init__(
@@ -59,6 +59,9 @@ class Request:
         self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        # Tokens scheduled to be sampled whose ids have not come back yet: one while a
+        # step is in flight, two with async scheduling (the next step went out already).
+        self.num_output_placeholders = 0
         room = max_model_len - len(prompt_token_ids)
         requested = sampling_params.max_tokens
         self.max_tokens = room if requested is None else min(requested, room)

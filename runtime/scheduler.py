@@ -9,6 +9,12 @@ the tokens it schedules, right after building the step, so it already counts the
 step in flight is writing. `update_from_output()` only appends sampled tokens; it never
 touches it. The messages carry the value from *before* the step: the worker computes
 tokens `num_computed_tokens .. num_computed_tokens + num_scheduled_tokens[req_id]`.
+
+Placeholders (async scheduling): a step that will sample a request's next token counts
+it in `num_output_placeholders` until the token comes back. The next step may then be
+scheduled before it does: it computes that token's KV, and the worker, which sampled
+it, supplies the id. Without async scheduling the count is 1 between `schedule()` and
+`update_from_output()`; with it, up to 2. Prefix-cache hashing covers known tokens only.
 """
 
 from __future__ import annotations
@@ -154,8 +160,15 @@ class Scheduler:
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
+            placeholders = request.num_output_placeholders
+            if placeholders and (
+                request.num_output_tokens + placeholders >= request.max_tokens
+                or request.num_tokens + placeholders >= config.max_model_len
+            ):
+                index += 1  # the tokens in flight end it (length): nothing more to compute
+                continue
             num_new = min(
-                request.num_tokens - request.num_computed_tokens,
+                request.num_tokens + placeholders - request.num_computed_tokens,
                 token_budget,
                 config.max_model_len - request.num_computed_tokens,
             )
@@ -204,7 +217,10 @@ class Scheduler:
             token_budget -= num_new
 
         for request_id, num_new in num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_new
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # the step samples its next token
         output = SchedulerOutput(
             step_id=self.step_id,
             new_requests=new_requests,
@@ -228,9 +244,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished (aborted) while the step ran
-            assert request.num_computed_tokens == request.num_tokens, (
-                f"{req_id} sampled before its prompt was complete"
-            )
+            assert request.num_output_placeholders > 0, f"{req_id} sampled unasked"
+            request.num_output_placeholders -= 1
             request.append_output_token_id(token_id)
             if self._check_stop(request):
                 self.running.remove(request)
@@ -273,6 +288,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # tokens in flight are dropped: recomputed
         self.waiting.appendleft(request)
         self.finished_req_ids[request.request_id] = None
         self.num_preemptions += 1

@@ -129,14 +129,23 @@ def reference(
 
 
 class Driver:
-    """Scheduler + FakeWorker stepped like EngineCore, collecting each request's stream."""
+    """Scheduler + FakeWorker stepped like EngineCore, collecting each request's stream.
 
-    def __init__(self, config: SchedulerConfig, next_token: NextToken = by_position) -> None:
+    With `async_scheduling` each step's result is applied only after the next step is
+    scheduled (and run), as EngineCore does with two steps in flight.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, next_token: NextToken = by_position,
+        async_scheduling: bool = False,
+    ) -> None:  # fmt: skip
         self.config = config
         self.scheduler = Scheduler(config)
         self.worker = FakeWorker(config.block_size, config.num_blocks, next_token)
         self.streams: dict[str, list[EngineCoreOutput]] = {}
         self.outputs: list[SchedulerOutput] = []
+        self.async_scheduling = async_scheduling
+        self.held: tuple[SchedulerOutput, StepResult] | None = None  # sent ahead, not applied
 
     def add(self, request: Request) -> Request:
         self.scheduler.add_request(request)
@@ -151,14 +160,18 @@ class Driver:
         assert self.scheduler.num_running <= self.config.max_num_seqs
         if during_step is not None:
             during_step()
-        result = self.worker.execute(so)
-        for out in self.scheduler.update_from_output(so, result):
-            self.streams[out.request_id].append(out)
+        done: tuple[SchedulerOutput, StepResult] | None = (so, self.worker.execute(so))
+        if self.async_scheduling:
+            sent = so.num_scheduled_tokens or so.finished_req_ids  # EngineCore sends no other
+            done, self.held = self.held, (done if sent else None)
+        if done is not None:
+            for out in self.scheduler.update_from_output(*done):
+                self.streams[out.request_id].append(out)
         return so
 
     def run(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):
-            if not self.scheduler.has_unfinished_requests():
+            if not self.scheduler.has_unfinished_requests() and self.held is None:
                 return
             self.step()
         raise AssertionError("requests did not finish")
@@ -220,6 +233,24 @@ def test_num_computed_tokens_advances_in_schedule_and_messages_carry_the_old_val
     so = driver.step()
     assert so.cached.num_computed_tokens[0] == 10
     assert so.num_scheduled_tokens == {"a": 1} and request.num_computed_tokens == 11
+
+
+def test_async_scheduling_schedules_a_decode_before_its_input_token_is_back() -> None:
+    driver = Driver(make_config(), async_scheduling=True)
+    request = driver.add(make_request("a", [1, 2, 3], max_tokens=3, ignore_eos=True))
+    driver.step()  # the prompt: samples token 1, its result held
+    assert (request.num_output_placeholders, request.num_tokens) == (1, 3)
+    so = driver.step()  # computes token 1 before knowing it; then token 1 comes back
+    assert so.num_scheduled_tokens == {"a": 1} and so.cached.num_computed_tokens == [3]
+    assert (request.num_output_tokens, request.num_output_placeholders) == (1, 1)
+    assert request.num_computed_tokens == 4
+    assert driver.step().num_scheduled_tokens == {"a": 1}  # samples token 3
+    # Token 3 is the last (max_tokens) and in flight: no step computes past it.
+    assert driver.step().num_scheduled_tokens == {}
+    assert request.num_output_placeholders == 0 and request.num_computed_tokens == 5
+    expected, reason, _ = reference([1, 2, 3], request.sampling_params, 128)
+    assert (driver.tokens("a"), driver.finish("a")) == (expected, (reason, None))
+    assert reason == "length"
 
 
 def test_limits_hold_with_many_requests() -> None:
@@ -486,16 +517,17 @@ def check_blocks(scheduler: Scheduler) -> None:
 @settings(max_examples=400, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 @given(config=scheduler_configs(), specs=st.lists(request_specs, min_size=1, max_size=10))
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_random_traffic_keeps_blocks_consistent_and_finishes_everything(
-    config: SchedulerConfig, specs: list[dict]
+    async_scheduling: bool, config: SchedulerConfig, specs: list[dict]
 ) -> None:
-    driver = Driver(config)
+    driver = Driver(config, async_scheduling=async_scheduling)
     scheduler = driver.scheduler
     requests: dict[str, Request] = {}
     aborted: set[str] = set()
     last_event = max(max(s["arrival"], s["abort_at"] or 0) for s in specs)
     step = 0
-    while step <= last_event or scheduler.has_unfinished_requests():
+    while step <= last_event or scheduler.has_unfinished_requests() or driver.held:
         for k, spec in enumerate(specs):
             if spec["arrival"] == step:
                 own = [(k * 7 + j) % 19 + 1 for j in range(spec["own"])]
@@ -517,11 +549,12 @@ def test_random_traffic_keeps_blocks_consistent_and_finishes_everything(
                 aborted.add(f"r{k}")
         scheduler.finish_requests(to_abort[False], RequestStatus.FINISHED_ABORTED)
         had_work = scheduler.has_unfinished_requests()
+        in_flight = driver.held is not None  # its result is applied this step
         mid_flight = to_abort[True]
         so = driver.step(
             lambda ids=mid_flight: scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         )
-        assert so.total_num_scheduled_tokens > 0 or not had_work  # never stuck
+        assert so.total_num_scheduled_tokens > 0 or not had_work or in_flight  # never stuck
         check_blocks(scheduler)
         step += 1
         assert step < 2000, "no progress"
