@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     def engine_args(p: argparse.ArgumentParser) -> None:
         for flag, kind, help_ in ENGINE_FLAGS:
             p.add_argument(flag, type=kind, default=None, help=help_)
+        p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                       default=None, help="send step N+1 while step N runs (default: on "
+                       "with CUDA workers, off on the CPU)")  # fmt: skip
         p.add_argument("--manager", choices=["auto", "private"], default=None,
                        help="auto: the shared daemon; private: one that dies with us")  # fmt: skip
         p.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio")
@@ -113,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags that were given, as Engine keyword arguments."""
-    names = [flag[2:].replace("-", "_") for flag, _, _ in ENGINE_FLAGS] + ["manager"]
+    names = [flag[2:].replace("-", "_") for flag, _, _ in ENGINE_FLAGS]
+    names += ["async_scheduling", "manager"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

@@ -43,6 +43,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU the worker may fill
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Schedule and send step N+1 while step N runs (its sampled ids stay on the worker's
+    # device). None: on where the workers run on CUDA (the engine's work then overlaps
+    # the forward); off on the CPU, where the engine would take cores from the forward.
+    async_scheduling: bool | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
     # Independent replicas (each tensor_parallel_size ranks, its own scheduler and KV cache)
@@ -87,6 +91,9 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not (self.async_scheduling is None or type(self.async_scheduling) is bool):
+            raise ValueError(f"async_scheduling must be true, false or None (auto), got "
+                             f"{self.async_scheduling!r}")  # fmt: skip
         if not _is_number(self.keep_alive) or not (self.keep_alive >= 0 or self.keep_alive == -1):
             raise ValueError(
                 f"keep_alive must be seconds >= 0, or -1 to pin, got {self.keep_alive!r}"

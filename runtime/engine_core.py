@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections import deque
 
 import anyio
 
@@ -29,13 +30,14 @@ class EngineCore:
 
     def __init__(
         self, scheduler: Scheduler, workers: WorkerClient, output_processor: OutputProcessor,
-        eos_token_ids: frozenset[int], max_model_len: int,
+        eos_token_ids: frozenset[int], max_model_len: int, *, async_scheduling: bool = False,
     ) -> None:  # fmt: skip
         self.scheduler = scheduler
         self.workers = workers
         self.output_processor = output_processor
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.async_scheduling = async_scheduling
         self.num_steps = 0
         self._clock = StepClock()
         self._work = anyio.Event()
@@ -114,35 +116,58 @@ class EngineCore:
     # -- the step loop ---------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Step until cancelled; on the way out every open stream ends (abort or error)."""
+        """Step until cancelled; on the way out every open stream ends (abort or error).
+
+        One step in flight, or two with async scheduling: step N+1 is scheduled and sent
+        while step N runs (its sampled tokens are placeholders here; the worker has them),
+        so the engine's own work (update, outputs, schedule) overlaps the forward.
+        """
         error: BaseException | None = None
+        in_flight: deque[tuple[SchedulerOutput, int]] = deque()  # (step, call id), oldest first
+        depth = 2 if self.async_scheduling else 1
+        sent_ahead = False  # the last turn sent a step and went on: one turn, one timing
         try:
             while True:
                 while self._pending_aborts:
                     self._abort_now(self._pending_aborts.pop())
-                self._clock.start()
+                if not sent_ahead:
+                    self._clock.start()
+                sent_ahead = False
                 scheduler_output = self.scheduler.schedule()
-                if not scheduler_output.num_scheduled_tokens and not (
-                    scheduler_output.finished_req_ids
-                ):
+                has_work = bool(
+                    scheduler_output.num_scheduled_tokens or scheduler_output.finished_req_ids
+                )
+                if not has_work and not in_flight:
                     self._idle.set()
                     await self._work.wait()
                     self._work = anyio.Event()
                     self._idle = anyio.Event()
                     continue
                 self._clock.scheduled()  # only steps count: an idle turn charges nothing
-                replies = await self.workers.call(
-                    functools.partial(_execute_step, scheduler_output=scheduler_output),
-                    on_encoded=self._clock.encoded,
-                )
-                reply = replies[0]
+                if has_work:
+                    call_id = await self.workers.submit(
+                        functools.partial(_execute_step, scheduler_output=scheduler_output),
+                        on_encoded=self._clock.encoded,
+                    )
+                    in_flight.append((scheduler_output, call_id))
+                    if len(in_flight) < depth:
+                        sent_ahead = True
+                        continue  # the next step goes out before this one's result is in
+                else:
+                    self._clock.encoded()
+                step, call_id = in_flight.popleft()
+                reply = (await self.workers.collect(call_id))[0]
                 self._clock.replied(reply.worker_time_s if isinstance(reply, StepResult) else 0.0)
-                self._process(scheduler_output, reply)
+                self._process(step, reply)
+                if isinstance(reply, CallFailed):
+                    await self._drain(in_flight)
                 self._clock.finish()
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else None
             raise
         finally:
+            for _, call_id in in_flight:
+                self.workers.discard(call_id)
             # An ended loop holds nothing: its streams end, its requests free their blocks.
             self.output_processor.abort_all(error)
             self.scheduler.finish_requests(
@@ -150,6 +175,17 @@ class EngineCore:
             )
             self._stopped = True
             self._idle.set()  # wakes wait_until_idle: nothing will run here any more
+
+    async def _drain(self, in_flight: deque[tuple[SchedulerOutput, int]]) -> None:
+        """After a failed step: wait out the step sent behind it (async scheduling).
+
+        The worker dropped its batch, so that step failed too or computed requests that
+        `_fail_running` has ended already: its reply changes nothing (and the blocks it
+        hashed left the prefix cache with the failed step's).
+        """
+        while in_flight:
+            _, call_id = in_flight.popleft()
+            await self.workers.collect(call_id)
 
     def _process(self, scheduler_output: SchedulerOutput, reply: object) -> None:
         self.num_steps += 1

@@ -65,6 +65,10 @@ def build_engine_core(
     )
     if tokenizer is None:
         tokenizer = Tokenizer.from_model_dir(info.model_dir)
+    async_scheduling = cfg.async_scheduling
+    if async_scheduling is None:
+        async_scheduling = info.device.startswith("cuda")
     return EngineCore(
-        scheduler, workers, OutputProcessor(tokenizer), tokenizer.eos_token_ids, max_model_len
+        scheduler, workers, OutputProcessor(tokenizer), tokenizer.eos_token_ids, max_model_len,
+        async_scheduling=async_scheduling,
     )

@@ -122,35 +122,58 @@ class WorkerClient:
     async def call(
         self, make: Callable[[int], object], on_encoded: Callable[[], object] | None = None
     ) -> list[Reply]:
-        """Send `make(call_id)` to every rank and return the replies in rank order.
+        """Send `make(call_id)` to every rank and return the replies in rank order."""
+        return await self.collect(await self.submit(make, on_encoded))
+
+    async def submit(
+        self, make: Callable[[int], object], on_encoded: Callable[[], object] | None = None
+    ) -> int:
+        """Send `make(call_id)` to every rank; returns the call id for `collect`.
 
         The message is encoded once for all ranks; `on_encoded()` runs right after (the
         step timings' mark: from there on the engine waits on sockets and the worker).
-
-        Cancellation: the ranks still run the call; its replies are dropped on arrival.
+        Every submitted call must be collected (or discarded), in any order.
         """
         if self.dead is not None:
             raise self.dead
         call_id = next(self._call_ids)
-        call = _PendingCall([None] * len(self.ranks), remaining=len(self.ranks))
-        self._pending[call_id] = call
+        self._pending[call_id] = _PendingCall([None] * len(self.ranks), remaining=len(self.ranks))
         try:
             frame = self.ranks[0].frame(make(call_id))
             if on_encoded is not None:
                 on_encoded()
             for ms in self.ranks:
                 await ms.send_frame(frame)
+        except BaseException as exc:
+            del self._pending[call_id]
+            if isinstance(exc, anyio.BrokenResourceError | anyio.ClosedResourceError | OSError):
+                raise await self._death(exc) from exc
+            raise
+        return call_id
+
+    async def collect(self, call_id: int) -> list[Reply]:
+        """Wait for a submitted call's replies, in rank order.
+
+        Cancellation: the ranks still run the call; its replies are dropped on arrival.
+        """
+        call = self._pending[call_id]
+        try:
             await call.done.wait()
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            # The rank is gone; the engine learns why (exit code, stderr) within moments.
-            with anyio.move_on_after(DEATH_REPORT_WAIT_S):
-                await self._dead_event.wait()
-            raise self.dead or EngineDeadError(f"worker connection broke: {exc}") from exc
         finally:
             del self._pending[call_id]
         if self.dead is not None:
             raise self.dead
         return [r for r in call.replies if r is not None]
+
+    def discard(self, call_id: int) -> None:
+        """Forget a submitted call that will not be collected: its replies are dropped."""
+        self._pending.pop(call_id, None)
+
+    async def _death(self, exc: BaseException) -> EngineDeadError:
+        """A rank is gone: the engine learns why (exit code, stderr) within moments."""
+        with anyio.move_on_after(DEATH_REPORT_WAIT_S):
+            await self._dead_event.wait()
+        return self.dead or EngineDeadError(f"worker connection broke: {exc}")
 
     async def aclose(self) -> None:
         """Let the readers see EOF and end, then close.
