@@ -117,8 +117,8 @@ from runtime import Engine, SamplingParams
 
 def slow_steps(w):
     import time
-    execute = w.runner.execute
-    w.runner.execute = lambda *a: (time.sleep(0.3), execute(*a))[1]
+    launch = w.runner.launch
+    w.runner.launch = lambda *a: (time.sleep(0.3), launch(*a))[1]
 
 async def main():
     async with Engine(sys.argv[1], manager="private", keep_alive=0) as engine:

@@ -1,7 +1,8 @@
 """Greedy parity with Hugging Face: our batched, paged, chunked, cached, preempted
 generation gives exactly the tokens of `generate(do_sample=False)` run one prompt at a time.
 
-Tiny random-weight models of several architectures (built here) and the real SmolLM2.
+Tiny random-weight models of several architectures (built here), with async scheduling off
+and on, and the real SmolLM2.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ def arch_case(request, tmp_path_factory):
     return model_dir, prompts, hf_greedy(model_dir, prompts)
 
 
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def async_scheduling(request) -> bool:
+    """Each case with one step in flight, and with two (async scheduling)."""
+    return request.param
+
+
 async def generate_all(engine: Engine, prompts: list[list[int]], staggered: bool = False):
     results: list[list[int] | None] = [None] * len(prompts)
 
@@ -74,9 +81,10 @@ async def generate_all(engine: Engine, prompts: list[list[int]], staggered: bool
     return results
 
 
-async def test_together_staggered_and_cached(arch_case, shared_manager):
+async def test_together_staggered_and_cached(arch_case, shared_manager, async_scheduling):
     model_dir, prompts, expected = arch_case
-    async with Engine(model_dir, manager_socket=shared_manager.socket, dtype="float32") as e:
+    async with Engine(model_dir, manager_socket=shared_manager.socket, dtype="float32",
+                      async_scheduling=async_scheduling) as e:  # fmt: skip
         assert await generate_all(e, prompts) == expected
         assert await generate_all(e, prompts, staggered=True) == expected
         # The second and third rounds hit the prefix cache for every full block.
@@ -84,19 +92,21 @@ async def test_together_staggered_and_cached(arch_case, shared_manager):
         assert e.stats().num_free_blocks == e.stats().num_total_blocks
 
 
-async def test_chunked_prefill(arch_case, shared_manager):
+async def test_chunked_prefill(arch_case, shared_manager, async_scheduling):
     model_dir, prompts, expected = arch_case
     async with Engine(model_dir, manager_socket=shared_manager.socket, dtype="float32",
-                      max_num_batched_tokens=7, enable_prefix_caching=False) as e:  # fmt: skip
+                      max_num_batched_tokens=7, enable_prefix_caching=False,
+                      async_scheduling=async_scheduling) as e:  # fmt: skip
         assert await generate_all(e, prompts) == expected
 
 
-async def test_preemption_under_a_tiny_kv_cache(arch_case, shared_manager):
+async def test_preemption_under_a_tiny_kv_cache(arch_case, shared_manager, async_scheduling):
     model_dir, prompts, expected = arch_case
     # 8 blocks of 16 tokens: the longest request needs 102 tokens (7 blocks), so the
     # batch cannot all be resident and requests are preempted and recomputed.
     async with Engine(model_dir, manager_socket=shared_manager.socket, dtype="float32",
-                      kv_cache_memory=8 * 8192, max_model_len=128) as e:  # fmt: skip
+                      kv_cache_memory=8 * 8192, max_model_len=128,
+                      async_scheduling=async_scheduling) as e:  # fmt: skip
         assert e.stats().num_total_blocks == 8
         assert await generate_all(e, prompts) == expected
         assert e.stats().num_preemptions > 0
@@ -132,16 +142,18 @@ def smollm2_case():
 @pytest.mark.slow
 async def test_smollm2_greedy_parity(smollm2_case, shared_manager):
     """Together, staggered (prefix-cache hits), then chunked prefill under a KV cache so small
-    that requests are preempted and recomputed: the same greedy tokens as HF every time."""
+    that requests are preempted and recomputed, with async scheduling off and on: the same
+    greedy tokens as HF every time."""
     prompts, expected = smollm2_case
     async with Engine("smollm2", manager_socket=shared_manager.socket, dtype="float32") as e:
         assert await generate_all(e, prompts) == expected
         assert await generate_all(e, prompts, staggered=True) == expected
         assert e.stats().prefix_cache_hit_rate > 0
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 KV heads x 64
-    async with Engine("smollm2", manager_socket=shared_manager.socket, dtype="float32",
-                      max_num_batched_tokens=24, kv_cache_memory=10 * block_bytes,
-                      max_model_len=160) as e:  # fmt: skip
-        assert e.stats().num_total_blocks == 10
-        assert await generate_all(e, prompts) == expected
-        assert e.stats().num_preemptions > 0
+    for async_scheduling in (False, True):
+        async with Engine("smollm2", manager_socket=shared_manager.socket, dtype="float32",
+                          max_num_batched_tokens=24, kv_cache_memory=10 * block_bytes,
+                          max_model_len=160, async_scheduling=async_scheduling) as e:  # fmt: skip
+            assert e.stats().num_total_blocks == 10
+            assert await generate_all(e, prompts) == expected
+            assert e.stats().num_preemptions > 0

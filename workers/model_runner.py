@@ -10,7 +10,6 @@ prompt token that follows each.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -25,7 +24,14 @@ from protocols.messages import (
 )
 from protocols.sampling import SamplingParams
 from workers import attention
-from workers.sampler import SamplingMetadata, compute_prompt_logprobs, make_generator, sample
+from workers.pending_step import PendingStep
+from workers.sampler import (
+    SamplerOutput,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+    make_generator,
+    sample,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +96,11 @@ class ModelRunner:
             for _ in range(num_layers)
         ]  # fmt: skip
         self.requests: dict[str, CachedRequestState] = {}
+        self._last: PendingStep | None = None  # the step launched last
+        # CUDA's launch returns before the device is done, so the next step can be
+        # launched before this one's tokens are read (workers/worker.py DataServer). On
+        # the CPU a launch computes the whole step: nothing to overlap in the worker.
+        self.overlap_launches = device.type == "cuda"
 
     @staticmethod
     def bytes_per_block(
@@ -102,6 +113,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request (the attached engine went away)."""
         self.requests.clear()
+        self._last = None
 
     # -- persistent batch ----------------------------------------------------------------
 
@@ -131,9 +143,23 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput, call_id: int) -> StepResult:
+        """Run one step to its end: `launch` it and read its tokens back."""
+        return self.launch(so, call_id).result()
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput, call_id: int) -> PendingStep:
+        """Run one step's forward and sampling; its tokens stay on the device until
+        `result()`. The step launched before it must have had `result()` called or be
+        the one whose tokens this step's decodes read (async scheduling: sampled by the
+        worker, not yet known to the engine)."""
+        previous, self._last = self._last, None
+        if previous is not None and previous.is_resolved:
+            previous = None
         self._update_states(so)
+        pending = previous.rows if previous is not None else {}
+        fill_at: list[int] = []  # packed index of each input id the previous step sampled
+        fill_from: list[int] = []  # its row in previous.sampled
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -152,7 +178,17 @@ class ModelRunner:
             state = self.requests[req_id]
             start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
             token_start = len(input_ids)
+            num_known = len(state.all_token_ids)
             input_ids.extend(state.all_token_ids[start:end])
+            if end > num_known:
+                # Its last input is the token the previous step sampled: still on the device.
+                if end != num_known + 1 or req_id not in pending:
+                    raise RuntimeError(f"step {so.step_id}: request {req_id!r} computes "
+                                       f"position {end - 1}, but holds {num_known} tokens")
+                fill_at.append(len(input_ids))
+                fill_from.append(pending[req_id])
+                input_ids.append(0)
+                num_known += 1
             positions.extend(range(start, end))
             blocks = state.block_ids
             state.slots.extend(blocks[p // bs] * bs + p % bs for p in range(len(state.slots), end))
@@ -174,7 +210,7 @@ class ModelRunner:
                 if num_scored > 0:
                     prompt_idx.extend(range(token_start, token_start + num_scored))
                     scored.append((state, start, num_scored))
-            if end == len(state.all_token_ids):  # prompt complete: this step samples
+            if end == num_known:  # prompt complete: this step samples
                 sample_idx.append(len(input_ids) - 1)
                 samplers.append(state)
             state.num_computed_tokens = end
@@ -183,9 +219,15 @@ class ModelRunner:
         else:
             meta = self._attention_metadata(slots, decode_idx, decode_ctx, prefills)
         if not input_ids:
-            return StepResult(call_id, [], [], [], [])
+            return self._launched(call_id, [], None, [])
+        ids = torch.tensor(input_ids, device=self.device)
+        if fill_at:
+            assert previous is not None
+            ids[torch.tensor(fill_at, device=self.device)] = previous.sampled[
+                torch.tensor(fill_from, device=self.device)
+            ]
         out = self.model(
-            input_ids=torch.tensor([input_ids], device=self.device),
+            input_ids=ids[None],
             position_ids=torch.tensor([positions], device=self.device),
             use_cache=False,
             attn_metadata=meta,
@@ -195,10 +237,30 @@ class ModelRunner:
         )
         logits = out.logits[0]  # [num_samplers + num_prompt_positions, V]
         prompt_lps = self._prompt_logprobs(logits[len(sample_idx) :], scored) if scored else []
-        if not samplers:
-            return StepResult(call_id, [], [], [], [], prompt_lps)
-        result = self._sample(logits[: len(sample_idx)], samplers, call_id)
-        return dataclasses.replace(result, prompt_logprobs=prompt_lps) if scored else result
+        if previous is not None and any(
+            s.req_id in pending and _needs_output_ids(s.sampling_params) for s in samplers
+        ):
+            previous.result()  # penalties count the output ids: they must be on the host
+            pending = {}
+        sampled = self._sample(logits[: len(sample_idx)], samplers, pending) if samplers else None
+        return self._launched(call_id, samplers, sampled, prompt_lps)
+
+    def _launched(
+        self, call_id: int, samplers: list[CachedRequestState], sampled: SamplerOutput | None,
+        prompt_lps: list[PromptLogprobs],
+    ) -> PendingStep:  # fmt: skip
+        if sampled is None:
+            none = torch.empty(0, dtype=torch.long)
+            step = PendingStep(call_id, [], none, none.float(), [], prompt_lps)
+        else:
+            top = [
+                None if ids is None else TopLogprobs(ids, lps)
+                for ids, lps in zip(sampled.top_token_ids, sampled.top_logprobs, strict=True)
+            ]
+            step = PendingStep(call_id, samplers, sampled.sampled_token_ids, sampled.logprobs,
+                               top, prompt_lps)  # fmt: skip
+        self._last = step
+        return step
 
     def _prompt_logprobs(
         self, logits: torch.Tensor, scored: list[tuple[CachedRequestState, int, int]]
@@ -279,11 +341,13 @@ class ModelRunner:
         )  # fmt: skip
 
     def _sample(
-        self, logits: torch.Tensor, samplers: list[CachedRequestState], call_id: int
-    ) -> StepResult:
+        self, logits: torch.Tensor, samplers: list[CachedRequestState], pending: dict[str, int]
+    ) -> SamplerOutput:
+        """`pending`: requests whose last sampled token is still on the device (it counts
+        for min_tokens; penalties wait for it on the host, see `launch`)."""
         banned = [
             s.banned_until_min_tokens
-            if len(s.output_token_ids) < s.sampling_params.min_tokens
+            if len(s.output_token_ids) + (s.req_id in pending) < s.sampling_params.min_tokens
             else []
             for s in samplers
         ]
@@ -294,15 +358,9 @@ class ModelRunner:
             [s.output_token_ids for s in samplers],
             banned,
         )
-        result = sample(logits, meta)
-        token_ids = result.sampled_token_ids.tolist()
-        for state, token_id in zip(samplers, token_ids, strict=True):
-            state.output_token_ids.append(token_id)
-            state.all_token_ids.append(token_id)
-        top = [
-            None if ids is None else TopLogprobs(ids, lps)
-            for ids, lps in zip(result.top_token_ids, result.top_logprobs, strict=True)
-        ]
-        return StepResult(
-            call_id, [s.req_id for s in samplers], token_ids, result.logprobs.tolist(), top
-        )
+        return sample(logits, meta)
+
+
+def _needs_output_ids(params: SamplingParams) -> bool:
+    return bool(params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0)  # fmt: skip

@@ -15,6 +15,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -22,11 +23,13 @@ import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import cloudpickle
 from anyio.abc import Listener, SocketStream, UNIXSocketStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from protocols.connection import MessageStream, receive_request, server_handshake
 from protocols.errors import ProtocolError, VersionMismatchError
@@ -45,6 +48,7 @@ from protocols.messages import (
     WorkerReady,
 )
 from workers.peer_auth import describe_peer, refusal
+from workers.pending_step import PendingStep
 from workers.worker_state import Worker
 
 logger = logging.getLogger(__name__)
@@ -220,31 +224,88 @@ class DataServer:
         return True
 
     async def _serve(self, ms: MessageStream, token: bytes) -> None:
+        # A reader task keeps the inbox: the answerer must see whether the engine has sent
+        # the next step already without blocking (or cancelling) a read mid-frame.
+        send, inbox = anyio.create_memory_object_stream[object](math.inf)
+        error: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_read_into, ms, send)
+            try:
+                await self._answer(ms, inbox, token)
+            except Exception as exc:
+                error = exc  # raised below, bare: handle() sorts errors by type
+            tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
+
+    async def _answer(
+        self, ms: MessageStream, inbox: MemoryObjectReceiveStream[object], token: bytes
+    ) -> None:
+        """Answer the calls in order. On CUDA a step's reply waits until the next step is
+        launched if the engine sent it already (async scheduling): that forward then
+        queues behind this one, and the device runs it while this step's tokens are
+        copied back and sent. Elsewhere a launch computes the whole step: reply at once."""
+        runner = self.worker.runner
+        launched: _Launched | None = None  # launched, reply not sent yet
         while True:
-            msg = await ms.receive()
+            if launched is not None:
+                msg = await _next_if_sent(inbox) if runner.overlap_launches else None
+                if msg is None:
+                    await ms.send(self._reply(launched))
+                    launched = None
+                    continue
+            else:
+                msg = await inbox.receive()
+            if isinstance(msg, BaseException):
+                raise msg  # the reader's end: EOF or a protocol error, after every call
             # Calls the engine queued before its lease was revoked are still readable after
             # set_lease's shutdown: none of them runs.
             if not self._is_leased_to(token):
                 logger.info("the attached engine's lease ended: dropping its session")
                 return
             if isinstance(msg, ExecuteStep):
-                reply = self._execute_step(msg)
-            elif isinstance(msg, RunCallable):
-                reply = self._run_callable(msg)
+                step = self._launch(msg)
+                if launched is not None:
+                    await ms.send(self._reply(launched))
+                if isinstance(step, CallFailed):
+                    await ms.send(step)
+                    launched = None
+                else:
+                    launched = step
+                continue
+            if launched is not None:
+                await ms.send(self._reply(launched))
+                launched = None
+            if isinstance(msg, RunCallable):
+                await ms.send(self._run_callable(msg))
             else:
-                reply = ErrorReply("bad_request", f"a worker does not take {type(msg).__name__}")
-            await ms.send(reply)
+                await ms.send(
+                    ErrorReply("bad_request", f"a worker does not take {type(msg).__name__}")
+                )
 
-    def _execute_step(self, msg: ExecuteStep) -> StepResult | CallFailed:
+    def _launch(self, msg: ExecuteStep) -> _Launched | CallFailed:
+        start = time.perf_counter()
         try:
-            start = time.perf_counter()
-            result = self.worker.runner.execute(msg.scheduler_output, msg.call_id)
-            return dataclasses.replace(result, worker_time_s=time.perf_counter() - start)
+            step = self.worker.runner.launch(msg.scheduler_output, msg.call_id)
         except Exception as exc:
-            logger.exception("step %d failed", msg.scheduler_output.step_id)
-            # The step's requests are failed by the engine; our batch state is suspect.
-            self.worker.runner.reset()
-            return CallFailed(msg.call_id, type(exc).__qualname__, str(exc), traceback.format_exc())
+            return self._failed(msg.call_id, msg.scheduler_output.step_id, exc)
+        return _Launched(msg, step, time.perf_counter() - start)
+
+    def _reply(self, launched: _Launched) -> StepResult | CallFailed:
+        """The launched step's result, once its tokens are on the host."""
+        start = time.perf_counter()
+        try:
+            result = launched.step.result()
+        except Exception as exc:
+            return self._failed(launched.msg.call_id, launched.msg.scheduler_output.step_id, exc)
+        worker_s = launched.launch_s + time.perf_counter() - start
+        return dataclasses.replace(result, worker_time_s=worker_s)
+
+    def _failed(self, call_id: int, step_id: int, exc: Exception) -> CallFailed:
+        logger.exception("step %d failed", step_id, exc_info=exc)
+        # The step's requests are failed by the engine; our batch state is suspect.
+        self.worker.runner.reset()
+        return CallFailed(call_id, type(exc).__qualname__, str(exc), traceback.format_exc())
 
     def _run_callable(self, msg: RunCallable) -> CallResult | CallFailed:
         # Runs on the event loop thread on purpose: model work is this process's only job,
@@ -255,6 +316,33 @@ class DataServer:
         except Exception as exc:
             return CallFailed(msg.call_id, type(exc).__qualname__, str(exc), traceback.format_exc())
 
+
+@dataclass(eq=False, slots=True)
+class _Launched:
+    msg: ExecuteStep
+    step: PendingStep
+    launch_s: float  # the launch's share of the worker's time for this step
+
+
+async def _read_into(ms: MessageStream, inbox: MemoryObjectSendStream[object]) -> None:
+    """Every message from the engine into `inbox`, then what ended the connection."""
+    try:
+        while True:
+            inbox.send_nowait(await ms.receive())
+    except Exception as exc:
+        inbox.send_nowait(exc)
+
+
+async def _next_if_sent(inbox: MemoryObjectReceiveStream[object]) -> object | None:
+    """The next message if it has arrived, else None; never waits for one."""
+    # Two turns of the event loop: one for the socket poll that wakes the reader, one
+    # for the reader itself (trio may run it after us within the first).
+    for _ in range(2):
+        await anyio.lowlevel.checkpoint()
+    try:
+        return inbox.receive_nowait()
+    except anyio.WouldBlock:
+        return None
 
 
 if __name__ == "__main__":

@@ -98,13 +98,13 @@ async def test_step_that_raises_fails_its_requests_and_the_engine_serves_on(
         """Runs on the worker (sent by value: defined here, not importable there): its
         next step raises, the ones after run as before."""
         runner = worker.runner
-        execute = runner.execute
+        launch = runner.launch
 
         def failing(*args, **kwargs):
-            runner.execute = execute
+            runner.launch = launch
             raise RuntimeError("injected fault in the forward pass")
 
-        runner.execute = failing
+        runner.launch = failing
 
     async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
                       max_num_seqs=14) as engine:  # fmt: skip

@@ -1,0 +1,253 @@
+"""Async scheduling: step N+1 goes out before step N's tokens are back, with the same outputs.
+
+The model runner launched one step ahead (its decodes read the previous step's tokens
+from the device) samples what it samples step by step; engines with async scheduling on,
+on with the worker's launch-ahead forced (the CUDA path, here on the CPU), and off give
+identical outputs for greedy, seeded, penalized, stopped, n=2 and logprob requests; a
+step that raises fails only its requests, and aborts mid-flight free everything.
+(Greedy parity with HF under async scheduling: tests/test_generation_parity.py.)
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from protocols.sampling import SamplingParams
+from runtime import Engine
+from runtime.errors import EngineStepError
+from runtime.request import Request
+from runtime.scheduler import Scheduler, SchedulerConfig
+from workers.model_loader import load_model
+from workers.model_runner import ModelRunner
+
+EOS = 2
+RUNNER_REQUESTS = {
+    "greedy": ([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
+    "seeded": ([10, 11, 12], SamplingParams(temperature=1.0, seed=7, max_tokens=12)),
+    "penalized": ([13, 14, 15, 16], SamplingParams(
+        temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, max_tokens=12)),
+    # Nearly every token stops it, but only from the 5th on (4 come first): min_tokens
+    # must count the token still on the device, or the ban would last a step longer.
+    "min_tokens": ([17, 18], SamplingParams(
+        temperature=0.0, min_tokens=4, max_tokens=10, stop_token_ids=list(range(3, 250)))),
+    "logprobs": ([19, 20, 21], SamplingParams(temperature=0.0, max_tokens=9, logprobs=3,
+                                             prompt_logprobs=2)),
+    "chunked": (list(range(30, 70)), SamplingParams(temperature=0.0, max_tokens=6)),
+}  # fmt: skip
+
+
+def drive_runner(runner: ModelRunner, ahead: bool) -> dict[str, list[tuple]]:
+    """A real Scheduler over `runner`. ahead: launch step N+1 before reading step N's
+    tokens (the engine applies them after), as async scheduling on CUDA does."""
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24,
+                                          max_model_len=64, block_size=16,
+                                          num_blocks=runner.num_blocks))  # fmt: skip
+    for req_id, (prompt, params) in RUNNER_REQUESTS.items():
+        scheduler.add_request(Request(req_id, prompt, params, frozenset({EOS}), 64, 0.0))
+    outputs: dict[str, list[tuple]] = {req_id: [] for req_id in RUNNER_REQUESTS}
+
+    def apply(so, step) -> None:
+        for out in scheduler.update_from_output(so, step.result()):
+            outputs[out.request_id].append(
+                (out.new_token_ids, out.new_logprobs, out.new_top_logprobs, out.finish_reason)
+            )
+
+    held = None
+    for call_id in range(200):
+        if not scheduler.has_unfinished_requests() and held is None:
+            return outputs
+        so = scheduler.schedule()
+        step = runner.launch(so, call_id) if so.num_scheduled_tokens else None
+        if not ahead:
+            if step is not None:
+                apply(so, step)
+            continue
+        if held is not None:
+            apply(*held)
+        held = (so, step) if step is not None else None
+    raise AssertionError("requests did not finish")
+
+
+def tokens_and_ends(outputs: dict[str, list[tuple]]) -> dict[str, list]:
+    return {req_id: [(o[0], o[3]) for o in outs] for req_id, outs in outputs.items()}
+
+
+def make_runner(model_dir: str) -> ModelRunner:
+    loaded = load_model(model_dir, dtype="float32")
+    return ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
+                       dtype=torch.float32, block_size=16, num_blocks=24)  # fmt: skip
+
+
+def test_runner_launched_ahead_samples_what_it_samples_step_by_step(tiny_model):
+    step_by_step = drive_runner(make_runner(tiny_model), ahead=False)
+    ahead = drive_runner(make_runner(tiny_model), ahead=True)
+    assert tokens_and_ends(ahead) == tokens_and_ends(step_by_step)
+    # Batches differ (a finished request may be computed once more): the last float bits too.
+    for req_id, outs in ahead.items():
+        for (_, lps, top, _), (_, ref_lps, ref_top, _) in zip(outs, step_by_step[req_id]):
+            assert lps == pytest.approx(ref_lps, abs=1e-5)
+            assert [t and t.token_ids for t in top] == [t and t.token_ids for t in ref_top]
+    lengths = {req_id: sum(len(o[0]) for o in outs) for req_id, outs in ahead.items()}
+    assert lengths == {"greedy": 12, "seeded": lengths["seeded"], "penalized": 12,
+                       "min_tokens": 5, "logprobs": 9, "chunked": 6}  # fmt: skip
+    assert all(outs[-1][3] is not None for outs in ahead.values())
+
+
+def test_runner_refuses_a_step_whose_input_token_it_never_sampled(tiny_model):
+    runner = make_runner(tiny_model)
+    scheduler = Scheduler(SchedulerConfig(8, 64, 64, 16, runner.num_blocks))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    scheduler.add_request(Request("a", [5, 6, 7], params, frozenset({EOS}), 64, 0.0))
+    runner.launch(scheduler.schedule(), 0)
+    runner.launch(scheduler.schedule(), 1)  # reads step 0's token from the device
+    # Step 2 would read step 0's token from the host, but nobody read it back.
+    with pytest.raises(RuntimeError, match="request 'a' computes position 4, but holds 3"):
+        runner.launch(scheduler.schedule(), 2)
+
+
+# -- through the engine ----------------------------------------------------------------
+
+PROMPTS = ["w5 w7 w9", "w11 w12", "w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14"]
+ENGINE_PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.9, seed=3, max_tokens=16, n=2, logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=0.7, min_tokens=3,
+                   stop_token_ids=[40, 41, 42, 43]),
+    SamplingParams(temperature=0.0, max_tokens=30, stop=["w1"], ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=1, ignore_eos=True),
+]  # fmt: skip
+
+
+async def force_launch_ahead(engine: Engine) -> None:
+    """The worker replies to a step after launching the next, as on CUDA. (Sent by value:
+    a lambda, not a function of this module, which the worker cannot import.)"""
+    await engine.collective_rpc(lambda worker: setattr(worker.runner, "overlap_launches", True))
+
+
+async def all_outputs(engine: Engine) -> list:
+    results: dict[tuple[int, int], object] = {}
+
+    async def one(i: int, j: int) -> None:
+        async for out in engine.generate(PROMPTS[i], ENGINE_PARAMS[j]):
+            results[i, j] = out
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(PROMPTS)):
+            for j in range(len(ENGINE_PARAMS)):
+                tg.start_soon(one, i, j)
+    return [
+        (key, [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs],
+         logprob_values(out))
+        for key, out in sorted(results.items())
+    ]  # fmt: skip
+
+
+def logprob_values(out) -> list[tuple[int, float]]:
+    """Every (token id, logprob) the output carries, prompt logprobs first."""
+    rows = list(out.prompt_logprobs or []) + [r for c in out.outputs for r in c.logprobs or []]
+    return [(token, lp.logprob) for row in rows if row for token, lp in row.items()]
+
+
+def assert_same_outputs(outputs: list, reference: list) -> None:
+    """Tokens, text and finish reasons exactly; logprobs to float noise (batches differ:
+    a finished request may be computed once more, which moves the last bits)."""
+    assert [o[:2] for o in outputs] == [r[:2] for r in reference]
+    for (_, _, lps), (_, _, ref) in zip(outputs, reference, strict=True):
+        assert [t for t, _ in lps] == [t for t, _ in ref]
+        assert [lp for _, lp in lps] == pytest.approx([lp for _, lp in ref], abs=1e-5)
+
+
+@pytest.mark.anyio
+async def test_engine_outputs_are_identical_with_async_scheduling_on_and_off(
+    tiny_model, shared_manager, anyio_backend
+):
+    runs = {}
+    for mode in ("off", "on", "on, launch ahead"):
+        async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
+                          async_scheduling=mode != "off", seed=11) as engine:  # fmt: skip
+            if mode == "on, launch ahead":
+                await force_launch_ahead(engine)
+            runs[mode] = await all_outputs(engine)
+            stats = engine.stats()
+            assert stats.num_free_blocks == stats.num_total_blocks
+    assert_same_outputs(runs["on"], runs["off"])
+    assert_same_outputs(runs["on, launch ahead"], runs["off"])
+    finish_reasons = {c[2] for _, outs, _ in runs["off"] for c in outs}
+    assert finish_reasons == {"stop", "length"}
+    assert sum(len(lps) for _, _, lps in runs["off"]) > 100
+
+
+@pytest.mark.anyio
+async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(
+    tiny_model, shared_manager, anyio_backend
+):
+    def fail_next_launch(worker) -> None:
+        """On the worker (sent by value): the next launch raises, later ones run."""
+        runner = worker.runner
+        launch = runner.launch
+
+        def failing(*args, **kwargs):
+            runner.launch = launch
+            raise RuntimeError("injected fault in the forward pass")
+
+        runner.overlap_launches = True
+        runner.launch = failing
+
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
+                      async_scheduling=True) as engine:  # fmt: skip
+        expected = [o async for o in engine.generate("w5 w6", short)][-1].outputs[0].token_ids
+        errors: list[str] = []
+
+        async def doomed(prompt: str, started: anyio.Event) -> None:
+            try:
+                async for _ in engine.generate(prompt, long):
+                    started.set()
+            except EngineStepError as exc:
+                errors.append(str(exc))
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for prompt in ("w7 w8", "w9"):
+                    started = anyio.Event()
+                    tg.start_soon(doomed, prompt, started)
+                    await started.wait()
+                await engine.collective_rpc(fail_next_launch)
+        assert errors == ["RuntimeError: injected fault in the forward pass"] * 2
+        again = [o async for o in engine.generate("w5 w6", short)][-1].outputs[0].token_ids
+        assert again == expected
+        await engine.wait_until_idle()
+        stats = engine.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+        assert stats.num_running == stats.num_waiting == 0
+
+
+@pytest.mark.anyio
+async def test_abort_with_two_steps_in_flight_frees_its_blocks(
+    tiny_model, shared_manager, anyio_backend
+):
+    long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
+                      async_scheduling=True) as engine:  # fmt: skip
+        await force_launch_ahead(engine)
+        alone = [o async for o in engine.generate("w8 w9", short)][-1].outputs[0].token_ids
+        kept: list[int] = []
+
+        async def keep() -> None:
+            async for out in engine.generate("w8 w9", short):
+                kept[:] = out.outputs[0].token_ids
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(keep)
+            async for out in engine.generate("w4 w5", long):
+                if len(out.outputs[0].token_ids) >= 5:
+                    break  # leaving the stream aborts the request
+        assert kept == alone
+        await engine.wait_until_idle()
+        stats = engine.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+        assert stats.num_finished.get("abort") == 1

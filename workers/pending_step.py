@@ -1,0 +1,62 @@
+"""PendingStep: a launched step's sampled tokens, kept on the device until the host needs them.
+
+With async scheduling the next step is launched before this one's tokens are read back:
+its decode inputs take those tokens straight from the device tensor (`rows` says which
+row is whose), and the device-to-host copy overlaps the next forward. `result()` waits
+for the copy, appends the tokens to the requests' state and builds the StepResult once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from protocols.messages import PromptLogprobs, StepResult, TopLogprobs
+
+
+@dataclass(eq=False)
+class PendingStep:
+    call_id: int
+    samplers: list[Any]  # the CachedRequestState of each sampled row, in row order
+    sampled: torch.Tensor  # [B] int64 on the device: what the next step's decodes read
+    logprobs: torch.Tensor  # [B] float32
+    top_logprobs: list[TopLogprobs | None]
+    prompt_logprobs: list[PromptLogprobs]
+    rows: dict[str, int] = field(init=False)  # request id -> its row in `sampled`
+    _host: tuple[torch.Tensor, torch.Tensor] | None = field(init=False, default=None)
+    _copied: Any = field(init=False, default=None)  # torch.cuda.Event of the copy
+    _result: StepResult | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.rows = {state.req_id: row for row, state in enumerate(self.samplers)}
+        if self.sampled.is_cuda:
+            # Start the copy now, on the current stream, without blocking the host: the
+            # next step's kernels queue up behind it and the host waits only in result().
+            self._host = (self.sampled.to("cpu", non_blocking=True),
+                          self.logprobs.to("cpu", non_blocking=True))  # fmt: skip
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = (self.sampled, self.logprobs)
+
+    @property
+    def is_resolved(self) -> bool:
+        return self._result is not None
+
+    def result(self) -> StepResult:
+        """The step's StepResult; the first call reads the tokens into the requests' state."""
+        if self._result is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            assert self._host is not None
+            token_ids = self._host[0].tolist()
+            for state, token_id in zip(self.samplers, token_ids, strict=True):
+                state.output_token_ids.append(token_id)
+                state.all_token_ids.append(token_id)
+            self._result = StepResult(
+                self.call_id, [s.req_id for s in self.samplers], token_ids,
+                self._host[1].tolist(), self.top_logprobs, self.prompt_logprobs,
+            )  # fmt: skip
+        return self._result
