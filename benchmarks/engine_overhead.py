@@ -7,10 +7,15 @@ batch size B; the split comes from `Engine.stats().step_timings` (runtime/step_t
 
     loom bench overhead [--batch-sizes 1,16,64] [--max-tokens 128] [--prompt-len 16]
         [--backends asyncio,trio] [--worker-threads 1] [--model M --kv-cache-memory GIB]
+        [--async-scheduling off|on|both --rounds 3]
     (or: .venv/bin/python benchmarks/engine_overhead.py ...)
 
 With `--model` (smollm2, a path), the same split for a real model: how much of its step is
 outside the forward pass, i.e. what overlapping the engine with the worker could win.
+
+`--async-scheduling both [--rounds 3]` measures what it does win: engines with async
+scheduling off and on, alternated, in one run; prints each batch size's tokens/s ratio
+on/off (median over the rounds, with the lowest and highest).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -79,10 +85,11 @@ async def run_batch(
     return elapsed, num_tokens, engine.stats().step_timings - before
 
 
-async def run_all(model: str, args: argparse.Namespace) -> list[Row]:
+async def run_all(model: str, args: argparse.Namespace, async_scheduling: bool) -> list[Row]:
     options = dict(
         dtype="float32", device=args.device, max_num_seqs=max(args.batch_sizes),
         kv_cache_memory=int(args.kv_cache_memory * 2**30), keep_alive=0,
+        async_scheduling=async_scheduling,
     )  # fmt: skip
     if args.manager_socket:
         options["manager_socket"] = Path(args.manager_socket)
@@ -98,8 +105,8 @@ async def run_all(model: str, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def print_table(backend: str, rows: list[Row]) -> None:
-    print(f"\nbackend {backend}: ms per step (schedule .. output add up to 'step'; "
+def print_table(title: str, rows: list[Row]) -> None:
+    print(f"\n{title}: ms per step (schedule .. output add up to 'step'; "
           "'loop' is wall time / steps)")  # fmt: skip
     head = ["batch", "steps", "steps/s", "tok/s", *PHASES, "step", "outside fwd", "outside %",
             "loop"]  # fmt: skip
@@ -127,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None,
                    help="a real model (smollm2, a path) instead of the tiny random llama")
     p.add_argument("--kv-cache-memory", type=float, default=0.0625, help="GiB of KV cache")
+    p.add_argument("--async-scheduling", choices=["off", "on", "both"], default="off",
+                   help="both: each mode, alternated, and the ratio")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds with 'both'")
     p.add_argument("--worker-threads", type=int, default=1,
                    help="OMP_NUM_THREADS for the private manager's workers (0: leave as is)")
     args = p.parse_args(argv)
@@ -137,8 +147,27 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="loom-bench-") as tmp:
         model = args.model or make_tiny_llama(Path(tmp))
         for backend in args.backends.split(","):
-            rows = anyio.run(run_all, model, args, backend=backend)
-            print_table(backend, rows)
+            if args.async_scheduling != "both":
+                on = args.async_scheduling == "on"
+                rows = anyio.run(run_all, model, args, on, backend=backend)
+                print_table(f"backend {backend}, async scheduling {args.async_scheduling}", rows)
+                continue
+            ratios: dict[int, list[float]] = {b: [] for b in args.batch_sizes}
+            for round_ in range(args.rounds):
+                tok_s = {}
+                for on in (False, True):
+                    rows = anyio.run(run_all, model, args, on, backend=backend)
+                    mode = "on" if on else "off"
+                    print_table(f"backend {backend}, async scheduling {mode}, round {round_ + 1}",
+                                rows)  # fmt: skip
+                    tok_s[on] = {batch: tokens / seconds for batch, seconds, tokens, _ in rows}
+                for batch in args.batch_sizes:
+                    ratios[batch].append(tok_s[True][batch] / tok_s[False][batch])
+            print(f"\nbackend {backend}: tokens/s with async scheduling on / off, "
+                  f"{args.rounds} alternated rounds")  # fmt: skip
+            for batch, r in ratios.items():
+                print(f"  batch {batch:3d}: x{statistics.median(r):.3f} "
+                      f"(min x{min(r):.3f}, max x{max(r):.3f})")  # fmt: skip
 
 
 if __name__ == "__main__":

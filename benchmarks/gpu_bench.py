@@ -17,8 +17,9 @@ request sent at once), transformers `generate` (padded batches of --hf-batch) an
 transformers' continuous batching (each request with its own
 max_new_tokens), with ratios; (b) one stream's decode tokens/s against the bandwidth
 limit (measured device copy bandwidth / the weight bytes a decode step reads); (c) the
-share of each engine step that the device spends idle waiting for the engine (schedule,
-IPC, output: Engine.stats()'s step timings, the forward excluded).
+share of the run that the device spends idle between steps (the worker's DeviceIdleProbe:
+CUDA events at each forward's start and sampling's end), with async scheduling on (the
+headline row) and off, and the engine's own time a step (schedule, IPC, output).
 `--shape tiny --device cpu` runs it on a CPU in seconds.
 """
 
@@ -86,21 +87,26 @@ def sharegpt_like(num: int, vocab: int, seed: int, prompt_mean: float = 200,
     return pairs
 
 
-def run_loomllm(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace):
-    """(seconds, output tokens, the engine's step timings over the run)."""
+def run_loomllm(
+    model: str, work: list[tuple[list[int], int]], args: argparse.Namespace,
+    async_scheduling: bool,
+):  # fmt: skip
+    """(seconds, output tokens, the engine's step timings over the run, the device's busy
+    and idle time between steps from the worker's DeviceIdleProbe)."""
     import anyio
 
     from runtime import Engine, SamplingParams
 
-    async def run() -> tuple[float, int, Any]:
+    async def run() -> tuple[float, int, Any, Any]:
         async with Engine(model, load_format="dummy", dtype=args.dtype, device=args.device,
-                          max_num_seqs=args.max_num_seqs, keep_alive=0,
-                          manager="private") as engine:  # fmt: skip
+                          max_num_seqs=args.max_num_seqs, keep_alive=0, manager="private",
+                          async_scheduling=async_scheduling) as engine:  # fmt: skip
             warm = SamplingParams(max_tokens=4, ignore_eos=True)
             async with engine.generate({"prompt_token_ids": work[0][0]}, warm) as stream:
                 async for _ in stream:
                     pass
             before = engine.stats().step_timings
+            await engine.collective_rpc(lambda worker: worker.runner.start_idle_probe())
             tokens = 0
 
             async def one(prompt: list[int], n: int) -> None:
@@ -116,7 +122,8 @@ def run_loomllm(model: str, work: list[tuple[list[int], int]], args: argparse.Na
                 for prompt, n in work:
                     tg.start_soon(one, prompt, n)
             elapsed = time.perf_counter() - start
-            return elapsed, tokens, engine.stats().step_timings - before
+            (device,) = await engine.collective_rpc(lambda w: w.runner.stop_idle_probe())
+            return elapsed, tokens, engine.stats().step_timings - before, device
 
     return anyio.run(run)
 
@@ -321,9 +328,11 @@ def main(argv: list[str] | None = None) -> None:
         prompt_tokens = sum(len(p) for p, _ in work)
         print(f"{args.shape} on {device_name}, {args.dtype}: {len(work)} requests, "
               f"{prompt_tokens} prompt and {sum(n for _, n in work)} output tokens")  # fmt: skip
-        rows = []
-        seconds, tokens, timings = run_loomllm(model, work, args)
-        rows.append(("loomllm", seconds, tokens))
+        rows, steps = [], []
+        for on in (True, False):  # async scheduling first: the headline figure
+            seconds, tokens, timings, device = run_loomllm(model, work, args, on)
+            rows.append((f"loomllm, async scheduling {'on' if on else 'off'}", seconds, tokens))
+            steps.append((on, timings, device))
         if not args.skip_serve:
             rows.append(("loomllm through loom serve", *run_served(model, work, args)))
         if not args.skip_hf:
@@ -340,11 +349,14 @@ def main(argv: list[str] | None = None) -> None:
         print("|---|---|---|---|---|")
         for name, s, n in rows:
             print(f"| {name} | {s:.1f} | {n} | {n / s:.0f} | {ours / (n / s):.2f} |")
-        ms = timings.per_step_ms()
-        idle = 100 * ms["outside_forward"] / max(ms["total"], 1e-9)
-        print(f"\nengine steps: {timings.num_steps}, {ms['total']:.2f} ms each, of which "
-              f"{ms['outside_forward']:.2f} ms outside the worker's forward: the device idles "
-              f"{idle:.1f}% of each step")  # fmt: skip
+        for on, timings, device in steps:
+            ms = timings.per_step_ms()
+            print(f"\nasync scheduling {'on' if on else 'off'}: {timings.num_steps} engine steps, "
+                  f"{ms['total']:.2f} ms each, {ms['outside_forward']:.2f} ms of it in the "
+                  f"engine (schedule, IPC, output; overlapped with the forward when on); the "
+                  f"device idled {100 * device.idle_fraction:.1f}% between steps "
+                  f"({device.idle_s * 1e3 / max(device.steps - 1, 1):.3f} ms a gap, "
+                  f"{device.busy_s * 1e3 / max(device.steps, 1):.2f} ms busy a step)")  # fmt: skip
         per_token = single_stream_loomllm(model, work[0][0], args.stream_tokens, args)
         limit = copy_bandwidth(args.device) / decode_weight_bytes(args.shape, args.dtype)
         print(f"\none stream: {1 / per_token:.1f} tok/s ({per_token * 1e3:.2f} ms/token); "

@@ -86,13 +86,26 @@ def test_runner_launched_ahead_samples_what_it_samples_step_by_step(tiny_model):
     assert tokens_and_ends(ahead) == tokens_and_ends(step_by_step)
     # Batches differ (a finished request may be computed once more): the last float bits too.
     for req_id, outs in ahead.items():
-        for (_, lps, top, _), (_, ref_lps, ref_top, _) in zip(outs, step_by_step[req_id]):
+        for (_, lps, top, _), (_, ref_lps, ref_top, _) in zip(outs, step_by_step[req_id],
+                                                              strict=True):  # fmt: skip
             assert lps == pytest.approx(ref_lps, abs=1e-5)
             assert [t and t.token_ids for t in top] == [t and t.token_ids for t in ref_top]
     lengths = {req_id: sum(len(o[0]) for o in outs) for req_id, outs in ahead.items()}
     assert lengths == {"greedy": 12, "seeded": lengths["seeded"], "penalized": 12,
                        "min_tokens": 5, "logprobs": 9, "chunked": 6}  # fmt: skip
     assert all(outs[-1][3] is not None for outs in ahead.values())
+
+
+def test_idle_probe_counts_each_launched_step(tiny_model):
+    runner = make_runner(tiny_model)
+    launched = []
+    launch = runner.launch
+    runner.launch = lambda so, call_id: (launched.append(call_id), launch(so, call_id))[1]
+    runner.start_idle_probe()
+    drive_runner(runner, ahead=True)
+    device = runner.stop_idle_probe()
+    assert device.steps == len(launched) > 10 and runner.idle_probe is None
+    assert device.busy_s > 0 and device.idle_s > 0 and 0 < device.idle_fraction < 1
 
 
 def test_runner_refuses_a_step_whose_input_token_it_never_sampled(tiny_model):

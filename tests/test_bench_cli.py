@@ -43,8 +43,11 @@ def test_gpu_benchmark_runs_on_the_cpu_at_the_tiny_shape() -> None:
     rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in done.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| engine")}  # fmt: skip
     asked = int(re.search(r"(\d+) output tokens", done.stdout).group(1))
-    assert len(rows) == 4 and all(int(cells[1]) == asked for cells in rows.values()), rows
-    assert re.search(r"the device idles \d+\.\d% of each step", done.stdout)
+    assert len(rows) == 5 and all(int(cells[1]) == asked for cells in rows.values()), rows
+    idle = re.findall(r"async scheduling (on|off): (\d+) engine steps.* the device idled "
+                      r"(\d+\.\d)% between steps", done.stdout)  # fmt: skip
+    assert [mode for mode, _, _ in idle] == ["on", "off"], done.stdout
+    assert all(int(steps) >= 8 and 0 <= float(share) <= 100 for _, steps, share in idle)
     assert re.search(r"one stream: [\d.]+ tok/s .* bandwidth limit [\d.]+ tok/s", done.stdout)
 
 

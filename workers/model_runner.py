@@ -24,6 +24,8 @@ from protocols.messages import (
 )
 from protocols.sampling import SamplingParams
 from workers import attention
+from workers.device_copy import device_tensor, to_device
+from workers.device_idle import DeviceIdleProbe, DeviceTime
 from workers.pending_step import PendingStep
 from workers.sampler import (
     SamplerOutput,
@@ -101,6 +103,7 @@ class ModelRunner:
         # launched before this one's tokens are read (workers/worker.py DataServer). On
         # the CPU a launch computes the whole step: nothing to overlap in the worker.
         self.overlap_launches = device.type == "cuda"
+        self.idle_probe: DeviceIdleProbe | None = None  # set by start_idle_probe()
 
     @staticmethod
     def bytes_per_block(
@@ -109,6 +112,15 @@ class ModelRunner:
         num_layers, num_kv_heads, head_dim = kv_geometry(config, tp_size)
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+    def start_idle_probe(self) -> None:
+        """Measure the device's busy and idle time from the next step on (benchmarks)."""
+        self.idle_probe = DeviceIdleProbe(self.device)
+
+    def stop_idle_probe(self) -> DeviceTime:
+        assert self.idle_probe is not None, "start_idle_probe() first"
+        probe, self.idle_probe = self.idle_probe, None
+        return probe.result()
 
     def reset(self) -> None:
         """Forget every request (the attached engine went away)."""
@@ -220,20 +232,21 @@ class ModelRunner:
             meta = self._attention_metadata(slots, decode_idx, decode_ctx, prefills)
         if not input_ids:
             return self._launched(call_id, [], None, [])
-        ids = torch.tensor(input_ids, device=self.device)
+        dev = self.device
+        ids = device_tensor(input_ids, torch.long, dev)
         if fill_at:
             assert previous is not None
-            ids[torch.tensor(fill_at, device=self.device)] = previous.sampled[
-                torch.tensor(fill_from, device=self.device)
+            ids[device_tensor(fill_at, torch.long, dev)] = previous.sampled[
+                device_tensor(fill_from, torch.long, dev)
             ]
+        if self.idle_probe is not None:
+            self.idle_probe.step_started()
         out = self.model(
             input_ids=ids[None],
-            position_ids=torch.tensor([positions], device=self.device),
+            position_ids=device_tensor([positions], torch.long, dev),
             use_cache=False,
             attn_metadata=meta,
-            logits_to_keep=torch.tensor(
-                sample_idx + prompt_idx, dtype=torch.long, device=self.device
-            ),
+            logits_to_keep=device_tensor(sample_idx + prompt_idx, torch.long, dev),
         )
         logits = out.logits[0]  # [num_samplers + num_prompt_positions, V]
         prompt_lps = self._prompt_logprobs(logits[len(sample_idx) :], scored) if scored else []
@@ -243,6 +256,8 @@ class ModelRunner:
             previous.result()  # penalties count the output ids: they must be on the host
             pending = {}
         sampled = self._sample(logits[: len(sample_idx)], samplers, pending) if samplers else None
+        if self.idle_probe is not None:
+            self.idle_probe.step_ended()
         return self._launched(call_id, samplers, sampled, prompt_lps)
 
     def _launched(
@@ -292,14 +307,14 @@ class ModelRunner:
         for i, context in enumerate(decode_ctx):
             padded[i, : len(context)] = torch.tensor(context)
             valid[i, : len(context)] = True
-        valid = valid.to(self.device)
+        valid = to_device(valid, self.device)
         bias = torch.zeros(valid.shape, dtype=self.kv_caches[0][0].dtype, device=self.device)
         bias.masked_fill_(~valid, float("-inf"))
         return attention.AttentionMetadata(
             kv_caches=self.kv_caches,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            decode_token_idx=torch.tensor(decode_idx, dtype=torch.long, device=self.device),
-            decode_slots=padded.to(self.device),
+            slot_mapping=device_tensor(slots, torch.long, self.device),
+            decode_token_idx=device_tensor(decode_idx, torch.long, self.device),
+            decode_slots=to_device(padded, self.device),
             decode_valid=valid,
             decode_bias=bias[:, None, None, :],
             prefills=prefills,
@@ -315,10 +330,11 @@ class ModelRunner:
         def tables(states: list[CachedRequestState]) -> torch.Tensor:
             width = max((len(s.block_ids) for s in states), default=0)
             rows = [s.block_ids + [0] * (width - len(s.block_ids)) for s in states]
-            return torch.tensor(rows, dtype=torch.int32).reshape(len(states), width).to(dev)
+            return to_device(torch.tensor(rows, dtype=torch.int32).reshape(len(states), width),
+                             dev)  # fmt: skip
 
         def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=dev)
+            return device_tensor(values, torch.int32, dev)
 
         decode_lens = [s.num_computed_tokens for s in decode_states]  # already advanced
         prefill_lens = [s.num_computed_tokens for s in prefill_states]
@@ -334,8 +350,8 @@ class ModelRunner:
         none = torch.empty((0, 0), dtype=torch.long, device=dev)
         return attention.AttentionMetadata(
             kv_caches=self.kv_caches,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decode_token_idx=torch.tensor(decode_idx, dtype=torch.long, device=dev),
+            slot_mapping=device_tensor(slots, torch.long, dev),
+            decode_token_idx=device_tensor(decode_idx, torch.long, dev),
             decode_slots=none, decode_valid=none.bool(), decode_bias=none, prefills=prefills,
             paged=paged,
         )  # fmt: skip

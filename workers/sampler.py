@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from protocols.sampling import SamplingParams
+from workers.device_copy import device_tensor, to_device
 
 _GREEDY_EPSILON = 1e-5  # same threshold as SamplingParams.is_greedy
 
@@ -116,8 +117,8 @@ def apply_banned(x: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
         return x
     rows = [i for i, ids in enumerate(banned) for _ in ids]
     cols = [t for ids in banned for t in ids]
-    index = (torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device))
-    return x.index_put(index, torch.tensor(float("-inf"), device=x.device))
+    index = (device_tensor(rows, torch.long, x.device), device_tensor(cols, torch.long, x.device))
+    return x.index_put(index, torch.full((), float("-inf"), device=x.device))
 
 
 def apply_penalties(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -137,11 +138,11 @@ def apply_penalties(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         prompt = _padded(meta.prompt_token_ids, vocab, device)  # [B, Lp]
         in_prompt = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
         in_prompt.scatter_(1, prompt, True)
-        rep = meta.repetition_penalty.to(device)[:, None]  # [B, 1]
+        rep = to_device(meta.repetition_penalty, device)[:, None]  # [B, 1]
         penalized = torch.where(x > 0, x / rep, x * rep)  # [B, V]
         x = torch.where(in_prompt[:, :vocab] | seen, penalized, x)
-    freq = meta.frequency_penalty.to(device)[:, None]  # [B, 1]
-    presence = meta.presence_penalty.to(device)[:, None]  # [B, 1]
+    freq = to_device(meta.frequency_penalty, device)[:, None]  # [B, 1]
+    presence = to_device(meta.presence_penalty, device)[:, None]  # [B, 1]
     return x - freq * counts - presence * seen.float()
 
 
@@ -149,20 +150,22 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     """Ragged id lists as one [B, width] int64 tensor, padded with `pad`."""
     width = max((len(r) for r in rows), default=0)
     padded = [r + [pad] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(rows), width)
+    return device_tensor(padded, torch.int64, device).reshape(len(rows), width)
 
 
 def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then an exponential race; greedy rows take argmax."""
     device = x.device
-    greedy = torch.tensor(meta.is_greedy, device=device)  # [B] bool
-    temperature = meta.temperature.to(device)
+    greedy = device_tensor(meta.is_greedy, torch.bool, device)  # [B]
+    temperature = to_device(meta.temperature, device)
     scaled = x / torch.where(greedy, 1.0, temperature)[:, None]  # [B, V]
     if meta.has_top_k_top_p:
-        scaled = _apply_top_k_top_p(scaled, meta.top_k.to(device), meta.top_p.to(device))
+        scaled = _apply_top_k_top_p(
+            scaled, to_device(meta.top_k, device), to_device(meta.top_p, device)
+        )
     probs = scaled.softmax(dim=-1)  # [B, V]
     if meta.has_min_p:
-        threshold = meta.min_p.to(device)[:, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+        threshold = to_device(meta.min_p, device)[:, None] * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)  # the race needs no renormalizing
     # argmax(p / q) with q ~ Exp(1) draws from p; each seeded row draws only from its own
     # generator, so its tokens do not depend on which other rows share the batch.

@@ -228,13 +228,14 @@ class DataServer:
         # the next step already without blocking (or cancelling) a read mid-frame.
         send, inbox = anyio.create_memory_object_stream[object](math.inf)
         error: Exception | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_read_into, ms, send)
-            try:
-                await self._answer(ms, inbox, token)
-            except Exception as exc:
-                error = exc  # raised below, bare: handle() sorts errors by type
-            tg.cancel_scope.cancel()
+        with send, inbox:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_read_into, ms, send)
+                try:
+                    await self._answer(ms, inbox, token)
+                except Exception as exc:
+                    error = exc  # raised below, bare: handle() sorts errors by type
+                tg.cancel_scope.cancel()
         if error is not None:
             raise error
 

@@ -1,0 +1,63 @@
+"""DeviceIdleProbe: how long the device sits idle between a worker's steps, and busy in them.
+
+Each step marks the moment its forward is queued and the moment its sampling is queued:
+CUDA events on a GPU (they complete when the device reaches them, so a mark queued while
+the device is still busy with the step before adds no idle time), the host's clock on the
+CPU (where a launch computes the whole step). Idle is the time from one step's end mark to
+the next one's start mark: the engine's and the worker's host work the device waited for.
+Off unless a benchmark turns it on (`Engine.collective_rpc`, see benchmarks/gpu_bench.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceTime:
+    steps: int
+    busy_s: float  # in steps: from a forward queued to its sampling done
+    idle_s: float  # between steps: from one step's sampling done to the next forward queued
+
+    @property
+    def idle_fraction(self) -> float:
+        return self.idle_s / max(self.busy_s + self.idle_s, 1e-12)
+
+
+class DeviceIdleProbe:
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._marks: list[tuple[Any, Any]] = []  # (start, end) of each step, in order
+        self._open: Any = None
+
+    def _mark(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def step_started(self) -> None:
+        self._open = self._mark()
+
+    def step_ended(self) -> None:
+        if self._open is not None:
+            self._marks.append((self._open, self._mark()))
+            self._open = None
+
+    def result(self) -> DeviceTime:
+        """Busy and idle time over the marked steps (waits for the device to reach them)."""
+        if self._cuda:
+            torch.cuda.synchronize()
+
+        def seconds(a: Any, b: Any) -> float:
+            return a.elapsed_time(b) / 1e3 if self._cuda else b - a
+
+        marks = self._marks
+        busy = sum(seconds(start, end) for start, end in marks)
+        idle = sum(seconds(marks[i][1], marks[i + 1][0]) for i in range(len(marks) - 1))
+        return DeviceTime(len(self._marks), busy, idle)
