@@ -108,6 +108,18 @@ def test_idle_probe_counts_each_launched_step(tiny_model):
     assert device.busy_s > 0 and device.idle_s > 0 and 0 < device.idle_fraction < 1
 
 
+def test_a_step_skips_hf_mask_preparation(tiny_model, monkeypatch):
+    """HF's mask preparation checks position_ids for packed sequences with a `.all()`
+    that waits for the device mid-forward: the launch-ahead would stall on it."""
+    import transformers.masking_utils
+
+    def host_sync(*args, **kwargs):
+        raise AssertionError("mask preparation ran")
+
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", host_sync)
+    assert drive_runner(make_runner(tiny_model), ahead=True)["greedy"]
+
+
 def test_runner_refuses_a_step_whose_input_token_it_never_sampled(tiny_model):
     runner = make_runner(tiny_model)
     scheduler = Scheduler(SchedulerConfig(8, 64, 64, 16, runner.num_blocks))

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 ATTENTION_NAME = "loom_paged"
 
@@ -201,5 +200,8 @@ def _window_keep(valid: torch.Tensor, window: int) -> torch.Tensor:
 def register() -> None:
     """Make `attn_implementation="loom_paged"` available to every HF model (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention)
-    # Masks are built per request inside the attention function: HF must not build one.
-    AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)
+    # Masks are built per request inside the attention function, so HF must not build
+    # one. An implementation with no mask function makes HF skip mask preparation
+    # altogether, including its packed-sequence check on position_ids, whose `.all()`
+    # waits for the device in the middle of every forward (stalling async scheduling's
+    # launch-ahead, and not allowed inside a CUDA graph capture).
