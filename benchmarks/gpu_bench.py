@@ -16,7 +16,8 @@ Prints (a) output tokens/s of loomllm (offline, and through `loom serve` with ev
 request sent at once), transformers `generate` (padded batches of --hf-batch) and
 transformers' continuous batching (each request with its own
 max_new_tokens), with ratios; (b) one stream's decode tokens/s against the bandwidth
-limit (measured device copy bandwidth / the weight bytes a decode step reads); (c) the
+limit (measured device copy bandwidth / the weight bytes a decode step reads), with decode
+CUDA graphs and with `enforce_eager`; (c) the
 share of the run that the device spends idle between steps (the worker's DeviceIdleProbe:
 CUDA events at each forward's start and sampling's end), with async scheduling on (the
 headline row) and off, and the engine's own time a step (schedule, IPC, output).
@@ -187,7 +188,9 @@ def run_served(model: str, work: list[tuple[list[int], int]], args: argparse.Nam
             server.wait(timeout=60)
 
 
-def single_stream_loomllm(model: str, prompt: list[int], n: int, args: argparse.Namespace):
+def single_stream_loomllm(
+    model: str, prompt: list[int], n: int, args: argparse.Namespace, enforce_eager: bool
+):  # fmt: skip
     """Decode seconds per token of one request alone (after its first token)."""
     import anyio
 
@@ -198,7 +201,8 @@ def single_stream_loomllm(model: str, prompt: list[int], n: int, args: argparse.
 
     async def run() -> float:
         async with Engine(model, load_format="dummy", dtype=args.dtype, device=args.device,
-                          keep_alive=0, manager="private") as engine:  # fmt: skip
+                          keep_alive=0, manager="private",
+                          enforce_eager=enforce_eager) as engine:  # fmt: skip
             for _ in range(2):  # the first is the warm-up
                 first = None
                 async with engine.generate({"prompt_token_ids": prompt}, params) as stream:
@@ -357,10 +361,12 @@ def main(argv: list[str] | None = None) -> None:
                   f"device idled {100 * device.idle_fraction:.1f}% between steps "
                   f"({device.idle_s * 1e3 / max(device.steps - 1, 1):.3f} ms a gap, "
                   f"{device.busy_s * 1e3 / max(device.steps, 1):.2f} ms busy a step)")  # fmt: skip
-        per_token = single_stream_loomllm(model, work[0][0], args.stream_tokens, args)
         limit = copy_bandwidth(args.device) / decode_weight_bytes(args.shape, args.dtype)
-        print(f"\none stream: {1 / per_token:.1f} tok/s ({per_token * 1e3:.2f} ms/token); "
-              f"bandwidth limit {limit:.1f} tok/s; {100 / per_token / limit:.0f}% of it")
+        for eager in (False, True):  # decode CUDA graphs (on CUDA), then every step eager
+            per_token = single_stream_loomllm(model, work[0][0], args.stream_tokens, args, eager)
+            print(f"\none stream{', enforce_eager' if eager else ''}: {1 / per_token:.1f} "
+                  f"tok/s ({per_token * 1e3:.2f} ms/token); bandwidth limit {limit:.1f} tok/s; "
+                  f"{100 / per_token / limit:.0f}% of it")  # fmt: skip
 
 
 if __name__ == "__main__":

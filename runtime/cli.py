@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                        default=None, help="send step N+1 while step N runs (default: on "
                        "with CUDA workers, off on the CPU)")  # fmt: skip
+        p.add_argument("--enforce-eager", action="store_true", default=None,
+                       help="CUDA: run every step eager, no decode CUDA graphs")  # fmt: skip
         p.add_argument("--manager", choices=["auto", "private"], default=None,
                        help="auto: the shared daemon; private: one that dies with us")  # fmt: skip
         p.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio")
@@ -117,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags that were given, as Engine keyword arguments."""
     names = [flag[2:].replace("-", "_") for flag, _, _ in ENGINE_FLAGS]
-    names += ["async_scheduling", "manager"]
+    names += ["async_scheduling", "enforce_eager", "manager"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

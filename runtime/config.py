@@ -47,6 +47,8 @@ class EngineConfig:
     # device). None: on where the workers run on CUDA (the engine's work then overlaps
     # the forward); off on the CPU, where the engine would take cores from the forward.
     async_scheduling: bool | None = None
+    # CUDA: no decode graphs (workers/cuda_graphs.py), every step eager (vLLM's option).
+    enforce_eager: bool = False
     seed: int = 0
     tensor_parallel_size: int = 1
     # Independent replicas (each tensor_parallel_size ranks, its own scheduler and KV cache)
@@ -88,7 +90,7 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not (self.async_scheduling is None or type(self.async_scheduling) is bool):
@@ -119,6 +121,9 @@ class EngineConfig:
             or (None if self.enable_chunked_prefill
                 else self.max_model_len or PROFILE_WHOLE_CONTEXT),
             "seed": self.seed,
+            # Decode graphs are captured for batch sizes up to this, unless enforce_eager.
+            "max_num_seqs": self.max_num_seqs,
+            "enforce_eager": self.enforce_eager,
             # On CUDA, replica r's ranks take the devices after those of replicas 0..r-1;
             # on the CPU the engine's ranks share the cores.
             "data_parallel_rank": data_parallel_rank,

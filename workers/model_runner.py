@@ -24,7 +24,9 @@ from protocols.messages import (
 )
 from protocols.sampling import SamplingParams
 from workers import attention
-from workers.device_copy import device_tensor, to_device
+from workers.attention_metadata import context_metadata, paged_metadata
+from workers.cuda_graphs import DecodeGraphs
+from workers.device_copy import device_tensor
 from workers.device_idle import DeviceIdleProbe, DeviceTime
 from workers.pending_step import PendingStep
 from workers.sampler import (
@@ -91,7 +93,9 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         num_layers, num_kv_heads, head_dim = kv_geometry(config, tp_size)
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)  # slot-major: one row a token
+        # Slot-major, one row a token; one block past the scheduler's is scratch: the
+        # padded rows of a decode graph write there (workers/cuda_graphs.py).
+        shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device))
@@ -104,6 +108,7 @@ class ModelRunner:
         # the CPU a launch computes the whole step: nothing to overlap in the worker.
         self.overlap_launches = device.type == "cuda"
         self.idle_probe: DeviceIdleProbe | None = None  # set by start_idle_probe()
+        self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs()
 
     @staticmethod
     def bytes_per_block(
@@ -112,6 +117,29 @@ class ModelRunner:
         num_layers, num_kv_heads, head_dim = kv_geometry(config, tp_size)
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
+        """Run decode-only steps padded to bucketed batch sizes, replaying CUDA graphs when
+        `capture` (else eagerly over the same padded buffers: the CPU tests). Triton
+        backend only: the torch backend's metadata has no fixed shape."""
+        if self.attention_backend != "triton":
+            raise ValueError("decode graphs need the Triton attention backend")
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, device=self.device, block_size=self.block_size,
+            scratch_block=self.num_blocks,
+            max_blocks=min(self.num_blocks, -(-max_model_len // self.block_size)),
+            max_num_seqs=max_num_seqs,
+        )  # fmt: skip
+        if capture:
+            try:
+                with torch.inference_mode():
+                    graphs.capture()
+            except Exception:
+                # A model whose forward cannot be captured (a host sync, a dynamic shape)
+                # still serves, eagerly: slower at small batches, never wrong.
+                logger.exception("decode CUDA graph capture failed: every step runs eager")
+                return
+        self.decode_graphs = graphs
 
     def start_idle_probe(self) -> None:
         """Measure the device's busy and idle time from the next step on (benchmarks)."""
@@ -227,9 +255,16 @@ class ModelRunner:
                 samplers.append(state)
             state.num_computed_tokens = end
         if triton:
-            meta = self._paged_metadata(slots, decode_idx, decode_states, prefills, prefill_states)
+            meta = paged_metadata(
+                self.kv_caches, self.device, self.block_size, slots, decode_idx,
+                [st.block_ids for st in decode_states],
+                [st.num_computed_tokens for st in decode_states],  # already advanced
+                prefills, [st.block_ids for st in prefill_states],
+                [st.num_computed_tokens for st in prefill_states],
+            )  # fmt: skip
         else:
-            meta = self._attention_metadata(slots, decode_idx, decode_ctx, prefills)
+            meta = context_metadata(self.kv_caches, self.device, slots, decode_idx, decode_ctx,
+                                    prefills)  # fmt: skip
         if not input_ids:
             return self._launched(call_id, [], None, [])
         dev = self.device
@@ -241,14 +276,25 @@ class ModelRunner:
             ]
         if self.idle_probe is not None:
             self.idle_probe.step_started()
-        out = self.model(
-            input_ids=ids[None],
-            position_ids=device_tensor([positions], torch.long, dev),
-            use_cache=False,
-            attn_metadata=meta,
-            logits_to_keep=device_tensor(sample_idx + prompt_idx, torch.long, dev),
-        )
-        logits = out.logits[0]  # [num_samplers + num_prompt_positions, V]
+        graphs = self.decode_graphs
+        if (graphs is not None and meta.paged is not None and not prefills and not prompt_idx
+                and len(decode_idx) <= graphs.max_batch
+                and meta.paged.decode_tables.shape[1] <= graphs.max_blocks):  # fmt: skip
+            # Decode only: packed token i is decode row i, and the rows that sample are
+            # those whose prompt is complete (a 1-token prompt chunk does not).
+            paged = meta.paged
+            logits = graphs.forward(ids, device_tensor(positions, torch.long, dev),
+                                    meta.slot_mapping, paged.decode_tables, paged.decode_lens)
+            if len(sample_idx) < len(decode_idx):
+                logits = logits[device_tensor(sample_idx, torch.long, dev)]
+        else:
+            logits = self.model(
+                input_ids=ids[None],
+                position_ids=device_tensor([positions], torch.long, dev),
+                use_cache=False,
+                attn_metadata=meta,
+                logits_to_keep=device_tensor(sample_idx + prompt_idx, torch.long, dev),
+            ).logits[0]  # [num_samplers + num_prompt_positions, V]
         prompt_lps = self._prompt_logprobs(logits[len(sample_idx) :], scored) if scored else []
         if previous is not None and any(
             s.req_id in pending and _needs_output_ids(s.sampling_params) for s in samplers
@@ -296,65 +342,6 @@ class ModelRunner:
             ))  # fmt: skip
             row += num
         return chunks
-
-    def _attention_metadata(
-        self, slots: list[int], decode_idx: list[int], decode_ctx: list[list[int]],
-        prefills: list[attention.PrefillRow],
-    ) -> attention.AttentionMetadata:  # fmt: skip
-        longest = max((len(c) for c in decode_ctx), default=0)
-        padded = torch.zeros((len(decode_ctx), longest), dtype=torch.long)
-        valid = torch.zeros((len(decode_ctx), longest), dtype=torch.bool)
-        for i, context in enumerate(decode_ctx):
-            padded[i, : len(context)] = torch.tensor(context)
-            valid[i, : len(context)] = True
-        valid = to_device(valid, self.device)
-        bias = torch.zeros(valid.shape, dtype=self.kv_caches[0][0].dtype, device=self.device)
-        bias.masked_fill_(~valid, float("-inf"))
-        return attention.AttentionMetadata(
-            kv_caches=self.kv_caches,
-            slot_mapping=device_tensor(slots, torch.long, self.device),
-            decode_token_idx=device_tensor(decode_idx, torch.long, self.device),
-            decode_slots=to_device(padded, self.device),
-            decode_valid=valid,
-            decode_bias=bias[:, None, None, :],
-            prefills=prefills,
-        )
-
-    def _paged_metadata(
-        self, slots: list[int], decode_idx: list[int], decode_states: list[CachedRequestState],
-        prefills: list[attention.PrefillRow], prefill_states: list[CachedRequestState],
-    ) -> attention.AttentionMetadata:  # fmt: skip
-        """The Triton backend's metadata: block tables and lengths, no per-slot context."""
-        dev = self.device
-
-        def tables(states: list[CachedRequestState]) -> torch.Tensor:
-            width = max((len(s.block_ids) for s in states), default=0)
-            rows = [s.block_ids + [0] * (width - len(s.block_ids)) for s in states]
-            return to_device(torch.tensor(rows, dtype=torch.int32).reshape(len(states), width),
-                             dev)  # fmt: skip
-
-        def ints(values: list[int]) -> torch.Tensor:
-            return device_tensor(values, torch.int32, dev)
-
-        decode_lens = [s.num_computed_tokens for s in decode_states]  # already advanced
-        prefill_lens = [s.num_computed_tokens for s in prefill_states]
-        paged = attention.PagedBatch(
-            block_size=self.block_size,
-            decode_tables=tables(decode_states), decode_lens=ints(decode_lens),
-            max_decode_len=max(decode_lens, default=0),
-            prefill_tables=tables(prefill_states),
-            prefill_q_starts=ints([p.token_start for p in prefills]),
-            prefill_q_lens=ints([p.num_tokens for p in prefills]), prefill_lens=ints(prefill_lens),
-            max_prefill_q_len=max((p.num_tokens for p in prefills), default=0),
-        )  # fmt: skip
-        none = torch.empty((0, 0), dtype=torch.long, device=dev)
-        return attention.AttentionMetadata(
-            kv_caches=self.kv_caches,
-            slot_mapping=device_tensor(slots, torch.long, dev),
-            decode_token_idx=device_tensor(decode_idx, torch.long, dev),
-            decode_slots=none, decode_valid=none.bool(), decode_bias=none, prefills=prefills,
-            paged=paged,
-        )  # fmt: skip
 
     def _sample(
         self, logits: torch.Tensor, samplers: list[CachedRequestState], pending: dict[str, int]

@@ -154,6 +154,8 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
 
     per_block = ModelRunner.bytes_per_block(loaded.config, block_size, dtype, loaded.tp_size)
     budget = kv_cache_budget(loaded, options, block_size, per_block, make_runner)
+    # The runner allocates one block more, its scratch block (workers/cuda_graphs.py):
+    # a budget's rounding-down leaves room for it but for one block's bytes at most.
     num_blocks = int(budget // per_block)
     if num_blocks < 1:
         where = "kv_cache_memory" if options.get("kv_cache_memory") is not None else (
@@ -161,7 +163,13 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
             "what is in use and a step's activations)")  # fmt: skip
         raise ValueError(f"{where}, {budget:.0f} bytes, holds no KV block ({per_block} "
                          f"bytes each)")  # fmt: skip
-    return make_runner(num_blocks)
+    runner = make_runner(num_blocks)
+    # One rank only: HF's tensor-parallel collectives inside a capture are untried.
+    if (device.type == "cuda" and backend == "triton" and loaded.tp_size == 1
+            and not options.get("enforce_eager")):  # fmt: skip
+        runner.enable_decode_graphs(int(options.get("max_num_seqs") or 256),
+                                    loaded.max_model_len, capture=True)  # fmt: skip
+    return runner
 
 
 def _attention_backend(asked: str | None, device: Any) -> str:

@@ -55,6 +55,7 @@ BAD_ENGINE = {
     "enable_prefix_caching": [1, "yes", None],
     "enable_chunked_prefill": [0, None],
     "async_scheduling": [0, 1, 1.0, "on"],
+    "enforce_eager": [0, "yes", None],
     "seed": [1.5, "0", None, True, HUGE],
     "tensor_parallel_size": [0, -1, 1.5, None, HUGE],
     "data_parallel_size": [0, -1, 1.5, None, "2", True, HUGE],

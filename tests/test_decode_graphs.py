@@ -1,0 +1,132 @@
+"""Decode graphs: decode-only steps padded to bucketed batch sizes give the eager path's tokens.
+
+CUDA graph capture needs a GPU; what it replays is the padded path over static buffers,
+which runs here eagerly (`capture=False`) with the Triton kernels in the interpreter, and
+must sample what the unpadded eager path samples: step by step, launched ahead (async
+scheduling), with 1-token prompt chunks among the decodes, and through an engine.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from protocols.sampling import SamplingParams
+from runtime import Engine
+from runtime.request import Request
+from runtime.scheduler import Scheduler, SchedulerConfig
+from workers.cuda_graphs import bucket_sizes
+from workers.model_loader import load_model
+from workers.model_runner import ModelRunner
+
+EOS = 2
+MAX_MODEL_LEN = 64
+
+
+def test_bucket_sizes_double_up_to_max_num_seqs():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(6) == [1, 2, 4, 6]
+    assert bucket_sizes(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert bucket_sizes(5000)[-2:] == [256, 512]  # larger decode batches run eager
+
+
+def make_runner(model_dir: str, graphs: bool) -> ModelRunner:
+    loaded = load_model(model_dir, dtype="float32")
+    runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
+                         dtype=torch.float32, block_size=16, num_blocks=24,
+                         attention_backend="triton")  # fmt: skip
+    if graphs:
+        runner.enable_decode_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=False)
+    return runner
+
+
+def drive(runner: ModelRunner, ahead: bool) -> tuple[dict[str, list], int]:
+    """Seven requests under a 5-token budget: four short prompts decode while the three
+    long ones come in one-token chunks beside them (a decode-only step with a row that does
+    not sample), then the batch shrinks to 1 as they finish one by one. Returns each
+    request's (tokens, logprobs) per step, and how many decode-only steps had such a row."""
+    scheduler = Scheduler(SchedulerConfig(8, 5, MAX_MODEL_LEN, 16, runner.num_blocks))
+    for i in range(7):
+        prompt = [5 + i + j for j in range(2 if i < 4 else 10)]
+        max_tokens = 8 + 2 * i if i < 4 else i
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        scheduler.add_request(Request(f"r{i}", prompt, params, frozenset({EOS}), 64, 0.0))
+    outputs: dict[str, list] = {f"r{i}": [] for i in range(7)}
+    silent_rows = 0
+
+    def apply(so, step) -> None:
+        for out in scheduler.update_from_output(so, step.result()):
+            outputs[out.request_id].append((out.new_token_ids, out.new_logprobs))
+
+    held = None
+    for call_id in range(300):
+        if not scheduler.has_unfinished_requests() and held is None:
+            return outputs, silent_rows
+        so = scheduler.schedule()
+        if so.num_scheduled_tokens and set(so.num_scheduled_tokens.values()) == {1}:
+            requests = [scheduler.requests[r] for r in so.num_scheduled_tokens]
+            silent_rows += any(r.num_computed_tokens < r.num_prompt_tokens for r in requests)
+        step = runner.launch(so, call_id) if so.num_scheduled_tokens else None
+        if not ahead:
+            if step is not None:
+                apply(so, step)
+            continue
+        if held is not None:
+            apply(*held)
+        held = (so, step) if step is not None else None
+    raise AssertionError("requests did not finish")
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["step by step", "launched ahead"])
+def test_padded_decode_steps_sample_the_eager_tokens(tiny_model, ahead):
+    eager, _ = drive(make_runner(tiny_model, graphs=False), ahead)
+    runner = make_runner(tiny_model, graphs=True)
+    graphs = runner.decode_graphs
+    batches: list[int] = []
+    forward = graphs.forward
+    graphs.forward = lambda *args: (batches.append(args[3].shape[0]), forward(*args))[1]
+    padded, silent_rows = drive(runner, ahead)
+    assert {r: [t for t, _ in o] for r, o in padded.items()} == {
+        r: [t for t, _ in o] for r, o in eager.items()
+    }
+    for req_id, outs in padded.items():
+        for (_, lps), (_, ref) in zip(outs, eager[req_id], strict=True):
+            assert lps == pytest.approx(ref, abs=1e-5)
+    assert not graphs.captured and silent_rows > 0
+    # Three buckets at least, and padding: batches of 5 to 7 rows ran in the bucket of 8.
+    assert len({graphs.bucket(n) for n in batches}) >= 3 and {5, 6, 7} & set(batches)
+
+
+def test_decode_graphs_need_the_triton_backend(tiny_model):
+    loaded = load_model(tiny_model, dtype="float32")
+    runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
+                         dtype=torch.float32, block_size=16, num_blocks=4)  # fmt: skip
+    with pytest.raises(ValueError, match="Triton attention backend"):
+        runner.enable_decode_graphs(max_num_seqs=4, max_model_len=64, capture=False)
+
+
+async def generate(engine: Engine, prompt: str, params: SamplingParams, into: dict, key: int):
+    async for out in engine.generate(prompt, params):
+        into[key] = out.outputs[0].token_ids
+
+
+@pytest.mark.anyio
+async def test_an_engine_with_padded_decode_steps_matches_eager(
+    tiny_model, shared_manager, anyio_backend
+):
+    prompts = ["w5 w6 w7", "w9 " * 9, "w11", "w3 w4"]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True)
+              for i in range(len(prompts))]  # fmt: skip
+    outputs = {}
+    for graphs in (False, True):
+        async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
+                          attention_backend="triton", max_num_seqs=8, enforce_eager=True,
+                          keep_alive=0) as engine:  # fmt: skip
+            if graphs:  # what a CUDA worker captures at start, here without the capture
+                await engine.collective_rpc(lambda w: w.runner.enable_decode_graphs(8, 64, False))
+            outputs[graphs] = {}
+            async with anyio.create_task_group() as tg:  # decode batches of 4 down to 1
+                for i in range(len(prompts)):
+                    tg.start_soon(generate, engine, prompts[i], params[i], outputs[graphs], i)
+    assert outputs[True] == outputs[False]

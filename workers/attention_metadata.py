@@ -1,0 +1,75 @@
+"""One step's attention metadata, from the model runner's packed batch to device tensors.
+
+The torch backend attends decodes over their context slots, padded to the longest with a
+mask; the Triton backend reads block tables and lengths (workers/attention.py uses both).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.attention import AttentionMetadata, PagedBatch, PrefillRow
+from workers.device_copy import device_tensor, to_device
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def context_metadata(
+    kv_caches: KVCaches, device: torch.device, slots: list[int], decode_idx: list[int],
+    decode_ctx: list[list[int]], prefills: list[PrefillRow],
+) -> AttentionMetadata:  # fmt: skip
+    """The torch backend's: each decode's context slots, padded, with a mask and a bias."""
+    longest = max((len(c) for c in decode_ctx), default=0)
+    padded = torch.zeros((len(decode_ctx), longest), dtype=torch.long)
+    valid = torch.zeros((len(decode_ctx), longest), dtype=torch.bool)
+    for i, context in enumerate(decode_ctx):
+        padded[i, : len(context)] = torch.tensor(context)
+        valid[i, : len(context)] = True
+    valid = to_device(valid, device)
+    bias = torch.zeros(valid.shape, dtype=kv_caches[0][0].dtype, device=device)
+    bias.masked_fill_(~valid, float("-inf"))
+    return AttentionMetadata(
+        kv_caches=kv_caches,
+        slot_mapping=device_tensor(slots, torch.long, device),
+        decode_token_idx=device_tensor(decode_idx, torch.long, device),
+        decode_slots=to_device(padded, device),
+        decode_valid=valid,
+        decode_bias=bias[:, None, None, :],
+        prefills=prefills,
+    )
+
+
+def paged_metadata(
+    kv_caches: KVCaches, device: torch.device, block_size: int, slots: list[int],
+    decode_idx: list[int], decode_blocks: list[list[int]], decode_lens: list[int],
+    prefills: list[PrefillRow], prefill_blocks: list[list[int]], prefill_lens: list[int],
+) -> AttentionMetadata:  # fmt: skip
+    """The Triton backend's: block tables and context lengths (this step's tokens
+    included), no per-slot context."""
+
+    def tables(rows: list[list[int]]) -> torch.Tensor:
+        width = max((len(r) for r in rows), default=0)
+        padded = [r + [0] * (width - len(r)) for r in rows]
+        return to_device(torch.tensor(padded, dtype=torch.int32).reshape(len(rows), width),
+                         device)  # fmt: skip
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return device_tensor(values, torch.int32, device)
+
+    paged = PagedBatch(
+        block_size=block_size,
+        decode_tables=tables(decode_blocks), decode_lens=ints(decode_lens),
+        max_decode_len=max(decode_lens, default=0),
+        prefill_tables=tables(prefill_blocks),
+        prefill_q_starts=ints([p.token_start for p in prefills]),
+        prefill_q_lens=ints([p.num_tokens for p in prefills]), prefill_lens=ints(prefill_lens),
+        max_prefill_q_len=max((p.num_tokens for p in prefills), default=0),
+    )  # fmt: skip
+    none = torch.empty((0, 0), dtype=torch.long, device=device)
+    return AttentionMetadata(
+        kv_caches=kv_caches,
+        slot_mapping=device_tensor(slots, torch.long, device),
+        decode_token_idx=device_tensor(decode_idx, torch.long, device),
+        decode_slots=none, decode_valid=none.bool(), decode_bias=none, prefills=prefills,
+        paged=paged,
+    )  # fmt: skip

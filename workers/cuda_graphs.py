@@ -1,0 +1,144 @@
+"""DecodeGraphs: decode-only steps replayed from CUDA graphs captured at bucketed batch sizes.
+
+A decode step of a big model launches hundreds of small kernels, and eager PyTorch spends
+more host time launching them than the GPU spends running them at small batches. A CUDA
+graph launches them all at once. Graphs have fixed shapes and addresses, so each bucket
+(1, 2, 4, 8, ... up to max_num_seqs) is captured once over static input buffers; a step
+of n decodes is padded to the smallest bucket holding it. The padded rows compute token 0
+at position 0 and write their K/V into a scratch slot that no request owns (the runner
+allocates one block past the scheduler's), attending over that slot alone. The decode
+kernel's split-K is sized for the longest context the cache holds, as a graph cannot
+change it per step; rows past their own length skip the empty splits.
+
+Steps with a prefill, with prompt logprobs, or wider than the largest bucket run eager.
+Without capture (`capture=False`) the same padded path runs eagerly: the CPU tests check
+it, in Triton's interpreter, against the unpadded eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from workers import attention
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_SIZE = 512  # vLLM's default cap: larger decode batches run eager
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, ... below max_num_seqs (capped at MAX_CAPTURE_SIZE), then that cap."""
+    top = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [1 << i for i in range(top.bit_length()) if 1 << i < top]
+    return [*sizes, top]
+
+
+class DecodeGraphs:
+    """Static buffers for the largest bucket, and one captured graph per bucket."""
+
+    def __init__(
+        self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *, device: torch.device, block_size: int, scratch_block: int, max_blocks: int,
+        max_num_seqs: int,
+    ) -> None:  # fmt: skip
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_blocks = max_blocks  # block-table width: the longest context the cache holds
+        self.sizes = bucket_sizes(max_num_seqs)
+        top = self.sizes[-1]
+        self._scratch_slot = scratch_block * block_size
+        self._scratch_block = scratch_block
+
+        def buffer(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.input_ids = buffer(1, top, dtype=torch.long)
+        self.positions = buffer(1, top, dtype=torch.long)
+        self.slots = buffer(top, dtype=torch.long)
+        self.tables = buffer(top, max_blocks, dtype=torch.int32)
+        self.lens = buffer(top, dtype=torch.int32)
+        self.rows = torch.arange(top, device=device)  # decode row i is packed token i
+        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # size -> (graph, logits)
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def bucket(self, num_decodes: int) -> int:
+        return next(size for size in self.sizes if size >= num_decodes)
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first, in one shared memory pool (CUDA only)."""
+        started = time.monotonic()
+        pool = torch.cuda.graph_pool_handle()
+        self._pad_from(0)
+        for size in reversed(self.sizes):
+            for _ in range(2):  # compile the kernels and warm cuBLAS outside the capture
+                self._forward(size)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(size)
+            self._graphs[size] = (graph, logits)
+        torch.cuda.synchronize()
+        logger.info("captured decode CUDA graphs for batch sizes %s in %.1fs",
+                    self.sizes, time.monotonic() - started)  # fmt: skip
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+        tables: torch.Tensor, lens: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Logits [n, V] of n decode rows (device tensors: ids, positions, slots [n];
+        tables [n, w] int32 with w <= max_blocks; lens [n] int32)."""
+        n, width = tables.shape
+        size = self.bucket(n)
+        self.input_ids[0, :n].copy_(input_ids)
+        self.positions[0, :n].copy_(positions)
+        self.slots[:n].copy_(slots)
+        self.tables[:n, :width].copy_(tables)
+        self.tables[:n, width:].zero_()
+        self.lens[:n].copy_(lens)
+        self._pad_from(n)
+        if size in self._graphs:
+            graph, logits = self._graphs[size]
+            graph.replay()
+        else:
+            logits = self._forward(size)
+        return logits[:n]
+
+    def _pad_from(self, n: int) -> None:
+        """Rows n.. compute a dummy token into the scratch slot, over that slot alone."""
+        self.input_ids[0, n:].zero_()
+        self.positions[0, n:].zero_()
+        self.slots[n:].fill_(self._scratch_slot)
+        self.tables[n:].zero_()
+        self.tables[n:, 0].fill_(self._scratch_block)
+        self.lens[n:].fill_(1)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        paged = attention.PagedBatch(
+            block_size=self.block_size, decode_tables=self.tables[:size],
+            decode_lens=self.lens[:size], max_decode_len=self.max_blocks * self.block_size,
+            prefill_tables=self.tables[:0], prefill_q_starts=self.lens[:0],
+            prefill_q_lens=self.lens[:0], prefill_lens=self.lens[:0], max_prefill_q_len=0,
+        )  # fmt: skip
+        none = self.rows[:0]
+        meta = attention.AttentionMetadata(
+            kv_caches=self.kv_caches, slot_mapping=self.slots[:size],
+            decode_token_idx=self.rows[:size], decode_slots=none, decode_valid=none.bool(),
+            decode_bias=none, prefills=[], paged=paged,
+        )  # fmt: skip
+        out = self.model(
+            input_ids=self.input_ids[:, :size], position_ids=self.positions[:, :size],
+            use_cache=False, attn_metadata=meta, logits_to_keep=self.rows[:size],
+        )
+        return out.logits[0]  # [size, V]
