@@ -46,6 +46,7 @@ BENCHMARKS = {
     "serving": "benchmarks.serving",
     "worker-start": "benchmarks.worker_start",
     "gpu": "benchmarks.gpu_bench",
+    "gpu-check": "benchmarks.gpu_checks",
     "broadcast": "benchmarks.step_broadcast",
 }
 

@@ -53,6 +53,17 @@ def test_gpu_benchmark_runs_on_the_cpu_at_the_tiny_shape() -> None:
     assert streams == ["", ", enforce_eager"], done.stdout
 
 
+def test_gpu_checks_run_on_the_cpu_as_a_smoke_test() -> None:
+    """Every part of what a GPU session checks, at tiny shapes (the kernels in Triton's
+    interpreter: TRITON_INTERPRET=1 is inherited from conftest.py)."""
+    done = loom("bench", "gpu-check", "--device", "cpu", "--shape", "tiny",
+                "--kernel-batches", "2", "--longest", "64", "--requests", "4", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    words = re.findall(r"^(PASS|FAIL|SKIP)  ([^:]+):", done.stdout, re.M)
+    assert words == [("PASS", "Triton kernels"), ("SKIP", "decode CUDA graphs"),
+                     ("PASS", "engines, async scheduling and graphs on/off")], done.stdout
+
+
 def test_broadcast_benchmark_measures_every_step_and_rank_count() -> None:
     done = loom("bench", "broadcast", "--batch-sizes", "1,8", "--repeats", "3", "--ranks", "1,2")
     assert done.returncode == 0, done.stderr

@@ -1,106 +1,23 @@
 """The Triton paged-attention kernels, run on the CPU by Triton's interpreter, against a float64
 reference: random shapes (head dims 64/128, GQA 1/4/8, block sizes 16/32, contexts from 1
 token up, prefill, chunked prefill and decode in one batch, sliding windows), in float32
-and bfloat16. Small shapes here; the GPU benchmark runs the full ones.
+and bfloat16. Small shapes here; `loom bench gpu-check` runs the full ones on a GPU (the
+reference and the batches: benchmarks/attention_reference.py).
 """
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 import torch
 
+from benchmarks.attention_reference import TOLERANCE, mixed_errors
 from workers import triton_attention as ta  # under TRITON_INTERPRET=1: see conftest.py
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # ‖out − ref‖ / ‖ref‖
 
-
-def reference(q, k_cache, v_cache, slots, q_len, scale, window):
-    """float64 attention of a request's last `q_len` positions over its context `slots`."""
-    seq_len = len(slots)
-    k = k_cache[slots].double()  # [L, KVH, D]
-    v = v_cache[slots].double()
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
-    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = torch.einsum("thd,hld->htl", q.double(), k) * scale  # [H, q_len, L]
-    q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-    k_pos = torch.arange(seq_len)[None, :]
-    seen = k_pos <= q_pos
-    if window:
-        seen &= k_pos > q_pos - window
-    scores = scores.masked_fill(~seen, float("-inf"))
-    return torch.einsum("htl,hld->thd", scores.softmax(-1), v)  # [q_len, H, D]
-
-
-def make_batch(rng, *, num_heads, group, head_dim, block_size, dtype, requests):
-    """A paged cache with shuffled blocks and each request's context in it.
-
-    requests: [(context length, tokens computed this step)]."""
-    num_kv_heads = num_heads // group
-    pages = [math.ceil(n / block_size) for n, _ in requests]
-    blocks = list(range(sum(pages) + 3))  # a few blocks nobody owns
-    rng.shuffle(blocks)
-    shape = (len(blocks) * block_size, num_kv_heads, head_dim)
-    gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    tables, taken = [], 0
-    for n in pages:
-        tables.append(blocks[taken : taken + n])
-        taken += n
-    width = max(pages)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    total = sum(q for _, q in requests)
-    q = torch.randn((total, num_heads, head_dim), generator=gen).to(dtype)
-    return q, k_cache, v_cache, tables, block_tables
-
-
-def slots_of(table, seq_len, block_size):
-    return [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
-
-
-def relative_error(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def run_mixed(requests, *, num_heads, group, head_dim, block_size, dtype, window, seed,
-              num_splits=None):  # fmt: skip
-    """Requests computing one token go to the decode kernel, the others to the prefill
-    kernel, into one packed output, as the model runner does; checked against reference."""
-    rng = random.Random(seed)
-    q, k_cache, v_cache, tables, block_tables = make_batch(
-        rng, num_heads=num_heads, group=group, head_dim=head_dim, block_size=block_size,
-        dtype=dtype, requests=requests,
-    )  # fmt: skip
-    scale = head_dim**-0.5
-    starts = [sum(n for _, n in requests[:i]) for i in range(len(requests))]
-    decode = [i for i, (_, n) in enumerate(requests) if n == 1]
-    prefill = [i for i, (_, n) in enumerate(requests) if n > 1]
-    out = torch.full_like(q, float("nan"))
-    lens = torch.tensor([n for n, _ in requests], dtype=torch.int32)
-    if prefill:
-        pick = torch.tensor(prefill)
-        ta.prefill_attention(
-            q, k_cache, v_cache, block_tables[pick],
-            torch.tensor([starts[i] for i in prefill], dtype=torch.int32),
-            torch.tensor([requests[i][1] for i in prefill], dtype=torch.int32), lens[pick],
-            max(requests[i][1] for i in prefill), block_size, scale, window, out=out,
-        )  # fmt: skip
-    if decode:
-        pick = torch.tensor(decode)
-        rows = torch.tensor([starts[i] for i in decode])
-        out[rows] = ta.decode_attention(
-            q[rows], k_cache, v_cache, block_tables[pick], lens[pick],
-            int(lens[pick].max()), block_size, scale, window, num_splits,
-        )  # fmt: skip
-    for i, (seq_len, n) in enumerate(requests):
-        rows = slice(starts[i], starts[i] + n)
-        ref = reference(q[rows], k_cache, v_cache, slots_of(tables[i], seq_len, block_size), n,
-                        scale, window)  # fmt: skip
-        err = relative_error(out[rows], ref)
+def run_mixed(requests, *, dtype, **kwargs):
+    for i, seq_len, n, err in mixed_errors(requests, dtype=dtype, **kwargs):
         assert err < TOLERANCE[dtype], (i, seq_len, n, err)
 
 

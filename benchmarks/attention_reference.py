@@ -1,0 +1,110 @@
+"""The Triton paged-attention kernels against a float64 reference, on random paged batches.
+
+`make test` runs it at small shapes on the CPU, in Triton's interpreter
+(tests/test_triton_attention.py); `loom bench gpu-check` at full shapes on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # ‖out − ref‖ / ‖ref‖
+
+
+def reference(q, k_cache, v_cache, slots, q_len, scale, window):
+    """float64 attention of a request's last `q_len` positions over its context `slots`."""
+    seq_len = len(slots)
+    k = k_cache[slots].double()  # [L, KVH, D]
+    v = v_cache[slots].double()
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.einsum("thd,hld->htl", q.double(), k) * scale  # [H, q_len, L]
+    q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    k_pos = torch.arange(seq_len)[None, :]
+    seen = k_pos <= q_pos
+    if window:
+        seen &= k_pos > q_pos - window
+    scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.einsum("htl,hld->thd", scores.softmax(-1), v)  # [q_len, H, D]
+
+
+def make_batch(rng, *, num_heads, group, head_dim, block_size, dtype, requests, device="cpu"):
+    """A paged cache with shuffled blocks and each request's context in it.
+
+    requests: [(context length, tokens computed this step)]."""
+    num_kv_heads = num_heads // group
+    pages = [math.ceil(n / block_size) for n, _ in requests]
+    blocks = list(range(sum(pages) + 3))  # a few blocks nobody owns
+    rng.shuffle(blocks)
+    shape = (len(blocks) * block_size, num_kv_heads, head_dim)
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    tables, taken = [], 0
+    for n in pages:
+        tables.append(blocks[taken : taken + n])
+        taken += n
+    width = max(pages)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                device=device)  # fmt: skip
+    total = sum(q for _, q in requests)
+    q = torch.randn((total, num_heads, head_dim), generator=gen).to(device, dtype)
+    return q, k_cache, v_cache, tables, block_tables
+
+
+def slots_of(table, seq_len, block_size):
+    return [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+
+
+def relative_error(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def mixed_errors(requests, *, num_heads, group, head_dim, block_size, dtype, window, seed,
+                 num_splits=None, device="cpu"):  # fmt: skip
+    """Requests computing one token go to the decode kernel, the others to the prefill
+    kernel, into one packed output, as the model runner does; each request's relative
+    error against the reference: [(index, context length, tokens computed, error)]."""
+    from workers import triton_attention as ta
+
+    rng = random.Random(seed)
+    q, k_cache, v_cache, tables, block_tables = make_batch(
+        rng, num_heads=num_heads, group=group, head_dim=head_dim, block_size=block_size,
+        dtype=dtype, requests=requests, device=device,
+    )  # fmt: skip
+    scale = head_dim**-0.5
+    starts = [sum(n for _, n in requests[:i]) for i in range(len(requests))]
+    decode = [i for i, (_, n) in enumerate(requests) if n == 1]
+    prefill = [i for i, (_, n) in enumerate(requests) if n > 1]
+    out = torch.full_like(q, float("nan"))
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    lens = ints([n for n, _ in requests])
+    if prefill:
+        pick = torch.tensor(prefill, device=device)
+        ta.prefill_attention(
+            q, k_cache, v_cache, block_tables[pick], ints([starts[i] for i in prefill]),
+            ints([requests[i][1] for i in prefill]), lens[pick],
+            max(requests[i][1] for i in prefill), block_size, scale, window, out=out,
+        )  # fmt: skip
+    if decode:
+        pick = torch.tensor(decode, device=device)
+        rows = torch.tensor([starts[i] for i in decode], device=device)
+        out[rows] = ta.decode_attention(
+            q[rows], k_cache, v_cache, block_tables[pick], lens[pick],
+            max(requests[i][0] for i in decode), block_size, scale, window, num_splits,
+        )  # fmt: skip
+    out, q, k_cache, v_cache = (t.cpu() for t in (out, q, k_cache, v_cache))
+    errors = []
+    for i, (seq_len, n) in enumerate(requests):
+        rows = slice(starts[i], starts[i] + n)
+        ref = reference(q[rows], k_cache, v_cache, slots_of(tables[i], seq_len, block_size), n,
+                        scale, window)  # fmt: skip
+        errors.append((i, seq_len, n, relative_error(out[rows], ref)))
+    return errors

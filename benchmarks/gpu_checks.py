@@ -1,0 +1,188 @@
+"""GPU correctness checks: what `make test` checks on the CPU at small shapes, at full ones.
+
+    loom bench gpu-check [--device cuda] [--shape qwen-0.5b] [--requests 48]
+        [--kernel-batches 24] [--longest 4096]
+    (or, from the repository's root: python -m benchmarks.gpu_checks ...)
+
+1. The Triton paged-attention kernels at full shapes (head dims 64/128, GQA 1/4/8, block
+   sizes 16/32, contexts 1..4096, decodes, whole and chunked prompts in one batch, sliding
+   windows) against a float64 reference: ‖out − ref‖/‖ref‖ < 1e-2 in bf16, 1e-4 in fp32.
+2. Decode CUDA graphs: a model runner driven through the same steps with graphs captured
+   and with the same padded steps run eagerly samples the same tokens with the same
+   logprobs, bit for bit (a replay runs the captured kernels on the same shapes).
+3. Engines on a random-weight model in float32 (random weights have near-ties that bf16
+   rounding would flip): greedy tokens identical with async scheduling on and off, and
+   with decode graphs and `enforce_eager`.
+
+Prints one line per check (PASS, FAIL, or SKIP: the graphs need CUDA) and exits 1 if any
+failed. Self-contained like `loom bench gpu`: the model is written from a config
+(`load_format="dummy"`). On the CPU (`--device cpu --shape tiny`, the kernels in Triton's
+interpreter with TRITON_INTERPRET=1 and small `--longest`) it runs as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.attention_reference import TOLERANCE, mixed_errors
+from benchmarks.gpu_bench import SHAPES, write_model_dir
+
+PROG = "loom bench gpu-check"
+
+
+def check_kernels(device: str, num_batches: int, longest: int) -> tuple[bool | None, str]:
+    """Random full-shape batches through both kernels; the worst error per dtype."""
+    import torch
+
+    rng = random.Random(0)
+    worst = {torch.float32: 0.0, torch.bfloat16: 0.0}
+    for seed in range(num_batches):
+        group = rng.choice([1, 4, 8])
+        requests = []
+        for _ in range(rng.randint(1, 12)):
+            seq_len = rng.choice([1, rng.randint(1, longest // 8), rng.randint(1, longest)])
+            requests.append((seq_len, rng.choice([1, 1, 1, rng.randint(1, min(seq_len, 512))])))
+        for dtype in worst:
+            errors = mixed_errors(
+                requests, num_heads=group * rng.choice([2, 4, 8]), group=group,
+                head_dim=rng.choice([64, 128]), block_size=rng.choice([16, 32]), dtype=dtype,
+                window=rng.choice([None, None, 256]), seed=seed, device=device,
+            )  # fmt: skip
+            worst[dtype] = max(worst[dtype], *(err for *_, err in errors))
+    ok = all(worst[dtype] < TOLERANCE[dtype] for dtype in worst)
+    return ok, (f"{num_batches} random batches: worst relative error fp32 "
+                f"{worst[torch.float32]:.2e} (< 1e-4), bf16 {worst[torch.bfloat16]:.2e} "
+                "(< 1e-2)")  # fmt: skip
+
+
+def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
+    """The same schedule through a runner with captured graphs and one padding eagerly."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return None, "needs CUDA"
+
+    from protocols.sampling import SamplingParams
+    from runtime.request import Request
+    from runtime.scheduler import Scheduler, SchedulerConfig
+    from workers.model_loader import load_model
+    from workers.model_runner import ModelRunner
+
+    loaded = load_model(model, dtype="bfloat16", device=device, load_format="dummy")
+    runs = []
+    for capture in (True, False):
+        runner = ModelRunner(loaded.model, loaded.config, device=torch.device(device),
+                             dtype=torch.bfloat16, block_size=16, num_blocks=1024,
+                             attention_backend="triton")  # fmt: skip
+        runner.enable_decode_graphs(max_num_seqs=64, max_model_len=4096, capture=capture)
+        if runner.decode_graphs is None or runner.decode_graphs.captured != capture:
+            return False, "the capture failed (see the log above)"
+        scheduler = Scheduler(SchedulerConfig(64, 512, 4096, 16, 1024))
+        rng = random.Random(1)
+        for i in range(40):  # decode batches from 40 down to 1 as they finish
+            prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(5, 300))]
+            params = SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True)
+            scheduler.add_request(Request(f"r{i}", prompt, params, frozenset(), 4096, 0.0))
+        outputs: list[tuple] = []
+        for call_id in range(1000):
+            if not scheduler.has_unfinished_requests():
+                break
+            so = scheduler.schedule()
+            result = runner.execute(so, call_id)
+            outputs.append((result.req_ids, result.sampled_token_ids, result.logprobs))
+            scheduler.update_from_output(so, result)
+        runs.append(outputs)
+        del runner
+        torch.cuda.empty_cache()
+    same = runs[0] == runs[1]
+    steps = len(runs[0])
+    return same, f"{steps} steps, captured vs padded eager: {'identical' if same else 'DIFFER'}"
+
+
+def check_engines(
+    model: str, device: str, vocab: int, num_requests: int
+) -> tuple[bool | None, str]:
+    """Greedy tokens of engines with async scheduling and graphs on and off, float32."""
+    import anyio
+
+    from runtime import Engine, SamplingParams
+
+    rng = random.Random(2)
+    work = [([rng.randrange(3, vocab) for _ in range(rng.randint(4, 400))], rng.randint(8, 96))
+            for _ in range(num_requests)]  # fmt: skip
+
+    async def run(**options: Any) -> list[list[int]]:
+        async with Engine(model, load_format="dummy", dtype="float32", device=device,
+                          keep_alive=0, manager="private", **options) as engine:  # fmt: skip
+            tokens: list[list[int]] = [[] for _ in work]
+
+            async def one(i: int) -> None:
+                params = SamplingParams(temperature=0.0, max_tokens=work[i][1], ignore_eos=True)
+                async for out in engine.generate({"prompt_token_ids": work[i][0]}, params):
+                    tokens[i] = out.outputs[0].token_ids
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(work)):
+                    tg.start_soon(one, i)
+            return tokens
+
+    variants = {
+        "async on, graphs": dict(async_scheduling=True),
+        "async off, graphs": dict(async_scheduling=False),
+        "async on, eager": dict(async_scheduling=True, enforce_eager=True),
+        "async off, eager": dict(async_scheduling=False, enforce_eager=True),
+    }
+    results = {name: anyio.run(lambda o=options: run(**o)) for name, options in variants.items()}
+    reference = results["async off, eager"]
+    differ = [name for name, tokens in results.items() if tokens != reference]
+    return not differ, (f"{num_requests} requests, {len(variants)} engines: "
+                        + (f"{', '.join(differ)} differ from async off, eager" if differ
+                           else "identical greedy tokens"))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen-0.5b")
+    p.add_argument("--kernel-batches", type=int, default=24)
+    p.add_argument("--longest", type=int, default=4096, help="longest context in the kernels")
+    p.add_argument("--requests", type=int, default=48)
+    args = p.parse_args(argv)
+    import torch
+
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    print(f"{PROG} on {name}, model shape {args.shape}")
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="loom-gpu-check-") as tmp:
+        model = write_model_dir(args.shape, Path(tmp))
+        vocab = SHAPES[args.shape]["vocab_size"]
+        checks = [
+            ("Triton kernels", lambda: check_kernels(args.device, args.kernel_batches,
+                                                     args.longest)),
+            ("decode CUDA graphs", lambda: check_graphs(model, args.device, vocab)),
+            ("engines, async scheduling and graphs on/off",
+             lambda: check_engines(model, args.device, vocab, args.requests)),
+        ]  # fmt: skip
+        for title, check in checks:
+            started = time.monotonic()
+            try:
+                ok, detail = check()
+            except Exception as exc:  # a crash is a failed check; the others still run
+                while isinstance(exc, ExceptionGroup):  # a task group's: its first error
+                    exc = exc.exceptions[0]
+                ok, detail = False, f"{type(exc).__name__}: {exc}"
+            failed |= ok is False
+            word = "SKIP" if ok is None else "PASS" if ok else "FAIL"
+            print(f"{word}  {title}: {detail} ({time.monotonic() - started:.0f} s)",
+                  flush=True)  # fmt: skip
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
