@@ -13,6 +13,8 @@ from __future__ import annotations
 import anyio
 import pytest
 import torch
+from runner_driver import drive
+from worker_hooks import fail_next_launch, launch_ahead
 
 from protocols.sampling import SamplingParams
 from runtime import Engine
@@ -39,35 +41,18 @@ RUNNER_REQUESTS = {
 
 
 def drive_runner(runner: ModelRunner, ahead: bool) -> dict[str, list[tuple]]:
-    """A real Scheduler over `runner`. ahead: launch step N+1 before reading step N's
-    tokens (the engine applies them after), as async scheduling on CUDA does."""
+    """RUNNER_REQUESTS through a real Scheduler: each one's (tokens, logprobs, top
+    logprobs, finish reason) per step."""
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24,
                                           max_model_len=64, block_size=16,
                                           num_blocks=runner.num_blocks))  # fmt: skip
     for req_id, (prompt, params) in RUNNER_REQUESTS.items():
         scheduler.add_request(Request(req_id, prompt, params, frozenset({EOS}), 64, 0.0))
-    outputs: dict[str, list[tuple]] = {req_id: [] for req_id in RUNNER_REQUESTS}
-
-    def apply(so, step) -> None:
-        for out in scheduler.update_from_output(so, step.result()):
-            outputs[out.request_id].append(
-                (out.new_token_ids, out.new_logprobs, out.new_top_logprobs, out.finish_reason)
-            )
-
-    held = None
-    for call_id in range(200):
-        if not scheduler.has_unfinished_requests() and held is None:
-            return outputs
-        so = scheduler.schedule()
-        step = runner.launch(so, call_id) if so.num_scheduled_tokens else None
-        if not ahead:
-            if step is not None:
-                apply(so, step)
-            continue
-        if held is not None:
-            apply(*held)
-        held = (so, step) if step is not None else None
-    raise AssertionError("requests did not finish")
+    return {
+        req_id: [(o.new_token_ids, o.new_logprobs, o.new_top_logprobs, o.finish_reason)
+                 for o in outs]
+        for req_id, outs in drive(scheduler, runner, ahead).items()
+    }  # fmt: skip
 
 
 def tokens_and_ends(outputs: dict[str, list[tuple]]) -> dict[str, list]:
@@ -145,11 +130,6 @@ ENGINE_PARAMS = [
 ]  # fmt: skip
 
 
-async def force_launch_ahead(engine: Engine) -> None:
-    """The worker replies to a step after launching the next, as on CUDA. (Sent by value:
-    a lambda, not a function of this module, which the worker cannot import.)"""
-    await engine.collective_rpc(lambda worker: setattr(worker.runner, "overlap_launches", True))
-
 
 async def all_outputs(engine: Engine) -> list:
     results: dict[tuple[int, int], object] = {}
@@ -193,7 +173,7 @@ async def test_engine_outputs_are_identical_with_async_scheduling_on_and_off(
         async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
                           async_scheduling=mode != "off", seed=11) as engine:  # fmt: skip
             if mode == "on, launch ahead":
-                await force_launch_ahead(engine)
+                await engine.collective_rpc(launch_ahead)
             runs[mode] = await all_outputs(engine)
             stats = engine.stats()
             assert stats.num_free_blocks == stats.num_total_blocks
@@ -208,18 +188,6 @@ async def test_engine_outputs_are_identical_with_async_scheduling_on_and_off(
 async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(
     tiny_model, shared_manager, anyio_backend
 ):
-    def fail_next_launch(worker) -> None:
-        """On the worker (sent by value): the next launch raises, later ones run."""
-        runner = worker.runner
-        launch = runner.launch
-
-        def failing(*args, **kwargs):
-            runner.launch = launch
-            raise RuntimeError("injected fault in the forward pass")
-
-        runner.overlap_launches = True
-        runner.launch = failing
-
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
@@ -240,6 +208,7 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(
                     started = anyio.Event()
                     tg.start_soon(doomed, prompt, started)
                     await started.wait()
+                await engine.collective_rpc(launch_ahead)
                 await engine.collective_rpc(fail_next_launch)
         assert errors == ["RuntimeError: injected fault in the forward pass"] * 2
         again = [o async for o in engine.generate("w5 w6", short)][-1].outputs[0].token_ids
@@ -258,7 +227,7 @@ async def test_abort_with_two_steps_in_flight_frees_its_blocks(
     short = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
                       async_scheduling=True) as engine:  # fmt: skip
-        await force_launch_ahead(engine)
+        await engine.collective_rpc(launch_ahead)
         alone = [o async for o in engine.generate("w8 w9", short)][-1].outputs[0].token_ids
         kept: list[int] = []
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import anyio
 import pytest
 import torch
+from runner_driver import drive
 
 from protocols.sampling import SamplingParams
 from runtime import Engine
@@ -41,7 +42,7 @@ def make_runner(model_dir: str, graphs: bool) -> ModelRunner:
     return runner
 
 
-def drive(runner: ModelRunner, ahead: bool) -> tuple[dict[str, list], int]:
+def drive_requests(runner: ModelRunner, ahead: bool) -> tuple[dict[str, list], int]:
     """Seven requests under a 5-token budget: four short prompts decode while the three
     long ones come in one-token chunks beside them (a decode-only step with a row that does
     not sample), then the batch shrinks to 1 as they finish one by one. Returns each
@@ -52,41 +53,28 @@ def drive(runner: ModelRunner, ahead: bool) -> tuple[dict[str, list], int]:
         max_tokens = 8 + 2 * i if i < 4 else i
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         scheduler.add_request(Request(f"r{i}", prompt, params, frozenset({EOS}), 64, 0.0))
-    outputs: dict[str, list] = {f"r{i}": [] for i in range(7)}
     silent_rows = 0
 
-    def apply(so, step) -> None:
-        for out in scheduler.update_from_output(so, step.result()):
-            outputs[out.request_id].append((out.new_token_ids, out.new_logprobs))
-
-    held = None
-    for call_id in range(300):
-        if not scheduler.has_unfinished_requests() and held is None:
-            return outputs, silent_rows
-        so = scheduler.schedule()
+    def count_silent_rows(so) -> None:
+        nonlocal silent_rows
         if so.num_scheduled_tokens and set(so.num_scheduled_tokens.values()) == {1}:
             requests = [scheduler.requests[r] for r in so.num_scheduled_tokens]
             silent_rows += any(r.num_computed_tokens < r.num_prompt_tokens for r in requests)
-        step = runner.launch(so, call_id) if so.num_scheduled_tokens else None
-        if not ahead:
-            if step is not None:
-                apply(so, step)
-            continue
-        if held is not None:
-            apply(*held)
-        held = (so, step) if step is not None else None
-    raise AssertionError("requests did not finish")
+
+    outputs = drive(scheduler, runner, ahead, count_silent_rows)
+    return {r: [(o.new_token_ids, o.new_logprobs) for o in outs]
+            for r, outs in outputs.items()}, silent_rows  # fmt: skip
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["step by step", "launched ahead"])
 def test_padded_decode_steps_sample_the_eager_tokens(tiny_model, ahead):
-    eager, _ = drive(make_runner(tiny_model, graphs=False), ahead)
+    eager, _ = drive_requests(make_runner(tiny_model, graphs=False), ahead)
     runner = make_runner(tiny_model, graphs=True)
     graphs = runner.decode_graphs
     batches: list[int] = []
     forward = graphs.forward
     graphs.forward = lambda *args: (batches.append(args[3].shape[0]), forward(*args))[1]
-    padded, silent_rows = drive(runner, ahead)
+    padded, silent_rows = drive_requests(runner, ahead)
     assert {r: [t for t, _ in o] for r, o in padded.items()} == {
         r: [t for t, _ in o] for r, o in eager.items()
     }

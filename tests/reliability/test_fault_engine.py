@@ -16,6 +16,7 @@ from functools import partial
 
 import anyio
 import pytest
+from worker_hooks import fail_next_launch
 
 from protocols.sampling import RequestOutputKind, SamplingParams
 from runtime import Engine, EngineDeadError
@@ -94,18 +95,6 @@ async def test_worker_killed_mid_stream_fails_every_stream_within_1s(
 async def test_step_that_raises_fails_its_requests_and_the_engine_serves_on(
     tiny_model, shared_manager, fault_report, anyio_backend
 ):
-    def raise_on_next_step(worker) -> None:
-        """Runs on the worker (sent by value: defined here, not importable there): its
-        next step raises, the ones after run as before."""
-        runner = worker.runner
-        launch = runner.launch
-
-        def failing(*args, **kwargs):
-            runner.launch = launch
-            raise RuntimeError("injected fault in the forward pass")
-
-        runner.launch = failing
-
     async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
                       max_num_seqs=14) as engine:  # fmt: skip
 
@@ -113,7 +102,7 @@ async def test_step_that_raises_fails_its_requests_and_the_engine_serves_on(
             async with anyio.create_task_group() as tg:
                 seen, ends = await stream_until_flowing(tg, engine, ["w5 w7", "w6 w7"])
                 injected_at = time.monotonic()
-                await engine.collective_rpc(raise_on_next_step)
+                await engine.collective_rpc(fail_next_launch)
             assert [how for how, _ in ends] == [
                 "step error: RuntimeError: injected fault in the forward pass"
             ] * len(seen), ends
