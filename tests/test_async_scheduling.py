@@ -184,20 +184,25 @@ async def test_engine_outputs_are_identical_with_async_scheduling_on_and_off(
     assert sum(len(lps) for _, _, lps in runs["off"]) > 100
 
 
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+SHORT = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def async_engine(model: str, manager) -> Engine:
+    return Engine(model, manager_socket=manager.socket, dtype="float32", async_scheduling=True)
+
+
 @pytest.mark.anyio
 async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(
     tiny_model, shared_manager, anyio_backend
 ):
-    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-                      async_scheduling=True) as engine:  # fmt: skip
-        expected = [o async for o in engine.generate("w5 w6", short)][-1].outputs[0].token_ids
+    async with async_engine(tiny_model, shared_manager) as engine:
+        expected = [o async for o in engine.generate("w5 w6", SHORT)][-1].outputs[0].token_ids
         errors: list[str] = []
 
         async def doomed(prompt: str, started: anyio.Event) -> None:
             try:
-                async for _ in engine.generate(prompt, long):
+                async for _ in engine.generate(prompt, LONG):
                     started.set()
             except EngineStepError as exc:
                 errors.append(str(exc))
@@ -211,7 +216,7 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(
                 await engine.collective_rpc(launch_ahead)
                 await engine.collective_rpc(fail_next_launch)
         assert errors == ["RuntimeError: injected fault in the forward pass"] * 2
-        again = [o async for o in engine.generate("w5 w6", short)][-1].outputs[0].token_ids
+        again = [o async for o in engine.generate("w5 w6", SHORT)][-1].outputs[0].token_ids
         assert again == expected
         await engine.wait_until_idle()
         stats = engine.stats()
@@ -223,21 +228,18 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(
 async def test_abort_with_two_steps_in_flight_frees_its_blocks(
     tiny_model, shared_manager, anyio_backend
 ):
-    long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
-    short = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-                      async_scheduling=True) as engine:  # fmt: skip
+    async with async_engine(tiny_model, shared_manager) as engine:
         await engine.collective_rpc(launch_ahead)
-        alone = [o async for o in engine.generate("w8 w9", short)][-1].outputs[0].token_ids
+        alone = [o async for o in engine.generate("w8 w9", SHORT)][-1].outputs[0].token_ids
         kept: list[int] = []
 
         async def keep() -> None:
-            async for out in engine.generate("w8 w9", short):
+            async for out in engine.generate("w8 w9", SHORT):
                 kept[:] = out.outputs[0].token_ids
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(keep)
-            async for out in engine.generate("w4 w5", long):
+            async for out in engine.generate("w4 w5", LONG):
                 if len(out.outputs[0].token_ids) >= 5:
                     break  # leaving the stream aborts the request
         assert kept == alone
