@@ -184,12 +184,14 @@ class EngineCore:
         hashed left the prefix cache with the failed step's).
         """
         while in_flight:
-            _, call_id = in_flight.popleft()
+            step, call_id = in_flight.popleft()
             await self.workers.collect(call_id)
+            self.scheduler.drop_step(step)
 
     def _process(self, scheduler_output: SchedulerOutput, reply: object) -> None:
         self.num_steps += 1
         if isinstance(reply, CallFailed):
+            self.scheduler.drop_step(scheduler_output)
             self._fail_running(reply)
             return
         assert isinstance(reply, StepResult)

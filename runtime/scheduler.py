@@ -95,6 +95,10 @@ class Scheduler:
         self.finished_req_ids: dict[str, None] = {}
         self.step_id = 0  # schedule() calls so far
         self.num_preemptions = 0
+        # Per step in flight, the requests it samples: a result is credited to that very
+        # Request, never to a new one that took its id meanwhile (an abort frees the id
+        # while two steps may still be running for the old request).
+        self._samplers: dict[int, dict[str, Request]] = {}
 
     @property
     def num_running(self) -> int:
@@ -216,11 +220,14 @@ class Scheduler:
             new_requests.append(self._new_request_data(request))
             token_budget -= num_new
 
+        samplers: dict[str, Request] = {}
         for request_id, num_new in num_scheduled_tokens.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_new
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # the step samples its next token
+                samplers[request_id] = request
+        self._samplers[self.step_id] = samplers
         output = SchedulerOutput(
             step_id=self.step_id,
             new_requests=new_requests,
@@ -236,14 +243,22 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, result: StepResult
     ) -> list[EngineCoreOutput]:
         """Append each sampled token, apply the stop rules, free what finished."""
+        samplers = self._samplers.pop(scheduler_output.step_id, {})
+        if set(result.req_ids) != samplers.keys():
+            raise RuntimeError(
+                f"step {scheduler_output.step_id}: the worker sampled {sorted(result.req_ids)}, "
+                f"the scheduler expected {sorted(samplers)}"
+            )
         outputs: list[EngineCoreOutput] = []
         for req_id, token_id, logprob, top in zip(
             result.req_ids, result.sampled_token_ids, result.logprobs, result.top_logprobs,
             strict=True,
         ):  # fmt: skip
-            request = self.requests.get(req_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # finished (aborted) while the step ran
+            request = samplers[req_id]
+            if request.status is not RequestStatus.RUNNING or self.requests.get(req_id) is not (
+                request
+            ):
+                continue  # finished (aborted, preempted) while the step ran
             assert request.num_output_placeholders > 0, f"{req_id} sampled unasked"
             request.num_output_placeholders -= 1
             request.append_output_token_id(token_id)
@@ -256,6 +271,10 @@ class Scheduler:
                                  request.num_cached_tokens)  # fmt: skip
             )
         return outputs
+
+    def drop_step(self, scheduler_output: SchedulerOutput) -> None:
+        """A step whose result will never be applied (it failed on the worker)."""
+        self._samplers.pop(scheduler_output.step_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget cached KV (e.g. after a failed step); False while requests hold blocks."""

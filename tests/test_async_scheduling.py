@@ -81,6 +81,23 @@ def test_runner_launched_ahead_samples_what_it_samples_step_by_step(tiny_model):
     assert all(outs[-1][3] is not None for outs in ahead.values())
 
 
+def test_runner_launched_ahead_through_preemptions(tiny_model):
+    """A KV cache of 6 blocks for 6 requests of up to 3: requests are preempted with a step
+    of theirs in flight, recomputed, and still get the step-by-step greedy tokens."""
+    runs, preemptions = [], []
+    for ahead in (False, True):
+        scheduler = Scheduler(SchedulerConfig(8, 32, 64, 16, 6))
+        for i in range(6):
+            params = SamplingParams(temperature=0.0, max_tokens=16 + 4 * i, ignore_eos=True)
+            prompt = [3 + i + j for j in range(6 + 3 * i)]
+            scheduler.add_request(Request(f"r{i}", prompt, params, frozenset({EOS}), 64, 0.0))
+        outputs = drive(scheduler, make_runner(tiny_model), ahead)
+        runs.append({r: [t for o in outs for t in o.new_token_ids] for r, outs in outputs.items()})
+        preemptions.append(scheduler.num_preemptions)
+    assert runs[1] == runs[0] and min(preemptions) > 0, preemptions
+    assert [len(tokens) for tokens in runs[1].values()] == [16 + 4 * i for i in range(6)]
+
+
 def test_idle_probe_counts_each_launched_step(tiny_model):
     runner = make_runner(tiny_model)
     launched = []
@@ -222,6 +239,28 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(
         stats = engine.stats()
         assert stats.num_free_blocks == stats.num_total_blocks
         assert stats.num_running == stats.num_waiting == 0
+
+
+@pytest.mark.anyio
+async def test_a_reused_request_id_gets_none_of_the_aborted_requests_tokens(
+    tiny_model, shared_manager, anyio_backend
+):
+    """abort_all() frees the ids at once, while two steps still sample for the old
+    requests: their tokens must not reach the new request that took the id."""
+    async with async_engine(tiny_model, shared_manager) as engine:
+        await engine.collective_rpc(launch_ahead)
+        fresh = [o async for o in engine.generate("w6 w7", SHORT)][-1].outputs[0].token_ids
+        for _ in range(3):
+            async with engine.generate("w3 w4", LONG, request_id="R") as stream:
+                async for out in stream:
+                    if len(out.outputs[0].token_ids) >= 4:
+                        break  # leaves the stream open: abort_all ends it
+                engine.abort_all()
+                again = [o async for o in engine.generate("w6 w7", SHORT, request_id="R")]
+            assert again[-1].outputs[0].token_ids == fresh
+        await engine.wait_until_idle()
+        stats = engine.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
 
 
 @pytest.mark.anyio

@@ -93,9 +93,10 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         num_layers, num_kv_heads, head_dim = kv_geometry(config, tp_size)
-        # Slot-major, one row a token; one block past the scheduler's is scratch: the
-        # padded rows of a decode graph write there (workers/cuda_graphs.py).
-        shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
+        # Slot-major, one row a token. The Triton backend's cache has one block more than
+        # the scheduler's, scratch for the padded rows of decode graphs (cuda_graphs.py).
+        scratch = 1 if attention_backend == "triton" else 0
+        shape = ((num_blocks + scratch) * block_size, num_kv_heads, head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device))
@@ -222,11 +223,11 @@ class ModelRunner:
             input_ids.extend(state.all_token_ids[start:end])
             if end > num_known:
                 # Its last input is the token the previous step sampled: still on the device.
-                if end != num_known + 1 or req_id not in pending:
+                if end != num_known + 1 or id(state) not in pending:
                     raise RuntimeError(f"step {so.step_id}: request {req_id!r} computes "
                                        f"position {end - 1}, but holds {num_known} tokens")
                 fill_at.append(len(input_ids))
-                fill_from.append(pending[req_id])
+                fill_from.append(pending[id(state)])
                 input_ids.append(0)
                 num_known += 1
             positions.extend(range(start, end))
@@ -297,7 +298,7 @@ class ModelRunner:
             ).logits[0]  # [num_samplers + num_prompt_positions, V]
         prompt_lps = self._prompt_logprobs(logits[len(sample_idx) :], scored) if scored else []
         if previous is not None and any(
-            s.req_id in pending and _needs_output_ids(s.sampling_params) for s in samplers
+            id(s) in pending and _needs_output_ids(s.sampling_params) for s in samplers
         ):
             previous.result()  # penalties count the output ids: they must be on the host
             pending = {}
@@ -344,13 +345,13 @@ class ModelRunner:
         return chunks
 
     def _sample(
-        self, logits: torch.Tensor, samplers: list[CachedRequestState], pending: dict[str, int]
+        self, logits: torch.Tensor, samplers: list[CachedRequestState], pending: dict[int, int]
     ) -> SamplerOutput:
         """`pending`: requests whose last sampled token is still on the device (it counts
         for min_tokens; penalties wait for it on the host, see `launch`)."""
         banned = [
             s.banned_until_min_tokens
-            if len(s.output_token_ids) + (s.req_id in pending) < s.sampling_params.min_tokens
+            if len(s.output_token_ids) + (id(s) in pending) < s.sampling_params.min_tokens
             else []
             for s in samplers
         ]

@@ -24,13 +24,15 @@ class PendingStep:
     logprobs: torch.Tensor  # [B] float32
     top_logprobs: list[TopLogprobs | None]
     prompt_logprobs: list[PromptLogprobs]
-    rows: dict[str, int] = field(init=False)  # request id -> its row in `sampled`
-    _host: tuple[torch.Tensor, torch.Tensor] | None = field(init=False, default=None)
+    # id() of each sampled request's state -> its row in `sampled`: by identity, since a
+    # new request may take a finished one's id while this step is still unread.
+    rows: dict[int, int] = field(init=False)
+    _host: tuple[torch.Tensor, torch.Tensor] = field(init=False)
     _copied: Any = field(init=False, default=None)  # torch.cuda.Event of the copy
     _result: StepResult | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.rows = {state.req_id: row for row, state in enumerate(self.samplers)}
+        self.rows = {id(state): row for row, state in enumerate(self.samplers)}
         if self.sampled.is_cuda:
             # Start the copy now, on the current stream, without blocking the host: the
             # next step's kernels queue up behind it and the host waits only in result().
@@ -50,7 +52,6 @@ class PendingStep:
         if self._result is None:
             if self._copied is not None:
                 self._copied.synchronize()
-            assert self._host is not None
             token_ids = self._host[0].tolist()
             for state, token_id in zip(self.samplers, token_ids, strict=True):
                 state.output_token_ids.append(token_id)
