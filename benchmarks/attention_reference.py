@@ -65,10 +65,12 @@ def relative_error(out, ref):
 
 
 def mixed_errors(requests, *, num_heads, group, head_dim, block_size, dtype, window, seed,
-                 num_splits=None, device="cpu"):  # fmt: skip
+                 num_splits=None, decode_max_len=None, device="cpu"):  # fmt: skip
     """Requests computing one token go to the decode kernel, the others to the prefill
     kernel, into one packed output, as the model runner does; each request's relative
-    error against the reference: [(index, context length, tokens computed, error)]."""
+    error against the reference: [(index, context length, tokens computed, error)].
+    `decode_max_len`: the decode kernel's sizing, default the longest decode's context
+    (a decode graph passes the longest context the cache holds)."""
     from workers import triton_attention as ta
 
     rng = random.Random(seed)
@@ -98,7 +100,8 @@ def mixed_errors(requests, *, num_heads, group, head_dim, block_size, dtype, win
         rows = torch.tensor([starts[i] for i in decode], device=device)
         out[rows] = ta.decode_attention(
             q[rows], k_cache, v_cache, block_tables[pick], lens[pick],
-            max(requests[i][0] for i in decode), block_size, scale, window, num_splits,
+            decode_max_len or max(requests[i][0] for i in decode), block_size, scale, window,
+            num_splits,
         )  # fmt: skip
     out, q, k_cache, v_cache = (t.cpu() for t in (out, q, k_cache, v_cache))
     errors = []

@@ -52,6 +52,14 @@ def test_decode_splits_agree(num_splits):
               dtype=torch.float32, window=None, seed=5, num_splits=num_splits)  # fmt: skip
 
 
+@pytest.mark.parametrize("window", [None, 40])
+def test_decode_sized_for_the_longest_context_the_cache_holds(window):
+    """As a decode graph runs it: splits for 4096 tokens over contexts of 1 to 130."""
+    run_mixed([(130, 1), (1, 1), (17, 1), (64, 1)], num_heads=8, group=4, head_dim=64,
+              block_size=16, dtype=torch.float32, window=window, seed=6,
+              decode_max_len=4096)  # fmt: skip
+
+
 def test_bad_layouts_are_refused():
     q = torch.zeros(2, 4, 64)
     cache = torch.zeros(64, 2, 64)

@@ -115,7 +115,6 @@ def _decode_split_kernel(
     scale, window,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    pages_per_split,
     BLOCK_SIZE: tl.constexpr, EXACT: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0)
@@ -132,8 +131,14 @@ def _decode_split_kernel(
     s_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     first_key = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    first_page = tl.maximum(split * pages_per_split, first_key // BLOCK_SIZE)
-    end_page = tl.minimum((split + 1) * pages_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
+    # This request's own pages, spread over the splits: however long the batch's longest
+    # context (a decode graph sizes for the longest the cache holds), each request keeps
+    # every split busy, and its partition depends on its length and the split count only.
+    start_page = first_key // BLOCK_SIZE
+    last_page = tl.cdiv(seq_len, BLOCK_SIZE)
+    pages_per_split = tl.cdiv(last_page - start_page, tl.num_programs(2))
+    first_page = start_page + split * pages_per_split
+    end_page = tl.minimum(first_page + pages_per_split, last_page)
     offs = tl.arange(0, BLOCK_SIZE)
     for page in range(first_page, end_page):
         block = tl.load(block_tables_ptr + req * stride_bt + page)
@@ -232,11 +237,9 @@ def decode_attention(
     group = num_heads // num_kv_heads
     pages = triton.cdiv(max_seq_len, block_size)
     if num_splits is None:  # enough programs to fill the GPU, at least a page each
-        num_splits = min(MAX_SPLITS, pages, triton.cdiv(TARGET_PROGRAMS, batch * num_kv_heads))
-    # The split count and size are runtime arguments: one compiled kernel whatever the
-    # batch and the lengths.
-    pages_per_split = triton.cdiv(pages, min(max(num_splits, 1), MAX_SPLITS))
-    num_splits = triton.cdiv(pages, pages_per_split)
+        num_splits = triton.cdiv(TARGET_PROGRAMS, batch * num_kv_heads)
+    # The split count is the grid's: one compiled kernel whatever the batch and lengths.
+    num_splits = max(1, min(num_splits, MAX_SPLITS, pages))
     part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
                            device=q.device)  # fmt: skip
     part_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -247,7 +250,7 @@ def decode_attention(
         scale, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
-        pages_per_split=pages_per_split, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         EXACT=_exact(q),
     )  # fmt: skip
     out = torch.empty_like(q)

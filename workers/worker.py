@@ -258,7 +258,9 @@ class DataServer:
             else:
                 msg = await inbox.receive()
             if isinstance(msg, BaseException):
-                raise msg  # the reader's end: EOF or a protocol error, after every call
+                # The connection is over (EOF, or a protocol error that ends it): a launched
+                # step's reply would have nobody to read it.
+                raise msg
             # Calls the engine queued before its lease was revoked are still readable after
             # set_lease's shutdown: none of them runs.
             if not self._is_leased_to(token):

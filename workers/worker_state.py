@@ -154,8 +154,8 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
 
     per_block = ModelRunner.bytes_per_block(loaded.config, block_size, dtype, loaded.tp_size)
     budget = kv_cache_budget(loaded, options, block_size, per_block, make_runner)
-    # The runner allocates one block more, its scratch block (workers/cuda_graphs.py):
-    # a budget's rounding-down leaves room for it but for one block's bytes at most.
+    # With the Triton backend the runner allocates one block more than this, scratch for
+    # decode graphs (workers/cuda_graphs.py): the budget's bytes plus one block at most.
     num_blocks = int(budget // per_block)
     if num_blocks < 1:
         where = "kv_cache_memory" if options.get("kv_cache_memory") is not None else (
