@@ -14,7 +14,7 @@ import anyio
 import pytest
 import torch
 from runner_driver import drive
-from worker_hooks import fail_next_launch, launch_ahead
+from worker_hooks import fail_next_launch, fail_next_result, launch_ahead
 
 from protocols.sampling import SamplingParams
 from runtime import Engine
@@ -210,8 +210,12 @@ def async_engine(model: str, manager) -> Engine:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize(("fault", "where"), [
+    (fail_next_launch, "in the forward pass"),
+    (fail_next_result, "reading the step's tokens"),
+], ids=["launch", "result"])  # fmt: skip
 async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(
-    tiny_model, shared_manager, anyio_backend
+    tiny_model, shared_manager, anyio_backend, fault, where
 ):
     async with async_engine(tiny_model, shared_manager) as engine:
         expected = [o async for o in engine.generate("w5 w6", SHORT)][-1].outputs[0].token_ids
@@ -231,8 +235,8 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(
                     tg.start_soon(doomed, prompt, started)
                     await started.wait()
                 await engine.collective_rpc(launch_ahead)
-                await engine.collective_rpc(fail_next_launch)
-        assert errors == ["RuntimeError: injected fault in the forward pass"] * 2
+                await engine.collective_rpc(fault)
+        assert errors == [f"RuntimeError: injected fault {where}"] * 2
         again = [o async for o in engine.generate("w5 w6", SHORT)][-1].outputs[0].token_ids
         assert again == expected
         await engine.wait_until_idle()

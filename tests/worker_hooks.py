@@ -28,3 +28,22 @@ def fail_next_launch(worker) -> None:
 def launch_ahead(worker) -> None:
     """The worker replies to a step after launching the next, as it does on CUDA."""
     worker.runner.overlap_launches = True
+
+
+def fail_next_result(worker) -> None:
+    """Reading the next launched step's tokens back raises (a device error surfacing late:
+    with launch-ahead, after the step behind it was launched)."""
+    runner = worker.runner
+    launch = runner.launch
+
+    def launch_once(*args, **kwargs):
+        runner.launch = launch
+        step = launch(*args, **kwargs)
+
+        def failing():
+            raise RuntimeError("injected fault reading the step's tokens")
+
+        step.result = failing
+        return step
+
+    runner.launch = launch_once
