@@ -47,11 +47,15 @@ class PendingStep:
     def is_resolved(self) -> bool:
         return self._result is not None
 
+    def wait(self) -> None:
+        """Block until the tokens are on the host (any thread may wait)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
     def result(self) -> StepResult:
         """The step's StepResult; the first call reads the tokens into the requests' state."""
         if self._result is None:
-            if self._copied is not None:
-                self._copied.synchronize()
+            self.wait()
             token_ids = self._host[0].tolist()
             for state, token_id in zip(self.samplers, token_ids, strict=True):
                 state.output_token_ids.append(token_id)

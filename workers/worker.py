@@ -242,15 +242,20 @@ class DataServer:
     async def _answer(
         self, ms: MessageStream, inbox: MemoryObjectReceiveStream[object], token: bytes
     ) -> None:
-        """Answer the calls in order. On CUDA a step's reply waits until the next step is
-        launched if the engine sent it already (async scheduling): that forward then
-        queues behind this one, and the device runs it while this step's tokens are
-        copied back and sent. Elsewhere a launch computes the whole step: reply at once."""
+        """Answer the calls in order. On CUDA a launched step's reply waits for the next
+        step if that arrives before the device is done with this one (async scheduling
+        sends it meanwhile): it is launched first, so its forward queues behind this one
+        and the device runs it while this step's tokens are copied back and sent.
+        Elsewhere a launch computes the whole step: reply at once."""
         runner = self.worker.runner
         launched: _Launched | None = None  # launched, reply not sent yet
         while True:
             if launched is not None:
-                msg = await _next_if_sent(inbox) if runner.overlap_launches else None
+                msg = None
+                if runner.overlap_launches:
+                    msg = await _next_if_sent(inbox) or await _next_before_done(
+                        inbox, launched.step
+                    )
                 if msg is None:
                     await ms.send(self._reply(launched))
                     launched = None
@@ -334,6 +339,29 @@ async def _read_into(ms: MessageStream, inbox: MemoryObjectSendStream[object]) -
             inbox.send_nowait(await ms.receive())
     except Exception as exc:
         inbox.send_nowait(exc)
+
+
+async def _next_before_done(
+    inbox: MemoryObjectReceiveStream[object], step: PendingStep
+) -> object | None:
+    """The next message if it arrives before the device is done with `step`, else None
+    (the step's reply is due: the engine may be waiting for it to send anything more)."""
+    arrived: list[object] = []
+    async with anyio.create_task_group() as tg:
+
+        async def next_message() -> None:
+            arrived.append(await inbox.receive())  # cancel-safe: a whole message or none
+            tg.cancel_scope.cancel()
+
+        async def device_done() -> None:
+            # A blocking CUDA wait, in a thread so that a message can win the race; an
+            # abandoned wait ends by itself with the step.
+            await anyio.to_thread.run_sync(step.wait, abandon_on_cancel=True)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(next_message)
+        tg.start_soon(device_done)
+    return arrived[0] if arrived else None
 
 
 async def _next_if_sent(inbox: MemoryObjectReceiveStream[object]) -> object | None:
