@@ -290,3 +290,16 @@ async def test_abort_with_two_steps_in_flight_frees_its_blocks(
         stats = engine.stats()
         assert stats.num_free_blocks == stats.num_total_blocks
         assert stats.num_finished.get("abort") == 1
+
+
+def test_cli_flags_become_engine_options():
+    from runtime.cli import _parser, engine_options
+
+    def options(*flags: str) -> dict:
+        return engine_options(_parser().parse_args(["serve", "m", *flags]))
+
+    assert options() == {}
+    assert options("--async-scheduling", "--enforce-eager") == {
+        "async_scheduling": True, "enforce_eager": True,
+    }  # fmt: skip
+    assert options("--no-async-scheduling") == {"async_scheduling": False}
