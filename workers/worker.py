@@ -253,9 +253,7 @@ class DataServer:
             if launched is not None:
                 msg = None
                 if runner.overlap_launches:
-                    msg = await _next_if_sent(inbox) or await _next_before_done(
-                        inbox, launched.step
-                    )
+                    msg = await _next_before_done(inbox, launched.step)
                 if msg is None:
                     await ms.send(self._reply(launched))
                     launched = None
@@ -346,6 +344,10 @@ async def _next_before_done(
 ) -> object | None:
     """The next message if it arrives before the device is done with `step`, else None
     (the step's reply is due: the engine may be waiting for it to send anything more)."""
+    try:
+        return inbox.receive_nowait()  # sent already: no race to run
+    except anyio.WouldBlock:
+        pass
     arrived: list[object] = []
     async with anyio.create_task_group() as tg:
 
@@ -362,18 +364,6 @@ async def _next_before_done(
         tg.start_soon(next_message)
         tg.start_soon(device_done)
     return arrived[0] if arrived else None
-
-
-async def _next_if_sent(inbox: MemoryObjectReceiveStream[object]) -> object | None:
-    """The next message if it has arrived, else None; never waits for one."""
-    # Two turns of the event loop: one for the socket poll that wakes the reader, one
-    # for the reader itself (trio may run it after us within the first).
-    for _ in range(2):
-        await anyio.lowlevel.checkpoint()
-    try:
-        return inbox.receive_nowait()
-    except anyio.WouldBlock:
-        return None
 
 
 if __name__ == "__main__":
