@@ -7,8 +7,8 @@ weights random on the device (`load_format="dummy"`; with `ignore_eos` the value
 no cost). The workload: N requests with ShareGPT-like lengths (log-normal, prompt mean ~200,
 output mean ~180 tokens, from a fixed seed), all submitted at once.
 
-    loom bench gpu [--shape llama-8b|qwen-0.5b|tiny] [--num-requests 500] [--skip-hf]
-        [--skip-serve]
+    loom bench gpu [--shape llama-8b|qwen-0.5b|tiny] [--num-requests 500]
+        [--skip async-off,serve,generate,continuous,stream]
     (or, from the repository's root where loomllm is not installed:
      python -m benchmarks.gpu_bench ...)
 
@@ -106,7 +106,10 @@ def run_loomllm(
             async with engine.generate({"prompt_token_ids": work[0][0]}, warm) as stream:
                 async for _ in stream:
                     pass
-            before = engine.stats().step_timings
+            stats = engine.stats()
+            if async_scheduling:  # once: on CUDA, what the profiling pass left for KV
+                print(f"KV cache: {stats.num_total_blocks} blocks", flush=True)
+            before = stats.step_timings
             await engine.collective_rpc(lambda worker: worker.runner.start_idle_probe())
             tokens = 0
 
@@ -305,6 +308,37 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize()
 
 
+def print_steps(async_on: bool, timings: Any, device: Any) -> None:
+    ms = timings.per_step_ms()
+    print(f"async scheduling {'on' if async_on else 'off'}: {timings.num_steps} engine steps, "
+          f"{ms['total']:.2f} ms each, {ms['outside_forward']:.2f} ms of it in the engine "
+          f"(schedule, IPC, output; overlapped with the forward when on); the device idled "
+          f"{100 * device.idle_fraction:.1f}% between steps "
+          f"({device.idle_s * 1e3 / max(device.steps - 1, 1):.3f} ms a gap, "
+          f"{device.busy_s * 1e3 / max(device.steps, 1):.2f} ms busy a step); "
+          f"{device.eager_steps} of {device.steps} steps ran eager, "
+          f"{device.eager_busy_s * 1e3 / max(device.eager_steps, 1):.2f} ms each, "
+          f"{100 * device.eager_busy_s / max(device.busy_s, 1e-12):.0f}% of the busy time",
+          flush=True)  # fmt: skip
+
+
+def row(name: str, seconds: float, tokens: int, ours: float) -> None:
+    """One row of the results table."""
+    print(f"| {name} | {seconds:.1f} | {tokens} | {tokens / seconds:.0f} | "
+          f"{ours / (tokens / seconds):.2f} |", flush=True)  # fmt: skip
+
+
+PARTS = ("async-off", "serve", "generate", "continuous", "stream")
+
+
+def parts(text: str) -> set[str]:
+    """argparse type for a comma-separated subset of PARTS."""
+    chosen = {item for item in text.split(",") if item}
+    if unknown := chosen - set(PARTS):
+        raise argparse.ArgumentTypeError(f"unknown parts {sorted(unknown)}; of {PARTS}")
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
@@ -317,9 +351,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-mean", type=float, default=180)
     p.add_argument("--stream-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--skip-serve", action="store_true",
-                   help="no loom serve run (it needs starlette and hypercorn: make gpu-wheels)")
+    p.add_argument("--skip", type=parts, default=set(),
+                   help=f"parts not to run, of {','.join(PARTS)} (serve needs starlette and "
+                        "hypercorn: make gpu-wheels); loomllm with async on always runs: "
+                        "the ratios' base")  # fmt: skip
     args = p.parse_args(argv)
     import torch
 
@@ -332,37 +367,37 @@ def main(argv: list[str] | None = None) -> None:
         prompt_tokens = sum(len(p) for p, _ in work)
         print(f"{args.shape} on {device_name}, {args.dtype}: {len(work)} requests, "
               f"{prompt_tokens} prompt and {sum(n for _, n in work)} output tokens")  # fmt: skip
-        rows, steps = [], []
-        for on in (True, False):  # async scheduling first: the headline figure
+        ours_rows = []
+        for on in (True, False)[: 1 if "async-off" in args.skip else 2]:  # on: the headline
             seconds, tokens, timings, device = run_loomllm(model, work, args, on)
-            rows.append((f"loomllm, async scheduling {'on' if on else 'off'}", seconds, tokens))
-            steps.append((on, timings, device))
-        if not args.skip_serve:
-            rows.append(("loomllm through loom serve", *run_served(model, work, args)))
-        if not args.skip_hf:
+            print_steps(on, timings, device)
+            name = f"loomllm, async scheduling {'on' if on else 'off'}"
+            ours_rows.append((name, seconds, tokens))
+        ours = ours_rows[0][2] / ours_rows[0][1]
+        # Each row as soon as it is measured: a run cut short by a time limit keeps them.
+        print("\n| engine | seconds | output tokens | output tok/s | loomllm / x |")
+        print("|---|---|---|---|---|")
+        for name, seconds, tokens in ours_rows:
+            row(name, seconds, tokens, ours)
+        if "serve" not in args.skip:
+            row("loomllm through loom serve", *run_served(model, work, args), ours)
+        if not {"generate", "continuous"} <= args.skip:
             hf = load_hf(model, args)
-            rows.append((f"transformers generate (padded, {args.hf_batch} a batch)",
-                         *run_hf_generate(hf, work, args.hf_batch)))  # fmt: skip
-            rows.append(("transformers continuous batching", *run_hf_continuous(hf, work)))
+            if "generate" not in args.skip:
+                row(f"transformers generate (padded, {args.hf_batch} a batch)",
+                    *run_hf_generate(hf, work, args.hf_batch), ours)  # fmt: skip
+            if "continuous" not in args.skip:
+                row("transformers continuous batching", *run_hf_continuous(hf, work), ours)
             del hf  # and its cached blocks: the next engine's worker sizes its KV cache
             gc.collect()
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-        ours = rows[0][2] / rows[0][1]
-        print("\n| engine | seconds | output tokens | output tok/s | loomllm / x |")
-        print("|---|---|---|---|---|")
-        for name, s, n in rows:
-            print(f"| {name} | {s:.1f} | {n} | {n / s:.0f} | {ours / (n / s):.2f} |")
-        for on, timings, device in steps:
-            ms = timings.per_step_ms()
-            print(f"\nasync scheduling {'on' if on else 'off'}: {timings.num_steps} engine steps, "
-                  f"{ms['total']:.2f} ms each, {ms['outside_forward']:.2f} ms of it in the "
-                  f"engine (schedule, IPC, output; overlapped with the forward when on); the "
-                  f"device idled {100 * device.idle_fraction:.1f}% between steps "
-                  f"({device.idle_s * 1e3 / max(device.steps - 1, 1):.3f} ms a gap, "
-                  f"{device.busy_s * 1e3 / max(device.steps, 1):.2f} ms busy a step)")  # fmt: skip
-        limit = copy_bandwidth(args.device) / decode_weight_bytes(args.shape, args.dtype)
-        for eager in (False, True):  # decode CUDA graphs (on CUDA), then every step eager
+        print()
+        bandwidth = copy_bandwidth(args.device)
+        limit = bandwidth / decode_weight_bytes(args.shape, args.dtype)
+        print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
+        # Decode CUDA graphs (on CUDA), then every step eager.
+        for eager in () if "stream" in args.skip else (False, True):
             per_token = single_stream_loomllm(model, work[0][0], args.stream_tokens, args, eager)
             print(f"\none stream{', enforce_eager' if eager else ''}: {1 / per_token:.1f} "
                   f"tok/s ({per_token * 1e3:.2f} ms/token); bandwidth limit {limit:.1f} tok/s; "

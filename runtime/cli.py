@@ -47,6 +47,7 @@ BENCHMARKS = {
     "worker-start": "benchmarks.worker_start",
     "gpu": "benchmarks.gpu_bench",
     "gpu-check": "benchmarks.gpu_checks",
+    "start": "benchmarks.start_times",
     "broadcast": "benchmarks.step_broadcast",
 }
 

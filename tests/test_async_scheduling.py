@@ -108,6 +108,8 @@ def test_idle_probe_counts_each_launched_step(tiny_model):
     device = runner.stop_idle_probe()
     assert device.steps == len(launched) > 10 and runner.idle_probe is None
     assert device.busy_s > 0 and device.idle_s > 0 and 0 < device.idle_fraction < 1
+    # No graph replays on the CPU: every step counts as eager.
+    assert device.eager_steps == device.steps and device.eager_busy_s == device.busy_s
 
 
 def test_a_step_skips_hf_mask_preparation(tiny_model, monkeypatch):

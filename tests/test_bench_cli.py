@@ -45,12 +45,42 @@ def test_gpu_benchmark_runs_on_the_cpu_at_the_tiny_shape() -> None:
     asked = int(re.search(r"(\d+) output tokens", done.stdout).group(1))
     assert len(rows) == 5 and all(int(cells[1]) == asked for cells in rows.values()), rows
     idle = re.findall(r"async scheduling (on|off): (\d+) engine steps.* the device idled "
-                      r"(\d+\.\d)% between steps", done.stdout)  # fmt: skip
-    assert [mode for mode, _, _ in idle] == ["on", "off"], done.stdout
-    assert all(int(steps) >= 8 and 0 <= float(share) <= 100 for _, steps, share in idle)
+                      r"(\d+\.\d)% between steps.*; (\d+) of (\d+) steps ran eager",
+                      done.stdout)  # fmt: skip
+    assert [mode for mode, *_ in idle] == ["on", "off"], done.stdout
+    assert all(int(steps) >= 8 and 0 <= float(share) <= 100 for _, steps, share, *_ in idle)
+    # No graphs on the CPU: every step the worker marked ran eager.
+    assert all(eager == marked and int(marked) > 0 for *_, eager, marked in idle), idle
     streams = re.findall(r"one stream(, enforce_eager)?: [\d.]+ tok/s .* bandwidth limit "
                          r"[\d.]+ tok/s", done.stdout)  # fmt: skip
     assert streams == ["", ", enforce_eager"], done.stdout
+
+
+def test_gpu_benchmark_skips_parts_and_refuses_unknown_ones() -> None:
+    done = loom("bench", "gpu", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+                "--num-requests", "3", "--prompt-mean", "8", "--output-mean", "4",
+                "--skip", "async-off,serve,generate,continuous,stream", timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| loomllm")]
+    assert [r.split("|")[1].strip() for r in rows] == ["loomllm, async scheduling on"]
+    assert "one stream" not in done.stdout and "async scheduling off" not in done.stdout
+    done = loom("bench", "gpu", "--skip", "serve,bogus")
+    assert done.returncode == 2 and "unknown parts ['bogus']" in done.stderr
+
+
+def test_start_benchmark_times_a_cold_start_and_warm_attaches() -> None:
+    """A new process each: the first finds no manager (cold), the next reuse its worker."""
+    done = loom("bench", "start", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+                "--warm", "2", timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
+            if line.startswith("| cold") or line.startswith("| warm")]  # fmt: skip
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [
+        ("cold", "False"), ("warm 1", "True"), ("warm 2", "True")]  # fmt: skip
+    for _, _, attached, first, launched in rows:
+        assert 0 <= float(attached) <= float(first) <= float(launched)
+    cold, *warm = (float(r[3]) for r in rows)
+    assert all(w < cold for w in warm), rows  # attaching skips the worker's start
 
 
 def test_gpu_checks_run_on_the_cpu_as_a_smoke_test() -> None:

@@ -5,7 +5,9 @@ CUDA events on a GPU (they complete when the device reaches them, so a mark queu
 the device is still busy with the step before adds no idle time), the host's clock on the
 CPU (where a launch computes the whole step). Idle is the time from one step's end mark to
 the next one's start mark: the engine's and the worker's host work the device waited for.
-Off unless a benchmark turns it on (`Engine.collective_rpc`, see benchmarks/gpu_bench.py).
+Each step also says whether it replayed a CUDA graph, so the busy time splits into graph
+replays and eager steps. Off unless a benchmark turns it on (`Engine.collective_rpc`, see
+benchmarks/gpu_bench.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class DeviceTime:
     steps: int
     busy_s: float  # in steps: from a forward queued to its sampling done
     idle_s: float  # between steps: from one step's sampling done to the next forward queued
+    eager_steps: int  # the steps that ran eager (the others replayed a graph)
+    eager_busy_s: float
 
     @property
     def idle_fraction(self) -> float:
@@ -31,7 +35,7 @@ class DeviceTime:
 class DeviceIdleProbe:
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
-        self._marks: list[tuple[Any, Any]] = []  # (start, end) of each step, in order
+        self._marks: list[tuple[Any, Any, bool]] = []  # (start, end, replayed), in order
         self._open: Any = None
 
     def _mark(self) -> Any:
@@ -44,9 +48,9 @@ class DeviceIdleProbe:
     def step_started(self) -> None:
         self._open = self._mark()
 
-    def step_ended(self) -> None:
+    def step_ended(self, replayed: bool) -> None:
         if self._open is not None:
-            self._marks.append((self._open, self._mark()))
+            self._marks.append((self._open, self._mark(), replayed))
             self._open = None
 
     def result(self) -> DeviceTime:
@@ -58,6 +62,7 @@ class DeviceIdleProbe:
             return a.elapsed_time(b) / 1e3 if self._cuda else b - a
 
         marks = self._marks
-        busy = sum(seconds(start, end) for start, end in marks)
+        busy = sum(seconds(start, end) for start, end, _ in marks)
         idle = sum(seconds(marks[i][1], marks[i + 1][0]) for i in range(len(marks) - 1))
-        return DeviceTime(len(self._marks), busy, idle)
+        eager = [seconds(start, end) for start, end, replayed in marks if not replayed]
+        return DeviceTime(len(marks), busy, idle, len(eager), sum(eager))

@@ -278,9 +278,10 @@ class ModelRunner:
         if self.idle_probe is not None:
             self.idle_probe.step_started()
         graphs = self.decode_graphs
-        if (graphs is not None and meta.paged is not None and not prefills and not prompt_idx
-                and len(decode_idx) <= graphs.max_batch
-                and meta.paged.decode_tables.shape[1] <= graphs.max_blocks):  # fmt: skip
+        replay = (graphs is not None and meta.paged is not None and not prefills
+                  and not prompt_idx and len(decode_idx) <= graphs.max_batch
+                  and meta.paged.decode_tables.shape[1] <= graphs.max_blocks)  # fmt: skip
+        if replay:
             # Decode only: packed token i is decode row i, and the rows that sample are
             # those whose prompt is complete (a 1-token prompt chunk does not).
             paged = meta.paged
@@ -304,7 +305,7 @@ class ModelRunner:
             pending = {}
         sampled = self._sample(logits[: len(sample_idx)], samplers, pending) if samplers else None
         if self.idle_probe is not None:
-            self.idle_probe.step_ended()
+            self.idle_probe.step_ended(replayed=replay and graphs.captured)
         return self._launched(call_id, samplers, sampled, prompt_lps)
 
     def _launched(

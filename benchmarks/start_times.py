@@ -1,0 +1,101 @@
+"""Cold start and warm attach: a new process's `Engine(model)` to its first token.
+
+Cold: no manager runs yet, so the process starts the daemon, which starts a worker that
+builds the weights, runs the KV profiling pass and captures its decode graphs. Warm: a
+second new process finds the first one's worker kept alive and attaches to it. Each child
+reports its own clock (entering `Engine(...)` to the first token); the parent adds the
+interpreter's start and imports (process launch to the first token).
+
+    loom bench start [--shape llama-8b|qwen-0.5b|tiny] [--device cuda] [--warm 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.gpu_bench import SHAPES, write_model_dir
+from protocols.rundir import log_path, workers_dir
+
+PROG = "loom bench start"
+CHILD = """
+import json, sys, time
+import anyio
+from runtime import Engine, SamplingParams
+
+model, dtype, device = sys.argv[1:4]
+
+async def main():
+    entered = time.perf_counter()
+    async with Engine(model, load_format="dummy", dtype=dtype, device=device,
+                      keep_alive=600) as engine:
+        attached = time.perf_counter()
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        async for _ in engine.generate({"prompt_token_ids": [5, 6, 7]}, params):
+            pass
+        first = time.perf_counter()
+        reused = engine.reused_warm_workers
+    print(json.dumps({"attach_s": attached - entered, "first_token_s": first - entered,
+                      "reused": reused}))
+
+anyio.run(main)
+"""
+
+
+def run_child(model: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, float]:
+    """One new process to its first token: its own figures and the launch-to-token time."""
+    launched = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", CHILD, model, args.dtype, args.device],
+                          env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"the engine process failed:\n{done.stderr[-3000:]}")
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    # The child's exit (releasing its engine) is after its first token: not counted.
+    figures["process_s"] = time.perf_counter() - launched
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--warm", type=int, default=3, help="warm attaches after the cold start")
+    p.add_argument("--logs", type=Path, help="copy the manager's and workers' logs to this folder")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="loom-start-", dir="/tmp") as tmp:
+        model = write_model_dir(args.shape, Path(tmp))
+        # A manager of its own: none runs at the cold start, and none outlives the run.
+        env = {**os.environ, "LOOM_MANAGER_SOCKET": str(Path(tmp) / "m.sock")}
+        try:
+            runs = [("cold", run_child(model, args, env))]
+            runs += [(f"warm {i + 1}", run_child(model, args, env)) for i in range(args.warm)]
+        finally:
+            subprocess.run([sys.executable, "-m", "workers.manager", "stop"], env=env,
+                           capture_output=True, timeout=120)  # fmt: skip
+            if args.logs:  # the worker's log says what the KV profiling pass and capture did
+                socket = Path(env["LOOM_MANAGER_SOCKET"])
+                args.logs.mkdir(parents=True, exist_ok=True)
+                for log in [log_path(socket), *workers_dir(socket).glob("*.log")]:
+                    shutil.copy(log, args.logs)
+    print(f"{args.shape}, {args.dtype} on {args.device}: a new process to its first token")
+    print("| start | reused warm workers | Engine() entered to attached s | "
+          "to first token s | process launch to first token s |")
+    print("|---|---|---|---|---|")
+    for name, f in runs:
+        print(f"| {name} | {f['reused']} | {f['attach_s']:.2f} | {f['first_token_s']:.2f} | "
+              f"{f['process_s']:.2f} |")
+    cold_reused, *warm = (f["reused"] for _, f in runs)
+    if cold_reused or not all(warm):
+        raise SystemExit("the cold start found warm workers, or a warm one did not")
+
+
+if __name__ == "__main__":
+    main()
