@@ -65,13 +65,17 @@ def relative_error(out, ref):
 
 
 def mixed_errors(requests, *, num_heads, group, head_dim, block_size, dtype, window, seed,
-                 num_splits=None, decode_max_len=None, device="cpu"):  # fmt: skip
+                 num_splits=None, decode_max_len=None, one_kernel=False,
+                 device="cpu"):  # fmt: skip
     """Requests computing one token go to the decode kernel, the others to the prefill
     kernel, into one packed output, as the model runner does; each request's relative
     error against the reference: [(index, context length, tokens computed, error)].
     `decode_max_len`: the decode kernel's sizing, default the longest decode's context
-    (a decode graph passes the longest context the cache holds)."""
+    (a decode graph passes the longest context the cache holds). `one_kernel`: every
+    request through the prefill kernel, as a mixed-step graph runs them (its tile list is
+    always padded to the most tiles the batch could take)."""
     from workers import triton_attention as ta
+    from workers.attention_metadata import max_tiles, prefill_tiles
 
     rng = random.Random(seed)
     q, k_cache, v_cache, tables, block_tables = make_batch(
@@ -80,8 +84,8 @@ def mixed_errors(requests, *, num_heads, group, head_dim, block_size, dtype, win
     )  # fmt: skip
     scale = head_dim**-0.5
     starts = [sum(n for _, n in requests[:i]) for i in range(len(requests))]
-    decode = [i for i, (_, n) in enumerate(requests) if n == 1]
-    prefill = [i for i, (_, n) in enumerate(requests) if n > 1]
+    decode = [i for i, (_, n) in enumerate(requests) if n == 1 and not one_kernel]
+    prefill = [i for i in range(len(requests)) if i not in decode]
     out = torch.full_like(q, float("nan"))
 
     def ints(values: list[int]) -> torch.Tensor:
@@ -90,10 +94,12 @@ def mixed_errors(requests, *, num_heads, group, head_dim, block_size, dtype, win
     lens = ints([n for n, _ in requests])
     if prefill:
         pick = torch.tensor(prefill, device=device)
+        q_lens = [requests[i][1] for i in prefill]
+        tile_reqs, tile_firsts = prefill_tiles(q_lens, max_tiles(len(q), len(prefill)))
         ta.prefill_attention(
             q, k_cache, v_cache, block_tables[pick], ints([starts[i] for i in prefill]),
-            ints([requests[i][1] for i in prefill]), lens[pick],
-            max(requests[i][1] for i in prefill), block_size, scale, window, out=out,
+            ints(q_lens), lens[pick], ints(tile_reqs), ints(tile_firsts), block_size, scale,
+            window, out=out,
         )  # fmt: skip
     if decode:
         pick = torch.tensor(decode, device=device)

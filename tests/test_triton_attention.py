@@ -14,6 +14,7 @@ import torch
 
 from benchmarks.attention_reference import TOLERANCE, mixed_errors
 from workers import triton_attention as ta  # under TRITON_INTERPRET=1: see conftest.py
+from workers.attention_metadata import max_tiles, prefill_tiles
 
 
 def run_mixed(requests, *, dtype, **kwargs):
@@ -42,6 +43,26 @@ def test_random_shapes_with_and_without_a_window(seed):
     run_mixed(requests, num_heads=group * rng.choice([1, 2]), group=group,
               head_dim=rng.choice([64, 128]), block_size=rng.choice([16, 32]),
               dtype=torch.float32, window=rng.choice([None, 7, 40]), seed=seed)  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("group, block_size", [(1, 16), (4, 32)])
+def test_one_kernel_for_every_row_with_padded_tiles(group, block_size, window):
+    """As a mixed-step graph runs them: decodes are one-query tiles of the prefill kernel,
+    and the tile list is padded to the most the batch could take (tiles of request -1)."""
+    requests = [(1, 1), (37, 1), (70, 1), (9, 9), (50, 20), (45, 40), (130, 1)]
+    run_mixed(requests, num_heads=group * 2, group=group, head_dim=64, block_size=block_size,
+              dtype=torch.float32, window=window, seed=group, one_kernel=True)  # fmt: skip
+
+
+def test_prefill_tiles_cover_each_query_once():
+    reqs, firsts = prefill_tiles([1, 16, 17, 40])
+    assert reqs == [0, 1, 2, 2, 3, 3, 3] and firsts == [0, 0, 0, 16, 0, 16, 32]
+    # 74 queries of 4 requests take at most 74 // 16 + 4 tiles; pads do nothing.
+    reqs, firsts = prefill_tiles([1, 16, 17, 40], max_tiles(74, 4))
+    assert len(reqs) == 8 and reqs[7:] == [-1] and firsts[7:] == [0]
+    with pytest.raises(ValueError, match="7 tiles do not fit in 6"):
+        prefill_tiles([1, 16, 17, 40], 6)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])

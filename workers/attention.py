@@ -43,7 +43,8 @@ class PagedBatch:
     prefill_q_starts: torch.Tensor  # [P]
     prefill_q_lens: torch.Tensor  # [P]
     prefill_lens: torch.Tensor  # [P]
-    max_prefill_q_len: int
+    prefill_tile_reqs: torch.Tensor  # [N]: the prefill row of each query tile (-1: none)
+    prefill_tile_firsts: torch.Tensor  # [N]: the tile's first query within its row
 
 
 @dataclass(slots=True)
@@ -128,7 +129,8 @@ def _triton(
         )  # fmt: skip
     triton_attention.prefill_attention(
         q, k_cache, v_cache, paged.prefill_tables, paged.prefill_q_starts, paged.prefill_q_lens,
-        paged.prefill_lens, paged.max_prefill_q_len, bs, scale, sliding_window, out=out,
+        paged.prefill_lens, paged.prefill_tile_reqs, paged.prefill_tile_firsts, bs, scale,
+        sliding_window, out=out,
     )  # fmt: skip
     return out.unsqueeze(0)  # [1, T, H, D]
 

@@ -12,6 +12,23 @@ from workers.attention import AttentionMetadata, PagedBatch, PrefillRow
 from workers.device_copy import device_tensor, to_device
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+PREFILL_TILE = 16  # queries per program of the Triton prefill kernel (tl.dot's minimum rows)
+
+
+def prefill_tiles(q_lens: list[int], num_tiles: int | None = None) -> tuple[list[int], list[int]]:
+    """(request, first query) of each PREFILL_TILE-query tile of requests computing
+    `q_lens` tokens, padded with (-1, 0) to `num_tiles`."""
+    reqs = [r for r, n in enumerate(q_lens) for _ in range(0, n, PREFILL_TILE)]
+    firsts = [first for n in q_lens for first in range(0, n, PREFILL_TILE)]
+    pad = (len(reqs) if num_tiles is None else num_tiles) - len(reqs)
+    if pad < 0:
+        raise ValueError(f"{len(reqs)} tiles do not fit in {num_tiles}")
+    return reqs + [-1] * pad, firsts + [0] * pad
+
+
+def max_tiles(num_tokens: int, num_requests: int) -> int:
+    """The most tiles that `num_tokens` queries of `num_requests` requests can take."""
+    return num_tokens // PREFILL_TILE + num_requests
 
 
 def context_metadata(
@@ -56,6 +73,7 @@ def paged_metadata(
     def ints(values: list[int]) -> torch.Tensor:
         return device_tensor(values, torch.int32, device)
 
+    tile_reqs, tile_firsts = prefill_tiles([p.num_tokens for p in prefills])
     paged = PagedBatch(
         block_size=block_size,
         decode_tables=tables(decode_blocks), decode_lens=ints(decode_lens),
@@ -63,7 +81,7 @@ def paged_metadata(
         prefill_tables=tables(prefill_blocks),
         prefill_q_starts=ints([p.token_start for p in prefills]),
         prefill_q_lens=ints([p.num_tokens for p in prefills]), prefill_lens=ints(prefill_lens),
-        max_prefill_q_len=max((p.num_tokens for p in prefills), default=0),
+        prefill_tile_reqs=ints(tile_reqs), prefill_tile_firsts=ints(tile_firsts),
     )  # fmt: skip
     none = torch.empty((0, 0), dtype=torch.long, device=device)
     return AttentionMetadata(

@@ -129,7 +129,8 @@ class DecodeGraphs:
             block_size=self.block_size, decode_tables=self.tables[:size],
             decode_lens=self.lens[:size], max_decode_len=self.max_blocks * self.block_size,
             prefill_tables=self.tables[:0], prefill_q_starts=self.lens[:0],
-            prefill_q_lens=self.lens[:0], prefill_lens=self.lens[:0], max_prefill_q_len=0,
+            prefill_q_lens=self.lens[:0], prefill_lens=self.lens[:0],
+            prefill_tile_reqs=self.lens[:0], prefill_tile_firsts=self.lens[:0],
         )  # fmt: skip
         none = self.rows[:0]
         meta = attention.AttentionMetadata(

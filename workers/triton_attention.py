@@ -6,8 +6,11 @@ offset), after the step's new K/V are in it. GQA: the decode kernel computes the
 query heads of one KV head together, so each K/V page is read once per KV head.
 
 - `prefill_attention`: requests computing several tokens (a prompt or a chunk of one).
-  One program per (request, query head, tile of BLOCK_M queries); causal over the
-  request's whole context, with an optional sliding window.
+  One program per (tile of BLOCK_M queries of one request, query head), the tiles listed
+  by workers.attention_metadata.prefill_tiles; a tile of request -1 does nothing (a CUDA
+  graph's grid is fixed, so its tile list is padded). Causal over the request's whole
+  context, with an optional sliding window. A request computing one token is a one-query
+  tile: mixed-step graphs run every row through this kernel.
 - `decode_attention`: requests computing one token. One program per (request, KV head,
   split of the context); each split keeps a running max, sum and weighted V (online
   softmax) and a second kernel merges the splits, so a long context is spread over many
@@ -23,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # queries per prefill program; tl.dot needs 16 rows at least
-MIN_DOT_ROWS = 16
+from workers.attention_metadata import PREFILL_TILE as BLOCK_M  # queries per prefill program
+
+MIN_DOT_ROWS = 16  # tl.dot's minimum rows on GPUs
 TARGET_PROGRAMS = 264  # decode splits aim at ~2 programs per SM of an H100 (132 SMs)
 MAX_SPLITS = 32
 
@@ -41,21 +45,21 @@ def _dot(a, b, EXACT: tl.constexpr):
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, q_starts_ptr, q_lens_ptr, seq_lens_ptr,
+    block_tables_ptr, q_starts_ptr, q_lens_ptr, seq_lens_ptr, tile_reqs_ptr, tile_firsts_ptr,
     scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, EXACT: tl.constexpr,
 ):  # fmt: skip
-    req = tl.program_id(0)
+    req = tl.load(tile_reqs_ptr + tl.program_id(0))
     head = tl.program_id(1)
-    tile = tl.program_id(2)
-    q_len = tl.load(q_lens_ptr + req)
-    if tile * BLOCK_M < q_len:
+    if req >= 0:
+        first = tl.load(tile_firsts_ptr + tl.program_id(0))  # the tile's first query
+        q_len = tl.load(q_lens_ptr + req)
         q_start = tl.load(q_starts_ptr + req)
         seq_len = tl.load(seq_lens_ptr + req)
         kv_head = head // GROUP
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
         d = tl.arange(0, D_PAD)
         d_ok = d < HEAD_DIM
@@ -66,9 +70,8 @@ def _prefill_kernel(
         s_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         # Keys from the first one the tile's first query sees to its last query's position.
-        last_key = tl.minimum(seq_len - q_len + (tile + 1) * BLOCK_M, seq_len) - 1
-        first_key = tl.where(window > 0, tl.maximum(seq_len - q_len + tile * BLOCK_M - window + 1,
-                                                    0), 0)  # fmt: skip
+        last_key = tl.minimum(seq_len - q_len + first + BLOCK_M, seq_len) - 1
+        first_key = tl.where(window > 0, tl.maximum(seq_len - q_len + first - window + 1, 0), 0)
         offs = tl.arange(0, BLOCK_SIZE)
         for page in range(first_key // BLOCK_SIZE, last_key // BLOCK_SIZE + 1):
             block = tl.load(block_tables_ptr + req * stride_bt + page)
@@ -194,7 +197,8 @@ def prefill_attention(
     q_starts: torch.Tensor,  # [P] int32: first row of each request's queries in q
     q_lens: torch.Tensor,  # [P] int32
     seq_lens: torch.Tensor,  # [P] int32: context length, this step's tokens included
-    max_q_len: int,
+    tile_reqs: torch.Tensor,  # [N] int32, from prefill_tiles: the request of each tile
+    tile_firsts: torch.Tensor,  # [N] int32: the tile's first query within its request
     block_size: int,
     scale: float,
     sliding_window: int | None = None,
@@ -205,10 +209,9 @@ def prefill_attention(
     _check(q, k_cache, v_cache, block_size)
     out = torch.empty_like(q) if out is None else out
     num_heads, head_dim = q.shape[1], q.shape[2]
-    grid = (block_tables.shape[0], num_heads, triton.cdiv(max_q_len, BLOCK_M))
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, seq_lens,
-        scale, sliding_window or 0,
+    _prefill_kernel[(tile_reqs.shape[0], num_heads)](
+        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, seq_lens, tile_reqs,
+        tile_firsts, scale, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), block_tables.stride(0),
         GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim,
