@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
         bandwidth = copy_bandwidth(args.device)
         limit = bandwidth / decode_weight_bytes(args.shape, args.dtype)
         print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
-        # Decode CUDA graphs (on CUDA), then every step eager.
+        # CUDA graphs (on CUDA), then every step eager.
         for eager in () if "stream" in args.skip else (False, True):
             per_token = single_stream_loomllm(model, work[0][0], args.stream_tokens, args, eager)
             print(f"\none stream{', enforce_eager' if eager else ''}: {1 / per_token:.1f} "

@@ -7,12 +7,15 @@
 1. The Triton paged-attention kernels at full shapes (head dims 64/128, GQA 1/4/8, block
    sizes 16/32, contexts 1..4096, decodes, whole and chunked prompts in one batch, sliding
    windows) against a float64 reference: ‖out − ref‖/‖ref‖ < 1e-2 in bf16, 1e-4 in fp32.
-2. Decode CUDA graphs: a model runner driven through the same steps with graphs captured
-   and with the same padded steps run eagerly samples the same tokens with the same
-   logprobs, bit for bit (a replay runs the captured kernels on the same shapes).
+   Every other batch runs every request through the prefill kernel, from a padded tile
+   list, as a mixed-step graph does.
+2. CUDA graphs (decode-only and mixed steps): a model runner driven through the same
+   steps with graphs captured and with the same padded steps run eagerly samples the same
+   tokens with the same logprobs, bit for bit (a replay runs the captured kernels on the
+   same shapes).
 3. Engines on a random-weight model in float32 (random weights have near-ties that bf16
    rounding would flip): greedy tokens identical with async scheduling on and off, and
-   with decode graphs and `enforce_eager`.
+   with CUDA graphs and `enforce_eager`.
 
 Prints one line per check (PASS, FAIL, or SKIP: the graphs need CUDA) and exits 1 if any
 failed. Self-contained like `loom bench gpu`: the model is written from a config
@@ -53,6 +56,7 @@ def check_kernels(device: str, num_batches: int, longest: int) -> tuple[bool | N
                 requests, num_heads=group * rng.choice([2, 4, 8]), group=group,
                 head_dim=rng.choice([64, 128]), block_size=rng.choice([16, 32]), dtype=dtype,
                 window=rng.choice([None, None, 256]), seed=seed, device=device,
+                one_kernel=seed % 2 == 1,  # every other batch as a mixed-step graph runs it
             )  # fmt: skip
             worst[dtype] = max(worst[dtype], *(err for *_, err in errors))
     ok = all(worst[dtype] < TOLERANCE[dtype] for dtype in worst)
@@ -62,7 +66,8 @@ def check_kernels(device: str, num_batches: int, longest: int) -> tuple[bool | N
 
 
 def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
-    """The same schedule through a runner with captured graphs and one padding eagerly."""
+    """The same schedule through a runner with captured graphs (decode-only and mixed
+    steps) and one padding eagerly."""
     import torch
 
     if not device.startswith("cuda"):
@@ -80,9 +85,11 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
         runner = ModelRunner(loaded.model, loaded.config, device=torch.device(device),
                              dtype=torch.bfloat16, block_size=16, num_blocks=1024,
                              attention_backend="triton")  # fmt: skip
-        runner.enable_decode_graphs(max_num_seqs=64, max_model_len=4096, capture=capture)
-        if runner.decode_graphs is None or runner.decode_graphs.captured != capture:
+        runner.enable_graphs(max_num_seqs=64, max_model_len=4096, capture=capture)
+        graphs = (runner.decode_graphs, runner.mixed_graphs)
+        if any(g is None or g.captured != capture for g in graphs):
             return False, "the capture failed (see the log above)"
+        runner.start_idle_probe()  # it counts the steps that replayed a graph
         scheduler = Scheduler(SchedulerConfig(64, 512, 4096, 16, 1024))
         rng = random.Random(1)
         for i in range(40):  # decode batches from 40 down to 1 as they finish
@@ -98,11 +105,15 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
             outputs.append((result.req_ids, result.sampled_token_ids, result.logprobs))
             scheduler.update_from_output(so, result)
         runs.append(outputs)
+        if capture:
+            device_time = runner.stop_idle_probe()
         del runner
         torch.cuda.empty_cache()
     same = runs[0] == runs[1]
     steps = len(runs[0])
-    return same, f"{steps} steps, captured vs padded eager: {'identical' if same else 'DIFFER'}"
+    replayed = device_time.steps - device_time.eager_steps
+    return same, (f"{steps} steps ({replayed} replayed decode or mixed-step graphs), captured "
+                  f"vs padded eager: {'identical' if same else 'DIFFER'}")  # fmt: skip
 
 
 def check_engines(

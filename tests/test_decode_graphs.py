@@ -1,4 +1,5 @@
-"""Decode graphs: decode-only steps padded to bucketed batch sizes give the eager path's tokens.
+"""CUDA graphs: decode-only steps padded to bucketed batch sizes, and mixed steps padded to
+token buckets, give the eager path's tokens.
 
 CUDA graph capture needs a GPU; what it replays is the padded path over static buffers,
 which runs here eagerly (`capture=False`) with the Triton kernels in the interpreter, and
@@ -38,18 +39,20 @@ def make_runner(model_dir: str, graphs: bool) -> ModelRunner:
                          dtype=torch.float32, block_size=16, num_blocks=24,
                          attention_backend="triton")  # fmt: skip
     if graphs:
-        runner.enable_decode_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=False)
+        runner.enable_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=False)
     return runner
 
 
-def drive_requests(runner: ModelRunner, ahead: bool) -> tuple[dict[str, list], int]:
+def drive_requests(
+    runner: ModelRunner, ahead: bool, budget: int = 5, long_prompt: int = 10
+) -> tuple[dict[str, list], int]:  # fmt: skip
     """Seven requests under a 5-token budget: four short prompts decode while the three
     long ones come in one-token chunks beside them (a decode-only step with a row that does
     not sample), then the batch shrinks to 1 as they finish one by one. Returns each
     request's (tokens, logprobs) per step, and how many decode-only steps had such a row."""
-    scheduler = Scheduler(SchedulerConfig(8, 5, MAX_MODEL_LEN, 16, runner.num_blocks))
+    scheduler = Scheduler(SchedulerConfig(8, budget, MAX_MODEL_LEN, 16, runner.num_blocks))
     for i in range(7):
-        prompt = [5 + i + j for j in range(2 if i < 4 else 10)]
+        prompt = [5 + i + j for j in range(2 if i < 4 else long_prompt)]
         max_tokens = 8 + 2 * i if i < 4 else i
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         scheduler.add_request(Request(f"r{i}", prompt, params, frozenset({EOS}), 64, 0.0))
@@ -86,12 +89,48 @@ def test_padded_decode_steps_sample_the_eager_tokens(tiny_model, ahead):
     assert len({graphs.bucket(n) for n in batches}) >= 3 and {5, 6, 7} & set(batches)
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["step by step", "launched ahead"])
+@pytest.mark.parametrize("budget, long_prompt", [(5, 10), (70, 30)])
+def test_padded_mixed_steps_sample_the_eager_tokens(tiny_model, ahead, budget, long_prompt):
+    """Prompt chunks beside decodes, every row through the prefill kernel: in the 64-token
+    bucket (a 5-token budget), and in the 128-token one (a 70-token budget)."""
+    eager, _ = drive_requests(make_runner(tiny_model, graphs=False), ahead, budget, long_prompt)
+    runner = make_runner(tiny_model, graphs=True)
+    mixed = runner.mixed_graphs
+    steps: list[tuple[int, int]] = []  # (tokens, rows) of each mixed step
+    forward = mixed.forward
+    mixed.forward = lambda *args: (steps.append((len(args[1]), len(args[3]))),
+                                   forward(*args))[1]  # fmt: skip
+    padded, _ = drive_requests(runner, ahead, budget, long_prompt)
+    assert {r: [t for t, _ in o] for r, o in padded.items()} == {
+        r: [t for t, _ in o] for r, o in eager.items()
+    }
+    for req_id, outs in padded.items():
+        for (_, lps), (_, ref) in zip(outs, eager[req_id], strict=True):
+            assert lps == pytest.approx(ref, abs=1e-5)
+    assert not mixed.captured and len(steps) >= 2
+    # Decodes rode along in mixed steps (more rows than prompts computing), and a step of
+    # more than 64 tokens ran in the next bucket.
+    assert max(rows for _, rows in steps) >= 4
+    assert budget < 64 or max(tokens for tokens, _ in steps) > 64
+
+
+def test_mixed_graphs_fit_small_steps_only(tiny_model):
+    runner = make_runner(tiny_model, graphs=True)
+    mixed = runner.mixed_graphs
+    assert mixed.sizes == list(range(64, 513, 64)) and mixed.max_rows == 8
+    assert mixed.fits(512, 8, mixed.max_blocks) and mixed.fits(1, 1, 1)
+    assert not mixed.fits(513, 1, 1)  # larger steps are compute-bound: eager
+    assert not mixed.fits(64, 9, 1)  # more rows than max_num_seqs
+    assert not mixed.fits(64, 1, mixed.max_blocks + 1)
+
+
 def test_decode_graphs_need_the_triton_backend(tiny_model):
     loaded = load_model(tiny_model, dtype="float32")
     runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
                          dtype=torch.float32, block_size=16, num_blocks=4)  # fmt: skip
     with pytest.raises(ValueError, match="Triton attention backend"):
-        runner.enable_decode_graphs(max_num_seqs=4, max_model_len=64, capture=False)
+        runner.enable_graphs(max_num_seqs=4, max_model_len=64, capture=False)
 
 
 async def generate(engine: Engine, prompt: str, params: SamplingParams, into: dict, key: int):
@@ -112,7 +151,7 @@ async def test_an_engine_with_padded_decode_steps_matches_eager(
                           attention_backend="triton", max_num_seqs=8, enforce_eager=True,
                           keep_alive=0) as engine:  # fmt: skip
             if graphs:  # what a CUDA worker captures at start, here without the capture
-                await engine.collective_rpc(lambda w: w.runner.enable_decode_graphs(8, 64, False))
+                await engine.collective_rpc(lambda w: w.runner.enable_graphs(8, 64, False))
             outputs[graphs] = {}
             async with anyio.create_task_group() as tg:  # decode batches of 4 down to 1
                 for i in range(len(prompts)):

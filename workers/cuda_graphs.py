@@ -10,7 +10,8 @@ allocates one block past the scheduler's), attending over that slot alone. The d
 kernel's split-K is sized for the longest context the cache holds, as a graph cannot
 change it per step; rows past their own length skip the empty splits.
 
-Steps with a prefill, with prompt logprobs, or wider than the largest bucket run eager.
+Steps with a prefill (see workers/mixed_graphs.py), with prompt logprobs, or wider than
+the largest bucket run eager.
 Without capture (`capture=False`) the same padded path runs eagerly: the CPU tests check
 it, in Triton's interpreter, against the unpadded eager path.
 """
@@ -76,10 +77,9 @@ class DecodeGraphs:
     def bucket(self, num_decodes: int) -> int:
         return next(size for size in self.sizes if size >= num_decodes)
 
-    def capture(self) -> None:
-        """Capture every bucket, largest first, in one shared memory pool (CUDA only)."""
+    def capture(self, pool: Any) -> None:
+        """Capture every bucket, largest first, in the memory pool `pool` (CUDA only)."""
         started = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
         self._pad_from(0)
         for size in reversed(self.sizes):
             for _ in range(2):  # compile the kernels and warm cuBLAS outside the capture

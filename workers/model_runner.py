@@ -28,6 +28,7 @@ from workers.attention_metadata import context_metadata, paged_metadata
 from workers.cuda_graphs import DecodeGraphs
 from workers.device_copy import device_tensor
 from workers.device_idle import DeviceIdleProbe, DeviceTime
+from workers.mixed_graphs import MixedGraphs
 from workers.pending_step import PendingStep
 from workers.sampler import (
     SamplerOutput,
@@ -109,7 +110,8 @@ class ModelRunner:
         # the CPU a launch computes the whole step: nothing to overlap in the worker.
         self.overlap_launches = device.type == "cuda"
         self.idle_probe: DeviceIdleProbe | None = None  # set by start_idle_probe()
-        self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs()
+        self.decode_graphs: DecodeGraphs | None = None  # set by enable_graphs()
+        self.mixed_graphs: MixedGraphs | None = None  # set by enable_graphs()
 
     @staticmethod
     def bytes_per_block(
@@ -119,28 +121,30 @@ class ModelRunner:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
-    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
-        """Run decode-only steps padded to bucketed batch sizes, replaying CUDA graphs when
-        `capture` (else eagerly over the same padded buffers: the CPU tests). Triton
-        backend only: the torch backend's metadata has no fixed shape."""
+    def enable_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
+        """Run decode-only steps padded to bucketed batch sizes and small mixed steps padded
+        to token buckets, replaying CUDA graphs when `capture` (else eagerly over the same
+        padded buffers: the CPU tests). Triton backend only: the torch backend's metadata
+        has no fixed shape."""
         if self.attention_backend != "triton":
-            raise ValueError("decode graphs need the Triton attention backend")
-        graphs = DecodeGraphs(
-            self.model, self.kv_caches, device=self.device, block_size=self.block_size,
-            scratch_block=self.num_blocks,
-            max_blocks=min(self.num_blocks, -(-max_model_len // self.block_size)),
-            max_num_seqs=max_num_seqs,
-        )  # fmt: skip
+            raise ValueError("CUDA graphs need the Triton attention backend")
+        shared = dict(device=self.device, block_size=self.block_size,
+                      scratch_block=self.num_blocks, max_num_seqs=max_num_seqs,
+                      max_blocks=min(self.num_blocks, -(-max_model_len // self.block_size)))
+        graphs = DecodeGraphs(self.model, self.kv_caches, **shared)
+        mixed = MixedGraphs(self.model, self.kv_caches, **shared)
         if capture:
             try:
                 with torch.inference_mode():
-                    graphs.capture()
+                    pool = torch.cuda.graph_pool_handle()  # one pool: one replays at a time
+                    mixed.capture(pool)  # the largest graphs first
+                    graphs.capture(pool)
             except Exception:
                 # A model whose forward cannot be captured (a host sync, a dynamic shape)
                 # still serves, eagerly: slower at small batches, never wrong.
-                logger.exception("decode CUDA graph capture failed: every step runs eager")
+                logger.exception("CUDA graph capture failed: every step runs eager")
                 return
-        self.decode_graphs = graphs
+        self.decode_graphs, self.mixed_graphs = graphs, mixed
 
     def start_idle_probe(self) -> None:
         """Measure the device's busy and idle time from the next step on (benchmarks)."""
@@ -255,7 +259,14 @@ class ModelRunner:
                 sample_idx.append(len(input_ids) - 1)
                 samplers.append(state)
             state.num_computed_tokens = end
-        if triton:
+        if not input_ids:
+            return self._launched(call_id, [], None, [])
+        graphs, mixed, rows = self.decode_graphs, self.mixed_graphs, decode_states + prefill_states
+        replay_mixed = (mixed is not None and bool(prefills) and not prompt_idx
+                        and mixed.fits(len(input_ids), len(rows),
+                                       max(len(st.block_ids) for st in rows)))  # fmt: skip
+        meta = None  # a mixed-step graph takes the rows as they are
+        if triton and not replay_mixed:
             meta = paged_metadata(
                 self.kv_caches, self.device, self.block_size, slots, decode_idx,
                 [st.block_ids for st in decode_states],
@@ -263,11 +274,9 @@ class ModelRunner:
                 prefills, [st.block_ids for st in prefill_states],
                 [st.num_computed_tokens for st in prefill_states],
             )  # fmt: skip
-        else:
+        elif not triton:
             meta = context_metadata(self.kv_caches, self.device, slots, decode_idx, decode_ctx,
                                     prefills)  # fmt: skip
-        if not input_ids:
-            return self._launched(call_id, [], None, [])
         dev = self.device
         ids = device_tensor(input_ids, torch.long, dev)
         if fill_at:
@@ -277,11 +286,18 @@ class ModelRunner:
             ]
         if self.idle_probe is not None:
             self.idle_probe.step_started()
-        graphs = self.decode_graphs
-        replay = (graphs is not None and meta.paged is not None and not prefills
-                  and not prompt_idx and len(decode_idx) <= graphs.max_batch
+        replay = (graphs is not None and meta is not None and meta.paged is not None
+                  and not prefills and not prompt_idx and len(decode_idx) <= graphs.max_batch
                   and meta.paged.decode_tables.shape[1] <= graphs.max_blocks)  # fmt: skip
-        if replay:
+        if replay_mixed:
+            # Every row through the prefill kernel, a decode as a one-token prompt chunk.
+            logits = mixed.forward(
+                ids, positions, device_tensor(slots, torch.long, dev),
+                [st.block_ids for st in rows], decode_idx + [p.token_start for p in prefills],
+                [1] * len(decode_idx) + [p.num_tokens for p in prefills],
+                [st.num_computed_tokens for st in rows], sample_idx,
+            )  # fmt: skip
+        elif replay:
             # Decode only: packed token i is decode row i, and the rows that sample are
             # those whose prompt is complete (a 1-token prompt chunk does not).
             paged = meta.paged
@@ -305,7 +321,8 @@ class ModelRunner:
             pending = {}
         sampled = self._sample(logits[: len(sample_idx)], samplers, pending) if samplers else None
         if self.idle_probe is not None:
-            self.idle_probe.step_ended(replayed=replay and graphs.captured)
+            self.idle_probe.step_ended(replayed=(replay and graphs.captured)
+                                       or (replay_mixed and mixed.captured))  # fmt: skip
         return self._launched(call_id, samplers, sampled, prompt_lps)
 
     def _launched(

@@ -167,8 +167,8 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     # One rank only: HF's tensor-parallel collectives inside a capture are untried.
     if (device.type == "cuda" and backend == "triton" and loaded.tp_size == 1
             and not options.get("enforce_eager")):  # fmt: skip
-        runner.enable_decode_graphs(int(options.get("max_num_seqs") or 256),
-                                    loaded.max_model_len, capture=True)  # fmt: skip
+        runner.enable_graphs(int(options.get("max_num_seqs") or 256), loaded.max_model_len,
+                             capture=True)  # fmt: skip
     return runner
 
 

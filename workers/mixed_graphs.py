@@ -1,0 +1,172 @@
+"""MixedGraphs: steps that compute prompt tokens beside decodes, replayed from CUDA graphs.
+
+A step that admits a request computes its prompt (or a chunk of it) beside the running
+decodes. Run eager, such a step costs what launching every kernel of the model costs on
+the host (~47 ms for an 8B model on an H100's host, measured in benchmarks/RESULTS.md),
+however few its tokens; and with more requests waiting than slots, one is admitted each
+time one finishes, so a few hundred steps of a run are such mixed steps. Up to
+MAX_MIXED_TOKENS tokens, a mixed step is padded to the next multiple of TOKEN_BUCKET and
+replayed. Every row, decodes too, goes through the prefill kernel from a tile list padded
+to the most the bucket can take (workers/attention_metadata.prefill_tiles), so the
+graph's grids are fixed. Padded tokens compute token 0 at position 0 into the scratch
+slot (as decode graphs' padded rows do) and no tile reads them; padded rows have no
+tiles; padded sampling rows read token 0. Larger steps are bound by the device's
+arithmetic, which hides their launches: they run eager.
+
+Without capture (`capture=False`) the same padded path runs eagerly: the CPU tests check
+it, in Triton's interpreter, against the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from workers import attention
+from workers.attention_metadata import max_tiles, prefill_tiles
+from workers.device_copy import device_tensor
+
+logger = logging.getLogger(__name__)
+
+TOKEN_BUCKET = 64
+MAX_MIXED_TOKENS = 512
+
+
+class MixedGraphs:
+    """Static buffers for the largest bucket, and one captured graph per token bucket."""
+
+    def __init__(
+        self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *, device: torch.device, block_size: int, scratch_block: int, max_blocks: int,
+        max_num_seqs: int, max_tokens: int = MAX_MIXED_TOKENS,
+    ) -> None:  # fmt: skip
+        self.model = model
+        self.kv_caches = kv_caches
+        self.device = device
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        top = max(TOKEN_BUCKET, max_tokens // TOKEN_BUCKET * TOKEN_BUCKET)
+        self.sizes = list(range(TOKEN_BUCKET, top + 1, TOKEN_BUCKET))
+        self.max_rows = min(max_num_seqs, top)
+        self._scratch_slot = scratch_block * block_size
+
+        def buffer(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.input_ids = buffer(1, top, dtype=torch.long)
+        self.positions = buffer(1, top, dtype=torch.long)
+        self.slots = buffer(top, dtype=torch.long)
+        self.tables = buffer(self.max_rows, max_blocks)
+        self.q_starts = buffer(self.max_rows)
+        self.q_lens = buffer(self.max_rows)
+        self.seq_lens = buffer(self.max_rows)
+        self.tile_reqs = buffer(max_tiles(top, self.max_rows))
+        self.tile_firsts = buffer(max_tiles(top, self.max_rows))
+        self.sample_rows = buffer(self.max_rows, dtype=torch.long)
+        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # size -> (graph, logits)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sizes[-1]
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def fits(self, num_tokens: int, num_rows: int, widest_table: int) -> bool:
+        return (num_tokens <= self.max_tokens and num_rows <= self._rows(self._bucket(num_tokens))
+                and widest_table <= self.max_blocks)  # fmt: skip
+
+    def _bucket(self, num_tokens: int) -> int:
+        return -(-num_tokens // TOKEN_BUCKET) * TOKEN_BUCKET
+
+    def _rows(self, size: int) -> int:
+        return min(self.max_rows, size)
+
+    def capture(self, pool: Any) -> None:
+        """Capture every bucket, largest first, in the memory pool `pool` (CUDA only)."""
+        started = time.monotonic()
+        self._pad(0, 0, 0)
+        self.tile_reqs.fill_(-1)
+        for size in reversed(self.sizes):
+            for _ in range(2):  # compile the kernels and warm cuBLAS outside the capture
+                self._forward(size)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(size)
+            self._graphs[size] = (graph, logits)
+        torch.cuda.synchronize()
+        logger.info("captured mixed-step CUDA graphs for %s tokens in %.1fs",
+                    self.sizes, time.monotonic() - started)  # fmt: skip
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: list[int], slots: torch.Tensor,
+        tables: list[list[int]], q_starts: list[int], q_lens: list[int], seq_lens: list[int],
+        sample_idx: list[int],
+    ) -> torch.Tensor:  # fmt: skip
+        """Logits [len(sample_idx), V] of a step of n packed tokens (input_ids and slots:
+        device tensors [n]) whose rows (requests) have these block tables, first token in
+        the batch, token counts and context lengths (this step's tokens included)."""
+        n, rows, samples = len(positions), len(tables), len(sample_idx)
+        size = self._bucket(n)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        self.input_ids[0, :n].copy_(input_ids)
+        self.positions[0, :n].copy_(device_tensor(positions, torch.long, dev))
+        self.slots[:n].copy_(slots)
+        padded = [blocks + [0] * (width - len(blocks)) for blocks in tables]
+        self.tables[:rows, :width].copy_(device_tensor(padded, torch.int32, dev))
+        self.tables[:rows, width:].zero_()
+        for buf, values in ((self.q_starts, q_starts), (self.q_lens, q_lens),
+                            (self.seq_lens, seq_lens)):  # fmt: skip
+            buf[:rows].copy_(device_tensor(values, torch.int32, dev))
+        num_tiles = max_tiles(size, self._rows(size))
+        tile_reqs, tile_firsts = prefill_tiles(q_lens, num_tiles)
+        self.tile_reqs[:num_tiles].copy_(device_tensor(tile_reqs, torch.int32, dev))
+        self.tile_firsts[:num_tiles].copy_(device_tensor(tile_firsts, torch.int32, dev))
+        self.sample_rows[:samples].copy_(device_tensor(sample_idx, torch.long, dev))
+        self._pad(n, rows, samples)
+        if size in self._graphs:
+            graph, logits = self._graphs[size]
+            graph.replay()
+        else:
+            logits = self._forward(size)
+        return logits[:samples]
+
+    def _pad(self, num_tokens: int, num_rows: int, num_samples: int) -> None:
+        """Tokens from num_tokens compute token 0 into the scratch slot; rows from
+        num_rows compute nothing; sampling rows from num_samples read token 0."""
+        self.input_ids[0, num_tokens:].zero_()
+        self.positions[0, num_tokens:].zero_()
+        self.slots[num_tokens:].fill_(self._scratch_slot)
+        self.tables[num_rows:].zero_()
+        self.q_lens[num_rows:].zero_()
+        self.seq_lens[num_rows:].zero_()
+        self.sample_rows[num_samples:].zero_()
+
+    def _forward(self, size: int) -> torch.Tensor:
+        rows = self._rows(size)
+        tiles = max_tiles(size, rows)
+        none = self.q_lens[:0]
+        paged = attention.PagedBatch(
+            block_size=self.block_size, decode_tables=self.tables[:0], decode_lens=none,
+            max_decode_len=0, prefill_tables=self.tables[:rows],
+            prefill_q_starts=self.q_starts[:rows], prefill_q_lens=self.q_lens[:rows],
+            prefill_lens=self.seq_lens[:rows], prefill_tile_reqs=self.tile_reqs[:tiles],
+            prefill_tile_firsts=self.tile_firsts[:tiles],
+        )  # fmt: skip
+        empty = self.sample_rows[:0]
+        meta = attention.AttentionMetadata(
+            kv_caches=self.kv_caches, slot_mapping=self.slots[:size], decode_token_idx=empty,
+            decode_slots=empty, decode_valid=empty.bool(), decode_bias=empty, prefills=[],
+            paged=paged,
+        )  # fmt: skip
+        out = self.model(
+            input_ids=self.input_ids[:, :size], position_ids=self.positions[:, :size],
+            use_cache=False, attn_metadata=meta, logits_to_keep=self.sample_rows[:rows],
+        )
+        return out.logits[0]  # [rows, V]
