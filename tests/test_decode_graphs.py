@@ -19,6 +19,7 @@ from runtime import Engine
 from runtime.request import Request
 from runtime.scheduler import Scheduler, SchedulerConfig
 from workers.cuda_graphs import bucket_sizes
+from workers.mixed_graphs import token_buckets
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
 
@@ -115,14 +116,24 @@ def test_padded_mixed_steps_sample_the_eager_tokens(tiny_model, ahead, budget, l
     assert budget < 64 or max(tokens for tokens, _ in steps) > 64
 
 
-def test_mixed_graphs_fit_small_steps_only(tiny_model):
-    runner = make_runner(tiny_model, graphs=True)
+def test_token_buckets_are_fine_for_small_steps_and_reach_the_largest_step():
+    assert token_buckets(2048) == [*range(64, 513, 64), 768, 1024, 1280, 1536, 1792, 2048]
+    assert token_buckets(64) == [64] and token_buckets(5) == [64]
+    assert token_buckets(1000)[-2:] == [768, 1024]  # the largest step fits
+    assert token_buckets(8192)[-1] == 2048  # larger steps run eager
+
+
+def test_mixed_graphs_fit_what_their_buckets_hold(tiny_model):
+    runner = make_runner(tiny_model, graphs=True)  # max_num_seqs 8, largest step 2048
     mixed = runner.mixed_graphs
-    assert mixed.sizes == list(range(64, 513, 64)) and mixed.max_rows == 8
-    assert mixed.fits(512, 8, mixed.max_blocks) and mixed.fits(1, 1, 1)
-    assert not mixed.fits(513, 1, 1)  # larger steps are compute-bound: eager
+    assert mixed.sizes == token_buckets(2048) and mixed.max_rows == 8
+    assert mixed.fits(2048, 8, mixed.max_blocks) and mixed.fits(1, 1, 1)
+    assert not mixed.fits(2049, 1, 1)
     assert not mixed.fits(64, 9, 1)  # more rows than max_num_seqs
     assert not mixed.fits(64, 1, mixed.max_blocks + 1)
+    runner.enable_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=False,
+                         max_step_tokens=100)  # fmt: skip
+    assert runner.mixed_graphs.sizes == [64, 128]
 
 
 def test_decode_graphs_need_the_triton_backend(tiny_model):

@@ -22,6 +22,14 @@ DEFAULT_PROFILE_TOKENS = 2048  # the engine's default max_num_batched_tokens (ch
 GiB = float(1 << 30)
 
 
+def largest_step_tokens(options: dict[str, Any], max_model_len: int) -> int:
+    """The most tokens one step of the engine computes (its `profile_tokens` option)."""
+    tokens = int(options.get("profile_tokens") or DEFAULT_PROFILE_TOKENS)
+    if tokens == PROFILE_WHOLE_CONTEXT:  # no chunked prefill: a step holds a whole prompt
+        return max_model_len
+    return tokens
+
+
 def kv_cache_budget(loaded: Any, options: dict[str, Any], block_size: int, per_block: int,
                     make_runner: Any) -> float:  # fmt: skip
     """Bytes for the KV cache. `make_runner(num_blocks)` builds a ModelRunner."""
@@ -32,9 +40,7 @@ def kv_cache_budget(loaded: Any, options: dict[str, Any], block_size: int, per_b
     device = torch.device(loaded.device)
     if device.type == "cuda":
         utilization = float(options.get("gpu_memory_utilization") or 0.9)
-        tokens = int(options.get("profile_tokens") or DEFAULT_PROFILE_TOKENS)
-        if tokens == PROFILE_WHOLE_CONTEXT:  # no chunked prefill: a step holds a whole prompt
-            tokens = loaded.max_model_len
+        tokens = largest_step_tokens(options, loaded.max_model_len)
         peak = profile_activation_bytes(device, tokens, block_size, loaded.vocab_size,
                                         loaded.max_model_len, make_runner)  # fmt: skip
         free, total = torch.cuda.mem_get_info(device)

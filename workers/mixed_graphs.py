@@ -4,14 +4,16 @@ A step that admits a request computes its prompt (or a chunk of it) beside the r
 decodes. Run eager, such a step costs what launching every kernel of the model costs on
 the host (~47 ms for an 8B model on an H100's host, measured in benchmarks/RESULTS.md),
 however few its tokens; and with more requests waiting than slots, one is admitted each
-time one finishes, so a few hundred steps of a run are such mixed steps. Up to
-MAX_MIXED_TOKENS tokens, a mixed step is padded to the next multiple of TOKEN_BUCKET and
-replayed. Every row, decodes too, goes through the prefill kernel from a tile list padded
-to the most the bucket can take (workers/attention_metadata.prefill_tiles), so the
-graph's grids are fixed. Padded tokens compute token 0 at position 0 into the scratch
-slot (as decode graphs' padded rows do) and no tile reads them; padded rows have no
-tiles; padded sampling rows read token 0. Larger steps are bound by the device's
-arithmetic, which hides their launches: they run eager.
+time one finishes, so a few hundred steps of a run are such mixed steps. A mixed step is
+padded to the next token bucket (token_buckets: every 64 tokens up to 512, every 256
+beyond, up to the engine's largest step and at most MAX_MIXED_TOKENS) and replayed. A
+small model's 2048-token step is still host-bound (41 ms eager for a 0.5B model, where
+its arithmetic takes a few ms); a large model's is bound by its arithmetic either way.
+Every row, decodes too, goes through the prefill kernel from a tile list padded to the
+most the bucket can take (workers/attention_metadata.prefill_tiles), so the graph's
+grids are fixed. Padded tokens compute token 0 at position 0 into the scratch slot (as
+decode graphs' padded rows do) and no tile reads them; padded rows have no tiles;
+padded sampling rows read token 0. Steps with prompt logprobs run eager.
 
 Without capture (`capture=False`) the same padded path runs eagerly: the CPU tests check
 it, in Triton's interpreter, against the eager path.
@@ -31,8 +33,18 @@ from workers.device_copy import device_tensor
 
 logger = logging.getLogger(__name__)
 
-TOKEN_BUCKET = 64
-MAX_MIXED_TOKENS = 512
+SMALL_BUCKET, SMALL_STEPS = 64, 512  # fine buckets where padding would cost most
+LARGE_BUCKET = 256
+MAX_MIXED_TOKENS = 2048  # the engine's default largest step (chunked prefill)
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """64, 128, ... 512, then 768, 1024, ...: the first that holds `max_tokens` last
+    (capped at MAX_MIXED_TOKENS)."""
+    top = min(max_tokens, MAX_MIXED_TOKENS)
+    sizes = list(range(SMALL_BUCKET, SMALL_STEPS + 1, SMALL_BUCKET))
+    sizes += range(SMALL_STEPS + LARGE_BUCKET, MAX_MIXED_TOKENS + 1, LARGE_BUCKET)
+    return sizes[: next(i for i, size in enumerate(sizes) if size >= top) + 1]
 
 
 class MixedGraphs:
@@ -48,8 +60,8 @@ class MixedGraphs:
         self.device = device
         self.block_size = block_size
         self.max_blocks = max_blocks
-        top = max(TOKEN_BUCKET, max_tokens // TOKEN_BUCKET * TOKEN_BUCKET)
-        self.sizes = list(range(TOKEN_BUCKET, top + 1, TOKEN_BUCKET))
+        self.sizes = token_buckets(max_tokens)
+        top = self.sizes[-1]
         self.max_rows = min(max_num_seqs, top)
         self._scratch_slot = scratch_block * block_size
 
@@ -81,7 +93,7 @@ class MixedGraphs:
                 and widest_table <= self.max_blocks)  # fmt: skip
 
     def _bucket(self, num_tokens: int) -> int:
-        return -(-num_tokens // TOKEN_BUCKET) * TOKEN_BUCKET
+        return next(size for size in self.sizes if size >= num_tokens)
 
     def _rows(self, size: int) -> int:
         return min(self.max_rows, size)
@@ -91,14 +103,22 @@ class MixedGraphs:
         started = time.monotonic()
         self._pad(0, 0, 0)
         self.tile_reqs.fill_(-1)
+        logits: torch.Tensor | None = None
         for size in reversed(self.sizes):
             for _ in range(2):  # compile the kernels and warm cuBLAS outside the capture
-                self._forward(size)
+                warm = self._forward(size)
+            if logits is None:
+                # Every graph writes its logits into this one buffer: a graph's own output
+                # stays allocated as long as the graph, [rows, vocab] for each of 14 buckets
+                # (~1 GB for a 150k vocabulary), while one step uses one at a time.
+                logits = torch.empty((self.max_rows, warm.shape[-1]), dtype=warm.dtype,
+                                     device=warm.device)  # fmt: skip
+            del warm
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-            self._graphs[size] = (graph, logits)
+                logits[: self._rows(size)].copy_(self._forward(size))
+            self._graphs[size] = (graph, logits[: self._rows(size)])
         torch.cuda.synchronize()
         logger.info("captured mixed-step CUDA graphs for %s tokens in %.1fs",
                     self.sizes, time.monotonic() - started)  # fmt: skip

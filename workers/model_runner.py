@@ -28,7 +28,7 @@ from workers.attention_metadata import context_metadata, paged_metadata
 from workers.cuda_graphs import DecodeGraphs
 from workers.device_copy import device_tensor
 from workers.device_idle import DeviceIdleProbe, DeviceTime
-from workers.mixed_graphs import MixedGraphs
+from workers.mixed_graphs import MAX_MIXED_TOKENS, MixedGraphs
 from workers.pending_step import PendingStep
 from workers.sampler import (
     SamplerOutput,
@@ -121,18 +121,21 @@ class ModelRunner:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
-    def enable_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
-        """Run decode-only steps padded to bucketed batch sizes and small mixed steps padded
-        to token buckets, replaying CUDA graphs when `capture` (else eagerly over the same
-        padded buffers: the CPU tests). Triton backend only: the torch backend's metadata
-        has no fixed shape."""
+    def enable_graphs(
+        self, max_num_seqs: int, max_model_len: int, capture: bool,
+        max_step_tokens: int = MAX_MIXED_TOKENS,
+    ) -> None:  # fmt: skip
+        """Run decode-only steps padded to bucketed batch sizes and mixed steps (of up to
+        `max_step_tokens`) padded to token buckets, replaying CUDA graphs when `capture`
+        (else eagerly over the same padded buffers: the CPU tests). Triton backend only:
+        the torch backend's metadata has no fixed shape."""
         if self.attention_backend != "triton":
             raise ValueError("CUDA graphs need the Triton attention backend")
         shared = dict(device=self.device, block_size=self.block_size,
                       scratch_block=self.num_blocks, max_num_seqs=max_num_seqs,
                       max_blocks=min(self.num_blocks, -(-max_model_len // self.block_size)))
         graphs = DecodeGraphs(self.model, self.kv_caches, **shared)
-        mixed = MixedGraphs(self.model, self.kv_caches, **shared)
+        mixed = MixedGraphs(self.model, self.kv_caches, **shared, max_tokens=max_step_tokens)
         if capture:
             try:
                 with torch.inference_mode():

@@ -137,7 +137,7 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     """Size the paged KV cache from the options and build the model runner."""
     import torch
 
-    from workers.kv_sizing import kv_cache_budget
+    from workers.kv_sizing import kv_cache_budget, largest_step_tokens
     from workers.model_runner import ModelRunner
 
     block_size = int(options.get("block_size") or DEFAULT_BLOCK_SIZE)
@@ -168,7 +168,8 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     if (device.type == "cuda" and backend == "triton" and loaded.tp_size == 1
             and not options.get("enforce_eager")):  # fmt: skip
         runner.enable_graphs(int(options.get("max_num_seqs") or 256), loaded.max_model_len,
-                             capture=True)  # fmt: skip
+                             capture=True,
+                             max_step_tokens=largest_step_tokens(options, loaded.max_model_len))
     return runner
 
 
