@@ -18,8 +18,8 @@ from protocols.sampling import SamplingParams
 from runtime import Engine
 from runtime.request import Request
 from runtime.scheduler import Scheduler, SchedulerConfig
-from workers.cuda_graphs import bucket_sizes
-from workers.mixed_graphs import token_buckets
+from workers.cuda_graphs import DecodeGraphs, bucket_sizes
+from workers.mixed_graphs import MixedGraphs, token_buckets
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
 
@@ -134,6 +134,27 @@ def test_mixed_graphs_fit_what_their_buckets_hold(tiny_model):
     runner.enable_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=False,
                          max_step_tokens=100)  # fmt: skip
     assert runner.mixed_graphs.sizes == [64, 128]
+
+
+def test_a_failed_mixed_capture_keeps_the_decode_graphs(tiny_model, monkeypatch, caplog):
+    """Each kind of graph falls back to eager alone (capture itself needs CUDA: faked)."""
+    runner = make_runner(tiny_model, graphs=False)
+    captured = []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(DecodeGraphs, "capture", lambda self, pool: captured.append(pool))
+
+    def fail(self, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(MixedGraphs, "capture", fail)
+    runner.enable_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=True)
+    assert runner.mixed_graphs is None and runner.decode_graphs is not None
+    assert captured == ["pool"] and "mixed-step CUDA graph capture failed" in caplog.text
+    eager, _ = drive_requests(make_runner(tiny_model, graphs=False), ahead=False)
+    served, _ = drive_requests(runner, ahead=False)  # mixed steps eager, decodes padded
+    assert {r: [t for t, _ in o] for r, o in served.items()} == {
+        r: [t for t, _ in o] for r, o in eager.items()
+    }
 
 
 def test_decode_graphs_need_the_triton_backend(tiny_model):

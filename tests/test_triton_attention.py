@@ -65,6 +65,31 @@ def test_prefill_tiles_cover_each_query_once():
         prefill_tiles([1, 16, 17, 40], 6)
 
 
+def test_tiles_of_no_request_write_nothing():
+    """A padded tile (request -1) leaves `out` as it is, even where request 0 has queries."""
+    q = torch.randn(32, 2, 64)
+    cache = torch.randn(64, 2, 64)
+    ints = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    out = torch.full_like(q, float("nan"))
+    ta.prefill_attention(q, cache, cache, ints([0, 1, 2, 3]), ints(0), ints(32), ints(32),
+                         ints(-1, -1, -1), ints(0, 0, 0), 16, 0.125, out=out)  # fmt: skip
+    assert out.isnan().all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_max_tiles_bounds_every_step_a_bucket_holds(seed):
+    rng = random.Random(seed)
+    for _ in range(200):
+        rows = rng.randint(1, 64)
+        q_lens = [rng.choice([1, 15, 16, 17, 31, 33, rng.randint(1, 100)]) for _ in range(rows)]
+        size = sum(q_lens) + rng.randint(0, 63)  # the bucket: at least the step's tokens
+        reqs, _ = prefill_tiles(q_lens)
+        assert len(reqs) <= max_tiles(size, rows)
+        assert sorted(set(reqs)) == list(range(rows))  # every row has a tile
+    # The worst case: many 17-token rows take two tiles each.
+    assert len(prefill_tiles([17] * 30)[0]) == 60 <= max_tiles(17 * 30, 30)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_decode_splits_agree(num_splits):
     """However the context is split, the merged result is the same attention."""

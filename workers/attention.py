@@ -121,7 +121,8 @@ def _triton(
             bs, scale, sliding_window,
         )  # fmt: skip
         return out.unsqueeze(0)
-    out = torch.empty_like(q)
+    # Zeros: a mixed-step graph's padded tokens are in no row, and stay finite this way.
+    out = torch.zeros_like(q)
     if num_decodes:
         out[meta.decode_token_idx] = triton_attention.decode_attention(
             q[meta.decode_token_idx], k_cache, v_cache, paged.decode_tables, paged.decode_lens,

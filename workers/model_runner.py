@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -39,6 +40,7 @@ from workers.sampler import (
 )
 
 logger = logging.getLogger(__name__)
+G = TypeVar("G", DecodeGraphs, MixedGraphs)
 
 # torch: the reference, and the CPU's backend; triton: workers.triton_attention (CUDA).
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -137,16 +139,11 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.kv_caches, **shared)
         mixed = MixedGraphs(self.model, self.kv_caches, **shared, max_tokens=max_step_tokens)
         if capture:
-            try:
-                with torch.inference_mode():
-                    pool = torch.cuda.graph_pool_handle()  # one pool: one replays at a time
-                    mixed.capture(pool)  # the largest graphs first
-                    graphs.capture(pool)
-            except Exception:
-                # A model whose forward cannot be captured (a host sync, a dynamic shape)
-                # still serves, eagerly: slower at small batches, never wrong.
-                logger.exception("CUDA graph capture failed: every step runs eager")
-                return
+            # One pool, the largest graphs first: a graph's intermediates may share memory
+            # with another's output, so a step's logits are used before the next replay.
+            pool = torch.cuda.graph_pool_handle()
+            mixed = _captured(mixed, pool, "mixed-step")
+            graphs = _captured(graphs, pool, "decode")
         self.decode_graphs, self.mixed_graphs = graphs, mixed
 
     def start_idle_probe(self) -> None:
@@ -384,6 +381,18 @@ class ModelRunner:
             banned,
         )
         return sample(logits, meta)
+
+
+def _captured(graphs: G, pool: object, kind: str) -> G | None:
+    """`graphs` captured in `pool`, or None (logged) if the capture failed: a model whose
+    forward cannot be captured (a host sync, a dynamic shape) serves eagerly."""
+    try:
+        with torch.inference_mode():
+            graphs.capture(pool)
+    except Exception:
+        logger.exception("%s CUDA graph capture failed: those steps run eager", kind)
+        return None
+    return graphs
 
 
 def _needs_output_ids(params: SamplingParams) -> bool:
