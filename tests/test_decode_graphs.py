@@ -9,6 +9,8 @@ scheduling), with 1-token prompt chunks among the decodes, and through an engine
 
 from __future__ import annotations
 
+import contextlib
+
 import anyio
 import pytest
 import torch
@@ -155,6 +157,38 @@ def test_a_failed_mixed_capture_keeps_the_decode_graphs(tiny_model, monkeypatch,
     assert {r: [t for t, _ in o] for r, o in served.items()} == {
         r: [t for t, _ in o] for r, o in eager.items()
     }
+
+
+def test_capture_makes_one_graph_a_bucket_and_mixed_logits_share_a_buffer(
+    tiny_model, monkeypatch
+):  # fmt: skip
+    """The capture code, with CUDA's graph calls faked (the captured region runs once,
+    eagerly; a replay is recorded): every bucket has its graph, each mixed graph's output
+    is a view of one logits buffer, and a step replays its bucket's graph."""
+    replays = []
+
+    class FakeGraph:
+        def replay(self):
+            replays.append(self)
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool: contextlib.nullcontext())
+    runner = make_runner(tiny_model, graphs=False)
+    runner.enable_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=True,
+                         max_step_tokens=128)  # fmt: skip
+    mixed, decode = runner.mixed_graphs, runner.decode_graphs
+    assert mixed.captured and decode.captured
+    assert sorted(mixed._graphs) == [64, 128] and sorted(decode._graphs) == [1, 2, 4, 8]
+    outputs = [logits for _, logits in mixed._graphs.values()]
+    assert len({out.untyped_storage().data_ptr() for out in outputs}) == 1
+    assert [out.shape[0] for out in outputs] == [8, 8]  # rows: max_num_seqs
+    ids = torch.tensor([5, 6, 7, 8, 9])
+    logits = mixed.forward(ids, [0, 1, 2, 0, 1], torch.tensor([16, 17, 18, 32, 33]),
+                           [[1], [2]], [0, 3], [3, 2], [3, 2], [2, 4])  # fmt: skip
+    assert replays == [mixed._graphs[64][0]] and logits.shape[0] == 2
+    assert logits.untyped_storage().data_ptr() == outputs[0].untyped_storage().data_ptr()
 
 
 def test_decode_graphs_need_the_triton_backend(tiny_model):

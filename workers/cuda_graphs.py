@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +37,27 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     top = min(max_num_seqs, MAX_CAPTURE_SIZE)
     sizes = [1 << i for i in range(top.bit_length()) if 1 << i < top]
     return [*sizes, top]
+
+
+def capture_buckets(
+    sizes: list[int], run: Callable[[int], torch.Tensor], pool: Any, what: str
+) -> dict[int, tuple[Any, torch.Tensor]]:  # fmt: skip
+    """A CUDA graph of `run(size)` for each size, largest first, in the memory pool `pool`:
+    size -> (graph, the output tensor its replays write)."""
+    started = time.monotonic()
+    graphs = {}
+    for size in sorted(sizes, reverse=True):
+        for _ in range(2):  # compile the kernels and warm cuBLAS outside the capture
+            run(size)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = run(size)
+        graphs[size] = (graph, out)
+    torch.cuda.synchronize()
+    logger.info("captured %s CUDA graphs for sizes %s in %.1fs", what, sizes,
+                time.monotonic() - started)  # fmt: skip
+    return graphs
 
 
 class DecodeGraphs:
@@ -78,20 +100,9 @@ class DecodeGraphs:
         return next(size for size in self.sizes if size >= num_decodes)
 
     def capture(self, pool: Any) -> None:
-        """Capture every bucket, largest first, in the memory pool `pool` (CUDA only)."""
-        started = time.monotonic()
+        """Capture every bucket in the memory pool `pool` (CUDA only)."""
         self._pad_from(0)
-        for size in reversed(self.sizes):
-            for _ in range(2):  # compile the kernels and warm cuBLAS outside the capture
-                self._forward(size)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-            self._graphs[size] = (graph, logits)
-        torch.cuda.synchronize()
-        logger.info("captured decode CUDA graphs for batch sizes %s in %.1fs",
-                    self.sizes, time.monotonic() - started)  # fmt: skip
+        self._graphs = capture_buckets(self.sizes, self._forward, pool, "decode")
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

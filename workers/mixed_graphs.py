@@ -21,17 +21,14 @@ it, in Triton's interpreter, against the eager path.
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any
 
 import torch
 
 from workers import attention
 from workers.attention_metadata import max_tiles, prefill_tiles
+from workers.cuda_graphs import capture_buckets
 from workers.device_copy import device_tensor
-
-logger = logging.getLogger(__name__)
 
 SMALL_BUCKET, SMALL_STEPS = 64, 512  # fine buckets where padding would cost most
 LARGE_BUCKET = 256
@@ -99,29 +96,21 @@ class MixedGraphs:
         return min(self.max_rows, size)
 
     def capture(self, pool: Any) -> None:
-        """Capture every bucket, largest first, in the memory pool `pool` (CUDA only)."""
-        started = time.monotonic()
+        """Capture every bucket in the memory pool `pool` (CUDA only)."""
         self._pad(0, 0, 0)
         self.tile_reqs.fill_(-1)
-        logits: torch.Tensor | None = None
-        for size in reversed(self.sizes):
-            for _ in range(2):  # compile the kernels and warm cuBLAS outside the capture
-                warm = self._forward(size)
-            if logits is None:
-                # Every graph writes its logits into this one buffer: a graph's own output
-                # stays allocated as long as the graph, [rows, vocab] for each of 14 buckets
-                # (~1 GB for a 150k vocabulary), while one step uses one at a time.
-                logits = torch.empty((self.max_rows, warm.shape[-1]), dtype=warm.dtype,
-                                     device=warm.device)  # fmt: skip
-            del warm
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits[: self._rows(size)].copy_(self._forward(size))
-            self._graphs[size] = (graph, logits[: self._rows(size)])
-        torch.cuda.synchronize()
-        logger.info("captured mixed-step CUDA graphs for %s tokens in %.1fs",
-                    self.sizes, time.monotonic() - started)  # fmt: skip
+        # Every graph writes its logits into this one buffer: a graph's own output stays
+        # allocated as long as the graph, [rows, vocab] for each of 14 buckets (~1 GB for a
+        # 150k vocabulary), while one step uses one at a time.
+        like = self._forward(self.sizes[-1])
+        logits = torch.empty((self.max_rows, like.shape[-1]), dtype=like.dtype,
+                             device=like.device)  # fmt: skip
+        del like
+
+        def run(size: int) -> torch.Tensor:
+            return logits[: self._rows(size)].copy_(self._forward(size))
+
+        self._graphs = capture_buckets(self.sizes, run, pool, "mixed-step")
 
     def forward(
         self, input_ids: torch.Tensor, positions: list[int], slots: torch.Tensor,
