@@ -39,6 +39,11 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     return [*sizes, top]
 
 
+def smallest_holding(sizes: list[int], n: int) -> int:
+    """The first of the ascending bucket `sizes` that holds `n`."""
+    return next(size for size in sizes if size >= n)
+
+
 def capture_buckets(
     sizes: list[int], run: Callable[[int], torch.Tensor], pool: Any, what: str
 ) -> dict[int, tuple[Any, torch.Tensor]]:  # fmt: skip
@@ -97,7 +102,7 @@ class DecodeGraphs:
         return bool(self._graphs)
 
     def bucket(self, num_decodes: int) -> int:
-        return next(size for size in self.sizes if size >= num_decodes)
+        return smallest_holding(self.sizes, num_decodes)
 
     def capture(self, pool: Any) -> None:
         """Capture every bucket in the memory pool `pool` (CUDA only)."""

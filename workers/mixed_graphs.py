@@ -27,7 +27,7 @@ import torch
 
 from workers import attention
 from workers.attention_metadata import max_tiles, prefill_tiles
-from workers.cuda_graphs import capture_buckets
+from workers.cuda_graphs import capture_buckets, smallest_holding
 from workers.device_copy import device_tensor
 
 SMALL_BUCKET, SMALL_STEPS = 64, 512  # fine buckets where padding would cost most
@@ -86,11 +86,9 @@ class MixedGraphs:
         return bool(self._graphs)
 
     def fits(self, num_tokens: int, num_rows: int, widest_table: int) -> bool:
-        return (num_tokens <= self.max_tokens and num_rows <= self._rows(self._bucket(num_tokens))
-                and widest_table <= self.max_blocks)  # fmt: skip
-
-    def _bucket(self, num_tokens: int) -> int:
-        return next(size for size in self.sizes if size >= num_tokens)
+        if num_tokens > self.max_tokens or widest_table > self.max_blocks:
+            return False
+        return num_rows <= self._rows(smallest_holding(self.sizes, num_tokens))
 
     def _rows(self, size: int) -> int:
         return min(self.max_rows, size)
@@ -121,7 +119,7 @@ class MixedGraphs:
         device tensors [n]) whose rows (requests) have these block tables, first token in
         the batch, token counts and context lengths (this step's tokens included)."""
         n, rows, samples = len(positions), len(tables), len(sample_idx)
-        size = self._bucket(n)
+        size = smallest_holding(self.sizes, n)
         width = max(len(t) for t in tables)
         dev = self.device
         self.input_ids[0, :n].copy_(input_ids)
