@@ -9,11 +9,15 @@
    windows) against a float64 reference: ‖out − ref‖/‖ref‖ < 1e-2 in bf16, 1e-4 in fp32.
    Every other batch runs every request through the prefill kernel, from a padded tile
    list, as a mixed-step graph does.
-2. CUDA graphs (decode-only and mixed steps): a model runner driven through the same
+2. The fused RMSNorm and rotary kernels (workers/fused_ops.py) in bf16 against
+   transformers' ops (the rotary embedding bit for bit, RMSNorm within a unit in the last
+   place); and a bf16 model's logits against the same weights in float32, no further off
+   (x1.5) with the fused kernels.
+3. CUDA graphs (decode-only and mixed steps): a model runner driven through the same
    steps with graphs captured and with the same padded steps run eagerly samples the same
    tokens with the same logprobs, bit for bit (a replay runs the captured kernels on the
    same shapes).
-3. Engines on a random-weight model in float32 (random weights have near-ties that bf16
+4. Engines on a random-weight model in float32 (random weights have near-ties that bf16
    rounding would flip): greedy tokens identical with async scheduling on and off, and
    with CUDA graphs and `enforce_eager`.
 
@@ -76,6 +80,7 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
     from protocols.sampling import SamplingParams
     from runtime.request import Request
     from runtime.scheduler import Scheduler, SchedulerConfig
+    from workers.fused_ops import install_fused_ops
     from workers.model_loader import load_model
     from workers.model_runner import ModelRunner
 
@@ -85,6 +90,7 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
         runner = ModelRunner(loaded.model, loaded.config, device=torch.device(device),
                              dtype=torch.bfloat16, block_size=16, num_blocks=1024,
                              attention_backend="triton")  # fmt: skip
+        install_fused_ops(loaded.model)  # as a worker runs it (worker_state.py)
         runner.enable_graphs(max_num_seqs=64, max_model_len=4096, capture=capture)
         graphs = (runner.decode_graphs, runner.mixed_graphs)
         if any(g is None or g.captured != capture for g in graphs):
@@ -114,6 +120,64 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
     replayed = device_time.steps - device_time.eager_steps
     return same, (f"{steps} steps ({replayed} replayed decode or mixed-step graphs), captured "
                   f"vs padded eager: {'identical' if same else 'DIFFER'}")  # fmt: skip
+
+
+def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
+    """workers.fused_ops against transformers' own ops in bf16: the rotary embedding bit for
+    bit, RMSNorm within a unit in the last place (its float32 sum runs in another order),
+    and the model's logits against the same weights in float32: no further off with the
+    fused kernels than with transformers' ops."""
+    import copy
+
+    import torch
+    import transformers
+    from transformers.models.llama import modeling_llama
+
+    from workers import fused_ops
+
+    def ulps(out: Any, ref: Any) -> tuple[float, float]:
+        """(most units in bf16's last place between them, share of elements that differ);
+        an element far smaller than the others (a near-cancellation) counts in units of
+        a typical element's size/16."""
+        out, ref = (torch.cat([t.flatten().float() for t in ts]) for ts in (out, ref))
+        diff, size = (out - ref).abs(), ref.abs()
+        units = diff / size.clamp_min(size.mean() / 16) * 2**7
+        return units.max().item(), (diff > 0).float().mean().item()
+
+    tokens = 512 if device.startswith("cuda") else 64  # the interpreter runs a program a time
+    torch.manual_seed(4)
+    config = transformers.AutoConfig.from_pretrained(model)
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    dim, kv_heads = hidden // heads, config.num_key_value_heads
+    x = torch.randn(tokens, hidden, device=device).bfloat16()
+    norm = modeling_llama.LlamaRMSNorm(hidden, eps=1e-6).to(device).bfloat16()
+    norm.weight.data.normal_()
+    norm_ulps, norm_share = ulps([fused_ops.rms_norm(x, norm.weight, 1e-6)], [norm(x)])
+    q = torch.randn(1, tokens, heads, dim, device=device).bfloat16().transpose(1, 2)
+    k = torch.randn(1, tokens, kv_heads, dim, device=device).bfloat16().transpose(1, 2)
+    rope = modeling_llama.LlamaRotaryEmbedding(config).to(device)
+    cos, sin = rope(q, torch.arange(tokens, device=device)[None] * 7)
+    rope_ulps, rope_share = ulps(fused_ops.rotary(q, k, cos, sin),
+                                 modeling_llama.apply_rotary_pos_emb(q, k, cos, sin))  # fmt: skip
+    with torch.device(device):
+        exact = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    half = copy.deepcopy(exact).bfloat16()
+    ids = torch.randint(3, vocab, (4, tokens // 2), device=device)
+
+    def error() -> float:
+        out = half.eval()(ids).logits.float()
+        return ((out - reference).norm() / reference.norm()).item()
+
+    with torch.no_grad():
+        reference = exact.eval()(ids).logits.float()
+        stock = error()
+        fused_ops.install_fused_ops(half)
+        fused = error()
+    ok = norm_ulps <= 1 and rope_share == 0 and fused <= 1.5 * stock
+    return ok, (f"RMSNorm within {norm_ulps:.2f} units in the last place ({norm_share:.2%} of "
+                f"elements differ), rotary within {rope_ulps:.2f} ({rope_share:.2%}); bf16 "
+                f"logits against float32: relative error {fused:.2e} fused, {stock:.2e} with "
+                "transformers' ops")  # fmt: skip
 
 
 def check_engines(
@@ -176,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         checks = [
             ("Triton kernels", lambda: check_kernels(args.device, args.kernel_batches,
                                                      args.longest)),
+            ("fused RMSNorm and rotary kernels", lambda: check_fused(model, args.device, vocab)),
             ("decode CUDA graphs", lambda: check_graphs(model, args.device, vocab)),
             ("engines, async scheduling and graphs on/off",
              lambda: check_engines(model, args.device, vocab, args.requests)),

@@ -48,6 +48,7 @@ BENCHMARKS = {
     "gpu": "benchmarks.gpu_bench",
     "gpu-check": "benchmarks.gpu_checks",
     "start": "benchmarks.start_times",
+    "decode-profile": "benchmarks.decode_profile",
     "broadcast": "benchmarks.step_broadcast",
 }
 

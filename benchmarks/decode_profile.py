@@ -1,0 +1,167 @@
+"""Where a decode step's device time goes: kernels of a model runner's decode steps, and the
+bandwidth each of the model's matmuls reaches alone, at the decode batch sizes.
+
+    loom bench decode-profile [--shape llama-8b] [--batch-sizes 1,64] [--steps 16]
+    (or, from the repository's root: python -m benchmarks.decode_profile ...)
+
+1. A model runner (random weights, bf16, the Triton backend) decodes `--steps` steps at
+   each batch size under torch's profiler: per step the wall time, the kernels' summed
+   device time, and the kernels that take most of it (a decode step of a dense model
+   should be its weight matmuls, read at the copy bandwidth). Three runs: CUDA graphs with
+   transformers' RMSNorm and rotary ops, with the fused kernels of workers/fused_ops.py
+   (as a worker runs), and the fused kernels eager.
+2. Each distinct weight shape as one `F.linear` at each batch size, replayed from a CUDA
+   graph: the bandwidth it reaches (weight bytes / time), against the device's copy
+   bandwidth, and the same for the fused projections (q|k|v, gate|up) that a model loaded
+   with them concatenated would run instead.
+
+Self-contained like `loom bench gpu`; CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import tempfile
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from benchmarks import int_list
+from benchmarks.gpu_bench import SHAPES, copy_bandwidth, write_model_dir
+
+PROG = "loom bench decode-profile"
+
+
+def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, top: int, device: str,
+                   graphs: bool, what: str) -> None:  # fmt: skip
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from protocols.sampling import SamplingParams
+    from runtime.request import Request
+    from runtime.scheduler import Scheduler, SchedulerConfig
+    from workers.model_runner import ModelRunner
+
+    cuda = device.startswith("cuda")
+    most = max(batch_sizes)
+    runner = ModelRunner(loaded.model, loaded.config, device=torch.device(device),
+                         dtype=torch.bfloat16, block_size=16, num_blocks=most * 40,
+                         attention_backend="triton")  # fmt: skip
+    if graphs:  # else plain eager steps
+        runner.enable_graphs(max_num_seqs=most, max_model_len=600, capture=cuda)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+    for batch in batch_sizes:
+        scheduler = Scheduler(SchedulerConfig(batch, 8192, 600, 16, most * 40))
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+        for i in range(batch):
+            scheduler.add_request(Request(f"b{batch}-{i}", [3 + (i + j) % 500 for j in range(200)],
+                                          params, frozenset(), 600, 0.0))  # fmt: skip
+        step = functools.partial(_step, scheduler, runner, itertools.count())
+
+        for _ in range(8):  # the prompts, then decode steps to warm up
+            step()
+        sync()
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync()
+            wall_ms = (time.perf_counter() - start) * 1e3 / steps
+        kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[event.name][0] += event.time_range.elapsed_us() / 1e3 / steps
+                kernels[event.name][1] += 1 / steps
+        busy = sum(ms for ms, _ in kernels.values())
+        print(f"\nbatch {batch}, {what}, {'graphs' if graphs else 'eager'}: {wall_ms:.2f} ms a "
+              f"step ({steps} steps, profiled), device kernels {busy:.2f} ms a step, "
+              f"{len(kernels)} distinct kernels", flush=True)  # fmt: skip
+        print("| kernel | ms/step | launches/step | share |\n|---|---|---|---|")
+        for name, (ms, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"| {name[:90]} | {ms:.3f} | {count:.0f} | {100 * ms / busy:.1f}% |",
+                  flush=True)  # fmt: skip
+        while scheduler.has_unfinished_requests():  # free the slots for the next size
+            step()
+
+
+def _step(scheduler: Any, runner: Any, calls: Iterator[int]) -> None:
+    so = scheduler.schedule()
+    scheduler.update_from_output(so, runner.execute(so, next(calls)))
+
+
+def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    s = SHAPES[shape]
+    hidden, inter = s["hidden_size"], s["intermediate_size"]
+    head_dim = hidden // s["num_attention_heads"]
+    kv = s["num_key_value_heads"] * head_dim
+    weights = {"q": (hidden, hidden), "k or v": (kv, hidden), "o": (hidden, hidden),
+               "gate or up": (inter, hidden), "down": (hidden, inter),
+               "q|k|v fused": (hidden + 2 * kv, hidden), "gate|up fused": (2 * inter, hidden),
+               "lm_head": (s["vocab_size"], hidden)}  # fmt: skip
+    copy = copy_bandwidth("cuda")
+    print(f"\ncopy bandwidth {copy / 1e9:.0f} GB/s (read + write); each matmul alone:")
+    print("| weight | [out, in] | " + " | ".join(f"batch {b} GB/s" for b in batch_sizes)
+          + " |\n|---|---|" + "---|" * len(batch_sizes))  # fmt: skip
+    for name, (out, inp) in weights.items():
+        w = torch.randn(out, inp, device="cuda", dtype=torch.bfloat16)
+        cells = []
+        for batch in batch_sizes:
+            x = torch.randn(batch, inp, device="cuda", dtype=torch.bfloat16)
+            F.linear(x, w)  # cuBLAS picks its kernel before the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(reps):
+                    F.linear(x, w)
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            seconds = start.elapsed_time(end) / 1e3 / reps
+            cells.append(f"{w.numel() * 2 / seconds / 1e9:.0f}")
+        print(f"| {name} | [{out}, {inp}] | " + " | ".join(cells) + " |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 64])
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--top", type=int, default=12, help="kernels listed per batch size")
+    p.add_argument("--reps", type=int, default=50, help="matmuls per timed graph")
+    p.add_argument("--device", default="cuda",
+                   help="cpu: a smoke test (Triton's interpreter, no graphs, no kernel table)")
+    args = p.parse_args(argv)
+    import torch
+
+    cuda = args.device.startswith("cuda")
+    print(f"{PROG}: {args.shape} on "
+          f"{torch.cuda.get_device_name() if cuda else 'cpu'}, bfloat16")  # fmt: skip
+    if cuda:
+        linear_bandwidth(args.shape, args.batch_sizes, args.reps)
+    from workers.fused_ops import install_fused_ops
+    from workers.model_loader import load_model
+
+    with tempfile.TemporaryDirectory(prefix="loom-decode-profile-") as tmp:
+        loaded = load_model(write_model_dir(args.shape, Path(tmp)), dtype="bfloat16",
+                            device=args.device, load_format="dummy")  # fmt: skip
+    # transformers' ops first: the swap cannot be undone.
+    for what, graphs in (("transformers' ops", True), ("fused ops", True), ("fused ops", False)):
+        if what == "fused ops" and cuda:
+            install_fused_ops(loaded.model)
+        profile_decode(loaded, args.batch_sizes, args.steps, args.top, args.device, graphs, what)
+
+
+if __name__ == "__main__":
+    main()
