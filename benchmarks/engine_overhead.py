@@ -7,7 +7,7 @@ batch size B; the split comes from `Engine.stats().step_timings` (runtime/step_t
 
     loom bench overhead [--batch-sizes 1,16,64] [--max-tokens 128] [--prompt-len 16]
         [--backends asyncio,trio] [--worker-threads 1] [--model M --kv-cache-memory GIB]
-        [--async-scheduling off|on|both --rounds 3]
+        [--async-scheduling off|on|both | --gc-freeze off|on|both] [--rounds 3]
     (or: .venv/bin/python benchmarks/engine_overhead.py ...)
 
 With `--model` (smollm2, a path), the same split for a real model: how much of its step is
@@ -15,12 +15,14 @@ outside the forward pass, i.e. what overlapping the engine with the worker could
 
 `--async-scheduling both [--rounds 3]` measures what it does win: engines with async
 scheduling off and on, alternated, in one run; prints each batch size's tokens/s ratio
-on/off (median over the rounds, with the lowest and highest).
+on/off (median over the rounds, with the lowest and highest). `--gc-freeze both` does the
+same for the engine's and the workers' frozen heaps (off: unfrozen after the start).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -85,7 +87,9 @@ async def run_batch(
     return elapsed, num_tokens, engine.stats().step_timings - before
 
 
-async def run_all(model: str, args: argparse.Namespace, async_scheduling: bool) -> list[Row]:
+async def run_all(
+    model: str, args: argparse.Namespace, async_scheduling: bool, gc_freeze: bool = True
+) -> list[Row]:
     options = dict(
         dtype="float32", device=args.device, max_num_seqs=max(args.batch_sizes),
         kv_cache_memory=int(args.kv_cache_memory * 2**30), keep_alive=0,
@@ -97,6 +101,9 @@ async def run_all(model: str, args: argparse.Namespace, async_scheduling: bool) 
         options["manager"] = "private"
     rows = []
     async with Engine(model, **options) as engine:
+        if not gc_freeze:  # undo the heap freeze of the engine's process and the workers'
+            gc.unfreeze()
+            await engine.collective_rpc(lambda worker: gc.unfreeze())
         await run_batch(engine, max(args.batch_sizes), 8, args.prompt_len, seed=-1)  # warm-up
         for batch in args.batch_sizes:
             rows.append((batch, *await run_batch(
@@ -136,6 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-memory", type=float, default=0.0625, help="GiB of KV cache")
     p.add_argument("--async-scheduling", choices=["off", "on", "both"], default="off",
                    help="both: each mode, alternated, and the ratio")  # fmt: skip
+    p.add_argument("--gc-freeze", choices=["off", "on", "both"], default="on",
+                   help="off: undo the engine's and the workers' gc.freeze() of their heaps "
+                        "after the start (runtime/engine.py _freeze_heap); both: the ratio")
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds with 'both'")
     p.add_argument("--worker-threads", type=int, default=1,
                    help="OMP_NUM_THREADS for the private manager's workers (0: leave as is)")
@@ -144,26 +154,33 @@ def main(argv: list[str] | None = None) -> None:
         # A tiny forward gains nothing from threads, and idle OpenMP threads spinning on a
         # small machine take the cores the engine process needs.
         os.environ["OMP_NUM_THREADS"] = str(args.worker_threads)
+    compared = [name for name in ("async_scheduling", "gc_freeze") if getattr(args, name) == "both"]
+    if len(compared) > 1:
+        p.error("compare one thing at a time: --async-scheduling both or --gc-freeze both")
     with tempfile.TemporaryDirectory(prefix="loom-bench-") as tmp:
         model = args.model or make_tiny_llama(Path(tmp))
         for backend in args.backends.split(","):
-            if args.async_scheduling != "both":
-                on = args.async_scheduling == "on"
-                rows = anyio.run(run_all, model, args, on, backend=backend)
-                print_table(f"backend {backend}, async scheduling {args.async_scheduling}", rows)
+            if not compared:
+                rows = anyio.run(run_all, model, args, args.async_scheduling == "on",
+                                 args.gc_freeze == "on", backend=backend)  # fmt: skip
+                print_table(f"backend {backend}, async scheduling {args.async_scheduling}, "
+                            f"gc freeze {args.gc_freeze}", rows)  # fmt: skip
                 continue
+            what = compared[0].replace("_", " ")
             ratios: dict[int, list[float]] = {b: [] for b in args.batch_sizes}
             for round_ in range(args.rounds):
                 tok_s = {}
                 for on in (False, True):
-                    rows = anyio.run(run_all, model, args, on, backend=backend)
-                    mode = "on" if on else "off"
-                    print_table(f"backend {backend}, async scheduling {mode}, round {round_ + 1}",
-                                rows)  # fmt: skip
+                    modes = {name: getattr(args, name) == "on" for name in ("async_scheduling",
+                                                                            "gc_freeze")}
+                    modes[compared[0]] = on
+                    rows = anyio.run(run_all, model, args, *modes.values(), backend=backend)
+                    print_table(f"backend {backend}, {what} {'on' if on else 'off'}, round "
+                                f"{round_ + 1}", rows)  # fmt: skip
                     tok_s[on] = {batch: tokens / seconds for batch, seconds, tokens, _ in rows}
                 for batch in args.batch_sizes:
                     ratios[batch].append(tok_s[True][batch] / tok_s[False][batch])
-            print(f"\nbackend {backend}: tokens/s with async scheduling on / off, "
+            print(f"\nbackend {backend}: tokens/s with {what} on / off, "
                   f"{args.rounds} alternated rounds")  # fmt: skip
             for batch, r in ratios.items():
                 print(f"  batch {batch:3d}: x{statistics.median(r):.3f} "

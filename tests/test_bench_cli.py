@@ -34,6 +34,16 @@ def test_overhead_benchmark_runs_and_its_phases_add_up() -> None:
         assert share == pytest.approx(100 * outside / step, abs=slack)
 
 
+def test_overhead_benchmark_compares_gc_freeze_one_thing_at_a_time() -> None:
+    done = loom("bench", "overhead", "--batch-sizes", "2", "--max-tokens", "4",
+                "--backends", "asyncio", "--gc-freeze", "both", "--rounds", "1")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "gc freeze off, round 1" in done.stdout and "gc freeze on, round 1" in done.stdout
+    assert re.search(r"tokens/s with gc freeze on / off.*\n  batch   2: x\d", done.stdout)
+    both = loom("bench", "overhead", "--gc-freeze", "both", "--async-scheduling", "both")
+    assert both.returncode == 2 and "one thing at a time" in both.stderr
+
+
 def test_gpu_benchmark_runs_on_the_cpu_at_the_tiny_shape() -> None:
     """The GPU benchmark's every part, on the CPU: what a GPU session runs at full shapes."""
     done = loom("bench", "gpu", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",

@@ -6,6 +6,7 @@ asyncio and trio.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -61,10 +62,15 @@ async def test_second_engine_reuses_warm_workers(tiny_model, shared_manager):
 
 
 async def test_engines_with_other_configs_do_not_share(tiny_model, shared_manager):
+    gc.unfreeze()
     async with Engine(tiny_model, manager_socket=shared_manager.socket) as a:
+        # A running engine keeps the heap it started with out of gc's full collections.
+        assert gc.get_freeze_count() > 0
         async with Engine(tiny_model, manager_socket=shared_manager.socket) as b:
             # Both exist at once: the second cannot take the busy workers.
             assert set(a.worker_pids).isdisjoint(b.worker_pids)
+        assert gc.get_freeze_count() > 0  # one engine still runs
+    assert gc.get_freeze_count() == 0  # the last one's exit unfreezes
 
 
 async def test_remote_exception_keeps_engine_usable(tiny_model, shared_manager):

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -87,6 +88,10 @@ class Worker:
             "loaded %s on %s in %.1fs; KV cache: %d blocks of %d tokens", model, device,
             info.load_seconds, runner.num_blocks, runner.block_size,
         )  # fmt: skip
+        # The model, its runner and the imports live as long as the worker: out of gc's full
+        # collections, which would otherwise stall a step now and then (runtime/engine.py's
+        # _freeze_heap says what that costs in the engine's process).
+        gc.freeze()
         return cls(rank, world_size, device, loaded, runner, info, time.time())
 
     def reset_session(self) -> None:
