@@ -149,7 +149,8 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     dtype = getattr(torch, loaded.dtype)  # the model's: weight_dtype leaves it as it is
     device = torch.device(loaded.device)
     backend = _attention_backend(options.get("attention_backend"), device)
-    if device.type == "cuda" and backend == "triton":
+    # One rank only, as for graphs: a tensor-parallel rank's weights may be DTensors, untried.
+    if device.type == "cuda" and backend == "triton" and loaded.tp_size == 1:
         from workers.fused_ops import install_fused_ops
 
         install_fused_ops(loaded.model)  # before the profiling pass: the model as it runs
