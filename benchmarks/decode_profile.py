@@ -36,7 +36,9 @@ PROG = "loom bench decode-profile"
 
 
 def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, top: int, device: str,
-                   graphs: bool, what: str) -> None:  # fmt: skip
+                   graphs: bool, what: str, prompt_len: int) -> None:  # fmt: skip
+    """Profile `steps` decode steps of `loaded` at each batch size; print the wall time a
+    step, the kernels' device time a step and the `top` kernels."""
     import time
 
     import torch
@@ -57,11 +59,14 @@ def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, top: int, de
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
     for batch in batch_sizes:
-        scheduler = Scheduler(SchedulerConfig(batch, 8192, 600, 16, most * 40))
-        params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+        scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=600, block_size=16,
+            num_blocks=most * 40))  # fmt: skip
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
         for i in range(batch):
-            scheduler.add_request(Request(f"b{batch}-{i}", [3 + (i + j) % 500 for j in range(200)],
-                                          params, frozenset(), 600, 0.0))  # fmt: skip
+            prompt = [3 + (i + j) % 500 for j in range(prompt_len)]
+            scheduler.add_request(Request(f"b{batch}-{i}", prompt, params, frozenset(), 600,
+                                          0.0))  # fmt: skip
         step = functools.partial(_step, scheduler, runner, itertools.count())
 
         for _ in range(8):  # the prompts, then decode steps to warm up
@@ -80,9 +85,12 @@ def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, top: int, de
                 kernels[event.name][1] += 1 / steps
         busy = sum(ms for ms, _ in kernels.values())
         print(f"\nbatch {batch}, {what}, {'graphs' if graphs else 'eager'}: {wall_ms:.2f} ms a "
-              f"step ({steps} steps, profiled), device kernels {busy:.2f} ms a step, "
-              f"{len(kernels)} distinct kernels", flush=True)  # fmt: skip
-        print("| kernel | ms/step | launches/step | share |\n|---|---|---|---|")
+              f"step ({steps} steps, profiled)", end="")  # fmt: skip
+        if not cuda:  # no device kernels to list
+            print(flush=True)
+        else:
+            print(f", device kernels {busy:.2f} ms a step, {len(kernels)} distinct kernels")
+            print("| kernel | ms/step | launches/step | share |\n|---|---|---|---|")
         for name, (ms, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
             print(f"| {name[:90]} | {ms:.3f} | {count:.0f} | {100 * ms / busy:.1f}% |",
                   flush=True)  # fmt: skip
@@ -96,6 +104,7 @@ def _step(scheduler: Any, runner: Any, calls: Iterator[int]) -> None:
 
 
 def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int) -> None:
+    """Print the bandwidth each of `shape`'s weight matrices reaches as one F.linear."""
     import torch
     import torch.nn.functional as F
 
@@ -138,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 64])
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=200, help="each request's (max 500)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per batch size")
     p.add_argument("--reps", type=int, default=50, help="matmuls per timed graph")
     p.add_argument("--device", default="cuda",
@@ -156,11 +166,14 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="loom-decode-profile-") as tmp:
         loaded = load_model(write_model_dir(args.shape, Path(tmp)), dtype="bfloat16",
                             device=args.device, load_format="dummy")  # fmt: skip
-    # transformers' ops first: the swap cannot be undone.
-    for what, graphs in (("transformers' ops", True), ("fused ops", True), ("fused ops", False)):
-        if what == "fused ops" and cuda:
-            install_fused_ops(loaded.model)
-        profile_decode(loaded, args.batch_sizes, args.steps, args.top, args.device, graphs, what)
+    # transformers' ops first: the swap cannot be undone. (On the CPU the kernels run in
+    # Triton's interpreter, as the Triton attention backend does: TRITON_INTERPRET=1.)
+    profile = functools.partial(profile_decode, loaded, args.batch_sizes, args.steps, args.top,
+                                args.device, prompt_len=args.prompt_len)  # fmt: skip
+    profile(True, "transformers' ops")
+    install_fused_ops(loaded.model)
+    for graphs in (True, False):
+        profile(graphs, "fused ops")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ same for the engine's and the workers' frozen heaps (off: unfrozen after the sta
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import random
@@ -161,8 +162,10 @@ def main(argv: list[str] | None = None) -> None:
         model = args.model or make_tiny_llama(Path(tmp))
         for backend in args.backends.split(","):
             if not compared:
-                rows = anyio.run(run_all, model, args, args.async_scheduling == "on",
-                                 args.gc_freeze == "on", backend=backend)  # fmt: skip
+                run = functools.partial(run_all, model, args,
+                                        async_scheduling=args.async_scheduling == "on",
+                                        gc_freeze=args.gc_freeze == "on")  # fmt: skip
+                rows = anyio.run(run, backend=backend)
                 print_table(f"backend {backend}, async scheduling {args.async_scheduling}, "
                             f"gc freeze {args.gc_freeze}", rows)  # fmt: skip
                 continue
@@ -174,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
                     modes = {name: getattr(args, name) == "on" for name in ("async_scheduling",
                                                                             "gc_freeze")}
                     modes[compared[0]] = on
-                    rows = anyio.run(run_all, model, args, *modes.values(), backend=backend)
+                    run = functools.partial(run_all, model, args, **modes)
+                    rows = anyio.run(run, backend=backend)
                     print_table(f"backend {backend}, {what} {'on' if on else 'off'}, round "
                                 f"{round_ + 1}", rows)  # fmt: skip
                     tok_s[on] = {batch: tokens / seconds for batch, seconds, tokens, _ in rows}

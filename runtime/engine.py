@@ -325,7 +325,9 @@ def _freeze_heap() -> None:
     stalls a step now and then (one took 190 ms over ~380k objects at batch 256 on the CI
     machine, a fifth of that run). vLLM's engine core freezes its heap too. Refcounting
     still frees frozen objects; only their cycles wait, until the last engine's exit
-    unfreezes (which also ends a freeze of the caller's own, the price of sharing gc)."""
+    unfreezes (which also ends a freeze of the caller's own, the price of sharing gc). No
+    gc.collect() first, unlike vLLM's: it would cost every start about what one stall
+    costs, and the cycles already garbage now wait only until that exit too."""
     global _engines_frozen
     with _heap_lock:
         _engines_frozen += 1

@@ -105,6 +105,17 @@ def test_gpu_checks_run_on_the_cpu_as_a_smoke_test() -> None:
                      ("PASS", "engines, async scheduling and graphs on/off")], done.stdout
 
 
+def test_decode_profile_runs_on_the_cpu_as_a_smoke_test() -> None:
+    """Its three runs (transformers' ops with graphs, the fused kernels with and without),
+    the kernels in Triton's interpreter; the kernel tables need a GPU's profiler."""
+    done = loom("bench", "decode-profile", "--device", "cpu", "--shape", "tiny",
+                "--batch-sizes", "1", "--steps", "1", "--prompt-len", "8", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    runs = re.findall(r"^batch 1, (.+), (graphs|eager): [\d.]+ ms a step", done.stdout, re.M)
+    assert runs == [("transformers' ops", "graphs"), ("fused ops", "graphs"),
+                    ("fused ops", "eager")], done.stdout
+
+
 def test_broadcast_benchmark_measures_every_step_and_rank_count() -> None:
     done = loom("bench", "broadcast", "--batch-sizes", "1,8", "--repeats", "3", "--ranks", "1,2")
     assert done.returncode == 0, done.stderr

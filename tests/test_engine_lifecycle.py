@@ -17,6 +17,7 @@ import pytest
 from proc_utils import wait_gone
 
 from runtime import Engine, EngineClosedError, RemoteCallError, WorkerStartError
+from runtime import engine as engine_module
 
 pytestmark = pytest.mark.anyio
 
@@ -62,15 +63,27 @@ async def test_second_engine_reuses_warm_workers(tiny_model, shared_manager):
 
 
 async def test_engines_with_other_configs_do_not_share(tiny_model, shared_manager):
-    gc.unfreeze()
     async with Engine(tiny_model, manager_socket=shared_manager.socket) as a:
-        # A running engine keeps the heap it started with out of gc's full collections.
-        assert gc.get_freeze_count() > 0
         async with Engine(tiny_model, manager_socket=shared_manager.socket) as b:
             # Both exist at once: the second cannot take the busy workers.
             assert set(a.worker_pids).isdisjoint(b.worker_pids)
+
+
+async def test_running_engines_freeze_the_heap(tiny_model, shared_manager, monkeypatch):
+    """While an engine runs, what the process held at its start is out of gc's full
+    collections (engine.py _freeze_heap); the last engine's exit unfreezes it."""
+    gc.unfreeze()
+    monkeypatch.setattr(engine_module, "_engines_frozen", 0)  # whatever ran before
+    async with Engine(tiny_model, manager_socket=shared_manager.socket):
+        assert gc.get_freeze_count() > 0
+        async with Engine(tiny_model, manager_socket=shared_manager.socket):
+            pass
         assert gc.get_freeze_count() > 0  # one engine still runs
-    assert gc.get_freeze_count() == 0  # the last one's exit unfreezes
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(WorkerStartError, match="no-such-model"):  # freezes nothing
+        async with Engine("no-such-model", manager_socket=shared_manager.socket):
+            pass
+    assert gc.get_freeze_count() == 0 and engine_module._engines_frozen == 0
 
 
 async def test_remote_exception_keeps_engine_usable(tiny_model, shared_manager):

@@ -3,20 +3,26 @@ into stock transformers models on the CUDA path.
 
 transformers computes an RMSNorm as eight kernels (casts, square, mean, add, rsqrt, two
 multiplies) and the rotary embedding as about ten (rotate_half's slices, negation and cat,
-four multiplies, two adds): ~600 small launches in a decode step of a 32-layer model. Each
-kernel here does one norm or one token's rotation in one launch, rounding where
-transformers rounds (to the activations' dtype after each product and sum), so its
-results match the eager ops'. Measured by `loom bench decode-profile` (8B shape, H100, one
-run): a decode step's kernels took 7.9 -> 6.8 ms at batch 1, 10.4 -> 8.2 at 64, 15.5 ->
-12.7 at 256.
+four multiplies, two adds): hundreds of small launches in a decode step of a 32-layer
+model. Each kernel here does one norm or one token's rotation in one launch, rounding
+where torch's eager ops round (to bf16 after each product and sum), so the rotary
+embedding is bit-identical to transformers' and RMSNorm is up to its float32 sum's order
+(checked under Triton's interpreter in `make test`; `loom bench gpu-check` checks it on a
+GPU, where this version has not run yet).
+`loom bench decode-profile` (8B shape, H100, one run; the kernels' first version, which
+rounded by float round trips): a decode step's kernels took 7.9 -> 6.8 ms at batch 1,
+10.4 -> 8.2 at 64, 15.5 -> 12.7 at 256.
 
 `install_fused_ops(model)` replaces the RMSNorm modules and the rotary function of the
-architectures whose code it knows (Llama, Qwen2, Mistral); other models keep theirs.
+architectures whose code it knows (Llama, Qwen2, Mistral), for bf16 and fp32 models;
+other models keep theirs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import sys
 from typing import Any
 
@@ -31,21 +37,23 @@ LLAMA_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
 # Attention classes that call their modeling module's global apply_rotary_pos_emb(q, k,
 # cos, sin) with cos and sin as [B, T, D], q and k as [B, heads, T, D].
 LLAMA_ATTENTIONS = frozenset({"LlamaAttention", "Qwen2Attention", "MistralAttention"})
+# The activations' dtypes whose rounding the kernels reproduce.
+DTYPES = (torch.bfloat16, torch.float32)
+# No fused multiply-adds: torch rounds a product before the sum it goes into.
+NO_FMA = {"enable_fp_fusion": False}
 
 
 @triton.jit
 def _round_to(x, dtype: tl.constexpr):
-    """float32 `x` rounded to `dtype` (to nearest, ties to even, as torch rounds an op's
-    output) and back. bfloat16 in integer arithmetic: on an H100 the compiler dropped some
-    float round trips (17% of the rotary's outputs differed from torch's), and Triton's
-    interpreter truncates."""
+    """float32 `x` rounded to `dtype` and back, to nearest with ties to even, as torch rounds
+    an op's output. bfloat16 in integer arithmetic: on an H100 the compiler dropped float
+    round trips (17% of a rotary's outputs then differed from torch's), and Triton's
+    interpreter truncates. NaN stays NaN (the carry would turn 0x7FFFFFFF into -0.0)."""
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    elif dtype == tl.float16:
-        return x.to(tl.float16).to(tl.float32)
-    else:
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    else:  # float32: the kernels take no other dtype (DTYPES)
         return x
 
 
@@ -66,13 +74,18 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Llama RMSNorm of `x` over its last dimension, in one kernel."""
-    rows = x.reshape(-1, x.shape[-1])  # a view for the contiguous activations it gets
-    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype),
+    if x.dtype not in DTYPES or weight.dtype not in DTYPES:
+        raise ValueError(f"rms_norm takes {DTYPES}, got {x.dtype} and {weight.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()  # the kernel reads a row's elements side by side
+    x_rows = x.reshape(-1, x.shape[-1])  # [N, H]: a view for the activations it gets
+    out = torch.empty(x_rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype),
                       device=x.device)  # fmt: skip
-    block = triton.next_power_of_2(rows.shape[1])
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0),
-                                       rows.shape[1], eps, BLOCK=block,
-                                       num_warps=min(max(block // 256, 1), 16))  # fmt: skip
+    block = triton.next_power_of_2(x_rows.shape[1])
+    _rms_norm_kernel[(x_rows.shape[0],)](x_rows, weight, out, x_rows.stride(0), out.stride(0),
+                                         x_rows.shape[1], eps, BLOCK=block,
+                                         num_warps=min(max(block // 256, 1), 16),
+                                         **NO_FMA)  # fmt: skip
     return out.view(x.shape)
 
 
@@ -86,6 +99,9 @@ class FusedRMSNorm(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 @triton.jit
@@ -109,7 +125,7 @@ def _rotate_heads(x_ptr, out_ptr, stride_xh, stride_oh, num_heads, c1, c2, s1, s
 def _rope_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-    stride_cb, stride_ct, stride_ob, stride_oh, stride_ot, stride_pb, stride_ph, stride_pt,
+    stride_cb, stride_ct, stride_qob, stride_qoh, stride_qot, stride_kob, stride_koh, stride_kot,
     num_tokens, num_q_heads, num_k_heads,
     HALF: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
 ):  # fmt: skip
@@ -124,19 +140,19 @@ def _rope_kernel(
     s1 = tl.load(sin_ptr + cs + d).to(tl.float32)
     s2 = tl.load(sin_ptr + cs + HALF + d).to(tl.float32)
     _rotate_heads(q_ptr + b * stride_qb + t * stride_qt,
-                  q_out_ptr + b * stride_ob + t * stride_ot, stride_qh, stride_oh,
+                  q_out_ptr + b * stride_qob + t * stride_qot, stride_qh, stride_qoh,
                   num_q_heads, c1, c2, s1, s2, Q_HEADS, HALF)  # fmt: skip
     _rotate_heads(k_ptr + b * stride_kb + t * stride_kt,
-                  k_out_ptr + b * stride_pb + t * stride_pt, stride_kh, stride_ph,
+                  k_out_ptr + b * stride_kob + t * stride_kot, stride_kh, stride_koh,
                   num_k_heads, c1, c2, s1, s2, K_HEADS, HALF)  # fmt: skip
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """transformers' apply_rotary_pos_emb for q [B, H, T, D], k [B, KVH, T, D] (any strides,
-    the last dimension dense) and cos, sin [B, T, D], in one kernel."""
+    the last dimension dense; D a power of two) and cos, sin [B or 1, T, D] of their
+    dtype, in one kernel."""
     batch, num_q_heads, num_tokens, head_dim = q.shape
-    half = head_dim // 2
     # Outputs laid out like the inputs (transposed views of a projection's output).
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     cos, sin = cos.expand(batch, num_tokens, head_dim), sin.expand(batch, num_tokens, head_dim)
@@ -146,22 +162,37 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         cos.stride(0), cos.stride(1), q_out.stride(0), q_out.stride(1), q_out.stride(2),
         k_out.stride(0), k_out.stride(1), k_out.stride(2),
         num_tokens, num_q_heads, k.shape[1],
-        HALF=half, Q_HEADS=triton.next_power_of_2(num_q_heads),
-        K_HEADS=triton.next_power_of_2(k.shape[1]),
+        HALF=head_dim // 2, Q_HEADS=triton.next_power_of_2(num_q_heads),
+        K_HEADS=triton.next_power_of_2(k.shape[1]), **NO_FMA,
     )  # fmt: skip
     return q_out, k_out
 
 
-def _fused_rotary(original: Any) -> Any:
-    """An apply_rotary_pos_emb that runs `rotary` where its layout holds, else `original`."""
+def _rotary_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 unsqueeze_dim: int) -> bool:  # fmt: skip
+    """Whether `rotary` computes this call: its layout, shapes, dtypes and a device it runs on."""
+    if unsqueeze_dim != 1 or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3:
+        return False
+    batch, _, num_tokens, head_dim = q.shape
+    return (
+        (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        and k.shape[0] == batch and k.shape[2:] == q.shape[2:]
+        and cos.shape[0] in (1, batch) and cos.shape[1:] == (num_tokens, head_dim)
+        and sin.shape == cos.shape and sin.stride() == cos.stride()
+        and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+        and q.dtype in DTYPES and k.dtype == cos.dtype == sin.dtype == q.dtype
+        and q.stride(-1) == k.stride(-1) == cos.stride(-1) == 1
+    )  # fmt: skip
 
+
+def _fused_rotary(original: Any) -> Any:
+    """An apply_rotary_pos_emb that runs `rotary` where it fits, else `original`."""
+
+    @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if (unsqueeze_dim == 1 and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3
-                and q.shape[-1] % 2 == 0 and (q.shape[-1] & (q.shape[-1] - 1)) == 0
-                and q.stride(-1) == k.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1
-                and cos.stride() == sin.stride()):  # fmt: skip
+        if _rotary_fits(q, k, cos, sin, unsqueeze_dim):
             return rotary(q, k, cos, sin)
-        return original(q, k, cos, sin, unsqueeze_dim)
+        return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
     apply_rotary_pos_emb.loom_fused = True
     return apply_rotary_pos_emb
@@ -169,8 +200,14 @@ def _fused_rotary(original: Any) -> Any:
 
 def install_fused_ops(model: torch.nn.Module) -> tuple[int, int]:
     """Swap the fused kernels into `model`: (RMSNorm modules replaced, modeling modules whose
-    rotary function now runs the kernel). The rotary swap is global to that modeling module
-    in this process: a worker process holds one model."""
+    rotary function now runs the kernel where it fits); (0, 0) for a model of another dtype.
+
+    The rotary swap is global to that modeling module in this process: every model of that
+    architecture here runs it afterwards (a worker holds one model; in `loom bench
+    gpu-check` and `decode-profile` and the tests this is by design, and the tests undo it).
+    The original stays as the function's `__wrapped__`."""
+    if next(model.parameters()).dtype not in DTYPES:
+        return 0, 0
     norms = [name for name, m in model.named_modules() if type(m).__name__ in LLAMA_NORMS]
     for name in norms:
         old = model.get_submodule(name)

@@ -90,7 +90,9 @@ class Worker:
         )  # fmt: skip
         # The model, its runner and the imports live as long as the worker: out of gc's full
         # collections, which would otherwise stall a step now and then (runtime/engine.py's
-        # _freeze_heap says what that costs in the engine's process).
+        # _freeze_heap says what that costs in the engine's process). Collected first, so
+        # the loading's garbage cycles are not frozen with them.
+        gc.collect()
         gc.freeze()
         return cls(rank, world_size, device, loaded, runner, info, time.time())
 
@@ -149,8 +151,10 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     dtype = getattr(torch, loaded.dtype)  # the model's: weight_dtype leaves it as it is
     device = torch.device(loaded.device)
     backend = _attention_backend(options.get("attention_backend"), device)
-    # One rank only, as for graphs: a tensor-parallel rank's weights may be DTensors, untried.
-    if device.type == "cuda" and backend == "triton" and loaded.tp_size == 1:
+    # Where graphs run: one rank (a tensor-parallel rank's weights may be DTensors, untried),
+    # not under enforce_eager (which runs transformers' own ops, for debugging).
+    if (device.type == "cuda" and backend == "triton" and loaded.tp_size == 1
+            and not options.get("enforce_eager")):  # fmt: skip
         from workers.fused_ops import install_fused_ops
 
         install_fused_ops(loaded.model)  # before the profiling pass: the model as it runs
