@@ -151,10 +151,12 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     dtype = getattr(torch, loaded.dtype)  # the model's: weight_dtype leaves it as it is
     device = torch.device(loaded.device)
     backend = _attention_backend(options.get("attention_backend"), device)
-    # Where graphs run: one rank (a tensor-parallel rank's weights may be DTensors, untried),
-    # not under enforce_eager (which runs transformers' own ops, for debugging).
-    if (device.type == "cuda" and backend == "triton" and loaded.tp_size == 1
-            and not options.get("enforce_eager")):  # fmt: skip
+    # CUDA graphs and fused kernels: one rank only (HF's tensor-parallel collectives inside
+    # a capture, and DTensor weights in the kernels, are untried), and not under
+    # enforce_eager, which runs transformers' own ops eagerly (for debugging).
+    fast_path = (device.type == "cuda" and backend == "triton" and loaded.tp_size == 1
+                 and not options.get("enforce_eager"))  # fmt: skip
+    if fast_path:
         from workers.fused_ops import install_fused_ops
 
         install_fused_ops(loaded.model)  # before the profiling pass: the model as it runs
@@ -178,9 +180,7 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
         raise ValueError(f"{where}, {budget:.0f} bytes, holds no KV block ({per_block} "
                          f"bytes each)")  # fmt: skip
     runner = make_runner(num_blocks)
-    # One rank only: HF's tensor-parallel collectives inside a capture are untried.
-    if (device.type == "cuda" and backend == "triton" and loaded.tp_size == 1
-            and not options.get("enforce_eager")):  # fmt: skip
+    if fast_path:
         runner.enable_graphs(int(options.get("max_num_seqs") or 256), loaded.max_model_len,
                              capture=True,
                              max_step_tokens=largest_step_tokens(options, loaded.max_model_len))
