@@ -8,12 +8,12 @@ bandwidth each of the model's matmuls reaches alone, at the decode batch sizes.
    each batch size under torch's profiler: per step the wall time, the kernels' summed
    device time, and the kernels that take most of it (a decode step of a dense model
    should be its weight matmuls, read at the copy bandwidth). Three runs: CUDA graphs with
-   transformers' RMSNorm and rotary ops, with the fused kernels of workers/fused_ops.py
-   (as a worker runs), and the fused kernels eager.
+   transformers' ops, with the fused kernels and packed projections of
+   workers/fused_layers.py (as a worker runs), and those eager.
 2. Each distinct weight shape as one `F.linear` at each batch size, replayed from a CUDA
    graph: the bandwidth it reaches (weight bytes / time), against the device's copy
-   bandwidth, and the same for the fused projections (q|k|v, gate|up) that a model loaded
-   with them concatenated would run instead.
+   bandwidth, and the same for the packed projections (q|k|v, gate|up) that the fused
+   layers run instead.
 
 Self-contained like `loom bench gpu`; CUDA only.
 """
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{torch.cuda.get_device_name() if cuda else 'cpu'}, bfloat16")  # fmt: skip
     if cuda:
         linear_bandwidth(args.shape, args.batch_sizes, args.reps)
-    from workers.fused_ops import install_fused_ops
+    from workers.fused_layers import install_fused_ops
     from workers.model_loader import load_model
 
     with tempfile.TemporaryDirectory(prefix="loom-decode-profile-") as tmp:

@@ -9,10 +9,11 @@
    windows) against a float64 reference: ‖out − ref‖/‖ref‖ < 1e-2 in bf16, 1e-4 in fp32.
    Every other batch runs every request through the prefill kernel, from a padded tile
    list, as a mixed-step graph does.
-2. The fused RMSNorm and rotary kernels (workers/fused_ops.py) in bf16 against
-   transformers' ops (the rotary embedding bit for bit, RMSNorm within a unit in the last
-   place); and a bf16 model's logits against the same weights in float32, no further off
-   (x1.5) with the fused kernels.
+2. The fused kernels (workers/fused_ops.py) in bf16 against transformers' ops (the rotary
+   embedding and SiLU times up bit for bit, RMSNorm with or without the residual add
+   before it within a unit in the last place); and a bf16 model's logits against the same
+   weights in float32, no further off (x1.5) with the fused kernels and packed projections
+   (workers/fused_layers.py).
 3. CUDA graphs (decode-only and mixed steps): a model runner driven through the same
    steps with graphs captured and with the same padded steps run eagerly samples the same
    tokens with the same logprobs, bit for bit (a replay runs the captured kernels on the
@@ -80,7 +81,7 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
     from protocols.sampling import SamplingParams
     from runtime.request import Request
     from runtime.scheduler import Scheduler, SchedulerConfig
-    from workers.fused_ops import install_fused_ops
+    from workers.fused_layers import install_fused_ops
     from workers.model_loader import load_model
     from workers.model_runner import ModelRunner
 
@@ -123,10 +124,11 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
 
 
 def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
-    """workers.fused_ops against transformers' own ops in bf16: the rotary embedding bit for
-    bit, RMSNorm within a unit in the last place (its float32 sum runs in another order),
-    and the model's logits against the same weights in float32: no further off with the
-    fused kernels than with transformers' ops."""
+    """workers.fused_ops against transformers' own ops in bf16: the rotary embedding and
+    SiLU times up bit for bit, RMSNorm (alone, and after the residual add) within a unit in
+    the last place (its float32 sum runs in another order); and the model's logits against
+    the same weights in float32: no further off with workers.fused_layers installed (the
+    kernels and packed projections) than with transformers' ops."""
     import copy
 
     import torch
@@ -134,6 +136,7 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
     from transformers.models.llama import modeling_llama
 
     from workers import fused_ops
+    from workers.fused_layers import install_fused_ops
 
     def ulps(out: Any, ref: Any) -> tuple[float, float]:
         """(most units in bf16's last place between them, share of elements that differ);
@@ -150,12 +153,22 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
     hidden, heads = config.hidden_size, config.num_attention_heads
     dim = getattr(config, "head_dim", None) or hidden // heads
     kv_heads = config.num_key_value_heads
-    x = torch.randn(tokens, hidden, device=device).bfloat16()
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device).bfloat16()
+
+    x, residual = randn(tokens, hidden), randn(tokens, hidden)
     norm = modeling_llama.LlamaRMSNorm(hidden, eps=1e-6).to(device).bfloat16()
     norm.weight.data.normal_()
     norm_ulps, norm_share = ulps([fused_ops.rms_norm(x, norm.weight, 1e-6)], [norm(x)])
-    q = torch.randn(1, tokens, heads, dim, device=device).bfloat16().transpose(1, 2)
-    k = torch.randn(1, tokens, kv_heads, dim, device=device).bfloat16().transpose(1, 2)
+    add_ulps, add_share = ulps(fused_ops.add_rms_norm(x, residual, norm.weight, 1e-6),
+                               [norm(residual + x), residual + x])  # fmt: skip
+    gate_up = randn(tokens, 2 * config.intermediate_size) * 4
+    gate, up = gate_up.chunk(2, -1)
+    silu_ulps, silu_share = ulps([fused_ops.silu_mul(gate_up)],
+                                 [torch.nn.functional.silu(gate) * up])  # fmt: skip
+    q = randn(1, tokens, heads, dim).transpose(1, 2)
+    k = randn(1, tokens, kv_heads, dim).transpose(1, 2)
     rope = modeling_llama.LlamaRotaryEmbedding(config).to(device)
     cos, sin = rope(q, torch.arange(tokens, device=device)[None] * 7)
     # transformers' own function, should an earlier check have swapped the kernel in.
@@ -169,21 +182,25 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
     ids = torch.randint(3, vocab, (4, tokens // 2), device=device)
 
     def error() -> float:
-        out = half.eval()(ids).logits.float()
+        # No transformers cache: the fused layers hand a cached forward to transformers'.
+        out = half.eval()(ids, use_cache=False).logits.float()
         return ((out - reference).norm() / reference.norm()).item()
 
     with torch.no_grad():
-        reference = exact.eval()(ids).logits.float()
+        reference = exact.eval()(ids, use_cache=False).logits.float()
         stock = error()
-        norms, modules = fused_ops.install_fused_ops(half)
+        fused_model = install_fused_ops(half)
         fused = error()
-    if not (norms and modules):
-        return False, f"nothing to fuse in {type(half).__name__}: {norms} norms, {modules} modules"
-    ok = norm_ulps <= 1 and rope_share == 0 and fused <= 1.5 * stock
+    if not all(fused_model):
+        return False, f"not all fused in {type(half).__name__}: {fused_model}"
+    ok = (norm_ulps <= 1 and add_ulps <= 1 and rope_share == 0 and silu_ulps <= 1
+          and fused <= 1.5 * stock)  # fmt: skip
     return ok, (f"RMSNorm within {norm_ulps:.2f} units in the last place ({norm_share:.2%} of "
-                f"elements differ), rotary within {rope_ulps:.2f} ({rope_share:.2%}); bf16 "
-                f"logits against float32: relative error {fused:.2e} fused, {stock:.2e} with "
-                "transformers' ops")  # fmt: skip
+                f"elements differ), add + RMSNorm {add_ulps:.2f} ({add_share:.2%}), rotary "
+                f"{rope_ulps:.2f} ({rope_share:.2%}), SiLU * up {silu_ulps:.2f} "
+                f"({silu_share:.2%}); {fused_model.layers} layers packed; bf16 logits against "
+                f"float32: relative error {fused:.2e} fused, {stock:.2e} with transformers' "
+                "ops")  # fmt: skip
 
 
 def check_engines(
@@ -246,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         checks = [
             ("Triton kernels", lambda: check_kernels(args.device, args.kernel_batches,
                                                      args.longest)),
-            ("fused RMSNorm and rotary kernels", lambda: check_fused(model, args.device, vocab)),
+            ("fused kernels", lambda: check_fused(model, args.device, vocab)),
             ("decode CUDA graphs", lambda: check_graphs(model, args.device, vocab)),
             ("engines, async scheduling and graphs on/off",
              lambda: check_engines(model, args.device, vocab, args.requests)),

@@ -1,10 +1,12 @@
-"""The fused RMSNorm and rotary kernels (workers.fused_ops) against a float64 reference and
-transformers' own modules, under Triton's interpreter (TRITON_INTERPRET=1: conftest.py).
+"""The fused kernels (workers.fused_ops: RMSNorm alone and after the residual add, the
+rotary embedding, SiLU times up) against a float64 reference and transformers' own ops,
+under Triton's interpreter (TRITON_INTERPRET=1: conftest.py).
 
 bfloat16: the kernels round each product and sum to nearest even, in integer arithmetic,
 where torch's eager ops round (the interpreter's own float-to-bfloat16 conversion
-truncates), so the rotary embedding is bit-identical to transformers' and RMSNorm is up to
-its float32 sum's order; `loom bench gpu-check` checks the same on a GPU."""
+truncates), so the rotary embedding and SiLU times up are bit-identical to transformers'
+and RMSNorm is up to its float32 sum's order; `loom bench gpu-check` checks the same on a
+GPU. workers.fused_layers, which swaps them into models: tests/test_fused_layers.py."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import transformers
 import triton
 import triton.language as tl
 from transformers.models.llama import modeling_llama
-from transformers.models.qwen2 import modeling_qwen2
 
 from workers import fused_ops
 
@@ -72,6 +73,8 @@ def test_rotary_matches_transformers(dtype, heads, kv_heads, dim):
     out_q, out_k = fused_ops.rotary(q, k, cos, sin)
     ref_q, ref_k = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
     assert out_q.shape == q.shape and out_k.shape == k.shape and out_q.dtype == dtype
+    # Token-major, as transformers' ops leave them: the attention's output reshapes freely.
+    assert out_q.transpose(1, 2).is_contiguous() and out_k.transpose(1, 2).is_contiguous()
     if dtype == torch.bfloat16:  # each product and sum rounded where torch rounds them
         assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
     else:
@@ -84,42 +87,51 @@ def test_rotary_matches_transformers(dtype, heads, kv_heads, dim):
     assert _rel(torch.cat([out_q, out_k], 1), x * c + rotated * s) < tolerance
 
 
-def _tiny(arch: str) -> torch.nn.Module:
-    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
-    config = config_cls(vocab_size=97, hidden_size=64, intermediate_size=96,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=64)  # fmt: skip
-    torch.manual_seed(3)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
-@pytest.mark.parametrize("arch,modeling", [("llama", modeling_llama), ("qwen2", modeling_qwen2)])
-def test_installed_model_keeps_its_logits(monkeypatch, arch, modeling):
-    # Restore the modeling module's rotary function after the test: the swap is global.
-    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
-    original_rotary = modeling.apply_rotary_pos_emb
-    kernel_calls = []
-    monkeypatch.setattr(fused_ops, "rotary",
-                        lambda *a: kernel_calls.append(1) or rotary(*a))  # fmt: skip
-    model = _tiny(arch)
-    ids = torch.tensor([[5, 9, 2, 40, 7, 7, 13]])
-    with torch.no_grad():
-        before = model(ids).logits
-        assert fused_ops.install_fused_ops(model) == (2 * 2 + 1, 1)
-        assert fused_ops.install_fused_ops(model) == (0, 1)  # idempotent: nothing left to swap
-        after = model(ids).logits
-    assert modeling.apply_rotary_pos_emb.__wrapped__ is original_rotary
-    assert len(kernel_calls) == 2  # one a layer: the kernel ran, not the fallback
-    assert sum(isinstance(m, fused_ops.FusedRMSNorm) for m in model.modules()) == 5
-    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
-
-
-def test_other_dtypes_keep_transformers_ops(monkeypatch):
-    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb",
-                        modeling_llama.apply_rotary_pos_emb)  # fmt: skip
-    assert fused_ops.install_fused_ops(_tiny("llama").half()) == (0, 0)
+def test_other_dtypes_are_refused():
     with pytest.raises(ValueError, match="rms_norm takes"):
         fused_ops.rms_norm(torch.randn(2, 8).half(), torch.ones(8).half(), 1e-6)
+    with pytest.raises(ValueError, match="silu_mul takes"):
+        fused_ops.silu_mul(torch.randn(2, 8).half())
+    with pytest.raises(ValueError, match="gate and up side by side"):
+        fused_ops.silu_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        fused_ops.add_rms_norm(torch.randn(2, 8), torch.randn(2, 8).bfloat16(), torch.ones(8),
+                               1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype):
+    torch.manual_seed(6)
+    x, residual = (torch.randn(3, 4, 96) * 4).to(dtype), (torch.randn(3, 4, 96) * 4).to(dtype)
+    norm = modeling_llama.LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(96).to(dtype)
+    out, total = fused_ops.add_rms_norm(x, residual, norm.weight, 1e-5)
+    assert torch.equal(total, residual + x)  # the sum rounded as torch rounds it
+    assert out.shape == x.shape and out.dtype == dtype
+    # Up to the float32 sum's order, as rms_norm: a unit in the last place at most.
+    torch.testing.assert_close(out, norm(residual + x),
+                               rtol=2**-7 if dtype == torch.bfloat16 else 1e-6, atol=0)  # fmt: skip
+    # A residual read through strides (every other row of a larger tensor).
+    wide = torch.randn(3, 8, 96).to(dtype)
+    out, total = fused_ops.add_rms_norm(x, wide[:, ::2], norm.weight, 1e-5)
+    assert torch.equal(total, wide[:, ::2] + x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [96, 1500])  # 1500: two column blocks, the second partial
+def test_silu_mul_is_transformers_mlp_product(dtype, width):
+    torch.manual_seed(7)
+    gate_up = (torch.randn(2, 3, 2 * width) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, -1)
+    out = fused_ops.silu_mul(gate_up)
+    ref = torch.nn.functional.silu(gate) * up
+    assert out.shape == (2, 3, width) and out.dtype == dtype
+    if dtype == torch.bfloat16:  # the activation and the product each rounded where torch does
+        assert torch.equal(out, ref)
+    else:  # exp's last bit differs between numpy's and torch's
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-7)
+    g, u = gate.double(), up.double()
+    assert _rel(out, g * torch.sigmoid(g) * u) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
 
 
 def test_rms_norm_reads_strided_rows():
@@ -162,7 +174,7 @@ def test_rotary_falls_back_where_the_kernel_does_not_fit(monkeypatch):
         calls.append(unsqueeze_dim)
         return q, k
 
-    fused = fused_ops._fused_rotary(original)
+    fused = fused_ops.fused_rotary(original)
     assert fused.__wrapped__ is original
 
     def qkcs(heads=2, kv_heads=2, tokens=3, dim=8, kv_tokens=3, cos_dtype=torch.float32):

@@ -118,3 +118,30 @@ def test_bad_layouts_are_refused():
     with pytest.raises(ValueError, match="contiguous last dimension"):
         ta.decode_attention(q.transpose(1, 2).contiguous().transpose(1, 2), cache, cache,
                             tables, lens, 1, 16, 1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, head_dim", [(2, 64), (3, 24)])  # 3, 24: padded to 4, 32
+def test_write_kv_is_index_copy(dtype, heads, head_dim):
+    """K and V as the attention gets them (transposed views of a packed projection), into
+    slots in any order; slots not written keep what they held."""
+    torch.manual_seed(8)
+    tokens = 5
+    packed = torch.randn(1, tokens, 3 * heads * head_dim).to(dtype)
+    _, key, value = (t.view(tokens, heads, head_dim) for t in packed[0].chunk(3, -1))
+    slots = torch.tensor([7, 0, 31, 8, 16])
+    k_cache, v_cache = (torch.randn(32, heads, head_dim).to(dtype) for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_ref.index_copy_(0, slots, key)
+    v_ref.index_copy_(0, slots, value)
+    ta.write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    ta.write_kv(key.transpose(0, 1).contiguous().transpose(0, 1),  # heads outermost
+                value.mT.contiguous().mT, k_cache, v_cache, slots.flip(0))  # a column stride
+    k_ref.index_copy_(0, slots.flip(0), key)
+    v_ref.index_copy_(0, slots.flip(0), value)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    with pytest.raises(ValueError, match="copies without casting"):
+        ta.write_kv(key.double(), value.double(), k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="do not fit caches"):
+        ta.write_kv(key[:, :1], value[:, :1], k_cache, v_cache, slots)

@@ -83,12 +83,13 @@ def paged_attention(
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     group = num_heads // num_kv_heads
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
     q = query[0].transpose(0, 1)  # [T, H, D]
     if meta.paged is not None:
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        return _triton(q, k_cache, v_cache, meta, meta.paged, scale, sliding_window), None
+        return _triton(q, key, value, k_cache, v_cache, meta, scale, sliding_window), None
+    k_cache.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
     if not meta.prefills:  # decode only: token i is decode row i, no gather or scatter
         return _decode(q, k_cache, v_cache, meta, group, scaling, sliding_window)[None], None
     out = torch.empty_like(q)  # [T, H, D]
@@ -104,15 +105,19 @@ def paged_attention(
 
 def _triton(
     q: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, KVH, D]: this step's, written into the caches first
+    value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
-    paged: PagedBatch,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
     from workers import triton_attention  # only where Triton is the backend
 
+    triton_attention.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache,
+                              meta.slot_mapping)  # fmt: skip
+    paged = meta.paged
     bs = paged.block_size
     num_decodes = paged.decode_tables.shape[0]
     if num_decodes == q.shape[0]:  # decode only: token i is decode row i

@@ -1,46 +1,41 @@
-"""Triton kernels for a decoder layer's elementwise work (RMSNorm, rotary embedding), swapped
-into stock transformers models on the CUDA path.
+"""Triton kernels for a decoder layer's elementwise work on the CUDA path: RMSNorm (alone
+or with the residual add before it), the rotary embedding, SiLU times up.
 
 transformers computes an RMSNorm as eight kernels (casts, square, mean, add, rsqrt, two
-multiplies) and the rotary embedding as about ten (rotate_half's slices, negation and cat,
-four multiplies, two adds): hundreds of small launches in a decode step of a 32-layer
-model. Each kernel here does one norm or one token's rotation in one launch, rounding
-where torch's eager ops round (to bf16 after each product and sum), so the rotary
-embedding is bit-identical to transformers' and RMSNorm is up to its float32 sum's order
-(checked under Triton's interpreter in `make test`; `loom bench gpu-check` checks it on a
-GPU, where this version has not run yet).
-`loom bench decode-profile` (8B shape, H100, one run; the kernels' first version, which
-rounded by float round trips): a decode step's kernels took 7.9 -> 6.8 ms at batch 1,
-10.4 -> 8.2 at 64, 15.5 -> 12.7 at 256.
+multiplies), the rotary embedding as about ten (rotate_half's slices, negation and cat,
+four multiplies, two adds), its MLP's activation and product as two: hundreds of small
+launches in a decode step of a 32-layer model. Each kernel here does its job in one
+launch, rounding where torch's eager ops round (to bf16 after each product and sum), so
+the rotary embedding and SiLU times up are bit-identical to transformers' and RMSNorm is
+up to its float32 sum's order (checked under Triton's interpreter in `make test`; `loom
+bench gpu-check` checks them on a GPU).
+`loom bench decode-profile` (8B shape, H100, one run; RMSNorm and rotary kernels of a
+first version, which rounded by float round trips): a decode step's kernels took 7.9 ->
+6.8 ms at batch 1, 10.4 -> 8.2 at 64, 15.5 -> 12.7 at 256.
 
-`install_fused_ops(model)` replaces the RMSNorm modules and the rotary function of the
-architectures whose code it knows (Llama, Qwen2, Mistral), for bf16 and fp32 models;
-other models keep theirs.
+workers.fused_layers swaps them into the models whose code it knows.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import sys
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-logger = logging.getLogger(__name__)
-
-# Class names whose forward is transformers' Llama RMSNorm: weight * (x / rms(x)).to(dtype).
-LLAMA_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
-# Attention classes that call their modeling module's global apply_rotary_pos_emb(q, k,
-# cos, sin) with cos and sin as [B, T, D], q and k as [B, heads, T, D].
-LLAMA_ATTENTIONS = frozenset({"LlamaAttention", "Qwen2Attention", "MistralAttention"})
 # The activations' dtypes whose rounding the kernels reproduce.
 DTYPES = (torch.bfloat16, torch.float32)
 # No fused multiply-adds: torch rounds a product before the sum it goes into.
 NO_FMA = {"enable_fp_fusion": False}
+
+
+def runs_here(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: of DTYPES, on a GPU (or Triton's interpreter)."""
+    return all((t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and t.dtype in DTYPES
+               for t in tensors)  # fmt: skip
 
 
 @triton.jit
@@ -58,35 +53,89 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _normalize(x, w_ptr, cols, mask, n_cols, eps, X_DTYPE: tl.constexpr,
+               OUT_DTYPE: tl.constexpr):  # fmt: skip
+    """transformers' Llama RMSNorm of the float32 row `x` (masked to `n_cols`), rounded where
+    it rounds: the normalized row to the input's dtype before the weight."""
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    normed = _round_to(normed, X_DTYPE)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return _round_to(w * normed, OUT_DTYPE)  # exact: the store only narrows
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
                      BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    # transformers rounds the normalized row to the input's dtype before the weight.
-    normed = _round_to(normed, x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out = _round_to(w * normed, out_ptr.dtype.element_ty)  # exact: the store only narrows
+    out = _normalize(x, w_ptr, cols, mask, n_cols, eps, x_ptr.dtype.element_ty,
+                     out_ptr.dtype.element_ty)  # fmt: skip
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o,
+                         stride_s, n_cols, eps, BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = sum_ptr.dtype.element_ty
+    total = _round_to(x + r, dtype)  # torch's `residual + hidden_states`, rounded as it rounds
+    tl.store(sum_ptr + row * stride_s + cols, total.to(dtype), mask=mask)
+    out = _normalize(total, w_ptr, cols, mask, n_cols, eps, dtype, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Llama RMSNorm of `x` over its last dimension, in one kernel."""
-    if x.dtype not in DTYPES or weight.dtype not in DTYPES:
-        raise ValueError(f"rms_norm takes {DTYPES}, got {x.dtype} and {weight.dtype}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()  # the kernel reads a row's elements side by side
-    x_rows = x.reshape(-1, x.shape[-1])  # [N, H]: a view for the activations it gets
+    _check_dtypes("rms_norm", x, weight)
+    x_rows = _rows(x)
     out = torch.empty(x_rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype),
                       device=x.device)  # fmt: skip
-    block = triton.next_power_of_2(x_rows.shape[1])
     _rms_norm_kernel[(x_rows.shape[0],)](x_rows, weight, out, x_rows.stride(0), out.stride(0),
-                                         x_rows.shape[1], eps, BLOCK=block,
-                                         num_warps=min(max(block // 256, 1), 16),
-                                         **NO_FMA)  # fmt: skip
+                                         x_rows.shape[1], eps, **_row_launch(x_rows))
     return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(rms_norm(residual + x), residual + x) in one kernel: a decoder layer's residual add
+    and the RMSNorm after it, each rounded as transformers' ops round them."""
+    _check_dtypes("add_rms_norm", x, weight)
+    if residual.dtype != x.dtype or residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm adds tensors of one shape and dtype, got {x.shape} "
+                         f"{x.dtype} and {residual.shape} {residual.dtype}")  # fmt: skip
+    x_rows, r_rows = _rows(x), _rows(residual)
+    total = torch.empty(x_rows.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x_rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype),
+                      device=x.device)  # fmt: skip
+    _add_rms_norm_kernel[(x_rows.shape[0],)](
+        x_rows, r_rows, weight, out, total, x_rows.stride(0), r_rows.stride(0), out.stride(0),
+        total.stride(0), x_rows.shape[1], eps, **_row_launch(x_rows),
+    )  # fmt: skip
+    return out.view(x.shape), total.view(x.shape)
+
+
+def _check_dtypes(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dtype not in DTYPES or weight.dtype not in DTYPES:
+        raise ValueError(f"{name} takes {DTYPES}, got {x.dtype} and {weight.dtype}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as rows [N, H] with dense rows: a view for the activations the kernels get."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()  # the kernels read a row's elements side by side
+    return x.reshape(-1, x.shape[-1])
+
+
+def _row_launch(rows: torch.Tensor) -> dict[str, Any]:
+    """A row-per-program kernel's block and warps for rows of this length."""
+    block = triton.next_power_of_2(rows.shape[1])
+    return {"BLOCK": block, "num_warps": min(max(block // 256, 1), 16), **NO_FMA}
 
 
 class FusedRMSNorm(torch.nn.Module):
@@ -102,6 +151,38 @@ class FusedRMSNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    # torch's silu, x / (1 + exp(-x)) in float32 (an IEEE division), rounded; then the product.
+    act = _round_to(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * stride_o + cols, _round_to(act * up, dtype).to(dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for `gate_up` = [..., 2I], gate first (a packed gate|up projection's
+    output), in one kernel: [..., I], rounded as transformers' MLP rounds them."""
+    if gate_up.dtype not in DTYPES:
+        raise ValueError(f"silu_mul takes {DTYPES}, got {gate_up.dtype}")
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"silu_mul takes gate and up side by side, got {gate_up.shape[-1]} "
+                         "columns")  # fmt: skip
+    rows = _rows(gate_up)
+    width = rows.shape[1] // 2
+    out = torch.empty((rows.shape[0], width), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(width))
+    _silu_mul_kernel[(rows.shape[0], triton.cdiv(width, block))](
+        rows, out, rows.stride(0), out.stride(0), width, BLOCK=block,
+        num_warps=min(max(block // 256, 1), 8), **NO_FMA,
+    )  # fmt: skip
+    return out.view(*gate_up.shape[:-1], width)
 
 
 @triton.jit
@@ -153,8 +234,10 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     the last dimension dense; D a power of two) and cos, sin [B or 1, T, D] of their
     dtype, in one kernel."""
     batch, num_q_heads, num_tokens, head_dim = q.shape
-    # Outputs laid out like the inputs (transposed views of a projection's output).
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    # Outputs token-major, as transformers' own ops leave a projection's transposed view:
+    # attention's output keeps that layout, and the reshape after it stays a view.
+    q_out = q.new_empty(batch, num_tokens, num_q_heads, head_dim).transpose(1, 2)
+    k_out = k.new_empty(batch, num_tokens, k.shape[1], head_dim).transpose(1, 2)
     cos, sin = cos.expand(batch, num_tokens, head_dim), sin.expand(batch, num_tokens, head_dim)
     _rope_kernel[(batch * num_tokens,)](
         q, k, cos, sin, q_out, k_out,
@@ -175,17 +258,17 @@ def _rotary_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         return False
     batch, _, num_tokens, head_dim = q.shape
     return (
-        (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        runs_here(q)
         and k.shape[0] == batch and k.shape[2:] == q.shape[2:]
         and cos.shape[0] in (1, batch) and cos.shape[1:] == (num_tokens, head_dim)
         and sin.shape == cos.shape and sin.stride() == cos.stride()
         and head_dim >= 2 and head_dim & (head_dim - 1) == 0
-        and q.dtype in DTYPES and k.dtype == cos.dtype == sin.dtype == q.dtype
+        and k.dtype == cos.dtype == sin.dtype == q.dtype
         and q.stride(-1) == k.stride(-1) == cos.stride(-1) == 1
     )  # fmt: skip
 
 
-def _fused_rotary(original: Any) -> Any:
+def fused_rotary(original: Any) -> Any:
     """An apply_rotary_pos_emb that runs `rotary` where it fits, else `original`."""
 
     @functools.wraps(original)
@@ -196,28 +279,3 @@ def _fused_rotary(original: Any) -> Any:
 
     apply_rotary_pos_emb.loom_fused = True
     return apply_rotary_pos_emb
-
-
-def install_fused_ops(model: torch.nn.Module) -> tuple[int, int]:
-    """Swap the fused kernels into `model`: (RMSNorm modules replaced, modeling modules whose
-    rotary function now runs the kernel where it fits); (0, 0) for a model of another dtype.
-
-    The rotary swap is global to that modeling module in this process: every model of that
-    architecture here runs it afterwards (a worker holds one model; in `loom bench
-    gpu-check` and `decode-profile` and the tests this is by design, and the tests undo it).
-    The original stays as the function's `__wrapped__`."""
-    if next(model.parameters()).dtype not in DTYPES:
-        return 0, 0
-    norms = [name for name, m in model.named_modules() if type(m).__name__ in LLAMA_NORMS]
-    for name in norms:
-        old = model.get_submodule(name)
-        model.set_submodule(name, FusedRMSNorm(old.weight, old.variance_epsilon))
-    modeling = {type(m).__module__ for m in model.modules()
-                if type(m).__name__ in LLAMA_ATTENTIONS}  # fmt: skip
-    for module_name in modeling:
-        module = sys.modules[module_name]
-        if not getattr(module.apply_rotary_pos_emb, "loom_fused", False):
-            module.apply_rotary_pos_emb = _fused_rotary(module.apply_rotary_pos_emb)
-    logger.info("fused kernels: %d RMSNorm modules, rotary embedding in %s", len(norms),
-                ", ".join(sorted(modeling)) or "no module")  # fmt: skip
-    return len(norms), len(modeling)

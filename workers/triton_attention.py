@@ -11,6 +11,7 @@ query heads of one KV head together, so each K/V page is read once per KV head.
   graph's grid is fixed, so its tile list is padded). Causal over the request's whole
   context, with an optional sliding window. A request computing one token is a one-query
   tile: mixed-step graphs run every row through this kernel.
+- `write_kv`: the step's new K and V into their cache slots, both in one kernel.
 - `decode_attention`: requests computing one token. One program per (request, KV head,
   split of the context); each split keeps a running max, sum and weighted V (online
   softmax) and a second kernel merges the splits, so a long context is spread over many
@@ -219,6 +220,55 @@ def prefill_attention(
         EXACT=_exact(q),
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch, num_heads,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):  # fmt: skip
+    """One program per token: its K and V heads into its cache slot."""
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    h = tl.arange(0, HEADS)[:, None]
+    d = tl.arange(0, D_PAD)[None, :]
+    mask = (h < num_heads) & (d < HEAD_DIM)
+    dest = slot * stride_cs + h * stride_ch + d
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    tl.store(k_cache_ptr + dest, k, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(v_cache_ptr + dest, v, mask=mask)
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, KVH, D], any strides
+    value: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_slots, KVH, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T]: each token's slot
+) -> None:
+    """`k_cache[slot_mapping] = key` and the same for V, in one kernel (two index_copy_
+    otherwise): K and V of one dtype, the caches'."""
+    if not key.dtype == value.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"write_kv copies without casting: K {key.dtype}, V {value.dtype}, "
+                         f"caches {k_cache.dtype} and {v_cache.dtype}")  # fmt: skip
+    if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("write_kv needs caches laid out alike, a slot's heads dense")
+    # A head's elements side by side, as projections leave them (else a copy first).
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    if key.shape != value.shape or key.shape[1:] != k_cache.shape[1:]:
+        raise ValueError(f"K {tuple(key.shape)} and V {tuple(value.shape)} do not fit caches "
+                         f"of {tuple(k_cache.shape[1:])} a slot")  # fmt: skip
+    num_heads, head_dim = key.shape[1], key.shape[2]
+    _write_kv_kernel[(key.shape[0],)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), num_heads,
+        HEADS=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
 
 
 def decode_attention(

@@ -157,7 +157,7 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     fast_path = (device.type == "cuda" and backend == "triton" and loaded.tp_size == 1
                  and not options.get("enforce_eager"))  # fmt: skip
     if fast_path:
-        from workers.fused_ops import install_fused_ops
+        from workers.fused_layers import install_fused_ops
 
         install_fused_ops(loaded.model)  # before the profiling pass: the model as it runs
 

@@ -1,0 +1,240 @@
+"""workers.fused_layers: Llama-family models with the fused kernels and packed projections
+compute transformers' logits (bit for bit in bf16), keep one copy of their weights, hand
+what they do not handle to transformers' forward, and sample through a model runner what
+one without them samples. The kernels run in Triton's interpreter (conftest.py)."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+import transformers
+from runner_driver import drive
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.qwen2 import modeling_qwen2
+
+from protocols.sampling import SamplingParams
+from runtime.request import Request
+from runtime.scheduler import Scheduler, SchedulerConfig
+from workers import fused_layers, fused_ops
+from workers.fused_layers import FusedModel, install_fused_ops
+from workers.model_runner import ModelRunner
+
+ARCHS = {
+    "llama": (transformers.LlamaConfig, modeling_llama),
+    "qwen2": (transformers.Qwen2Config, modeling_qwen2),
+    "mistral": (transformers.MistralConfig, modeling_mistral),
+}
+IDS = torch.tensor([[5, 9, 2, 40, 7, 7, 13, 3, 61]])
+
+
+@pytest.fixture(autouse=True)
+def restore_rotary(monkeypatch):
+    """The rotary swap is global to a modeling module: undone after each test."""
+    for _, modeling in ARCHS.values():
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+
+
+def tiny(arch: str, **overrides) -> torch.nn.Module:
+    config = ARCHS[arch][0](vocab_size=97, hidden_size=64, intermediate_size=96,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=128, **overrides)  # fmt: skip
+    torch.manual_seed(3)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def count_calls(monkeypatch, module, name: str) -> list:
+    calls: list = []
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_model_keeps_transformers_logits(monkeypatch, arch, dtype):
+    model = tiny(arch).to(dtype)
+    kernels = {name: count_calls(monkeypatch, module, name) for module, name in
+               [(fused_layers, "silu_mul"), (fused_layers, "add_rms_norm"),
+                (fused_ops, "rotary")]}  # fmt: skip
+    with torch.no_grad():
+        before = model(IDS, use_cache=False).logits
+        assert install_fused_ops(model) == FusedModel(norms=2 * 2 + 1, rotary_modules=1, layers=2)
+        # Idempotent: nothing left to swap (the rotary function is counted, not swapped again).
+        assert install_fused_ops(model) == FusedModel(0, 1, 0)
+        after = model(IDS, use_cache=False).logits
+        assert {name: len(calls) for name, calls in kernels.items()} == dict.fromkeys(kernels, 2)
+        with_cache = model(IDS).logits  # a transformers cache: its own attention forward
+    if dtype == torch.bfloat16:  # every kernel rounds where torch's ops round
+        assert torch.equal(after, before) and torch.equal(with_cache, before)
+    else:
+        torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(with_cache, before, rtol=1e-5, atol=1e-5)
+
+
+def test_projections_are_packed_not_copied():
+    model = tiny("qwen2")  # q, k and v with biases
+    stock = copy.deepcopy(model)
+    storage_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    install_fused_ops(model)
+    layer, stock_layer = model.model.layers[0], stock.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    assert attn.loom_qkv.sizes == (64, 32, 32) and mlp.loom_gate_up.sizes == (96, 96)
+    packed = {p.untyped_storage().data_ptr() for p in
+              (attn.loom_qkv.weight, attn.loom_qkv.bias, mlp.loom_gate_up.weight)}  # fmt: skip
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+        assert m.weight.untyped_storage().data_ptr() in packed  # a view, not a copy
+    torch.testing.assert_close(attn.v_proj.weight, stock_layer.self_attn.v_proj.weight)
+    torch.testing.assert_close(attn.k_proj.bias, stock_layer.self_attn.k_proj.bias)
+    torch.testing.assert_close(mlp.up_proj.weight, stock_layer.mlp.up_proj.weight)
+    unique = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+              for p in model.parameters()}  # fmt: skip
+    assert sum(unique.values()) == storage_bytes  # the unpacked weights were let go
+
+
+def test_weights_changed_after_packing_run_transformers_forward(monkeypatch):
+    """A model converted after the install (its parameters replaced) computes with its new
+    weights: the packed forwards see they no longer hold them and hand over."""
+    model = tiny("llama").bfloat16()
+    install_fused_ops(model)
+    silu_calls = count_calls(monkeypatch, fused_layers, "silu_mul")
+    model.float()
+    reference = tiny("llama")
+    with torch.no_grad():
+        out = model(IDS, use_cache=False).logits
+        torch.testing.assert_close(out, reference.bfloat16().float()(IDS, use_cache=False).logits,
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+    assert silu_calls == []
+
+
+def test_models_the_kernels_cannot_run_keep_their_ops(monkeypatch):
+    assert install_fused_ops(tiny("llama").half()) == FusedModel(0, 0, 0)
+    monkeypatch.delenv("TRITON_INTERPRET")  # CPU tensors, and no interpreter to run them
+    model = tiny("llama")
+    assert install_fused_ops(model) == FusedModel(0, 0, 0)
+    assert not hasattr(model.model.layers[0], "loom_fused")
+    # Not the Llama family's layer: its parts are left alone.
+    gpt2 = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(
+        vocab_size=97, n_embd=32, n_layer=1, n_head=2))  # fmt: skip
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert install_fused_ops(gpt2) == FusedModel(0, 0, 0)
+
+
+def drive_runner(model: torch.nn.Module, fused: bool, ahead: bool) -> dict[str, list]:
+    """Five requests through a Triton-backend runner with decode and mixed-step graphs'
+    padded paths (capture needs CUDA), prompts longer than Mistral's window below."""
+    runner = ModelRunner(model, model.config, device=torch.device("cpu"), dtype=torch.float32,
+                         block_size=16, num_blocks=24, attention_backend="triton")  # fmt: skip
+    if fused:
+        assert install_fused_ops(model).layers == 2
+    runner.enable_graphs(max_num_seqs=8, max_model_len=64, capture=False, max_step_tokens=64)
+    scheduler = Scheduler(SchedulerConfig(8, 12, 64, 16, runner.num_blocks))
+    for i in range(5):
+        prompt = [5 + 3 * i + j for j in range(2 + 4 * i)]
+        params = SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True, logprobs=2)
+        scheduler.add_request(Request(f"r{i}", prompt, params, frozenset({2}), 64, 0.0))
+    return {r: [(o.new_token_ids, o.new_logprobs) for o in outs]
+            for r, outs in drive(scheduler, runner, ahead).items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_runner_samples_the_same_with_fused_layers(arch):
+    """Through the paged attention (Mistral's window reaching it as the stock layer passes
+    it), chunked prompts beside decodes, launched ahead."""
+    overrides = {"sliding_window": 5} if arch == "mistral" else {}
+    stock = drive_runner(tiny(arch, **overrides), fused=False, ahead=True)
+    fused = drive_runner(tiny(arch, **overrides), fused=True, ahead=True)
+    tokens = {r: [t for t, _ in steps] for r, steps in stock.items()}
+    assert {r: [t for t, _ in steps] for r, steps in fused.items()} == tokens
+    for r in stock:
+        for (_, lp_stock), (_, lp_fused) in zip(stock[r], fused[r], strict=True):
+            assert lp_fused == pytest.approx(lp_stock, rel=1e-4, abs=1e-5)
+    if overrides:  # the window changes what is sampled: the comparison above can fail
+        unwindowed = drive_runner(tiny(arch), fused=True, ahead=True)
+        assert {r: [t for t, _ in steps] for r, steps in unwindowed.items()} != tokens
+
+
+# aten ops that launch no kernel: views, allocations, dtype arithmetic.
+NO_LAUNCH = {"view", "transpose", "t", "unsqueeze", "squeeze", "expand", "slice", "select",
+             "split", "split_with_sizes", "alias", "_unsafe_view", "as_strided", "permute",
+             "detach", "unbind", "reshape", "empty", "empty_like", "empty_strided",
+             "new_empty", "promote_types", "is_same_size"}  # fmt: skip
+
+
+class CountLaunches(TorchDispatchMode):
+    """Counts what a forward launches on a device: aten ops that compute (a `to` that
+    returns its input computes nothing) and Triton kernels, not the interpreter's own ops."""
+
+    def __init__(self, monkeypatch) -> None:
+        super().__init__()
+        self.launches: collections.Counter = collections.Counter()
+        self.in_kernel = self.active = False
+        interpreted = type(fused_ops._silu_mul_kernel)  # the interpreter's kernel class
+        run = interpreted.run
+
+        def counted_run(kernel, *args, **kwargs):
+            if not self.active:
+                return run(kernel, *args, **kwargs)
+            self.launches[kernel.fn.__name__] += 1
+            self.in_kernel = True
+            try:
+                return run(kernel, *args, **kwargs)
+            finally:
+                self.in_kernel = False
+
+        monkeypatch.setattr(interpreted, "run", counted_run)
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if not (self.in_kernel or name in NO_LAUNCH or (name == "to" and out is args[0])):
+            self.launches[name] += 1
+        return out
+
+
+def test_a_decode_step_launches_twelve_kernels_a_layer(monkeypatch):
+    """The count the README gives: one Llama layer of a decode-only step through the
+    Triton backend, with transformers' ops and fused."""
+    counts = {}
+    for fused in (False, True):
+        model = tiny("llama").bfloat16()
+        runner = ModelRunner(model, model.config, device=torch.device("cpu"),
+                             dtype=torch.bfloat16, block_size=16, num_blocks=8,
+                             attention_backend="triton")  # fmt: skip
+        if fused:
+            install_fused_ops(model)
+        scheduler = Scheduler(SchedulerConfig(4, 64, 64, 16, 8))
+        for i in range(2):
+            params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+            scheduler.add_request(Request(f"r{i}", [5, 6, 7 + i], params, frozenset(), 64, 0.0))
+        so = scheduler.schedule()  # the prompts
+        scheduler.update_from_output(so, runner.execute(so, 0))
+        so = scheduler.schedule()
+        assert set(so.num_scheduled_tokens.values()) == {1}  # decodes only
+        layer = model.model.layers[1]
+        counter = CountLaunches(monkeypatch)
+        forward = layer.forward
+
+        def counted(*args, counter=counter, forward=forward, **kwargs):
+            with counter:
+                return forward(*args, **kwargs)
+
+        monkeypatch.setattr(layer, "forward", counted)
+        runner.execute(so, 1)
+        counts[fused] = counter.launches
+    assert sum(counts[True].values()) == 12, counts[True]
+    assert counts[True]["linear"] == 4  # q|k|v, o, gate|up, down
+    assert sum(counts[False].values()) > 3 * 12, counts[False]  # transformers' ops: 40 here
+
