@@ -10,8 +10,8 @@
    Every other batch runs every request through the prefill kernel, from a padded tile
    list, as a mixed-step graph does.
 2. The fused kernels (workers/fused_ops.py) in bf16 against transformers' ops (the rotary
-   embedding and SiLU times up bit for bit, RMSNorm with or without the residual add
-   before it within a unit in the last place); and a bf16 model's logits against the same
+   embedding bit for bit; RMSNorm with or without the residual add before it, and SiLU
+   times up, within a unit in the last place); and a bf16 model's logits against the same
    weights in float32, no further off (x1.5) with the fused kernels and packed projections
    (workers/fused_layers.py).
 3. CUDA graphs (decode-only and mixed steps): a model runner driven through the same
@@ -124,9 +124,10 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
 
 
 def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
-    """workers.fused_ops against transformers' own ops in bf16: the rotary embedding and
-    SiLU times up bit for bit, RMSNorm (alone, and after the residual add) within a unit in
-    the last place (its float32 sum runs in another order); and the model's logits against
+    """workers.fused_ops against transformers' own ops in bf16: the rotary embedding bit for
+    bit; RMSNorm (alone, and after the residual add) within a unit in the last place (its
+    float32 sum runs in another order), and SiLU times up (Triton's exp on a GPU is the
+    approximate one); and the model's logits against
     the same weights in float32: no further off with workers.fused_layers installed (the
     kernels and packed projections) than with transformers' ops."""
     import copy

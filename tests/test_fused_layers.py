@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import collections
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -29,7 +31,7 @@ ARCHS = {
     "qwen2": (transformers.Qwen2Config, modeling_qwen2),
     "mistral": (transformers.MistralConfig, modeling_mistral),
 }
-IDS = torch.tensor([[5, 9, 2, 40, 7, 7, 13, 3, 61]])
+IDS = torch.tensor([[5, 9, 2, 40, 7, 7, 13, 3, 61], [8, 1, 33, 4, 90, 12, 0, 0, 0]])
 
 
 @pytest.fixture(autouse=True)
@@ -54,61 +56,65 @@ def count_calls(monkeypatch, module, name: str) -> list:
     return calls
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_fused_model_keeps_transformers_logits(monkeypatch, arch, dtype):
-    model = tiny(arch).to(dtype)
-    kernels = {name: count_calls(monkeypatch, module, name) for module, name in
-               [(fused_layers, "silu_mul"), (fused_layers, "add_rms_norm"),
-                (fused_ops, "rotary")]}  # fmt: skip
+VARIANTS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "mistral": ("mistral", {}),
+            "llama with biases": ("llama", {"attention_bias": True, "mlp_bias": True})}
+MASK = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])  # the second prompt padded on the right
+
+
+def prompt_and_step(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Logits of two prompts (one padded) without a transformers cache, then with one, then
+    of one more token each from that cache."""
     with torch.no_grad():
-        before = model(IDS, use_cache=False).logits
-        assert install_fused_ops(model) == FusedModel(norms=2 * 2 + 1, rotary_modules=1, layers=2)
-        # Idempotent: nothing left to swap (the rotary function is counted, not swapped again).
-        assert install_fused_ops(model) == FusedModel(0, 1, 0)
-        after = model(IDS, use_cache=False).logits
-        assert {name: len(calls) for name, calls in kernels.items()} == dict.fromkeys(kernels, 2)
-        with_cache = model(IDS).logits  # a transformers cache: its own attention forward
-    if dtype == torch.bfloat16:  # every kernel rounds where torch's ops round
-        assert torch.equal(after, before) and torch.equal(with_cache, before)
-    else:
-        torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(with_cache, before, rtol=1e-5, atol=1e-5)
+        plain = model(IDS, attention_mask=MASK, use_cache=False).logits
+        prompt = model(IDS, attention_mask=MASK)
+        assert prompt.past_key_values.get_seq_length() == IDS.shape[1]
+        step = model(torch.tensor([[17], [23]]), attention_mask=torch.cat([MASK, MASK[:, :1]], 1),
+                     past_key_values=prompt.past_key_values).logits  # fmt: skip
+    return [plain, prompt.logits, step]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_model_keeps_transformers_logits(monkeypatch, variant, dtype):
+    arch, overrides = VARIANTS[variant]
+    model = tiny(arch, **overrides).to(dtype)
+    expected = prompt_and_step(model)
+    assert install_fused_ops(model) == FusedModel(norms=2 * 2 + 1, rotary_modules=1, layers=2)
+    # Idempotent: nothing left to swap (the rotary function is counted, not swapped again).
+    assert install_fused_ops(model) == FusedModel(0, 1, 0)
+    calls = {name: count_calls(monkeypatch, module, name) for module, name in
+             [(fused_layers, "silu_mul"), (fused_layers, "add_rms_norm"), (fused_ops, "rotary"),
+              (fused_layers, "_attention_function")]}  # fmt: skip
+    got = prompt_and_step(model)
+    # Three forwards of two layers; the packed attention in the first only, the two with a
+    # transformers cache handed to transformers' own.
+    assert {name: len(c) for name, c in calls.items()} == {
+        "silu_mul": 6, "add_rms_norm": 6, "rotary": 6, "_attention_function": 2}
+    for out, ref in zip(got, expected, strict=True):
+        if dtype == torch.bfloat16:  # every kernel rounds where torch's ops round
+            assert torch.equal(out, ref)
+        else:
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_projections_are_packed_not_copied():
     model = tiny("qwen2")  # q, k and v with biases
     stock = copy.deepcopy(model)
-    storage_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    unpacked = [weakref.ref(m.weight) for m in (attn.q_proj, attn.k_proj, mlp.up_proj)]
+    unpacked.append(weakref.ref(attn.v_proj.bias))
     install_fused_ops(model)
-    layer, stock_layer = model.model.layers[0], stock.model.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
+    gc.collect()
+    assert all(ref() is None for ref in unpacked)  # let go: one copy of the weights
     assert attn.loom_qkv.sizes == (64, 32, 32) and mlp.loom_gate_up.sizes == (96, 96)
     packed = {p.untyped_storage().data_ptr() for p in
               (attn.loom_qkv.weight, attn.loom_qkv.bias, mlp.loom_gate_up.weight)}  # fmt: skip
     for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
         assert m.weight.untyped_storage().data_ptr() in packed  # a view, not a copy
-    torch.testing.assert_close(attn.v_proj.weight, stock_layer.self_attn.v_proj.weight)
-    torch.testing.assert_close(attn.k_proj.bias, stock_layer.self_attn.k_proj.bias)
-    torch.testing.assert_close(mlp.up_proj.weight, stock_layer.mlp.up_proj.weight)
-    unique = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-              for p in model.parameters()}  # fmt: skip
-    assert sum(unique.values()) == storage_bytes  # the unpacked weights were let go
-
-
-def test_weights_changed_after_packing_run_transformers_forward(monkeypatch):
-    """A model converted after the install (its parameters replaced) computes with its new
-    weights: the packed forwards see they no longer hold them and hand over."""
-    model = tiny("llama").bfloat16()
-    install_fused_ops(model)
-    silu_calls = count_calls(monkeypatch, fused_layers, "silu_mul")
-    model.float()
-    reference = tiny("llama")
-    with torch.no_grad():
-        out = model(IDS, use_cache=False).logits
-        torch.testing.assert_close(out, reference.bfloat16().float()(IDS, use_cache=False).logits,
-                                   rtol=1e-4, atol=1e-4)  # fmt: skip
-    assert silu_calls == []
+    stock_attn, stock_mlp = stock.model.layers[0].self_attn, stock.model.layers[0].mlp
+    assert torch.equal(attn.v_proj.weight, stock_attn.v_proj.weight)
+    assert torch.equal(attn.k_proj.bias, stock_attn.k_proj.bias)
+    assert torch.equal(mlp.up_proj.weight, stock_mlp.up_proj.weight)
 
 
 def test_models_the_kernels_cannot_run_keep_their_ops(monkeypatch):
@@ -141,11 +147,16 @@ def drive_runner(model: torch.nn.Module, fused: bool, ahead: bool) -> dict[str, 
             for r, outs in drive(scheduler, runner, ahead).items()}  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+WINDOWED = {"mistral": {"sliding_window": 5},  # every layer, from the config
+            "qwen2": {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}}
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_runner_samples_the_same_with_fused_layers(arch):
-    """Through the paged attention (Mistral's window reaching it as the stock layer passes
-    it), chunked prompts beside decodes, launched ahead."""
-    overrides = {"sliding_window": 5} if arch == "mistral" else {}
+    """Through the paged attention (a window reaching it as the stock layer passes it:
+    Mistral's on every layer, Qwen2's on its second), chunked prompts beside decodes,
+    launched ahead."""
+    overrides = WINDOWED.get(arch, {})
     stock = drive_runner(tiny(arch, **overrides), fused=False, ahead=True)
     fused = drive_runner(tiny(arch, **overrides), fused=True, ahead=True)
     tokens = {r: [t for t, _ in steps] for r, steps in stock.items()}

@@ -10,9 +10,10 @@ the small k and v matmuls, which reach ~1.5 TB/s alone on an H100, read their we
 inside q's (`loom bench decode-profile` times both on a GPU).
 
 Packing keeps one copy of the weights: each projection's weight becomes a view of the
-packed one, so transformers' own forward still computes the same, and the fused forwards
-hand over to it where they do not apply (a KV cache of transformers', weights moved or
-replaced since the packing, tensors the kernels do not take).
+packed one, so transformers' own attention forward still computes the same, and the fused
+one hands over to it when given a KV cache of transformers' (`generate`; a worker passes
+none). The install comes last: the packed tensors do not follow a later conversion of the
+model (`.to()`, `.half()`) or a weight replaced by another tensor.
 """
 
 from __future__ import annotations
@@ -66,10 +67,6 @@ class PackedLinear(NamedTuple):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def holds(self, first: torch.nn.Linear) -> bool:
-        """Whether the first layer still reads the packed weight (not moved or replaced)."""
-        return first.weight.data_ptr() == self.weight.data_ptr()
-
 
 def pack_linears(linears: list[torch.nn.Module]) -> PackedLinear | None:
     """Stack plain nn.Linear layers of one input, dtype and device into one (None where they
@@ -99,13 +96,12 @@ def _attention_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     """transformers' Llama attention forward with q, k and v from one packed matmul."""
     caches = {name: kwargs.pop(name) for name in ("past_key_values", "past_key_value")
               if name in kwargs}  # fmt: skip
-    packed = self.loom_qkv
-    if (any(c is not None for c in caches.values()) or position_embeddings is None
-            or not packed.holds(self.q_proj)):  # fmt: skip
+    if any(c is not None for c in caches.values()) or position_embeddings is None:
         return type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
                                   attention_mask=attention_mask, **caches, **kwargs)  # fmt: skip
     input_shape = hidden_states.shape[:-1]
     shape = (*input_shape, -1, self.head_dim)
+    packed = self.loom_qkv
     q, k, v = (t.view(shape).transpose(1, 2) for t in packed(hidden_states).split(packed.sizes, -1))
     cos, sin = position_embeddings
     # The modeling module's function, as transformers calls it: the kernel's where swapped in.
@@ -132,10 +128,7 @@ def _attention_function(attn: torch.nn.Module) -> Any:
 
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) with gate|up one matmul and the rest one kernel."""
-    packed = self.loom_gate_up
-    if not packed.holds(self.gate_proj):
-        return type(self).forward(self, x)
-    return self.down_proj(silu_mul(packed(x)))
+    return self.down_proj(silu_mul(self.loom_gate_up(x)))
 
 
 def _layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, **kwargs: Any
@@ -178,8 +171,9 @@ def fuse_layer(layer: torch.nn.Module) -> bool:
 def install_fused_ops(model: torch.nn.Module) -> FusedModel:
     """Swap the fused kernels into `model`: RMSNorm modules, the rotary function, then the
     decoder layers. A model of another dtype than bf16 and float32, or on the CPU outside
-    Triton's interpreter, keeps its ops. Call it once the model is on its device in its
-    dtype: packing copies q|k|v and gate|up into new tensors.
+    Triton's interpreter, keeps its ops. Call it last, once the model has its device,
+    dtype and weights: packing copies q|k|v and gate|up into new tensors, which a later
+    conversion would leave behind.
 
     The rotary swap is global to that modeling module in this process: every model of that
     architecture here runs it afterwards (a worker holds one model; in `loom bench

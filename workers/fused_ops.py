@@ -6,9 +6,10 @@ multiplies), the rotary embedding as about ten (rotate_half's slices, negation a
 four multiplies, two adds), its MLP's activation and product as two: hundreds of small
 launches in a decode step of a 32-layer model. Each kernel here does its job in one
 launch, rounding where torch's eager ops round (to bf16 after each product and sum), so
-the rotary embedding and SiLU times up are bit-identical to transformers' and RMSNorm is
-up to its float32 sum's order (checked under Triton's interpreter in `make test`; `loom
-bench gpu-check` checks them on a GPU).
+the rotary embedding is bit-identical to transformers', RMSNorm is up to its float32
+sum's order, and SiLU times up up to the last bit of float32's exp (Triton's on a GPU is
+the fast approximate one): bit for bit in bf16 under Triton's interpreter in `make test`,
+within a unit in bf16's last place on a GPU (`loom bench gpu-check` checks them there).
 `loom bench decode-profile` (8B shape, H100, one run; RMSNorm and rotary kernels of a
 first version, which rounded by float round trips): a decode step's kernels took 7.9 ->
 6.8 ms at batch 1, 10.4 -> 8.2 at 64, 15.5 -> 12.7 at 256.
@@ -66,7 +67,7 @@ def _normalize(x, w_ptr, cols, mask, n_cols, eps, X_DTYPE: tl.constexpr,
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
                      BLOCK: tl.constexpr):  # fmt: skip
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in long prompts
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -78,7 +79,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o,
                          stride_s, n_cols, eps, BLOCK: tl.constexpr):  # fmt: skip
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in long prompts
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -155,7 +156,7 @@ class FusedRMSNorm(torch.nn.Module):
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in long prompts
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -211,7 +212,7 @@ def _rope_kernel(
     HALF: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
 ):  # fmt: skip
     """One program per (batch row, token): its q and k heads rotated by its cos and sin."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     b = pid // num_tokens
     t = pid % num_tokens
     d = tl.arange(0, HALF)[None, :]

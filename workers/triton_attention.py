@@ -229,7 +229,7 @@ def _write_kv_kernel(
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
 ):  # fmt: skip
     """One program per token: its K and V heads into its cache slot."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t * stride passes 2**31 in long prompts
     slot = tl.load(slots_ptr + t).to(tl.int64)
     h = tl.arange(0, HEADS)[:, None]
     d = tl.arange(0, D_PAD)[None, :]
