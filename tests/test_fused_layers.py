@@ -130,43 +130,42 @@ def test_models_the_kernels_cannot_run_keep_their_ops(monkeypatch):
     assert install_fused_ops(gpt2) == FusedModel(0, 0, 0)
 
 
-def drive_runner(model: torch.nn.Module, fused: bool, ahead: bool) -> dict[str, list]:
-    """Five requests through a Triton-backend runner with decode and mixed-step graphs'
-    padded paths (capture needs CUDA), prompts longer than Mistral's window below."""
+def drive_runner(model: torch.nn.Module, fused: bool) -> dict[str, list]:
+    """Four requests through a Triton-backend runner, launched ahead, with decode and
+    mixed-step graphs' padded paths (capture needs CUDA): prompts longer than the windows
+    below, chunked beside decodes."""
     runner = ModelRunner(model, model.config, device=torch.device("cpu"), dtype=torch.float32,
                          block_size=16, num_blocks=24, attention_backend="triton")  # fmt: skip
     if fused:
         assert install_fused_ops(model).layers == 2
     runner.enable_graphs(max_num_seqs=8, max_model_len=64, capture=False, max_step_tokens=64)
     scheduler = Scheduler(SchedulerConfig(8, 12, 64, 16, runner.num_blocks))
-    for i in range(5):
+    for i in range(4):
         prompt = [5 + 3 * i + j for j in range(2 + 4 * i)]
-        params = SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True, logprobs=2)
+        params = SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True, logprobs=2)
         scheduler.add_request(Request(f"r{i}", prompt, params, frozenset({2}), 64, 0.0))
     return {r: [(o.new_token_ids, o.new_logprobs) for o in outs]
-            for r, outs in drive(scheduler, runner, ahead).items()}  # fmt: skip
+            for r, outs in drive(scheduler, runner, ahead=True).items()}  # fmt: skip
 
 
 WINDOWED = {"mistral": {"sliding_window": 5},  # every layer, from the config
             "qwen2": {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}}
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", WINDOWED)
 def test_runner_samples_the_same_with_fused_layers(arch):
-    """Through the paged attention (a window reaching it as the stock layer passes it:
-    Mistral's on every layer, Qwen2's on its second), chunked prompts beside decodes,
-    launched ahead."""
-    overrides = WINDOWED.get(arch, {})
-    stock = drive_runner(tiny(arch, **overrides), fused=False, ahead=True)
-    fused = drive_runner(tiny(arch, **overrides), fused=True, ahead=True)
+    """Through the paged attention, with a window that reaches it as the stock layer passes
+    it: Mistral's on every layer, Qwen2's on its second."""
+    stock = drive_runner(tiny(arch, **WINDOWED[arch]), fused=False)
+    fused = drive_runner(tiny(arch, **WINDOWED[arch]), fused=True)
     tokens = {r: [t for t, _ in steps] for r, steps in stock.items()}
     assert {r: [t for t, _ in steps] for r, steps in fused.items()} == tokens
     for r in stock:
         for (_, lp_stock), (_, lp_fused) in zip(stock[r], fused[r], strict=True):
             assert lp_fused == pytest.approx(lp_stock, rel=1e-4, abs=1e-5)
-    if overrides:  # the window changes what is sampled: the comparison above can fail
-        unwindowed = drive_runner(tiny(arch), fused=True, ahead=True)
-        assert {r: [t for t, _ in steps] for r, steps in unwindowed.items()} != tokens
+    # The window changes what is sampled: the comparison above can fail.
+    unwindowed = drive_runner(tiny(arch), fused=True)
+    assert {r: [t for t, _ in steps] for r, steps in unwindowed.items()} != tokens
 
 
 # aten ops that launch no kernel: views, allocations, dtype arithmetic.
