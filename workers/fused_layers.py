@@ -94,7 +94,8 @@ def _attention_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
                        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                        attention_mask: torch.Tensor | None = None, **kwargs: Any):  # fmt: skip
     """transformers' Llama attention forward with q, k and v from one packed matmul."""
-    caches = {name: kwargs.pop(name) for name in ("past_key_values", "past_key_value")
+    # The cache's name: `past_key_value` (transformers 4), `past_key_values`, `cache` (5.24).
+    caches = {name: kwargs.pop(name) for name in ("past_key_values", "past_key_value", "cache")
               if name in kwargs}  # fmt: skip
     if any(c is not None for c in caches.values()) or position_embeddings is None:
         return type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
