@@ -1,7 +1,13 @@
 """Benchmarks that run loomllm and its peers in one run (`loom bench NAME`)."""
 
+import contextlib
 import json
+import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+from runtime.manager_client import manager_command
 
 
 def int_list(text: str) -> list[int]:
@@ -22,3 +28,19 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
         "bos_token": "w1", "eos_token": "w2", "unk_token": "w0",
         "tokenizer_class": "PreTrainedTokenizerFast",
     }))  # fmt: skip
+
+
+@contextlib.contextmanager
+def run_manager() -> Iterator[Path]:
+    """An engine-manager daemon for one benchmark run, on a socket of its own, stopped (with
+    its workers) at the end. Every engine of the run forks its worker from the same warm
+    zygote: the zygote's imports of torch and transformers, 3 s here and ~15 s on the GPU
+    hosts we were lent, are paid once rather than once an engine. With keep_alive=0 an
+    engine's exit waits until its worker is gone, so the next one profiles a free GPU."""
+    with tempfile.TemporaryDirectory(prefix="loom-bench-", dir="/tmp") as tmp:
+        socket = Path(tmp) / "manager.sock"  # /tmp: a Unix socket path is 108 bytes at most
+        subprocess.run(manager_command(socket, "start"), check=True, stdout=subprocess.DEVNULL)
+        try:
+            yield socket
+        finally:
+            subprocess.run(manager_command(socket, "stop"), check=False, stdout=subprocess.DEVNULL)

@@ -22,6 +22,7 @@ same for the engine's and the workers' frozen heaps (off: unfrozen after the sta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import os
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import anyio
 
-from benchmarks import int_list, save_word_tokenizer
+from benchmarks import int_list, run_manager, save_word_tokenizer
 from protocols.sampling import RequestOutputKind, SamplingParams
 from runtime.engine import Engine
 from runtime.step_timings import PHASES, StepTimings
@@ -96,12 +97,8 @@ async def run_all(
         kv_cache_memory=int(args.kv_cache_memory * 2**30), keep_alive=0,
         async_scheduling=async_scheduling,
     )  # fmt: skip
-    if args.manager_socket:
-        options["manager_socket"] = Path(args.manager_socket)
-    else:
-        options["manager"] = "private"
     rows = []
-    async with Engine(model, **options) as engine:
+    async with Engine(model, manager_socket=Path(args.manager_socket), **options) as engine:
         if not gc_freeze:  # undo the heap freeze of the engine's process and the workers'
             gc.unfreeze()
             await engine.collective_rpc(lambda worker: gc.unfreeze())
@@ -138,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backends", default="asyncio,trio")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--manager-socket", help="use this running manager instead of a private one")
+    p.add_argument("--manager-socket", help="use this running manager instead of one started "
+                   "for the run")  # fmt: skip
     p.add_argument("--model", default=None,
                    help="a real model (smollm2, a path) instead of the tiny random llama")
     p.add_argument("--kv-cache-memory", type=float, default=0.0625, help="GiB of KV cache")
@@ -149,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
                         "after the start (runtime/engine.py _freeze_heap); both: the ratio")
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds with 'both'")
     p.add_argument("--worker-threads", type=int, default=1,
-                   help="OMP_NUM_THREADS for the private manager's workers (0: leave as is)")
+                   help="OMP_NUM_THREADS for the workers of the manager started for the run "
+                        "(0: leave as is)")
     args = p.parse_args(argv)
     if args.worker_threads:
         # A tiny forward gains nothing from threads, and idle OpenMP threads spinning on a
@@ -158,7 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     compared = [name for name in ("async_scheduling", "gc_freeze") if getattr(args, name) == "both"]
     if len(compared) > 1:
         p.error("compare one thing at a time: --async-scheduling both or --gc-freeze both")
-    with tempfile.TemporaryDirectory(prefix="loom-bench-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="loom-bench-"))
+        if not args.manager_socket:  # after OMP_NUM_THREADS is set: its workers inherit it
+            args.manager_socket = stack.enter_context(run_manager())
         model = args.model or make_tiny_llama(Path(tmp))
         for backend in args.backends.split(","):
             if not compared:

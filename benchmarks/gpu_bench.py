@@ -21,7 +21,8 @@ CUDA graphs and with `enforce_eager`; (c) the
 share of the run that the device spends idle between steps (the worker's DeviceIdleProbe:
 CUDA events at each forward's start and sampling's end), with async scheduling on (the
 headline row) and off, and the engine's own time a step (schedule, IPC, output).
-`--shape tiny --device cpu` runs it on a CPU in seconds.
+`--shape tiny --device cpu` runs it on a CPU in seconds. Every engine of the run forks its
+worker from the warm zygote of one manager (`benchmarks.run_manager`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import save_word_tokenizer
+from benchmarks import run_manager, save_word_tokenizer
 
 PROG = "loom bench gpu"
 SHAPES: dict[str, dict[str, Any]] = {
@@ -100,7 +101,8 @@ def run_loomllm(
 
     async def run() -> tuple[float, int, Any, Any]:
         async with Engine(model, load_format="dummy", dtype=args.dtype, device=args.device,
-                          max_num_seqs=args.max_num_seqs, keep_alive=0, manager="private",
+                          max_num_seqs=args.max_num_seqs, keep_alive=0,
+                          manager_socket=args.manager_socket,
                           async_scheduling=async_scheduling) as engine:  # fmt: skip
             warm = SamplingParams(max_tokens=4, ignore_eos=True)
             async with engine.generate({"prompt_token_ids": work[0][0]}, warm) as stream:
@@ -148,7 +150,7 @@ def run_served(model: str, work: list[tuple[list[int], int]], args: argparse.Nam
     cmd = [sys.executable, "-m", "runtime.cli", "serve", model, "--port", str(port),
            "--served-model-name", "m", "--load-format", "dummy", "--dtype", args.dtype,
            "--device", args.device, "--max-num-seqs", str(args.max_num_seqs),
-           "--keep-alive", "0", "--manager", "private"]  # fmt: skip
+           "--keep-alive", "0", "--manager-socket", str(args.manager_socket)]  # fmt: skip
     log_path = Path(model) / "serve.log"  # a file, not a pipe: nobody reads it meanwhile
     base = f"http://127.0.0.1:{port}"
     server: subprocess.Popen | None = None
@@ -157,7 +159,7 @@ def run_served(model: str, work: list[tuple[list[int], int]], args: argparse.Nam
         limits = httpx.Limits(max_connections=len(work), max_keepalive_connections=len(work))
         async with httpx.AsyncClient(base_url=base, timeout=3600, limits=limits) as client:
             with anyio.fail_after(900):
-                while True:  # the first engine of a private manager loads a worker
+                while True:  # its engine forks a worker and loads the model
                     try:
                         if (await client.get("/health")).status_code == 200:
                             break
@@ -204,7 +206,7 @@ def single_stream_loomllm(
 
     async def run() -> float:
         async with Engine(model, load_format="dummy", dtype=args.dtype, device=args.device,
-                          keep_alive=0, manager="private",
+                          keep_alive=0, manager_socket=args.manager_socket,
                           enforce_eager=enforce_eager) as engine:  # fmt: skip
             for _ in range(2):  # the first is the warm-up
                 first = None
@@ -360,7 +362,8 @@ def main(argv: list[str] | None = None) -> None:
 
     device_name = (torch.cuda.get_device_name() if args.device.startswith("cuda")
                    else "cpu")  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="loom-gpu-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="loom-gpu-bench-") as tmp, run_manager() as socket:
+        args.manager_socket = socket  # every engine of the run, and loom serve's
         model = write_model_dir(args.shape, Path(tmp))
         work = sharegpt_like(args.num_requests, SHAPES[args.shape]["vocab_size"], args.seed,
                              args.prompt_mean, args.output_mean)  # fmt: skip

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import run_manager
 from benchmarks.attention_reference import TOLERANCE, mixed_errors
 from benchmarks.gpu_bench import SHAPES, write_model_dir
 
@@ -207,7 +208,8 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
 def check_engines(
     model: str, device: str, vocab: int, num_requests: int
 ) -> tuple[bool | None, str]:
-    """Greedy tokens of engines with async scheduling and graphs on and off, float32."""
+    """Greedy tokens of engines with async scheduling and graphs on and off, float32; their
+    workers forked from one manager's zygote."""
     import anyio
 
     from runtime import Engine, SamplingParams
@@ -218,7 +220,7 @@ def check_engines(
 
     async def run(**options: Any) -> list[list[int]]:
         async with Engine(model, load_format="dummy", dtype="float32", device=device,
-                          keep_alive=0, manager="private", **options) as engine:  # fmt: skip
+                          keep_alive=0, manager_socket=socket, **options) as engine:  # fmt: skip
             tokens: list[list[int]] = [[] for _ in work]
 
             async def one(i: int) -> None:
@@ -237,7 +239,9 @@ def check_engines(
         "async on, eager": dict(async_scheduling=True, enforce_eager=True),
         "async off, eager": dict(async_scheduling=False, enforce_eager=True),
     }
-    results = {name: anyio.run(lambda o=options: run(**o)) for name, options in variants.items()}
+    with run_manager() as socket:
+        results = {name: anyio.run(lambda o=options: run(**o))
+                   for name, options in variants.items()}  # fmt: skip
     reference = results["async off, eager"]
     differ = [name for name, tokens in results.items() if tokens != reference]
     return not differ, (f"{num_requests} requests, {len(variants)} engines: "
