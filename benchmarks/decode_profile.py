@@ -2,6 +2,7 @@
 bandwidth each of the model's matmuls reaches alone, at the decode batch sizes.
 
     loom bench decode-profile [--shape llama-8b] [--batch-sizes 1,64] [--steps 16]
+        [--warmup 8]
     (or, from the repository's root: python -m benchmarks.decode_profile ...)
 
 1. A model runner (random weights, bf16, the Triton backend) decodes `--steps` steps at
@@ -35,10 +36,11 @@ from benchmarks.gpu_bench import SHAPES, copy_bandwidth, write_model_dir
 PROG = "loom bench decode-profile"
 
 
-def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, top: int, device: str,
-                   graphs: bool, what: str, prompt_len: int) -> None:  # fmt: skip
-    """Profile `steps` decode steps of `loaded` at each batch size; print the wall time a
-    step, the kernels' device time a step and the `top` kernels."""
+def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, warmup: int, top: int,
+                   device: str, graphs: bool, what: str, prompt_len: int) -> None:  # fmt: skip
+    """Profile `steps` decode steps of `loaded` at each batch size, after `warmup` steps (the
+    prompts' among them); print the wall time a step, the kernels' device time a step and
+    the `top` kernels."""
     import time
 
     import torch
@@ -62,14 +64,15 @@ def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, top: int, de
         scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=600, block_size=16,
             num_blocks=most * 40))  # fmt: skip
-        params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=steps + warmup,
+                                ignore_eos=True)  # fmt: skip
         for i in range(batch):
             prompt = [3 + (i + j) % 500 for j in range(prompt_len)]
             scheduler.add_request(Request(f"b{batch}-{i}", prompt, params, frozenset(), 600,
                                           0.0))  # fmt: skip
         step = functools.partial(_step, scheduler, runner, itertools.count())
 
-        for _ in range(8):  # the prompts, then decode steps to warm up
+        for _ in range(warmup):  # the prompts, then decode steps
             step()
         sync()
         with profile(activities=activities) as prof:
@@ -147,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 64])
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=8, help="steps before the profiled ones")
     p.add_argument("--prompt-len", type=int, default=200, help="each request's (max 500)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per batch size")
     p.add_argument("--reps", type=int, default=50, help="matmuls per timed graph")
@@ -168,8 +172,9 @@ def main(argv: list[str] | None = None) -> None:
                             device=args.device, load_format="dummy")  # fmt: skip
     # transformers' ops first: the swap cannot be undone. (On the CPU the kernels run in
     # Triton's interpreter, as the Triton attention backend does: TRITON_INTERPRET=1.)
-    profile = functools.partial(profile_decode, loaded, args.batch_sizes, args.steps, args.top,
-                                args.device, prompt_len=args.prompt_len)  # fmt: skip
+    profile = functools.partial(profile_decode, loaded, args.batch_sizes, args.steps,
+                                args.warmup, args.top, args.device,
+                                prompt_len=args.prompt_len)  # fmt: skip
     profile(True, "transformers' ops")
     install_fused_ops(loaded.model)
     for graphs in (True, False):

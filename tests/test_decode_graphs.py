@@ -10,6 +10,7 @@ scheduling), with 1-token prompt chunks among the decodes, and through an engine
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import anyio
 import pytest
@@ -72,9 +73,16 @@ def drive_requests(
             for r, outs in outputs.items()}, silent_rows  # fmt: skip
 
 
+@functools.cache
+def eager_reference(model_dir: str, budget: int = 5, long_prompt: int = 10) -> dict[str, list]:
+    """What the unpadded eager path samples, step by step: the reference of both ways of
+    driving the padded path (launched ahead must sample what step by step does)."""
+    return drive_requests(make_runner(model_dir, graphs=False), False, budget, long_prompt)[0]
+
+
 @pytest.mark.parametrize("ahead", [False, True], ids=["step by step", "launched ahead"])
 def test_padded_decode_steps_sample_the_eager_tokens(tiny_model, ahead):
-    eager, _ = drive_requests(make_runner(tiny_model, graphs=False), ahead)
+    eager = eager_reference(tiny_model)
     runner = make_runner(tiny_model, graphs=True)
     graphs = runner.decode_graphs
     batches: list[int] = []
@@ -97,7 +105,7 @@ def test_padded_decode_steps_sample_the_eager_tokens(tiny_model, ahead):
 def test_padded_mixed_steps_sample_the_eager_tokens(tiny_model, ahead, budget, long_prompt):
     """Prompt chunks beside decodes, every row through the prefill kernel: in the 64-token
     bucket (a 5-token budget), and in the 128-token one (a 70-token budget)."""
-    eager, _ = drive_requests(make_runner(tiny_model, graphs=False), ahead, budget, long_prompt)
+    eager = eager_reference(tiny_model, budget, long_prompt)
     runner = make_runner(tiny_model, graphs=True)
     mixed = runner.mixed_graphs
     steps: list[tuple[int, int]] = []  # (tokens, rows) of each mixed step
@@ -152,7 +160,7 @@ def test_a_failed_mixed_capture_keeps_the_decode_graphs(tiny_model, monkeypatch,
     runner.enable_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=True)
     assert runner.mixed_graphs is None and runner.decode_graphs is not None
     assert captured == ["pool"] and "mixed-step CUDA graph capture failed" in caplog.text
-    eager, _ = drive_requests(make_runner(tiny_model, graphs=False), ahead=False)
+    eager = eager_reference(tiny_model)
     served, _ = drive_requests(runner, ahead=False)  # mixed steps eager, decodes padded
     assert {r: [t for t, _ in o] for r, o in served.items()} == {
         r: [t for t, _ in o] for r, o in eager.items()
