@@ -203,7 +203,9 @@ def _rotate_heads(x_ptr, out_ptr, stride_xh, stride_oh, num_heads, c1, c2, s1, s
     tl.store(out_ptr + heads * stride_oh + HALF + d, second.to(dtype), mask=mask)
 
 
-@triton.jit
+# A step's token count varies with its batch; specialized (as Triton does an int that is 1 or
+# a multiple of 16), the decode-graph buckets would compile the kernel three times.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _rope_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
