@@ -167,7 +167,9 @@ def _decode_split_kernel(
              mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
-@triton.jit
+# The split count falls with the batch (32 at batch 1, 1 from 64 up on an 8B shape): were it
+# specialized (1, a multiple of 16, other), the decode-graph buckets would compile three.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
