@@ -4,10 +4,11 @@ import contextlib
 import json
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from runtime.manager_client import manager_command
+from runtime.manager_client import list_workers, manager_command
 
 
 def int_list(text: str) -> list[int]:
@@ -35,12 +36,27 @@ def run_manager() -> Iterator[Path]:
     """An engine-manager daemon for one benchmark run, on a socket of its own, stopped (with
     its workers) at the end. Every engine of the run forks its worker from the same warm
     zygote: the zygote's imports of torch and transformers, 3 s here and ~15 s on the GPU
-    hosts we were lent, are paid once rather than once an engine. With keep_alive=0 an
-    engine's exit waits until its worker is gone, so the next one profiles a free GPU."""
+    hosts we were lent, are paid once rather than once an engine. Its idle timeout (1 h)
+    outlasts the parts of a run that use no engine (transformers' own)."""
     with tempfile.TemporaryDirectory(prefix="loom-bench-", dir="/tmp") as tmp:
         socket = Path(tmp) / "manager.sock"  # /tmp: a Unix socket path is 108 bytes at most
-        subprocess.run(manager_command(socket, "start"), check=True, stdout=subprocess.DEVNULL)
-        try:
+        try:  # `stop` with no daemon running is a no-op
+            subprocess.run(manager_command(socket, "start", "--idle-timeout", "3600"),
+                           check=True, stdout=subprocess.DEVNULL)  # fmt: skip
             yield socket
         finally:
             subprocess.run(manager_command(socket, "stop"), check=False, stdout=subprocess.DEVNULL)
+
+
+def wait_for_no_workers(socket: Path, timeout: float = 120) -> None:
+    """Block until the manager at `socket` runs no worker. An engine with keep_alive=0 waits
+    only 5 s for its worker to be stopped: one that exits slower (or is killed after its
+    grace period) may still hold GPU memory, which the next worker's KV sizing would count
+    as taken."""
+    import anyio
+
+    deadline = time.monotonic() + timeout
+    while workers := anyio.run(list_workers, socket):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(workers)} worker(s) still running after {timeout:g} s")
+        time.sleep(0.1)

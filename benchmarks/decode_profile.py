@@ -34,13 +34,14 @@ from benchmarks import int_list
 from benchmarks.gpu_bench import SHAPES, copy_bandwidth, write_model_dir
 
 PROG = "loom bench decode-profile"
+MAX_STEP_TOKENS = 8192  # one step's token budget: the prompts' steps are few
 
 
 def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, warmup: int, top: int,
                    device: str, graphs: bool, what: str, prompt_len: int) -> None:  # fmt: skip
-    """Profile `steps` decode steps of `loaded` at each batch size, after `warmup` steps (the
-    prompts' among them); print the wall time a step, the kernels' device time a step and
-    the `top` kernels."""
+    """Profile `steps` decode steps of `loaded` at each batch size, after the prompts' steps
+    and `warmup` decode steps; print the wall time a step, the kernels' device time a step
+    and the `top` kernels."""
     import time
 
     import torch
@@ -62,9 +63,12 @@ def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, warmup: int,
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
     for batch in batch_sizes:
         scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=600, block_size=16,
-            num_blocks=most * 40))  # fmt: skip
-        params = SamplingParams(temperature=0.0, max_tokens=steps + warmup,
+            max_num_seqs=batch, max_num_batched_tokens=MAX_STEP_TOKENS, max_model_len=600,
+            block_size=16, num_blocks=most * 40))  # fmt: skip
+        # The prompts take several steps when they pass one step's token budget; the first
+        # ones done decode meanwhile: a token more each, so every request lasts to the end.
+        prompt_steps = -(-batch * prompt_len // MAX_STEP_TOKENS)
+        params = SamplingParams(temperature=0.0, max_tokens=prompt_steps + warmup + steps,
                                 ignore_eos=True)  # fmt: skip
         for i in range(batch):
             prompt = [3 + (i + j) % 500 for j in range(prompt_len)]
@@ -72,7 +76,10 @@ def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, warmup: int,
                                           0.0))  # fmt: skip
         step = functools.partial(_step, scheduler, runner, itertools.count())
 
-        for _ in range(warmup):  # the prompts, then decode steps
+        requests = list(scheduler.requests.values())
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in requests):
+            step()
+        for _ in range(warmup):
             step()
         sync()
         with profile(activities=activities) as prof:
@@ -150,13 +157,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 64])
     p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=8, help="steps before the profiled ones")
+    p.add_argument("--warmup", type=int, default=8,
+                   help="decode steps between the prompts' and the profiled ones")  # fmt: skip
     p.add_argument("--prompt-len", type=int, default=200, help="each request's (max 500)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per batch size")
     p.add_argument("--reps", type=int, default=50, help="matmuls per timed graph")
     p.add_argument("--device", default="cuda",
                    help="cpu: a smoke test (Triton's interpreter, no graphs, no kernel table)")
     args = p.parse_args(argv)
+    if args.warmup < 0 or args.steps < 1:
+        p.error("--warmup must be >= 0 and --steps >= 1")
     import torch
 
     cuda = args.device.startswith("cuda")

@@ -28,6 +28,7 @@ worker from the warm zygote of one manager (`benchmarks.run_manager`).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import random
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import run_manager, save_word_tokenizer
+from benchmarks import run_manager, save_word_tokenizer, wait_for_no_workers
 
 PROG = "loom bench gpu"
 SHAPES: dict[str, dict[str, Any]] = {
@@ -371,7 +372,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.shape} on {device_name}, {args.dtype}: {len(work)} requests, "
               f"{prompt_tokens} prompt and {sum(n for _, n in work)} output tokens")  # fmt: skip
         ours_rows = []
+        # Before each part: the last engine's worker gone, and its GPU memory with it.
+        settle = functools.partial(wait_for_no_workers, socket)
         for on in (True, False)[: 1 if "async-off" in args.skip else 2]:  # on: the headline
+            settle()
             seconds, tokens, timings, device = run_loomllm(model, work, args, on)
             print_steps(on, timings, device)
             name = f"loomllm, async scheduling {'on' if on else 'off'}"
@@ -383,8 +387,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, seconds, tokens in ours_rows:
             row(name, seconds, tokens, ours)
         if "serve" not in args.skip:
+            settle()
             row("loomllm through loom serve", *run_served(model, work, args), ours)
         if not {"generate", "continuous"} <= args.skip:
+            settle()
             hf = load_hf(model, args)
             if "generate" not in args.skip:
                 row(f"transformers generate (padded, {args.hf_batch} a batch)",
@@ -396,11 +402,13 @@ def main(argv: list[str] | None = None) -> None:
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
         print()
+        settle()
         bandwidth = copy_bandwidth(args.device)
         limit = bandwidth / decode_weight_bytes(args.shape, args.dtype)
         print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
         # CUDA graphs (on CUDA), then every step eager.
         for eager in () if "stream" in args.skip else (False, True):
+            settle()
             per_token = single_stream_loomllm(model, work[0][0], args.stream_tokens, args, eager)
             print(f"\none stream{', enforce_eager' if eager else ''}: {1 / per_token:.1f} "
                   f"tok/s ({per_token * 1e3:.2f} ms/token); bandwidth limit {limit:.1f} tok/s; "

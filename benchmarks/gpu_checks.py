@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import run_manager
+from benchmarks import run_manager, wait_for_no_workers
 from benchmarks.attention_reference import TOLERANCE, mixed_errors
 from benchmarks.gpu_bench import SHAPES, write_model_dir
 
@@ -239,9 +239,11 @@ def check_engines(
         "async on, eager": dict(async_scheduling=True, enforce_eager=True),
         "async off, eager": dict(async_scheduling=False, enforce_eager=True),
     }
+    results = {}
     with run_manager() as socket:
-        results = {name: anyio.run(lambda o=options: run(**o))
-                   for name, options in variants.items()}  # fmt: skip
+        for name, options in variants.items():
+            wait_for_no_workers(socket)  # the last engine's worker gone, its memory freed
+            results[name] = anyio.run(lambda o=options: run(**o))
     reference = results["async off, eager"]
     differ = [name for name, tokens in results.items() if tokens != reference]
     return not differ, (f"{num_requests} requests, {len(variants)} engines: "

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import anyio
 import pytest
@@ -74,15 +76,17 @@ def drive_requests(
 
 
 @functools.cache
-def eager_reference(model_dir: str, budget: int = 5, long_prompt: int = 10) -> dict[str, list]:
+def eager_reference(model_dir: str, budget: int, long_prompt: int) -> Mapping[str, tuple]:
     """What the unpadded eager path samples, step by step: the reference of both ways of
-    driving the padded path (launched ahead must sample what step by step does)."""
-    return drive_requests(make_runner(model_dir, graphs=False), False, budget, long_prompt)[0]
+    driving the padded path (launched ahead must sample what step by step does). Shared
+    by the tests, so read-only."""
+    outputs = drive_requests(make_runner(model_dir, graphs=False), False, budget, long_prompt)[0]
+    return MappingProxyType({r: tuple(outs) for r, outs in outputs.items()})
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["step by step", "launched ahead"])
 def test_padded_decode_steps_sample_the_eager_tokens(tiny_model, ahead):
-    eager = eager_reference(tiny_model)
+    eager = eager_reference(tiny_model, 5, 10)
     runner = make_runner(tiny_model, graphs=True)
     graphs = runner.decode_graphs
     batches: list[int] = []
@@ -160,7 +164,7 @@ def test_a_failed_mixed_capture_keeps_the_decode_graphs(tiny_model, monkeypatch,
     runner.enable_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=True)
     assert runner.mixed_graphs is None and runner.decode_graphs is not None
     assert captured == ["pool"] and "mixed-step CUDA graph capture failed" in caplog.text
-    eager = eager_reference(tiny_model)
+    eager = eager_reference(tiny_model, 5, 10)
     served, _ = drive_requests(runner, ahead=False)  # mixed steps eager, decodes padded
     assert {r: [t for t, _ in o] for r, o in served.items()} == {
         r: [t for t, _ in o] for r, o in eager.items()
