@@ -321,7 +321,10 @@ def print_steps(async_on: bool, timings: Any, device: Any) -> None:
           f"{device.busy_s * 1e3 / max(device.steps, 1):.2f} ms busy a step); "
           f"{device.eager_steps} of {device.steps} steps ran eager, "
           f"{device.eager_busy_s * 1e3 / max(device.eager_steps, 1):.2f} ms each, "
-          f"{100 * device.eager_busy_s / max(device.busy_s, 1e-12):.0f}% of the busy time",
+          f"{100 * device.eager_busy_s / max(device.busy_s, 1e-12):.0f}% of the busy time; "
+          f"{device.stalls} gaps of 1 ms or more, "
+          f"{100 * device.stall_s / max(device.idle_s, 1e-12):.0f}% of the idle time "
+          f"(longest {device.longest_gap_s * 1e3:.1f} ms)",
           flush=True)  # fmt: skip
 
 

@@ -55,12 +55,15 @@ def test_gpu_benchmark_runs_on_the_cpu_at_the_tiny_shape() -> None:
     asked = int(re.search(r"(\d+) output tokens", done.stdout).group(1))
     assert len(rows) == 5 and all(int(cells[1]) == asked for cells in rows.values()), rows
     idle = re.findall(r"async scheduling (on|off): (\d+) engine steps.* the device idled "
-                      r"(\d+\.\d)% between steps.*; (\d+) of (\d+) steps ran eager",
+                      r"(\d+\.\d)% between steps.*; (\d+) of (\d+) steps ran eager.*; "
+                      r"(\d+) gaps of 1 ms or more, (\d+)% of the idle time \(longest",
                       done.stdout)  # fmt: skip
     assert [mode for mode, *_ in idle] == ["on", "off"], done.stdout
     assert all(int(steps) >= 8 and 0 <= float(share) <= 100 for _, steps, share, *_ in idle)
     # No graphs on the CPU: every step the worker marked ran eager.
-    assert all(eager == marked and int(marked) > 0 for *_, eager, marked in idle), idle
+    assert all(eager == marked and int(marked) > 0 for *_, eager, marked, _, _ in idle), idle
+    assert all(int(stalls) <= int(marked) and 0 <= int(share) <= 100
+               for *_, marked, stalls, share in idle), idle  # fmt: skip
     streams = re.findall(r"one stream(, enforce_eager)?: [\d.]+ tok/s .* bandwidth limit "
                          r"[\d.]+ tok/s", done.stdout)  # fmt: skip
     assert streams == ["", ", enforce_eager"], done.stdout

@@ -6,7 +6,9 @@ the device is still busy with the step before adds no idle time), the host's clo
 CPU (where a launch computes the whole step). Idle is the time from one step's end mark to
 the next one's start mark: the engine's and the worker's host work the device waited for.
 Each step also says whether it replayed a CUDA graph, so the busy time splits into graph
-replays and eager steps. Off unless a benchmark turns it on (`Engine.collective_rpc`, see
+replays and eager steps. Gaps of a millisecond or more are counted apart: a few long stalls
+(a garbage collection, a compile, a slow schedule) and many short gaps (the host's work a
+step) are different problems. Off unless a benchmark turns it on (`Engine.collective_rpc`, see
 benchmarks/gpu_bench.py).
 """
 
@@ -18,6 +20,8 @@ from typing import Any
 
 import torch
 
+STALL_S = 1e-3  # an idle gap this long or longer is a stall
+
 
 @dataclass(frozen=True, slots=True)
 class DeviceTime:
@@ -26,6 +30,9 @@ class DeviceTime:
     idle_s: float  # between steps: from one step's sampling done to the next forward queued
     eager_steps: int  # the steps that ran eager (the others replayed a graph)
     eager_busy_s: float
+    stalls: int  # idle gaps of STALL_S or longer
+    stall_s: float  # their idle time, part of idle_s
+    longest_gap_s: float
 
     @property
     def idle_fraction(self) -> float:
@@ -63,6 +70,8 @@ class DeviceIdleProbe:
 
         marks = self._marks
         busy = sum(seconds(start, end) for start, end, _ in marks)
-        idle = sum(seconds(marks[i][1], marks[i + 1][0]) for i in range(len(marks) - 1))
+        gaps = [seconds(marks[i][1], marks[i + 1][0]) for i in range(len(marks) - 1)]
+        stalls = [gap for gap in gaps if gap >= STALL_S]
         eager = [seconds(start, end) for start, end, replayed in marks if not replayed]
-        return DeviceTime(len(marks), busy, idle, len(eager), sum(eager))
+        return DeviceTime(len(marks), busy, sum(gaps), len(eager), sum(eager), len(stalls),
+                          sum(stalls), max(gaps, default=0.0))  # fmt: skip
