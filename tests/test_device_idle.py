@@ -6,16 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers import device_idle
 from workers.device_idle import DeviceIdleProbe
 
 
-def test_gaps_of_a_millisecond_or_more_count_as_stalls(monkeypatch):
+def test_gaps_of_a_millisecond_or_more_count_as_stalls():
     # Three steps of 5 ms: busy 0-5, 5.2-10.2 (a replay), 13.2-18.2 ms. The gaps: 0.2 ms
     # (host work a step) and 3 ms (a stall).
     clock = iter([0.0, 5.0, 5.2, 10.2, 13.2, 18.2])
-    monkeypatch.setattr(device_idle.time, "perf_counter", lambda: next(clock) / 1e3)
-    probe = DeviceIdleProbe(torch.device("cpu"))
+    probe = DeviceIdleProbe(torch.device("cpu"), clock=lambda: next(clock) / 1e3)
     for replayed in (False, True, False):
         probe.step_started()
         probe.step_ended(replayed)

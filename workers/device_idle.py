@@ -15,6 +15,7 @@ benchmarks/gpu_bench.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,14 +41,15 @@ class DeviceTime:
 
 
 class DeviceIdleProbe:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter):
         self._cuda = device.type == "cuda"
+        self._clock = clock  # the CPU's marks
         self._marks: list[tuple[Any, Any, bool]] = []  # (start, end, replayed), in order
         self._open: Any = None
 
     def _mark(self) -> Any:
         if not self._cuda:
-            return time.perf_counter()
+            return self._clock()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
