@@ -49,10 +49,10 @@ def run_manager() -> Iterator[Path]:
 
 
 def wait_for_no_workers(socket: Path, timeout: float = 120) -> None:
-    """Block until the manager at `socket` runs no worker. An engine with keep_alive=0 waits
-    only 5 s for its worker to be stopped: one that exits slower (or is killed after its
-    grace period) may still hold GPU memory, which the next worker's KV sizing would count
-    as taken."""
+    """Block until the manager at `socket` runs no worker. An engine's exit waits for its
+    keep_alive=0 worker to be gone (runtime.manager_client.RELEASE_TIMEOUT_S), but `loom
+    serve` stopped by a signal, or a release that timed out, may leave one exiting, with
+    GPU memory the next worker's KV sizing would count as taken."""
     import anyio
 
     deadline = time.monotonic() + timeout

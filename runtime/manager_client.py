@@ -41,6 +41,10 @@ MANAGER_START_TIMEOUT_S = 30.0
 # Loading a model from GGUF the first time takes tens of seconds on a small CPU.
 ACQUIRE_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 30.0  # a request the manager answers from memory
+# Releasing a keep_alive=0 group is answered once its ranks are gone: each gets 5 s to exit
+# and 5 s more after a SIGKILL (workers/worker_group.py STOP_GRACE_S). Waiting that long
+# means an engine's exit frees its GPU memory before the next engine sizes its KV cache.
+RELEASE_TIMEOUT_S = 12.0
 
 
 def manager_command(socket_path: Path, *args: str) -> list[str]:

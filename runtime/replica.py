@@ -23,7 +23,7 @@ from runtime.engine_core import EngineCore
 from runtime.engine_setup import build_engine_core
 from runtime.engine_stats import EngineStats
 from runtime.errors import EngineDeadError, ManagerError
-from runtime.manager_client import ManagerClient
+from runtime.manager_client import RELEASE_TIMEOUT_S, ManagerClient
 from runtime.tokenizer import Tokenizer
 from runtime.worker_client import WorkerClient
 
@@ -115,7 +115,7 @@ class Replica:
         if self._lost.is_set():
             return  # the manager tears a broken group down itself
         try:
-            with anyio.CancelScope(shield=True), anyio.fail_after(5):
+            with anyio.CancelScope(shield=True), anyio.fail_after(RELEASE_TIMEOUT_S):
                 await manager.release(group_id)
         except (ManagerError, OSError, anyio.BrokenResourceError, TimeoutError) as exc:
             # Closing our connection releases the workers too; this was the polite way.
