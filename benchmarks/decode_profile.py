@@ -8,9 +8,10 @@ bandwidth each of the model's matmuls reaches alone, at the decode batch sizes.
 1. A model runner (random weights, bf16, the Triton backend) decodes `--steps` steps at
    each batch size under torch's profiler: per step the wall time, the kernels' summed
    device time, and the kernels that take most of it (a decode step of a dense model
-   should be its weight matmuls, read at the copy bandwidth). Three runs: CUDA graphs with
-   transformers' ops, with the fused kernels and packed projections of
-   workers/fused_layers.py (as a worker runs), and those eager.
+   should be its weight matmuls, read at the copy bandwidth). Four runs: CUDA graphs with
+   transformers' model and its ops, with the fused kernels and packed projections swapped
+   into it (workers/fused_layers.py), and loomllm's own model (workers/llama_family.py,
+   the same kernels built in: what a worker runs), with graphs and eager.
 2. Each distinct weight shape as one `F.linear` at each batch size, replayed from a CUDA
    graph: the bandwidth it reaches (weight bytes / time), against the device's copy
    bandwidth, and the same for the packed projections (q|k|v, gate|up) that the fused
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import itertools
 import tempfile
 from collections import defaultdict
@@ -177,18 +179,27 @@ def main(argv: list[str] | None = None) -> None:
     from workers.fused_layers import install_fused_ops
     from workers.model_loader import load_model
 
-    with tempfile.TemporaryDirectory(prefix="loom-decode-profile-") as tmp:
-        loaded = load_model(write_model_dir(args.shape, Path(tmp)), dtype="bfloat16",
-                            device=args.device, load_format="dummy")  # fmt: skip
-    # transformers' ops first: the swap cannot be undone. (On the CPU the kernels run in
-    # Triton's interpreter, as the Triton attention backend does: TRITON_INTERPRET=1.)
-    profile = functools.partial(profile_decode, loaded, args.batch_sizes, args.steps,
-                                args.warmup, args.top, args.device,
+    profile = functools.partial(profile_decode, batch_sizes=args.batch_sizes, steps=args.steps,
+                                warmup=args.warmup, top=args.top, device=args.device,
                                 prompt_len=args.prompt_len)  # fmt: skip
-    profile(True, "transformers' ops")
+    with tempfile.TemporaryDirectory(prefix="loom-decode-profile-") as tmp:
+        model_dir = write_model_dir(args.shape, Path(tmp))
+        # transformers' ops first: the swap cannot be undone. (On the CPU the kernels run
+        # in Triton's interpreter, as the Triton attention backend does: TRITON_INTERPRET=1.)
+        loaded = load_model(model_dir, dtype="bfloat16", device=args.device,
+                            load_format="dummy", model_impl="transformers")  # fmt: skip
+        profile(loaded, graphs=True, what="transformers' ops")
+        install_fused_ops(loaded.model)
+        profile(loaded, graphs=True, what="fused ops")
+        del loaded  # one model on the device at a time
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        loaded = load_model(model_dir, dtype="bfloat16", device=args.device,
+                            load_format="dummy", model_impl="loom")  # fmt: skip
     install_fused_ops(loaded.model)
     for graphs in (True, False):
-        profile(graphs, "fused ops")
+        profile(loaded, graphs=graphs, what="loomllm's model")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from runtime.errors import LoomError
 ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--dtype", str, "auto | float32 | bfloat16 | float16"),
     ("--load-format", str, "auto | dummy (random weights from the config, for benchmarks)"),
+    ("--model-impl", str, "auto | loom | transformers (auto: loomllm's own Llama-family "
+     "model where it runs the checkpoint, else transformers')"),
     ("--weight-dtype", str, "bfloat16 | float16: a float32 model's linear weights in 16 bits"),
     ("--device", str, "auto | cpu | cuda"),
     ("--attention-backend", str, "auto | torch | triton (auto: triton on CUDA, torch on CPU)"),

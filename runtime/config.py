@@ -18,6 +18,9 @@ DEVICES = ("auto", "cpu", "cuda")
 MANAGER_MODES = ("auto", "private")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+# "auto": loomllm's own Llama-family model where it runs the checkpoint, else transformers'
+# modeling code; "loom": its own or an error; "transformers": transformers' (vLLM's option).
+MODEL_IMPLS = ("auto", "loom", "transformers")
 # "local": ranks are processes the engine-manager starts on this machine; "ray": actors
 # it places in an existing Ray cluster (address: $RAY_ADDRESS, else the local node's).
 EXECUTOR_BACKENDS = ("local", "ray")
@@ -28,6 +31,7 @@ class EngineConfig:
     model: str = "smollm2"
     # "dummy": random weights from the model's config, for benchmarks (as vLLM's).
     load_format: str = "auto"
+    model_impl: str = "auto"
     dtype: str = "auto"
     # A float32 model's linear weights stored in 16 bits (workers/half_weights.py): ~1.4x
     # faster single-stream decode on CPUs, at a measured accuracy cost. None: as `dtype`.
@@ -68,6 +72,7 @@ class EngineConfig:
         _one_of("device", self.device, DEVICES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("load_format", self.load_format, LOAD_FORMATS)
+        _one_of("model_impl", self.model_impl, MODEL_IMPLS)
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(
                 f"weight_dtype must be bfloat16, float16 or None; got {self.weight_dtype!r}"
@@ -111,6 +116,7 @@ class EngineConfig:
             "device": self.device,
             "attention_backend": self.attention_backend,
             "load_format": self.load_format,
+            "model_impl": self.model_impl,
             "block_size": self.block_size,
             "kv_cache_memory": self.kv_cache_memory,
             "gpu_memory_utilization": self.gpu_memory_utilization,

@@ -109,15 +109,16 @@ def test_gpu_checks_run_on_the_cpu_as_a_smoke_test() -> None:
 
 
 def test_decode_profile_runs_on_the_cpu_as_a_smoke_test() -> None:
-    """Its three runs (transformers' ops with graphs, the fused kernels with and without),
-    the kernels in Triton's interpreter; the kernel tables need a GPU's profiler."""
+    """Its four runs (transformers' model with its ops and with the fused kernels, with
+    graphs; loomllm's own with and without), the kernels in Triton's interpreter; the
+    kernel tables need a GPU's profiler."""
     done = loom("bench", "decode-profile", "--device", "cpu", "--shape", "tiny",
                 "--batch-sizes", "1", "--steps", "1", "--warmup", "1", "--prompt-len", "8",
                 timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     runs = re.findall(r"^batch 1, (.+), (graphs|eager): [\d.]+ ms a step", done.stdout, re.M)
     assert runs == [("transformers' ops", "graphs"), ("fused ops", "graphs"),
-                    ("fused ops", "eager")], done.stdout
+                    ("loomllm's model", "graphs"), ("loomllm's model", "eager")], done.stdout
 
 
 def test_broadcast_benchmark_measures_every_step_and_rank_count() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_forward import paged_logits
 
 from runtime import Engine, SamplingParams
 from runtime.config import EngineConfig
@@ -29,18 +30,20 @@ def test_half_weight_linear_matches_float64(dtype, rows, bias):
 
 
 def test_tiny_model_swaps_every_linear_and_stays_close(tiny_model):
-    exact = load_model(tiny_model, dtype="float32").model
+    loaded = load_model(tiny_model, dtype="float32")
+    exact, config = loaded.model, loaded.config
     half = load_model(tiny_model, dtype="float32", weight_dtype="bfloat16").model
     linears = [m for m in exact.modules() if isinstance(m, torch.nn.Linear)]
     swapped = [m for m in half.modules() if isinstance(m, HalfWeightLinear)]
     assert len(swapped) == len(linears) > 0
     assert not any(isinstance(m, torch.nn.Linear) for m in half.modules())
     assert half.model.embed_tokens.weight.dtype == torch.float32  # lookups stay float32
-    ids = torch.tensor([[5, 17, 42, 99, 7]])
-    with torch.inference_mode():
-        for rows in (ids[:, :1], ids):  # the 16-bit path and the float32 GEMM path
-            a, b = exact(rows).logits.double(), half(rows).logits.double()
-            assert (a - b).norm() / a.norm() < 2e-2
+    # A prompt step of 4 rows (the 16-bit path), then a decode step of 1; and a longer
+    # prompt (the float32 GEMM path).
+    for tokens in ([5, 17, 42, 99, 7], [5, 17, 42, 99, 7, 3, 8, 11, 60, 2]):
+        a = paged_logits(exact, config, tokens, "torch").double()
+        b = paged_logits(half, config, tokens, "torch").double()
+        assert (a - b).norm() / a.norm() < 2e-2
 
 
 def test_weight_dtype_is_validated():

@@ -102,7 +102,9 @@ def test_load_tiny_llama_gives_the_same_logits(
 ) -> None:
     model_dir, original = tiny_llama_dir
     # float32 explicitly: "auto" is bfloat16 on CPUs with native bf16 (tests/test_cpu_dtype.py).
-    loaded = load_model(str(model_dir), dtype="float32")
+    # transformers' modeling code, called as it is: workers.llama_family's model runs only
+    # over a paged KV cache (its logits: tests/test_llama_family.py).
+    loaded = load_model(str(model_dir), dtype="float32", model_impl="transformers")
     assert loaded.model_dir == model_dir.resolve()
     assert not loaded.model.training
     facts = (loaded.vocab_size, loaded.max_model_len, loaded.num_layers, loaded.num_kv_heads)
@@ -126,9 +128,11 @@ def test_dummy_format_builds_the_shapes_with_random_weights(
 ) -> None:
     model_dir, original = tiny_llama_dir
     torch.manual_seed(3)
-    dummy = load_model(str(model_dir), dtype="float32", load_format="dummy").model
+    dummy = load_model(str(model_dir), dtype="float32", load_format="dummy",
+                       model_impl="transformers").model  # fmt: skip
     torch.manual_seed(3)
-    again = load_model(str(model_dir), dtype="float32", load_format="dummy").model
+    again = load_model(str(model_dir), dtype="float32", load_format="dummy",
+                       model_impl="transformers").model  # fmt: skip
     real = dict(original.named_parameters())
     for name, param in dummy.named_parameters():
         assert param.shape == real[name].shape, name
@@ -285,7 +289,9 @@ def test_smollm2_cache_matches_the_gguf(
     smollm2_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LOOM_CACHE_DIR", str(smollm2_cache))
-    loaded = load_model("smollm2", dtype="float32")  # "auto" may be bfloat16 on this CPU
+    # "auto" may be bfloat16 on this CPU. transformers' model, to call it as it is (the
+    # engine's greedy tokens on loomllm's own: tests/test_generation_parity.py).
+    loaded = load_model("smollm2", dtype="float32", model_impl="transformers")
     assert (loaded.vocab_size, loaded.max_model_len, loaded.num_layers) == (49152, 8192, 30)
     assert (loaded.num_kv_heads, loaded.head_dim, loaded.dtype) == (3, 64, "float32")
     gguf = Path(loaded.source.path)

@@ -1,7 +1,8 @@
-"""Paged attention for stock HF decoder models: a torch reference behind transformers' interface.
+"""Paged attention for the worker's models: a torch reference, also behind transformers' interface.
 
 The model runner packs all scheduled tokens of all requests into one `[1, T]` sequence;
-transformers computes Q/K/V (RoPE applied) and calls `paged_attention` per layer, which
+the model (workers.llama_family, or a stock HF model through transformers' attention
+interface) computes Q/K/V (RoPE applied) and calls `paged_attention` per layer, which
 writes the new K/V into the paged cache and attends each request over its own context:
 here in torch (the CPU backend, and the reference), or with the Triton kernels of
 workers.triton_attention when the metadata carries their block tables (`paged`).
@@ -14,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 ATTENTION_NAME = "loom_paged"
 
@@ -207,6 +207,8 @@ def _window_keep(valid: torch.Tensor, window: int) -> torch.Tensor:
 
 def register() -> None:
     """Make `attn_implementation="loom_paged"` available to every HF model (idempotent)."""
+    from transformers import AttentionInterface  # only HF models need it: a big import
+
     AttentionInterface.register(ATTENTION_NAME, paged_attention)
     # Masks are built per request inside the attention function, so HF must not build
     # one. An implementation with no mask function makes HF skip mask preparation

@@ -1,7 +1,8 @@
 """The fused kernels swapped into stock transformers models of the Llama family on the CUDA
 path: RMSNorm modules, the rotary function, and decoder layers that run q|k|v and gate|up
 as one matmul each, the residual add inside the norm after it, and SiLU times up as one
-kernel.
+kernel. (workers.llama_family, loomllm's own Llama family, has them built in:
+`install_fused_ops` only switches them on there.)
 
 A decode step of transformers' Llama layer launches 40 kernels through the Triton backend,
 18 with RMSNorm and the rotary embedding as one kernel each; with the packed projections
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.fused_ops import FusedRMSNorm, add_rms_norm, fused_rotary, runs_here, silu_mul
+from workers.llama_family import LlamaFamilyForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +184,10 @@ def install_fused_ops(model: torch.nn.Module) -> FusedModel:
     The original stays as the function's `__wrapped__`."""
     if not runs_here(next(model.parameters())):
         return FusedModel(0, 0, 0)
+    if isinstance(model, LlamaFamilyForCausalLM):  # loomllm's own: the kernels are built in
+        norms, layers = model.use_fused_kernels()
+        logger.info("fused kernels: %d RMSNorm modules, %d decoder layers", norms, layers)
+        return FusedModel(norms, 1, layers)
     norms = [name for name, m in model.named_modules() if type(m).__name__ in LLAMA_NORMS]
     for name in norms:
         old = model.get_submodule(name)

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import transformers
 
+from workers import llama_family
 from workers.cpu_features import cpu_supports_bf16
 from workers.half_weights import WEIGHT_DTYPES, store_linear_weights_in
 
@@ -56,6 +56,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 LOAD_FORMATS = ("auto", "dummy")
+# "auto": workers.llama_family where it runs the model, else transformers' modeling code;
+# "loom": llama_family or an error saying why not; "transformers": always transformers'.
+MODEL_IMPLS = ("auto", "loom", "transformers")
 # Bump when the conversion changes, so caches written by an older loader are not reused.
 _CACHE_FORMAT = 1
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -197,7 +200,7 @@ def _converted_dir(gguf_path: Path) -> Path:
     # The key changes whenever the file or the converter could give different output.
     stat = gguf_path.stat()
     key = f"{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0"
-    key += f"{transformers.__version__}\0{_CACHE_FORMAT}"
+    key += f"{metadata.version('transformers')}\0{_CACHE_FORMAT}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     slug = re.sub(r"[^a-z0-9]+", "-", gguf_path.stem.lower()).strip("-") or "model"
     return cache_root() / "models" / f"{slug}-{digest}"
@@ -232,7 +235,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 def load_model(
     model: str, *, dtype: str = "auto", device: str = "cpu", weight_dtype: str | None = None,
-    load_format: str = "auto", tensor_parallel_size: int = 1,
+    load_format: str = "auto", tensor_parallel_size: int = 1, model_impl: str = "auto",
 ) -> LoadedModel:  # fmt: skip
     """Resolve, prepare and load `model` in eval mode on `device`.
 
@@ -246,6 +249,7 @@ def load_model(
     ignore_eos the values change nothing of the cost).
     tensor_parallel_size > 1: this rank's shard only (transformers' tp_plan over the
     torch.distributed group the caller has initialized); heads must split evenly.
+    model_impl: see MODEL_IMPLS; tensor parallelism runs transformers' modeling code.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; "
@@ -258,14 +262,31 @@ def load_model(
     if dtype != "auto" and dtype not in DTYPES:
         allowed = ", ".join(map(repr, ["auto", *DTYPES]))
         raise ValueError(f"dtype must be one of {allowed}; got {dtype!r}")
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}; "
+                         f"got {model_impl!r}")  # fmt: skip
     torch_device = _resolve_device(device)
     source = resolve_model(model)
     model_dir = prepare_model_dir(source)
+    shape, why_not = None, "model_impl='transformers'"
+    if model_impl != "transformers":
+        shape, why_not = llama_family.read_shape(model_dir / "config.json")
+        if shape is not None and tensor_parallel_size > 1:
+            shape, why_not = None, "tensor parallelism (transformers' tp_plan shards it)"
+        if shape is not None and load_format != "dummy" and not llama_family.safetensors_files(
+                model_dir):  # fmt: skip
+            shape, why_not = None, "no safetensors checkpoint"
+        if shape is None and model_impl == "loom":
+            raise ValueError(f"model_impl='loom' cannot run {model!r}: {why_not}")
+    if shape is not None:
+        return _load_llama_family(model, source, model_dir, shape, dtype, torch_device,
+                                  weight_dtype, load_format)  # fmt: skip
+    logger.info("loading %s with transformers' modeling code: %s", model, why_not)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(model_dir)
-        torch_dtype = _pick_dtype(dtype, config, torch_device)
+        torch_dtype = _pick_dtype(dtype, _stored_dtype(config), torch_device)
         if tensor_parallel_size > 1:
             _check_tensor_parallel(config, tensor_parallel_size, weight_dtype, load_format)
             module = AutoModelForCausalLM.from_pretrained(
@@ -281,11 +302,7 @@ def load_model(
     except Exception as exc:
         raise ModelLoadError(f"could not load model {model!r} from {model_dir}: {exc}") from exc
     module.eval()
-    if weight_dtype is not None:
-        if torch_dtype == torch.float32:
-            store_linear_weights_in(module, weight_dtype)
-        else:
-            logger.info("weight_dtype=%s ignored: the model runs in %s", weight_dtype, torch_dtype)
+    _store_weights_in(module, weight_dtype, torch_dtype)
     text = module.config.get_text_config()
     num_heads: int = text.num_attention_heads
     max_len = getattr(text, "max_position_embeddings", None)
@@ -305,6 +322,38 @@ def load_model(
         device=str(next(module.parameters()).device),  # "cuda:0" where "cuda" was asked for
         tp_size=tensor_parallel_size,
     )
+
+
+def _load_llama_family(
+    model: str, source: ModelSource, model_dir: Path, shape: llama_family.DecoderShape,
+    dtype: str, device: torch.device, weight_dtype: str | None, load_format: str,
+) -> LoadedModel:  # fmt: skip
+    started = time.perf_counter()
+    try:
+        torch_dtype = _pick_dtype(dtype, shape.dtype, device)
+        module = llama_family.build(shape, torch_dtype, device, model_dir, load_format)
+    except Exception as exc:
+        raise ModelLoadError(f"could not load model {model!r} from {model_dir}: {exc}") from exc
+    _store_weights_in(module, weight_dtype, torch_dtype)
+    logger.info("%s built by workers.llama_family (%s weights) in %.1f s", shape.architecture,
+                load_format, time.perf_counter() - started)  # fmt: skip
+    return LoadedModel(
+        model=module, model_dir=model_dir, config=shape, source=source,
+        vocab_size=shape.vocab_size, max_model_len=shape.max_position_embeddings,
+        num_layers=shape.num_hidden_layers, num_kv_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim, dtype=str(torch_dtype).removeprefix("torch."),
+        device=str(next(module.parameters()).device),
+    )  # fmt: skip
+
+
+def _store_weights_in(module: torch.nn.Module, weight_dtype: str | None,
+                      torch_dtype: torch.dtype) -> None:  # fmt: skip
+    if weight_dtype is None:
+        return
+    if torch_dtype == torch.float32:
+        store_linear_weights_in(module, weight_dtype)
+    else:
+        logger.info("weight_dtype=%s ignored: the model runs in %s", weight_dtype, torch_dtype)
 
 
 def _check_tensor_parallel(
@@ -340,7 +389,13 @@ def _resolve_device(device: str) -> torch.device:
     return torch_device
 
 
-def _pick_dtype(dtype: str, config: Any, device: torch.device) -> torch.dtype:
+def _stored_dtype(config: Any) -> str | None:
+    """The dtype an HF config says its checkpoint stores, as a name."""
+    stored = getattr(config.get_text_config(), "dtype", None)
+    return stored if isinstance(stored, str) or stored is None else str(stored).split(".")[-1]
+
+
+def _pick_dtype(dtype: str, stored: str | None, device: torch.device) -> torch.dtype:
     if device.type == "cpu" and dtype in ("auto", "bfloat16"):
         is_native, why = cpu_supports_bf16()
         if dtype == "auto":
@@ -354,8 +409,6 @@ def _pick_dtype(dtype: str, config: Any, device: torch.device) -> torch.dtype:
     if dtype != "auto":
         return DTYPES[dtype]
     # Like vLLM: keep a 16-bit checkpoint's dtype, run float32 checkpoints in 16 bits on GPUs.
-    stored = getattr(config.get_text_config(), "dtype", None)
-    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
-    if stored in (torch.float16, torch.bfloat16):
-        return stored
+    if stored in ("float16", "bfloat16"):
+        return DTYPES[stored]
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

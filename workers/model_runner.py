@@ -2,7 +2,7 @@
 
 Each step the engine sends a SchedulerOutput diff; the runner updates its per-request
 state, packs every scheduled token of every request into one `[1, T]` batch with
-positions and cache slots, runs the stock HF model over the paged KV cache, and samples
+positions and cache slots, runs the model over the paged KV cache, and samples
 one token for each request whose prompt is complete. Requests that asked for
 `prompt_logprobs` also keep the logits of this step's prompt positions, to score the
 prompt token that follows each.
@@ -88,8 +88,9 @@ class ModelRunner:
         if attention_backend == "triton" and (block_size < 16 or block_size & (block_size - 1)):
             raise ValueError(f"block_size must be a power of two >= 16 for the Triton "
                              f"attention backend, got {block_size}")  # fmt: skip
-        attention.register()
-        model.set_attn_implementation(attention.ATTENTION_NAME)
+        if hasattr(model, "set_attn_implementation"):  # transformers': route it to ours
+            attention.register()
+            model.set_attn_implementation(attention.ATTENTION_NAME)
         self.attention_backend = attention_backend
         self.model = model
         self.device = device

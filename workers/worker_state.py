@@ -68,6 +68,7 @@ class Worker:
             model, dtype=options.get("dtype", "auto"), device=device,
             weight_dtype=options.get("weight_dtype"),
             load_format=options.get("load_format", "auto"), tensor_parallel_size=world_size,
+            model_impl=options.get("model_impl", "auto"),
         )  # fmt: skip
         runner = _make_runner(loaded, options)
         info = ModelInfo(
@@ -153,7 +154,7 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     backend = _attention_backend(options.get("attention_backend"), device)
     # CUDA graphs and fused kernels: one rank only (HF's tensor-parallel collectives inside
     # a capture, and DTensor weights in the kernels, are untried), and not under
-    # enforce_eager, which runs transformers' own ops eagerly (for debugging).
+    # enforce_eager, which runs the model's plain torch ops eagerly (for debugging).
     fast_path = (device.type == "cuda" and backend == "triton" and loaded.tp_size == 1
                  and not options.get("enforce_eager"))  # fmt: skip
     if fast_path:

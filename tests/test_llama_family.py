@@ -1,0 +1,227 @@
+"""workers.llama_family, loomllm's own Llama-family decoder: its logits against transformers'
+own model on the same checkpoint (stock eager attention, no paged cache: an independent
+reference), with torch's ops and with the fused kernels and Triton attention (in Triton's
+interpreter); which configs it takes; clear errors for checkpoints that do not fit; and
+the worker's imports it spares."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from paged_forward import paged_logits
+from safetensors.torch import load_file, save_file
+
+from workers import attention, llama_family
+from workers.fused_layers import install_fused_ops
+from workers.model_loader import ModelLoadError, load_model
+
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256)  # fmt: skip
+# A small theta and original length, so that the prompt's positions turn every one of its
+# three bands of wavelengths (kept, blended, slowed) by a visible angle.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}  # fmt: skip
+VARIANTS = {
+    "llama": (transformers.LlamaConfig, {}),
+    "llama-llama3-rope": (transformers.LlamaConfig, {"rope_parameters": LLAMA3_ROPE}),
+    "llama-linear-rope": (transformers.LlamaConfig, {"rope_parameters": {
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+    "llama-biases-tied": (transformers.LlamaConfig, {"attention_bias": True, "mlp_bias": True,
+                                                     "tie_word_embeddings": True}),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 16}),
+    "mistral": (transformers.MistralConfig, {"sliding_window": 8}),
+}  # fmt: skip
+PROMPT = [5, 9, 2, 40, 7, 7, 13, 3, 61, 30, 11, 4, 50, 22, 8, 1, 33, 4, 90, 12]
+
+
+def save_variant(path: Path, variant: str, seed: int = 3) -> Path:
+    config_cls, extra = VARIANTS[variant]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config_cls(**COMMON, **extra))
+    if extra.get("attention_bias") or extra.get("mlp_bias"):  # HF initializes biases to 0
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant_dir(request, tmp_path_factory) -> Path:
+    return save_variant(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def hf_logits(model_dir: Path, tokens: list[int]) -> torch.Tensor:
+    """transformers' own forward over `tokens`, eager attention: [T, V] float32."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager").eval()  # fmt: skip
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+def test_logits_match_transformers(variant_dir):
+    loaded = load_model(str(variant_dir), dtype="float32", model_impl="loom")
+    assert isinstance(loaded.model, llama_family.LlamaFamilyForCausalLM)
+    ours = paged_logits(loaded.model, loaded.config, PROMPT, "torch")
+    torch.testing.assert_close(ours, hf_logits(variant_dir, PROMPT), rtol=1e-4, atol=1e-5)
+
+
+def test_a_plain_batched_forward_matches_transformers(variant_dir):
+    """No KV cache, two rows (the checks' forward), on a model built from transformers'
+    state dict in memory."""
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        variant_dir, dtype=torch.float32, attn_implementation="eager").eval()  # fmt: skip
+    shape, _ = llama_family.read_shape(variant_dir / "config.json")
+    ours = llama_family.build(shape, torch.float32, torch.device("cpu"), variant_dir, "dummy")
+    llama_family.copy_weights(ours, theirs.state_dict().items())
+    ids = torch.tensor([PROMPT, PROMPT[::-1]])
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_fused_kernels_and_triton_attention_match_transformers(variant, tmp_path):
+    """The CUDA path's kernels, in Triton's interpreter (conftest.py): qwen3's norms of q
+    and k run the RMSNorm kernel over head-sized rows."""
+    model_dir = save_variant(tmp_path, variant)
+    loaded = load_model(str(model_dir), dtype="float32", model_impl="loom")
+    fused = install_fused_ops(loaded.model)
+    norms = 2 * COMMON["num_hidden_layers"] + 1 + (2 * COMMON["num_hidden_layers"]
+                                                    if variant == "qwen3" else 0)  # fmt: skip
+    assert fused == (norms, 1, COMMON["num_hidden_layers"])
+    ours = paged_logits(loaded.model, loaded.config, PROMPT[:12], "triton")
+    torch.testing.assert_close(ours, hf_logits(model_dir, PROMPT[:12]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "llama-biases-tied"])
+def test_bfloat16_logits_are_transformers_bit_for_bit(variant, tmp_path):
+    """In bf16, against transformers' model running our paged attention (the same on both
+    sides): every rounding of the model's own arithmetic is transformers' (at these shapes
+    the packed q|k|v and gate|up matmuls round as the separate ones do)."""
+    model_dir = save_variant(tmp_path, variant)
+    ours = load_model(str(model_dir), dtype="bfloat16", model_impl="loom")
+    theirs = load_model(str(model_dir), dtype="bfloat16", model_impl="transformers").model
+    attention.register()
+    theirs.set_attn_implementation(attention.ATTENTION_NAME)
+    assert ours.dtype == "bfloat16"
+    expected = paged_logits(theirs, ours.config, PROMPT, "torch")
+    assert torch.equal(paged_logits(ours.model, ours.config, PROMPT, "torch"), expected)
+
+
+def test_auto_picks_it_for_the_llama_family_and_transformers_otherwise(tmp_path):
+    model_dir = save_variant(tmp_path / "llama", "llama")
+    assert isinstance(load_model(str(model_dir), dtype="float32").model,
+                      llama_family.LlamaFamilyForCausalLM)  # fmt: skip
+    hf = load_model(str(model_dir), dtype="float32", model_impl="transformers")
+    assert type(hf.model).__name__ == "LlamaForCausalLM"
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                                 "original_max_position_embeddings": 128}  # fmt: skip
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert type(load_model(str(model_dir), dtype="float32").model).__name__ == "LlamaForCausalLM"
+    with pytest.raises(ValueError, match="model_impl='loom' cannot run .*RoPE type 'yarn'"):
+        load_model(str(model_dir), dtype="float32", model_impl="loom")
+    with pytest.raises(ValueError, match="model_impl must be one of auto, loom, transformers"):
+        load_model(str(model_dir), model_impl="vllm")
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"architectures": ["GPT2LMHeadModel"]}, "architecture"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantized"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+     "RoPE type 'dynamic'"),
+    ({"hidden_size": None}, "does not give hidden_size"),
+    ({"num_attention_heads": 3}, "3 attention heads over 2 KV heads"),
+])  # fmt: skip
+def test_read_shape_says_why_it_declines(tmp_path, change, reason):
+    config = {"architectures": ["LlamaForCausalLM"], **COMMON, **change}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape, why = llama_family.read_shape(tmp_path / "config.json")
+    assert shape is None and reason in why
+
+
+def test_read_shape_takes_the_model_type_of_a_config_saved_alone(tmp_path):
+    transformers.Qwen2Config(**COMMON).save_pretrained(tmp_path)  # no "architectures"
+    shape, _ = llama_family.read_shape(tmp_path / "config.json")
+    assert shape.architecture == "Qwen2ForCausalLM"
+    transformers.GPT2Config().save_pretrained(tmp_path)
+    assert "model_type 'gpt2'" in llama_family.read_shape(tmp_path / "config.json")[1]
+
+
+def test_read_shape_defaults_and_the_qwen_fields(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **COMMON,
+                                "num_key_value_heads": None}))  # fmt: skip
+    shape, _ = llama_family.read_shape(path)
+    assert (shape.num_key_value_heads, shape.head_dim, shape.rms_norm_eps) == (4, 16, 1e-6)
+    assert not shape.tie_word_embeddings and shape.rope_theta == 10000.0
+    qwen2 = {"architectures": ["Qwen2ForCausalLM"], **COMMON, "num_key_value_heads": None}
+    path.write_text(json.dumps(qwen2))
+    assert "num_key_value_heads" in llama_family.read_shape(path)[1]  # its class default: 32
+    path.write_text(json.dumps({**qwen2, "num_key_value_heads": 2, "use_sliding_window": True}))
+    assert "sliding windows" in llama_family.read_shape(path)[1]
+    path.write_text(json.dumps({**qwen2, "num_key_value_heads": 2}))
+    assert llama_family.read_shape(path)[0].qkv_bias  # Qwen2's q, k and v always have biases
+
+
+def test_checkpoints_that_do_not_fit_are_clear_errors(tmp_path):
+    model_dir = save_variant(tmp_path, "llama")
+    weights = load_file(model_dir / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "layers.1.mlp.up_proj" not in k},
+              model_dir / "model.safetensors")  # fmt: skip
+    with pytest.raises(ModelLoadError, match=r"lack model\.layers\.1\.mlp\.gate_up_proj"):
+        load_model(str(model_dir), dtype="float32")
+    save_file({**weights, "model.layers.0.self_attn.extra.weight": torch.zeros(2)},
+              model_dir / "model.safetensors")  # fmt: skip
+    with pytest.raises(ModelLoadError, match="'model.layers.0.self_attn.extra.weight' has no"):
+        load_model(str(model_dir), dtype="float32")
+    save_file({**weights, "model.norm.weight": torch.ones(7)}, model_dir / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"'model.norm.weight' has shape \(7,\)"):
+        load_model(str(model_dir), dtype="float32")
+    save_file(weights, model_dir / "model.safetensors")  # and the model loads again
+    assert load_model(str(model_dir), dtype="float32").num_layers == 2
+
+
+def test_dummy_weights_are_drawn_as_transformers_draws_them(tmp_path):
+    model_dir = save_variant(tmp_path, "llama-biases-tied")
+    (model_dir / "model.safetensors").unlink()  # dummy weights need the config alone
+    torch.manual_seed(5)
+    model = load_model(str(model_dir), dtype="float32", load_format="dummy").model
+    torch.manual_seed(5)
+    again = load_model(str(model_dir), dtype="float32", load_format="dummy").model
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(),
+                                                 strict=True))  # seeded  # fmt: skip
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    layer = model.model.layers[0]
+    assert torch.equal(layer.input_layernorm.weight, torch.ones(COMMON["hidden_size"]))
+    bias = layer.self_attn.qkv_proj.bias
+    assert torch.equal(bias, torch.zeros_like(bias))
+    std = layer.mlp.gate_up_proj.weight.std().item()
+    assert 0.015 < std < 0.025  # initializer_range 0.02
+
+
+def test_a_worker_on_it_never_imports_transformers_modeling_code(tiny_model):
+    """The point of it: a worker's start skips transformers' modeling imports, and the
+    torch._dynamo, torch.distributed.tensor and sympy imports they bring."""
+    script = (
+        "import sys\n"
+        "from workers.worker_state import Worker\n"
+        f"w = Worker.start({tiny_model!r}, {{'device': 'cpu', 'dtype': 'float32'}}, 0, 1, '')\n"
+        "print(type(w.loaded.model).__name__)\n"
+        "print(sorted(m for m in ('transformers', 'torch._dynamo', 'sympy',\n"
+        "             'torch.distributed.tensor') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split("\n")  # fmt: skip
+    assert out[:2] == ["LlamaFamilyForCausalLM", "[]"]
