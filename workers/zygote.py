@@ -1,10 +1,11 @@
-"""The zygote: an interpreter with torch and transformers already imported that forks workers.
+"""The zygote: an interpreter with a worker's imports already done, that forks workers.
 
-Importing torch and transformers takes most of a worker's start (6-8 s on a 2-core box,
-against well under a second for a tiny model's weights), so the manager keeps one of
-these and asks it for each rank: the fork inherits the imports and goes straight to
-`workers.worker.main`. The zygote never touches CUDA and never runs a torch op, so the
-fork is safe (no CUDA context, no OpenMP pool, no other thread).
+Importing torch (and transformers' modeling code, for models outside workers.llama_family)
+takes most of a worker's start (seconds, against well under a second for a tiny model's
+weights), so the manager keeps one of these and asks it for each rank: the fork inherits
+the imports and goes straight to `workers.worker.main`. The zygote never touches CUDA and
+never runs a torch op, so the fork is safe (no CUDA context, no OpenMP pool, no other
+thread).
 
 Started only by the manager (workers/zygote_client.py), with one end of a SOCK_SEQPACKET
 socketpair. Each message from the manager is a JSON list of worker arguments with two
@@ -31,20 +32,30 @@ import traceback
 logger = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
 MAX_MESSAGE = 64 * 1024
-# What a worker imports before it can load a model: the slow part of its start.
+# What a worker imports before it can load a model, the slow part of its start: imported
+# before the zygote says it is ready.
 PRELOAD = (
     "torch",
+    "safetensors.torch",
+    "workers.worker",
+    "workers.model_loader",
+    "workers.llama_family",
+    "workers.model_runner",
+    "workers.attention",
+    "workers.sampler",
+    "workers.fused_layers",  # the CUDA path's kernels (and triton), where triton is installed
+)
+# What only a model outside workers.llama_family needs (transformers' modeling code: 2.6 of a
+# worker's 4.2 s of imports here, 8-10 of 14.5-18 s on an H100 host) or a GGUF conversion:
+# imported after the zygote is ready, one module at a time while no request waits, so a
+# cold start's first worker is forked without waiting for them.
+PRELOAD_LATER = (
     "transformers",
     "transformers.modeling_utils",
     "transformers.models.auto.modeling_auto",
     "transformers.models.llama.modeling_llama",
     "transformers.models.qwen2.modeling_qwen2",
     "gguf",
-    "workers.worker",
-    "workers.model_loader",
-    "workers.model_runner",
-    "workers.attention",
-    "workers.sampler",
 )
 
 
@@ -65,23 +76,30 @@ def main(argv: list[str] | None = None) -> None:
     )
     channel = socket.socket(fileno=args.control_fd)
     for name in PRELOAD:
-        try:
-            __import__(name)
-        except ImportError as exc:  # an optional architecture: the worker imports it itself
-            logger.info("not preloaded: %s (%s)", name, exc)
-    # The imports are every worker's: frozen before the forks, gc's full collections in
-    # the workers skip them, and write to (copy) fewer of their pages.
-    gc.freeze()
-    Zygote(channel).serve()
+        preload(name)
+    Zygote(channel, later=list(PRELOAD_LATER)).serve()
     logging.shutdown()
     os._exit(0)  # skips tearing down torch's imports (seconds): nothing else is left to do
 
 
-class Zygote:
-    """The fork loop: requests from the manager in, children's pids and exits out."""
+def preload(name: str) -> None:
+    """Import `name` for every worker forked after this."""
+    try:
+        __import__(name)
+    except ImportError as exc:  # an optional part: a worker that needs it fails there
+        logger.info("not preloaded: %s (%s)", name, exc)
+    # The imports are every worker's: frozen before the forks, gc's full collections in
+    # the workers skip them, and write to (copy) fewer of their pages.
+    gc.freeze()
 
-    def __init__(self, channel: socket.socket) -> None:
+
+class Zygote:
+    """The fork loop: requests from the manager in, children's pids and exits out; the
+    `later` imports in between."""
+
+    def __init__(self, channel: socket.socket, later: list[str] | None = None) -> None:
         self.channel = channel
+        self.later = later or []
         self.children: set[int] = set()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
@@ -94,7 +112,10 @@ class Zygote:
         selector.register(self._wake_read, selectors.EVENT_READ, "child")
         self._send({"ready": os.getpid()})
         while True:
-            for key, _ in selector.select():
+            events = selector.select(timeout=0 if self.later else None)
+            if not events and self.later:
+                preload(self.later.pop(0))  # nothing waits: the next of the later imports
+            for key, _ in events:
                 if key.data == "child":
                     os.read(self._wake_read, 4096)
                     self._reap()
