@@ -143,6 +143,14 @@ def test_auto_picks_it_for_the_llama_family_and_transformers_otherwise(tmp_path)
      "RoPE type 'dynamic'"),
     ({"hidden_size": None}, "does not give hidden_size"),
     ({"num_attention_heads": 3}, "3 attention heads over 2 KV heads"),
+    ({"model_type": "mistral"}, "model_type 'mistral' with architectures ['LlamaForCausalLM']"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0},
+      "rope_parameters": {"rope_type": "linear", "factor": 4.0}}, "differ"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+     "llama3 RoPE without low_freq_factor, high_freq_factor"),
+    ({"rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": 64},
+      "original_max_position_embeddings": 32}, "two original_max_position_embeddings"),
 ])  # fmt: skip
 def test_read_shape_says_why_it_declines(tmp_path, change, reason):
     config = {"architectures": ["LlamaForCausalLM"], **COMMON, **change}
@@ -178,9 +186,18 @@ def test_read_shape_defaults_and_the_qwen_fields(tmp_path):
 def test_checkpoints_that_do_not_fit_are_clear_errors(tmp_path):
     model_dir = save_variant(tmp_path, "llama")
     weights = load_file(model_dir / "model.safetensors")
+    # Another .safetensors file beside the checkpoint (an adapter's) is not read.
+    save_file({"base_model.lora_A.weight": torch.zeros(2)},
+              model_dir / "adapter_model.safetensors")  # fmt: skip
+    assert load_model(str(model_dir), dtype="float32").num_layers == 2
+    loaded = load_model(str(model_dir), dtype="float32")
+    twice = list(weights.items()) + [("model.norm.weight", weights["model.norm.weight"])]
+    with pytest.raises(ValueError, match="'model.norm.weight' is there twice"):
+        llama_family.copy_weights(loaded.model, twice)
     save_file({k: v for k, v in weights.items() if "layers.1.mlp.up_proj" not in k},
               model_dir / "model.safetensors")  # fmt: skip
-    with pytest.raises(ModelLoadError, match=r"lack model\.layers\.1\.mlp\.gate_up_proj"):
+    with pytest.raises(ModelLoadError, match=r"lack model\.layers\.1\.mlp\.gate_up_proj.*"
+                                             r"model_impl='transformers' loads it"):
         load_model(str(model_dir), dtype="float32")
     save_file({**weights, "model.layers.0.self_attn.extra.weight": torch.zeros(2)},
               model_dir / "model.safetensors")  # fmt: skip

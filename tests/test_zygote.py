@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 from proc_utils import wait_gone
@@ -56,3 +58,28 @@ def test_without_the_zygote_workers_start_as_fresh_interpreters(tiny_model, mana
         [worker] = manager.worker_states()
         assert parent_of(worker) == manager.pid()
         assert "workers.worker" in command_line(worker)
+
+
+LATER_SCRIPT = """
+import logging, socket, sys, threading
+from workers import zygote
+logging.basicConfig(level=logging.INFO)
+zygote.LATER_AFTER_S = 0.0
+sys.path.insert(0, sys.argv[1])
+ours, managers = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+z = zygote.Zygote(ours, later=["broken_on_import", "colorsys"])
+threading.Timer(2.0, managers.close).start()  # the manager goes: serve() returns
+z.serve()
+print("after:", "colorsys" in sys.modules, z.later)
+"""
+
+
+def test_a_later_import_that_fails_leaves_the_zygote_serving(tmp_path):
+    """The later imports run while the zygote already serves: one that raises (not only
+    ImportError) is logged and the next follows, the zygote, and its workers, live on."""
+    (tmp_path / "broken_on_import.py").write_text("raise RuntimeError('a broken dependency')")
+    done = subprocess.run([sys.executable, "-c", LATER_SCRIPT, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "after: True []" in done.stdout
+    assert "not preloaded: broken_on_import (RuntimeError: a broken dependency)" in done.stderr

@@ -93,6 +93,9 @@ def read_shape(config_path: Path) -> tuple[DecoderShape | None, str]:
     if arch not in ARCHITECTURES:
         named = config.get("architectures") or f"model_type {config.get('model_type')!r}"
         return None, f"architecture {named} (runs: {', '.join(sorted(ARCHITECTURES))})"
+    if "model_type" in config and MODEL_TYPES.get(config["model_type"]) != arch:
+        # transformers builds the model_type's class: the two must agree.
+        return None, f"model_type {config['model_type']!r} with architectures {architectures}"
     if config.get("quantization_config"):
         return None, "a quantized checkpoint"
     missing = [key for key in REQUIRED if config.get(key) is None]
@@ -112,14 +115,9 @@ def read_shape(config_path: Path) -> tuple[DecoderShape | None, str]:
     head_dim = config.get("head_dim")
     if head_dim is None and arch == "Qwen3ForCausalLM":  # Qwen3Config defaults it to 128
         return None, "config.json does not give head_dim"
-    # transformers 5 writes rope_parameters; 4.x rope_theta and rope_scaling.
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        return None, f"RoPE type {rope_type!r} (runs: {', '.join(sorted(ROPE_TYPES))})"
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        return None, "a partial rotary embedding"
-    theta = rope.get("rope_theta", config.get("rope_theta")) or COMMON_DEFAULTS["rope_theta"]
+    rope, theta, why_not = _read_rope(config)
+    if why_not:
+        return None, why_not
     window = None
     if arch == "MistralForCausalLM":
         window = config.get("sliding_window", 4096)  # MistralConfig's default; null: none
@@ -135,8 +133,7 @@ def read_shape(config_path: Path) -> tuple[DecoderShape | None, str]:
         num_hidden_layers=config["num_hidden_layers"], num_attention_heads=heads,
         num_key_value_heads=kv_heads or heads, head_dim=head_dim or config["hidden_size"] // heads,
         max_position_embeddings=config["max_position_embeddings"],
-        rms_norm_eps=float(get("rms_norm_eps")), rope_theta=float(theta),
-        rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+        rms_norm_eps=float(get("rms_norm_eps")), rope_theta=theta, rope_scaling=rope,
         tie_word_embeddings=bool(get("tie_word_embeddings")),
         qkv_bias=attention_bias or arch == "Qwen2ForCausalLM", o_bias=attention_bias,
         mlp_bias=bool(get("mlp_bias")) and arch == "LlamaForCausalLM",
@@ -147,6 +144,42 @@ def read_shape(config_path: Path) -> tuple[DecoderShape | None, str]:
     if heads % shape.num_key_value_heads:
         return None, f"{heads} attention heads over {shape.num_key_value_heads} KV heads"
     return shape, ""
+
+
+def _read_rope(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float, str]:
+    """(the scaling's parameters, None for the default RoPE; theta; why not, or "")."""
+    # transformers 5 writes rope_parameters; 4.x rope_theta and rope_scaling (which 5 reads
+    # first, where a config has both).
+    scaling, parameters = config.get("rope_scaling"), config.get("rope_parameters")
+    if scaling and parameters and any(parameters.get(k, v) != v for k, v in scaling.items()
+                                      if k != "type"):  # fmt: skip
+        return None, 0.0, "rope_scaling and rope_parameters that differ"
+    rope = dict(scaling or parameters or {})
+    if any(isinstance(value, dict) for value in rope.values()):
+        return None, 0.0, "RoPE parameters per layer type"
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        return None, 0.0, f"RoPE type {rope_type!r} (runs: {', '.join(sorted(ROPE_TYPES))})"
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        return None, 0.0, "a partial rotary embedding"
+    theta = float(rope.get("rope_theta") or (parameters or {}).get("rope_theta")
+                  or config.get("rope_theta") or COMMON_DEFAULTS["rope_theta"])  # fmt: skip
+    if rope_type == "default":
+        return None, theta, ""
+    needed = ["factor"]
+    if rope_type == "llama3":
+        needed += ["low_freq_factor", "high_freq_factor"]
+        # As transformers 5: the top-level value wins, else the context length.
+        original = config.get("original_max_position_embeddings")
+        if original is not None and rope.get("original_max_position_embeddings",
+                                             original) != original:  # fmt: skip
+            return None, 0.0, "two original_max_position_embeddings that differ"
+        rope.setdefault("original_max_position_embeddings",
+                        original or config["max_position_embeddings"])  # fmt: skip
+    missing = [key for key in needed if rope.get(key) is None]
+    if missing:
+        return None, 0.0, f"{rope_type} RoPE without {', '.join(missing)}"
+    return {**rope, "rope_type": rope_type}, theta, ""
 
 
 def inverse_frequencies(shape: DecoderShape) -> torch.Tensor:
@@ -343,7 +376,11 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         super().__init__()
         self.shape = shape
         self.model = DecoderModel(shape)
-        self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        if shape.tie_word_embeddings:  # the embedding's weight (tie_weights): none of its own
+            with torch.device("meta"):
+                self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        else:
+            self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
         # Filled by `build`, in float32 whatever the model's dtype.
         self.register_buffer("inv_freq", torch.empty(shape.head_dim // 2), persistent=False)
 
@@ -422,12 +459,15 @@ def _init_randomly(model: LlamaFamilyForCausalLM, std: float) -> None:
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's safetensors files: one, or the shards its index names."""
+    """The checkpoint's safetensors files, as transformers finds them: model.safetensors,
+    or the shards its index names (other .safetensors files, such as an adapter's or
+    Mistral's consolidated one, are not the checkpoint); empty where there is none."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [model_dir / shard for shard in shards]
-    return sorted(model_dir.glob("*.safetensors"))
+    single = model_dir / "model.safetensors"
+    return [single] if single.is_file() else []
 
 
 def load_weights(model: LlamaFamilyForCausalLM, model_dir: Path) -> None:
@@ -460,11 +500,15 @@ def copy_weights(model: LlamaFamilyForCausalLM, tensors: Iterable[tuple[str, tor
                 for name in params}  # fmt: skip
     if shape.tie_word_embeddings:
         unfilled.pop("lm_head.weight")
+    seen: set[str] = set()
     for key, tensor in tensors:
         if key.endswith("rotary_emb.inv_freq"):
             continue  # a buffer some old checkpoints saved: computed here
         if key == "lm_head.weight" and shape.tie_word_embeddings:
             continue  # the embedding, saved twice
+        if key in seen:
+            raise ValueError(f"checkpoint tensor {key!r} is there twice")
+        seen.add(key)
         name, part = _packed_name(key)
         target = params.get(name)
         if target is None:

@@ -333,7 +333,9 @@ def _load_llama_family(
         torch_dtype = _pick_dtype(dtype, shape.dtype, device)
         module = llama_family.build(shape, torch_dtype, device, model_dir, load_format)
     except Exception as exc:
-        raise ModelLoadError(f"could not load model {model!r} from {model_dir}: {exc}") from exc
+        raise ModelLoadError(f"could not load model {model!r} from {model_dir}: {exc} "
+                             "(model_impl='transformers' loads it with transformers' modeling "
+                             "code instead)") from exc  # fmt: skip
     _store_weights_in(module, weight_dtype, torch_dtype)
     logger.info("%s built by workers.llama_family (%s weights) in %.1f s", shape.architecture,
                 load_format, time.perf_counter() - started)  # fmt: skip

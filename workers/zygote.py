@@ -27,6 +27,7 @@ import selectors
 import signal
 import socket
 import sys
+import time
 import traceback
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,9 @@ PRELOAD = (
 )
 # What only a model outside workers.llama_family needs (transformers' modeling code: 2.6 of a
 # worker's 4.2 s of imports here, 8-10 of 14.5-18 s on an H100 host) or a GGUF conversion:
-# imported after the zygote is ready, one module at a time while no request waits, so a
-# cold start's first worker is forked without waiting for them.
+# imported after the zygote is ready, one module at a time while no request waits, from its
+# first fork on (or LATER_AFTER_S after it is ready), so that a cold start's first worker is
+# forked without waiting for them.
 PRELOAD_LATER = (
     "transformers",
     "transformers.modeling_utils",
@@ -57,6 +59,7 @@ PRELOAD_LATER = (
     "transformers.models.qwen2.modeling_qwen2",
     "gguf",
 )
+LATER_AFTER_S = 3.0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,11 +86,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def preload(name: str) -> None:
-    """Import `name` for every worker forked after this."""
+    """Import `name` for every worker forked after this. A failure is logged: a worker that
+    needs the module meets it there, and the zygote (with every worker it forked) lives on."""
     try:
         __import__(name)
-    except ImportError as exc:  # an optional part: a worker that needs it fails there
-        logger.info("not preloaded: %s (%s)", name, exc)
+    except Exception as exc:  # an optional part, or one broken by a dependency of its own
+        logger.info("not preloaded: %s (%s: %s)", name, type(exc).__name__, exc)
     # The imports are every worker's: frozen before the forks, gc's full collections in
     # the workers skip them, and write to (copy) fewer of their pages.
     gc.freeze()
@@ -100,6 +104,7 @@ class Zygote:
     def __init__(self, channel: socket.socket, later: list[str] | None = None) -> None:
         self.channel = channel
         self.later = later or []
+        self.later_from = time.monotonic() + LATER_AFTER_S  # brought forward by a fork
         self.children: set[int] = set()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
@@ -112,8 +117,9 @@ class Zygote:
         selector.register(self._wake_read, selectors.EVENT_READ, "child")
         self._send({"ready": os.getpid()})
         while True:
-            events = selector.select(timeout=0 if self.later else None)
-            if not events and self.later:
+            wait = max(0.0, self.later_from - time.monotonic()) if self.later else None
+            events = selector.select(timeout=wait)
+            if not events and self.later and time.monotonic() >= self.later_from:
                 preload(self.later.pop(0))  # nothing waits: the next of the later imports
             for key, _ in events:
                 if key.data == "child":
@@ -146,6 +152,7 @@ class Zygote:
         os.close(lifeline)
         os.close(log)
         self.children.add(pid)
+        self.later_from = time.monotonic()  # the worker has its imports: the later ones now
         self._send({"spawned": pid})
         return True
 

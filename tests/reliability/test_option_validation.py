@@ -46,6 +46,7 @@ BAD_ENGINE = {
     "device": ["tpu", "", None, 5],
     "attention_backend": ["flash", "", None, 5, "Triton"],
     "load_format": ["pt", "", None, 5, "DUMMY"],
+    "model_impl": ["vllm", "", None, 5, "LOOM"],
     "max_model_len": [0, -1, 1.5, "512", True, HUGE],
     "max_num_seqs": [0, -1, 1.5, None, HUGE],
     "max_num_batched_tokens": [0, -1, "1", HUGE],
