@@ -7,7 +7,10 @@ output tokens (`ignore_eos` / EOS disabled, so EOS cannot end a request early). 
 stream: one request, time to first token and decode ms/token after it.
 
     loom bench offline [--num-prompts 64] [--prompt-len 100] [--output-len 128]
-        [--dtype float32] [--skip-hf] [--skip-generate-batch]
+        [--dtype float32] [--skip-hf] [--skip-generate-batch] [--transformers-model]
+
+--transformers-model adds loomllm running transformers' modeling code (model_impl=
+"transformers") beside its own model (workers/llama_family.py, the default for SmolLM2).
     (or: .venv/bin/python benchmarks/offline_throughput.py ...)
 """
 
@@ -30,12 +33,14 @@ def make_prompts(num: int, mean_len: int, vocab: int, seed: int) -> list[list[in
 
 
 def run_loomllm(
-    prompts: list[list[int]], output_len: int, dtype: str, weight_dtype: str | None = None
+    prompts: list[list[int]], output_len: int, dtype: str, weight_dtype: str | None = None,
+    model_impl: str = "auto",
 ) -> tuple[float, int]:
     from runtime import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
-    options = dict(dtype=dtype, weight_dtype=weight_dtype, max_num_seqs=len(prompts))
+    options = dict(dtype=dtype, weight_dtype=weight_dtype, max_num_seqs=len(prompts),
+                   model_impl=model_impl)  # fmt: skip
     with LLM("smollm2", **options) as llm:
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4),
                      use_tqdm=False)  # warm-up  # fmt: skip
@@ -112,7 +117,8 @@ def run_hf_generate_batch(model, prompts: list[list[int]], output_len: int) -> t
 
 
 def single_stream_loomllm(
-    prompt: list[int], output_len: int, dtype: str, weight_dtype: str | None = None
+    prompt: list[int], output_len: int, dtype: str, weight_dtype: str | None = None,
+    model_impl: str = "auto",
 ) -> tuple[float, float]:
     """(time to first token, decode seconds per token) for one request alone."""
     import anyio
@@ -123,7 +129,8 @@ def single_stream_loomllm(
                             output_kind=RequestOutputKind.DELTA)  # fmt: skip
 
     async def run() -> tuple[float, float]:
-        async with Engine("smollm2", dtype=dtype, weight_dtype=weight_dtype) as engine:
+        async with Engine("smollm2", dtype=dtype, weight_dtype=weight_dtype,
+                          model_impl=model_impl) as engine:
             async with engine.generate({"prompt_token_ids": prompt[:8]}, params) as s:
                 async for _ in s:  # warm-up
                     pass
@@ -166,10 +173,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--weight-dtype", choices=["bfloat16", "float16"], default=None,
                    help="also run loomllm with float32 math and 16-bit linear weights, and "
                    "measure its greedy agreement and logprob drift against float32")
+    p.add_argument("--transformers-model", action="store_true",
+                   help="also run loomllm on transformers' modeling code (model_impl)")
     args = p.parse_args(argv)
     prompts = make_prompts(args.num_prompts, args.prompt_len, 49152, args.seed)
     rows = [("loomllm", *run_loomllm(prompts, args.output_len, args.dtype))]
     streams = [("loomllm", *single_stream_loomllm(prompts[0], args.output_len, args.dtype))]
+    if args.transformers_model:
+        name = "loomllm, transformers' modeling code"
+        rows.append((name, *run_loomllm(prompts, args.output_len, args.dtype,
+                                        model_impl="transformers")))  # fmt: skip
+        streams.append((name, *single_stream_loomllm(prompts[0], args.output_len, args.dtype,
+                                                     model_impl="transformers")))  # fmt: skip
     accuracy = None
     if args.weight_dtype:
         name = f"loomllm, {args.weight_dtype} weights"

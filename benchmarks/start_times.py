@@ -7,6 +7,12 @@ reports its own clock (entering `Engine(...)` to the first token); the parent ad
 interpreter's start and imports (process launch to the first token).
 
     loom bench start [--shape llama-8b|qwen-0.5b|tiny] [--device cuda] [--warm 3]
+        [--model-impl auto,transformers]
+
+With two model implementations (`--model-impl auto,transformers`: loomllm's own model
+against transformers' modeling code, whose imports the zygote then does after its first
+fork), each gets the same sequence with a manager of its own, and the last line is the
+ratio of their cold starts.
 """
 
 from __future__ import annotations
@@ -30,12 +36,12 @@ import json, sys, time
 import anyio
 from runtime import Engine, SamplingParams
 
-model, dtype, device = sys.argv[1:4]
+model, dtype, device, model_impl = sys.argv[1:5]
 
 async def main():
     entered = time.perf_counter()
     async with Engine(model, load_format="dummy", dtype=dtype, device=device,
-                      keep_alive=600) as engine:
+                      model_impl=model_impl, keep_alive=600) as engine:
         attached = time.perf_counter()
         params = SamplingParams(max_tokens=1, ignore_eos=True)
         async for _ in engine.generate({"prompt_token_ids": [5, 6, 7]}, params):
@@ -49,11 +55,13 @@ anyio.run(main)
 """
 
 
-def run_child(model: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, float]:
+def run_child(model: str, args: argparse.Namespace, env: dict[str, str],
+              model_impl: str) -> dict[str, float]:  # fmt: skip
     """One new process to its first token: its own figures and the launch-to-token time."""
     launched = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", CHILD, model, args.dtype, args.device],
-                          env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", CHILD, model, args.dtype, args.device,
+                           model_impl], env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"the engine process failed:\n{done.stderr[-3000:]}")
     figures = json.loads(done.stdout.strip().splitlines()[-1])
@@ -69,32 +77,48 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--warm", type=int, default=3, help="warm attaches after the cold start")
     p.add_argument("--logs", type=Path, help="copy the manager's and workers' logs to this folder")
+    p.add_argument("--model-impl", default="auto",
+                   help="comma-separated model_impl values, each run in turn (auto, loom, "
+                        "transformers)")  # fmt: skip
     args = p.parse_args(argv)
+    impls = args.model_impl.split(",")
+    print(f"{args.shape}, {args.dtype} on {args.device}: a new process to its first token")
+    print("| start | model_impl | reused warm workers | Engine() entered to attached s | "
+          "to first token s | process launch to first token s |")
+    print("|---|---|---|---|---|---|")
+    colds = [start_sequence(args, impl) for impl in impls]
+    if len(impls) == 2:
+        print(f"cold start, process launch to first token: {impls[1]} / {impls[0]} = "
+              f"{colds[1] / colds[0]:.2f}")  # fmt: skip
+
+
+def start_sequence(args: argparse.Namespace, model_impl: str) -> float:
+    """A cold start and `args.warm` warm attaches, printed as table rows; the cold start's
+    launch-to-first-token seconds."""
     with tempfile.TemporaryDirectory(prefix="loom-start-", dir="/tmp") as tmp:
         model = write_model_dir(args.shape, Path(tmp))
         # A manager of its own: none runs at the cold start, and none outlives the run.
         env = {**os.environ, "LOOM_MANAGER_SOCKET": str(Path(tmp) / "m.sock")}
         try:
-            runs = [("cold", run_child(model, args, env))]
-            runs += [(f"warm {i + 1}", run_child(model, args, env)) for i in range(args.warm)]
+            runs = [("cold", run_child(model, args, env, model_impl))]
+            runs += [(f"warm {i + 1}", run_child(model, args, env, model_impl))
+                     for i in range(args.warm)]  # fmt: skip
         finally:
             subprocess.run([sys.executable, "-m", "workers.manager", "stop"], env=env,
                            capture_output=True, timeout=120)  # fmt: skip
             if args.logs:  # the worker's log says what the KV profiling pass and capture did
                 socket = Path(env["LOOM_MANAGER_SOCKET"])
-                args.logs.mkdir(parents=True, exist_ok=True)
+                logs = args.logs / model_impl
+                logs.mkdir(parents=True, exist_ok=True)
                 for log in [log_path(socket), *workers_dir(socket).glob("*.log")]:
-                    shutil.copy(log, args.logs)
-    print(f"{args.shape}, {args.dtype} on {args.device}: a new process to its first token")
-    print("| start | reused warm workers | Engine() entered to attached s | "
-          "to first token s | process launch to first token s |")
-    print("|---|---|---|---|---|")
+                    shutil.copy(log, logs)
     for name, f in runs:
-        print(f"| {name} | {f['reused']} | {f['attach_s']:.2f} | {f['first_token_s']:.2f} | "
-              f"{f['process_s']:.2f} |")
+        print(f"| {name} | {model_impl} | {f['reused']} | {f['attach_s']:.2f} | "
+              f"{f['first_token_s']:.2f} | {f['process_s']:.2f} |")
     cold_reused, *warm = (f["reused"] for _, f in runs)
     if cold_reused or not all(warm):
         raise SystemExit("the cold start found warm workers, or a warm one did not")
+    return runs[0][1]["process_s"]
 
 
 if __name__ == "__main__":

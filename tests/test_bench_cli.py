@@ -84,16 +84,19 @@ def test_gpu_benchmark_skips_parts_and_refuses_unknown_ones() -> None:
 def test_start_benchmark_times_a_cold_start_and_warm_attaches() -> None:
     """A new process each: the first finds no manager (cold), the next reuse its worker."""
     done = loom("bench", "start", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
-                "--warm", "2", timeout=300)  # fmt: skip
+                "--warm", "1", "--model-impl", "auto,transformers", timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
             if line.startswith("| cold") or line.startswith("| warm")]  # fmt: skip
-    assert [(r[0].strip(), r[1].strip()) for r in rows] == [
-        ("cold", "False"), ("warm 1", "True"), ("warm 2", "True")]  # fmt: skip
-    for _, _, attached, first, launched in rows:
+    assert [tuple(c.strip() for c in r[:3]) for r in rows] == [
+        ("cold", "auto", "False"), ("warm 1", "auto", "True"),
+        ("cold", "transformers", "False"), ("warm 1", "transformers", "True")]  # fmt: skip
+    for _, _, _, attached, first, launched in rows:
         assert 0 <= float(attached) <= float(first) <= float(launched)
-    cold, *warm = (float(r[3]) for r in rows)
-    assert all(w < cold for w in warm), rows  # attaching skips the worker's start
+    for cold, warm in (rows[:2], rows[2:]):
+        assert float(warm[4]) < float(cold[4]), rows  # attaching skips the worker's start
+    assert re.search(r"^cold start, process launch to first token: transformers / auto = "
+                     r"\d+\.\d\d$", done.stdout, re.M), done.stdout
 
 
 def test_gpu_checks_run_on_the_cpu_as_a_smoke_test() -> None:
