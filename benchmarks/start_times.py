@@ -9,6 +9,11 @@ interpreter's start and imports (process launch to the first token).
     loom bench start [--shape llama-8b|qwen-0.5b|tiny] [--device cuda] [--warm 3]
         [--model-impl auto,transformers]
 
+`--import-times` first times, each in a fresh interpreter, the imports of torch, of the
+zygote's list (what a worker on loomllm's own model needs) and of that and transformers'
+modeling code, and says whether this interpreter caches bytecode (a host that does not
+compiles every module at every start).
+
 With two model implementations (`--model-impl auto,transformers`: loomllm's own model
 against transformers' modeling code, whose imports the zygote then does after its first
 fork), each gets the same sequence with a manager of its own, and the last line is the
@@ -55,6 +60,36 @@ anyio.run(main)
 """
 
 
+IMPORTS = """
+import json, sys, time
+started = time.perf_counter()
+for name in sys.argv[1:]:
+    __import__(name)
+print(json.dumps(time.perf_counter() - started))
+"""
+
+
+def import_times() -> None:
+    """Print the imports' wall time in fresh interpreters, and whether bytecode is cached."""
+    import importlib.util
+
+    from workers.zygote import PRELOAD, PRELOAD_LATER
+
+    sets = [("torch", ["torch"]), ("the zygote's list", list(PRELOAD)),
+            ("and transformers' modeling code", [*PRELOAD, *PRELOAD_LATER])]  # fmt: skip
+    for what, names in sets:
+        done = subprocess.run([sys.executable, "-c", IMPORTS, *names], capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        seconds = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
+        print(f"imports, {what}: " + (f"{seconds:.2f} s" if seconds is not None
+                                      else f"failed: {done.stderr[-300:]}"))  # fmt: skip
+    spec = importlib.util.find_spec("transformers.modeling_utils")
+    cached = spec is not None and spec.origin is not None and Path(
+        importlib.util.cache_from_source(spec.origin)).is_file()  # fmt: skip
+    print(f"bytecode: written by this interpreter: {not sys.dont_write_bytecode}; "
+          f"transformers.modeling_utils has a cached .pyc: {cached}")
+
+
 def run_child(model: str, args: argparse.Namespace, env: dict[str, str],
               model_impl: str) -> dict[str, float]:  # fmt: skip
     """One new process to its first token: its own figures and the launch-to-token time."""
@@ -77,11 +112,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--warm", type=int, default=3, help="warm attaches after the cold start")
     p.add_argument("--logs", type=Path, help="copy the manager's and workers' logs to this folder")
+    p.add_argument("--import-times", action="store_true",
+                   help="first time the workers' imports in fresh interpreters")
     p.add_argument("--model-impl", default="auto",
                    help="comma-separated model_impl values, each run in turn (auto, loom, "
                         "transformers)")  # fmt: skip
     args = p.parse_args(argv)
     impls = args.model_impl.split(",")
+    if args.import_times:
+        import_times()
     print(f"{args.shape}, {args.dtype} on {args.device}: a new process to its first token")
     print("| start | model_impl | reused warm workers | Engine() entered to attached s | "
           "to first token s | process launch to first token s |")

@@ -84,8 +84,13 @@ def test_gpu_benchmark_skips_parts_and_refuses_unknown_ones() -> None:
 def test_start_benchmark_times_a_cold_start_and_warm_attaches() -> None:
     """A new process each: the first finds no manager (cold), the next reuse its worker."""
     done = loom("bench", "start", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
-                "--warm", "1", "--model-impl", "auto,transformers", timeout=300)  # fmt: skip
+                "--warm", "1", "--model-impl", "auto,transformers", "--import-times",
+                timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    imports = re.findall(r"^imports, (.+): ([\d.]+) s$", done.stdout, re.M)
+    assert [what for what, _ in imports] == [
+        "torch", "the zygote's list", "and transformers' modeling code"], done.stdout
+    assert re.search(r"^bytecode: written by this interpreter: (True|False); ", done.stdout, re.M)
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
             if line.startswith("| cold") or line.startswith("| warm")]  # fmt: skip
     assert [tuple(c.strip() for c in r[:3]) for r in rows] == [
