@@ -5,7 +5,6 @@ one without them samples. The kernels run in Triton's interpreter (conftest.py).
 
 from __future__ import annotations
 
-import collections
 import copy
 import gc
 import inspect
@@ -14,8 +13,8 @@ import weakref
 import pytest
 import torch
 import transformers
+from kernel_count import decode_layer_launches
 from runner_driver import drive
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
@@ -170,83 +169,15 @@ def test_runner_samples_the_same_with_fused_layers(arch):
             assert lp_fused == pytest.approx(lp_stock, rel=1e-4, abs=1e-5)
 
 
-# aten ops that launch no kernel: views, allocations, dtype arithmetic.
-NO_LAUNCH = {"view", "transpose", "t", "unsqueeze", "squeeze", "expand", "slice", "select",
-             "split", "split_with_sizes", "alias", "_unsafe_view", "as_strided", "permute",
-             "detach", "unbind", "reshape", "empty", "empty_like", "empty_strided",
-             "new_empty", "promote_types", "is_same_size"}  # fmt: skip
-
-
-class CountLaunches(TorchDispatchMode):
-    """Counts what a forward launches on a device: aten ops that compute (a `to` that
-    returns its input computes nothing) and Triton kernels, not the interpreter's own ops."""
-
-    def __init__(self, monkeypatch) -> None:
-        super().__init__()
-        self.launches: collections.Counter = collections.Counter()
-        self.in_kernel = self.active = False
-        interpreted = type(fused_ops._silu_mul_kernel)  # the interpreter's kernel class
-        run = interpreted.run
-
-        def counted_run(kernel, *args, **kwargs):
-            if not self.active:
-                return run(kernel, *args, **kwargs)
-            self.launches[kernel.fn.__name__] += 1
-            self.in_kernel = True
-            try:
-                return run(kernel, *args, **kwargs)
-            finally:
-                self.in_kernel = False
-
-        monkeypatch.setattr(interpreted, "run", counted_run)
-
-    def __enter__(self):
-        self.active = True
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self.active = False
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if not (self.in_kernel or name in NO_LAUNCH or (name == "to" and out is args[0])):
-            self.launches[name] += 1
-        return out
-
-
 def test_a_decode_step_launches_twelve_kernels_a_layer(monkeypatch):
     """The count the README gives: one Llama layer of a decode-only step through the
     Triton backend, with transformers' ops and fused."""
     counts = {}
     for fused in (False, True):
         model = tiny("llama").bfloat16()
-        runner = ModelRunner(model, model.config, device=torch.device("cpu"),
-                             dtype=torch.bfloat16, block_size=16, num_blocks=8,
-                             attention_backend="triton")  # fmt: skip
         if fused:
             install_fused_ops(model)
-        scheduler = Scheduler(SchedulerConfig(4, 64, 64, 16, 8))
-        for i in range(2):
-            params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-            scheduler.add_request(Request(f"r{i}", [5, 6, 7 + i], params, frozenset(), 64, 0.0))
-        so = scheduler.schedule()  # the prompts
-        scheduler.update_from_output(so, runner.execute(so, 0))
-        so = scheduler.schedule()
-        assert set(so.num_scheduled_tokens.values()) == {1}  # decodes only
-        layer = model.model.layers[1]
-        counter = CountLaunches(monkeypatch)
-        forward = layer.forward
-
-        def counted(*args, counter=counter, forward=forward, **kwargs):
-            with counter:
-                return forward(*args, **kwargs)
-
-        monkeypatch.setattr(layer, "forward", counted)
-        runner.execute(so, 1)
-        counts[fused] = counter.launches
+        counts[fused] = decode_layer_launches(monkeypatch, model, model.config)
     assert sum(counts[True].values()) == 12, counts[True]
     assert counts[True]["linear"] == 4  # q|k|v, o, gate|up, down
     assert sum(counts[False].values()) > 3 * 12, counts[False]  # transformers' ops: 40 here
-

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from kernel_count import decode_layer_launches
 from paged_forward import paged_logits
 from safetensors.torch import load_file, save_file
 
@@ -248,37 +249,9 @@ def test_a_decode_step_launches_eleven_kernels_a_layer(monkeypatch, tmp_path):
     """One layer of a decode-only step through the Triton backend, fused: the twelve of
     transformers' model with the fused kernels swapped in (tests/test_fused_layers.py), less
     the residual add after the MLP, which the next norm's kernel computes."""
-    from test_fused_layers import CountLaunches
-
-    from protocols.sampling import SamplingParams
-    from runtime.request import Request
-    from runtime.scheduler import Scheduler, SchedulerConfig
-    from workers.model_runner import ModelRunner
-
     loaded = load_model(str(save_variant(tmp_path, "llama")), dtype="bfloat16")
     install_fused_ops(loaded.model)
-    runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
-                         dtype=torch.bfloat16, block_size=16, num_blocks=8,
-                         attention_backend="triton")  # fmt: skip
-    scheduler = Scheduler(SchedulerConfig(4, 64, 64, 16, 8))
-    for i in range(2):
-        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        scheduler.add_request(Request(f"r{i}", [5, 6, 7 + i], params, frozenset(), 64, 0.0))
-    so = scheduler.schedule()  # the prompts
-    scheduler.update_from_output(so, runner.execute(so, 0))
-    so = scheduler.schedule()
-    assert set(so.num_scheduled_tokens.values()) == {1}  # decodes only
-    layer = loaded.model.model.layers[1]
-    counter = CountLaunches(monkeypatch)
-    forward = layer.forward
-
-    def counted(*args, **kwargs):
-        with counter:
-            return forward(*args, **kwargs)
-
-    monkeypatch.setattr(layer, "forward", counted)
-    runner.execute(so, 1)
-    launches = counter.launches
+    launches = decode_layer_launches(monkeypatch, loaded.model, loaded.config)
     assert sum(launches.values()) == 11, launches
     assert launches["linear"] == 4 and launches["_add_rms_norm_kernel"] == 2, launches
     assert "add" not in launches, launches
