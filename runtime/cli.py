@@ -51,6 +51,7 @@ BENCHMARKS = {
     "gpu-check": "benchmarks.gpu_checks",
     "start": "benchmarks.start_times",
     "decode-profile": "benchmarks.decode_profile",
+    "eager-step": "benchmarks.eager_step",
     "broadcast": "benchmarks.step_broadcast",
 }
 

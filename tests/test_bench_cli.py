@@ -150,3 +150,12 @@ def test_serving_benchmark_says_how_to_get_its_peers() -> None:
 def test_unknown_benchmark_is_refused() -> None:
     done = loom("bench", "nosuch")
     assert done.returncode == 2 and "invalid choice" in done.stderr
+
+
+def test_eager_step_benchmark_prints_both_models_and_the_ratio() -> None:
+    done = loom("bench", "eager-step", "--layers", "2", "--steps", "3", "--rounds", "1",
+                timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert re.search(r"^model_impl=loom: [\d.]+ ms a step$", done.stdout, re.M), done.stdout
+    assert re.search(r"^model_impl=transformers: [\d.]+ ms a step$", done.stdout, re.M)
+    assert re.search(r"^transformers / loom, median step: \d+\.\d\d$", done.stdout, re.M)

@@ -1,0 +1,86 @@
+"""Host time of an eager decode step: loomllm's own model against transformers' modeling code.
+
+A deep, narrow random Llama (32 layers of hidden size 64: the 8B shape's depth, its math
+~free) decodes B requests through a model runner on the CPU, eagerly, with the torch
+attention backend; the median wall time of a step is Python and torch's dispatch, layer
+by layer: what an eager step (a mixed step beyond the graphs' buckets, a capture's warm-up)
+costs a GPU host before the device sees any of it. Both models in one run, alternated
+over rounds; the last line is the ratio.
+
+    loom bench eager-step [--batch 8] [--layers 32] [--steps 40] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+PROG = "loom bench eager-step"
+IMPLS = ("loom", "transformers")
+
+
+def step_times(model_dir: str, model_impl: str, batch: int, steps: int) -> float:
+    """The median seconds of `steps` decode steps of `batch` requests (after 5 unmeasured)."""
+    import torch
+
+    from protocols.sampling import SamplingParams
+    from runtime.request import Request
+    from runtime.scheduler import Scheduler, SchedulerConfig
+    from workers.model_loader import load_model
+    from workers.model_runner import ModelRunner
+
+    loaded = load_model(model_dir, dtype="float32", device="cpu", model_impl=model_impl)
+    blocks = max(512 // 16, batch * (-(-(steps + 16) // 16)))  # and a whole context
+    runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
+                         dtype=torch.float32, block_size=16, num_blocks=blocks)  # fmt: skip
+    scheduler = Scheduler(SchedulerConfig(batch, 1024, 512, 16, blocks))
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)
+    for i in range(batch):
+        scheduler.add_request(Request(f"r{i}", [5, 6, 7 + i], params, frozenset(), 512, 0.0))
+    times = []
+    for step in range(steps + 6):  # the prompts' step, 5 decodes to warm up, then `steps`
+        so = scheduler.schedule()
+        started = time.perf_counter()
+        result = runner.execute(so, step)
+        times.append(time.perf_counter() - started)
+        scheduler.update_from_output(so, result)
+    return statistics.median(times[6:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    if min(args.batch, args.layers, args.steps, args.rounds) < 1:
+        p.error("--batch, --layers, --steps and --rounds must be >= 1")
+    import torch
+    import transformers
+
+    torch.set_num_threads(1)  # the host's own time, not how well the math spreads
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    with tempfile.TemporaryDirectory(prefix="loom-eager-step-") as tmp:
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(config).save_pretrained(tmp)
+        for _ in range(args.rounds):
+            for impl in IMPLS:
+                times[impl].append(step_times(str(Path(tmp)), impl, args.batch, args.steps))
+    print(f"{PROG}: {args.layers} layers, batch {args.batch}, CPU, one thread, "
+          f"{args.rounds} rounds")  # fmt: skip
+    for impl in IMPLS:
+        print(f"model_impl={impl}: " + ", ".join(f"{t * 1e3:.2f}" for t in times[impl])
+              + " ms a step")  # fmt: skip
+    ratio = statistics.median(times["transformers"]) / statistics.median(times["loom"])
+    print(f"transformers / loom, median step: {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
