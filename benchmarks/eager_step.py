@@ -2,10 +2,12 @@
 
 A deep, narrow random Llama (32 layers of hidden size 64: the 8B shape's depth, its math
 ~free) decodes B requests through a model runner on the CPU, eagerly, with the torch
-attention backend; the median wall time of a step is Python and torch's dispatch, layer
-by layer: what an eager step (a mixed step beyond the graphs' buckets, a capture's warm-up)
-costs a GPU host before the device sees any of it. Both models in one run, alternated
-over rounds; the last line is the ratio.
+attention backend and no fused kernels; the median wall time of a step (the runner's
+input packing and sampling included) is mostly Python and torch's dispatch, layer by
+layer. On a GPU an eager step (a mixed step beyond the graphs' buckets) pays that kind of
+cost on the host, with the Triton attention and the fused kernels instead, which this
+does not measure. Both models in one run, alternated over rounds; the last line is the
+ratio.
 
     loom bench eager-step [--batch 8] [--layers 32] [--steps 40] [--rounds 3]
 """
@@ -36,7 +38,8 @@ def step_times(model_dir: str, model_impl: str, batch: int, steps: int) -> float
     blocks = max(512 // 16, batch * (-(-(steps + 16) // 16)))  # and a whole context
     runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
                          dtype=torch.float32, block_size=16, num_blocks=blocks)  # fmt: skip
-    scheduler = Scheduler(SchedulerConfig(batch, 1024, 512, 16, blocks))
+    # Every prompt (3 tokens) in the first step, whatever the batch.
+    scheduler = Scheduler(SchedulerConfig(batch, max(1024, 3 * batch), 512, 16, blocks))
     params = SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)
     for i in range(batch):
         scheduler.add_request(Request(f"r{i}", [5, 6, 7 + i], params, frozenset(), 512, 0.0))

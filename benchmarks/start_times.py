@@ -34,6 +34,7 @@ from pathlib import Path
 
 from benchmarks.gpu_bench import SHAPES, write_model_dir
 from protocols.rundir import log_path, workers_dir
+from runtime.config import MODEL_IMPLS
 
 PROG = "loom bench start"
 CHILD = """
@@ -70,11 +71,17 @@ print(json.dumps(time.perf_counter() - started))
 
 
 def import_times() -> None:
-    """Print the imports' wall time in fresh interpreters, and whether bytecode is cached."""
+    """Print whether bytecode is cached, then the imports' wall time in fresh interpreters."""
     import importlib.util
 
     from workers.zygote import PRELOAD, PRELOAD_LATER
 
+    # Before the timed imports, which may write the bytecode they did not find.
+    spec = importlib.util.find_spec("transformers.modeling_utils")
+    cached = spec is not None and spec.origin is not None and Path(
+        importlib.util.cache_from_source(spec.origin)).is_file()  # fmt: skip
+    print(f"bytecode: written by this interpreter: {not sys.dont_write_bytecode}; "
+          f"transformers.modeling_utils has a cached .pyc: {cached}")
     sets = [("torch", ["torch"]), ("the zygote's list", list(PRELOAD)),
             ("and transformers' modeling code", [*PRELOAD, *PRELOAD_LATER])]  # fmt: skip
     for what, names in sets:
@@ -83,11 +90,6 @@ def import_times() -> None:
         seconds = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
         print(f"imports, {what}: " + (f"{seconds:.2f} s" if seconds is not None
                                       else f"failed: {done.stderr[-300:]}"))  # fmt: skip
-    spec = importlib.util.find_spec("transformers.modeling_utils")
-    cached = spec is not None and spec.origin is not None and Path(
-        importlib.util.cache_from_source(spec.origin)).is_file()  # fmt: skip
-    print(f"bytecode: written by this interpreter: {not sys.dont_write_bytecode}; "
-          f"transformers.modeling_utils has a cached .pyc: {cached}")
 
 
 def run_child(model: str, args: argparse.Namespace, env: dict[str, str],
@@ -115,10 +117,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--import-times", action="store_true",
                    help="first time the workers' imports in fresh interpreters")
     p.add_argument("--model-impl", default="auto",
-                   help="comma-separated model_impl values, each run in turn (auto, loom, "
-                        "transformers)")  # fmt: skip
+                   help="one or two model_impl values, comma-separated, each run in turn "
+                        "(auto, loom, transformers)")  # fmt: skip
     args = p.parse_args(argv)
     impls = args.model_impl.split(",")
+    if not set(impls) <= set(MODEL_IMPLS) or len(impls) > 2:
+        p.error(f"--model-impl takes one or two of {', '.join(MODEL_IMPLS)}, comma-separated")
     if args.import_times:
         import_times()
     print(f"{args.shape}, {args.dtype} on {args.device}: a new process to its first token")

@@ -48,11 +48,18 @@ PRELOAD = (
 )
 # What only a model outside workers.llama_family needs (transformers' modeling code: 2.6 of a
 # worker's 4.2 s of imports here, 8-10 of 14.5-18 s on an H100 host) or a GGUF conversion:
-# imported after the zygote is ready, one module at a time while no request waits, from its
-# first fork on (or LATER_AFTER_S after it is ready), so that a cold start's first worker is
-# forked without waiting for them.
+# imported after the zygote is ready, one module at a time while no request waits, from
+# shortly after its first fork on (or LATER_AFTER_S after it is ready), so that a cold
+# start's first worker is forked without waiting for them. A request that comes in during
+# one of them waits for it to end (a data-parallel replica's, say, asked for once the
+# previous replica has loaded its model).
 PRELOAD_LATER = (
     "transformers",
+    # What transformers.modeling_utils imports, in smaller pieces: a request waits for the
+    # import under way, so none should take long.
+    "sympy",
+    "torch.distributed.tensor",
+    "torch._dynamo",
     "transformers.modeling_utils",
     "transformers.models.auto.modeling_auto",
     "transformers.models.llama.modeling_llama",
@@ -60,6 +67,9 @@ PRELOAD_LATER = (
     "gguf",
 )
 LATER_AFTER_S = 3.0
+# After a fork: time for the other ranks of its group, each asked for once the previous one
+# is forked, to come in before an import holds them up.
+LATER_AFTER_FORK_S = 0.5
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,7 +162,7 @@ class Zygote:
         os.close(lifeline)
         os.close(log)
         self.children.add(pid)
-        self.later_from = time.monotonic()  # the worker has its imports: the later ones now
+        self.later_from = time.monotonic() + LATER_AFTER_FORK_S
         self._send({"spawned": pid})
         return True
 
