@@ -118,7 +118,9 @@ class Zygote:
         self.children: set[int] = set()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
-        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd fires
+        self._importing = False
+        # A handler, so the wakeup fd fires; during a later import it reports the exit itself.
+        signal.signal(signal.SIGCHLD, self._on_child_exit)
         signal.set_wakeup_fd(self._wake_write)
 
     def serve(self) -> None:
@@ -130,7 +132,11 @@ class Zygote:
             wait = max(0.0, self.later_from - time.monotonic()) if self.later else None
             events = selector.select(timeout=wait)
             if not events and self.later and time.monotonic() >= self.later_from:
-                preload(self.later.pop(0))  # nothing waits: the next of the later imports
+                self._importing = True  # nothing waits: the next of the later imports
+                try:
+                    preload(self.later.pop(0))
+                finally:
+                    self._importing = False
             for key, _ in events:
                 if key.data == "child":
                     os.read(self._wake_read, 4096)
@@ -195,6 +201,14 @@ class Zygote:
                 sys.stderr.flush()
             finally:
                 os._exit(code)
+
+    def _on_child_exit(self, *_: object) -> None:
+        """Python runs this between the bytecodes of whatever the main loop is doing. While
+        that is a later import (a second or more), a worker's exit is reported now rather
+        than after it: the manager's table, and `engine-manager ps`, stay current. Not
+        otherwise: the loop reaps, and a worker's exit never overtakes its "spawned"."""
+        if self._importing:
+            self._reap()
 
     def _reap(self) -> None:
         while self.children:
