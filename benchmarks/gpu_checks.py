@@ -139,7 +139,7 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
     import transformers
     from transformers.models.llama import modeling_llama
 
-    from workers import fused_ops, llama_family
+    from workers import fused_ops, llama_config, llama_weights
     from workers.fused_layers import install_fused_ops
 
     def ulps(out: Any, ref: Any) -> tuple[float, float]:
@@ -196,12 +196,12 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
         fused_model = install_fused_ops(half)
         fused = error()
         del half  # room for loomllm's own model, built from the same weights
-        shape, why_not = llama_family.read_shape(Path(model) / "config.json")
+        shape, why_not = llama_config.read_shape(Path(model) / "config.json")
         if shape is None:
             return False, f"workers.llama_family does not run {model}: {why_not}"
-        half = llama_family.build(shape, torch.bfloat16, torch.device(device), Path(model),
+        half = llama_weights.build(shape, torch.bfloat16, torch.device(device), Path(model),
                                   "dummy")  # fmt: skip
-        llama_family.copy_weights(half, exact.state_dict().items())
+        llama_weights.copy_weights(half, exact.state_dict().items())
         own_fused = install_fused_ops(half)
         own = error()
     if not all(fused_model):

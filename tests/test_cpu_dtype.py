@@ -76,7 +76,7 @@ def test_load_model_auto_follows_the_decision(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setenv(CPU_BF16_ENV, env)
-    with caplog.at_level(logging.INFO, logger="workers.model_loader"):
+    with caplog.at_level(logging.INFO, logger="workers.device_dtype"):
         loaded = load_model(tiny_model, dtype="auto", device="cpu")
     name = str(expected).removeprefix("torch.")
     assert {p.dtype for p in loaded.model.parameters()} == {expected}

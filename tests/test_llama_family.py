@@ -18,7 +18,7 @@ from kernel_count import decode_layer_launches
 from paged_forward import paged_logits
 from safetensors.torch import load_file, save_file
 
-from workers import attention, llama_family
+from workers import attention, llama_config, llama_family, llama_weights
 from workers.fused_layers import install_fused_ops
 from workers.model_loader import ModelLoadError, load_model
 
@@ -82,9 +82,9 @@ def test_a_plain_batched_forward_matches_transformers(variant_dir):
     state dict in memory."""
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         variant_dir, dtype=torch.float32, attn_implementation="eager").eval()  # fmt: skip
-    shape, _ = llama_family.read_shape(variant_dir / "config.json")
-    ours = llama_family.build(shape, torch.float32, torch.device("cpu"), variant_dir, "dummy")
-    llama_family.copy_weights(ours, theirs.state_dict().items())
+    shape, _ = llama_config.read_shape(variant_dir / "config.json")
+    ours = llama_weights.build(shape, torch.float32, torch.device("cpu"), variant_dir, "dummy")
+    llama_weights.copy_weights(ours, theirs.state_dict().items())
     ids = torch.tensor([PROMPT, PROMPT[::-1]])
     with torch.inference_mode():
         torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, rtol=1e-4, atol=1e-5)
@@ -112,8 +112,7 @@ def test_bfloat16_logits_are_transformers_bit_for_bit(variant, tmp_path):
     model_dir = save_variant(tmp_path, variant)
     ours = load_model(str(model_dir), dtype="bfloat16", model_impl="loom")
     theirs = load_model(str(model_dir), dtype="bfloat16", model_impl="transformers").model
-    attention.register()
-    theirs.set_attn_implementation(attention.ATTENTION_NAME)
+    attention.route_transformers_model(theirs)
     assert ours.dtype == "bfloat16"
     expected = paged_logits(theirs, ours.config, PROMPT, "torch")
     assert torch.equal(paged_logits(ours.model, ours.config, PROMPT, "torch"), expected)
@@ -156,32 +155,32 @@ def test_auto_picks_it_for_the_llama_family_and_transformers_otherwise(tmp_path)
 def test_read_shape_says_why_it_declines(tmp_path, change, reason):
     config = {"architectures": ["LlamaForCausalLM"], **COMMON, **change}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    shape, why = llama_family.read_shape(tmp_path / "config.json")
+    shape, why = llama_config.read_shape(tmp_path / "config.json")
     assert shape is None and reason in why
 
 
 def test_read_shape_takes_the_model_type_of_a_config_saved_alone(tmp_path):
     transformers.Qwen2Config(**COMMON).save_pretrained(tmp_path)  # no "architectures"
-    shape, _ = llama_family.read_shape(tmp_path / "config.json")
+    shape, _ = llama_config.read_shape(tmp_path / "config.json")
     assert shape.architecture == "Qwen2ForCausalLM"
     transformers.GPT2Config().save_pretrained(tmp_path)
-    assert "model_type 'gpt2'" in llama_family.read_shape(tmp_path / "config.json")[1]
+    assert "model_type 'gpt2'" in llama_config.read_shape(tmp_path / "config.json")[1]
 
 
 def test_read_shape_defaults_and_the_qwen_fields(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **COMMON,
                                 "num_key_value_heads": None}))  # fmt: skip
-    shape, _ = llama_family.read_shape(path)
+    shape, _ = llama_config.read_shape(path)
     assert (shape.num_key_value_heads, shape.head_dim, shape.rms_norm_eps) == (4, 16, 1e-6)
     assert not shape.tie_word_embeddings and shape.rope_theta == 10000.0
     qwen2 = {"architectures": ["Qwen2ForCausalLM"], **COMMON, "num_key_value_heads": None}
     path.write_text(json.dumps(qwen2))
-    assert "num_key_value_heads" in llama_family.read_shape(path)[1]  # its class default: 32
+    assert "num_key_value_heads" in llama_config.read_shape(path)[1]  # its class default: 32
     path.write_text(json.dumps({**qwen2, "num_key_value_heads": 2, "use_sliding_window": True}))
-    assert "sliding windows" in llama_family.read_shape(path)[1]
+    assert "sliding windows" in llama_config.read_shape(path)[1]
     path.write_text(json.dumps({**qwen2, "num_key_value_heads": 2}))
-    assert llama_family.read_shape(path)[0].qkv_bias  # Qwen2's q, k and v always have biases
+    assert llama_config.read_shape(path)[0].qkv_bias  # Qwen2's q, k and v always have biases
 
 
 def test_checkpoints_that_do_not_fit_are_clear_errors(tmp_path):
@@ -194,7 +193,7 @@ def test_checkpoints_that_do_not_fit_are_clear_errors(tmp_path):
     loaded = load_model(str(model_dir), dtype="float32")
     twice = list(weights.items()) + [("model.norm.weight", weights["model.norm.weight"])]
     with pytest.raises(ValueError, match="'model.norm.weight' is there twice"):
-        llama_family.copy_weights(loaded.model, twice)
+        llama_weights.copy_weights(loaded.model, twice)
     save_file({k: v for k, v in weights.items() if "layers.1.mlp.up_proj" not in k},
               model_dir / "model.safetensors")  # fmt: skip
     with pytest.raises(ModelLoadError, match=r"lack model\.layers\.1\.mlp\.gate_up_proj.*"

@@ -205,6 +205,14 @@ def _window_keep(valid: torch.Tensor, window: int) -> torch.Tensor:
     return k_pos >= lengths - window
 
 
+def route_transformers_model(model: torch.nn.Module) -> None:
+    """Make a transformers model call `paged_attention` (workers.llama_family's calls it
+    itself, and has no attention implementations to pick from)."""
+    if hasattr(model, "set_attn_implementation"):
+        register()
+        model.set_attn_implementation(ATTENTION_NAME)
+
+
 def register() -> None:
     """Make `attn_implementation="loom_paged"` available to every HF model (idempotent)."""
     from transformers import AttentionInterface  # only HF models need it: a big import

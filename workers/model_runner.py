@@ -88,9 +88,7 @@ class ModelRunner:
         if attention_backend == "triton" and (block_size < 16 or block_size & (block_size - 1)):
             raise ValueError(f"block_size must be a power of two >= 16 for the Triton "
                              f"attention backend, got {block_size}")  # fmt: skip
-        if hasattr(model, "set_attn_implementation"):  # transformers': route it to ours
-            attention.register()
-            model.set_attn_implementation(attention.ATTENTION_NAME)
+        attention.route_transformers_model(model)
         self.attention_backend = attention_backend
         self.model = model
         self.device = device
