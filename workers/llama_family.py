@@ -135,9 +135,8 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.intermediate_size = shape.intermediate_size
         self.gate_up_proj = Linear(shape.hidden_size, 2 * shape.intermediate_size,
-                                            bias=shape.mlp_bias)  # fmt: skip
-        self.down_proj = Linear(shape.intermediate_size, shape.hidden_size,
-                                         bias=shape.mlp_bias)  # fmt: skip
+                                   bias=shape.mlp_bias)  # fmt: skip
+        self.down_proj = Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
