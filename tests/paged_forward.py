@@ -11,13 +11,14 @@ from workers.attention_metadata import context_metadata, paged_metadata
 BLOCK = 16
 
 
-def paged_logits(model: torch.nn.Module, shape: object,
-                 tokens: list[int], backend: str) -> torch.Tensor:  # fmt: skip
+def paged_logits(model: torch.nn.Module, shape: object, tokens: list[int], backend: str,
+                 cache_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
     """`model` over `tokens` as a worker runs it: all but the last as one prompt, then the
     last as a decode step, over a paged KV cache. [T, V]."""
     num_blocks = -(-len(tokens) // BLOCK) + 1
     cache_shape = (num_blocks * BLOCK, shape.num_key_value_heads, shape.head_dim)
-    caches = [(torch.zeros(cache_shape), torch.zeros(cache_shape))
+    caches = [(torch.zeros(cache_shape, dtype=cache_dtype),
+               torch.zeros(cache_shape, dtype=cache_dtype))
               for _ in range(shape.num_hidden_layers)]  # fmt: skip
     blocks = list(range(num_blocks - 1))
     n = len(tokens) - 1

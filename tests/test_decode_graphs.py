@@ -24,6 +24,7 @@ from runtime import Engine
 from runtime.request import Request
 from runtime.scheduler import Scheduler, SchedulerConfig
 from workers.cuda_graphs import DecodeGraphs, bucket_sizes
+from workers.fused_layers import install_fused_ops
 from workers.mixed_graphs import MixedGraphs, token_buckets
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
@@ -39,8 +40,10 @@ def test_bucket_sizes_double_up_to_max_num_seqs():
     assert bucket_sizes(5000)[-2:] == [256, 512]  # larger decode batches run eager
 
 
-def make_runner(model_dir: str, graphs: bool) -> ModelRunner:
+def make_runner(model_dir: str, graphs: bool, fused: bool = False) -> ModelRunner:
     loaded = load_model(model_dir, dtype="float32")
+    if fused:  # as a CUDA worker runs: the K/V write inside the rotary kernel, padded rows too
+        assert install_fused_ops(loaded.model).layers
     runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
                          dtype=torch.float32, block_size=16, num_blocks=24,
                          attention_backend="triton")  # fmt: skip
@@ -84,10 +87,11 @@ def eager_reference(model_dir: str, budget: int, long_prompt: int) -> Mapping[st
     return MappingProxyType({r: tuple(outs) for r, outs in outputs.items()})
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["step by step", "launched ahead"])
-def test_padded_decode_steps_sample_the_eager_tokens(tiny_model, ahead):
+@pytest.mark.parametrize("ahead, fused", [(False, False), (True, False), (True, True)],
+                         ids=["step by step", "launched ahead", "launched ahead, fused"])
+def test_padded_decode_steps_sample_the_eager_tokens(tiny_model, ahead, fused):
     eager = eager_reference(tiny_model, 5, 10)
-    runner = make_runner(tiny_model, graphs=True)
+    runner = make_runner(tiny_model, graphs=True, fused=fused)
     graphs = runner.decode_graphs
     batches: list[int] = []
     forward = graphs.forward
@@ -104,13 +108,16 @@ def test_padded_decode_steps_sample_the_eager_tokens(tiny_model, ahead):
     assert len({graphs.bucket(n) for n in batches}) >= 3 and {5, 6, 7} & set(batches)
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["step by step", "launched ahead"])
-@pytest.mark.parametrize("budget, long_prompt", [(5, 10), (70, 30)])
-def test_padded_mixed_steps_sample_the_eager_tokens(tiny_model, ahead, budget, long_prompt):
+@pytest.mark.parametrize("ahead, fused, budget, long_prompt", [
+    (False, False, 5, 10), (True, False, 5, 10), (False, False, 70, 30), (True, False, 70, 30),
+    (True, True, 70, 30),  # the fused kernels (padded tokens and rows): one case, they are slow
+])  # fmt: skip
+def test_padded_mixed_steps_sample_the_eager_tokens(tiny_model, ahead, fused, budget,
+                                                    long_prompt):  # fmt: skip
     """Prompt chunks beside decodes, every row through the prefill kernel: in the 64-token
     bucket (a 5-token budget), and in the 128-token one (a 70-token budget)."""
     eager = eager_reference(tiny_model, budget, long_prompt)
-    runner = make_runner(tiny_model, graphs=True)
+    runner = make_runner(tiny_model, graphs=True, fused=fused)
     mixed = runner.mixed_graphs
     steps: list[tuple[int, int]] = []  # (tokens, rows) of each mixed step
     forward = mixed.forward

@@ -192,3 +192,52 @@ def test_rotary_falls_back_where_the_kernel_does_not_fit(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q, k = fused(*qkcs(kv_heads=1))  # fits: the kernel runs
     assert calls == [2, 1, 1, 1, 1] and q.shape == (1, 2, 3, 8)
+
+
+def _packed_qkv(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype):
+    """q, k, v [T, heads, D] as loomllm's model makes them: views of one q|k|v projection."""
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    return q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 6, 32), (3, 1, 8)])
+def test_rotary_into_cache_is_rotary_then_write_kv(dtype, heads, kv_heads, dim):
+    """The fused kernel leaves q and both caches exactly as `rotary` then `write_kv` do,
+    and touches no other slot."""
+    from workers import triton_attention
+
+    torch.manual_seed(4)
+    tokens = 5
+    q, k, v = _packed_qkv(tokens, heads, kv_heads, dim, dtype)
+    angles = torch.tensor([0, 1, 2, 7, 300])[:, None] * torch.rand(dim // 2).repeat(2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.tensor([9, 3, 4, 15, 0])
+    caches = [torch.full((16, kv_heads, dim), 7.0, dtype=dtype) for _ in range(4)]
+    assert fused_ops.rotary_into_cache_fits(q, k, v, cos, sin, caches[0], caches[1])
+    out_q = fused_ops.rotary_into_cache(q, k, v, cos, sin, caches[0], caches[1], slots)
+    ref_q, ref_k = fused_ops.rotary(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None],
+                                    sin[None])  # fmt: skip
+    triton_attention.write_kv(ref_k[0].transpose(0, 1), v, caches[2], caches[3], slots)
+    assert torch.equal(out_q, ref_q[0].transpose(0, 1))
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[slots] = False
+    assert (caches[0][untouched] == 7).all() and (caches[1][untouched] == 7).all()
+
+
+def test_rotary_into_cache_declines_what_it_would_cast_or_misread():
+    q, k, v = _packed_qkv(3, 4, 2, 16, torch.bfloat16)
+    cos = sin = torch.ones(3, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(8, 2, 16, dtype=torch.bfloat16)
+    fits = fused_ops.rotary_into_cache_fits
+    assert fits(q, k, v, cos, sin, cache, cache.clone())
+    assert not fits(q, k, v, cos, sin, cache.float(), cache.float())  # a cast to the cache's
+    assert not fits(q, k, v, cos.float(), sin.float(), cache, cache)
+    assert not fits(q, k, v, cos, sin, torch.zeros(8, 1, 16, dtype=torch.bfloat16), cache)
+    assert not fits(q, k, v[:2], cos, sin, cache, cache)
+    assert not fits(q, k, v, cos[:, :8], sin[:, :8], cache, cache)
+    q6, k6, v6 = _packed_qkv(3, 4, 2, 6, torch.bfloat16)  # D not a power of two
+    cache6 = torch.zeros(8, 2, 6, dtype=torch.bfloat16)
+    assert not fits(q6, k6, v6, cos[:, :6], sin[:, :6], cache6, cache6)

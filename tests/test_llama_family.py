@@ -18,7 +18,7 @@ from kernel_count import decode_layer_launches
 from paged_forward import paged_logits
 from safetensors.torch import load_file, save_file
 
-from workers import attention, llama_config, llama_family, llama_weights
+from workers import attention, fused_ops, llama_config, llama_family, llama_weights
 from workers.fused_layers import install_fused_ops
 from workers.model_loader import ModelLoadError, load_model
 
@@ -102,6 +102,28 @@ def test_fused_kernels_and_triton_attention_match_transformers(variant, tmp_path
     assert fused == (norms, 1, COMMON["num_hidden_layers"])
     ours = paged_logits(loaded.model, loaded.config, PROMPT[:12], "triton")
     torch.testing.assert_close(ours, hf_logits(model_dir, PROMPT[:12]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_rotary_into_the_cache_is_bit_for_bit_the_two_kernels(variant, tmp_path, monkeypatch):
+    """bf16, fused, Triton attention: the rotary embedding and the K/V write in one kernel
+    give the logits of the rotary kernel then write_kv (where the fused one declines)."""
+    loaded = load_model(str(save_variant(tmp_path, variant)), dtype="bfloat16", model_impl="loom")
+    install_fused_ops(loaded.model)
+    calls = []
+    rotary_into_cache = fused_ops.rotary_into_cache
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return rotary_into_cache(*args)
+
+    monkeypatch.setattr(fused_ops, "rotary_into_cache", counted)
+    fused = paged_logits(loaded.model, loaded.config, PROMPT, "triton", torch.bfloat16)
+    assert len(calls) == 2 * COMMON["num_hidden_layers"]  # the prompt's step and a decode's
+    monkeypatch.setattr(fused_ops, "rotary_into_cache_fits", lambda *args: False)
+    assert torch.equal(fused, paged_logits(loaded.model, loaded.config, PROMPT, "triton",
+                                           torch.bfloat16))  # fmt: skip
+    assert len(calls) == 2 * COMMON["num_hidden_layers"]
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "llama-biases-tied"])
@@ -244,13 +266,15 @@ def test_a_worker_on_it_never_imports_transformers_modeling_code(tiny_model):
     assert out[:2] == ["LlamaFamilyForCausalLM", "[]"]
 
 
-def test_a_decode_step_launches_eleven_kernels_a_layer(monkeypatch, tmp_path):
-    """One layer of a decode-only step through the Triton backend, fused: the twelve of
-    transformers' model with the fused kernels swapped in (tests/test_fused_layers.py), less
-    the residual add after the MLP, which the next norm's kernel computes."""
+def test_a_decode_step_launches_nine_kernels_a_layer(monkeypatch, tmp_path):
+    """One layer of a decode-only step through the Triton backend, fused, its attention in
+    one split: the eleven of transformers' model with the fused kernels swapped in
+    (tests/test_fused_layers.py), less the residual add after the MLP, which the next
+    norm's kernel computes, and the K/V write, which the rotary kernel does."""
     loaded = load_model(str(save_variant(tmp_path, "llama")), dtype="bfloat16")
     install_fused_ops(loaded.model)
     launches = decode_layer_launches(monkeypatch, loaded.model, loaded.config)
-    assert sum(launches.values()) == 11, launches
+    assert sum(launches.values()) == 9, launches
     assert launches["linear"] == 4 and launches["_add_rms_norm_kernel"] == 2, launches
-    assert "add" not in launches, launches
+    assert launches["_rope_cache_kernel"] == launches["_decode_split_kernel"] == 1, launches
+    assert "add" not in launches and "_write_kv_kernel" not in launches, launches

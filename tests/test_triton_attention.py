@@ -98,6 +98,24 @@ def test_decode_splits_agree(num_splits):
               dtype=torch.float32, window=None, seed=5, num_splits=num_splits)  # fmt: skip
 
 
+@pytest.mark.parametrize("num_splits, merges", [(1, 0), (3, 1)])
+def test_one_split_writes_the_output_itself(monkeypatch, num_splits, merges):
+    """A batch that fills the GPU alone runs one split a (request, KV head): the split
+    kernel then writes the output, and the merge kernel does not run (one launch a layer)."""
+    launched = []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return merge[grid]
+
+    merge = ta._decode_merge_kernel
+    monkeypatch.setattr(ta, "_decode_merge_kernel", Recorded())
+    run_mixed([(130, 1), (1, 1), (40, 1)], num_heads=8, group=4, head_dim=64, block_size=16,
+              dtype=torch.bfloat16, window=None, seed=7, num_splits=num_splits)  # fmt: skip
+    assert len(launched) == merges
+
+
 @pytest.mark.parametrize("window", [None, 40])
 def test_decode_sized_for_the_longest_context_the_cache_holds(window):
     """As a decode graph runs it: splits for 4096 tokens over contexts of 1 to 130."""

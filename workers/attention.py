@@ -117,15 +117,42 @@ def _triton(
 
     triton_attention.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache,
                               meta.slot_mapping)  # fmt: skip
+    return _triton_attend(q, k_cache, v_cache, meta, scale, sliding_window).unsqueeze(0)
+
+
+def attend_written(
+    module: torch.nn.Module,
+    q: torch.Tensor,  # [T, H, D]
+    attn_metadata: AttentionMetadata,
+    scaling: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` on the Triton backend for a model that wrote the step's K/V into
+    the cache itself (workers.fused_ops.rotary_into_cache): [T, H, D]."""
+    k_cache, v_cache = attn_metadata.kv_caches[module.layer_idx]
+    return _triton_attend(q, k_cache, v_cache, attn_metadata, scaling, sliding_window)
+
+
+def _triton_attend(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Each row's attention over the cache, the step's K/V in it: [T, H, D]."""
+    from workers import triton_attention  # only where Triton is the backend
+
     paged = meta.paged
+    assert paged is not None
     bs = paged.block_size
     num_decodes = paged.decode_tables.shape[0]
     if num_decodes == q.shape[0]:  # decode only: token i is decode row i
-        out = triton_attention.decode_attention(
+        return triton_attention.decode_attention(
             q, k_cache, v_cache, paged.decode_tables, paged.decode_lens, paged.max_decode_len,
             bs, scale, sliding_window,
         )  # fmt: skip
-        return out.unsqueeze(0)
     # Zeros: a mixed-step graph's padded tokens are in no row, and stay finite this way.
     out = torch.zeros_like(q)
     if num_decodes:
@@ -138,7 +165,7 @@ def _triton(
         paged.prefill_lens, paged.prefill_tile_reqs, paged.prefill_tile_firsts, bs, scale,
         sliding_window, out=out,
     )  # fmt: skip
-    return out.unsqueeze(0)  # [1, T, H, D]
+    return out
 
 
 def _decode(

@@ -1,5 +1,6 @@
 """Triton kernels for a decoder layer's elementwise work on the CUDA path: RMSNorm (alone
-or with the residual add before it), the rotary embedding, SiLU times up.
+or with the residual add before it), the rotary embedding (alone, or with the write of K and V
+into the paged cache), SiLU times up.
 
 transformers computes an RMSNorm as eight kernels (casts, square, mean, add, rsqrt, two
 multiplies), the rotary embedding as about ten (rotate_half's slices, negation and cat,
@@ -252,6 +253,73 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         K_HEADS=triton.next_power_of_2(k.shape[1]), **NO_FMA,
     )  # fmt: skip
     return q_out, k_out
+
+
+@triton.jit
+def _rope_cache_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
+    stride_qot, stride_qoh, stride_cs, stride_ch, num_q_heads, num_kv_heads,
+    HALF: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+):  # fmt: skip
+    """One program per token: its q heads rotated into q_out, its k heads rotated into its
+    cache slot, its v heads copied there."""
+    t = tl.program_id(0).to(tl.int64)  # t * stride passes 2**31 in long prompts
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF)[None, :]
+    c1 = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_ct + d).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_ct + HALF + d).to(tl.float32)
+    _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
+                  num_q_heads, c1, c2, s1, s2, Q_HEADS, HALF)  # fmt: skip
+    _rotate_heads(k_ptr + t * stride_kt, k_cache_ptr + slot * stride_cs, stride_kh, stride_ch,
+                  num_kv_heads, c1, c2, s1, s2, KV_HEADS, HALF)  # fmt: skip
+    heads = tl.arange(0, KV_HEADS)[:, None]
+    cols = tl.arange(0, 2 * HALF)[None, :]
+    mask = heads < num_kv_heads
+    v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + cols, mask=mask)
+    tl.store(v_cache_ptr + slot * stride_cs + heads * stride_ch + cols, v, mask=mask)
+
+
+def rotary_into_cache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """`rotary` of q, k [T, heads, D] by cos, sin [T, D], and the rotated k and v written to
+    their cache slots ([slots, KVH, D] caches, `slot_mapping` [T]), in one kernel instead of
+    two (workers.triton_attention.write_kv): the rotated q [T, H, D]. The same values as the
+    pair, bit for bit; the caller checks `rotary_into_cache_fits` first."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    q_out = q.new_empty(q.shape)
+    _rope_cache_kernel[(num_tokens,)](
+        q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        num_q_heads, k.shape[1],
+        HALF=head_dim // 2, Q_HEADS=triton.next_power_of_2(num_q_heads),
+        KV_HEADS=triton.next_power_of_2(k.shape[1]), **NO_FMA,
+    )  # fmt: skip
+    return q_out
+
+
+def rotary_into_cache_fits(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor,
+) -> bool:  # fmt: skip
+    """Whether `rotary_into_cache` takes these: one dtype throughout (it writes K and V
+    without casting), a device it runs on, dense last dimensions, a power-of-two head size."""
+    num_tokens, _, head_dim = q.shape
+    return (
+        runs_here(q)
+        and k.shape == v.shape and k.shape[0] == num_tokens and k.shape[2] == head_dim
+        and k_cache.shape[1:] == k.shape[1:] and v_cache.shape == k_cache.shape
+        and v_cache.stride() == k_cache.stride()
+        and cos.shape == sin.shape == (num_tokens, head_dim) and sin.stride() == cos.stride()
+        and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+        and len({t.dtype for t in (q, k, v, cos, sin, k_cache, v_cache)}) == 1
+        and all(t.stride(-1) == 1 for t in (q, k, v, cos, k_cache))
+    )  # fmt: skip
 
 
 def _rotary_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -4,7 +4,8 @@ Why: importing transformers' modeling code (torch._dynamo, torch.distributed.ten
 come with it) was most of a cold start's imports: 2.6 of 4.2 s here, 8-10 of 14.5-18 s on
 the H100 host. The model also packs q|k|v and gate|up into one matmul each from the start,
 and on the CUDA path runs the fused kernels of workers.fused_ops, the residual add of each
-layer inside the next layer's norm.
+layer inside the next layer's norm, the write of K and V into the cache inside the rotary
+embedding's kernel.
 
 The arithmetic is transformers' eager one, rounding for rounding, so greedy tokens match
 HF `generate` (tests/test_llama_family.py, and the parity tests through the engine). Its
@@ -113,6 +114,10 @@ class Attention(torch.nn.Module):
         q, k, v = (t.view(*tokens, -1, shape.head_dim) for t in (q, k, v))
         if shape.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.fused_rotary and meta is not None and meta.paged is not None:
+            out = self._rotary_into_cache(q[0], k[0], v[0], cos[0], sin[0], meta)
+            if out is not None:
+                return self.o_proj(out.reshape(*tokens, -1))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, D]
         if self.fused_rotary:
             from workers.fused_ops import rotary
@@ -128,6 +133,20 @@ class Attention(torch.nn.Module):
                                                sliding_window=shape.sliding_window,
                                                attn_metadata=meta)  # fmt: skip
         return self.o_proj(out.reshape(*tokens, -1))
+
+    def _rotary_into_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, meta: attention.AttentionMetadata
+                           ) -> torch.Tensor | None:  # fmt: skip
+        """The Triton backend's attention [T, H, D] of q, k, v [T, heads, D], the rotary
+        embedding and the write of K and V into the cache in one kernel; None where that
+        kernel does not take them (the caller runs the two)."""
+        from workers import fused_ops
+
+        k_cache, v_cache = meta.kv_caches[self.layer_idx]
+        if not fused_ops.rotary_into_cache_fits(q, k, v, cos, sin, k_cache, v_cache):
+            return None
+        q = fused_ops.rotary_into_cache(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        return attention.attend_written(self, q, meta, self.scaling, self.shape.sliding_window)
 
 
 class MLP(torch.nn.Module):

@@ -15,7 +15,8 @@ query heads of one KV head together, so each K/V page is read once per KV head.
 - `decode_attention`: requests computing one token. One program per (request, KV head,
   split of the context); each split keeps a running max, sum and weighted V (online
   softmax) and a second kernel merges the splits, so a long context is spread over many
-  programs instead of one.
+  programs instead of one. With one split (a batch that fills the GPU by itself) the
+  split kernel writes the output and no merge runs: one launch a layer fewer.
 
 On the CPU they run under TRITON_INTERPRET=1 (tests compare them with the torch
 reference); the torch reference stays the CPU backend, being faster there.
@@ -115,9 +116,9 @@ def _online_softmax_step(
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     scale, window,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_bt,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, EXACT: tl.constexpr,
 ):  # fmt: skip
@@ -157,14 +158,21 @@ def _decode_split_kernel(
         m, s_sum, acc = _online_softmax_step(
             s, m, s_sum, acc, v_cache_ptr, slots, kv_ok, kv_head, stride_ks, stride_kh, d, EXACT
         )
-    # Partials laid out [B, H, splits] (+ [D]): contiguous, made by decode_attention.
-    num_heads = tl.num_programs(1) * GROUP
-    row = (req * num_heads + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
     g_ok = g < GROUP
-    tl.store(part_max_ptr + row, m, mask=g_ok)
-    tl.store(part_sum_ptr + row, s_sum, mask=g_ok)
-    tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc,
-             mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
+    if tl.num_programs(2) == 1:
+        # The whole context in this program: the output itself, no partials to merge (a
+        # branch on the grid, not a constexpr: one compiled kernel for every split count).
+        tl.store(out_ptr + req * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 (acc / s_sum[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
+    else:
+        # Partials laid out [B, H, splits] (+ [D]): contiguous, made by decode_attention.
+        num_heads = tl.num_programs(1) * GROUP
+        row = (req * num_heads + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
+        tl.store(part_max_ptr + row, m, mask=g_ok)
+        tl.store(part_sum_ptr + row, s_sum, mask=g_ok)
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc,
+                 mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
 # The split count falls with the batch (32 at batch 1, 1 from 64 up on an 8B shape): were it
@@ -299,16 +307,19 @@ def decode_attention(
                            device=q.device)  # fmt: skip
     part_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
+    out = torch.empty_like(q)
     d_pad = _d_pad(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum,
+        q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum, out,
         scale, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         EXACT=_exact(q),
     )  # fmt: skip
-    out = torch.empty_like(q)
+    if num_splits == 1:  # the split kernel wrote `out`
+        return out
     _decode_merge_kernel[(batch, num_heads)](
         part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=MAX_SPLITS,
