@@ -197,7 +197,8 @@ def run_served(model: str, work: list[tuple[list[int], int]], args: argparse.Nam
 def single_stream_loomllm(
     model: str, prompt: list[int], n: int, args: argparse.Namespace, enforce_eager: bool
 ):  # fmt: skip
-    """Decode seconds per token of one request alone (after its first token)."""
+    """(decode seconds per token of one request alone, after its first token; the device's
+    busy and idle time between the steps of that request, from the worker's probe)."""
     import anyio
 
     from runtime import Engine, RequestOutputKind, SamplingParams
@@ -205,17 +206,20 @@ def single_stream_loomllm(
     params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0,
                             output_kind=RequestOutputKind.DELTA)  # fmt: skip
 
-    async def run() -> float:
+    async def run() -> tuple[float, Any]:
         async with Engine(model, load_format="dummy", dtype=args.dtype, device=args.device,
                           keep_alive=0, manager_socket=args.manager_socket,
                           enforce_eager=enforce_eager) as engine:  # fmt: skip
-            for _ in range(2):  # the first is the warm-up
+            for warm_up in (True, False):
+                if not warm_up:
+                    await engine.collective_rpc(lambda worker: worker.runner.start_idle_probe())
                 first = None
                 async with engine.generate({"prompt_token_ids": prompt}, params) as stream:
                     async for _ in stream:
                         first = first or time.perf_counter()
                 end = time.perf_counter()
-            return (end - first) / (n - 1)
+            (device,) = await engine.collective_rpc(lambda w: w.runner.stop_idle_probe())
+            return (end - first) / (n - 1), device
 
     return anyio.run(run)
 
@@ -412,10 +416,15 @@ def main(argv: list[str] | None = None) -> None:
         # CUDA graphs (on CUDA), then every step eager.
         for eager in () if "stream" in args.skip else (False, True):
             settle()
-            per_token = single_stream_loomllm(model, work[0][0], args.stream_tokens, args, eager)
+            per_token, device = single_stream_loomllm(model, work[0][0], args.stream_tokens,
+                                                      args, eager)  # fmt: skip
             print(f"\none stream{', enforce_eager' if eager else ''}: {1 / per_token:.1f} "
                   f"tok/s ({per_token * 1e3:.2f} ms/token); bandwidth limit {limit:.1f} tok/s; "
-                  f"{100 / per_token / limit:.0f}% of it")  # fmt: skip
+                  f"{100 / per_token / limit:.0f}% of it; the device busy "
+                  f"{device.busy_s * 1e3 / max(device.steps, 1):.2f} ms a step, idle "
+                  f"{100 * device.idle_fraction:.1f}% between steps "
+                  f"({device.idle_s * 1e3 / max(device.steps - 1, 1):.3f} ms a gap, "
+                  f"{device.stalls} of 1 ms or more)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -65,8 +65,9 @@ def test_gpu_benchmark_runs_on_the_cpu_at_the_tiny_shape() -> None:
     assert all(int(stalls) <= int(marked) and 0 <= int(share) <= 100
                for *_, marked, stalls, share in idle), idle  # fmt: skip
     streams = re.findall(r"one stream(, enforce_eager)?: [\d.]+ tok/s .* bandwidth limit "
-                         r"[\d.]+ tok/s", done.stdout)  # fmt: skip
-    assert streams == ["", ", enforce_eager"], done.stdout
+                         r"[\d.]+ tok/s.* idle (\d+\.\d)% between steps", done.stdout)  # fmt: skip
+    assert [eager for eager, _ in streams] == ["", ", enforce_eager"], done.stdout
+    assert all(0 <= float(share) <= 100 for _, share in streams), streams
 
 
 def test_gpu_benchmark_skips_parts_and_refuses_unknown_ones() -> None:
