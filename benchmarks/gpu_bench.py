@@ -224,6 +224,19 @@ def single_stream_loomllm(
     return anyio.run(run)
 
 
+def workload_ceiling(work: list[tuple[list[int], int]], per_token: float) -> str:
+    """What the longest request alone bounds the workload's throughput to: its tokens come
+    one step after another, and a step of more requests takes no less time than a step of
+    one (the same weights read, and more)."""
+    longest = max(n for _, n in work)
+    seconds = (longest - 1) * per_token
+    tokens = sum(n for _, n in work)
+    return (f"the workload's longest request decodes {longest} tokens, one step after another: "
+            f"at this stream's {per_token * 1e3:.2f} ms a step that is {seconds:.2f} s at "
+            f"least, so at most {tokens / seconds:.0f} output tok/s for the {len(work)} "
+            f"requests, however they are batched")  # fmt: skip
+
+
 def load_hf(model: str, args: argparse.Namespace):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -425,6 +438,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{100 * device.idle_fraction:.1f}% between steps "
                   f"({device.idle_s * 1e3 / max(device.steps - 1, 1):.3f} ms a gap, "
                   f"{device.stalls} of 1 ms or more)")  # fmt: skip
+            if not eager:
+                print(workload_ceiling(work, per_token), flush=True)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,9 @@ def test_gpu_benchmark_runs_on_the_cpu_at_the_tiny_shape() -> None:
                          r"[\d.]+ tok/s.* idle (\d+\.\d)% between steps", done.stdout)  # fmt: skip
     assert [eager for eager, _ in streams] == ["", ", enforce_eager"], done.stdout
     assert all(0 <= float(share) <= 100 for _, share in streams), streams
+    ceiling = re.search(r"longest request decodes (\d+) tokens.* at most (\d+) output tok/s",
+                        done.stdout)  # fmt: skip
+    assert ceiling and int(ceiling.group(1)) <= asked, done.stdout
 
 
 def test_gpu_benchmark_skips_parts_and_refuses_unknown_ones() -> None:
