@@ -434,7 +434,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\none stream{', enforce_eager' if eager else ''}: {1 / per_token:.1f} "
                   f"tok/s ({per_token * 1e3:.2f} ms/token); bandwidth limit {limit:.1f} tok/s; "
                   f"{100 / per_token / limit:.0f}% of it; the device busy "
-                  f"{device.busy_s * 1e3 / max(device.steps, 1):.2f} ms a step, idle "
+                  f"{device.busy_s * 1e3 / max(device.steps, 1):.2f} ms a step (the "
+                  f"prompt's among {device.steps}), idle "
                   f"{100 * device.idle_fraction:.1f}% between steps "
                   f"({device.idle_s * 1e3 / max(device.steps - 1, 1):.3f} ms a gap, "
                   f"{device.stalls} of 1 ms or more)")  # fmt: skip

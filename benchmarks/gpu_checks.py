@@ -8,9 +8,10 @@
    sizes 16/32, contexts 1..4096, decodes, whole and chunked prompts in one batch, sliding
    windows) against a float64 reference: ‖out − ref‖/‖ref‖ < 1e-2 in bf16, 1e-4 in fp32.
    Every other batch runs every request through the prefill kernel, from a padded tile
-   list, as a mixed-step graph does.
+   list, as a mixed-step graph does; every third runs its decodes in one split (no merge).
 2. The fused kernels (workers/fused_ops.py) in bf16 against transformers' ops (the rotary
-   embedding bit for bit; RMSNorm with or without the residual add before it, and SiLU
+   embedding bit for bit, and so is the one that writes K and V into the cache against the
+   rotary kernel then write_kv; RMSNorm with or without the residual add before it, and SiLU
    times up, within a unit in the last place); and a bf16 model's logits against the same
    weights in float32, no further off (x1.5) with the fused kernels and packed projections
    (workers/fused_layers.py), nor in loomllm's own model (workers/llama_family.py, what a
@@ -64,6 +65,7 @@ def check_kernels(device: str, num_batches: int, longest: int) -> tuple[bool | N
                 head_dim=rng.choice([64, 128]), block_size=rng.choice([16, 32]), dtype=dtype,
                 window=rng.choice([None, None, 256]), seed=seed, device=device,
                 one_kernel=seed % 2 == 1,  # every other batch as a mixed-step graph runs it
+                num_splits=1 if seed % 3 == 0 else None,  # the decodes' output with no merge
             )  # fmt: skip
             worst[dtype] = max(worst[dtype], *(err for *_, err in errors))
     ok = all(worst[dtype] < TOLERANCE[dtype] for dtype in worst)
@@ -180,6 +182,7 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
                         modeling_llama.apply_rotary_pos_emb)  # fmt: skip
     rope_ulps, rope_share = ulps(fused_ops.rotary(q, k, cos, sin),
                                  reference(q, k, cos, sin))  # fmt: skip
+    into_cache_same = _rotary_into_cache_is_the_pair(randn, cos[0], sin[0], heads, kv_heads, dim)
     with torch.device(device):
         exact = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     half = copy.deepcopy(exact).bfloat16()
@@ -207,14 +210,43 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
     if not all(fused_model):
         return False, f"not all fused in {type(exact).__name__}: {fused_model}"
     ok = (norm_ulps <= 1 and add_ulps <= 1 and rope_share == 0 and silu_ulps <= 1
-          and fused <= 1.5 * stock and all(own_fused) and own <= 1.5 * stock)  # fmt: skip
+          and into_cache_same and fused <= 1.5 * stock and all(own_fused)
+          and own <= 1.5 * stock)  # fmt: skip
     return ok, (f"RMSNorm within {norm_ulps:.2f} units in the last place ({norm_share:.2%} of "
                 f"elements differ), add + RMSNorm {add_ulps:.2f} ({add_share:.2%}), rotary "
-                f"{rope_ulps:.2f} ({rope_share:.2%}), SiLU * up {silu_ulps:.2f} "
+                f"{rope_ulps:.2f} ({rope_share:.2%}), rotary into the KV cache against rotary "
+                f"then write_kv: {'identical' if into_cache_same else 'DIFFER'}, "
+                f"SiLU * up {silu_ulps:.2f} "
                 f"({silu_share:.2%}); {fused_model.layers} layers packed; bf16 logits against "
                 f"float32: relative error {fused:.2e} fused, {stock:.2e} with transformers' "
                 f"ops, {own:.2e} in workers.llama_family's model with the kernels "
                 f"({own_fused.layers} layers)")  # fmt: skip
+
+
+def _rotary_into_cache_is_the_pair(randn: Any, cos: Any, sin: Any, heads: int, kv_heads: int,
+                                   dim: int) -> bool:  # fmt: skip
+    """Whether fused_ops.rotary_into_cache leaves q and a large cache (slots near its end
+    too) exactly as the rotary kernel then triton_attention.write_kv do, on q, k, v views of
+    one packed projection as loomllm's model makes them."""
+    import torch
+
+    from workers import fused_ops, triton_attention
+
+    tokens = cos.shape[0]
+    qkv = randn(tokens, (heads + 2 * kv_heads) * dim)
+    q, k, v = (t.view(tokens, -1, dim)
+               for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))  # fmt: skip
+    num_slots = 2**16 if qkv.is_cuda else 2 * tokens
+    slots = torch.randperm(num_slots, device=qkv.device)[:tokens]
+    slots[-1] = num_slots - 1
+    caches = [randn(num_slots, kv_heads, dim) for _ in range(2)]
+    caches += [c.clone() for c in caches]
+    out_q = fused_ops.rotary_into_cache(q, k, v, cos, sin, caches[0], caches[1], slots)
+    ref_q, ref_k = fused_ops.rotary(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None],
+                                    sin[None])  # fmt: skip
+    triton_attention.write_kv(ref_k[0].transpose(0, 1), v, caches[2], caches[3], slots)
+    return (torch.equal(out_q, ref_q[0].transpose(0, 1)) and torch.equal(caches[0], caches[2])
+            and torch.equal(caches[1], caches[3]))  # fmt: skip
 
 
 def check_engines(

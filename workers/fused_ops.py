@@ -309,6 +309,8 @@ def rotary_into_cache_fits(
 ) -> bool:  # fmt: skip
     """Whether `rotary_into_cache` takes these: one dtype throughout (it writes K and V
     without casting), a device it runs on, dense last dimensions, a power-of-two head size."""
+    if q.dim() != 3 or k.dim() != 3:
+        return False
     num_tokens, _, head_dim = q.shape
     return (
         runs_here(q)

@@ -15,8 +15,9 @@ query heads of one KV head together, so each K/V page is read once per KV head.
 - `decode_attention`: requests computing one token. One program per (request, KV head,
   split of the context); each split keeps a running max, sum and weighted V (online
   softmax) and a second kernel merges the splits, so a long context is spread over many
-  programs instead of one. With one split (a batch that fills the GPU by itself) the
-  split kernel writes the output and no merge runs: one launch a layer fewer.
+  programs instead of one. With one split (a batch that fills the GPU by itself, or
+  contexts of one page) the split kernel writes the output and no merge runs: one launch
+  a layer fewer.
 
 On the CPU they run under TRITON_INTERPRET=1 (tests compare them with the torch
 reference); the torch reference stays the CPU backend, being faster there.
