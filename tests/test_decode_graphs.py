@@ -25,6 +25,7 @@ from runtime.request import Request
 from runtime.scheduler import Scheduler, SchedulerConfig
 from workers.cuda_graphs import DecodeGraphs, bucket_sizes
 from workers.fused_layers import install_fused_ops
+from workers.llama_family import Linear
 from workers.mixed_graphs import MixedGraphs, token_buckets
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
@@ -42,8 +43,11 @@ def test_bucket_sizes_double_up_to_max_num_seqs():
 
 def make_runner(model_dir: str, graphs: bool, fused: bool = False) -> ModelRunner:
     loaded = load_model(model_dir, dtype="float32")
-    if fused:  # as a CUDA worker runs: the K/V write inside the rotary kernel, padded rows too
-        assert install_fused_ops(loaded.model).layers
+    if fused:  # as a CUDA worker runs: the K/V write inside the rotary kernel, padded rows
+        assert install_fused_ops(loaded.model).layers  # too; steps of up to 8 rows with the
+        for linear in loaded.model.modules():  # skinny matmul (a worker times it first)
+            if isinstance(linear, Linear):
+                linear.skinny = True
     runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
                          dtype=torch.float32, block_size=16, num_blocks=24,
                          attention_backend="triton")  # fmt: skip

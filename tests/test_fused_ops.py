@@ -147,7 +147,7 @@ def test_rms_norm_reads_strided_rows():
 def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + i, mask=i < n)
-    tl.store(out_ptr + i, fused_ops._round_to(x, tl.bfloat16), mask=i < n)
+    tl.store(out_ptr + i, fused_ops.round_to(x, tl.bfloat16), mask=i < n)
 
 
 def test_bfloat16_rounding_is_torchs():

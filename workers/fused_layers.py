@@ -28,8 +28,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from workers import skinny_matmul
 from workers.fused_ops import FusedRMSNorm, add_rms_norm, fused_rotary, runs_here, silu_mul
-from workers.llama_family import LlamaFamilyForCausalLM
+from workers.llama_family import Linear, LlamaFamilyForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,9 @@ def install_fused_ops(model: torch.nn.Module) -> FusedModel:
     decoder layers. A model of another dtype than bf16 and float32, or on the CPU outside
     Triton's interpreter, keeps its ops. Call it last, once the model has its device,
     dtype and weights: packing copies q|k|v and gate|up into new tensors, which a later
-    conversion would leave behind.
+    conversion would leave behind. On CUDA, loomllm's own model also times
+    workers.skinny_matmul against cuBLAS on each of its weight shapes, and takes the faster
+    for steps of a few rows.
 
     The rotary swap is global to that modeling module in this process: every model of that
     architecture here runs it afterwards (a worker holds one model; in `loom bench
@@ -187,6 +190,9 @@ def install_fused_ops(model: torch.nn.Module) -> FusedModel:
     if isinstance(model, LlamaFamilyForCausalLM):  # loomllm's own: the kernels are built in
         norms, layers = model.use_fused_kernels()
         logger.info("fused kernels: %d RMSNorm modules, %d decoder layers", norms, layers)
+        if next(model.parameters()).is_cuda:  # timed on this device (not in the interpreter)
+            skinny_matmul.pick(m for m in model.modules() if isinstance(m, Linear))
+            torch.cuda.empty_cache()  # the timing graphs' memory, for the KV cache
         return FusedModel(norms, 1, layers)
     norms = [name for name, m in model.named_modules() if type(m).__name__ in LLAMA_NORMS]
     for name in norms:

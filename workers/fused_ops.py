@@ -41,7 +41,7 @@ def runs_here(*tensors: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _round_to(x, dtype: tl.constexpr):
+def round_to(x, dtype: tl.constexpr):
     """float32 `x` rounded to `dtype` and back, to nearest with ties to even, as torch rounds
     an op's output. bfloat16 in integer arithmetic: on an H100 the compiler dropped float
     round trips (17% of a rotary's outputs then differed from torch's), and Triton's
@@ -60,9 +60,9 @@ def _normalize(x, w_ptr, cols, mask, n_cols, eps, X_DTYPE: tl.constexpr,
     """transformers' Llama RMSNorm of the float32 row `x` (masked to `n_cols`), rounded where
     it rounds: the normalized row to the input's dtype before the weight."""
     normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    normed = _round_to(normed, X_DTYPE)
+    normed = round_to(normed, X_DTYPE)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return _round_to(w * normed, OUT_DTYPE)  # exact: the store only narrows
+    return round_to(w * normed, OUT_DTYPE)  # exact: the store only narrows
 
 
 @triton.jit
@@ -86,7 +86,7 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = sum_ptr.dtype.element_ty
-    total = _round_to(x + r, dtype)  # torch's `residual + hidden_states`, rounded as it rounds
+    total = round_to(x + r, dtype)  # torch's `residual + hidden_states`, rounded as it rounds
     tl.store(sum_ptr + row * stride_s + cols, total.to(dtype), mask=mask)
     out = _normalize(total, w_ptr, cols, mask, n_cols, eps, dtype, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -164,8 +164,8 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.const
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     # torch's silu, x / (1 + exp(-x)) in float32 (an IEEE division), rounded; then the product.
-    act = _round_to(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)
-    tl.store(out_ptr + row * stride_o + cols, _round_to(act * up, dtype).to(dtype), mask=mask)
+    act = round_to(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * stride_o + cols, round_to(act * up, dtype).to(dtype), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -198,8 +198,8 @@ def _rotate_heads(x_ptr, out_ptr, stride_xh, stride_oh, num_heads, c1, c2, s1, s
     mask = heads < num_heads
     x1 = tl.load(x_ptr + heads * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + heads * stride_xh + HALF + d, mask=mask, other=0.0).to(tl.float32)
-    first = _round_to(_round_to(x1 * c1, dtype) + _round_to(-x2 * s1, dtype), dtype)
-    second = _round_to(_round_to(x2 * c2, dtype) + _round_to(x1 * s2, dtype), dtype)
+    first = round_to(round_to(x1 * c1, dtype) + round_to(-x2 * s1, dtype), dtype)
+    second = round_to(round_to(x2 * c2, dtype) + round_to(x1 * s2, dtype), dtype)
     tl.store(out_ptr + heads * stride_oh + d, first.to(dtype), mask=mask)
     tl.store(out_ptr + heads * stride_oh + HALF + d, second.to(dtype), mask=mask)
 

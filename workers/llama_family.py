@@ -25,10 +25,21 @@ from workers.llama_config import DecoderShape
 
 class Linear(torch.nn.Linear):
     """nn.Linear with no initialization: `build` fills the weights (no time spent drawing
-    random values that the checkpoint's replace)."""
+    random values that the checkpoint's replace). `skinny`: a few rows run
+    workers.skinny_matmul's kernel (set where it measured faster than cuBLAS)."""
+
+    skinny = False
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skinny:
+            from workers import skinny_matmul
+
+            if x.numel() <= skinny_matmul.MAX_ROWS * x.shape[-1] and x.stride(-1) == 1:
+                return skinny_matmul.skinny_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(torch.nn.Embedding):

@@ -1,0 +1,94 @@
+"""workers.skinny_matmul, the Triton matmul for a few rows (Triton's interpreter, conftest.py):
+against a float64 reference and F.linear's own error, its refusals, the per-shape choice
+between it and cuBLAS, and loomllm's own model running it."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from paged_forward import paged_logits
+from test_llama_family import PROMPT, save_variant
+
+from workers import skinny_matmul
+from workers.fused_layers import install_fused_ops
+from workers.llama_family import Linear
+from workers.model_loader import load_model
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n_out, k_in, bias", [
+    (1, 40, 512, False),  # whole loads of BLOCK_K; outputs past a block's end masked
+    (3, 33, 300, True),  # a ragged last load along K
+    (8, 64, 256, True),  # MAX_ROWS
+])  # fmt: skip
+def test_matches_float64_as_closely_as_f_linear(dtype, rows, n_out, k_in, bias):
+    torch.manual_seed(rows)
+    # x as a model hands it over: [1, T, K], a view of a wider tensor's rows.
+    x = torch.randn(1, rows, 2 * k_in).to(dtype)[..., :k_in]
+    weight = torch.randn(n_out, k_in).to(dtype)
+    b = torch.randn(n_out).to(dtype) if bias else None
+    out = skinny_matmul.skinny_linear(x, weight, b)
+    ref = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert out.shape == (1, rows, n_out) and out.dtype == dtype
+    ours, theirs = _rel(out, ref), _rel(torch.nn.functional.linear(x, weight, b), ref)
+    assert ours <= 1.5 * theirs + 1e-7, (ours, theirs)
+
+
+def test_refuses_what_it_does_not_compute():
+    weight = torch.zeros(16, 32)
+    with pytest.raises(ValueError, match="up to 8 dense rows"):
+        skinny_matmul.skinny_linear(torch.zeros(9, 32), weight)
+    with pytest.raises(ValueError, match="of the weight's width"):
+        skinny_matmul.skinny_linear(torch.zeros(2, 31), weight)
+
+
+def test_pick_takes_the_kernel_where_it_wins_at_one_row_and_at_max_rows():
+    """A fake clock: the kernel is faster for [48, 32] weights at both sizes, faster for
+    [16, 32] only at one row (cuBLAS stays), slower for [32, 32] biased ones."""
+    kernel_times = {(48, 1): 1.0, (48, 8): 1.0, (16, 1): 1.0, (16, 8): 3.0, (32, 1): 3.0,
+                    (32, 8): 3.0}  # fmt: skip
+
+    def seconds(fn: functools.partial) -> float:
+        x, weight = fn.args[:2]
+        if fn.func is skinny_matmul.skinny_linear:
+            return kernel_times[(weight.shape[0], x.shape[0])]
+        return 2.0
+
+    linears = [Linear(32, 48, bias=False), Linear(32, 48, bias=False), Linear(32, 16, bias=False),
+               Linear(32, 32, bias=True)]  # fmt: skip
+    for linear in linears:
+        torch.nn.init.normal_(linear.weight)
+        if linear.bias is not None:
+            torch.nn.init.normal_(linear.bias)
+    speedups = skinny_matmul.pick(linears, seconds)
+    assert speedups == {(48, 32, False): (2.0, 2.0), (16, 32, False): (2.0, 2 / 3),
+                        (32, 32, True): (2 / 3, 2 / 3)}  # fmt: skip
+    assert [linear.skinny for linear in linears] == [True, True, False, False]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
+def test_loomllms_model_runs_it_for_a_decode_step(dtype, tolerance, tmp_path, monkeypatch):
+    """Every matmul of the decode step (q|k|v, o, gate|up, down, lm_head) through the kernel,
+    none of the prompt's (more rows than MAX_ROWS); the logits as with cuBLAS's, to the
+    rounding of another summation order."""
+    loaded = load_model(str(save_variant(tmp_path, "llama-biases-tied")), dtype=str(dtype)[6:],
+                        model_impl="loom")  # fmt: skip
+    install_fused_ops(loaded.model)
+    expected = paged_logits(loaded.model, loaded.config, PROMPT, "triton", dtype)
+    linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
+    for linear in linears:
+        linear.skinny = True
+    calls = []
+    kernel = skinny_matmul.skinny_linear
+    monkeypatch.setattr(skinny_matmul, "skinny_linear",
+                        lambda x, *args: calls.append(x.shape) or kernel(x, *args))  # fmt: skip
+    logits = paged_logits(loaded.model, loaded.config, PROMPT, "triton", dtype)
+    assert len(calls) == len(linears) == 4 * 2 + 1 and {c[:-1] for c in calls} == {(1, 1)}
+    torch.testing.assert_close(logits.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))

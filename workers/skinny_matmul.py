@@ -1,0 +1,144 @@
+"""Linear layers' matmuls for the few rows of a small decode batch, in Triton, where faster.
+
+A decode step of a few requests reads every weight once and does almost no arithmetic, so
+its matmuls should run at the memory's bandwidth. On an H100 cuBLAS reached 2.5-2.9 TB/s
+for the 8B shape's matrices at batch 1 and added split-K reduction kernels (0.27 ms a
+step, `loom bench decode-profile`). `skinny_linear` reads each weight row once, in
+one kernel: one program per BLOCK_N output features walks the whole input dimension, the
+few rows (padded to 16, tl.dot's minimum) alongside. No split-K, so no second kernel.
+
+Whether it is faster depends on the GPU and the shape, so `pick` times both on the
+worker's own device at start (CUDA graphs, as decode steps run) and turns it on per weight
+shape only where it wins at 1 and at MAX_ROWS rows. Its output rounds once from a float32
+sum, as cuBLAS's does, but sums in another order: not cuBLAS's bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.fused_ops import DTYPES, round_to
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 8  # decode batches up to this many rows (graph buckets 1, 2, 4, 8)
+ROWS_PAD = 16  # tl.dot's minimum rows on GPUs
+BLOCK_N = 16  # output features a program: 256 programs for a 4096-wide output
+BLOCK_K = 256  # input features a load: a 512-byte run of each bf16 weight row
+NUM_STAGES = 4  # loads in flight a program: what keeps the memory busy
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _skinny_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, k_in, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EXACT: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, ROWS)
+    n_ok = n < n_out
+    m_ok = m < rows
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:  # no mask along the rows: vector loads
+            x_mask = m_ok[:, None]
+            w_mask = n_ok[:, None]
+        else:
+            x_mask = m_ok[:, None] & (k < k_in)[None, :]
+            w_mask = n_ok[:, None] & (k < k_in)[None, :]
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
+        if EXACT:  # float32 math (float32 models, and the interpreter: no bf16 matmul)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = round_to(acc, out_ptr.dtype.element_ty)  # to nearest, in the interpreter too
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                  ) -> torch.Tensor:  # fmt: skip
+    """`F.linear(x, weight, bias)` for x [..., K] of at most MAX_ROWS rows (weight [N, K],
+    bias [N], all of x's dtype; the last dimensions dense)."""
+    k_in = x.shape[-1]
+    x2 = x.reshape(-1, k_in)
+    rows, n_out = x2.shape[0], weight.shape[0]
+    if rows > MAX_ROWS or weight.shape[1] != k_in or x2.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"skinny_linear takes up to {MAX_ROWS} dense rows of the weight's "
+                         f"width: x {tuple(x.shape)}, weight {tuple(weight.shape)}")  # fmt: skip
+    out = x2.new_empty(rows, n_out)
+    exact = x.dtype == torch.float32 or bool(triton.knobs.runtime.interpret)
+    _skinny_kernel[(triton.cdiv(n_out, BLOCK_N),)](
+        x2, weight, weight if bias is None else bias, out, rows, n_out, k_in,
+        x2.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k_in % BLOCK_K == 0, EXACT=exact,
+        ROWS=ROWS_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], n_out)
+
+
+def graph_seconds(fn: Callable[[], Any], reps: int = 20) -> float:
+    """Device seconds of one `fn()`, `reps` of them replayed from a CUDA graph (a decode
+    step's launches cost no host time either)."""
+    fn()  # compiles, and lets cuBLAS pick its kernel before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()  # warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def pick(
+    linears: Iterable[torch.nn.Module],
+    seconds: Callable[[Callable[[], Any]], float] = graph_seconds,
+) -> dict[tuple, tuple[float, float]]:
+    """Time cuBLAS and `skinny_linear` on each distinct weight shape of `linears` (modules
+    with `weight`, `bias` and a `skinny` flag), at 1 and MAX_ROWS rows, and set `skinny` on
+    those of the shapes it runs faster at both. Returns {(N, K, has bias): (cuBLAS time /
+    its time at 1 row, the same at MAX_ROWS)} for every shape timed."""
+    by_shape: dict[tuple, list[torch.nn.Module]] = {}
+    for linear in linears:
+        if linear.weight.dtype in DTYPES:
+            key = (*linear.weight.shape, linear.bias is not None)
+            by_shape.setdefault(key, []).append(linear)
+    speedups = {}
+    for key, group in by_shape.items():
+        speedups[key] = _speedups(group[0].weight, group[0].bias, seconds)
+        faster = min(speedups[key]) > 1.0
+        for linear in group:
+            linear.skinny = faster
+        logger.info("matmul of %s weights%s: %s (cuBLAS time / Triton's: x%.2f at 1 row, "
+                    "x%.2f at %d)", list(key[:2]), " with bias" * key[2],
+                    "Triton" if faster else "cuBLAS", *speedups[key], MAX_ROWS)  # fmt: skip
+    return speedups
+
+
+def _speedups(weight: torch.Tensor, bias: torch.Tensor | None,
+              seconds: Callable[[Callable[[], Any]], float]) -> tuple[float, float]:  # fmt: skip
+    """cuBLAS's time / skinny_linear's, at 1 row and at MAX_ROWS."""
+    ratios = []
+    for rows in (1, MAX_ROWS):
+        x = torch.randn(rows, weight.shape[1], device=weight.device).to(weight.dtype)
+        cublas = seconds(functools.partial(torch.nn.functional.linear, x, weight, bias))
+        ours = seconds(functools.partial(skinny_linear, x, weight, bias))
+        ratios.append(cublas / max(ours, 1e-12))
+    return ratios[0], ratios[1]
