@@ -15,7 +15,7 @@ bandwidth each of the model's matmuls reaches alone, at the decode batch sizes.
 2. Each distinct weight shape as one `F.linear` at each batch size, replayed from a CUDA
    graph: the bandwidth it reaches (weight bytes / time), against the device's copy
    bandwidth, and the same for the packed projections (q|k|v, gate|up) that the fused
-   layers run instead.
+   layers run instead; at batches of up to 8 rows, workers.skinny_matmul's kernel too.
 
 Self-contained like `loom bench gpu`; CUDA only.
 """
@@ -116,9 +116,13 @@ def _step(scheduler: Any, runner: Any, calls: Iterator[int]) -> None:
 
 
 def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int) -> None:
-    """Print the bandwidth each of `shape`'s weight matrices reaches as one F.linear."""
+    """Print the bandwidth each of `shape`'s weight matrices reaches as one F.linear (cuBLAS)
+    and, at batches workers.skinny_matmul takes, as its Triton kernel (what a worker picks
+    between at start)."""
     import torch
     import torch.nn.functional as F
+
+    from workers.skinny_matmul import MAX_ROWS, graph_seconds, skinny_linear
 
     s = SHAPES[shape]
     hidden, inter = s["hidden_size"], s["intermediate_size"]
@@ -129,29 +133,23 @@ def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int) -> None:
                "q|k|v fused": (hidden + 2 * kv, hidden), "gate|up fused": (2 * inter, hidden),
                "lm_head": (s["vocab_size"], hidden)}  # fmt: skip
     copy = copy_bandwidth("cuda")
-    print(f"\ncopy bandwidth {copy / 1e9:.0f} GB/s (read + write); each matmul alone:")
-    print("| weight | [out, in] | " + " | ".join(f"batch {b} GB/s" for b in batch_sizes)
+    print(f"\ncopy bandwidth {copy / 1e9:.0f} GB/s (read + write); each matmul alone, GB/s "
+          f"of weights read, cuBLAS (and up to {MAX_ROWS} rows: Triton's skinny kernel, "
+          "and cuBLAS's time / its):")  # fmt: skip
+    print("| weight | [out, in] | " + " | ".join(f"batch {b}" for b in batch_sizes)
           + " |\n|---|---|" + "---|" * len(batch_sizes))  # fmt: skip
     for name, (out, inp) in weights.items():
         w = torch.randn(out, inp, device="cuda", dtype=torch.bfloat16)
         cells = []
         for batch in batch_sizes:
             x = torch.randn(batch, inp, device="cuda", dtype=torch.bfloat16)
-            F.linear(x, w)  # cuBLAS picks its kernel before the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(reps):
-                    F.linear(x, w)
-            graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            seconds = start.elapsed_time(end) / 1e3 / reps
-            cells.append(f"{w.numel() * 2 / seconds / 1e9:.0f}")
-        print(f"| {name} | [{out}, {inp}] | " + " | ".join(cells) + " |")
+            cublas = graph_seconds(functools.partial(F.linear, x, w), reps)
+            cell = f"{w.numel() * 2 / cublas / 1e9:.0f}"
+            if batch <= MAX_ROWS:
+                ours = graph_seconds(functools.partial(skinny_linear, x, w), reps)
+                cell += f" / {w.numel() * 2 / ours / 1e9:.0f} (x{cublas / ours:.2f})"
+            cells.append(cell)
+        print(f"| {name} | [{out}, {inp}] | " + " | ".join(cells) + " |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,7 +12,8 @@
 2. The fused kernels (workers/fused_ops.py) in bf16 against transformers' ops (the rotary
    embedding bit for bit, and so is the one that writes K and V into the cache against the
    rotary kernel then write_kv; RMSNorm with or without the residual add before it, and SiLU
-   times up, within a unit in the last place); and a bf16 model's logits against the same
+   times up, within a unit in the last place; the skinny matmul of a few rows no further from
+   a float64 matmul than x1.5 cuBLAS's error); and a bf16 model's logits against the same
    weights in float32, no further off (x1.5) with the fused kernels and packed projections
    (workers/fused_layers.py), nor in loomllm's own model (workers/llama_family.py, what a
    worker runs for this shape).
@@ -183,6 +184,11 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
     rope_ulps, rope_share = ulps(fused_ops.rotary(q, k, cos, sin),
                                  reference(q, k, cos, sin))  # fmt: skip
     into_cache_same = _rotary_into_cache_is_the_pair(randn, cos[0], sin[0], heads, kv_heads, dim)
+    skinny = _skinny_error_ratio(randn, {
+        "q|k|v": (heads * dim + 2 * kv_heads * dim, hidden), "o": (hidden, heads * dim),
+        "gate|up": (2 * config.intermediate_size, hidden),
+        "down": (hidden, config.intermediate_size), "lm_head": (config.vocab_size, hidden),
+    })  # fmt: skip
     with torch.device(device):
         exact = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     half = copy.deepcopy(exact).bfloat16()
@@ -210,17 +216,40 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
     if not all(fused_model):
         return False, f"not all fused in {type(exact).__name__}: {fused_model}"
     ok = (norm_ulps <= 1 and add_ulps <= 1 and rope_share == 0 and silu_ulps <= 1
-          and into_cache_same and fused <= 1.5 * stock and all(own_fused)
+          and into_cache_same and skinny <= 1.5 and fused <= 1.5 * stock and all(own_fused)
           and own <= 1.5 * stock)  # fmt: skip
     return ok, (f"RMSNorm within {norm_ulps:.2f} units in the last place ({norm_share:.2%} of "
                 f"elements differ), add + RMSNorm {add_ulps:.2f} ({add_share:.2%}), rotary "
                 f"{rope_ulps:.2f} ({rope_share:.2%}), rotary into the KV cache against rotary "
-                f"then write_kv: {'identical' if into_cache_same else 'DIFFER'}, "
+                f"then write_kv: {'identical' if into_cache_same else 'DIFFER'}, the skinny "
+                f"matmul's error against float64 at most x{skinny:.2f} cuBLAS's, "
                 f"SiLU * up {silu_ulps:.2f} "
                 f"({silu_share:.2%}); {fused_model.layers} layers packed; bf16 logits against "
                 f"float32: relative error {fused:.2e} fused, {stock:.2e} with transformers' "
                 f"ops, {own:.2e} in workers.llama_family's model with the kernels "
                 f"({own_fused.layers} layers)")  # fmt: skip
+
+
+def _skinny_error_ratio(randn: Any, shapes: dict[str, tuple[int, int]]) -> float:
+    """The largest ratio, over these weight shapes ([out, in], with a bias) at 1 and
+    MAX_ROWS rows, of workers.skinny_matmul's relative error against a float64 matmul to
+    F.linear's (cuBLAS's)."""
+    import torch
+
+    from workers.skinny_matmul import MAX_ROWS, skinny_linear
+
+    worst = 0.0
+    for out_features, in_features in shapes.values():
+        weight, bias = randn(out_features, in_features), randn(out_features)
+        for rows in (1, MAX_ROWS):
+            x = randn(rows, in_features)
+            ref = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+            errors = [((out.double() - ref).norm() / ref.norm()).item()
+                      for out in (skinny_linear(x, weight, bias),
+                                  torch.nn.functional.linear(x, weight, bias))]  # fmt: skip
+            worst = max(worst, errors[0] / max(errors[1], 1e-12))
+            del ref
+    return worst
 
 
 def _rotary_into_cache_is_the_pair(randn: Any, cos: Any, sin: Any, heads: int, kv_heads: int,
