@@ -13,7 +13,8 @@ bandwidth each of the model's matmuls reaches alone, at the decode batch sizes.
    into it (workers/fused_layers.py), and loomllm's own model (workers/llama_family.py,
    the same kernels built in: what a worker runs), with graphs and eager.
 2. Each distinct weight shape as one `F.linear` at each batch size, replayed from a CUDA
-   graph: the bandwidth it reaches (weight bytes / time), against the device's copy
+   graph over copies of the weight that overflow the L2 cache (a step reads each weight
+   from memory): the bandwidth it reaches (weight bytes / time), against the device's copy
    bandwidth, and the same for the packed projections (q|k|v, gate|up) that the fused
    layers run instead; at batches of up to 8 rows, workers.skinny_matmul's kernel too.
 
@@ -122,7 +123,7 @@ def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int) -> None:
     import torch
     import torch.nn.functional as F
 
-    from workers.skinny_matmul import MAX_ROWS, graph_seconds, skinny_linear
+    from workers.skinny_matmul import MAX_ROWS, graph_seconds, matmul_seconds, skinny_linear
 
     s = SHAPES[shape]
     hidden, inter = s["hidden_size"], s["intermediate_size"]
@@ -132,10 +133,12 @@ def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int) -> None:
                "gate or up": (inter, hidden), "down": (hidden, inter),
                "q|k|v fused": (hidden + 2 * kv, hidden), "gate|up fused": (2 * inter, hidden),
                "lm_head": (s["vocab_size"], hidden)}  # fmt: skip
+    seconds = functools.partial(graph_seconds, reps=reps)
     copy = copy_bandwidth("cuda")
     print(f"\ncopy bandwidth {copy / 1e9:.0f} GB/s (read + write); each matmul alone, GB/s "
-          f"of weights read, cuBLAS (and up to {MAX_ROWS} rows: Triton's skinny kernel, "
-          "and cuBLAS's time / its):")  # fmt: skip
+          f"of weights read from memory (copies of a weight, in turn, overflow the L2 cache), "
+          f"cuBLAS (and up to {MAX_ROWS} rows: Triton's skinny kernel, and cuBLAS's time / "
+          "its):")  # fmt: skip
     print("| weight | [out, in] | " + " | ".join(f"batch {b}" for b in batch_sizes)
           + " |\n|---|---|" + "---|" * len(batch_sizes))  # fmt: skip
     for name, (out, inp) in weights.items():
@@ -143,10 +146,10 @@ def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int) -> None:
         cells = []
         for batch in batch_sizes:
             x = torch.randn(batch, inp, device="cuda", dtype=torch.bfloat16)
-            cublas = graph_seconds(functools.partial(F.linear, x, w), reps)
+            cublas = matmul_seconds(F.linear, x, w, seconds=seconds)
             cell = f"{w.numel() * 2 / cublas / 1e9:.0f}"
             if batch <= MAX_ROWS:
-                ours = graph_seconds(functools.partial(skinny_linear, x, w), reps)
+                ours = matmul_seconds(skinny_linear, x, w, seconds=seconds)
                 cell += f" / {w.numel() * 2 / ours / 1e9:.0f} (x{cublas / ours:.2f})"
             cells.append(cell)
         print(f"| {name} | [{out}, {inp}] | " + " | ".join(cells) + " |", flush=True)
