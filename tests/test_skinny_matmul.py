@@ -72,6 +72,21 @@ def test_pick_takes_the_kernel_where_it_wins_at_one_row_and_at_max_rows():
     assert [linear.skinny for linear in linears] == [True, True, False, False]
 
 
+def test_pick_keeps_cublas_where_the_kernel_fails(monkeypatch, caplog):
+    """A kernel that cannot be built on this GPU (a compile error) costs nothing but a log."""
+
+    def broken(*args):
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(skinny_matmul, "skinny_linear", broken)
+    linear = Linear(32, 16, bias=False)
+    torch.nn.init.normal_(linear.weight)
+    assert skinny_matmul.pick([linear], lambda fn: fn() or 1.0) == {}
+    assert not linear.skinny and "the skinny matmul failed on [16, 32]" in caplog.text
+    assert torch.equal(linear(torch.ones(1, 32)), torch.nn.functional.linear(torch.ones(1, 32),
+                                                                             linear.weight))
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
 def test_loomllms_model_runs_it_for_a_decode_step(dtype, tolerance, tmp_path, monkeypatch):
     """Every matmul of the decode step (q|k|v, o, gate|up, down, lm_head) through the kernel,

@@ -113,8 +113,9 @@ def pick(
 ) -> dict[tuple, tuple[float, float]]:
     """Time cuBLAS and `skinny_linear` on each distinct weight shape of `linears` (modules
     with `weight`, `bias` and a `skinny` flag), at 1 and MAX_ROWS rows, and set `skinny` on
-    those of the shapes it runs faster at both. Returns {(N, K, has bias): (cuBLAS time /
-    its time at 1 row, the same at MAX_ROWS)} for every shape timed."""
+    those of the shapes it runs faster at both (a shape it fails on keeps cuBLAS, logged).
+    Returns {(N, K, has bias): (cuBLAS time / its time at 1 row, the same at MAX_ROWS)}
+    for every shape timed."""
     by_shape: dict[tuple, list[torch.nn.Module]] = {}
     for linear in linears:
         if linear.weight.dtype in DTYPES:
@@ -122,7 +123,12 @@ def pick(
             by_shape.setdefault(key, []).append(linear)
     speedups = {}
     for key, group in by_shape.items():
-        speedups[key] = _speedups(group[0].weight, group[0].bias, seconds)
+        try:
+            speedups[key] = _speedups(group[0].weight, group[0].bias, seconds)
+        except Exception:  # a kernel this GPU or Triton cannot build: cuBLAS, as without it
+            logger.exception("the skinny matmul failed on %s weights: cuBLAS runs them",
+                             list(key[:2]))  # fmt: skip
+            continue
         faster = min(speedups[key]) > 1.0
         for linear in group:
             linear.skinny = faster
