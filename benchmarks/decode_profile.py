@@ -18,7 +18,7 @@ bandwidth each of the model's matmuls reaches alone, at the decode batch sizes.
    bandwidth, and the same for the packed projections (q|k|v, gate|up) that the fused
    layers run instead; at batches of up to 8 rows, workers.skinny_matmul's kernel too.
 
-Self-contained like `loom bench gpu`; CUDA only.
+Self-contained like `loom bench gpu`; CUDA (`--device cpu`: a smoke test).
 """
 
 from __future__ import annotations
@@ -116,10 +116,12 @@ def _step(scheduler: Any, runner: Any, calls: Iterator[int]) -> None:
     scheduler.update_from_output(so, runner.execute(so, next(calls)))
 
 
-def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int) -> None:
+def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int, device: str) -> None:
     """Print the bandwidth each of `shape`'s weight matrices reaches as one F.linear (cuBLAS)
     and, at batches workers.skinny_matmul takes, as its Triton kernel (what a worker picks
-    between at start)."""
+    between at start). On the CPU a smoke test: one call's wall time each."""
+    import time
+
     import torch
     import torch.nn.functional as F
 
@@ -133,8 +135,15 @@ def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int) -> None:
                "gate or up": (inter, hidden), "down": (hidden, inter),
                "q|k|v fused": (hidden + 2 * kv, hidden), "gate|up fused": (2 * inter, hidden),
                "lm_head": (s["vocab_size"], hidden)}  # fmt: skip
-    seconds = functools.partial(graph_seconds, reps=reps)
-    copy = copy_bandwidth("cuda")
+    def wall_seconds(fn: Any) -> float:
+        fn()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    cuda = device.startswith("cuda")
+    seconds = functools.partial(graph_seconds, reps=reps) if cuda else wall_seconds
+    copy = copy_bandwidth(device)
     print(f"\ncopy bandwidth {copy / 1e9:.0f} GB/s (read + write); each matmul alone, GB/s "
           f"of weights read from memory (copies of a weight, in turn, overflow the L2 cache), "
           f"cuBLAS (and up to {MAX_ROWS} rows: Triton's skinny kernel, and cuBLAS's time / "
@@ -142,10 +151,10 @@ def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int) -> None:
     print("| weight | [out, in] | " + " | ".join(f"batch {b}" for b in batch_sizes)
           + " |\n|---|---|" + "---|" * len(batch_sizes))  # fmt: skip
     for name, (out, inp) in weights.items():
-        w = torch.randn(out, inp, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(out, inp, device=device, dtype=torch.bfloat16)
         cells = []
         for batch in batch_sizes:
-            x = torch.randn(batch, inp, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(batch, inp, device=device, dtype=torch.bfloat16)
             cublas = matmul_seconds(F.linear, x, w, seconds=seconds)
             cell = f"{w.numel() * 2 / cublas / 1e9:.0f}"
             if batch <= MAX_ROWS:
@@ -175,8 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     cuda = args.device.startswith("cuda")
     print(f"{PROG}: {args.shape} on "
           f"{torch.cuda.get_device_name() if cuda else 'cpu'}, bfloat16")  # fmt: skip
-    if cuda:
-        linear_bandwidth(args.shape, args.batch_sizes, args.reps)
+    linear_bandwidth(args.shape, args.batch_sizes, args.reps, args.device)
     from workers.fused_layers import install_fused_ops
     from workers.model_loader import load_model
 
