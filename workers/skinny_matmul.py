@@ -115,8 +115,8 @@ def pick(
     """Time cuBLAS and `skinny_linear` on each distinct weight shape of `linears` (modules
     with `weight`, `bias` and a `skinny` flag), at 1 and MAX_ROWS rows, and set `skinny` on
     those of the shapes it runs faster at both (a shape it fails on keeps cuBLAS, logged).
-    Returns {(N, K, has bias): (cuBLAS time / its time at 1 row, the same at MAX_ROWS)}
-    for every shape timed."""
+    Returns {(N, K, has bias): (cuBLAS time / its time at 1 row, the same at MAX_ROWS, or
+    0.0 where it lost at 1 row)} for every shape timed."""
     by_shape: dict[tuple, list[torch.nn.Module]] = {}
     for linear in linears:
         if linear.weight.dtype in DTYPES:
@@ -133,21 +133,25 @@ def pick(
         faster = min(speedups[key]) > 1.0
         for linear in group:
             linear.skinny = faster
-        logger.info("matmul of %s weights%s: %s (cuBLAS time / Triton's: x%.2f at 1 row, "
-                    "x%.2f at %d)", list(key[:2]), " with bias" * key[2],
-                    "Triton" if faster else "cuBLAS", *speedups[key], MAX_ROWS)  # fmt: skip
+        one, most = speedups[key]
+        logger.info("matmul of %s weights%s: %s (cuBLAS time / Triton's: x%.2f at 1 row%s)",
+                    list(key[:2]), " with bias" * key[2], "Triton" if faster else "cuBLAS", one,
+                    f", x{most:.2f} at {MAX_ROWS}" if most else "")  # fmt: skip
     return speedups
 
 
 def _speedups(weight: torch.Tensor, bias: torch.Tensor | None,
               seconds: Callable[[Callable[[], Any]], float]) -> tuple[float, float]:  # fmt: skip
-    """cuBLAS's time / skinny_linear's, at 1 row and at MAX_ROWS."""
+    """cuBLAS's time / skinny_linear's, at 1 row and at MAX_ROWS (0.0: not timed, as the
+    kernel lost at 1 row already: a cold start spends no time on it)."""
     ratios = []
     for rows in (1, MAX_ROWS):
         x = torch.randn(rows, weight.shape[1], device=weight.device).to(weight.dtype)
         cublas = matmul_seconds(torch.nn.functional.linear, x, weight, bias, seconds)
         ours = matmul_seconds(skinny_linear, x, weight, bias, seconds)
         ratios.append(cublas / max(ours, 1e-12))
+        if ratios[0] <= 1.0:
+            return ratios[0], 0.0
     return ratios[0], ratios[1]
 
 
