@@ -86,8 +86,12 @@ def paged_attention(
     key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
     q = query[0].transpose(0, 1)  # [T, H, D]
     if meta.paged is not None:
+        from workers import triton_attention  # only where Triton is the backend
+
+        triton_attention.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache,
+                                  v_cache, meta.slot_mapping)  # fmt: skip
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        return _triton(q, key, value, k_cache, v_cache, meta, scale, sliding_window), None
+        return attend_written(module, q, meta, scale, sliding_window).unsqueeze(0), None
     k_cache.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
     if not meta.prefills:  # decode only: token i is decode row i, no gather or scatter
@@ -103,23 +107,6 @@ def paged_attention(
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 
-def _triton(
-    q: torch.Tensor,  # [T, H, D]
-    key: torch.Tensor,  # [T, KVH, D]: this step's, written into the caches first
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    from workers import triton_attention  # only where Triton is the backend
-
-    triton_attention.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache,
-                              meta.slot_mapping)  # fmt: skip
-    return _triton_attend(q, k_cache, v_cache, meta, scale, sliding_window).unsqueeze(0)
-
-
 def attend_written(
     module: torch.nn.Module,
     q: torch.Tensor,  # [T, H, D]
@@ -127,23 +114,13 @@ def attend_written(
     scaling: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """`paged_attention` on the Triton backend for a model that wrote the step's K/V into
-    the cache itself (workers.fused_ops.rotary_into_cache): [T, H, D]."""
-    k_cache, v_cache = attn_metadata.kv_caches[module.layer_idx]
-    return _triton_attend(q, k_cache, v_cache, attn_metadata, scaling, sliding_window)
-
-
-def _triton_attend(
-    q: torch.Tensor,  # [T, H, D]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """Each row's attention over the cache, the step's K/V in it: [T, H, D]."""
+    """Each row's attention on the Triton backend, over a cache that holds the step's K/V
+    already (`paged_attention` writes them first; loomllm's model, with
+    workers.fused_ops.rotary_into_cache): [T, H, D]."""
     from workers import triton_attention  # only where Triton is the backend
 
+    meta = attn_metadata
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
     paged = meta.paged
     assert paged is not None
     bs = paged.block_size
@@ -151,18 +128,18 @@ def _triton_attend(
     if num_decodes == q.shape[0]:  # decode only: token i is decode row i
         return triton_attention.decode_attention(
             q, k_cache, v_cache, paged.decode_tables, paged.decode_lens, paged.max_decode_len,
-            bs, scale, sliding_window,
+            bs, scaling, sliding_window,
         )  # fmt: skip
     # Zeros: a mixed-step graph's padded tokens are in no row, and stay finite this way.
     out = torch.zeros_like(q)
     if num_decodes:
         out[meta.decode_token_idx] = triton_attention.decode_attention(
             q[meta.decode_token_idx], k_cache, v_cache, paged.decode_tables, paged.decode_lens,
-            paged.max_decode_len, bs, scale, sliding_window,
+            paged.max_decode_len, bs, scaling, sliding_window,
         )  # fmt: skip
     triton_attention.prefill_attention(
         q, k_cache, v_cache, paged.prefill_tables, paged.prefill_q_starts, paged.prefill_q_lens,
-        paged.prefill_lens, paged.prefill_tile_reqs, paged.prefill_tile_firsts, bs, scale,
+        paged.prefill_lens, paged.prefill_tile_reqs, paged.prefill_tile_firsts, bs, scaling,
         sliding_window, out=out,
     )  # fmt: skip
     return out
