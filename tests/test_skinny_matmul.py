@@ -62,15 +62,17 @@ def test_pick_takes_the_kernel_where_it_wins_at_one_row_and_at_max_rows():
         return 2.0
 
     linears = [Linear(32, 48, bias=False), Linear(32, 48, bias=False), Linear(32, 16, bias=False),
-               Linear(32, 32, bias=True)]  # fmt: skip
+               Linear(32, 32, bias=True), Linear(32, 48, bias=False)]  # fmt: skip
     for linear in linears:
         torch.nn.init.normal_(linear.weight)
         if linear.bias is not None:
             torch.nn.init.normal_(linear.bias)
+    for linear in linears[:4]:
+        linear.bfloat16()  # the last stays float32: cuBLAS, untimed
     speedups = skinny_matmul.pick(linears, seconds)
     assert speedups == {(48, 32, False): (2.0, 2.0), (16, 32, False): (2.0, 2 / 3),
                         (32, 32, True): (2 / 3, 0.0)}  # fmt: skip
-    assert [linear.skinny for linear in linears] == [True, True, False, False]
+    assert [linear.skinny for linear in linears] == [True, True, False, False, False]
 
 
 def test_pick_keeps_cublas_where_the_kernel_fails(monkeypatch, caplog):
@@ -82,10 +84,11 @@ def test_pick_keeps_cublas_where_the_kernel_fails(monkeypatch, caplog):
     monkeypatch.setattr(skinny_matmul, "skinny_linear", broken)
     linear = Linear(32, 16, bias=False)
     torch.nn.init.normal_(linear.weight)
+    linear.bfloat16()
     assert skinny_matmul.pick([linear], lambda fn: fn() or 1.0) == {}
     assert not linear.skinny and "the skinny matmul failed on [16, 32]" in caplog.text
-    assert torch.equal(linear(torch.ones(1, 32)), torch.nn.functional.linear(torch.ones(1, 32),
-                                                                             linear.weight))
+    x = torch.ones(1, 32, dtype=torch.bfloat16)
+    assert torch.equal(linear(x), torch.nn.functional.linear(x, linear.weight))
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.fused_ops import DTYPES, round_to
+from workers.fused_ops import round_to
 
 logger = logging.getLogger(__name__)
 
@@ -113,14 +113,16 @@ def pick(
     linears: Iterable[torch.nn.Module],
     seconds: Callable[[Callable[[], Any]], float] = graph_seconds,
 ) -> dict[tuple, tuple[float, float]]:
-    """Time cuBLAS and `skinny_linear` on each distinct weight shape of `linears` (modules
-    with `weight`, `bias` and a `skinny` flag), at 1 and MAX_ROWS rows, and set `skinny` on
+    """Time cuBLAS and `skinny_linear` on each distinct bf16 weight shape of `linears`
+    (modules with `weight`, `bias` and a `skinny` flag), at 1 and MAX_ROWS rows; set `skinny` on
     those of the shapes it runs faster at both (a shape it fails on keeps cuBLAS, logged).
     Returns {(N, K, has bias): (cuBLAS time / its time at 1 row, the same at MAX_ROWS, or
     0.0 where it lost at 1 row)} for every shape timed."""
     by_shape: dict[tuple, list[torch.nn.Module]] = {}
     for linear in linears:
-        if linear.weight.dtype in DTYPES:
+        # bf16 only: float32 models keep cuBLAS's sums, which their float32 checks compare
+        # against eager steps (the kernel computes float32 too, for the interpreter).
+        if linear.weight.dtype == torch.bfloat16:
             key = (*linear.weight.shape, linear.bias is not None)
             by_shape.setdefault(key, []).append(linear)
     speedups = {}
