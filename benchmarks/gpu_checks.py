@@ -16,7 +16,8 @@
    a float64 matmul than x1.5 cuBLAS's error); and a bf16 model's logits against the same
    weights in float32, no further off (x1.5) with the fused kernels and packed projections
    (workers/fused_layers.py), nor in loomllm's own model (workers/llama_family.py, what a
-   worker runs for this shape).
+   worker runs for this shape), nor in it at 8 rows with every matmul through the skinny
+   kernel.
 3. CUDA graphs (decode-only and mixed steps): a model runner driven through the same
    steps with graphs captured and with the same padded steps run eagerly samples the same
    tokens with the same logprobs, bit for bit (a replay runs the captured kernels on the
@@ -144,6 +145,7 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
 
     from workers import fused_ops, llama_config, llama_weights
     from workers.fused_layers import install_fused_ops
+    from workers.llama_family import Linear
 
     def ulps(out: Any, ref: Any) -> tuple[float, float]:
         """(most units in bf16's last place between them, share of elements that differ);
@@ -193,15 +195,18 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
         exact = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     half = copy.deepcopy(exact).bfloat16()
     ids = torch.randint(3, vocab, (4, tokens // 2), device=device)
+    few = ids[:, :2]  # 8 rows: what workers.skinny_matmul takes
 
-    def error() -> float:
+    def error(ids: Any = ids) -> float:
         # No transformers cache: the fused layers hand a cached forward to transformers'.
         out = half.eval()(ids, use_cache=False).logits.float()
+        reference = references[ids.shape[1]]
         return ((out - reference).norm() / reference.norm()).item()
 
     with torch.no_grad():
-        reference = exact.eval()(ids, use_cache=False).logits.float()
-        stock = error()
+        references = {x.shape[1]: exact.eval()(x, use_cache=False).logits.float()
+                      for x in (ids, few)}  # fmt: skip
+        stock, stock_few = error(), error(few)
         fused_model = install_fused_ops(half)
         fused = error()
         del half  # room for loomllm's own model, built from the same weights
@@ -213,11 +218,15 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
         llama_weights.copy_weights(half, exact.state_dict().items())
         own_fused = install_fused_ops(half)
         own = error()
+        for module in half.modules():  # every matmul of a few rows through the kernel
+            if isinstance(module, Linear):
+                module.skinny = True
+        own_few = error(few)
     if not all(fused_model):
         return False, f"not all fused in {type(exact).__name__}: {fused_model}"
     ok = (norm_ulps <= 1 and add_ulps <= 1 and rope_share == 0 and silu_ulps <= 1
           and into_cache_same and skinny <= 1.5 and fused <= 1.5 * stock and all(own_fused)
-          and own <= 1.5 * stock)  # fmt: skip
+          and own <= 1.5 * stock and own_few <= 1.5 * stock_few)  # fmt: skip
     return ok, (f"RMSNorm within {norm_ulps:.2f} units in the last place ({norm_share:.2%} of "
                 f"elements differ), add + RMSNorm {add_ulps:.2f} ({add_share:.2%}), rotary "
                 f"{rope_ulps:.2f} ({rope_share:.2%}), rotary into the KV cache against rotary "
@@ -227,7 +236,8 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
                 f"({silu_share:.2%}); {fused_model.layers} layers packed; bf16 logits against "
                 f"float32: relative error {fused:.2e} fused, {stock:.2e} with transformers' "
                 f"ops, {own:.2e} in workers.llama_family's model with the kernels "
-                f"({own_fused.layers} layers)")  # fmt: skip
+                f"({own_fused.layers} layers); at 8 rows {own_few:.2e} in it with every matmul "
+                f"through the skinny kernel, {stock_few:.2e} with transformers' ops")  # fmt: skip
 
 
 def _skinny_error_ratio(randn: Any, shapes: dict[str, tuple[int, int]]) -> float:
