@@ -53,6 +53,7 @@ BENCHMARKS = {
     "decode-profile": "benchmarks.decode_profile",
     "eager-step": "benchmarks.eager_step",
     "broadcast": "benchmarks.step_broadcast",
+    "compile": "benchmarks.kernel_compile",
 }
 
 
