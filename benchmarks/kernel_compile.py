@@ -19,9 +19,9 @@ for the few-row steps, as if `skinny_matmul.pick` had chosen it everywhere.
 
 Prints each variant compiled, in the order the start compiles them, with the step that
 first launched it, its compile time on this host, its shared memory against the GPU's
-limit, its registers and spilled bytes (ptxas), and exits 1 if any failed to compile or
-needs more shared memory than the GPU has. Needs Triton's compiler, not its interpreter:
-run it without TRITON_INTERPRET=1.
+limit, its registers and stack bytes (spilled registers) as its cubin says, and exits 1 if
+any failed to compile or needs more shared memory than the GPU has. Needs Triton's
+compiler, not its interpreter: run it without TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -58,7 +59,7 @@ class Variant:
     seconds: float
     shared: int = 0
     registers: int | None = None
-    spilled: int | None = None  # spill stores, bytes
+    stack: int | None = None  # bytes a thread keeps in local memory: spilled registers
     error: str = ""
 
 
@@ -136,20 +137,20 @@ def compile_only(arch: int) -> Iterator[Census]:
 
 
 def _described(compiled: Any, census: Census, name: str, seconds: float) -> Variant:
-    """The variant's shared memory (Triton's metadata) and registers and spills (ptxas -v)."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    """The variant's shared memory (Triton's metadata), and its registers and stack (where
+    spilled registers go) as its cubin says (cuobjdump, which Triton ships beside ptxas)."""
+    import triton
 
     variant = Variant(census.step, name, seconds, shared=compiled.metadata.shared)
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-        ptx.write(compiled.asm["ptx"])
-        ptx.flush()
-        done = subprocess.run([get_ptxas(census.arch).path, "-v",
-                               f"--gpu-name={sm_arch_from_capability(census.arch)}", ptx.name,
-                               "-o", os.devnull], capture_output=True, text=True)  # fmt: skip
-    registers = re.search(r"Used (\d+) registers", done.stderr)
-    spilled = re.search(r"(\d+) bytes spill stores", done.stderr)
-    variant.registers = int(registers.group(1)) if registers else None
-    variant.spilled = int(spilled.group(1)) if spilled else None
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        done = subprocess.run([str(tool), "-res-usage", cubin.name], capture_output=True,
+                              text=True)  # fmt: skip
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", done.stdout)
+    if usage:
+        variant.registers, variant.stack = int(usage[1]), int(usage[2])
     return variant
 
 
@@ -247,14 +248,14 @@ def print_census(label: str, census: Census) -> None:
     print(f"\n{label}, sm_{census.arch}: {len(census.variants)} variants, "
           f"{sum(v.seconds for v in census.variants):.2f} s of compiling here")  # fmt: skip
     print(f"| first launched by | kernel | compile s | shared bytes (of {limit}) | registers "
-          "| spilled bytes |")  # fmt: skip
+          "| stack bytes |")  # fmt: skip
     print("|---|---|---|---|---|---|")
     for v in census.variants:
         if v.error:
             print(f"| {v.step} | {v.kernel} | FAILED | | | |")
         else:
             print(f"| {v.step} | {v.kernel} | {v.seconds:.2f} | {v.shared} | {v.registers} "
-                  f"| {v.spilled} |")  # fmt: skip
+                  f"| {v.stack} |")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
