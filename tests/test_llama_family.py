@@ -278,3 +278,18 @@ def test_a_decode_step_launches_nine_kernels_a_layer(monkeypatch, tmp_path):
     assert launches["linear"] == 4 and launches["_add_rms_norm_kernel"] == 2, launches
     assert launches["_rope_cache_kernel"] == launches["_decode_split_kernel"] == 1, launches
     assert "add" not in launches and "_write_kv_kernel" not in launches, launches
+
+
+def test_with_the_skinny_matmul_a_decode_step_launches_eight_kernels_a_layer(monkeypatch,
+                                                                             tmp_path):  # fmt: skip
+    """The same step where the worker's timing chose the skinny matmul for every weight:
+    its four matmuls are Triton kernels, and the gate|up one computes SiLU times up too."""
+    loaded = load_model(str(save_variant(tmp_path, "llama")), dtype="bfloat16")
+    install_fused_ops(loaded.model)
+    for module in loaded.model.modules():
+        if isinstance(module, llama_family.Linear):
+            module.skinny = True
+    launches = decode_layer_launches(monkeypatch, loaded.model, loaded.config)
+    assert sum(launches.values()) == 8, launches
+    assert launches["_skinny_kernel"] == 3 + 1 and "linear" not in launches, launches
+    assert "_silu_mul_kernel" not in launches, launches

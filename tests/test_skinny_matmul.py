@@ -11,7 +11,7 @@ import torch
 from paged_forward import paged_logits
 from test_llama_family import PROMPT, save_variant
 
-from workers import skinny_matmul
+from workers import fused_ops, skinny_matmul
 from workers.fused_layers import install_fused_ops
 from workers.llama_family import Linear
 from workers.model_loader import load_model
@@ -40,12 +40,34 @@ def test_matches_float64_as_closely_as_f_linear(dtype, rows, n_out, k_in, bias):
     assert ours <= 1.5 * theirs + 1e-7, (ours, theirs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, half, k_in, bias", [(1, 40, 512, False), (5, 24, 300, True)])
+def test_the_gated_kernel_is_the_kernel_then_silu_mul_bit_for_bit(dtype, rows, half, k_in,
+                                                                  bias):  # fmt: skip
+    """A packed gate|up projection with silu(gate) * up in its epilogue: the bits of the
+    plain kernel's [.., 2I] output through fused_ops.silu_mul, never written."""
+    torch.manual_seed(rows)
+    x = torch.randn(1, rows, k_in).to(dtype)
+    weight = (torch.randn(2 * half, k_in) / k_in**0.5).to(dtype)
+    b = torch.randn(2 * half).to(dtype) if bias else None
+    out = skinny_matmul.skinny_silu_linear(x, weight, b)
+    assert out.shape == (1, rows, half) and out.dtype == dtype
+    assert torch.equal(out, fused_ops.silu_mul(skinny_matmul.skinny_linear(x, weight, b)))
+    gate_up = torch.nn.functional.linear(x.double(), weight.double(),
+                                         None if b is None else b.double())  # fmt: skip
+    ref = torch.nn.functional.silu(gate_up[..., :half]) * gate_up[..., half:]
+    torch_ops = fused_ops.silu_mul(torch.nn.functional.linear(x, weight, b))
+    assert _rel(out, ref) <= 1.5 * _rel(torch_ops, ref) + 1e-7
+
+
 def test_refuses_what_it_does_not_compute():
     weight = torch.zeros(16, 32)
     with pytest.raises(ValueError, match="up to 8 dense rows"):
         skinny_matmul.skinny_linear(torch.zeros(9, 32), weight)
     with pytest.raises(ValueError, match="of the weight's width"):
         skinny_matmul.skinny_linear(torch.zeros(2, 31), weight)
+    with pytest.raises(ValueError, match="gate and up rows stacked, got 15 rows"):
+        skinny_matmul.skinny_silu_linear(torch.zeros(2, 32), torch.zeros(15, 32))
 
 
 def test_pick_takes_the_kernel_where_it_wins_at_one_row_and_at_max_rows():
@@ -93,9 +115,9 @@ def test_pick_keeps_cublas_where_the_kernel_fails(monkeypatch, caplog):
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
 def test_loomllms_model_runs_it_for_a_decode_step(dtype, tolerance, tmp_path, monkeypatch):
-    """Every matmul of the decode step (q|k|v, o, gate|up, down, lm_head) through the kernel,
-    none of the prompt's (more rows than MAX_ROWS); the logits as with cuBLAS's, to the
-    rounding of another summation order."""
+    """Every matmul of the decode step (q|k|v, o, down, lm_head; gate|up with its activation)
+    through the kernel, none of the prompt's (more rows than MAX_ROWS); the logits as with
+    cuBLAS's, to the rounding of another summation order."""
     loaded = load_model(str(save_variant(tmp_path, "llama-biases-tied")), dtype=str(dtype)[6:],
                         model_impl="loom")  # fmt: skip
     install_fused_ops(loaded.model)
@@ -104,10 +126,12 @@ def test_loomllms_model_runs_it_for_a_decode_step(dtype, tolerance, tmp_path, mo
     for linear in linears:
         linear.skinny = True
     calls = []
-    kernel = skinny_matmul.skinny_linear
-    monkeypatch.setattr(skinny_matmul, "skinny_linear",
-                        lambda x, *args: calls.append(x.shape) or kernel(x, *args))  # fmt: skip
+    for name in ("skinny_linear", "skinny_silu_linear"):
+        kernel = getattr(skinny_matmul, name)
+        monkeypatch.setattr(skinny_matmul, name, lambda x, *args, name=name, kernel=kernel:
+                            calls.append((name, x.shape[:-1])) or kernel(x, *args))  # fmt: skip
     logits = paged_logits(loaded.model, loaded.config, PROMPT, "triton", dtype)
-    assert len(calls) == len(linears) == 4 * 2 + 1 and {c[:-1] for c in calls} == {(1, 1)}
+    assert len(linears) == 4 * 2 + 1 and sorted(calls) == sorted(
+        [("skinny_linear", (1, 1))] * (3 * 2 + 1) + [("skinny_silu_linear", (1, 1))] * 2)
     torch.testing.assert_close(logits.float(), expected.float(), rtol=tolerance, atol=tolerance)
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))

@@ -156,6 +156,15 @@ class FusedRMSNorm(torch.nn.Module):
 
 
 @triton.jit
+def silu_times(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up of float32 values already rounded to `dtype`, as transformers' MLP
+    rounds them: torch's silu, x / (1 + exp(-x)) in float32 (an IEEE division), rounded;
+    then the product, rounded."""
+    act = round_to(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)
+    return round_to(act * up, dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in long prompts
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -163,9 +172,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.const
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    # torch's silu, x / (1 + exp(-x)) in float32 (an IEEE division), rounded; then the product.
-    act = round_to(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)
-    tl.store(out_ptr + row * stride_o + cols, round_to(act * up, dtype).to(dtype), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, silu_times(gate, up, dtype).to(dtype), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -35,12 +35,19 @@ class Linear(torch.nn.Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.skinny:
-            from workers import skinny_matmul
+        if self.runs_skinny(x):
+            from workers.skinny_matmul import skinny_linear
 
-            if x.numel() <= skinny_matmul.MAX_ROWS * x.shape[-1] and x.stride(-1) == 1:
-                return skinny_matmul.skinny_linear(x, self.weight, self.bias)
+            return skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def runs_skinny(self, x: torch.Tensor) -> bool:
+        """Whether `x` goes through the skinny kernel: few enough dense rows, and `skinny`."""
+        if not self.skinny:
+            return False
+        from workers.skinny_matmul import MAX_ROWS
+
+        return x.numel() <= MAX_ROWS * x.shape[-1] and x.stride(-1) == 1
 
 
 class Embedding(torch.nn.Embedding):
@@ -171,6 +178,11 @@ class MLP(torch.nn.Module):
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and self.gate_up_proj.runs_skinny(x):  # the activation in its epilogue
+            from workers.skinny_matmul import skinny_silu_linear
+
+            weight, bias = self.gate_up_proj.weight, self.gate_up_proj.bias
+            return self.down_proj(skinny_silu_linear(x, weight, bias))
         gate_up = self.gate_up_proj(x)
         if self.fused:
             from workers.fused_ops import silu_mul

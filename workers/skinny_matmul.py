@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.fused_ops import round_to
+from workers.fused_ops import round_to, silu_times
 
 logger = logging.getLogger(__name__)
 
@@ -34,21 +34,39 @@ ROWS_PAD = 16  # tl.dot's minimum rows on GPUs
 BLOCK_N = 16  # output features a program: 256 programs for a 4096-wide output
 BLOCK_K = 256  # input features a load: a 512-byte run of each bf16 weight row
 NUM_STAGES = 4  # loads in flight a program: what keeps the memory busy
+# The gated kernel loads two weight tiles a step: with 3 stages it takes the plain one's
+# 48 KB of shared memory, and spills no register on an A100 (with 4 it spilled 8 bytes:
+# `loom bench compile --arch 80`).
+GATED_STAGES = 3
 H100_L2 = 50 * 2**20  # bytes: the L2 cache assumed where torch does not say the device's
+
+
+@triton.jit
+def _dot_t(x, w, EXACT: tl.constexpr):
+    """x @ w.T in float32."""
+    if EXACT:  # float32 math (float32 models, and the interpreter: no bf16 matmul)
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    else:
+        return tl.dot(x, tl.trans(w))
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, k_in, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EXACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EXACT: tl.constexpr, GATED: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    """out = x @ w.T (+ b). GATED: w (and b) hold gate's n_out rows then up's, and out =
+    silu(x @ gate.T) * (x @ up.T), each product rounded as workers.fused_ops.silu_mul
+    rounds it: the same bits as this kernel's plain output through silu_mul."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, ROWS)
     n_ok = n < n_out
     m_ok = m < rows
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    up_rows = w_rows + n_out * stride_wn.to(tl.int64)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:  # no mask along the rows: vector loads
@@ -58,15 +76,18 @@ def _skinny_kernel(
             x_mask = m_ok[:, None] & (k < k_in)[None, :]
             w_mask = n_ok[:, None] & (k < k_in)[None, :]
         x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
-        if EXACT:  # float32 math (float32 models, and the interpreter: no bf16 matmul)
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        acc += _dot_t(x, tl.load(w_rows + k[None, :], mask=w_mask, other=0.0), EXACT)
+        if GATED:
+            acc_up += _dot_t(x, tl.load(up_rows + k[None, :], mask=w_mask, other=0.0), EXACT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = round_to(acc, out_ptr.dtype.element_ty)  # to nearest, in the interpreter too
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], out.to(out_ptr.dtype.element_ty),
+        if GATED:
+            acc_up += tl.load(b_ptr + n_out + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    out = round_to(acc, dtype)  # to nearest, in the interpreter too
+    if GATED:
+        out = silu_times(out, round_to(acc_up, dtype), dtype)
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], out.to(dtype),
              mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
 
 
@@ -74,9 +95,25 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   ) -> torch.Tensor:  # fmt: skip
     """`F.linear(x, weight, bias)` for x [..., K] of at most MAX_ROWS rows (weight [N, K],
     bias [N], all of x's dtype; the last dimensions dense)."""
+    return _launch(x, weight, bias, gated=False)
+
+
+def skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                       ) -> torch.Tensor:  # fmt: skip
+    """`fused_ops.silu_mul(skinny_linear(x, weight, bias))` in one kernel, bit for bit: a
+    packed gate|up projection (weight [2I, K], gate's rows first) and its activation,
+    [..., I]. The gate|up output is never written."""
+    if weight.shape[0] % 2:
+        raise ValueError(f"skinny_silu_linear takes gate and up rows stacked, got "
+                         f"{weight.shape[0]} rows")  # fmt: skip
+    return _launch(x, weight, bias, gated=True)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool
+            ) -> torch.Tensor:  # fmt: skip
     k_in = x.shape[-1]
     x2 = x.reshape(-1, k_in)
-    rows, n_out = x2.shape[0], weight.shape[0]
+    rows, n_out = x2.shape[0], weight.shape[0] // (2 if gated else 1)
     if rows > MAX_ROWS or weight.shape[1] != k_in or x2.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"skinny_linear takes up to {MAX_ROWS} dense rows of the weight's "
                          f"width: x {tuple(x.shape)}, weight {tuple(weight.shape)}")  # fmt: skip
@@ -85,8 +122,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_kernel[(triton.cdiv(n_out, BLOCK_N),)](
         x2, weight, weight if bias is None else bias, out, rows, n_out, k_in,
         x2.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k_in % BLOCK_K == 0, EXACT=exact,
-        ROWS=ROWS_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_stages=NUM_STAGES,
+        HAS_BIAS=bias is not None, EVEN_K=k_in % BLOCK_K == 0, EXACT=exact, GATED=gated,
+        ROWS=ROWS_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_stages=GATED_STAGES if gated else NUM_STAGES,
     )  # fmt: skip
     return out.view(*x.shape[:-1], n_out)
 
