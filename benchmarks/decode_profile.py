@@ -16,7 +16,8 @@ bandwidth each of the model's matmuls reaches alone, at the decode batch sizes.
    graph over copies of the weight that overflow the L2 cache (a step reads each weight
    from memory): the bandwidth it reaches (weight bytes / time), against the device's copy
    bandwidth, and the same for the packed projections (q|k|v, gate|up) that the fused
-   layers run instead; at batches of up to 8 rows, workers.skinny_matmul's kernel too.
+   layers run instead; at batches of up to 8 rows, workers.skinny_matmul's kernel too
+   (and for gate|up with SiLU * up, cuBLAS then silu_mul against the gated kernel).
 
 Self-contained like `loom bench gpu`; CUDA (`--device cpu`: a smoke test).
 """
@@ -125,7 +126,11 @@ def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int, device: str)
     import torch
     import torch.nn.functional as F
 
-    from workers.skinny_matmul import MAX_ROWS, graph_seconds, matmul_seconds, skinny_linear
+    from workers import skinny_matmul as skinny
+    from workers.fused_ops import silu_mul
+
+    def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, b: Any = None) -> torch.Tensor:
+        return silu_mul(F.linear(x, w, b))
 
     s = SHAPES[shape]
     hidden, inter = s["hidden_size"], s["intermediate_size"]
@@ -135,6 +140,10 @@ def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int, device: str)
                "gate or up": (inter, hidden), "down": (hidden, inter),
                "q|k|v fused": (hidden + 2 * kv, hidden), "gate|up fused": (2 * inter, hidden),
                "lm_head": (s["vocab_size"], hidden)}  # fmt: skip
+    # name -> (cuBLAS's op, the skinny kernel's): the gate|up projection with its SiLU * up.
+    ops = {name: (F.linear, skinny.skinny_linear) for name in weights}
+    weights["gate|up, SiLU * up"] = weights["gate|up fused"]
+    ops["gate|up, SiLU * up"] = (linear_silu_mul, skinny.skinny_silu_linear)
     def wall_seconds(fn: Any) -> float:
         fn()
         start = time.perf_counter()
@@ -142,23 +151,25 @@ def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int, device: str)
         return time.perf_counter() - start
 
     cuda = device.startswith("cuda")
-    seconds = functools.partial(graph_seconds, reps=reps) if cuda else wall_seconds
+    seconds = functools.partial(skinny.graph_seconds, reps=reps) if cuda else wall_seconds
     copy = copy_bandwidth(device)
     print(f"\ncopy bandwidth {copy / 1e9:.0f} GB/s (read + write); each matmul alone, GB/s "
           f"of weights read from memory (copies of a weight, in turn, overflow the L2 cache), "
-          f"cuBLAS (and up to {MAX_ROWS} rows: Triton's skinny kernel, and cuBLAS's time / "
-          "its):")  # fmt: skip
+          f"cuBLAS (and up to {skinny.MAX_ROWS} rows: Triton's skinny kernel, and cuBLAS's time / "
+          "its); the gate|up projection's row with its activation (cuBLAS then silu_mul's "
+          "kernel, and the skinny kernel with it in its epilogue):")  # fmt: skip
     print("| weight | [out, in] | " + " | ".join(f"batch {b}" for b in batch_sizes)
           + " |\n|---|---|" + "---|" * len(batch_sizes))  # fmt: skip
     for name, (out, inp) in weights.items():
         w = torch.randn(out, inp, device=device, dtype=torch.bfloat16)
+        theirs, kernel = ops[name]
         cells = []
         for batch in batch_sizes:
             x = torch.randn(batch, inp, device=device, dtype=torch.bfloat16)
-            cublas = matmul_seconds(F.linear, x, w, seconds=seconds)
+            cublas = skinny.matmul_seconds(theirs, x, w, seconds=seconds)
             cell = f"{w.numel() * 2 / cublas / 1e9:.0f}"
-            if batch <= MAX_ROWS:
-                ours = matmul_seconds(skinny_linear, x, w, seconds=seconds)
+            if batch <= skinny.MAX_ROWS:
+                ours = skinny.matmul_seconds(kernel, x, w, seconds=seconds)
                 cell += f" / {w.numel() * 2 / ours / 1e9:.0f} (x{cublas / ours:.2f})"
             cells.append(cell)
         print(f"| {name} | [{out}, {inp}] | " + " | ".join(cells) + " |", flush=True)

@@ -186,6 +186,7 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
     rope_ulps, rope_share = ulps(fused_ops.rotary(q, k, cos, sin),
                                  reference(q, k, cos, sin))  # fmt: skip
     into_cache_same = _rotary_into_cache_is_the_pair(randn, cos[0], sin[0], heads, kv_heads, dim)
+    gated_ulps = _gated_ulps(randn, ulps, config.intermediate_size, hidden)
     skinny = _skinny_error_ratio(randn, {
         "q|k|v": (heads * dim + 2 * kv_heads * dim, hidden), "o": (hidden, heads * dim),
         "gate|up": (2 * config.intermediate_size, hidden),
@@ -225,13 +226,15 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
     if not all(fused_model):
         return False, f"not all fused in {type(exact).__name__}: {fused_model}"
     ok = (norm_ulps <= 1 and add_ulps <= 1 and rope_share == 0 and silu_ulps <= 1
-          and into_cache_same and skinny <= 1.5 and fused <= 1.5 * stock and all(own_fused)
+          and into_cache_same and skinny <= 1.5 and gated_ulps <= 1 and fused <= 1.5 * stock
+          and all(own_fused)
           and own <= 1.5 * stock and own_few <= 1.5 * stock_few)  # fmt: skip
     return ok, (f"RMSNorm within {norm_ulps:.2f} units in the last place ({norm_share:.2%} of "
                 f"elements differ), add + RMSNorm {add_ulps:.2f} ({add_share:.2%}), rotary "
                 f"{rope_ulps:.2f} ({rope_share:.2%}), rotary into the KV cache against rotary "
                 f"then write_kv: {'identical' if into_cache_same else 'DIFFER'}, the skinny "
-                f"matmul's error against float64 at most x{skinny:.2f} cuBLAS's, "
+                f"matmul's error against float64 at most x{skinny:.2f} cuBLAS's, with SiLU * "
+                f"up in its epilogue within {gated_ulps:.2f} units of it then silu_mul, "
                 f"SiLU * up {silu_ulps:.2f} "
                 f"({silu_share:.2%}); {fused_model.layers} layers packed; bf16 logits against "
                 f"float32: relative error {fused:.2e} fused, {stock:.2e} with transformers' "
@@ -260,6 +263,19 @@ def _skinny_error_ratio(randn: Any, shapes: dict[str, tuple[int, int]]) -> float
             worst = max(worst, errors[0] / max(errors[1], 1e-12))
             del ref
     return worst
+
+
+def _gated_ulps(randn: Any, ulps: Any, inter: int, hidden: int) -> float:
+    """Units in bf16's last place between workers.skinny_matmul's gate|up kernel with SiLU *
+    up in its epilogue and the plain kernel then fused_ops.silu_mul (the same bits under the
+    interpreter), at 1 and MAX_ROWS rows."""
+    from workers.fused_ops import silu_mul
+    from workers.skinny_matmul import MAX_ROWS, skinny_linear, skinny_silu_linear
+
+    weight = randn(2 * inter, hidden) * hidden**-0.5  # gate values around 1: SiLU's bend
+    xs = [randn(rows, hidden) for rows in (1, MAX_ROWS)]
+    return ulps([skinny_silu_linear(x, weight) for x in xs],
+                [silu_mul(skinny_linear(x, weight)) for x in xs])[0]  # fmt: skip
 
 
 def _rotary_into_cache_is_the_pair(randn: Any, cos: Any, sin: Any, heads: int, kv_heads: int,

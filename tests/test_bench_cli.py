@@ -128,9 +128,10 @@ def test_decode_profile_runs_on_the_cpu_as_a_smoke_test() -> None:
                 "--batch-sizes", "1", "--steps", "1", "--warmup", "1", "--prompt-len", "8",
                 timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    # The matmul table, cuBLAS (here F.linear on the CPU) and the skinny kernel at batch 1.
+    # The matmul table, cuBLAS (here F.linear on the CPU) and the skinny kernel at batch 1,
+    # for the eight weights and for gate|up with its activation.
     assert len(re.findall(r"^\| .+ \| \[\d+, \d+\] \| \d+ / \d+ \(x[\d.]+\) \|$",
-                          done.stdout, re.M)) == 8, done.stdout  # fmt: skip
+                          done.stdout, re.M)) == 9, done.stdout  # fmt: skip
     runs = re.findall(r"^batch 1, (.+), (graphs|eager): [\d.]+ ms a step", done.stdout, re.M)
     assert runs == [("transformers' ops", "graphs"), ("fused ops", "graphs"),
                     ("loomllm's model", "graphs"), ("loomllm's model", "eager")], done.stdout
