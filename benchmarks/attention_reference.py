@@ -65,7 +65,7 @@ def relative_error(out, ref):
 
 
 def mixed_errors(requests, *, num_heads, group, head_dim, block_size, dtype, window, seed,
-                 num_splits=None, decode_max_len=None, one_kernel=False,
+                 num_splits=None, decode_max_len=None, one_kernel=False, split_counts=None,
                  device="cpu"):  # fmt: skip
     """Requests computing one token go to the decode kernel, the others to the prefill
     kernel, into one packed output, as the model runner does; each request's relative
@@ -73,7 +73,8 @@ def mixed_errors(requests, *, num_heads, group, head_dim, block_size, dtype, win
     `decode_max_len`: the decode kernel's sizing, default the longest decode's context
     (a decode graph passes the longest context the cache holds). `one_kernel`: every
     request through the prefill kernel, as a mixed-step graph runs them (its tile list is
-    always padded to the most tiles the batch could take)."""
+    always padded to the most tiles the batch could take). `split_counts`: the decode
+    kernel's counters (default: its own)."""
     from workers import triton_attention as ta
     from workers.attention_metadata import max_tiles, prefill_tiles
 
@@ -107,7 +108,7 @@ def mixed_errors(requests, *, num_heads, group, head_dim, block_size, dtype, win
         out[rows] = ta.decode_attention(
             q[rows], k_cache, v_cache, block_tables[pick], lens[pick],
             decode_max_len or max(requests[i][0] for i in decode), block_size, scale, window,
-            num_splits,
+            num_splits, split_counts,
         )  # fmt: skip
     out, q, k_cache, v_cache = (t.cpu() for t in (out, q, k_cache, v_cache))
     errors = []

@@ -8,7 +8,8 @@
    sizes 16/32, contexts 1..4096, decodes, whole and chunked prompts in one batch, sliding
    windows) against a float64 reference: ‖out − ref‖/‖ref‖ < 1e-2 in bf16, 1e-4 in fp32.
    Every other batch runs every request through the prefill kernel, from a padded tile
-   list, as a mixed-step graph does; every third runs its decodes in one split (no merge).
+   list, as a mixed-step graph does; every third runs its decodes in one split (nothing to
+   merge).
 2. The fused kernels (workers/fused_ops.py) in bf16 against transformers' ops (the rotary
    embedding bit for bit, and so is the one that writes K and V into the cache against the
    rotary kernel then write_kv; RMSNorm with or without the residual add before it, and SiLU
@@ -55,6 +56,9 @@ def check_kernels(device: str, num_batches: int, longest: int) -> tuple[bool | N
 
     rng = random.Random(0)
     worst = {torch.float32: 0.0, torch.bfloat16: 0.0}
+    # One set of split counters for every batch, as a step's layers and a graph's replays
+    # share one: each launch must leave them zero for the next.
+    counts = torch.zeros(12 * 64, dtype=torch.int32, device=device)
     for seed in range(num_batches):
         group = rng.choice([1, 4, 8])
         requests = []
@@ -67,13 +71,15 @@ def check_kernels(device: str, num_batches: int, longest: int) -> tuple[bool | N
                 head_dim=rng.choice([64, 128]), block_size=rng.choice([16, 32]), dtype=dtype,
                 window=rng.choice([None, None, 256]), seed=seed, device=device,
                 one_kernel=seed % 2 == 1,  # every other batch as a mixed-step graph runs it
-                num_splits=1 if seed % 3 == 0 else None,  # the decodes' output with no merge
+                num_splits=1 if seed % 3 == 0 else None,  # the decodes' output, unmerged
+                split_counts=counts,
             )  # fmt: skip
             worst[dtype] = max(worst[dtype], *(err for *_, err in errors))
-    ok = all(worst[dtype] < TOLERANCE[dtype] for dtype in worst)
+    zeroed = not counts.any().item()
+    ok = zeroed and all(worst[dtype] < TOLERANCE[dtype] for dtype in worst)
     return ok, (f"{num_batches} random batches: worst relative error fp32 "
                 f"{worst[torch.float32]:.2e} (< 1e-4), bf16 {worst[torch.bfloat16]:.2e} "
-                "(< 1e-2)")  # fmt: skip
+                f"(< 1e-2); the decodes' split counters left zero: {zeroed}")  # fmt: skip
 
 
 def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]:

@@ -61,16 +61,18 @@ class CountLaunches(TorchDispatchMode):
         return out
 
 
-def decode_layer_launches(monkeypatch, model: torch.nn.Module, config: Any
-                          ) -> collections.Counter:  # fmt: skip
-    """The launches of `model`'s second layer in a decode-only step of two requests, run
-    by a bf16 Triton-backend model runner."""
+def decode_layer_launches(monkeypatch, model: torch.nn.Module, config: Any, requests: int = 2,
+                          prompt_len: int = 3) -> collections.Counter:  # fmt: skip
+    """The launches of `model`'s second layer in a decode-only step of `requests` requests
+    (contexts of one page by default: one split), run by a bf16 Triton-backend model
+    runner."""
     runner = ModelRunner(model, config, device=torch.device("cpu"), dtype=torch.bfloat16,
                          block_size=16, num_blocks=8, attention_backend="triton")  # fmt: skip
     scheduler = Scheduler(SchedulerConfig(4, 64, 64, 16, 8))
-    for i in range(2):
+    for i in range(requests):
         params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        scheduler.add_request(Request(f"r{i}", [5, 6, 7 + i], params, frozenset(), 64, 0.0))
+        prompt = [5 + (j + i) % 50 for j in range(prompt_len)]
+        scheduler.add_request(Request(f"r{i}", prompt, params, frozenset(), 64, 0.0))
     so = scheduler.schedule()  # the prompts
     scheduler.update_from_output(so, runner.execute(so, 0))
     so = scheduler.schedule()

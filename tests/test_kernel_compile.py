@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # What a start compiles: the kernels a step of the model launches on the CUDA path.
 OWN_MODEL = {"_rms_norm_kernel", "_add_rms_norm_kernel", "_rope_cache_kernel",
              "_silu_mul_kernel", "_prefill_kernel", "_decode_split_kernel",
-             "_decode_merge_kernel", "_skinny_kernel"}  # fmt: skip
+             "_skinny_kernel"}  # fmt: skip
 TRANSFORMERS_MODEL = OWN_MODEL - {"_rope_cache_kernel", "_skinny_kernel"} | {
     "_rope_kernel", "_write_kv_kernel"}  # fmt: skip
 

@@ -19,6 +19,7 @@ from paged_forward import paged_logits
 from safetensors.torch import load_file, save_file
 
 from workers import attention, fused_ops, llama_config, llama_family, llama_weights
+from workers import triton_attention as ta
 from workers.fused_layers import install_fused_ops
 from workers.model_loader import ModelLoadError, load_model
 
@@ -282,14 +283,27 @@ def test_a_decode_step_launches_nine_kernels_a_layer(monkeypatch, tmp_path):
 
 def test_with_the_skinny_matmul_a_decode_step_launches_eight_kernels_a_layer(monkeypatch,
                                                                              tmp_path):  # fmt: skip
-    """The same step where the worker's timing chose the skinny matmul for every weight:
-    its four matmuls are Triton kernels, and the gate|up one computes SiLU times up too."""
+    """One stream's step where the worker's timing chose the skinny matmul for every
+    weight: its four matmuls are Triton kernels, the gate|up one computes SiLU times up
+    too, and the attention over 3 pages in 3 splits is one kernel, its last split merging."""
     loaded = load_model(str(save_variant(tmp_path, "llama")), dtype="bfloat16")
     install_fused_ops(loaded.model)
     for module in loaded.model.modules():
         if isinstance(module, llama_family.Linear):
             module.skinny = True
-    launches = decode_layer_launches(monkeypatch, loaded.model, loaded.config)
+    splits = []
+    split_kernel = ta._decode_split_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            splits.append(grid[2])
+            return split_kernel[grid]
+
+    monkeypatch.setattr(ta, "_decode_split_kernel", Recorded())
+    launches = decode_layer_launches(monkeypatch, loaded.model, loaded.config, requests=1,
+                                     prompt_len=40)  # fmt: skip
+    assert splits[-1] == 3, splits
     assert sum(launches.values()) == 8, launches
     assert launches["_skinny_kernel"] == 3 + 1 and "linear" not in launches, launches
+    assert launches["_decode_split_kernel"] == 1, launches
     assert "_silu_mul_kernel" not in launches, launches

@@ -45,6 +45,9 @@ class PagedBatch:
     prefill_lens: torch.Tensor  # [P]
     prefill_tile_reqs: torch.Tensor  # [N]: the prefill row of each query tile (-1: none)
     prefill_tile_firsts: torch.Tensor  # [N]: the tile's first query within its row
+    # [>= Bd * KVH] int32 zeros: the decode kernel's split counters, which every layer's
+    # launch leaves zero (triton_attention.decode_attention)
+    decode_split_counts: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -128,7 +131,7 @@ def attend_written(
     if num_decodes == q.shape[0]:  # decode only: token i is decode row i
         return triton_attention.decode_attention(
             q, k_cache, v_cache, paged.decode_tables, paged.decode_lens, paged.max_decode_len,
-            bs, scaling, sliding_window,
+            bs, scaling, sliding_window, split_counts=paged.decode_split_counts,
         )  # fmt: skip
     # Zeros: a mixed-step graph's padded tokens are in no row, and stay finite this way.
     out = torch.zeros_like(q)
@@ -136,6 +139,7 @@ def attend_written(
         out[meta.decode_token_idx] = triton_attention.decode_attention(
             q[meta.decode_token_idx], k_cache, v_cache, paged.decode_tables, paged.decode_lens,
             paged.max_decode_len, bs, scaling, sliding_window,
+            split_counts=paged.decode_split_counts,
         )  # fmt: skip
     triton_attention.prefill_attention(
         q, k_cache, v_cache, paged.prefill_tables, paged.prefill_q_starts, paged.prefill_q_lens,

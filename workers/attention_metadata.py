@@ -82,6 +82,7 @@ def paged_metadata(
         prefill_q_starts=ints([p.token_start for p in prefills]),
         prefill_q_lens=ints([p.num_tokens for p in prefills]), prefill_lens=ints(prefill_lens),
         prefill_tile_reqs=ints(tile_reqs), prefill_tile_firsts=ints(tile_firsts),
+        decode_split_counts=split_counters(kv_caches, len(decode_lens), device),
     )  # fmt: skip
     none = torch.empty((0, 0), dtype=torch.long, device=device)
     return AttentionMetadata(
@@ -91,3 +92,10 @@ def paged_metadata(
         decode_slots=none, decode_valid=none.bool(), decode_bias=none, prefills=prefills,
         paged=paged,
     )  # fmt: skip
+
+
+def split_counters(kv_caches: KVCaches, decode_rows: int, device: torch.device) -> torch.Tensor:
+    """Zeroed split counters for `decode_rows` decode rows (PagedBatch.decode_split_counts):
+    one per row and KV head of a layer."""
+    kv_heads = kv_caches[0][0].shape[1] if kv_caches and decode_rows else 0
+    return torch.zeros(decode_rows * kv_heads, dtype=torch.int32, device=device)

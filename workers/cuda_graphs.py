@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from workers import attention
+from workers.attention_metadata import split_counters
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class DecodeGraphs:
         self.slots = buffer(top, dtype=torch.long)
         self.tables = buffer(top, max_blocks, dtype=torch.int32)
         self.lens = buffer(top, dtype=torch.int32)
+        self.split_counts = split_counters(kv_caches, top, device)  # every replay zeroes them
         self.rows = torch.arange(top, device=device)  # decode row i is packed token i
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # size -> (graph, logits)
 
@@ -147,6 +149,7 @@ class DecodeGraphs:
             prefill_tables=self.tables[:0], prefill_q_starts=self.lens[:0],
             prefill_q_lens=self.lens[:0], prefill_lens=self.lens[:0],
             prefill_tile_reqs=self.lens[:0], prefill_tile_firsts=self.lens[:0],
+            decode_split_counts=self.split_counts,
         )  # fmt: skip
         none = self.rows[:0]
         meta = attention.AttentionMetadata(

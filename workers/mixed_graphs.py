@@ -164,7 +164,7 @@ class MixedGraphs:
             max_decode_len=0, prefill_tables=self.tables[:rows],
             prefill_q_starts=self.q_starts[:rows], prefill_q_lens=self.q_lens[:rows],
             prefill_lens=self.seq_lens[:rows], prefill_tile_reqs=self.tile_reqs[:tiles],
-            prefill_tile_firsts=self.tile_firsts[:tiles],
+            prefill_tile_firsts=self.tile_firsts[:tiles], decode_split_counts=none,
         )  # fmt: skip
         empty = self.sample_rows[:0]
         meta = attention.AttentionMetadata(

@@ -14,10 +14,10 @@ query heads of one KV head together, so each K/V page is read once per KV head.
 - `write_kv`: the step's new K and V into their cache slots, both in one kernel.
 - `decode_attention`: requests computing one token. One program per (request, KV head,
   split of the context); each split keeps a running max, sum and weighted V (online
-  softmax) and a second kernel merges the splits, so a long context is spread over many
-  programs instead of one. With one split (a batch that fills the GPU by itself, or
-  contexts of one page) the split kernel writes the output and no merge runs: one launch
-  a layer fewer.
+  softmax), so a long context is spread over many programs instead of one. The last of a
+  (request, KV head)'s splits to finish merges them (a counter each, that it then resets):
+  one launch a layer, not a second kernel for the merge. With one split (a batch that
+  fills the GPU by itself, or contexts of one page) the program writes its output directly.
 
 On the CPU they run under TRITON_INTERPRET=1 (tests compare them with the torch
 reference); the torch reference stays the CPU backend, being faster there.
@@ -117,11 +117,11 @@ def _online_softmax_step(
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, split_counts_ptr, out_ptr,
     scale, window,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SPLITS_PAD: tl.constexpr, EXACT: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -160,7 +160,8 @@ def _decode_split_kernel(
             s, m, s_sum, acc, v_cache_ptr, slots, kv_ok, kv_head, stride_ks, stride_kh, d, EXACT
         )
     g_ok = g < GROUP
-    if tl.num_programs(2) == 1:
+    num_splits = tl.num_programs(2)
+    if num_splits == 1:
         # The whole context in this program: the output itself, no partials to merge (a
         # branch on the grid, not a constexpr: one compiled kernel for every split count).
         tl.store(out_ptr + req * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -169,36 +170,44 @@ def _decode_split_kernel(
     else:
         # Partials laid out [B, H, splits] (+ [D]): contiguous, made by decode_attention.
         num_heads = tl.num_programs(1) * GROUP
-        row = (req * num_heads + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
+        row = (req * num_heads + heads) * num_splits + split  # [GROUP_PAD]
         tl.store(part_max_ptr + row, m, mask=g_ok)
         tl.store(part_sum_ptr + row, s_sum, mask=g_ok)
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
+        # Count this split done; the last one merges. The barrier puts every thread's
+        # stores before the count (one thread adds it), the add's release publishes them
+        # to the GPU, and the last adder's acquire makes them visible to its loads.
+        tl.debug_barrier()
+        count = split_counts_ptr + req * tl.num_programs(1) + kv_head
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(count, 0)  # zero again for the next launch (a graph's replay too)
+            for i in range(GROUP):
+                head = kv_head * GROUP + i
+                out = _merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr,
+                                    (req * num_heads + head) * num_splits, num_splits, d, d_ok,
+                                    HEAD_DIM, SPLITS_PAD)  # fmt: skip
+                tl.store(out_ptr + req * stride_ob + head * stride_oh + d,
+                         out.to(out_ptr.dtype.element_ty), mask=d_ok)  # fmt: skip
 
 
-# The split count falls with the batch (32 at batch 1, 1 from 64 up on an 8B shape): were it
-# specialized (1, a multiple of 16, other), the decode-graph buckets would compile three.
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_merge_kernel(
-    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-):  # fmt: skip
-    req = tl.program_id(0)
-    head = tl.program_id(1)
+@triton.jit
+def _merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, first_row, num_splits, d, d_ok,
+                  HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):  # fmt: skip
+    """One head's output from its splits' partials (rows first_row.. of the partials),
+    weighing each by exp(its max - the largest): [D_PAD] float32. Read past the L1 cache
+    (.cg): other programs wrote them."""
     splits = tl.arange(0, SPLITS_PAD)
     split_ok = splits < num_splits
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    row = (req * tl.num_programs(1) + head) * num_splits + splits
-    m = tl.load(part_max_ptr + row, mask=split_ok, other=float("-inf"))
-    s_sum = tl.load(part_sum_ptr + row, mask=split_ok, other=0.0)
+    row = first_row + splits
+    m = tl.load(part_max_ptr + row, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
+    s_sum = tl.load(part_sum_ptr + row, mask=split_ok, other=0.0, cache_modifier=".cg")
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
-                  mask=split_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+                  mask=split_ok[:, None] & d_ok[None, :], other=0.0,
+                  cache_modifier=".cg")  # fmt: skip
     m_all = tl.max(m, 0)
     weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # empty splits weigh 0
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(s_sum * weight, 0)
-    tl.store(out_ptr + req * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d_ok)  # fmt: skip
+    return tl.sum(acc * weight[:, None], 0) / tl.sum(s_sum * weight, 0)
 
 
 def prefill_attention(
@@ -293,8 +302,11 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    split_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each request's one query over its paged context, split-K: [B, H, D]."""
+    """Each request's one query over its paged context, split-K: [B, H, D]. `split_counts`:
+    int32 zeros, at least B * KV heads of them, that the kernel leaves zero (a step's
+    layers, and a CUDA graph's replays, share one; default: new zeros, a launch more)."""
     _check(q, k_cache, v_cache, block_size)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -304,26 +316,24 @@ def decode_attention(
         num_splits = triton.cdiv(TARGET_PROGRAMS, batch * num_kv_heads)
     # The split count is the grid's: one compiled kernel whatever the batch and lengths.
     num_splits = max(1, min(num_splits, MAX_SPLITS, pages))
+    if split_counts is None:
+        split_counts = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
+    elif split_counts.dtype != torch.int32 or split_counts.numel() < batch * num_kv_heads:
+        raise ValueError(f"split_counts needs {batch * num_kv_heads} int32 zeros, got "
+                         f"{split_counts.numel()} of {split_counts.dtype}")  # fmt: skip
     part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
                            device=q.device)  # fmt: skip
     part_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     out = torch.empty_like(q)
-    d_pad = _d_pad(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum, out,
-        scale, sliding_window or 0,
+        q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum, split_counts,
+        out, scale, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        EXACT=_exact(q),
-    )  # fmt: skip
-    if num_splits == 1:  # the split kernel wrote `out`
-        return out
-    _decode_merge_kernel[(batch, num_heads)](
-        part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=MAX_SPLITS,
+        HEAD_DIM=head_dim, D_PAD=_d_pad(head_dim), BLOCK_SIZE=block_size,
+        SPLITS_PAD=MAX_SPLITS, EXACT=_exact(q),
     )  # fmt: skip
     return out
 
