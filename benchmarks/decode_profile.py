@@ -127,10 +127,6 @@ def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int, device: str)
     import torch.nn.functional as F
 
     from workers import skinny_matmul as skinny
-    from workers.fused_ops import silu_mul
-
-    def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, b: Any = None) -> torch.Tensor:
-        return silu_mul(F.linear(x, w, b))
 
     s = SHAPES[shape]
     hidden, inter = s["hidden_size"], s["intermediate_size"]
@@ -143,7 +139,7 @@ def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int, device: str)
     # name -> (cuBLAS's op, the skinny kernel's): the gate|up projection with its SiLU * up.
     ops = {name: (F.linear, skinny.skinny_linear) for name in weights}
     weights["gate|up, SiLU * up"] = weights["gate|up fused"]
-    ops["gate|up, SiLU * up"] = (linear_silu_mul, skinny.skinny_silu_linear)
+    ops["gate|up, SiLU * up"] = (skinny.linear_silu_mul, skinny.skinny_silu_linear)
     def wall_seconds(fn: Any) -> float:
         fn()
         start = time.perf_counter()

@@ -73,28 +73,34 @@ def test_refuses_what_it_does_not_compute():
 def test_pick_takes_the_kernel_where_it_wins_at_one_row_and_at_max_rows():
     """A fake clock: the kernel is faster for [48, 32] weights at both sizes, faster for
     [16, 32] only at one row (cuBLAS stays), slower for [32, 32] biased ones (not timed at
-    8 rows then)."""
+    8 rows then). A gate|up weight of the [48, 32] shape is timed apart, as its kernel with
+    SiLU * up against cuBLAS then silu_mul: slower here."""
     kernel_times = {(48, 1): 1.0, (48, 8): 1.0, (16, 1): 1.0, (16, 8): 3.0, (32, 1): 3.0,
                     (32, 8): 3.0}  # fmt: skip
+    timed = []
 
     def seconds(fn: functools.partial) -> float:
         matmul, x, (weight,), _ = fn.args  # one weight: no L2 cache to overflow on the CPU
+        timed.append(matmul.__name__)
         if matmul is skinny_matmul.skinny_linear:
             return kernel_times[(weight.shape[0], x.shape[0])]
-        return 2.0
+        return 5.0 if matmul is skinny_matmul.skinny_silu_linear else 2.0
 
     linears = [Linear(32, 48, bias=False), Linear(32, 48, bias=False), Linear(32, 16, bias=False),
-               Linear(32, 32, bias=True), Linear(32, 48, bias=False)]  # fmt: skip
+               Linear(32, 32, bias=True), Linear(32, 48, bias=False), Linear(32, 48, bias=False)]
+    linears[5].gated = True
     for linear in linears:
         torch.nn.init.normal_(linear.weight)
         if linear.bias is not None:
             torch.nn.init.normal_(linear.bias)
-    for linear in linears[:4]:
-        linear.bfloat16()  # the last stays float32: cuBLAS, untimed
+    for i in (0, 1, 2, 3, 5):
+        linears[i].bfloat16()  # linears[4] stays float32: cuBLAS, untimed
     speedups = skinny_matmul.pick(linears, seconds)
-    assert speedups == {(48, 32, False): (2.0, 2.0), (16, 32, False): (2.0, 2 / 3),
-                        (32, 32, True): (2 / 3, 0.0)}  # fmt: skip
-    assert [linear.skinny for linear in linears] == [True, True, False, False, False]
+    assert speedups == {(48, 32, False, False): (2.0, 2.0), (16, 32, False, False): (2.0, 2 / 3),
+                        (32, 32, True, False): (2 / 3, 0.0),
+                        (48, 32, False, True): (0.4, 0.0)}  # fmt: skip
+    assert [linear.skinny for linear in linears] == [True, True, False, False, False, False]
+    assert timed[-2:] == ["linear_silu_mul", "skinny_silu_linear"], timed
 
 
 def test_pick_keeps_cublas_where_the_kernel_fails(monkeypatch, caplog):

@@ -27,9 +27,12 @@ from workers.llama_config import DecoderShape
 class Linear(torch.nn.Linear):
     """nn.Linear with no initialization: `build` fills the weights (no time spent drawing
     random values that the checkpoint's replace). `skinny`: a few rows run
-    workers.skinny_matmul's kernel (set where it measured faster than cuBLAS)."""
+    workers.skinny_matmul's kernel (set where it measured faster than cuBLAS). `gated`:
+    a gate|up projection, whose kernel computes SiLU times up too (what `skinny` was timed
+    on)."""
 
     skinny = False
+    gated = False
 
     def reset_parameters(self) -> None:
         pass
@@ -174,6 +177,7 @@ class MLP(torch.nn.Module):
         self.intermediate_size = shape.intermediate_size
         self.gate_up_proj = Linear(shape.hidden_size, 2 * shape.intermediate_size,
                                    bias=shape.mlp_bias)  # fmt: skip
+        self.gate_up_proj.gated = True
         self.down_proj = Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
         self.fused = False
 

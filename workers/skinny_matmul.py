@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.fused_ops import round_to, silu_times
+from workers.fused_ops import round_to, silu_mul, silu_times
 
 logger = logging.getLogger(__name__)
 
@@ -151,22 +151,24 @@ def pick(
     linears: Iterable[torch.nn.Module],
     seconds: Callable[[Callable[[], Any]], float] = graph_seconds,
 ) -> dict[tuple, tuple[float, float]]:
-    """Time cuBLAS and `skinny_linear` on each distinct bf16 weight shape of `linears`
-    (modules with `weight`, `bias` and a `skinny` flag), at 1 and MAX_ROWS rows; set `skinny` on
-    those of the shapes it runs faster at both (a shape it fails on keeps cuBLAS, logged).
-    Returns {(N, K, has bias): (cuBLAS time / its time at 1 row, the same at MAX_ROWS, or
-    0.0 where it lost at 1 row)} for every shape timed."""
+    """Time cuBLAS and the skinny kernel on each distinct bf16 weight shape of `linears`
+    (modules with `weight`, `bias`, a `skinny` flag and a `gated` one: a gate|up projection
+    that a step runs with SiLU times up, `skinny_silu_linear` against cuBLAS then
+    fused_ops.silu_mul), at 1 and MAX_ROWS rows; set `skinny` on those of the shapes it
+    runs faster at both (a shape it fails on keeps cuBLAS, logged). Returns {(N, K, has
+    bias, gated): (cuBLAS time / its time at 1 row, the same at MAX_ROWS, or 0.0 where it
+    lost at 1 row)} for every shape timed."""
     by_shape: dict[tuple, list[torch.nn.Module]] = {}
     for linear in linears:
         # bf16 only: float32 models keep cuBLAS's sums, which their float32 checks compare
         # against eager steps (the kernel computes float32 too, for the interpreter).
         if linear.weight.dtype == torch.bfloat16:
-            key = (*linear.weight.shape, linear.bias is not None)
+            key = (*linear.weight.shape, linear.bias is not None, linear.gated)
             by_shape.setdefault(key, []).append(linear)
     speedups = {}
     for key, group in by_shape.items():
         try:
-            speedups[key] = _speedups(group[0].weight, group[0].bias, seconds)
+            speedups[key] = _speedups(group[0].weight, group[0].bias, key[3], seconds)
         except Exception:  # a kernel this GPU or Triton cannot build: cuBLAS, as without it
             logger.exception("the skinny matmul failed on %s weights: cuBLAS runs them",
                              list(key[:2]))  # fmt: skip
@@ -175,21 +177,31 @@ def pick(
         for linear in group:
             linear.skinny = faster
         one, most = speedups[key]
-        logger.info("matmul of %s weights%s: %s (cuBLAS time / Triton's: x%.2f at 1 row%s)",
-                    list(key[:2]), " with bias" * key[2], "Triton" if faster else "cuBLAS", one,
+        logger.info("matmul of %s weights%s%s: %s (cuBLAS time / Triton's: x%.2f at 1 row%s)",
+                    list(key[:2]), " with bias" * key[2], ", SiLU * up after" * key[3],
+                    "Triton" if faster else "cuBLAS", one,
                     f", x{most:.2f} at {MAX_ROWS}" if most else "")  # fmt: skip
     return speedups
 
 
-def _speedups(weight: torch.Tensor, bias: torch.Tensor | None,
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> torch.Tensor:  # fmt: skip
+    """cuBLAS's gate|up projection, then fused_ops.silu_mul's kernel: what
+    `skinny_silu_linear` replaces."""
+    return silu_mul(torch.nn.functional.linear(x, weight, bias))
+
+
+def _speedups(weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
               seconds: Callable[[Callable[[], Any]], float]) -> tuple[float, float]:  # fmt: skip
-    """cuBLAS's time / skinny_linear's, at 1 row and at MAX_ROWS (0.0: not timed, as the
-    kernel lost at 1 row already: a cold start spends no time on it)."""
+    """cuBLAS's time / the skinny kernel's, at 1 row and at MAX_ROWS (0.0: not timed, as
+    the kernel lost at 1 row already: a cold start spends no time on it)."""
+    theirs, ours_fn = ((linear_silu_mul, skinny_silu_linear) if gated
+                       else (torch.nn.functional.linear, skinny_linear))  # fmt: skip
     ratios = []
     for rows in (1, MAX_ROWS):
         x = torch.randn(rows, weight.shape[1], device=weight.device).to(weight.dtype)
-        cublas = matmul_seconds(torch.nn.functional.linear, x, weight, bias, seconds)
-        ours = matmul_seconds(skinny_linear, x, weight, bias, seconds)
+        cublas = matmul_seconds(theirs, x, weight, bias, seconds)
+        ours = matmul_seconds(ours_fn, x, weight, bias, seconds)
         ratios.append(cublas / max(ours, 1e-12))
         if ratios[0] <= 1.0:
             return ratios[0], 0.0
