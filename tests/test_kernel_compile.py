@@ -37,7 +37,7 @@ def test_every_kernel_a_cuda_start_launches_compiles_for_h100_and_a100() -> None
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.rstrip().endswith(
-        "PASS  every variant compiled, within the GPU's shared memory")  # fmt: skip
+        "PASS  every variant compiled, within the GPU's shared memory, spilling nothing")
     censuses = re.split(r"^\n", done.stdout, flags=re.M)
     heads = [re.match(r"(\S+), model_impl=(\w+), sm_(\d+): (\d+) variants", c)
              for c in censuses]  # fmt: skip
@@ -91,8 +91,10 @@ print(json.dumps([raised, census.problems()]))
     assert "arange's range must be a power of 2" in problems[0]
 
 
-def test_more_shared_memory_than_the_gpu_has_is_a_problem() -> None:
-    census = Census(90, [Variant("decode 8", "k", 0.1, shared=232448),
-                         Variant("decode 8", "big", 0.1, shared=232449)])  # fmt: skip
-    assert census.problems() == ["big (decode 8): 232449 bytes of shared memory, sm_90 has "
-                                 "232448"]  # fmt: skip
+def test_more_shared_memory_than_the_gpu_has_or_a_spill_is_a_problem() -> None:
+    census = Census(90, [Variant("decode 8", "k", 0.1, shared=232448, stack=0),
+                         Variant("decode 8", "big", 0.1, shared=232449, stack=0),
+                         Variant("profile", "spills", 0.1, shared=0, stack=8)])  # fmt: skip
+    assert census.problems() == [
+        "big (decode 8): 232449 bytes of shared memory, sm_90 has 232448",
+        "spills (profile): 8 bytes of stack, spilled registers"]  # fmt: skip

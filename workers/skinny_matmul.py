@@ -36,7 +36,7 @@ BLOCK_K = 256  # input features a load: a 512-byte run of each bf16 weight row
 NUM_STAGES = 4  # loads in flight a program: what keeps the memory busy
 # The gated kernel loads two weight tiles a step: with 3 stages it takes the plain one's
 # 48 KB of shared memory, and spills no register on an A100 (with 4 it spilled 8 bytes:
-# `loom bench compile --arch 80`).
+# `loom bench compile --arch 80`, Triton 3.9).
 GATED_STAGES = 3
 H100_L2 = 50 * 2**20  # bytes: the L2 cache assumed where torch does not say the device's
 
