@@ -53,8 +53,10 @@ def capture_buckets(
     started = time.monotonic()
     graphs = {}
     for size in sorted(sizes, reverse=True):
-        for _ in range(2):  # compile the kernels and warm cuBLAS outside the capture
-            run(size)
+        # Once outside the capture: it compiles the size's new Triton kernel variants and
+        # lets cuBLAS pick its kernels (vLLM warms up once too). A second run would cost a
+        # start an eager forward a bucket, ~23 of them, and warms nothing more.
+        run(size)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
