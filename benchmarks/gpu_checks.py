@@ -196,6 +196,7 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
     rope_ulps, rope_share = ulps(fused_ops.rotary(q, k, cos, sin),
                                  reference(q, k, cos, sin))  # fmt: skip
     into_cache_same = _rotary_into_cache_is_the_pair(randn, cos[0], sin[0], heads, kv_heads, dim)
+    rotating_same = _rotating_decode_is_the_pair(randn, heads, kv_heads, dim)
     gated_same = _gated_is_the_pair(randn, config.intermediate_size, hidden)
     skinny = _skinny_error_ratio(randn, {
         "q|k|v": (heads * dim + 2 * kv_heads * dim, hidden), "o": (hidden, heads * dim),
@@ -236,13 +237,16 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
     if not all(fused_model):
         return False, f"not all fused in {type(exact).__name__}: {fused_model}"
     ok = (norm_ulps <= 1 and add_ulps <= 1 and rope_share == 0 and silu_ulps <= 1
-          and into_cache_same and skinny <= 1.5 and gated_same and fused <= 1.5 * stock
+          and into_cache_same and rotating_same and skinny <= 1.5 and gated_same
+          and fused <= 1.5 * stock
           and all(own_fused)
           and own <= 1.5 * stock and own_few <= 1.5 * stock_few)  # fmt: skip
     return ok, (f"RMSNorm within {norm_ulps:.2f} units in the last place ({norm_share:.2%} of "
                 f"elements differ), add + RMSNorm {add_ulps:.2f} ({add_share:.2%}), rotary "
                 f"{rope_ulps:.2f} ({rope_share:.2%}), rotary into the KV cache against rotary "
-                f"then write_kv: {'identical' if into_cache_same else 'DIFFER'}, the skinny "
+                f"then write_kv: {'identical' if into_cache_same else 'DIFFER'}, the decode "
+                f"kernel rotating q and writing K/V itself against it then the decode: "
+                f"{'identical' if rotating_same else 'DIFFER'}, the skinny "
                 f"matmul's error against float64 at most x{skinny:.2f} cuBLAS's, with SiLU * "
                 f"up in its epilogue against it then silu_mul: "
                 f"{'identical' if gated_same else 'DIFFER'}, "
@@ -288,6 +292,40 @@ def _gated_is_the_pair(randn: Any, inter: int, hidden: int) -> bool:
     xs = [randn(rows, hidden) for rows in (1, MAX_ROWS)]
     return all(torch.equal(skinny_silu_linear(x, weight), silu_mul(skinny_linear(x, weight)))
                for x in xs)  # fmt: skip
+
+
+def _rotating_decode_is_the_pair(randn: Any, heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether the decode kernel given q and the new K/V unrotated (it rotates them and
+    writes K and V into their slots) leaves the output and both caches as
+    fused_ops.rotary_into_cache then the decode kernel do: 8 requests of 1 to 2,047 tokens."""
+    import torch
+
+    from workers import fused_ops, triton_attention
+
+    lens, bs, device = [1, 17, 300, 1000, 2047, 64, 5, 129], 16, randn(1).device
+    pages = [-(-n // bs) for n in lens]
+    order = torch.randperm(sum(pages) + 2).tolist()
+    tables = [order[sum(pages[:i]): sum(pages[: i + 1])] for i in range(len(lens))]
+    width = max(pages)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                device=device)  # fmt: skip
+    caches = [randn((sum(pages) + 2) * bs, kv_heads, dim) for _ in range(2)]
+    qkv = randn(len(lens), (heads + 2 * kv_heads) * dim)
+    q, k, v = (t.view(len(lens), -1, dim)
+               for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))  # fmt: skip
+    pos = torch.tensor(lens, device=device) - 1
+    angles = pos[:, None] * 500000.0 ** (-torch.arange(0, dim, 2, device=device) / dim)
+    cos, sin = (f(torch.cat([angles, angles], -1)).bfloat16() for f in (torch.cos, torch.sin))
+    slots = torch.tensor([t[p // bs] * bs + p % bs
+                          for t, p in zip(tables, pos.tolist(), strict=True)], device=device)
+    args = (block_tables, torch.tensor(lens, dtype=torch.int32, device=device), max(lens), bs,
+            dim**-0.5)  # fmt: skip
+    pair = [c.clone() for c in caches]
+    q_rot = fused_ops.rotary_into_cache(q, k, v, cos, sin, *pair, slots)
+    expected = triton_attention.decode_attention(q_rot, *pair, *args)
+    out = triton_attention.decode_attention(q, *caches, *args, new_kv=(k, v, cos, sin, slots))
+    return torch.equal(out, expected) and all(
+        torch.equal(c, p) for c, p in zip(caches, pair, strict=True))
 
 
 def _rotary_into_cache_is_the_pair(randn: Any, cos: Any, sin: Any, heads: int, kv_heads: int,

@@ -108,23 +108,29 @@ def test_fused_kernels_and_triton_attention_match_transformers(variant, tmp_path
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])
 def test_rotary_into_the_cache_is_bit_for_bit_the_two_kernels(variant, tmp_path, monkeypatch):
     """bf16, fused, Triton attention: the rotary embedding and the K/V write in one kernel
-    give the logits of the rotary kernel then write_kv (where the fused one declines)."""
+    (the prompt's step), or in the decode attention's kernel (a decode-only step), give the
+    logits of the rotary kernel then write_kv (where the fused ones decline)."""
     loaded = load_model(str(save_variant(tmp_path, variant)), dtype="bfloat16", model_impl="loom")
     install_fused_ops(loaded.model)
     calls = []
-    rotary_into_cache = fused_ops.rotary_into_cache
 
-    def counted(*args):
-        calls.append(args[0].shape)
-        return rotary_into_cache(*args)
+    def counting(name: str, original):
+        def counted(*args):
+            out = original(*args)
+            calls.extend([name] * (out is not None))  # attend_rotating declines a prompt
+            return out
 
-    monkeypatch.setattr(fused_ops, "rotary_into_cache", counted)
+        return counted
+
+    for module, name in ((fused_ops, "rotary_into_cache"), (attention, "attend_rotating")):
+        monkeypatch.setattr(module, name, counting(name, getattr(module, name)))
     fused = paged_logits(loaded.model, loaded.config, PROMPT, "triton", torch.bfloat16)
-    assert len(calls) == 2 * COMMON["num_hidden_layers"]  # the prompt's step and a decode's
+    layers = COMMON["num_hidden_layers"]
+    assert sorted(calls) == ["attend_rotating"] * layers + ["rotary_into_cache"] * layers
     monkeypatch.setattr(fused_ops, "rotary_into_cache_fits", lambda *args: False)
     assert torch.equal(fused, paged_logits(loaded.model, loaded.config, PROMPT, "triton",
                                            torch.bfloat16))  # fmt: skip
-    assert len(calls) == 2 * COMMON["num_hidden_layers"]
+    assert len(calls) == 2 * layers
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "llama-biases-tied"])
@@ -267,21 +273,21 @@ def test_a_worker_on_it_never_imports_transformers_modeling_code(tiny_model):
     assert out[:2] == ["LlamaFamilyForCausalLM", "[]"]
 
 
-def test_a_decode_step_launches_nine_kernels_a_layer(monkeypatch, tmp_path):
-    """One layer of a decode-only step through the Triton backend, fused, its attention in
-    one split: the eleven of transformers' model with the fused kernels swapped in
-    (tests/test_fused_layers.py), less the residual add after the MLP, which the next
-    norm's kernel computes, and the K/V write, which the rotary kernel does."""
+def test_a_decode_step_launches_eight_kernels_a_layer(monkeypatch, tmp_path):
+    """One layer of a decode-only step through the Triton backend, fused: the eleven of
+    transformers' model with the fused kernels swapped in (tests/test_fused_layers.py),
+    less the residual add after the MLP, which the next norm's kernel computes, and the
+    rotary embedding and the K/V write, which the decode attention's kernel does."""
     loaded = load_model(str(save_variant(tmp_path, "llama")), dtype="bfloat16")
     install_fused_ops(loaded.model)
     launches = decode_layer_launches(monkeypatch, loaded.model, loaded.config)
-    assert sum(launches.values()) == 9, launches
+    assert sum(launches.values()) == 8, launches
     assert launches["linear"] == 4 and launches["_add_rms_norm_kernel"] == 2, launches
-    assert launches["_rope_cache_kernel"] == launches["_decode_split_kernel"] == 1, launches
-    assert "add" not in launches and "_write_kv_kernel" not in launches, launches
+    assert launches["_decode_split_kernel"] == 1, launches
+    assert not {"add", "_write_kv_kernel", "_rope_cache_kernel"} & set(launches), launches
 
 
-def test_with_the_skinny_matmul_a_decode_step_launches_eight_kernels_a_layer(monkeypatch,
+def test_with_the_skinny_matmul_a_decode_step_launches_seven_kernels_a_layer(monkeypatch,
                                                                              tmp_path):  # fmt: skip
     """One stream's step where the worker's timing chose the skinny matmul for every
     weight: its four matmuls are Triton kernels, the gate|up one computes SiLU times up
@@ -303,7 +309,7 @@ def test_with_the_skinny_matmul_a_decode_step_launches_eight_kernels_a_layer(mon
     launches = decode_layer_launches(monkeypatch, loaded.model, loaded.config, requests=1,
                                      prompt_len=40)  # fmt: skip
     assert splits[-1] == 3, splits
-    assert sum(launches.values()) == 8, launches
+    assert sum(launches.values()) == 7, launches
     assert launches["_skinny_kernel"] == 3 + 1 and "linear" not in launches, launches
     assert launches["_decode_split_kernel"] == 1, launches
     assert "_silu_mul_kernel" not in launches, launches

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from benchmarks.attention_reference import TOLERANCE, mixed_errors
+from workers import fused_ops
 from workers import triton_attention as ta  # under TRITON_INTERPRET=1: see conftest.py
 from workers.attention_metadata import max_tiles, prefill_tiles
 
@@ -113,6 +114,40 @@ def test_the_split_counters_are_left_zero_for_the_next_launch():
     with pytest.raises(ValueError, match="split_counts needs 6 int32 zeros, got 5 of"):
         ta.decode_attention(q, cache, cache, tables, lens, 64, 16, 1.0,
                             split_counts=torch.zeros(5, dtype=torch.int32))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits, window", [(None, None), (1, None), (4, 7)])
+def test_a_rotating_decode_is_rotary_into_cache_then_the_decode_bit_for_bit(dtype, num_splits,
+                                                                           window):  # fmt: skip
+    """q and the new k unrotated: the kernel rotates q, and the split holding each request's
+    last position writes its rotated k and its v into the slot before reading the cache."""
+    torch.manual_seed(3)
+    lens, kv_heads, heads, dim, bs = [1, 17, 40, 33], 2, 8, 64, 16
+    pages = [-(-n // bs) for n in lens]
+    order = torch.randperm(sum(pages) + 2).tolist()
+    tables = [order[sum(pages[:i]): sum(pages[: i + 1])] for i in range(len(lens))]
+    width = max(pages)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    caches = [torch.randn((sum(pages) + 2) * bs, kv_heads, dim).to(dtype) for _ in range(2)]
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * dim).to(dtype)
+    q, k, v = (t.view(len(lens), -1, dim)
+               for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))  # fmt: skip
+    pos = torch.tensor(lens) - 1
+    angles = pos[:, None] * 10000.0 ** (-torch.arange(0, dim, 2) / dim)
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(dtype) for f in (torch.cos, torch.sin))
+    slots = torch.tensor([t[p // bs] * bs + p % bs
+                          for t, p in zip(tables, pos.tolist(), strict=True)])
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    args = (block_tables, seq_lens, max(lens), bs, dim**-0.5, window, num_splits)
+    ref_caches = [c.clone() for c in caches]
+    q_rot = fused_ops.rotary_into_cache(q, k, v, cos, sin, *ref_caches, slots)
+    expected = ta.decode_attention(q_rot, *ref_caches, *args)
+    out = ta.decode_attention(q, *caches, *args, new_kv=(k, v, cos, sin, slots))
+    assert torch.equal(out, expected)
+    assert all(torch.equal(c, r) for c, r in zip(caches, ref_caches, strict=True))
+    with pytest.raises(ValueError, match="new_kv: k, v"):
+        ta.decode_attention(q, *caches, *args, new_kv=(k, v, cos[:2], sin[:2], slots))
 
 
 @pytest.mark.parametrize("window", [None, 40])

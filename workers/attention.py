@@ -149,6 +149,36 @@ def attend_written(
     return out
 
 
+def attend_rotating(
+    module: torch.nn.Module,
+    q: torch.Tensor,  # [T, H, D], not rotated yet
+    k: torch.Tensor,  # [T, KVH, D], not rotated yet, not in the cache yet
+    v: torch.Tensor,
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    scaling: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:
+    """A decode-only step's attention on the Triton backend, [T, H, D], the rotary embedding
+    and the write of K and V into the cache done by the decode kernel itself (one launch a
+    layer, not two); None for a step with prompt rows (the caller rotates and writes first:
+    workers.fused_ops.rotary_into_cache, then `attend_written`). The caller checks
+    `fused_ops.rotary_into_cache_fits` first."""
+    from workers import triton_attention  # only where Triton is the backend
+
+    paged = attn_metadata.paged
+    assert paged is not None
+    if paged.decode_tables.shape[0] != q.shape[0]:
+        return None
+    k_cache, v_cache = attn_metadata.kv_caches[module.layer_idx]
+    return triton_attention.decode_attention(
+        q, k_cache, v_cache, paged.decode_tables, paged.decode_lens, paged.max_decode_len,
+        paged.block_size, scaling, sliding_window, split_counts=paged.decode_split_counts,
+        new_kv=(k, v, cos, sin, attn_metadata.slot_mapping),
+    )  # fmt: skip
+
+
 def _decode(
     q: torch.Tensor,  # [Bd, H, D]
     k_cache: torch.Tensor,

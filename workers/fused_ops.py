@@ -211,6 +211,22 @@ def _rotate_heads(x_ptr, out_ptr, stride_xh, stride_oh, num_heads, c1, c2, s1, s
     tl.store(out_ptr + heads * stride_oh + HALF + d, second.to(dtype), mask=mask)
 
 
+@triton.jit
+def rotated(rows, d, mask, cos_row, sin_row, HEAD_DIM: tl.constexpr):
+    """_rotate_heads' values, loaded and rotated in a caller's tile: the rows at `rows`
+    ([R, 1] pointers, or one) along `d` [D] of the head, by the cos and sin rows: [R, D]
+    float32, each value of x's dtype (rounded as _rotate_heads rounds it)."""
+    dtype = rows.dtype.element_ty
+    half = HEAD_DIM // 2
+    partner = tl.where(d < half, d + half, d - half)  # rotate_half's source of each element
+    x = tl.load(rows + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.where(d[None, :] < half, -xp, xp)
+    c = tl.load(cos_row + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_row + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
+    return round_to(round_to(x * c, dtype) + round_to(xp * s, dtype), dtype)
+
+
 # A step's token count varies with its batch; specialized (as Triton does an int that is 1 or
 # a multiple of 16), the decode-graph buckets would compile the kernel three times.
 @triton.jit(do_not_specialize=["num_tokens"])

@@ -160,15 +160,20 @@ class Attention(torch.nn.Module):
                            cos: torch.Tensor, sin: torch.Tensor, meta: attention.AttentionMetadata
                            ) -> torch.Tensor | None:  # fmt: skip
         """The Triton backend's attention [T, H, D] of q, k, v [T, heads, D], the rotary
-        embedding and the write of K and V into the cache in one kernel; None where that
-        kernel does not take them (the caller runs the two)."""
+        embedding and the write of K and V into the cache in one kernel (in a decode-only
+        step, the attention's own); None where that kernel does not take them (the caller
+        runs the two)."""
         from workers import fused_ops
 
         k_cache, v_cache = meta.kv_caches[self.layer_idx]
         if not fused_ops.rotary_into_cache_fits(q, k, v, cos, sin, k_cache, v_cache):
             return None
+        window = self.shape.sliding_window
+        out = attention.attend_rotating(self, q, k, v, cos, sin, meta, self.scaling, window)
+        if out is not None:
+            return out
         q = fused_ops.rotary_into_cache(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
-        return attention.attend_written(self, q, meta, self.scaling, self.shape.sliding_window)
+        return attention.attend_written(self, q, meta, self.scaling, window)
 
 
 class MLP(torch.nn.Module):

@@ -18,6 +18,9 @@ query heads of one KV head together, so each K/V page is read once per KV head.
   (request, KV head)'s splits to finish merges them (a counter each, that it then resets):
   one launch a layer, not a second kernel for the merge. With one split (a batch that
   fills the GPU by itself, or contexts of one page) the program writes its output directly.
+  Given the step's q and K/V unrotated (`new_kv`, loomllm's own model), it also rotates q
+  as it loads it, and the split holding each request's new token writes its rotated K and
+  its V into the cache first: no rotary kernel before it.
 
 On the CPU they run under TRITON_INTERPRET=1 (tests compare them with the torch
 reference); the torch reference stays the CPU backend, being faster there.
@@ -30,6 +33,7 @@ import triton
 import triton.language as tl
 
 from workers.attention_metadata import PREFILL_TILE as BLOCK_M  # queries per prefill program
+from workers.fused_ops import rotated
 
 MIN_DOT_ROWS = 16  # tl.dot's minimum rows on GPUs
 TARGET_PROGRAMS = 264  # decode splits aim at ~2 programs per SM of an H100 (132 SMs)
@@ -118,11 +122,17 @@ def _online_softmax_step(
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, split_counts_ptr, out_ptr,
+    k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, slots_ptr,
     scale, window,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
+    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLITS_PAD: tl.constexpr, EXACT: tl.constexpr,
+    ROTARY: tl.constexpr,
 ):  # fmt: skip
+    """ROTARY: q and the new k come unrotated; the program rotates q as it loads it, and
+    the one whose split holds the last position writes the rotated k and v into their
+    slot before reading the cache (what fused_ops.rotary_into_cache does, bit for bit)."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -131,8 +141,13 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + g
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + req * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=(g < GROUP)[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    q_rows = q_ptr + req * stride_qb + heads[:, None] * stride_qh
+    q_mask = (g < GROUP)[:, None] & d_ok[None, :]
+    if ROTARY:
+        cos_row, sin_row = cos_ptr + req * stride_cb, sin_ptr + req * stride_cb
+        q = rotated(q_rows, d, q_mask, cos_row, sin_row, HEAD_DIM).to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     s_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -145,6 +160,16 @@ def _decode_split_kernel(
     pages_per_split = tl.cdiv(last_page - start_page, tl.num_programs(2))
     first_page = start_page + split * pages_per_split
     end_page = tl.minimum(first_page + pages_per_split, last_page)
+    if ROTARY:
+        if first_page < last_page and last_page <= end_page:  # its pages hold the new token
+            slot = tl.load(slots_ptr + req).to(tl.int64) * stride_ks + kv_head * stride_kh
+            k_new = rotated(k_new_ptr + req * stride_knb + kv_head * stride_knh, d,
+                            d_ok[None, :], cos_row, sin_row, HEAD_DIM)  # fmt: skip
+            tl.store(k_cache_ptr + slot + d[None, :], k_new.to(k_cache_ptr.dtype.element_ty),
+                     mask=d_ok[None, :])  # fmt: skip
+            v_new = tl.load(v_new_ptr + req * stride_vnb + kv_head * stride_vnh + d, mask=d_ok)
+            tl.store(v_cache_ptr + slot + d, v_new, mask=d_ok)
+        tl.debug_barrier()  # every thread's stores before any thread loads that page
     offs = tl.arange(0, BLOCK_SIZE)
     for page in range(first_page, end_page):
         block = tl.load(block_tables_ptr + req * stride_bt + page)
@@ -303,13 +328,23 @@ def decode_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     split_counts: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Each request's one query over its paged context, split-K: [B, H, D]. `split_counts`:
     int32 zeros, at least B * KV heads of them, that the kernel leaves zero (a step's
-    layers, and a CUDA graph's replays, share one; default: new zeros, a launch more)."""
+    layers, and a CUDA graph's replays, share one; default: new zeros, a launch more).
+    `new_kv`: (k, v [B, KVH, D], cos, sin [B, D], slots [B]): q and k unrotated, the step's
+    K/V not in the cache yet; the kernel rotates q and k and writes k and v into their
+    slots, as fused_ops.rotary_into_cache would (the caller checks
+    `rotary_into_cache_fits` first)."""
     _check(q, k_cache, v_cache, block_size)
+    k_new, v_new, cos, sin, slots = new_kv if new_kv is not None else (q, q, q, q, q)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
+    if new_kv is not None and not (k_new.shape == v_new.shape == (batch, num_kv_heads, head_dim)
+                                   and cos.shape == sin.shape == (batch, head_dim)
+                                   and slots.shape == (batch,)):  # fmt: skip
+        raise ValueError("new_kv: k, v [B, KVH, D], cos, sin [B, D] and slots [B] of q's B")
     group = num_heads // num_kv_heads
     pages = triton.cdiv(max_seq_len, block_size)
     if num_splits is None:  # enough programs to fill the GPU, at least a page each
@@ -328,12 +363,13 @@ def decode_attention(
     out = torch.empty_like(q)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum, split_counts,
-        out, scale, sliding_window or 0,
+        out, k_new, v_new, cos, sin, slots, scale, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
+        v_new.stride(1), cos.stride(0),
         GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, D_PAD=_d_pad(head_dim), BLOCK_SIZE=block_size,
-        SPLITS_PAD=MAX_SPLITS, EXACT=_exact(q),
+        SPLITS_PAD=MAX_SPLITS, EXACT=_exact(q), ROTARY=new_kv is not None,
     )  # fmt: skip
     return out
 
