@@ -43,9 +43,9 @@ def test_bucket_sizes_double_up_to_max_num_seqs():
 
 def make_runner(model_dir: str, graphs: bool, fused: bool = False) -> ModelRunner:
     loaded = load_model(model_dir, dtype="float32")
-    if fused:  # as a CUDA worker runs: the K/V write inside the rotary kernel, padded rows
-        assert install_fused_ops(loaded.model).layers  # too; steps of up to 8 rows with the
-        for linear in loaded.model.modules():  # skinny matmul (a worker times it first)
+    if fused:  # as a CUDA worker runs: rotary and K/V write inside the decode kernel, padded
+        assert install_fused_ops(loaded.model).layers  # rows too; steps of up to 8 rows with
+        for linear in loaded.model.modules():  # the skinny matmul (a worker times it first)
             if isinstance(linear, Linear):
                 linear.skinny = True
     runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),

@@ -18,10 +18,14 @@ from kernel_count import decode_layer_launches
 from paged_forward import paged_logits
 from safetensors.torch import load_file, save_file
 
+from protocols.sampling import SamplingParams
+from runtime.request import Request
+from runtime.scheduler import Scheduler, SchedulerConfig
 from workers import attention, fused_ops, llama_config, llama_family, llama_weights
 from workers import triton_attention as ta
 from workers.fused_layers import install_fused_ops
 from workers.model_loader import ModelLoadError, load_model
+from workers.model_runner import ModelRunner
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2,
@@ -313,3 +317,36 @@ def test_with_the_skinny_matmul_a_decode_step_launches_seven_kernels_a_layer(mon
     assert launches["_skinny_kernel"] == 3 + 1 and "linear" not in launches, launches
     assert launches["_decode_split_kernel"] == 1, launches
     assert "_silu_mul_kernel" not in launches, launches
+
+
+def test_a_new_requests_one_token_row_is_a_prompt_chunk(monkeypatch, tmp_path):
+    """A request admitted with all but one token of its prompt in the prefix cache computes
+    one token. The blocks it reads may be ones another row fills in that very step, so its
+    row goes as a prompt chunk: the step is not decode-only, and the decode kernel (which
+    writes a decode's K/V as it attends) does not run it. The next step is decode-only."""
+    loaded = load_model(str(save_variant(tmp_path, "llama")), dtype="bfloat16")
+    install_fused_ops(loaded.model)
+    runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
+                         dtype=torch.bfloat16, block_size=16, num_blocks=16,
+                         attention_backend="triton")  # fmt: skip
+    scheduler = Scheduler(SchedulerConfig(4, 256, 64, 16, 16))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = [5 + j % 50 for j in range(32)]
+    scheduler.add_request(Request("a", prompt, params, frozenset(), 64, 0.0))
+    rotated = []
+    attend_rotating = attention.attend_rotating
+    monkeypatch.setattr(attention, "attend_rotating", lambda *args: rotated.append(
+        attend_rotating(*args)) or rotated[-1])  # fmt: skip
+
+    def step(call_id: int) -> dict[str, int]:
+        rotated.clear()
+        so = scheduler.schedule()
+        scheduler.update_from_output(so, runner.execute(so, call_id))
+        return so.num_scheduled_tokens
+
+    assert step(0) == {"a": 32}
+    scheduler.add_request(Request("b", [*prompt, 7], params, frozenset(), 64, 0.0))
+    assert step(1) == {"a": 1, "b": 1}  # b's two full blocks are a's: one token left
+    assert rotated == [None] * COMMON["num_hidden_layers"], rotated
+    assert step(2) == {"a": 1, "b": 1}
+    assert len(rotated) == COMMON["num_hidden_layers"] and None not in rotated

@@ -164,7 +164,13 @@ def attend_rotating(
     and the write of K and V into the cache done by the decode kernel itself (one launch a
     layer, not two); None for a step with prompt rows (the caller rotates and writes first:
     workers.fused_ops.rotary_into_cache, then `attend_written`). The caller checks
-    `fused_ops.rotary_into_cache_fits` first."""
+    `fused_ops.rotary_into_cache_fits` first.
+
+    Safe because no decode row reads a block another row writes in the same step: a
+    running request's blocks were full before it was scheduled, or are its own. A request
+    scheduled for the first time (or back after a preemption) may hold a prefix-cached
+    block that another row fills in this very step, so the model runner makes its
+    one-token row a prompt chunk, never a decode row: its step is not decode-only."""
     from workers import triton_attention  # only where Triton is the backend
 
     paged = attn_metadata.paged

@@ -215,7 +215,9 @@ def _rotate_heads(x_ptr, out_ptr, stride_xh, stride_oh, num_heads, c1, c2, s1, s
 def rotated(rows, d, mask, cos_row, sin_row, HEAD_DIM: tl.constexpr):
     """_rotate_heads' values, loaded and rotated in a caller's tile: the rows at `rows`
     ([R, 1] pointers, or one) along `d` [D] of the head, by the cos and sin rows: [R, D]
-    float32, each value of x's dtype (rounded as _rotate_heads rounds it)."""
+    float32, each value of x's dtype (rounded as _rotate_heads rounds it). bf16: its bits.
+    float32 in a kernel compiled with multiply-adds fused: within float32's last place
+    (x * c + xp * s may become one fma; _rotate_heads' kernels do not fuse)."""
     dtype = rows.dtype.element_ty
     half = HEAD_DIM // 2
     partner = tl.where(d < half, d + half, d - half)  # rotate_half's source of each element

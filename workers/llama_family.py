@@ -5,8 +5,9 @@ come with it) was most of a cold start's imports: 2.6 of 4.2 s here, 8-10 of 14.
 the H100 host. The model also packs q|k|v and gate|up into one matmul each from the start,
 and on the CUDA path runs the fused kernels of workers.fused_ops, the residual add of each
 layer inside the next layer's norm, the write of K and V into the cache inside the rotary
-embedding's kernel, and (where a worker measured it faster than cuBLAS) the matmuls of
-steps of a few rows through workers.skinny_matmul.
+embedding's kernel (in a decode-only step, both inside the decode attention's kernel), and
+(where a worker measured it faster than cuBLAS) the matmuls of steps of a few rows
+through workers.skinny_matmul.
 
 The arithmetic is transformers' eager one, rounding for rounding, so greedy tokens match
 HF `generate` (tests/test_llama_family.py, and the parity tests through the engine). Its

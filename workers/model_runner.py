@@ -218,6 +218,7 @@ class ModelRunner:
         prefill_states: list[CachedRequestState] = []
         triton = self.attention_backend == "triton"
         bs = self.block_size
+        fresh = {r.req_id for r in so.new_requests}  # new, or back after a preemption
         for req_id, num_new in so.num_scheduled_tokens.items():
             state = self.requests[req_id]
             start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
@@ -237,9 +238,9 @@ class ModelRunner:
             blocks = state.block_ids
             state.slots.extend(blocks[p // bs] * bs + p % bs for p in range(len(state.slots), end))
             slots.extend(state.slots[start:end])
-            # The torch backend gathers each context by slot; Triton's kernels read it
-            # through the block table, so no per-step copy of it.
-            if num_new == 1:
+            # The torch backend gathers each context by slot, Triton's kernels read the
+            # block table. A `fresh` one-token row is a prompt chunk: attend_rotating says why.
+            if num_new == 1 and req_id not in fresh:
                 decode_idx.append(token_start)
                 decode_states.append(state)
                 if not triton:
