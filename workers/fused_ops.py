@@ -195,29 +195,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, stride_xh, stride_oh, num_heads, c1, c2, s1, s2,
-                  HEADS: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
-    """x * cos + rotate_half(x) * sin for the heads of one token, each product and the sum
-    rounded to x's dtype as transformers' eager ops round them."""
-    dtype = x_ptr.dtype.element_ty
-    heads = tl.arange(0, HEADS)[:, None]
-    d = tl.arange(0, HALF)[None, :]
-    mask = heads < num_heads
-    x1 = tl.load(x_ptr + heads * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + heads * stride_xh + HALF + d, mask=mask, other=0.0).to(tl.float32)
-    first = round_to(round_to(x1 * c1, dtype) + round_to(-x2 * s1, dtype), dtype)
-    second = round_to(round_to(x2 * c2, dtype) + round_to(x1 * s2, dtype), dtype)
-    tl.store(out_ptr + heads * stride_oh + d, first.to(dtype), mask=mask)
-    tl.store(out_ptr + heads * stride_oh + HALF + d, second.to(dtype), mask=mask)
-
-
-@triton.jit
 def rotated(rows, d, mask, cos_row, sin_row, HEAD_DIM: tl.constexpr):
-    """_rotate_heads' values, loaded and rotated in a caller's tile: the rows at `rows`
-    ([R, 1] pointers, or one) along `d` [D] of the head, by the cos and sin rows: [R, D]
-    float32, each value of x's dtype (rounded as _rotate_heads rounds it). bf16: its bits.
-    float32 in a kernel compiled with multiply-adds fused: within float32's last place
-    (x * c + xp * s may become one fma; _rotate_heads' kernels do not fuse)."""
+    """x * cos + rotate_half(x) * sin of the rows at `rows` ([R, 1] pointers, or one) along
+    `d` [D] of the head, by the cos and sin rows: [R, D] float32, each product and the sum
+    rounded to x's dtype as transformers' eager ops round them. float32 in a kernel that
+    fuses multiply-adds (the decode kernel): within float32's last place, as x * c + xp * s
+    may become one fma (the rotary kernels here do not fuse)."""
     dtype = rows.dtype.element_ty
     half = HEAD_DIM // 2
     partner = tl.where(d < half, d + half, d - half)  # rotate_half's source of each element
@@ -229,6 +212,18 @@ def rotated(rows, d, mask, cos_row, sin_row, HEAD_DIM: tl.constexpr):
     return round_to(round_to(x * c, dtype) + round_to(xp * s, dtype), dtype)
 
 
+@triton.jit
+def _rotate_heads(x_ptr, out_ptr, stride_xh, stride_oh, num_heads, cos_row, sin_row,
+                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+    """The heads of one token, rotated (`rotated`) into out_ptr's."""
+    heads = tl.arange(0, HEADS)[:, None]
+    d = tl.arange(0, HEAD_DIM)
+    mask = heads < num_heads
+    out = rotated(x_ptr + heads * stride_xh, d, mask, cos_row, sin_row, HEAD_DIM)
+    tl.store(out_ptr + heads * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+
+
 # A step's token count varies with its batch; specialized (as Triton does an int that is 1 or
 # a multiple of 16), the decode-graph buckets would compile the kernel three times.
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -237,24 +232,19 @@ def _rope_kernel(
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
     stride_cb, stride_ct, stride_qob, stride_qoh, stride_qot, stride_kob, stride_koh, stride_kot,
     num_tokens, num_q_heads, num_k_heads,
-    HALF: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
 ):  # fmt: skip
     """One program per (batch row, token): its q and k heads rotated by its cos and sin."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // num_tokens
     t = pid % num_tokens
-    d = tl.arange(0, HALF)[None, :]
     cs = b * stride_cb + t * stride_ct
-    c1 = tl.load(cos_ptr + cs + d).to(tl.float32)
-    c2 = tl.load(cos_ptr + cs + HALF + d).to(tl.float32)
-    s1 = tl.load(sin_ptr + cs + d).to(tl.float32)
-    s2 = tl.load(sin_ptr + cs + HALF + d).to(tl.float32)
     _rotate_heads(q_ptr + b * stride_qb + t * stride_qt,
                   q_out_ptr + b * stride_qob + t * stride_qot, stride_qh, stride_qoh,
-                  num_q_heads, c1, c2, s1, s2, Q_HEADS, HALF)  # fmt: skip
+                  num_q_heads, cos_ptr + cs, sin_ptr + cs, Q_HEADS, HEAD_DIM)  # fmt: skip
     _rotate_heads(k_ptr + b * stride_kb + t * stride_kt,
                   k_out_ptr + b * stride_kob + t * stride_kot, stride_kh, stride_koh,
-                  num_k_heads, c1, c2, s1, s2, K_HEADS, HALF)  # fmt: skip
+                  num_k_heads, cos_ptr + cs, sin_ptr + cs, K_HEADS, HEAD_DIM)  # fmt: skip
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -274,7 +264,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         cos.stride(0), cos.stride(1), q_out.stride(0), q_out.stride(1), q_out.stride(2),
         k_out.stride(0), k_out.stride(1), k_out.stride(2),
         num_tokens, num_q_heads, k.shape[1],
-        HALF=head_dim // 2, Q_HEADS=triton.next_power_of_2(num_q_heads),
+        HEAD_DIM=head_dim, Q_HEADS=triton.next_power_of_2(num_q_heads),
         K_HEADS=triton.next_power_of_2(k.shape[1]), **NO_FMA,
     )  # fmt: skip
     return q_out, k_out
@@ -285,23 +275,19 @@ def _rope_cache_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
     stride_qot, stride_qoh, stride_cs, stride_ch, num_q_heads, num_kv_heads,
-    HALF: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
 ):  # fmt: skip
     """One program per token: its q heads rotated into q_out, its k heads rotated into its
     cache slot, its v heads copied there."""
     t = tl.program_id(0).to(tl.int64)  # t * stride passes 2**31 in long prompts
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    d = tl.arange(0, HALF)[None, :]
-    c1 = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_ct + d).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_ct + HALF + d).to(tl.float32)
+    cos_row, sin_row = cos_ptr + t * stride_ct, sin_ptr + t * stride_ct
     _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
-                  num_q_heads, c1, c2, s1, s2, Q_HEADS, HALF)  # fmt: skip
+                  num_q_heads, cos_row, sin_row, Q_HEADS, HEAD_DIM)  # fmt: skip
     _rotate_heads(k_ptr + t * stride_kt, k_cache_ptr + slot * stride_cs, stride_kh, stride_ch,
-                  num_kv_heads, c1, c2, s1, s2, KV_HEADS, HALF)  # fmt: skip
+                  num_kv_heads, cos_row, sin_row, KV_HEADS, HEAD_DIM)  # fmt: skip
     heads = tl.arange(0, KV_HEADS)[:, None]
-    cols = tl.arange(0, 2 * HALF)[None, :]
+    cols = tl.arange(0, HEAD_DIM)[None, :]
     mask = heads < num_kv_heads
     v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + cols, mask=mask)
     tl.store(v_cache_ptr + slot * stride_cs + heads * stride_ch + cols, v, mask=mask)
@@ -322,7 +308,7 @@ def rotary_into_cache(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
         num_q_heads, k.shape[1],
-        HALF=head_dim // 2, Q_HEADS=triton.next_power_of_2(num_q_heads),
+        HEAD_DIM=head_dim, Q_HEADS=triton.next_power_of_2(num_q_heads),
         KV_HEADS=triton.next_power_of_2(k.shape[1]), **NO_FMA,
     )  # fmt: skip
     return q_out
