@@ -55,6 +55,15 @@ def round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def dot_f32(a, b, EXACT: tl.constexpr):
+    """a @ b with float32 accumulation; EXACT: float32 operands and no TF32 (float32 models,
+    and the interpreter, whose numpy has no bfloat16 matmul)."""
+    if EXACT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b.to(a.dtype)).to(tl.float32)
+
+
+@triton.jit
 def _normalize(x, w_ptr, cols, mask, n_cols, eps, X_DTYPE: tl.constexpr,
                OUT_DTYPE: tl.constexpr):  # fmt: skip
     """transformers' Llama RMSNorm of the float32 row `x` (masked to `n_cols`), rounded where

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.fused_ops import round_to, silu_mul, silu_times
+from workers.fused_ops import dot_f32, round_to, silu_mul, silu_times
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +39,6 @@ NUM_STAGES = 4  # loads in flight a program: what keeps the memory busy
 # `loom bench compile --arch 80`, Triton 3.9).
 GATED_STAGES = 3
 H100_L2 = 50 * 2**20  # bytes: the L2 cache assumed where torch does not say the device's
-
-
-@triton.jit
-def _dot_t(x, w, EXACT: tl.constexpr):
-    """x @ w.T in float32."""
-    if EXACT:  # float32 math (float32 models, and the interpreter: no bf16 matmul)
-        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-    else:
-        return tl.dot(x, tl.trans(w))
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -76,9 +67,11 @@ def _skinny_kernel(
             x_mask = m_ok[:, None] & (k < k_in)[None, :]
             w_mask = n_ok[:, None] & (k < k_in)[None, :]
         x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
-        acc += _dot_t(x, tl.load(w_rows + k[None, :], mask=w_mask, other=0.0), EXACT)
+        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
+        acc += dot_f32(x, tl.trans(w), EXACT)
         if GATED:
-            acc_up += _dot_t(x, tl.load(up_rows + k[None, :], mask=w_mask, other=0.0), EXACT)
+            up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)
+            acc_up += dot_f32(x, tl.trans(up), EXACT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:

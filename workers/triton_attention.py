@@ -33,20 +33,11 @@ import triton
 import triton.language as tl
 
 from workers.attention_metadata import PREFILL_TILE as BLOCK_M  # queries per prefill program
-from workers.fused_ops import rotated
+from workers.fused_ops import dot_f32, rotated
 
 MIN_DOT_ROWS = 16  # tl.dot's minimum rows on GPUs
 TARGET_PROGRAMS = 264  # decode splits aim at ~2 programs per SM of an H100 (132 SMs)
 MAX_SPLITS = 32
-
-
-@triton.jit
-def _dot(a, b, EXACT: tl.constexpr):
-    """a @ b with float32 accumulation; EXACT: float32 operands and no TF32 (float32 models,
-    and the interpreter, whose numpy has no bfloat16 matmul)."""
-    if EXACT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b.to(a.dtype)).to(tl.float32)
 
 
 @triton.jit
@@ -87,7 +78,7 @@ def _prefill_kernel(
             kv_ok = (k_pos < seq_len)[:, None] & d_ok[None, :]
             k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh
                         + d[None, :], mask=kv_ok, other=0.0)  # fmt: skip
-            s = _dot(q, tl.trans(k), EXACT) * scale  # [BLOCK_M, BLOCK_SIZE]
+            s = dot_f32(q, tl.trans(k), EXACT) * scale  # [BLOCK_M, BLOCK_SIZE]
             seen = k_pos[None, :] <= q_pos[:, None]
             seen &= (k_pos[None, :] > q_pos[:, None] - window) | (window <= 0)
             s = tl.where(seen, s, float("-inf"))
@@ -114,7 +105,7 @@ def _online_softmax_step(
     alpha = tl.exp(m - m_safe)
     v = tl.load(v_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
                 mask=kv_ok, other=0.0)  # fmt: skip
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT)
+    acc = acc * alpha[:, None] + dot_f32(p.to(v.dtype), v, EXACT)
     return m_new, s_sum * alpha + tl.sum(p, 1), acc
 
 
@@ -179,7 +170,7 @@ def _decode_split_kernel(
         kv_ok = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
                     mask=kv_ok, other=0.0)  # fmt: skip
-        s = _dot(q, tl.trans(k), EXACT) * scale  # [GROUP_PAD, BLOCK_SIZE]
+        s = dot_f32(q, tl.trans(k), EXACT) * scale  # [GROUP_PAD, BLOCK_SIZE]
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m, s_sum, acc = _online_softmax_step(
             s, m, s_sum, acc, v_cache_ptr, slots, kv_ok, kv_head, stride_ks, stride_kh, d, EXACT
