@@ -129,10 +129,7 @@ def attend_written(
     bs = paged.block_size
     num_decodes = paged.decode_tables.shape[0]
     if num_decodes == q.shape[0]:  # decode only: token i is decode row i
-        return triton_attention.decode_attention(
-            q, k_cache, v_cache, paged.decode_tables, paged.decode_lens, paged.max_decode_len,
-            bs, scaling, sliding_window, split_counts=paged.decode_split_counts,
-        )  # fmt: skip
+        return _decode_only(module, q, attn_metadata, scaling, sliding_window)
     # Zeros: a mixed-step graph's padded tokens are in no row, and stay finite this way.
     out = torch.zeros_like(q)
     if num_decodes:
@@ -171,17 +168,27 @@ def attend_rotating(
     scheduled for the first time (or back after a preemption) may hold a prefix-cached
     block that another row fills in this very step, so the model runner makes its
     one-token row a prompt chunk, never a decode row: its step is not decode-only."""
-    from workers import triton_attention  # only where Triton is the backend
-
     paged = attn_metadata.paged
     assert paged is not None
     if paged.decode_tables.shape[0] != q.shape[0]:
         return None
-    k_cache, v_cache = attn_metadata.kv_caches[module.layer_idx]
+    return _decode_only(module, q, attn_metadata, scaling, sliding_window,
+                        new_kv=(k, v, cos, sin, attn_metadata.slot_mapping))  # fmt: skip
+
+
+def _decode_only(module: torch.nn.Module, q: torch.Tensor, meta: AttentionMetadata,
+                 scaling: float, sliding_window: int | None,
+                 new_kv: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
+    """A decode-only step's attention: token i is decode row i, all through the decode
+    kernel (`new_kv`: see triton_attention.decode_attention)."""
+    from workers import triton_attention  # only where Triton is the backend
+
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    paged = meta.paged
     return triton_attention.decode_attention(
         q, k_cache, v_cache, paged.decode_tables, paged.decode_lens, paged.max_decode_len,
         paged.block_size, scaling, sliding_window, split_counts=paged.decode_split_counts,
-        new_kv=(k, v, cos, sin, attn_metadata.slot_mapping),
+        new_kv=new_kv,
     )  # fmt: skip
 
 
