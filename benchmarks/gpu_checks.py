@@ -139,14 +139,15 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
                              f"counters left zero: {zeroed}")  # fmt: skip
 
 
-def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
+def check_fused(model: str, device: str, vocab: int, longest: int) -> tuple[bool | None, str]:
     """workers.fused_ops against transformers' own ops in bf16: the rotary embedding bit for
     bit; RMSNorm (alone, and after the residual add) within a unit in the last place (its
     float32 sum runs in another order), and SiLU times up (Triton's exp on a GPU is the
     approximate one); and the model's logits against
     the same weights in float32: no further off with workers.fused_layers installed (the
     kernels and packed projections), or in workers.llama_family's model with the kernels
-    (what a worker runs), than with transformers' ops."""
+    (what a worker runs), than with transformers' ops. `longest`: the decode contexts'
+    cap."""
     import copy
 
     import torch
@@ -166,7 +167,7 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
         units = diff / size.clamp_min(size.mean() / 16) * 2**7
         return units.max().item(), (diff > 0).float().mean().item()
 
-    tokens = 512 if device.startswith("cuda") else 64  # the interpreter runs a program a time
+    tokens = 512 if device.startswith("cuda") else 16  # the interpreter runs a program a time
     torch.manual_seed(4)
     config = transformers.AutoConfig.from_pretrained(model)
     hidden, heads = config.hidden_size, config.num_attention_heads
@@ -196,7 +197,7 @@ def check_fused(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
     rope_ulps, rope_share = ulps(fused_ops.rotary(q, k, cos, sin),
                                  reference(q, k, cos, sin))  # fmt: skip
     into_cache_same = _rotary_into_cache_is_the_pair(randn, cos[0], sin[0], heads, kv_heads, dim)
-    rotating_same = _rotating_decode_is_the_pair(randn, heads, kv_heads, dim)
+    rotating_same = _rotating_decode_is_the_pair(randn, heads, kv_heads, dim, longest)
     gated_same = _gated_is_the_pair(randn, config.intermediate_size, hidden)
     skinny = _skinny_error_ratio(randn, {
         "q|k|v": (heads * dim + 2 * kv_heads * dim, hidden), "o": (hidden, heads * dim),
@@ -294,15 +295,18 @@ def _gated_is_the_pair(randn: Any, inter: int, hidden: int) -> bool:
                for x in xs)  # fmt: skip
 
 
-def _rotating_decode_is_the_pair(randn: Any, heads: int, kv_heads: int, dim: int) -> bool:
+def _rotating_decode_is_the_pair(randn: Any, heads: int, kv_heads: int, dim: int,
+                                 longest: int) -> bool:  # fmt: skip
     """Whether the decode kernel given q and the new K/V unrotated (it rotates them and
     writes K and V into their slots) leaves the output and both caches as
-    fused_ops.rotary_into_cache then the decode kernel do: 8 requests of 1 to 2,047 tokens."""
+    fused_ops.rotary_into_cache then the decode kernel do: 8 requests of 1 to 2,047 tokens
+    (none past `longest`)."""
     import torch
 
     from workers import fused_ops, triton_attention
 
-    lens, bs, device = [1, 17, 300, 1000, 2047, 64, 5, 129], 16, randn(1).device
+    lens = [min(n, longest) for n in (1, 17, 300, 1000, 2047, 64, 5, 129)]
+    bs, device = 16, randn(1).device
     pages = [-(-n // bs) for n in lens]
     order = torch.randperm(sum(pages) + 2).tolist()
     tables = [order[sum(pages[:i]): sum(pages[: i + 1])] for i in range(len(lens))]
@@ -419,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
         checks = [
             ("Triton kernels", lambda: check_kernels(args.device, args.kernel_batches,
                                                      args.longest)),
-            ("fused kernels", lambda: check_fused(model, args.device, vocab)),
+            ("fused kernels", lambda: check_fused(model, args.device, vocab, args.longest)),
             ("decode CUDA graphs", lambda: check_graphs(model, args.device, vocab)),
             ("engines, async scheduling and graphs on/off",
              lambda: check_engines(model, args.device, vocab, args.requests)),
