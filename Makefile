@@ -23,8 +23,11 @@ demo: setup
 serve: setup
 	$(VENV)/bin/loom serve smollm2 $(SERVE_ARGS)
 
+# The compute-bound tests (kernels in Triton's interpreter, whole-model comparisons) two at a
+# time, one file to a core; then the rest one at a time, since they time processes and streams.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -m compute -n 2 --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider -m "not compute"
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"

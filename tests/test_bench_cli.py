@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.compute
+
 
 def loom(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

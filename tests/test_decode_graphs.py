@@ -30,6 +30,8 @@ from workers.mixed_graphs import MixedGraphs, token_buckets
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
 
+pytestmark = pytest.mark.compute
+
 EOS = 2
 MAX_MODEL_LEN = 64
 

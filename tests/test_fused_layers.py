@@ -26,6 +26,8 @@ from workers import fused_layers, fused_ops
 from workers.fused_layers import FusedModel, install_fused_ops
 from workers.model_runner import ModelRunner
 
+pytestmark = pytest.mark.compute
+
 ARCHS = {
     "llama": (transformers.LlamaConfig, modeling_llama),
     "qwen2": (transformers.Qwen2Config, modeling_qwen2),

@@ -19,6 +19,8 @@ from transformers.models.llama import modeling_llama
 
 from workers import fused_ops
 
+pytestmark = pytest.mark.compute
+
 rotary = fused_ops.rotary  # the kernel's wrapper, before a test counts its calls
 
 

@@ -15,7 +15,7 @@ from conftest import make_tiny_model
 
 from runtime import Engine, SamplingParams
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.compute]
 
 MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -14,7 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.kernel_compile import Census, Variant
+
+pytestmark = pytest.mark.compute
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a start compiles: the kernels a step of the model launches on the CUDA path.

@@ -27,6 +27,8 @@ from workers.fused_layers import install_fused_ops
 from workers.model_loader import ModelLoadError, load_model
 from workers.model_runner import ModelRunner
 
+pytestmark = pytest.mark.compute
+
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256)  # fmt: skip

@@ -16,6 +16,8 @@ from workers.fused_layers import install_fused_ops
 from workers.llama_family import Linear
 from workers.model_loader import load_model
 
+pytestmark = pytest.mark.compute
+
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()

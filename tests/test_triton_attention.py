@@ -17,6 +17,8 @@ from workers import fused_ops
 from workers import triton_attention as ta  # under TRITON_INTERPRET=1: see conftest.py
 from workers.attention_metadata import max_tiles, prefill_tiles
 
+pytestmark = pytest.mark.compute
+
 
 def run_mixed(requests, *, dtype, **kwargs):
     for i, seq_len, n, err in mixed_errors(requests, dtype=dtype, **kwargs):

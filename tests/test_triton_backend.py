@@ -17,6 +17,8 @@ from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
 from workers.worker_state import _attention_backend
 
+pytestmark = pytest.mark.compute
+
 BLOCK_SIZE = 16
 BLOCKS_EACH = 5  # 80 tokens a request: no step needs a new block
 PROMPTS = {"a": list(range(3, 43)), "b": list(range(50, 80)), "c": [7, 8, 9, 10, 11]}
