@@ -22,6 +22,8 @@ from workers.model_loader import (
     resolve_model,
 )
 
+pytestmark = pytest.mark.compute
+
 PROMPT = "The capital of France is"
 
 
