@@ -28,6 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.triton_interpreter import skip_nested_patches
+
+# Every kernel module imports this one. On the CPU (TRITON_INTERPRET=1), calls of @triton.jit
+# helpers inside a launch then skip the interpreter's re-patching: workers/triton_interpreter.py.
+skip_nested_patches()
+
 # The activations' dtypes whose rounding the kernels reproduce.
 DTYPES = (torch.bfloat16, torch.float32)
 # No fused multiply-adds: torch rounds a product before the sum it goes into.

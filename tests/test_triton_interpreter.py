@@ -1,0 +1,102 @@
+"""Triton's interpreter with helper calls that skip re-patching (workers/triton_interpreter.py):
+same results, one patching a launch however many helper calls it makes, nothing left patched."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import interpreter
+
+import workers.fused_ops  # noqa: F401  (it puts the skipping in place, as kernel modules do)
+from workers.triton_interpreter import skip_nested_patches
+
+
+@triton.jit
+def _double(x):
+    return x * 2
+
+
+@triton.jit
+def _doubling_kernel(x_ptr, out_ptr, N: tl.constexpr, TIMES: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)
+    for _ in tl.static_range(TIMES):
+        x = _double(x)
+    tl.store(out_ptr + offs, x)
+
+
+def launch(times: int) -> torch.Tensor:
+    x = torch.arange(8, dtype=torch.float32)
+    out = torch.empty_like(x)
+    _doubling_kernel[(1,)](x, out, N=8, TIMES=times)
+    return out
+
+
+def test_helper_calls_inside_a_launch_patch_nothing(monkeypatch):
+    assert skip_nested_patches()  # in place already, and asking again keeps it
+    patched = []
+    patch_builtin = interpreter._patch_builtin
+
+    def counted(*args):
+        patched.append(args[0])
+        return patch_builtin(*args)
+
+    monkeypatch.setattr(interpreter, "_patch_builtin", counted)
+    load = tl.load
+    counts = []
+    for times in (1, 8):
+        patched.clear()
+        assert torch.equal(launch(times), torch.arange(8.0) * 2**times)
+        counts.append(len(patched))
+    # The launch's own patching only: 8 helper calls cost what 1 does.
+    assert counts[0] == counts[1] > 0
+    assert tl.load is load  # the launch restored what it patched
+
+
+HELPER = """
+import triton
+from triton.language import core
+
+@triton.jit
+def larger(a, b):
+    return core.maximum(a, b)
+"""
+
+KERNEL = """
+import triton
+import triton.language as tl
+from core_helper import larger
+
+@triton.jit
+def larger_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, larger(tl.load(a_ptr + offs), tl.load(b_ptr + offs)))
+"""
+
+
+def test_a_helper_reaching_triton_language_core_is_still_patched(tmp_path, monkeypatch):
+    """The kernel reaches triton.language, its helper triton.language.core: the launch did
+    not patch the helper's module, so its call does, as Triton ships it."""
+    (tmp_path / "core_helper.py").write_text(textwrap.dedent(HELPER))
+    (tmp_path / "core_kernel.py").write_text(textwrap.dedent(KERNEL))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import core_kernel
+
+    a, b = torch.tensor([1.0, 5.0, -2.0, 0.0]), torch.tensor([3.0, 4.0, -1.0, 0.5])
+    out = torch.empty_like(a)
+    core_kernel.larger_kernel[(1,)](a, b, out, N=4)
+    assert torch.equal(out, torch.maximum(a, b))
+
+
+def test_without_the_interpreter_nothing_changes(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not skip_nested_patches()
+
+
+@pytest.fixture(autouse=True)
+def interpreted():
+    assert getattr(interpreter._patch_lang, "skips_nested", False)
