@@ -23,11 +23,11 @@ demo: setup
 serve: setup
 	$(VENV)/bin/loom serve smollm2 $(SERVE_ARGS)
 
-# The compute-bound tests (kernels in Triton's interpreter, whole-model comparisons) two at a
-# time, one file to a core; then the rest one at a time, since they time processes and streams.
+# Two files at a time, one to a core, the compute-bound ones first (tests/conftest.py); then,
+# one at a time, the tests whose processes need both cores at once (marked serial).
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider -m compute -n 2 --dist loadfile
-	$(PY) -m pytest -q -p no:cacheprovider -m "not compute"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not serial" -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -p no:cacheprovider -m serial
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"

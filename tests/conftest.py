@@ -26,9 +26,9 @@ import pytest
 # inherit it, harmlessly: their CPU path does not use Triton.
 os.environ["TRITON_INTERPRET"] = "1"
 
-# `make test` runs the compute-bound tests on two pytest-xdist workers. Each worker, and every
-# process it starts, keeps to one core: torch sizes its thread pools by the cores a process
-# may run on, and two pools spinning over the same two cores ran a 35 s test past 300 s.
+# `make test` runs all but the `serial` tests on two pytest-xdist workers. Each worker, and
+# every process it starts, keeps to one core: torch sizes its thread pools by the cores a
+# process may run on, and two pools spinning over the same two cores ran a 35 s test past 300 s.
 if xdist_worker := os.environ.get("PYTEST_XDIST_WORKER"):  # "gw0", "gw1", ...
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[int(xdist_worker.removeprefix("gw")) % len(cores)]})
@@ -203,6 +203,13 @@ def chat_model(tiny_model, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def fault_report() -> FaultReport:
     return REPORT
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under xdist, the `compute` files first (`make test` hands out files in this order):
+    the long ones start early, and the short ones even out the two workers' ends."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("compute") is None)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

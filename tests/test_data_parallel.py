@@ -22,6 +22,9 @@ from runtime import Engine, EngineDeadError, SamplingParams
 from runtime.engine_metrics import HistogramSnapshot
 from runtime.engine_stats import EngineStats, merge_stats
 
+# Processes that need both cores at once: `make test` runs these tests one at a time.
+pytestmark = pytest.mark.serial
+
 NUM_REQUESTS = 200
 CONCURRENCY = 50
 PROMPTS = [f"w{5 + k} w{40 + 3 * k} w7" for k in range(10)]

@@ -171,6 +171,7 @@ async def test_private_manager_exits_with_the_engine(tiny_model):
     assert wait_gone(worker_pid, timeout=0)
 
 
+@pytest.mark.serial  # two ranks, each wanting a core
 async def test_two_ranks_form_a_process_group(tiny_model, manager):
     def all_reduce(worker):
         import torch

@@ -33,6 +33,9 @@ from protocols.sampling import SamplingParams
 from runtime import LLM, EngineDeadError, WorkerStartError
 from workers.ray_rank import accept_lifeline
 
+# Processes that need both cores at once: `make test` runs these tests one at a time.
+pytestmark = pytest.mark.serial
+
 HEAD_IP, NODE_IP = "127.0.0.2", "127.0.0.3"
 HOST = "127.0.0.1"
 PROMPTS = ["w5 w6 w7", "w9 " * 40, "w11", "w3 w200 w17 w4"]

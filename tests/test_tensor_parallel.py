@@ -10,6 +10,9 @@ from conftest import make_tiny_model
 from protocols.sampling import SamplingParams
 from runtime import LLM, ManagerError
 
+# Processes that need both cores at once: `make test` runs these tests one at a time.
+pytestmark = pytest.mark.serial
+
 PROMPTS = ["w5 w6 w7", "w9 " * 40, "w11", "w3 w200 w17 w4"]
 
 

@@ -14,6 +14,9 @@ import textwrap
 
 import pytest
 
+# Processes that need both cores at once: `make test` runs these tests one at a time.
+pytestmark = pytest.mark.serial
+
 PROGRAM = textwrap.dedent("""
     import json, os, sys, time
     import anyio

@@ -22,6 +22,9 @@ from serve_utils import loom_serve
 
 from runtime import LLM, EngineDeadError, SamplingParams
 
+# Processes that need both cores at once: `make test` runs these tests one at a time.
+pytestmark = pytest.mark.serial
+
 TRIALS = 10
 DETECT_S = 1.0
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
