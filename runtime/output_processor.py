@@ -25,6 +25,8 @@ from runtime.outputs import (
 from runtime.scheduler import EngineCoreOutput
 from runtime.tokenizer import Tokenizer
 
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+
 
 @dataclass(eq=False)
 class ParentRequest:
@@ -188,7 +190,10 @@ class OutputProcessor:
             if self._update(state, out, now):
                 stopped.append(out.request_id)
             parent = state.parent
-            parent.emit(self._completion(state))
+            # FINAL_ONLY sends nothing before the end: a sequence's output is built once, as
+            # it finishes, not copied from all its tokens every step.
+            if state.finish_reason is not None or parent.params.output_kind != FINAL_ONLY:
+                parent.emit(self._completion(state))
             if state.finish_reason is not None:
                 del self.states[out.request_id]
                 self.metrics.record_finished(state.finish_reason, parent.metrics.arrival_time, now)
