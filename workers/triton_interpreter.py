@@ -3,8 +3,8 @@
 Under the interpreter, each launch patches `triton.language` for the kernel, and then each
 call of a `@triton.jit` helper from inside the kernel patches it again: a scan of the whole
 module with `inspect.getmembers`, about 2 ms a call. Our kernels call helpers in their inner
-loops (rotation, rounding), so that re-patching was a third of the time of the interpreted
-tests. Inside a launch, the launch's own patches are already in place, and a helper needs
+loops (rotation, rounding): skipping it took the fused padded-decode test from 90 s to 71 s.
+Inside a launch, the launch's own patches are already in place, and a helper needs
 nothing more as long as it reaches triton.language through the same module objects as the
 kernel did (one that reaches `tl.core` when the kernel did not still patches, as before).
 On a GPU nothing here runs: kernels compile, and helpers are inlined.
@@ -62,7 +62,7 @@ def skip_nested_patches() -> bool:
             return scope
         if langs_of(fn) <= patched[0]:
             return scope_type()  # a helper of the launch: already patched
-        return patch_lang(fn)  # as shipped (the helper discards it; the launch restores)
+        return patch_lang(fn)  # as shipped: the helper drops the scope, its patches stay
 
     patch.skips_nested = True  # type: ignore[attr-defined]
     interpreter._patch_lang = patch
