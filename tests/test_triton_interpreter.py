@@ -78,9 +78,9 @@ def larger_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
 """
 
 
-def test_a_helper_reaching_triton_language_core_is_still_patched(tmp_path, monkeypatch):
-    """The kernel reaches triton.language, its helper triton.language.core: the launch did
-    not patch the helper's module, so its call does, as Triton ships it."""
+def test_a_helper_reaching_triton_language_core_is_patched_too(tmp_path, monkeypatch):
+    """The kernel reaches triton.language, its helper triton.language.core (as Triton's own
+    helpers do): the launch patched both, and restored both."""
     (tmp_path / "core_helper.py").write_text(textwrap.dedent(HELPER))
     (tmp_path / "core_kernel.py").write_text(textwrap.dedent(KERNEL))
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -88,8 +88,10 @@ def test_a_helper_reaching_triton_language_core_is_still_patched(tmp_path, monke
 
     a, b = torch.tensor([1.0, 5.0, -2.0, 0.0]), torch.tensor([3.0, 4.0, -1.0, 0.5])
     out = torch.empty_like(a)
+    maximum = tl.core.maximum
     core_kernel.larger_kernel[(1,)](a, b, out, N=4)
     assert torch.equal(out, torch.maximum(a, b))
+    assert tl.core.maximum is maximum
 
 
 def test_without_the_interpreter_nothing_changes(monkeypatch):
