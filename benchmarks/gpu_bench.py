@@ -273,7 +273,17 @@ def run_hf_continuous(hf, work: list[tuple[list[int], int]]) -> tuple[float, int
 
     config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
                               max_new_tokens=max(n for _, n in work))  # fmt: skip
-    manager = hf.init_continuous_batching(generation_config=config)
+    options = {}
+    if hf.device.type == "cpu":
+        # transformers sizes its cache by the device's free memory: on a CPU, the host's RAM,
+        # gigabytes zeroed (a 33 s smoke test for a tiny model). Room for every request at
+        # once instead; on a GPU, its own sizing, as its users run it.
+        from transformers import ContinuousBatchingConfig
+
+        page = ContinuousBatchingConfig().page_size
+        blocks = sum(-(-(len(prompt) + n) // page) for prompt, n in work)
+        options["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=blocks)
+    manager = hf.init_continuous_batching(generation_config=config, **options)
     manager.start()
     try:
         start = time.perf_counter()
