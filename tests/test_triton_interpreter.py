@@ -1,5 +1,6 @@
 """Triton's interpreter with helper calls that skip re-patching (workers/triton_interpreter.py):
-same results, one patching a launch however many helper calls it makes, nothing left patched."""
+same results, one patching a launch however many helper calls it makes, nothing left patched;
+and its dtype lookups from a table, with the answers of its own."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import triton.language as tl
 from triton.runtime import interpreter
 
 import workers.fused_ops  # noqa: F401  (it puts the skipping in place, as kernel modules do)
-from workers.triton_interpreter import skip_nested_patches
+from workers.triton_interpreter import cache_dtype_lookups, skip_nested_patches
 
 
 @triton.jit
@@ -94,9 +95,29 @@ def test_a_helper_reaching_triton_language_core_is_patched_too(tmp_path, monkeyp
     assert tl.core.maximum is maximum
 
 
+def test_dtype_lookups_answer_as_the_interpreters_own():
+    assert cache_dtype_lookups()  # in place already, and asking again keeps it
+    cached = interpreter._get_np_dtype
+    shipped = cached.__wrapped__
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64,
+               tl.uint64, tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5,
+               tl.float8e4nv]  # fmt: skip
+    every = [*scalars, *(tl.block_type(t, [4, 2]) for t in scalars),
+             *(tl.pointer_type(t) for t in scalars),
+             tl.block_type(tl.pointer_type(tl.float32), [8])]  # fmt: skip
+    for _ in range(2):  # the table fills, then answers
+        assert [cached(t) for t in every] == [shipped(t) for t in every]
+    # A dtype's equal but separate object gets its answer; one without a numpy type, none.
+    assert cached(tl.dtype("bf16")) == shipped(tl.bfloat16)
+    with pytest.raises(KeyError):
+        cached(tl.void)
+    with pytest.raises(KeyError):
+        shipped(tl.void)
+
+
 def test_without_the_interpreter_nothing_changes(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert not skip_nested_patches()
+    assert not skip_nested_patches() and not cache_dtype_lookups()
 
 
 @pytest.fixture(autouse=True)
