@@ -43,7 +43,8 @@ def test_bucket_sizes_double_up_to_max_num_seqs():
     assert bucket_sizes(5000)[-2:] == [256, 512]  # larger decode batches run eager
 
 
-def make_runner(model_dir: str, graphs: bool, fused: bool = False) -> ModelRunner:
+def make_runner(model_dir: str, graphs: bool, fused: bool = False,
+                backend: str = "triton") -> ModelRunner:  # fmt: skip
     loaded = load_model(model_dir, dtype="float32")
     if fused:  # as a CUDA worker runs: rotary and K/V write inside the decode kernel, padded
         assert install_fused_ops(loaded.model).layers  # rows too; steps of up to 8 rows with
@@ -52,7 +53,7 @@ def make_runner(model_dir: str, graphs: bool, fused: bool = False) -> ModelRunne
                 linear.skinny = True
     runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
                          dtype=torch.float32, block_size=16, num_blocks=24,
-                         attention_backend="triton")  # fmt: skip
+                         attention_backend=backend)  # fmt: skip
     if graphs:
         runner.enable_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=False)
     return runner
@@ -86,10 +87,11 @@ def drive_requests(
 
 @functools.cache
 def eager_reference(model_dir: str, budget: int, long_prompt: int) -> Mapping[str, tuple]:
-    """What the unpadded eager path samples, step by step: the reference of both ways of
-    driving the padded path (launched ahead must sample what step by step does). Shared
-    by the tests, so read-only."""
-    outputs = drive_requests(make_runner(model_dir, graphs=False), False, budget, long_prompt)[0]
+    """What the unpadded eager path samples, step by step, on the torch backend (nothing in
+    the interpreter): the reference of both ways of driving the padded path (launched ahead
+    must sample what step by step does). Shared by the tests, so read-only."""
+    runner = make_runner(model_dir, graphs=False, backend="torch")
+    outputs = drive_requests(runner, False, budget, long_prompt)[0]
     return MappingProxyType({r: tuple(outs) for r, outs in outputs.items()})
 
 
@@ -104,6 +106,10 @@ def test_padded_decode_steps_sample_the_eager_tokens(tiny_model, ahead, fused):
     batches: list[int] = []
     forward = graphs.forward
     graphs.forward = lambda *args: (batches.append(args[3].shape[0]), forward(*args))[1]
+    mixed_rows: list[int] = []  # of each mixed step
+    mixed_forward = runner.mixed_graphs.forward
+    runner.mixed_graphs.forward = lambda *args: (mixed_rows.append(len(args[3])),
+                                                 mixed_forward(*args))[1]  # fmt: skip
     padded, silent_rows = drive_requests(runner, ahead)
     assert {r: [t for t, _ in o] for r, o in padded.items()} == {
         r: [t for t, _ in o] for r, o in eager.items()
@@ -114,18 +120,19 @@ def test_padded_decode_steps_sample_the_eager_tokens(tiny_model, ahead, fused):
     assert not graphs.captured and silent_rows > 0
     # Three buckets at least, and padding: batches of 5 to 7 rows ran in the bucket of 8.
     assert len({graphs.bucket(n) for n in batches}) >= 3 and {5, 6, 7} & set(batches)
+    # The prompts' steps, decodes beside them, ran padded to 64 tokens too: fused, these are
+    # the fused kernels' case of padded tokens and rows.
+    assert len(mixed_rows) >= 2 and max(mixed_rows) >= 4
 
 
-@pytest.mark.parametrize("ahead, fused, budget, long_prompt", [
-    (False, False, 5, 10), (True, False, 70, 30),  # each way of driving, each bucket
-    (True, True, 70, 30),  # the fused kernels (padded tokens and rows): one case, they are slow
-])  # fmt: skip
-def test_padded_mixed_steps_sample_the_eager_tokens(tiny_model, ahead, fused, budget,
-                                                    long_prompt):  # fmt: skip
+# Each way of driving, each bucket. The fused kernels' padded tokens and rows: in the decode
+# test's mixed steps (they are slow in the interpreter; the bucket's size is only a size).
+@pytest.mark.parametrize("ahead, budget, long_prompt", [(False, 5, 10), (True, 70, 30)])
+def test_padded_mixed_steps_sample_the_eager_tokens(tiny_model, ahead, budget, long_prompt):
     """Prompt chunks beside decodes, every row through the prefill kernel: in the 64-token
     bucket (a 5-token budget), and in the 128-token one (a 70-token budget)."""
     eager = eager_reference(tiny_model, budget, long_prompt)
-    runner = make_runner(tiny_model, graphs=True, fused=fused)
+    runner = make_runner(tiny_model, graphs=True)
     mixed = runner.mixed_graphs
     steps: list[tuple[int, int]] = []  # (tokens, rows) of each mixed step
     forward = mixed.forward

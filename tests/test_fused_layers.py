@@ -136,14 +136,17 @@ def test_models_the_kernels_cannot_run_keep_their_ops(monkeypatch):
 
 
 def drive_runner(model: torch.nn.Module, fused: bool) -> dict[str, list]:
-    """Four requests through a Triton-backend runner, launched ahead, with decode and
-    mixed-step graphs' padded paths (capture needs CUDA): prompts longer than the windows
-    below, chunked beside decodes."""
+    """Four requests, launched ahead: prompts longer than the windows below, chunked beside
+    decodes. Fused: through a Triton-backend runner with decode and mixed-step graphs'
+    padded paths (capture needs CUDA). Else the reference: transformers' ops over the
+    torch backend, eager (nothing in the interpreter)."""
+    backend = "triton" if fused else "torch"
     runner = ModelRunner(model, model.config, device=torch.device("cpu"), dtype=torch.float32,
-                         block_size=16, num_blocks=24, attention_backend="triton")  # fmt: skip
+                         block_size=16, num_blocks=24, attention_backend=backend)  # fmt: skip
     if fused:
         assert install_fused_ops(model).layers == 2
-    runner.enable_graphs(max_num_seqs=8, max_model_len=64, capture=False, max_step_tokens=64)
+        runner.enable_graphs(max_num_seqs=8, max_model_len=64, capture=False,
+                             max_step_tokens=64)  # fmt: skip
     scheduler = Scheduler(SchedulerConfig(8, 12, 64, 16, runner.num_blocks))
     for i in range(4):
         prompt = [5 + 3 * i + j for j in range(2 + 4 * i)]
@@ -162,13 +165,13 @@ def test_runner_samples_the_same_with_fused_layers(arch):
     """Through the paged attention, with a window that reaches it as the stock layer passes
     it: Mistral's on every layer, Qwen2's on its second (dropping either from the fused
     forward changes the tokens: mutation-checked)."""
-    stock = drive_runner(tiny(arch, **WINDOWED[arch]), fused=False)
+    reference = drive_runner(tiny(arch, **WINDOWED[arch]), fused=False)
     fused = drive_runner(tiny(arch, **WINDOWED[arch]), fused=True)
-    tokens = {r: [t for t, _ in steps] for r, steps in stock.items()}
+    tokens = {r: [t for t, _ in steps] for r, steps in reference.items()}
     assert {r: [t for t, _ in steps] for r, steps in fused.items()} == tokens
-    for r in stock:
-        for (_, lp_stock), (_, lp_fused) in zip(stock[r], fused[r], strict=True):
-            assert lp_fused == pytest.approx(lp_stock, rel=1e-4, abs=1e-5)
+    for r in reference:
+        for (_, lp_ref), (_, lp_fused) in zip(reference[r], fused[r], strict=True):
+            assert lp_fused == pytest.approx(lp_ref, rel=1e-4, abs=1e-5)
 
 
 def test_a_decode_step_launches_eleven_kernels_a_layer(monkeypatch):
