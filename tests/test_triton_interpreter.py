@@ -1,9 +1,11 @@
 """Triton's interpreter with helper calls that skip re-patching (workers/triton_interpreter.py):
 same results, one patching a launch however many helper calls it makes, nothing left patched;
-and its dtype lookups from a table, with the answers of its own."""
+its dtype lookups from a table, with the answers of its own; and no overflow checks that
+nothing reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -13,7 +15,11 @@ import triton.language as tl
 from triton.runtime import interpreter
 
 import workers.fused_ops  # noqa: F401  (it puts the skipping in place, as kernel modules do)
-from workers.triton_interpreter import cache_dtype_lookups, skip_nested_patches
+from workers.triton_interpreter import (
+    cache_dtype_lookups,
+    skip_dead_overflow_checks,
+    skip_nested_patches,
+)
 
 
 @triton.jit
@@ -115,9 +121,43 @@ def test_dtype_lookups_answer_as_the_interpreters_own():
         shipped(tl.void)
 
 
+@triton.jit
+def _times_65536_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs) * 65536)
+
+
+def times_65536(options) -> torch.Tensor:
+    """An int32 product past 2**31 under these interpreter options."""
+    builder = interpreter.interpreter_builder
+    kept, builder.options = builder.options, options
+    try:
+        x = torch.tensor([1, 40000, -40000, 7], dtype=torch.int32)
+        out = torch.empty_like(x)
+        _times_65536_kernel[(1,)](x, out, N=4)
+        return out
+    finally:
+        builder.options = kept
+
+
+def test_overflow_checks_outside_debug_mode_were_dead_work():
+    assert skip_dead_overflow_checks()  # in place already
+    options = interpreter.interpreter_builder.options
+    assert not options.sanitize_overflow and not options.debug
+    # With the checks and without: the same wrapped product, nothing asserted.
+    checked = times_65536(dataclasses.replace(options, sanitize_overflow=True))
+    assert torch.equal(times_65536(options), checked)
+    assert checked.tolist() == [65536, 40000 * 65536 - 2**32, 2**32 - 40000 * 65536, 458752]
+    # In debug mode they assert: left on there.
+    debug = dataclasses.replace(options, sanitize_overflow=True, debug=True)
+    with pytest.raises(Exception, match="overflow"):
+        times_65536(debug)
+
+
 def test_without_the_interpreter_nothing_changes(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not skip_nested_patches() and not cache_dtype_lookups()
+    assert not skip_dead_overflow_checks()
 
 
 @pytest.fixture(autouse=True)

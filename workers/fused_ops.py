@@ -28,13 +28,18 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.triton_interpreter import cache_dtype_lookups, skip_nested_patches
+from workers.triton_interpreter import (
+    cache_dtype_lookups,
+    skip_dead_overflow_checks,
+    skip_nested_patches,
+)
 
 # Every kernel module imports this one. On the CPU (TRITON_INTERPRET=1), calls of @triton.jit
-# helpers inside a launch then skip the interpreter's re-patching, and its dtype lookups hit a
-# table: workers/triton_interpreter.py.
+# helpers inside a launch then skip the interpreter's re-patching, its dtype lookups hit a
+# table, and it computes no overflow checks that nothing reads: workers/triton_interpreter.py.
 skip_nested_patches()
 cache_dtype_lookups()
+skip_dead_overflow_checks()
 
 # The activations' dtypes whose rounding the kernels reproduce.
 DTYPES = (torch.bfloat16, torch.float32)
