@@ -111,10 +111,10 @@ async def run_all(
 
 
 def print_table(title: str, rows: list[Row]) -> None:
-    print(f"\n{title}: ms per step (schedule .. output add up to 'step'; "
-          "'loop' is wall time / steps)")  # fmt: skip
+    print(f"\n{title}: ms per step (schedule .. output add up to 'step'; 'loop' is wall "
+          "time / steps; 'turnaround': from a reply in to the next step out)")  # fmt: skip
     head = ["batch", "steps", "steps/s", "tok/s", *PHASES, "step", "outside fwd", "outside %",
-            "loop"]  # fmt: skip
+            "loop", "turnaround"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for batch, seconds, tokens, t in rows:
@@ -123,7 +123,8 @@ def print_table(title: str, rows: list[Row]) -> None:
                  f"{tokens / seconds:.0f}", *(f"{ms[c]:.3f}" for c in PHASES),
                  f"{ms['total']:.3f}", f"{ms['outside_forward']:.3f}",
                  f"{100 * ms['outside_forward'] / max(ms['total'], 1e-9):.1f}",
-                 f"{seconds * 1e3 / max(t.num_steps, 1):.3f}"]  # fmt: skip
+                 f"{seconds * 1e3 / max(t.num_steps, 1):.3f}",
+                 f"{ms['turnaround']:.3f}"]  # fmt: skip
         print("| " + " | ".join(cells) + " |")
 
 

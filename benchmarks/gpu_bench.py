@@ -342,7 +342,8 @@ def print_steps(async_on: bool, timings: Any, device: Any) -> None:
     ms = timings.per_step_ms()
     print(f"async scheduling {'on' if async_on else 'off'}: {timings.num_steps} engine steps, "
           f"{ms['total']:.2f} ms each, {ms['outside_forward']:.2f} ms of it in the engine "
-          f"(schedule, IPC, output; overlapped with the forward when on); the device idled "
+          f"(schedule, IPC, output; overlapped with the forward when on), "
+          f"{ms['turnaround']:.2f} ms from a reply in to the next step out; the device idled "
           f"{100 * device.idle_fraction:.1f}% between steps "
           f"({device.idle_s * 1e3 / max(device.steps - 1, 1):.3f} ms a gap, "
           f"{device.busy_s * 1e3 / max(device.steps, 1):.2f} ms busy a step); "

@@ -149,6 +149,7 @@ class EngineCore:
                         functools.partial(_execute_step, scheduler_output=scheduler_output),
                         on_encoded=self._clock.encoded,
                     )
+                    self._clock.sent()
                     in_flight.append((scheduler_output, call_id))
                     if len(in_flight) < depth:
                         sent_ahead = True

@@ -34,6 +34,11 @@ class StepTimings:
     update_s: float = 0.0  # scheduler.update_from_output()
     output_s: float = 0.0  # detokenize, check stops, put outputs in the request streams
     total_s: float = 0.0  # whole steps, first phase to last
+    # Not a phase: from a step's reply in to the next step's frame out, the engine's part of
+    # the time a worker waits between steps (with async scheduling, what the device may idle
+    # for). Counted for each send that follows a reply.
+    num_turnarounds: int = 0
+    turnaround_s: float = 0.0
 
     @property
     def outside_forward_s(self) -> float:
@@ -41,11 +46,13 @@ class StepTimings:
         return self.total_s - self.worker_s
 
     def per_step_ms(self) -> dict[str, float]:
-        """Milliseconds per step of each phase, then "outside_forward" and "total"."""
+        """Milliseconds per step of each phase, "outside_forward" and "total"; and
+        "turnaround", per turnaround."""
         n = max(self.num_steps, 1)
         ms = {phase: getattr(self, f"{phase}_s") * 1e3 / n for phase in PHASES}
         ms["outside_forward"] = self.outside_forward_s * 1e3 / n
         ms["total"] = self.total_s * 1e3 / n
+        ms["turnaround"] = self.turnaround_s * 1e3 / max(self.num_turnarounds, 1)
         return ms
 
     def __add__(self, other: StepTimings) -> StepTimings:
@@ -66,15 +73,17 @@ class StepClock:
 
     A step's phases are the gaps between its marks, so they add up to exactly its total.
     Only `finish()` adds them to the totals: a snapshot taken mid-step holds whole steps.
+    `sent()`, once a step's frame is out, adds the turnaround since the last reply.
     """
 
-    __slots__ = ("totals", "_now", "_marks", "_worker_s")
+    __slots__ = ("totals", "_now", "_marks", "_worker_s", "_reply_at")
 
     def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
         self.totals = StepTimings()
         self._now = now
         self._marks = [0.0] * 5  # start, scheduled, encoded, replied, updated
         self._worker_s = 0.0
+        self._reply_at: float | None = None  # the last reply, until a send follows it
 
     def start(self) -> None:
         self._marks[0] = self._now()
@@ -87,8 +96,15 @@ class StepClock:
 
     def replied(self, worker_s: float) -> None:
         """`worker_s`: the worker's own execute time, from its reply (0 if it failed)."""
-        self._marks[3] = self._marks[4] = self._now()  # a failed step has no update
+        self._marks[3] = self._marks[4] = self._reply_at = self._now()  # failed: no update
         self._worker_s = worker_s
+
+    def sent(self) -> None:
+        if self._reply_at is not None:
+            t = self.totals
+            t.num_turnarounds += 1
+            t.turnaround_s += self._now() - self._reply_at
+            self._reply_at = None
 
     def updated(self) -> None:
         self._marks[4] = self._now()

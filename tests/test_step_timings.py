@@ -36,6 +36,21 @@ def test_clock_charges_each_lap_to_its_phase_and_clamps_the_worker_report():
     assert (ms["outside_forward"], ms["total"]) == (2000.0, 3000.0)
 
 
+def test_turnaround_runs_from_a_reply_to_the_next_send_only():
+    ticks = iter([2.0, 3.0, 7.5, 9.0])  # sends with no reply before them read no clock
+    clock = StepClock(now=lambda: next(ticks))
+    clock.sent()  # no reply before it (the first step, or one sent ahead)
+    clock.replied(worker_s=0.0)  # 2.0
+    clock.sent()  # 3.0: 1 s after the reply
+    clock.sent()  # sent ahead: no new reply
+    clock.replied(worker_s=0.0)  # 7.5
+    clock.sent()  # 9.0: 1.5 s
+    t = clock.totals
+    assert (t.num_turnarounds, t.turnaround_s) == (2, 2.5)
+    assert t.num_steps == 0  # not a phase: no step is counted by it
+    assert t.per_step_ms()["turnaround"] == 1250.0
+
+
 @pytest.mark.anyio
 async def test_engine_fills_every_phase_consistently(tiny_model, shared_manager):
     params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
@@ -64,3 +79,5 @@ async def test_engine_fills_every_phase_consistently(tiny_model, shared_manager)
     assert t.total_s <= wall
     assert t.worker_s > 0 and t.encode_s > 0 and t.receive_s > 0 and t.output_s > 0, t
     assert 0 < t.outside_forward_s < t.total_s
+    # Every step but the first of each burst of work is sent after a reply.
+    assert 0 < t.num_turnarounds < t.num_steps and 0 < t.turnaround_s < t.total_s
