@@ -13,12 +13,18 @@ from collections import deque
 
 import anyio
 
-from protocols.messages import CallFailed, ExecuteStep, SchedulerOutput, StepResult
+from protocols.messages import (
+    CallFailed,
+    ExecuteStep,
+    PromptLogprobs,
+    SchedulerOutput,
+    StepResult,
+)
 from runtime.engine_stats import EngineStats
 from runtime.errors import EngineStepError
 from runtime.output_processor import OutputProcessor, ParentRequest
 from runtime.request import Request, RequestStatus
-from runtime.scheduler import Scheduler
+from runtime.scheduler import EngineCoreOutput, Scheduler
 from runtime.step_timings import StepClock
 from runtime.worker_client import WorkerClient
 
@@ -120,12 +126,18 @@ class EngineCore:
 
         One step in flight, or two with async scheduling: step N+1 is scheduled and sent
         while step N runs (its sampled tokens are placeholders here; the worker has them),
-        so the engine's own work (update, outputs, schedule) overlaps the forward.
+        so the engine's own work (update, outputs, schedule) overlaps the forward. Then a
+        step's outputs are streamed only after the next step is sent: between a reply and the
+        next send (what a worker waits for) the engine only updates and schedules. A stop
+        string is seen a step later for it: the request computes two dropped tokens, not one.
         """
         error: BaseException | None = None
         in_flight: deque[tuple[SchedulerOutput, int]] = deque()  # (step, call id), oldest first
         depth = 2 if self.async_scheduling else 1
         sent_ahead = False  # the last turn sent a step and went on: one turn, one timing
+        # The last step's results, to stream once this turn's step is out. Only while a step
+        # is in flight: so the turn that streams them always has a reply to wait for.
+        unstreamed: tuple[list[EngineCoreOutput], list[PromptLogprobs]] | None = None
         try:
             while True:
                 while self._pending_aborts:
@@ -151,17 +163,32 @@ class EngineCore:
                     )
                     self._clock.sent()
                     in_flight.append((scheduler_output, call_id))
-                    if len(in_flight) < depth:
-                        sent_ahead = True
-                        continue  # the next step goes out before this one's result is in
                 else:
                     self._clock.encoded()
+                if unstreamed is not None:
+                    self._clock.stream_began()
+                    self._stream(*unstreamed)
+                    unstreamed = None
+                    self._clock.streamed()
+                if has_work and len(in_flight) < depth:
+                    sent_ahead = True
+                    continue  # the next step goes out before this one's result is in
                 step, call_id = in_flight.popleft()
                 reply = (await self.workers.collect(call_id))[0]
                 self._clock.replied(reply.worker_time_s if isinstance(reply, StepResult) else 0.0)
-                self._process(step, reply)
+                self.num_steps += 1
                 if isinstance(reply, CallFailed):
+                    self.scheduler.drop_step(step)
+                    self._fail_running(reply)
                     await self._drain(in_flight)
+                else:
+                    assert isinstance(reply, StepResult)
+                    outputs = self.scheduler.update_from_output(step, reply)
+                    self._clock.updated()
+                    if in_flight:
+                        unstreamed = (outputs, reply.prompt_logprobs)
+                    else:
+                        self._stream(outputs, reply.prompt_logprobs)
                 self._clock.finish()
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else None
@@ -189,16 +216,10 @@ class EngineCore:
             await self.workers.collect(call_id)
             self.scheduler.drop_step(step)
 
-    def _process(self, scheduler_output: SchedulerOutput, reply: object) -> None:
-        self.num_steps += 1
-        if isinstance(reply, CallFailed):
-            self.scheduler.drop_step(scheduler_output)
-            self._fail_running(reply)
-            return
-        assert isinstance(reply, StepResult)
-        outputs = self.scheduler.update_from_output(scheduler_output, reply)
-        self._clock.updated()
-        self.output_processor.add_prompt_logprobs(reply.prompt_logprobs)
+    def _stream(self, outputs: list[EngineCoreOutput], prompt_logprobs: list[PromptLogprobs]
+                ) -> None:  # fmt: skip
+        """A step's results to the request streams; a stop string found finishes its request."""
+        self.output_processor.add_prompt_logprobs(prompt_logprobs)
         stopped = self.output_processor.process(outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

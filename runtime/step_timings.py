@@ -73,10 +73,13 @@ class StepClock:
 
     A step's phases are the gaps between its marks, so they add up to exactly its total.
     Only `finish()` adds them to the totals: a snapshot taken mid-step holds whole steps.
-    `sent()`, once a step's frame is out, adds the turnaround since the last reply.
+    The output phase may come in two parts: a step's own outputs after `updated()`, and
+    (async scheduling) the last step's, streamed between `stream_began()` and `streamed()`
+    while this one waits for its reply. `sent()`, once a step's frame is out, adds the
+    turnaround since the last reply.
     """
 
-    __slots__ = ("totals", "_now", "_marks", "_worker_s", "_reply_at")
+    __slots__ = ("totals", "_now", "_marks", "_worker_s", "_reply_at", "_streamed_s")
 
     def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
         self.totals = StepTimings()
@@ -84,6 +87,7 @@ class StepClock:
         self._marks = [0.0] * 5  # start, scheduled, encoded, replied, updated
         self._worker_s = 0.0
         self._reply_at: float | None = None  # the last reply, until a send follows it
+        self._streamed_s = 0.0  # the last step's outputs, streamed during this one's wait
 
     def start(self) -> None:
         self._marks[0] = self._now()
@@ -93,6 +97,12 @@ class StepClock:
 
     def encoded(self) -> None:
         self._marks[2] = self._now()
+
+    def stream_began(self) -> None:
+        self._streamed_s = -self._now()
+
+    def streamed(self) -> None:
+        self._streamed_s += self._now()
 
     def replied(self, worker_s: float) -> None:
         """`worker_s`: the worker's own execute time, from its reply (0 if it failed)."""
@@ -112,7 +122,8 @@ class StepClock:
     def finish(self) -> None:
         end = self._now()
         start, scheduled, encoded, replied, updated = self._marks
-        wait = replied - encoded
+        streamed_s, self._streamed_s = self._streamed_s, 0.0
+        wait = replied - encoded - streamed_s
         # Same monotonic clock in both processes, but never let a report exceed the wait.
         worker_s = min(max(self._worker_s, 0.0), wait)
         t = self.totals
@@ -122,7 +133,7 @@ class StepClock:
         t.worker_s += worker_s
         t.receive_s += wait - worker_s
         t.update_s += updated - replied
-        t.output_s += end - updated
+        t.output_s += end - updated + streamed_s
         t.total_s += end - start
 
     def snapshot(self) -> StepTimings:

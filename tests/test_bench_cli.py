@@ -29,8 +29,9 @@ def test_overhead_benchmark_phases_add_up_and_it_compares_gc_freeze() -> None:
     assert [row.split("|")[1].strip() for row in rows] == ["1", "3", "1", "3"]  # off, on
     for row in rows:
         cells = [float(c) for c in row.strip("|").split("|")]
-        batch, steps, _, tok_s, *phases, step, outside, share, _loop = cells
+        batch, steps, _, tok_s, *phases, step, outside, share, _loop, turnaround = cells
         assert steps >= 4 and tok_s > 0
+        assert 0 < turnaround < step  # from a reply to the next send: within the step
         assert sum(phases) == pytest.approx(step, rel=0.02, abs=0.005)
         assert outside == pytest.approx(step - phases[2], rel=0.02, abs=0.005)  # minus worker
         # The table prints ms to 2 decimals and the share (from the unrounded times) to 1:

@@ -36,6 +36,20 @@ def test_clock_charges_each_lap_to_its_phase_and_clamps_the_worker_report():
     assert (ms["outside_forward"], ms["total"]) == (2000.0, 3000.0)
 
 
+def test_outputs_streamed_during_the_wait_count_as_output_not_receive():
+    ticks = iter([0.0, 1.0, 2.0, 2.5, 4.5, 10.0, 10.5, 11.0])
+    clock = StepClock(now=lambda: next(ticks))
+    clock.start()
+    clock.scheduled()  # 1.0
+    clock.encoded()  # 1.0
+    clock.stream_began()  # 2.5: the last step's outputs, 2 s
+    clock.streamed()
+    clock.replied(worker_s=4.0)  # a 8 s wait less the 2 s of outputs: 4 worker, 2 receive
+    clock.updated()  # 0.5
+    clock.finish()  # 0.5 more output: this step's own (without async scheduling)
+    assert clock.snapshot() == StepTimings(1, 1.0, 1.0, 4.0, 2.0, 0.5, 2.5, 11.0)
+
+
 def test_turnaround_runs_from_a_reply_to_the_next_send_only():
     ticks = iter([2.0, 3.0, 7.5, 9.0])  # sends with no reply before them read no clock
     clock = StepClock(now=lambda: next(ticks))

@@ -1,0 +1,130 @@
+"""EngineCore's step loop against an in-process worker: when outputs stream, and what it costs.
+
+With async scheduling a step's outputs are streamed only after the next step is sent, so
+the time between a reply and the next send holds no output work; without it, right away. A
+stop string is then seen one step later: the request computes two dropped tokens, not one,
+and its blocks still come back.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+from conftest import save_tiny_tokenizer
+from test_scheduler import FakeWorker
+
+from protocols.messages import ExecuteStep, StepResult
+from protocols.sampling import RequestOutputKind, SamplingParams
+from runtime.engine_core import EngineCore
+from runtime.output_processor import OutputProcessor, ParentRequest
+from runtime.outputs import RequestMetrics, RequestOutput, RequestOutputCollector
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.tokenizer import Tokenizer
+
+MAX_MODEL_LEN = 64
+PROMPT = [5, 6, 7]
+
+
+class InProcessWorkers:
+    """WorkerClient's submit/collect/discard over test_scheduler's FakeWorker: each step is
+    executed as it is sent; `sent` lists the step ids in order."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.worker = FakeWorker(config.block_size, config.num_blocks)
+        self.sent: list[int] = []
+        self.results: dict[int, StepResult] = {}
+        self.sampled: dict[str, int] = {}  # tokens sampled per request, dropped ones too
+
+    async def submit(self, make, on_encoded=None) -> int:
+        call_id = len(self.sent)
+        step = make(call_id)
+        assert isinstance(step, ExecuteStep)
+        if on_encoded is not None:
+            on_encoded()
+        self.sent.append(step.scheduler_output.step_id)
+        result = self.worker.execute(step.scheduler_output)
+        for req_id in result.req_ids:
+            self.sampled[req_id] = self.sampled.get(req_id, 0) + 1
+        self.results[call_id] = result
+        await anyio.lowlevel.checkpoint()
+        return call_id
+
+    async def collect(self, call_id: int) -> list[StepResult]:
+        await anyio.lowlevel.checkpoint()
+        return [self.results.pop(call_id)]
+
+    def discard(self, call_id: int) -> None:
+        self.results.pop(call_id, None)
+
+
+async def run_one(
+    tmp_path, params: SamplingParams, async_scheduling: bool
+) -> tuple[list[tuple[int, int]], RequestOutput, InProcessWorkers, Scheduler]:
+    """One request through an EngineCore: (tokens in each output, the last step sent when it
+    was put in the stream), the last output, the workers and the scheduler."""
+    save_tiny_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                             max_model_len=MAX_MODEL_LEN, block_size=4, num_blocks=32)  # fmt: skip
+    scheduler = Scheduler(config)
+    workers = InProcessWorkers(config)
+    core = EngineCore(scheduler, workers, OutputProcessor(Tokenizer.from_model_dir(tmp_path)),
+                      frozenset(), MAX_MODEL_LEN, async_scheduling=async_scheduling)  # fmt: skip
+    collector = RequestOutputCollector(params.output_kind)
+    seen: list[tuple[int, int]] = []
+    put = collector.put
+
+    def recording_put(output: RequestOutput) -> None:
+        seen.append((len(output.outputs[0].token_ids), workers.sent[-1]))
+        put(output)
+
+    collector.put = recording_put  # type: ignore[method-assign]
+    parent = ParentRequest("r", None, PROMPT, params, collector, RequestMetrics(time.time()))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(core.run)
+        core.add_request(parent)
+        with anyio.fail_after(10):
+            while not (last := await collector.get()).finished:
+                pass
+            await core.wait_until_idle()
+        tg.cancel_scope.cancel()
+    return seen, last, workers, scheduler
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+async def test_outputs_stream_after_the_next_step_is_sent(tmp_path, anyio_backend,
+                                                          async_scheduling):  # fmt: skip
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    seen, last, workers, _ = await run_one(tmp_path, params, async_scheduling)
+    # One prefill step samples the first token; step k samples token k + 1.
+    assert [n for n, _ in seen] == list(range(1, 9))
+    # Eight steps sample, and no token is dropped; the one after them tells the worker the
+    # request finished.
+    assert workers.sent[:8] == list(range(8)) and workers.sampled["r"] == 8
+    ahead = 2 if async_scheduling else 0
+    # Streamed when the step after the one in flight is out (async), or before anything more
+    # is sent (sync); the last steps have nothing behind them.
+    assert [step for _, step in seen] == [min(n - 1 + ahead, 7) for n in range(1, 9)]
+    assert last.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+async def test_a_stop_string_seen_late_costs_two_dropped_tokens(tmp_path, anyio_backend,
+                                                                async_scheduling):  # fmt: skip
+    free = SamplingParams(max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    _, reference, _, _ = await run_one(tmp_path, free, async_scheduling=False)
+    tokens = reference.outputs[0].token_ids
+    stop = f"w{tokens[2]}"
+    assert stop not in reference.outputs[0].text.split()[:2]  # the third token is its first
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop])
+    _, last, workers, scheduler = await run_one(tmp_path, params, async_scheduling)
+    out = last.outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (tokens[:3], "stop", stop)
+    assert workers.sampled["r"] == 3 + (2 if async_scheduling else 0)
+    kv = scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_total_blocks
+    assert not scheduler.requests and not workers.results
