@@ -54,6 +54,7 @@ BENCHMARKS = {
     "eager-step": "benchmarks.eager_step",
     "broadcast": "benchmarks.step_broadcast",
     "compile": "benchmarks.kernel_compile",
+    "emulated": "benchmarks.emulated_device",
 }
 
 

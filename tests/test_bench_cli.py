@@ -47,6 +47,24 @@ def test_overhead_benchmark_compares_one_thing_at_a_time() -> None:
     assert both.returncode == 2 and "one thing at a time" in both.stderr
 
 
+def test_emulated_device_holds_each_step_and_idles_only_without_async_scheduling() -> None:
+    done = loom("bench", "emulated", "--num-requests", "6", "--prompt-mean", "12",
+                "--output-mean", "8", "--base-ms", "20", "--async-scheduling", "both")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
+            if re.match(r"\| (on|off) \|", line)]  # fmt: skip
+    assert [row[0].strip() for row in rows] == ["on", "off"], done.stdout
+    idle = {}
+    for mode, _, seconds, tok_s, steps, busy, idle_share, turnaround in rows:
+        # One device, one step at a time, each at least base-ms long, all within the run.
+        assert int(steps) >= 4 and 0.020 * int(steps) <= float(busy) <= float(seconds) + 0.01
+        assert float(tok_s) > 0 and float(turnaround) > 0
+        idle[mode.strip()] = float(idle_share)
+    # Sent ahead, each step is queued while the one before runs: the host's ~1 ms a step
+    # hides behind the 20 ms steps. Without async scheduling it shows.
+    assert 0 <= idle["on"] < idle["off"] <= 100, idle
+
+
 def test_gpu_benchmark_runs_on_the_cpu_at_the_tiny_shape() -> None:
     """The GPU benchmark's every part, on the CPU: what a GPU session runs at full shapes."""
     done = loom("bench", "gpu", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",

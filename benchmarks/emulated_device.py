@@ -1,0 +1,175 @@
+"""Device idle on the CPU: workload (a) against an emulated device that takes a GPU's step time.
+
+On a GPU the device idles between steps when the host's work (the engine's turnaround, the
+worker's input preparation) outlasts the step in flight. No GPU here, so a worker gets a
+device of its own: its model's forward returns zero logits at once, and each launched step
+occupies the device for `base + row * decode rows + token * prompt tokens` ms, from the later
+of the launch's return and the previous step's end, in order; reading the step's tokens
+waits for that end, and the worker launches ahead as on CUDA. Everything else is the real
+host work of the CUDA path: the engine, IPC, and the worker's input preparation for the
+Triton attention backend (block tables), then sampling (the tiny model's 512-word vocabulary:
+cheaper than a real one's, which a GPU samples on the device anyway). The defaults are the 8B
+shape's kernel times on an H100 (second GPU session, `loom bench decode-profile`: 6.76 ms at
+batch 1, 8.24 at 64, 12.67 at 256; prompts 0.027 ms a token).
+
+    loom bench emulated [--num-requests 500] [--async-scheduling on|off|both] [--rounds 1]
+        [--base-ms 6.76] [--row-ms 0.0231] [--token-ms 0.027]
+
+Prints, per engine: output tok/s, the emulated device's steps, busy time and idle share
+between steps, and the engine's turnaround (a reply in to the next step out). This machine
+stands in for the GPU host: compare code versions or device speeds here, in one run, not
+these figures with a GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from benchmarks import run_manager, wait_for_no_workers
+from benchmarks.gpu_bench import SHAPES, sharegpt_like, write_model_dir
+
+# The workers cannot import benchmarks/ from every checkout: send the hooks' code itself.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+PROG = "loom bench emulated"
+
+
+def install(worker: Any, vocab_size: int, base_ms: float, row_ms: float, token_ms: float
+            ) -> None:  # fmt: skip
+    """Give the worker's runner the emulated device (run on the worker: collective_rpc)."""
+    import types
+
+    import torch
+
+    runner = worker.runner
+    launch = runner.launch
+
+    def forward(*, logits_to_keep: torch.Tensor, **_: Any) -> Any:  # [1, kept, V] zeros
+        return types.SimpleNamespace(logits=torch.zeros(1, len(logits_to_keep), vocab_size))
+
+    runner.model = forward
+    device = runner.emulated_device = {"free_at": 0.0, "steps": 0, "busy": 0.0, "idle": 0.0}
+    runner.overlap_launches = True  # as on CUDA: launch the next step before reading this one
+
+    def emulated(so: Any, call_id: int) -> Any:
+        step = launch(so, call_id)
+        counts = list(so.num_scheduled_tokens.values())
+        if not counts:
+            return step
+        decode_rows = sum(1 for n in counts if n == 1)
+        seconds = (base_ms + row_ms * decode_rows + token_ms * (sum(counts) - decode_rows)) / 1e3
+        queued = time.perf_counter()
+        if device["steps"]:
+            device["idle"] += max(0.0, queued - device["free_at"])
+        end = max(queued, device["free_at"]) + seconds
+        device.update(free_at=end, steps=device["steps"] + 1, busy=device["busy"] + seconds)
+
+        def wait() -> None:  # the step's tokens are on the host once the device is done
+            time.sleep(max(0.0, end - time.perf_counter()))
+
+        step.wait = wait
+        return step
+
+    runner.launch = emulated
+
+
+def device_time(worker: Any) -> tuple[int, float, float]:
+    """(steps, busy s, idle s) of the emulated device since install."""
+    device = worker.runner.emulated_device
+    return device["steps"], device["busy"], device["idle"]
+
+
+def run(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace,
+        async_scheduling: bool) -> tuple[float, int, int, float, float, float]:  # fmt: skip
+    """(seconds, output tokens, device steps, device busy s, device idle share, turnaround ms)
+    of one engine."""
+    import anyio
+
+    from runtime import Engine, SamplingParams
+
+    async def main() -> tuple[float, int, int, float, float, float]:
+        async with Engine(model, load_format="dummy", dtype="float32", device="cpu",
+                          attention_backend="triton", max_num_seqs=args.max_num_seqs,
+                          keep_alive=0,
+                          kv_cache_memory=args.kv_cache_memory << 20,
+                          manager_socket=args.manager_socket,
+                          async_scheduling=async_scheduling) as engine:  # fmt: skip
+            warm = SamplingParams(max_tokens=2, ignore_eos=True)  # Triton's interpreter
+            async for _ in engine.generate({"prompt_token_ids": [5, 6, 7, 8]}, warm):
+                pass
+            await engine.collective_rpc(install, SHAPES["tiny"]["vocab_size"], args.base_ms,
+                                        args.row_ms, args.token_ms)  # fmt: skip
+            before = engine.stats().step_timings
+            tokens = 0
+
+            async def one(prompt: list[int], n: int) -> None:
+                nonlocal tokens
+                params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+                async for out in engine.generate({"prompt_token_ids": prompt}, params):
+                    last = out
+                tokens += len(last.outputs[0].token_ids)
+
+            start = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for prompt, n in work:
+                    tg.start_soon(one, prompt, n)
+            elapsed = time.perf_counter() - start
+            (steps, busy, idle), = await engine.collective_rpc(device_time)
+            timings = engine.stats().step_timings - before
+            return (elapsed, tokens, steps, busy, idle / max(busy + idle, 1e-12),
+                    timings.per_step_ms()["turnaround"])  # fmt: skip
+
+    return anyio.run(main)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--num-requests", type=int, default=500)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--kv-cache-memory", type=int, default=256, help="MiB of KV cache (the "
+                   "default holds all 256 sequences, as the H100's 26,506 blocks did)")
+    p.add_argument("--async-scheduling", choices=["on", "off", "both"], default="on")
+    p.add_argument("--rounds", type=int, default=1, help="engines of each mode, alternated")
+    p.add_argument("--base-ms", type=float, default=6.76, help="a step's device time at batch 0")
+    p.add_argument("--row-ms", type=float, default=0.0231, help="device ms per decode row")
+    p.add_argument("--token-ms", type=float, default=0.027, help="device ms per prompt token")
+    p.add_argument("--prompt-mean", type=float, default=200)
+    p.add_argument("--output-mean", type=float, default=180)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.async_scheduling]
+    # The manager's workers inherit these. The Triton backend on the CPU (the warm-up's
+    # forward, before the device is installed) runs in Triton's interpreter. One torch
+    # thread, as a GPU worker's host side is: a second one's spinning took the engine's core
+    # (a 100-row launch took 9 ms instead of 1).
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory(prefix="loom-emulated-") as tmp, run_manager() as socket:
+        args.manager_socket = socket
+        model = write_model_dir("tiny", Path(tmp))
+        work = sharegpt_like(args.num_requests, SHAPES["tiny"]["vocab_size"], args.seed,
+                             args.prompt_mean, args.output_mean)  # fmt: skip
+        print(f"{len(work)} requests, {sum(len(p) for p, _ in work)} prompt and "
+              f"{sum(n for _, n in work)} output tokens; device step {args.base_ms} ms + "
+              f"{args.row_ms} ms a decode row + {args.token_ms} ms a prompt token")  # fmt: skip
+        print("\n| async scheduling | round | seconds | output tok/s | device steps | "
+              "device busy s | device idle % | turnaround ms |\n|---|---|---|---|---|---|---|---|")
+        for round_ in range(1, args.rounds + 1):
+            for on in modes:
+                wait_for_no_workers(socket)
+                seconds, tokens, steps, busy, idle, turnaround = run(model, work, args, on)
+                print(f"| {'on' if on else 'off'} | {round_} | {seconds:.2f} | "
+                      f"{tokens / seconds:.0f} | {steps} | {busy:.2f} | {100 * idle:.1f} | "
+                      f"{turnaround:.2f} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
