@@ -227,7 +227,8 @@ class Scheduler:
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # the step samples its next token
                 samplers[request_id] = request
-        self._samplers[self.step_id] = samplers
+        if samplers:  # a step that schedules nothing is never sent, so never updated: no entry
+            self._samplers[self.step_id] = samplers
         output = SchedulerOutput(
             step_id=self.step_id,
             new_requests=new_requests,

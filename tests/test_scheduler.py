@@ -562,6 +562,8 @@ def test_random_traffic_keeps_blocks_consistent_and_finishes_everything(
     kv = scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_total_blocks and not kv.req_to_blocks
     assert not scheduler.requests and not kv._req_to_block_hashes
+    # Nor a step's samplers: steps that scheduled nothing were never sent, never applied.
+    assert not scheduler._samplers
     driver.worker.execute(scheduler.schedule())  # the last finished ids reach the worker
     assert not driver.worker.states
     for req_id, request in requests.items():
