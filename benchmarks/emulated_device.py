@@ -155,8 +155,12 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="loom-emulated-") as tmp, run_manager() as socket:
         args.manager_socket = socket
         model = write_model_dir("tiny", Path(tmp))
-        work = sharegpt_like(args.num_requests, SHAPES["tiny"]["vocab_size"], args.seed,
-                             args.prompt_mean, args.output_mean)  # fmt: skip
+        # The 8B shape's workload, lengths and all (drawing ids from another vocabulary
+        # draws other lengths), its ids folded into the tiny model's vocabulary.
+        vocab = SHAPES["tiny"]["vocab_size"]
+        work = [([3 + t % (vocab - 3) for t in prompt], n) for prompt, n in sharegpt_like(
+            args.num_requests, SHAPES["llama-8b"]["vocab_size"], args.seed, args.prompt_mean,
+            args.output_mean)]  # fmt: skip
         print(f"{len(work)} requests, {sum(len(p) for p, _ in work)} prompt and "
               f"{sum(n for _, n in work)} output tokens; device step {args.base_ms} ms + "
               f"{args.row_ms} ms a decode row + {args.token_ms} ms a prompt token")  # fmt: skip
