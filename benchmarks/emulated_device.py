@@ -34,7 +34,7 @@ from typing import Any
 import cloudpickle
 
 from benchmarks import run_manager, wait_for_no_workers
-from benchmarks.gpu_bench import SHAPES, sharegpt_like, write_model_dir
+from benchmarks.gpu_bench import SHAPES, sharegpt_like, submit_all, write_model_dir
 
 # The workers cannot import benchmarks/ from every checkout: send the hooks' code itself.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -108,20 +108,7 @@ def run(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace,
             await engine.collective_rpc(install, SHAPES["tiny"]["vocab_size"], args.base_ms,
                                         args.row_ms, args.token_ms)  # fmt: skip
             before = engine.stats().step_timings
-            tokens = 0
-
-            async def one(prompt: list[int], n: int) -> None:
-                nonlocal tokens
-                params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
-                async for out in engine.generate({"prompt_token_ids": prompt}, params):
-                    last = out
-                tokens += len(last.outputs[0].token_ids)
-
-            start = time.perf_counter()
-            async with anyio.create_task_group() as tg:
-                for prompt, n in work:
-                    tg.start_soon(one, prompt, n)
-            elapsed = time.perf_counter() - start
+            elapsed, tokens = await submit_all(engine, work)
             (steps, busy, idle), = await engine.collective_rpc(device_time)
             timings = engine.stats().step_timings - before
             return (elapsed, tokens, steps, busy, idle / max(busy + idle, 1e-12),

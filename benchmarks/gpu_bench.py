@@ -114,25 +114,35 @@ def run_loomllm(
                 print(f"KV cache: {stats.num_total_blocks} blocks", flush=True)
             before = stats.step_timings
             await engine.collective_rpc(lambda worker: worker.runner.start_idle_probe())
-            tokens = 0
-
-            async def one(prompt: list[int], n: int) -> None:
-                nonlocal tokens
-                params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
-                async with engine.generate({"prompt_token_ids": prompt}, params) as stream:
-                    async for out in stream:
-                        last = out
-                tokens += len(last.outputs[0].token_ids)
-
-            start = time.perf_counter()
-            async with anyio.create_task_group() as tg:
-                for prompt, n in work:
-                    tg.start_soon(one, prompt, n)
-            elapsed = time.perf_counter() - start
+            elapsed, tokens = await submit_all(engine, work)
             (device,) = await engine.collective_rpc(lambda w: w.runner.stop_idle_probe())
             return elapsed, tokens, engine.stats().step_timings - before, device
 
     return anyio.run(run)
+
+
+async def submit_all(engine: Any, work: list[tuple[list[int], int]]) -> tuple[float, int]:
+    """Every request of `work` at once (greedy, `ignore_eos`): (seconds until the last ends,
+    output tokens)."""
+    import anyio
+
+    from runtime import SamplingParams
+
+    tokens = 0
+
+    async def one(prompt: list[int], n: int) -> None:
+        nonlocal tokens
+        params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+        async with engine.generate({"prompt_token_ids": prompt}, params) as stream:
+            async for out in stream:
+                last = out
+        tokens += len(last.outputs[0].token_ids)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for prompt, n in work:
+            tg.start_soon(one, prompt, n)
+    return time.perf_counter() - start, tokens
 
 
 def run_served(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace):
