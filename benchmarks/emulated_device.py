@@ -109,7 +109,7 @@ def run(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace,
                                         args.row_ms, args.token_ms)  # fmt: skip
             before = engine.stats().step_timings
             elapsed, tokens = await submit_all(engine, work)
-            (steps, busy, idle), = await engine.collective_rpc(device_time)
+            ((steps, busy, idle),) = await engine.collective_rpc(device_time)
             timings = engine.stats().step_timings - before
             return (elapsed, tokens, steps, busy, idle / max(busy + idle, 1e-12),
                     timings.per_step_ms()["turnaround"])  # fmt: skip
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-requests", type=int, default=500)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-memory", type=int, default=256, help="MiB of KV cache (the "
-                   "default holds all 256 sequences, as the H100's 26,506 blocks did)")
+                   "default holds all 256 sequences, as the H100's 26,506 blocks did)")  # fmt: skip
     p.add_argument("--async-scheduling", choices=["on", "off", "both"], default="on")
     p.add_argument("--rounds", type=int, default=1, help="engines of each mode, alternated")
     p.add_argument("--base-ms", type=float, default=6.76, help="a step's device time at batch 0")
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{sum(n for _, n in work)} output tokens; device step {args.base_ms} ms + "
               f"{args.row_ms} ms a decode row + {args.token_ms} ms a prompt token")  # fmt: skip
         print("\n| async scheduling | round | seconds | output tok/s | device steps | "
-              "device busy s | device idle % | turnaround ms |\n|---|---|---|---|---|---|---|---|")
+              "device busy s | device idle % | turnaround ms |\n" + "|---" * 8 + "|")  # fmt: skip
         for round_ in range(1, args.rounds + 1):
             for on in modes:
                 wait_for_no_workers(socket)

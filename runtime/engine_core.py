@@ -216,8 +216,9 @@ class EngineCore:
             await self.workers.collect(call_id)
             self.scheduler.drop_step(step)
 
-    def _stream(self, outputs: list[EngineCoreOutput], prompt_logprobs: list[PromptLogprobs]
-                ) -> None:  # fmt: skip
+    def _stream(
+        self, outputs: list[EngineCoreOutput], prompt_logprobs: list[PromptLogprobs]
+    ) -> None:
         """A step's results to the request streams; a stop string found finishes its request."""
         self.output_processor.add_prompt_logprobs(prompt_logprobs)
         stopped = self.output_processor.process(outputs)
