@@ -15,8 +15,10 @@ batch 1, 8.24 at 64, 12.67 at 256; prompts 0.027 ms a token).
     loom bench emulated [--num-requests 500] [--async-scheduling on|off|both] [--rounds 1]
         [--base-ms 6.76] [--row-ms 0.0231] [--token-ms 0.027]
 
-Prints, per engine: output tok/s, the emulated device's steps, busy time and idle share
-between steps, and the engine's turnaround (a reply in to the next step out). This machine
+Prints, per engine: output tok/s, the emulated device's steps (and those with prompt
+tokens), its busy time (a decode-only step's and a step with prompts', to set beside `loom
+bench gpu`'s split on a GPU) and idle share between steps, and the engine's turnaround (a
+reply in to the next step out). This machine
 stands in for the GPU host: compare code versions or device speeds here, in one run, not
 these figures with a GPU's.
 """
@@ -56,7 +58,8 @@ def install(worker: Any, vocab_size: int, base_ms: float, row_ms: float, token_m
         return types.SimpleNamespace(logits=torch.zeros(1, len(logits_to_keep), vocab_size))
 
     runner.model = forward
-    device = runner.emulated_device = {"free_at": 0.0, "steps": 0, "busy": 0.0, "idle": 0.0}
+    device = runner.emulated_device = dict(free_at=0.0, steps=0, busy=0.0, idle=0.0,
+                                           prompt_steps=0, prompt_busy=0.0)  # fmt: skip
     runner.overlap_launches = True  # as on CUDA: launch the next step before reading this one
 
     def emulated(so: Any, call_id: int) -> Any:
@@ -71,6 +74,9 @@ def install(worker: Any, vocab_size: int, base_ms: float, row_ms: float, token_m
             device["idle"] += max(0.0, queued - device["free_at"])
         end = max(queued, device["free_at"]) + seconds
         device.update(free_at=end, steps=device["steps"] + 1, busy=device["busy"] + seconds)
+        if decode_rows < len(counts):
+            device["prompt_steps"] += 1
+            device["prompt_busy"] += seconds
 
         def wait() -> None:  # the step's tokens are on the host once the device is done
             time.sleep(max(0.0, end - time.perf_counter()))
@@ -81,21 +87,21 @@ def install(worker: Any, vocab_size: int, base_ms: float, row_ms: float, token_m
     runner.launch = emulated
 
 
-def device_time(worker: Any) -> tuple[int, float, float]:
-    """(steps, busy s, idle s) of the emulated device since install."""
-    device = worker.runner.emulated_device
-    return device["steps"], device["busy"], device["idle"]
+def device_time(worker: Any) -> dict[str, float]:
+    """The emulated device's steps, busy and idle seconds, and steps with prompts and their
+    busy seconds, since install."""
+    return worker.runner.emulated_device
 
 
 def run(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace,
-        async_scheduling: bool) -> tuple[float, int, int, float, float, float]:  # fmt: skip
-    """(seconds, output tokens, device steps, device busy s, device idle share, turnaround ms)
-    of one engine."""
+        async_scheduling: bool) -> tuple[float, int, dict[str, float], float]:  # fmt: skip
+    """(seconds, output tokens, the device's time (`device_time`), turnaround ms) of one
+    engine."""
     import anyio
 
     from runtime import Engine, SamplingParams
 
-    async def main() -> tuple[float, int, int, float, float, float]:
+    async def main() -> tuple[float, int, dict[str, float], float]:
         async with Engine(model, load_format="dummy", dtype="float32", device="cpu",
                           attention_backend="triton", max_num_seqs=args.max_num_seqs,
                           keep_alive=0,
@@ -109,10 +115,9 @@ def run(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace,
                                         args.row_ms, args.token_ms)  # fmt: skip
             before = engine.stats().step_timings
             elapsed, tokens = await submit_all(engine, work)
-            ((steps, busy, idle),) = await engine.collective_rpc(device_time)
+            (device,) = await engine.collective_rpc(device_time)
             timings = engine.stats().step_timings - before
-            return (elapsed, tokens, steps, busy, idle / max(busy + idle, 1e-12),
-                    timings.per_step_ms()["turnaround"])  # fmt: skip
+            return elapsed, tokens, device, timings.per_step_ms()["turnaround"]
 
     return anyio.run(main)
 
@@ -151,15 +156,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{len(work)} requests, {sum(len(p) for p, _ in work)} prompt and "
               f"{sum(n for _, n in work)} output tokens; device step {args.base_ms} ms + "
               f"{args.row_ms} ms a decode row + {args.token_ms} ms a prompt token")  # fmt: skip
-        print("\n| async scheduling | round | seconds | output tok/s | device steps | "
-              "device busy s | device idle % | turnaround ms |\n" + "|---" * 8 + "|")  # fmt: skip
+        print("\n| async scheduling | round | seconds | output tok/s | device steps | with "
+              "prompts | device busy s | ms a decode-only step | ms a step with prompts | "
+              "device idle % | turnaround ms |\n" + "|---" * 11 + "|")  # fmt: skip
         for round_ in range(1, args.rounds + 1):
             for on in modes:
                 wait_for_no_workers(socket)
-                seconds, tokens, steps, busy, idle, turnaround = run(model, work, args, on)
+                seconds, tokens, device, turnaround = run(model, work, args, on)
+                steps, busy, idle = device["steps"], device["busy"], device["idle"]
+                prompt_steps, prompt_busy = device["prompt_steps"], device["prompt_busy"]
                 print(f"| {'on' if on else 'off'} | {round_} | {seconds:.2f} | "
-                      f"{tokens / seconds:.0f} | {steps} | {busy:.2f} | {100 * idle:.1f} | "
-                      f"{turnaround:.2f} |", flush=True)  # fmt: skip
+                      f"{tokens / seconds:.0f} | {steps} | {prompt_steps} | {busy:.2f} | "
+                      f"{(busy - prompt_busy) * 1e3 / max(steps - prompt_steps, 1):.2f} | "
+                      f"{prompt_busy * 1e3 / max(prompt_steps, 1):.2f} | "
+                      f"{100 * idle / max(busy + idle, 1e-12):.1f} | {turnaround:.2f} |",
+                      flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -55,10 +55,14 @@ def test_emulated_device_holds_each_step_and_idles_only_without_async_scheduling
             if re.match(r"\| (on|off) \|", line)]  # fmt: skip
     assert [row[0].strip() for row in rows] == ["on", "off"], done.stdout
     idle = {}
-    for mode, _, seconds, tok_s, steps, busy, idle_share, turnaround in rows:
+    for row in rows:
+        mode, _, seconds, tok_s, steps, prompt_steps, busy, *step_ms, idle_share, turnaround = row
         # One device, one step at a time, each at least base-ms long, all within the run.
         assert int(steps) >= 4 and 0.020 * int(steps) <= float(busy) <= float(seconds) + 0.01
         assert float(tok_s) > 0 and float(turnaround) > 0
+        # Every prompt has a step, and a step with prompts costs more than a decode.
+        assert 1 <= int(prompt_steps) < int(steps)
+        assert 20 <= float(step_ms[0]) < float(step_ms[1]), step_ms
         idle[mode.strip()] = float(idle_share)
     # Sent ahead, each step is queued while the one before runs: the host's ~1 ms a step
     # hides behind the 20 ms steps. Without async scheduling it shows.
@@ -85,6 +89,15 @@ def test_gpu_benchmark_runs_on_the_cpu_at_the_tiny_shape() -> None:
     assert all(eager == marked and int(marked) > 0 for *_, eager, marked, _, _ in idle), idle
     assert all(int(stalls) <= int(marked) and 0 <= int(share) <= 100
                for *_, marked, stalls, share in idle), idle  # fmt: skip
+    # Every step the worker marked either computed prompt tokens (each prompt needs one) or
+    # only decoded.
+    split = re.findall(r"of (\d+) steps ran eager.*; (\d+) steps computed prompt tokens, "
+                       r"[\d.]+ ms each, the (\d+) decode-only ones [\d.]+ ms each",
+                       done.stdout)  # fmt: skip
+    assert len(split) == 2 and all(
+        int(prompts) >= 1 and int(prompts) + int(decodes) == int(marked)
+        for marked, prompts, decodes in split
+    ), split
     streams = re.findall(r"one stream(, enforce_eager)?: [\d.]+ tok/s .* bandwidth limit "
                          r"[\d.]+ tok/s.* idle (\d+\.\d)% between steps", done.stdout)  # fmt: skip
     assert [eager for eager, _ in streams] == ["", ", enforce_eager"], done.stdout

@@ -5,11 +5,12 @@ CUDA events on a GPU (they complete when the device reaches them, so a mark queu
 the device is still busy with the step before adds no idle time), the host's clock on the
 CPU (where a launch computes the whole step). Idle is the time from one step's end mark to
 the next one's start mark: the engine's and the worker's host work the device waited for.
-Each step also says whether it replayed a CUDA graph, so the busy time splits into graph
-replays and eager steps. Gaps of a millisecond or more are counted apart: a few long stalls
-(a garbage collection, a compile, a slow schedule) and many short gaps (the host's work a
-step) are different problems. Off unless a benchmark turns it on (`Engine.collective_rpc`, see
-benchmarks/gpu_bench.py).
+Each step also says whether it replayed a CUDA graph, and whether it computed prompt tokens
+(a prefill, or prompt chunks beside decodes), so the busy time splits into graph replays and
+eager steps, and into decode-only steps and steps with prompts. Gaps of a millisecond or
+more are counted apart: a few long stalls (a garbage collection, a compile, a slow schedule)
+and many short gaps (the host's work a step) are different problems. Off unless a
+benchmark turns it on (`Engine.collective_rpc`, see benchmarks/gpu_bench.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class DeviceTime:
     idle_s: float  # between steps: from one step's sampling done to the next forward queued
     eager_steps: int  # the steps that ran eager (the others replayed a graph)
     eager_busy_s: float
+    prompt_steps: int  # the steps that computed prompt tokens (the others only decoded)
+    prompt_busy_s: float
     stalls: int  # idle gaps of STALL_S or longer
     stall_s: float  # their idle time, part of idle_s
     longest_gap_s: float
@@ -44,7 +47,7 @@ class DeviceIdleProbe:
     def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter):
         self._cuda = device.type == "cuda"
         self._clock = clock  # the CPU's marks
-        self._marks: list[tuple[Any, Any, bool]] = []  # (start, end, replayed), in order
+        self._marks: list[tuple[Any, Any, bool, bool]] = []  # (start, end, replayed, prompts)
         self._open: Any = None
 
     def _mark(self) -> Any:
@@ -57,9 +60,9 @@ class DeviceIdleProbe:
     def step_started(self) -> None:
         self._open = self._mark()
 
-    def step_ended(self, replayed: bool) -> None:
+    def step_ended(self, replayed: bool, with_prompts: bool = False) -> None:
         if self._open is not None:
-            self._marks.append((self._open, self._mark(), replayed))
+            self._marks.append((self._open, self._mark(), replayed, with_prompts))
             self._open = None
 
     def result(self) -> DeviceTime:
@@ -71,9 +74,12 @@ class DeviceIdleProbe:
             return a.elapsed_time(b) / 1e3 if self._cuda else b - a
 
         marks = self._marks
-        busy = sum(seconds(start, end) for start, end, _ in marks)
+        busy = sum(seconds(start, end) for start, end, _, _ in marks)
         gaps = [seconds(marks[i][1], marks[i + 1][0]) for i in range(len(marks) - 1)]
         stalls = [gap for gap in gaps if gap >= STALL_S]
-        eager = [seconds(start, end) for start, end, replayed in marks if not replayed]
-        return DeviceTime(len(marks), busy, sum(gaps), len(eager), sum(eager), len(stalls),
-                          sum(stalls), max(gaps, default=0.0))  # fmt: skip
+        eager = [seconds(start, end) for start, end, replayed, _ in marks if not replayed]
+        prompts = [seconds(start, end) for start, end, _, prompt in marks if prompt]
+        return DeviceTime(
+            len(marks), busy, sum(gaps), len(eager), sum(eager), len(prompts), sum(prompts),
+            len(stalls), sum(stalls), max(gaps, default=0.0),
+        )  # fmt: skip

@@ -321,8 +321,8 @@ class ModelRunner:
             pending = {}
         sampled = self._sample(logits[: len(sample_idx)], samplers, pending) if samplers else None
         if self.idle_probe is not None:
-            self.idle_probe.step_ended(replayed=(replay and graphs.captured)
-                                       or (replay_mixed and mixed.captured))  # fmt: skip
+            replayed = (replay and graphs.captured) or (replay_mixed and mixed.captured)
+            self.idle_probe.step_ended(replayed, with_prompts=bool(prefills))
         return self._launched(call_id, samplers, sampled, prompt_lps)
 
     def _launched(
