@@ -48,6 +48,9 @@ class EngineCore:
         self._clock = StepClock()
         self._work = anyio.Event()
         self._pending_aborts: list[str] = []
+        # Async scheduling: the last step's results, streamed once the next step is out (see
+        # run), or before any abort applies, so that none reaches a request that took the id.
+        self._unstreamed: tuple[list[EngineCoreOutput], list[PromptLogprobs]] | None = None
         self._idle = anyio.Event()  # set while the loop waits for work
         self._stopped = False  # the loop has ended (its worker died, or the engine closed)
 
@@ -87,6 +90,7 @@ class EngineCore:
         The streams end and the KV blocks are free at once (a step in flight has its
         results for them ignored, as for any finished request).
         """
+        self._stream_unstreamed()  # what finished at the last step ends as it did
         children = [c for p in self.output_processor.parents.values() for c in p.child_ids()]
         self.output_processor.abort_all()
         self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
@@ -135,11 +139,10 @@ class EngineCore:
         in_flight: deque[tuple[SchedulerOutput, int]] = deque()  # (step, call id), oldest first
         depth = 2 if self.async_scheduling else 1
         sent_ahead = False  # the last turn sent a step and went on: one turn, one timing
-        # The last step's results, to stream once this turn's step is out. Only while a step
-        # is in flight: so the turn that streams them always has a reply to wait for.
-        unstreamed: tuple[list[EngineCoreOutput], list[PromptLogprobs]] | None = None
         try:
             while True:
+                if self._pending_aborts:
+                    self._stream_unstreamed()
                 while self._pending_aborts:
                     self._abort_now(self._pending_aborts.pop())
                 if not sent_ahead:
@@ -150,6 +153,7 @@ class EngineCore:
                     scheduler_output.num_scheduled_tokens or scheduler_output.finished_req_ids
                 )
                 if not has_work and not in_flight:
+                    self._clock.idle()
                     self._idle.set()
                     await self._work.wait()
                     self._work = anyio.Event()
@@ -165,10 +169,9 @@ class EngineCore:
                     in_flight.append((scheduler_output, call_id))
                 else:
                     self._clock.encoded()
-                if unstreamed is not None:
+                if self._unstreamed is not None:
                     self._clock.stream_began()
-                    self._stream(*unstreamed)
-                    unstreamed = None
+                    self._stream_unstreamed()
                     self._clock.streamed()
                 if has_work and len(in_flight) < depth:
                     sent_ahead = True
@@ -181,12 +184,15 @@ class EngineCore:
                     self.scheduler.drop_step(step)
                     self._fail_running(reply)
                     await self._drain(in_flight)
+                    self._clock.idle()  # the drain's wait is no turnaround
                 else:
                     assert isinstance(reply, StepResult)
                     outputs = self.scheduler.update_from_output(step, reply)
                     self._clock.updated()
+                    # Only while a step is in flight: the next turn, which streams them, then
+                    # always has a reply to wait for.
                     if in_flight:
-                        unstreamed = (outputs, reply.prompt_logprobs)
+                        self._unstreamed = (outputs, reply.prompt_logprobs)
                     else:
                         self._stream(outputs, reply.prompt_logprobs)
                 self._clock.finish()
@@ -196,6 +202,7 @@ class EngineCore:
         finally:
             for _, call_id in in_flight:
                 self.workers.discard(call_id)
+            self._unstreamed = None
             # An ended loop holds nothing: its streams end, its requests free their blocks.
             self.output_processor.abort_all(error)
             self.scheduler.finish_requests(
@@ -215,6 +222,11 @@ class EngineCore:
             step, call_id = in_flight.popleft()
             await self.workers.collect(call_id)
             self.scheduler.drop_step(step)
+
+    def _stream_unstreamed(self) -> None:
+        if self._unstreamed is not None:
+            unstreamed, self._unstreamed = self._unstreamed, None
+            self._stream(*unstreamed)
 
     def _stream(
         self, outputs: list[EngineCoreOutput], prompt_logprobs: list[PromptLogprobs]

@@ -109,6 +109,11 @@ class StepClock:
         self._marks[3] = self._marks[4] = self._reply_at = self._now()  # failed: no update
         self._worker_s = worker_s
 
+    def idle(self) -> None:
+        """The loop waits for something else than a step (work, a failed step's drain): the
+        next send's turnaround does not run from the last reply."""
+        self._reply_at = None
+
     def sent(self) -> None:
         if self._reply_at is not None:
             t = self.totals
@@ -123,6 +128,8 @@ class StepClock:
         end = self._now()
         start, scheduled, encoded, replied, updated = self._marks
         streamed_s, self._streamed_s = self._streamed_s, 0.0
+        # The worker ran while the last step's outputs streamed: wall time is charged to the
+        # output phase first, and the worker's report may be cut to what is left of the wait.
         wait = replied - encoded - streamed_s
         # Same monotonic clock in both processes, but never let a report exceed the wait.
         worker_s = min(max(self._worker_s, 0.0), wait)

@@ -3,12 +3,14 @@
 With async scheduling a step's outputs are streamed only after the next step is sent, so
 the time between a reply and the next send holds no output work; without it, right away. A
 stop string is then seen one step later: the request computes two dropped tokens, not one,
-and its blocks still come back.
+and its blocks still come back. Held outputs are streamed before an abort applies: none
+reaches a new request that took the aborted one's id.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import anyio
 import pytest
@@ -29,13 +31,16 @@ PROMPT = [5, 6, 7]
 
 class InProcessWorkers:
     """WorkerClient's submit/collect/discard over test_scheduler's FakeWorker: each step is
-    executed as it is sent; `sent` lists the step ids in order."""
+    executed as it is sent; `sent` lists the step ids in order. `on_sent()` and
+    `on_collect()`, if set, run inside those awaits (as another task of the loop would)."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.worker = FakeWorker(config.block_size, config.num_blocks)
         self.sent: list[int] = []
         self.results: dict[int, StepResult] = {}
         self.sampled: dict[str, int] = {}  # tokens sampled per request, dropped ones too
+        self.on_sent: Callable[[], None] | None = None
+        self.on_collect: Callable[[], None] | None = None
 
     async def submit(self, make, on_encoded=None) -> int:
         call_id = len(self.sent)
@@ -49,14 +54,43 @@ class InProcessWorkers:
             self.sampled[req_id] = self.sampled.get(req_id, 0) + 1
         self.results[call_id] = result
         await anyio.lowlevel.checkpoint()
+        if self.on_sent is not None:
+            self.on_sent()
         return call_id
 
     async def collect(self, call_id: int) -> list[StepResult]:
         await anyio.lowlevel.checkpoint()
+        if self.on_collect is not None:
+            self.on_collect()
         return [self.results.pop(call_id)]
 
     def discard(self, call_id: int) -> None:
         self.results.pop(call_id, None)
+
+
+def make_core(tmp_path, async_scheduling: bool) -> tuple[EngineCore, InProcessWorkers]:
+    save_tiny_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                             max_model_len=MAX_MODEL_LEN, block_size=4, num_blocks=32)  # fmt: skip
+    workers = InProcessWorkers(config)
+    core = EngineCore(Scheduler(config), workers,
+                      OutputProcessor(Tokenizer.from_model_dir(tmp_path)), frozenset(),
+                      MAX_MODEL_LEN, async_scheduling=async_scheduling)  # fmt: skip
+    return core, workers
+
+
+def add(core: EngineCore, prompt: list[int], params: SamplingParams) -> RequestOutputCollector:
+    collector = RequestOutputCollector(params.output_kind)
+    core.add_request(ParentRequest("r", None, prompt, params, collector,
+                                   RequestMetrics(time.time())))  # fmt: skip
+    return collector
+
+
+async def last_output(collector: RequestOutputCollector) -> RequestOutput:
+    while not (out := await collector.get()).finished:
+        pass
+    return out
 
 
 async def run_one(
@@ -64,14 +98,7 @@ async def run_one(
 ) -> tuple[list[tuple[int, int]], RequestOutput, InProcessWorkers, Scheduler]:
     """One request through an EngineCore: (tokens in each output, the last step sent when it
     was put in the stream), the last output, the workers and the scheduler."""
-    save_tiny_tokenizer(tmp_path)
-    (tmp_path / "config.json").write_text("{}")
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
-                             max_model_len=MAX_MODEL_LEN, block_size=4, num_blocks=32)  # fmt: skip
-    scheduler = Scheduler(config)
-    workers = InProcessWorkers(config)
-    core = EngineCore(scheduler, workers, OutputProcessor(Tokenizer.from_model_dir(tmp_path)),
-                      frozenset(), MAX_MODEL_LEN, async_scheduling=async_scheduling)  # fmt: skip
+    core, workers = make_core(tmp_path, async_scheduling)
     collector = RequestOutputCollector(params.output_kind)
     seen: list[tuple[int, int]] = []
     put = collector.put
@@ -90,7 +117,7 @@ async def run_one(
                 pass
             await core.wait_until_idle()
         tg.cancel_scope.cancel()
-    return seen, last, workers, scheduler
+    return seen, last, workers, core.scheduler
 
 
 @pytest.mark.anyio
@@ -128,3 +155,44 @@ async def test_a_stop_string_seen_late_costs_two_dropped_tokens(tmp_path, anyio_
     kv = scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_total_blocks
     assert not scheduler.requests and not workers.results
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["abort", "abort_all"])
+async def test_held_outputs_never_reach_a_request_that_took_the_id(tmp_path, anyio_backend, how):
+    """Async scheduling holds a step's outputs while the next step goes out: an abort (a
+    consumer that left, or abort_all) and a new request under the same id may come in then."""
+    short = SamplingParams(max_tokens=3, ignore_eos=True)
+    alone, _ = make_core(tmp_path, async_scheduling=True)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(alone.run)
+        expected = (await last_output(add(alone, [9, 9, 9, 9, 9], short))).outputs[0].token_ids
+        tg.cancel_scope.cancel()
+
+    core, workers = make_core(tmp_path, async_scheduling=True)
+    new: list[RequestOutputCollector] = []
+    added = anyio.Event()
+
+    def retry() -> None:  # inside a send: the old request's last results are still held
+        if len(workers.sent) == 4 and not new:
+            if how == "abort_all":
+                core.abort_all()
+            assert "r" not in core.output_processor.parents  # the id is free
+            new.append(add(core, [9, 9, 9, 9, 9], short))
+            added.set()
+
+    if how == "abort":  # the consumer leaves while a step is out: applied next turn
+        workers.on_collect = lambda: len(workers.sent) == 3 and core.abort("r")
+    workers.on_sent = retry
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(core.run)
+        old = add(core, PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
+        with anyio.fail_after(10):
+            ended = await last_output(old)
+            assert ended.outputs[0].finish_reason == "abort"
+            await added.wait()
+            assert (await last_output(new[0])).outputs[0].token_ids == expected
+            await core.wait_until_idle()
+        tg.cancel_scope.cancel()
+    kv = core.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_total_blocks

@@ -51,7 +51,7 @@ def test_outputs_streamed_during_the_wait_count_as_output_not_receive():
 
 
 def test_turnaround_runs_from_a_reply_to_the_next_send_only():
-    ticks = iter([2.0, 3.0, 7.5, 9.0])  # sends with no reply before them read no clock
+    ticks = iter([2.0, 3.0, 7.5, 9.0, 10.0])  # sends with no reply before them read no clock
     clock = StepClock(now=lambda: next(ticks))
     clock.sent()  # no reply before it (the first step, or one sent ahead)
     clock.replied(worker_s=0.0)  # 2.0
@@ -59,6 +59,9 @@ def test_turnaround_runs_from_a_reply_to_the_next_send_only():
     clock.sent()  # sent ahead: no new reply
     clock.replied(worker_s=0.0)  # 7.5
     clock.sent()  # 9.0: 1.5 s
+    clock.replied(worker_s=0.0)  # 10.0
+    clock.idle()  # then the loop waits for work (or drains a failed step): no turnaround
+    clock.sent()
     t = clock.totals
     assert (t.num_turnarounds, t.turnaround_s) == (2, 2.5)
     assert t.num_steps == 0  # not a phase: no step is counted by it
