@@ -68,15 +68,17 @@ class ParentRequest:
 
     def emit(self, latest: CompletionOutput) -> None:
         kind = self.params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+        # One sequence (most requests): it is the whole request.
+        finished = latest.finish_reason is not None if self.params.n == 1 else self.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return
-        if kind == RequestOutputKind.DELTA:
+        if kind == RequestOutputKind.DELTA or self.params.n == 1:
             outputs = [latest]
         else:
             outputs = [self.children[i] for i in sorted(self.children)]
         self.collector.put(
             RequestOutput(
-                self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
+                self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
                 self.metrics, self.num_cached_tokens, self._prompt_logprobs_to_send(),
             )  # fmt: skip
         )
