@@ -51,6 +51,8 @@ def install(worker: Any, vocab_size: int, base_ms: float, row_ms: float, token_m
 
     import torch
 
+    from workers.device_idle import DeviceIdleProbe
+
     runner = worker.runner
     launch = runner.launch
 
@@ -58,25 +60,21 @@ def install(worker: Any, vocab_size: int, base_ms: float, row_ms: float, token_m
         return types.SimpleNamespace(logits=torch.zeros(1, len(logits_to_keep), vocab_size))
 
     runner.model = forward
-    device = runner.emulated_device = dict(free_at=0.0, steps=0, busy=0.0, idle=0.0,
-                                           prompt_steps=0, prompt_busy=0.0)  # fmt: skip
+    probe = runner.emulated_probe = DeviceIdleProbe(torch.device("cpu"))
+    free_at = 0.0  # when the device is done with the steps queued so far
     runner.overlap_launches = True  # as on CUDA: launch the next step before reading this one
 
     def emulated(so: Any, call_id: int) -> Any:
+        nonlocal free_at
         step = launch(so, call_id)
         counts = list(so.num_scheduled_tokens.values())
         if not counts:
             return step
         decode_rows = sum(1 for n in counts if n == 1)
         seconds = (base_ms + row_ms * decode_rows + token_ms * (sum(counts) - decode_rows)) / 1e3
-        queued = time.perf_counter()
-        if device["steps"]:
-            device["idle"] += max(0.0, queued - device["free_at"])
-        end = max(queued, device["free_at"]) + seconds
-        device.update(free_at=end, steps=device["steps"] + 1, busy=device["busy"] + seconds)
-        if decode_rows < len(counts):
-            device["prompt_steps"] += 1
-            device["prompt_busy"] += seconds
+        start = max(time.perf_counter(), free_at)  # queued now, run once the device is free
+        end = free_at = start + seconds
+        probe.record(start, end, replayed=False, with_prompts=decode_rows < len(counts))
 
         def wait() -> None:  # the step's tokens are on the host once the device is done
             time.sleep(max(0.0, end - time.perf_counter()))
@@ -87,21 +85,20 @@ def install(worker: Any, vocab_size: int, base_ms: float, row_ms: float, token_m
     runner.launch = emulated
 
 
-def device_time(worker: Any) -> dict[str, float]:
-    """The emulated device's steps, busy and idle seconds, and steps with prompts and their
-    busy seconds, since install."""
-    return worker.runner.emulated_device
+def device_time(worker: Any) -> Any:
+    """The emulated device's DeviceTime since install."""
+    return worker.runner.emulated_probe.result()
 
 
 def run(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace,
-        async_scheduling: bool) -> tuple[float, int, dict[str, float], float]:  # fmt: skip
+        async_scheduling: bool) -> tuple[float, int, Any, float]:  # fmt: skip
     """(seconds, output tokens, the device's time (`device_time`), turnaround ms) of one
     engine."""
     import anyio
 
     from runtime import Engine, SamplingParams
 
-    async def main() -> tuple[float, int, dict[str, float], float]:
+    async def main() -> tuple[float, int, Any, float]:
         async with Engine(model, load_format="dummy", dtype="float32", device="cpu",
                           attention_backend="triton", max_num_seqs=args.max_num_seqs,
                           keep_alive=0,
@@ -163,13 +160,12 @@ def main(argv: list[str] | None = None) -> None:
             for on in modes:
                 wait_for_no_workers(socket)
                 seconds, tokens, device, turnaround = run(model, work, args, on)
-                steps, busy, idle = device["steps"], device["busy"], device["idle"]
-                prompt_steps, prompt_busy = device["prompt_steps"], device["prompt_busy"]
                 print(f"| {'on' if on else 'off'} | {round_} | {seconds:.2f} | "
-                      f"{tokens / seconds:.0f} | {steps} | {prompt_steps} | {busy:.2f} | "
-                      f"{(busy - prompt_busy) * 1e3 / max(steps - prompt_steps, 1):.2f} | "
-                      f"{prompt_busy * 1e3 / max(prompt_steps, 1):.2f} | "
-                      f"{100 * idle / max(busy + idle, 1e-12):.1f} | {turnaround:.2f} |",
+                      f"{tokens / seconds:.0f} | {device.steps} | {device.prompt_steps} | "
+                      f"{device.busy_s:.2f} | "
+                      f"{device.decode_only_busy_s * 1e3 / max(device.decode_only_steps, 1):.2f} | "
+                      f"{device.prompt_busy_s * 1e3 / max(device.prompt_steps, 1):.2f} | "
+                      f"{100 * device.idle_fraction:.1f} | {turnaround:.2f} |",
                       flush=True)  # fmt: skip
 
 

@@ -350,8 +350,6 @@ def _sync(device: Any) -> None:
 
 def print_steps(async_on: bool, timings: Any, device: Any) -> None:
     ms = timings.per_step_ms()
-    num_decode_only = device.steps - device.prompt_steps
-    decode_only_ms = (device.busy_s - device.prompt_busy_s) * 1e3 / max(num_decode_only, 1)
     print(f"async scheduling {'on' if async_on else 'off'}: {timings.num_steps} engine steps, "
           f"{ms['total']:.2f} ms each, {ms['outside_forward']:.2f} ms of it in the engine "
           f"(schedule, IPC, output; overlapped with the forward when on), "
@@ -364,7 +362,8 @@ def print_steps(async_on: bool, timings: Any, device: Any) -> None:
           f"{100 * device.eager_busy_s / max(device.busy_s, 1e-12):.0f}% of the busy time; "
           f"{device.prompt_steps} steps computed prompt tokens, "
           f"{device.prompt_busy_s * 1e3 / max(device.prompt_steps, 1):.2f} ms each, the "
-          f"{num_decode_only} decode-only ones {decode_only_ms:.2f} ms each; "
+          f"{device.decode_only_steps} decode-only ones "
+          f"{device.decode_only_busy_s * 1e3 / max(device.decode_only_steps, 1):.2f} ms each; "
           f"{device.stalls} gaps of 1 ms or more, "
           f"{100 * device.stall_s / max(device.idle_s, 1e-12):.0f}% of the idle time "
           f"(longest {device.longest_gap_s * 1e3:.1f} ms)",

@@ -42,6 +42,14 @@ class DeviceTime:
     def idle_fraction(self) -> float:
         return self.idle_s / max(self.busy_s + self.idle_s, 1e-12)
 
+    @property
+    def decode_only_steps(self) -> int:
+        return self.steps - self.prompt_steps
+
+    @property
+    def decode_only_busy_s(self) -> float:
+        return self.busy_s - self.prompt_busy_s
+
 
 class DeviceIdleProbe:
     def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter):
@@ -62,8 +70,13 @@ class DeviceIdleProbe:
 
     def step_ended(self, replayed: bool, with_prompts: bool = False) -> None:
         if self._open is not None:
-            self._marks.append((self._open, self._mark(), replayed, with_prompts))
+            self.record(self._open, self._mark(), replayed, with_prompts)
             self._open = None
+
+    def record(self, start: Any, end: Any, replayed: bool, with_prompts: bool) -> None:
+        """One step's marks as `step_started` and `step_ended` take them, or (an emulated
+        device, on the CPU) the host-clock times it held the device."""
+        self._marks.append((start, end, replayed, with_prompts))
 
     def result(self) -> DeviceTime:
         """Busy and idle time over the marked steps (waits for the device to reach them)."""
