@@ -62,18 +62,20 @@ class ParentRequest:
 
     @property
     def finished(self) -> bool:
+        if self.params.n == 1:  # one sequence (most requests): no scan
+            child = self.children.get(0)
+            return child is not None and child.finish_reason is not None
         return len(self.children) == self.params.n and all(
             c.finished() for c in self.children.values()
         )
 
     def emit(self, latest: CompletionOutput) -> None:
         kind = self.params.output_kind
-        # One sequence (most requests): it is the whole request.
-        finished = latest.finish_reason is not None if self.params.n == 1 else self.finished
+        finished = self.finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return
-        if kind == RequestOutputKind.DELTA or self.params.n == 1:
-            outputs = [latest]
+        if kind == RequestOutputKind.DELTA or len(self.children) == 1:
+            outputs = [latest]  # (the one child is the latest)
         else:
             outputs = [self.children[i] for i in sorted(self.children)]
         self.collector.put(
