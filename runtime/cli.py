@@ -55,6 +55,7 @@ BENCHMARKS = {
     "broadcast": "benchmarks.step_broadcast",
     "compile": "benchmarks.kernel_compile",
     "emulated": "benchmarks.emulated_device",
+    "gpu-session": "benchmarks.gpu_session",
 }
 
 
