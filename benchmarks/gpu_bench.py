@@ -8,7 +8,7 @@ no cost). The workload: N requests with ShareGPT-like lengths (log-normal, promp
 output mean ~180 tokens, from a fixed seed), all submitted at once.
 
     loom bench gpu [--shape llama-8b|qwen-0.5b|tiny] [--num-requests 500]
-        [--skip async-off,serve,generate,continuous,stream]
+        [--skip async-off,serve,generate,continuous,stream,eager]
     (or, from the repository's root where loomllm is not installed:
      python -m benchmarks.gpu_bench ...)
 
@@ -376,7 +376,8 @@ def row(name: str, seconds: float, tokens: int, ours: float) -> None:
           f"{ours / (tokens / seconds):.2f} |", flush=True)  # fmt: skip
 
 
-PARTS = ("async-off", "serve", "generate", "continuous", "stream")
+# stream: one stream with graphs and with enforce_eager; eager: the enforce_eager one alone.
+PARTS = ("async-off", "serve", "generate", "continuous", "stream", "eager")
 
 
 def parts(text: str) -> set[str]:
@@ -452,7 +453,8 @@ def main(argv: list[str] | None = None) -> None:
         limit = bandwidth / decode_weight_bytes(args.shape, args.dtype)
         print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
         # CUDA graphs (on CUDA), then every step eager.
-        for eager in () if "stream" in args.skip else (False, True):
+        streams = [] if "stream" in args.skip else [False] + [True] * ("eager" not in args.skip)
+        for eager in streams:
             settle()
             per_token, device = single_stream_loomllm(model, work[0][0], args.stream_tokens,
                                                       args, eager)  # fmt: skip

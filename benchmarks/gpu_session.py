@@ -58,8 +58,11 @@ def plan(device: str, big: str, small: str, logs: Path, kernel_cache: Path) -> l
     return [
         Step("check", "kernels, graphs and engines against their references",
              bench("gpu-check", *on, "--shape", small), 120),
-        Step("throughput", "workload (a), async on and off; one stream, graphs and eager",
-             bench("gpu", *on, "--shape", big, "--skip", "serve,continuous,generate"), 150),
+        # Without the async-off run and the enforce_eager stream (~60 s): neither is a target,
+        # and both were measured before (RESULTS.md).
+        Step("throughput", "workload (a) with async scheduling; one stream with graphs",
+             bench("gpu", *on, "--shape", big,
+                   "--skip", "async-off,serve,continuous,generate,eager"), 120),  # fmt: skip
         # An empty Triton cache: the cold start compiles every kernel, as a machine's first
         # start does (the steps before would otherwise have compiled them).
         Step("start", "cold start and warm attaches, the imports timed",
