@@ -39,6 +39,21 @@ from benchmarks.gpu_bench import SHAPES, copy_bandwidth, write_model_dir
 
 PROG = "loom bench decode-profile"
 MAX_STEP_TOKENS = 8192  # one step's token budget: the prompts' steps are few
+# The skinny kernel's tilings timed by default: its two defaults first, then wider and
+# narrower programs, longer and shorter loads, more and fewer of them in flight, and warps.
+TILINGS = ("16x256x4x4,16x256x3x4,32x256x4x4,32x128x4x4,16x512x3x4,16x128x6x4,64x128x3x4,"
+           "16x256x4x2,16x256x4x8")
+
+
+def tiling_list(text: str) -> list[Any]:
+    """argparse type for "16x256x4x4,32x128x4x4" (skinny_matmul.Tiling's)."""
+    from workers.skinny_matmul import Tiling
+
+    try:
+        return [Tiling.parse(item) for item in text.split(",") if item]
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"tilings are block_n x block_k x stages [x warps], "
+                                         f"comma-separated: {exc}") from None  # fmt: skip
 
 
 def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, warmup: int, top: int,
@@ -117,37 +132,50 @@ def _step(scheduler: Any, runner: Any, calls: Iterator[int]) -> None:
     scheduler.update_from_output(so, runner.execute(so, next(calls)))
 
 
-def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int, device: str) -> None:
-    """Print the bandwidth each of `shape`'s weight matrices reaches as one F.linear (cuBLAS)
-    and, at batches workers.skinny_matmul takes, as its Triton kernel (what a worker picks
-    between at start). On the CPU a smoke test: one call's wall time each."""
-    import time
+def weight_shapes(shape: str) -> dict[str, tuple[int, int]]:
+    """Each distinct [out, in] weight of `shape`'s decoder layers, the packed ones, lm_head."""
+    s = SHAPES[shape]
+    hidden, inter = s["hidden_size"], s["intermediate_size"]
+    kv = s["num_key_value_heads"] * (hidden // s["num_attention_heads"])
+    return {"q": (hidden, hidden), "k or v": (kv, hidden), "o": (hidden, hidden),
+            "gate or up": (inter, hidden), "down": (hidden, inter),
+            "q|k|v fused": (hidden + 2 * kv, hidden), "gate|up fused": (2 * inter, hidden),
+            "lm_head": (s["vocab_size"], hidden)}  # fmt: skip
 
-    import torch
-    import torch.nn.functional as F
+
+def timer(device: str, reps: int) -> Any:
+    """Device seconds of a call: from CUDA graphs of `reps` calls; on the CPU (a smoke test)
+    one call's wall time."""
+    import time
 
     from workers import skinny_matmul as skinny
 
-    s = SHAPES[shape]
-    hidden, inter = s["hidden_size"], s["intermediate_size"]
-    head_dim = hidden // s["num_attention_heads"]
-    kv = s["num_key_value_heads"] * head_dim
-    weights = {"q": (hidden, hidden), "k or v": (kv, hidden), "o": (hidden, hidden),
-               "gate or up": (inter, hidden), "down": (hidden, inter),
-               "q|k|v fused": (hidden + 2 * kv, hidden), "gate|up fused": (2 * inter, hidden),
-               "lm_head": (s["vocab_size"], hidden)}  # fmt: skip
-    # name -> (cuBLAS's op, the skinny kernel's): the gate|up projection with its SiLU * up.
-    ops = {name: (F.linear, skinny.skinny_linear) for name in weights}
-    weights["gate|up, SiLU * up"] = weights["gate|up fused"]
-    ops["gate|up, SiLU * up"] = (skinny.linear_silu_mul, skinny.skinny_silu_linear)
     def wall_seconds(fn: Any) -> float:
         fn()
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
 
-    cuda = device.startswith("cuda")
-    seconds = functools.partial(skinny.graph_seconds, reps=reps) if cuda else wall_seconds
+    if device.startswith("cuda"):
+        return functools.partial(skinny.graph_seconds, reps=reps)
+    return wall_seconds
+
+
+def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int, device: str) -> None:
+    """Print the bandwidth each of `shape`'s weight matrices reaches as one F.linear (cuBLAS)
+    and, at batches workers.skinny_matmul takes, as its Triton kernel (what a worker picks
+    between at start). On the CPU a smoke test: one call's wall time each."""
+    import torch
+    import torch.nn.functional as F
+
+    from workers import skinny_matmul as skinny
+
+    weights = weight_shapes(shape)
+    # name -> (cuBLAS's op, the skinny kernel's): the gate|up projection with its SiLU * up.
+    ops = {name: (F.linear, skinny.skinny_linear) for name in weights}
+    weights["gate|up, SiLU * up"] = weights["gate|up fused"]
+    ops["gate|up, SiLU * up"] = (skinny.linear_silu_mul, skinny.skinny_silu_linear)
+    seconds = timer(device, reps)
     copy = copy_bandwidth(device)
     print(f"\ncopy bandwidth {copy / 1e9:.0f} GB/s (read + write); each matmul alone, GB/s "
           f"of weights read from memory (copies of a weight, in turn, overflow the L2 cache), "
@@ -171,6 +199,41 @@ def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int, device: str)
         print(f"| {name} | [{out}, {inp}] | " + " | ".join(cells) + " |", flush=True)
 
 
+def skinny_tilings(shape: str, tilings: list[Any], reps: int, device: str) -> None:
+    """Print the skinny kernel's bandwidth at 1 and MAX_ROWS rows under each tiling, on the
+    weights a decode step reads most of: what to set its defaults from (the worker's own
+    choice at start is only between cuBLAS and the defaults). A tiling the GPU cannot run
+    (too much shared memory, say) shows as "failed"."""
+    import torch
+
+    from workers import skinny_matmul as skinny
+
+    shapes = weight_shapes(shape)
+    weights = {name: (shapes[name], skinny.skinny_linear) for name in
+               ("q|k|v fused", "o", "down", "lm_head")}  # fmt: skip
+    weights["gate|up, SiLU * up"] = (shapes["gate|up fused"], skinny.skinny_silu_linear)
+    seconds = timer(device, reps)
+    print(f"\nthe skinny kernel's tilings (block_n x block_k x stages x warps; defaults "
+          f"{skinny.PLAIN}, gated {skinny.GATED}): GB/s of weights read at 1 / "
+          f"{skinny.MAX_ROWS} rows")  # fmt: skip
+    print("| weight | [out, in] | " + " | ".join(map(str, tilings)) + " |\n|---|---|"
+          + "---|" * len(tilings))  # fmt: skip
+    for name, ((out, inp), kernel) in weights.items():
+        w = torch.randn(out, inp, device=device, dtype=torch.bfloat16)
+        cells = []
+        for tiling in tilings:
+            try:
+                rates = []
+                for rows in (1, skinny.MAX_ROWS):
+                    x = torch.randn(rows, inp, device=device, dtype=torch.bfloat16)
+                    call = functools.partial(kernel, tiling=tiling)
+                    rates.append(w.numel() * 2 / skinny.matmul_seconds(call, x, w, seconds=seconds))
+                cells.append(" / ".join(f"{r / 1e9:.0f}" for r in rates))
+            except Exception as exc:  # a tiling this GPU cannot build
+                cells.append(f"failed: {type(exc).__name__}")
+        print(f"| {name} | [{out}, {inp}] | " + " | ".join(cells) + " |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
@@ -183,6 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=50, help="matmuls per timed graph")
     p.add_argument("--device", default="cuda",
                    help="cpu: a smoke test (Triton's interpreter, no graphs, no kernel table)")
+    p.add_argument("--tilings", type=tiling_list, default=TILINGS,
+                   help="the skinny kernel's tilings to time, comma-separated "
+                        "block_n x block_k x stages x warps (none: '')")  # fmt: skip
     args = p.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
         p.error("--warmup must be >= 0 and --steps >= 1")
@@ -192,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{PROG}: {args.shape} on "
           f"{torch.cuda.get_device_name() if cuda else 'cpu'}, bfloat16")  # fmt: skip
     linear_bandwidth(args.shape, args.batch_sizes, args.reps, args.device)
+    if args.tilings:
+        skinny_tilings(args.shape, args.tilings, args.reps, args.device)
     from workers.fused_layers import install_fused_ops
     from workers.model_loader import load_model
 

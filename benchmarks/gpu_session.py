@@ -5,7 +5,7 @@ A lent GPU machine gives a session minutes, not hours, so its runs must be one p
 command that keeps whatever it measured when a step runs long. This module is standard
 library only: it runs on that machine before the wheels it carries are installed.
 
-    python3 benchmarks/gpu_session.py --out "$OUT" [--budget 480] [--steps check,throughput]
+    python3 benchmarks/gpu_session.py --out "$OUT" [--budget 540] [--steps check,throughput]
     (or `loom bench gpu-session` where loomllm is installed; `--list` prints the plan)
 
 Writes to --out: `summary.md` (the machine, then each step's status, time and output) and
@@ -69,8 +69,9 @@ def plan(device: str, big: str, small: str, logs: Path, kernel_cache: Path) -> l
              bench("start", *on, "--shape", big, "--import-times", "--warm", "2",
                    "--logs", str(logs / "start")),
              90, env={"TRITON_CACHE_DIR": str(kernel_cache)}),  # fmt: skip
-        Step("profile", "a decode step's kernels and each matmul's bandwidth",
-             bench("decode-profile", *on, "--shape", big, "--batch-sizes", "1,8,64,256"), 90),
+        Step("profile", "a decode step's kernels, each matmul's bandwidth, the skinny "
+             "kernel's tilings",
+             bench("decode-profile", *on, "--shape", big, "--batch-sizes", "1,8,64,256"), 120),
         Step("small", "workload (a) at the small shape, where the host may bound it",
              bench("gpu", *on, "--shape", small,
                    "--skip", "async-off,serve,generate,continuous,stream"), 60),  # fmt: skip
@@ -173,7 +174,7 @@ def write_results(out: Path, steps: Sequence[Step], header: list[str], logs: Pat
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-session"))
-    p.add_argument("--budget", type=float, default=480,
+    p.add_argument("--budget", type=float, default=540,
                    help="seconds for all the steps; a step is started only while its need fits")
     p.add_argument("--steps", help="comma-separated names: run only these, in plan order")
     p.add_argument("--device", default="cuda")

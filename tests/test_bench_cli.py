@@ -162,8 +162,13 @@ def test_decode_profile_runs_on_the_cpu_as_a_smoke_test() -> None:
     kernel tables need a GPU's profiler."""
     done = loom("bench", "decode-profile", "--device", "cpu", "--shape", "tiny",
                 "--batch-sizes", "1", "--steps", "1", "--warmup", "0", "--prompt-len", "8",
-                timeout=300)  # fmt: skip
+                "--tilings", "16x256x4x4,32x128x2", timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    # The skinny kernel's tilings, at 1 and 8 rows, on five weights (no GB/s to speak of
+    # here: the interpreter).
+    assert "| weight | [out, in] | 16x256x4x4 | 32x128x2x4 |" in done.stdout, done.stdout
+    assert len(re.findall(r"^\| .+ \| \[\d+, \d+\] \| \d+ / \d+ \| \d+ / \d+ \|$",
+                          done.stdout, re.M)) == 5, done.stdout  # fmt: skip
     # The matmul table, cuBLAS (here F.linear on the CPU) and the skinny kernel at batch 1,
     # for the eight weights and for gate|up with its activation.
     assert len(re.findall(r"^\| .+ \| \[\d+, \d+\] \| \d+ / \d+ \(x[\d.]+\) \|$",

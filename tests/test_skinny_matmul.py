@@ -62,6 +62,30 @@ def test_the_gated_kernel_is_the_kernel_then_silu_mul_bit_for_bit(dtype, rows, h
     assert _rel(out, ref) <= 1.5 * _rel(torch_ops, ref) + 1e-7
 
 
+@pytest.mark.parametrize("tiling", ["32x128x2x4", "64x64x3x8"])
+def test_other_tilings_compute_the_same_function(tiling):
+    """What `loom bench decode-profile --tilings` times: any tiling, a ragged last load and
+    a partial last program included, is the same matmul (bf16, so each sums in another
+    order: as close to float64 as F.linear), and its gated form the same bits as its plain
+    one through silu_mul."""
+    tiling = skinny_matmul.Tiling.parse(tiling)
+    torch.manual_seed(tiling.block_n)
+    x = torch.randn(1, 5, 200).to(torch.bfloat16)
+    weight = (torch.randn(2 * 40, 200) / 200**0.5).to(torch.bfloat16)
+    b = torch.randn(2 * 40).to(torch.bfloat16)
+    out = skinny_matmul.skinny_linear(x, weight, b, tiling=tiling)
+    ref = torch.nn.functional.linear(x.double(), weight.double(), b.double())
+    assert _rel(out, ref) <= 1.5 * _rel(torch.nn.functional.linear(x, weight, b), ref) + 1e-7
+    gated = skinny_matmul.skinny_silu_linear(x, weight, b, tiling=tiling)
+    assert torch.equal(gated, fused_ops.silu_mul(out))
+
+
+def test_a_tiling_reads_and_prints_as_its_four_numbers():
+    tiling = skinny_matmul.Tiling.parse("32x128x2")  # four warps unless said
+    assert (tiling.block_n, tiling.block_k, tiling.num_stages, tiling.num_warps) == (32, 128, 2, 4)
+    assert str(tiling) == "32x128x2x4" and skinny_matmul.Tiling.parse(str(tiling)) == tiling
+
+
 def test_refuses_what_it_does_not_compute():
     weight = torch.zeros(16, 32)
     with pytest.raises(ValueError, match="up to 8 dense rows"):

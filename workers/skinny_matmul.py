@@ -16,6 +16,7 @@ cuBLAS's bits.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterable
@@ -31,14 +32,35 @@ logger = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # decode batches up to this many rows (graph buckets 1, 2, 4, 8)
 ROWS_PAD = 16  # tl.dot's minimum rows on GPUs
-BLOCK_N = 16  # output features a program: 256 programs for a 4096-wide output
-BLOCK_K = 256  # input features a load: a 512-byte run of each bf16 weight row
-NUM_STAGES = 4  # loads in flight a program: what keeps the memory busy
+H100_L2 = 50 * 2**20  # bytes: the L2 cache assumed where torch does not say the device's
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How the kernel splits the work: output features a program (at least 16, tl.dot's
+    minimum), input features a load, loads in flight a program, warps a program."""
+
+    block_n: int
+    block_k: int
+    num_stages: int
+    num_warps: int = 4
+
+    @classmethod
+    def parse(cls, text: str) -> Tiling:
+        """"16x256x4x4" (block_n x block_k x stages x warps; the warps may be left out)."""
+        return cls(*map(int, text.split("x")))
+
+    def __str__(self) -> str:
+        return f"{self.block_n}x{self.block_k}x{self.num_stages}x{self.num_warps}"
+
+
+# 16 features a program: 256 programs for a 4096-wide output; 256 a load: a 512-byte run of
+# each bf16 weight row; 4 loads in flight: what keeps the memory busy.
+PLAIN = Tiling(16, 256, 4)
 # The gated kernel loads two weight tiles a step: with 3 stages it takes the plain one's
 # 48 KB of shared memory, and spills no register on an A100 (with 4 it spilled 8 bytes:
 # `loom bench compile --arch 80`, Triton 3.9).
-GATED_STAGES = 3
-H100_L2 = 50 * 2**20  # bytes: the L2 cache assumed where torch does not say the device's
+GATED = Tiling(16, 256, 3)
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -84,26 +106,26 @@ def _skinny_kernel(
              mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                  ) -> torch.Tensor:  # fmt: skip
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  tiling: Tiling = PLAIN) -> torch.Tensor:  # fmt: skip
     """`F.linear(x, weight, bias)` for x [..., K] of at most MAX_ROWS rows (weight [N, K],
     bias [N], all of x's dtype; the last dimensions dense)."""
-    return _launch(x, weight, bias, gated=False)
+    return _launch(x, weight, bias, gated=False, tiling=tiling)
 
 
-def skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                       ) -> torch.Tensor:  # fmt: skip
+def skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       tiling: Tiling = GATED) -> torch.Tensor:  # fmt: skip
     """`fused_ops.silu_mul(skinny_linear(x, weight, bias))` in one kernel, bit for bit: a
     packed gate|up projection (weight [2I, K], gate's rows first) and its activation,
     [..., I]. The gate|up output is never written."""
     if weight.shape[0] % 2:
         raise ValueError(f"skinny_silu_linear takes gate and up rows stacked, got "
                          f"{weight.shape[0]} rows")  # fmt: skip
-    return _launch(x, weight, bias, gated=True)
+    return _launch(x, weight, bias, gated=True, tiling=tiling)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool
-            ) -> torch.Tensor:  # fmt: skip
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+            tiling: Tiling) -> torch.Tensor:  # fmt: skip
     k_in = x.shape[-1]
     x2 = x.reshape(-1, k_in)
     rows, n_out = x2.shape[0], weight.shape[0] // (2 if gated else 1)
@@ -112,12 +134,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
                          f"width: x {tuple(x.shape)}, weight {tuple(weight.shape)}")  # fmt: skip
     out = x2.new_empty(rows, n_out)
     exact = x.dtype == torch.float32 or bool(triton.knobs.runtime.interpret)
-    _skinny_kernel[(triton.cdiv(n_out, BLOCK_N),)](
+    _skinny_kernel[(triton.cdiv(n_out, tiling.block_n),)](
         x2, weight, weight if bias is None else bias, out, rows, n_out, k_in,
         x2.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k_in % BLOCK_K == 0, EXACT=exact, GATED=gated,
-        ROWS=ROWS_PAD, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        num_stages=GATED_STAGES if gated else NUM_STAGES,
+        HAS_BIAS=bias is not None, EVEN_K=k_in % tiling.block_k == 0, EXACT=exact,
+        GATED=gated, ROWS=ROWS_PAD, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+        num_stages=tiling.num_stages, num_warps=tiling.num_warps,
     )  # fmt: skip
     return out.view(*x.shape[:-1], n_out)
 
