@@ -62,6 +62,10 @@ class SamplingParams:
         _number("min_p", self.min_p, low=0.0, high=1.0)
         if self.seed is not None:
             _int("seed", self.seed)
+            # Sequence i of n samples with seed + i (vLLM's rule): each must fit too.
+            if self.seed + self.n - 1 > _INT64[1]:
+                raise ValueError(f"seed + n - 1 must fit in 64 bits, got seed {self.seed} "
+                                 f"with n {self.n}")  # fmt: skip
         _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)

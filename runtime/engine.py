@@ -201,6 +201,9 @@ class Engine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
+        vocab = self.model_info.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):  # (>= 0: SamplingParams checks)
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         text, token_ids = self._prompt_tokens(prompt)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if self.replica_index(request_id) is not None:

@@ -58,16 +58,15 @@ class EngineCore:
 
     def add_request(self, parent: ParentRequest) -> None:
         params = parent.params
-        for index, child_id in enumerate(self.output_processor.add(parent)):
-            child_params = params
-            if params.n > 1:
-                # Children sample independently; seeded ones stay reproducible (vLLM's rule).
-                seed = None if params.seed is None else params.seed + index
-                # The prompt is the same for all: child 0 alone scores it (prompt_logprobs).
-                prompt_logprobs = params.prompt_logprobs if index == 0 else None
-                child_params = dataclasses.replace(
-                    params, n=1, seed=seed, prompt_logprobs=prompt_logprobs
-                )
+        # Every child's params before any is registered: one that fails leaves nothing behind.
+        children = [params] if params.n == 1 else [
+            # Children sample independently; seeded ones stay reproducible (vLLM's rule).
+            # The prompt is the same for all: child 0 alone scores it (prompt_logprobs).
+            dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            for i in range(params.n)
+        ]  # fmt: skip
+        for child_id, child_params in zip(self.output_processor.add(parent), children, strict=True):
             self.scheduler.add_request(
                 Request(
                     child_id, parent.prompt_token_ids, child_params, self.eos_token_ids,

@@ -209,6 +209,9 @@ async def test_consumer_leaving_aborts_the_request(engine):
         ({"prompt_token_ids": [100000]}, SamplingParams(), "prompt_token_ids"),
         (42, SamplingParams(), "prompt must be"),
         ("w5 \ud800", SamplingParams(), "lone surrogate '\\\\ud800' at index 3"),
+        # Out of the vocabulary, banned until min_tokens: it failed the whole step once.
+        (PROMPT, SamplingParams(min_tokens=2, stop_token_ids=[100000]),
+         r"^stop_token_ids must be token ids in \[0, "),
     ],
 )
 async def test_bad_prompts_fail_clearly_and_others_continue(engine, prompt, params, match):
@@ -260,6 +263,11 @@ async def test_duplicate_request_id_is_refused(engine):
 def test_integers_beyond_64_bits_are_refused():
     with pytest.raises(ValueError, match="^seed must fit in 64 bits"):
         SamplingParams(seed=2**100)
+    # Choice i of n samples with seed + i: the last must fit too (it failed after the first
+    # was scheduled, which then ran for no one).
+    with pytest.raises(ValueError, match="^seed \\+ n - 1 must fit in 64 bits"):
+        SamplingParams(seed=2**63 - 1, n=2)
+    assert SamplingParams(seed=2**63 - 2, n=2).seed == 2**63 - 2
     for huge in (2**70, 10**400):  # number fields: msgpack cannot carry them, float overflows
         with pytest.raises(ValueError, match="^temperature must be a finite number"):
             SamplingParams(temperature=huge)
