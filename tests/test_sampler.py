@@ -205,6 +205,32 @@ def test_banned_ids_never_sampled() -> None:
     assert sample(row[None, :], meta).sampled_token_ids.item() == order[3]
 
 
+def test_values_float32_rounds_to_zero_or_inf_still_sample_sensibly() -> None:
+    """Valid Python floats that float32 would make 0 or inf: no NaN reaches the draw (NaN
+    logits sampled token 0 every step)."""
+    row = _logits(1, seed=9)[0]
+    order = row.argsort(descending=True).tolist()
+    # top_p of 1e-50 (0.0 in float32): only the top token, never none.
+    assert _reachable(row, SamplingParams(temperature=1.0, top_p=1e-50), 300) == {order[0]}
+    # A temperature of 1e300 (inf): uniform over the tokens not banned, never a banned one.
+    banned = order[:4]
+    n = 2000
+    meta = _meta([SamplingParams(temperature=1e300)] * n, banned=[banned] * n)
+    got = set(sample(row[None, :].expand(n, -1), meta).sampled_token_ids.tolist())
+    assert got == set(range(V)) - set(banned), got
+    # A repetition penalty of 1e-300 (0.0): the positive logits seen grow (to float32's
+    # largest), the negative ones shrink to ~0; greedy takes a positive one seen.
+    seen = order[-3:] + order[5:7]  # three negative logits, two positive ones (seed 9)
+    assert (row[order[-3:]] < 0).all() and (row[order[5:7]] > 0).all()
+    meta = _meta([SamplingParams(temperature=0.0, repetition_penalty=1e-300),
+                  SamplingParams(temperature=1.0, repetition_penalty=1e-300)],
+                 outputs=[seen, seen])  # fmt: skip
+    x = apply_penalties(row[None, :].expand(2, -1), meta)
+    assert not x.isnan().any() and not x.isinf().any()
+    assert set(sample(row[None, :].expand(2, -1), meta).sampled_token_ids.tolist()) <= set(
+        order[5:7])
+
+
 def test_seeded_rows_ignore_batch_companions() -> None:
     target = _logits(1, seed=7)[0]
     params = SamplingParams(temperature=1.5, top_p=0.9, top_k=12, seed=42)

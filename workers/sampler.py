@@ -10,6 +10,8 @@ from protocols.sampling import SamplingParams
 from workers.device_copy import device_tensor, to_device
 
 _GREEDY_EPSILON = 1e-5  # same threshold as SamplingParams.is_greedy
+_F32_MAX = torch.finfo(torch.float32).max
+_F32_TINY = torch.finfo(torch.float32).tiny  # the least normal float32
 
 
 @dataclass(slots=True)
@@ -66,14 +68,18 @@ class SamplingMetadata:
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32)  # [B]
 
+        # Values valid as Python floats that float32 would round to 0 or inf (a temperature
+        # of 1e300, a repetition penalty of 1e-300) are kept finite and nonzero: else a
+        # division by them makes NaNs, and NaN logits sample token 0.
         return cls(
-            temperature=floats([p.temperature for p in params]),
+            temperature=floats([min(p.temperature, _F32_MAX) for p in params]),
             top_p=floats([p.top_p for p in params]),
             top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64),
             min_p=floats([p.min_p for p in params]),
             presence_penalty=floats([p.presence_penalty for p in params]),
             frequency_penalty=floats([p.frequency_penalty for p in params]),
-            repetition_penalty=floats([p.repetition_penalty for p in params]),
+            repetition_penalty=floats([min(max(p.repetition_penalty, _F32_TINY), _F32_MAX)
+                                       for p in params]),  # fmt: skip
             generators=list(generators),
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
@@ -139,8 +145,10 @@ def apply_penalties(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         in_prompt = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
         in_prompt.scatter_(1, prompt, True)
         rep = to_device(meta.repetition_penalty, device)[:, None]  # [B, 1]
-        penalized = torch.where(x > 0, x / rep, x * rep)  # [B, V]
-        x = torch.where(in_prompt[:, :vocab] | seen, penalized, x)
+        # Clamped: an extreme penalty must not turn a logit into inf (NaN after softmax);
+        # a banned token's -inf stays (only finite logits are penalized).
+        penalized = torch.where(x > 0, x / rep, x * rep).clamp(-_F32_MAX, _F32_MAX)  # [B, V]
+        x = torch.where((in_prompt[:, :vocab] | seen) & x.isfinite(), penalized, x)
     freq = to_device(meta.frequency_penalty, device)[:, None]  # [B, 1]
     presence = to_device(meta.presence_penalty, device)[:, None]  # [B, 1]
     return x - freq * counts - presence * seen.float()
@@ -194,6 +202,7 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     mass_before = probs.cumsum(dim=-1) - probs  # [B, V]: mass of strictly more likely tokens
     # top_p = 1 is off outright: rounding in the cumsum must not drop the tail.
     drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, 0] = False  # a top_p that float32 rounds to 0 must not drop the top token too
     ordered = ordered.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(-1, order, ordered)
 
