@@ -38,6 +38,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         for i, s in enumerate(stop):
             if not isinstance(s, str) or not s:
@@ -46,6 +47,10 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
+        # As vLLM: stop strings count only once more than min_tokens tokens are out; one
+        # that ends sooner is text like any other.
+        self.min_tokens = min_tokens
+        self._num_tokens = 0
         self.output_text = ""
         self.stop_reason: str | None = None  # the stop string that ended the output
         # Only an excluded stop string must never be shown, so only then is text held back.
@@ -71,6 +76,7 @@ class IncrementalDetokenizer:
         """
         if self.stop_reason is not None or not new_token_ids:
             return None
+        self._num_tokens += len(new_token_ids)
         if stop_terminated and not self.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
         return self._append("".join([self._decode_next(t) for t in new_token_ids]))
@@ -100,6 +106,8 @@ class IncrementalDetokenizer:
             return None
         start = len(self.output_text)
         self.output_text += text
+        if self._num_tokens <= self.min_tokens:
+            return None
         # The stop string completed first wins (the one a char-by-char stream would see first).
         found: tuple[int, int, str] | None = None
         for s in self.stop:

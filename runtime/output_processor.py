@@ -126,6 +126,7 @@ class OutputProcessor:
                     self.tokenizer, parent.prompt_token_ids,
                     skip_special_tokens=params.skip_special_tokens, stop=params.stop,
                     include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
                 ),
                 logprobs=[] if params.logprobs is not None else None,
             )  # fmt: skip

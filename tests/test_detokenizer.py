@@ -129,6 +129,25 @@ def test_stop_string_across_tokens(tok):
     assert len(deltas) < len(out)
 
 
+def test_stop_strings_count_only_after_min_tokens(tok):
+    """vLLM's rule: a stop string ending within the first min_tokens tokens is plain text;
+    the first one to end after them stops the output (one straddling the boundary too)."""
+    out = tok.encode("one two one two one")
+    words = [tok.decode(out[: i + 1]) for i in range(len(out))]
+    ends = [i for i, text in enumerate(words) if text.endswith("one")]  # tokens ending "one"
+    assert len(ends) == 3, words
+    for min_tokens, expected in [(0, ""), (ends[0], ""), (ends[0] + 1, words[ends[1]][:-3]),
+                                 (ends[1] + 1, words[ends[2]][:-3])]:  # fmt: skip
+        d = IncrementalDetokenizer(tok, [], stop=["one"], min_tokens=min_tokens)
+        deltas, _, stop = feed(d, out)
+        assert stop == "one" and d.output_text == "".join(deltas) == expected, min_tokens
+    d = IncrementalDetokenizer(tok, [], stop=["one"], min_tokens=len(out))
+    assert feed(d, out)[2] is None and d.output_text == tok.decode(out)
+    # A stop string that began among the first min_tokens and ends after them counts.
+    d = IncrementalDetokenizer(tok, [], stop=["two one"], min_tokens=ends[1])
+    assert feed(d, out)[2] == "two one" and d.output_text == words[ends[0]] + " "
+
+
 def test_stop_text_after_it_in_the_same_token_is_dropped(tok):
     out = tok.encode("Hello there")
     assert tok.decode(out[:1]) == "Hello"
