@@ -119,6 +119,10 @@ class Tokenizer:
             )  # fmt: skip
         except jinja2.TemplateError as exc:
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+        except Exception as exc:  # the template's own code failed on these messages' values
+            # (Llama 3.1's takes `message.tool_calls|length`: a TypeError on a number)
+            raise ValueError(f"the chat template failed on these messages: "
+                             f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
 
     def _template(self, choice: str | None, has_tools: bool) -> jinja2.Template:
         templates = self.chat_templates
@@ -195,6 +199,11 @@ def _prepare_messages(messages: Any) -> list[dict[str, Any]]:
         elif content is not None and not isinstance(content, str):
             kind = type(content).__name__
             raise ValueError(f"{where}.content must be a string or list of text parts, not {kind}")
+        calls = message.get("tool_calls")
+        if calls is not None and not (
+            isinstance(calls, list | tuple) and all(isinstance(c, Mapping) for c in calls)
+        ):
+            raise ValueError(f"{where}.tool_calls must be a list of tool call objects")
         chat.append(_plain(message))
     return chat
 

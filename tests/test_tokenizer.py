@@ -222,6 +222,19 @@ def test_template_errors_are_value_errors(tmp_path):
     sandboxed = make_dir(tmp_path / "s", "{{ messages.__class__.__mro__ }}")
     with pytest.raises(ValueError):
         Tokenizer.from_model_dir(sandboxed).apply_chat_template(chat)
+    # The template's own code failing on a message's values (Llama 3.1's takes
+    # `message.tool_calls|length`): a ValueError too, not whatever Python raised.
+    counting = Tokenizer.from_model_dir(make_dir(
+        tmp_path / "c", "{% for m in messages %}{{ m.content | length / m.n }}{% endfor %}"))
+    with pytest.raises(ValueError, match="failed on these messages: ZeroDivisionError"):
+        counting.apply_chat_template([{"role": "user", "content": "hi", "n": 0}])
+    assert counting.apply_chat_template([{"role": "user", "content": "hi", "n": 2}]) == "1.0"
+    calls = Tokenizer.from_model_dir(make_dir(
+        tmp_path / "t", "{% for m in messages %}{{ m.tool_calls | length }}{% endfor %}"))
+    assert calls.apply_chat_template([{"role": "assistant", "tool_calls": [{}, {}]}]) == "2"
+    for bad in (5, "call", [1]):
+        with pytest.raises(ValueError, match=r"messages\[0\]\.tool_calls must be a list of tool"):
+            calls.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": bad}])
 
 
 def test_template_helpers(tmp_path):
