@@ -1,8 +1,9 @@
 """Schemathesis hooks for test_openapi_schemathesis.py, loaded through SCHEMATHESIS_HOOKS.
 
-positive_data_acceptance wants every schema-valid body answered 2xx, but two of the server's
+positive_data_acceptance wants every schema-valid body answered 2xx, but three of the server's
 rules are beyond JSON Schema: a prompt (or the rendered messages) must encode to 1 to
-max_model_len - 1 tokens, and min_tokens <= max_tokens. Positive cases breaking them are
+max_model_len - 1 tokens, min_tokens <= max_tokens, and seed + n - 1 fits in 64 bits (choice
+i samples with seed + i). Positive cases breaking them are
 dropped before they are sent; tokens are counted by the server's own /tokenize route, so the
 route under test is not its own judge. Negative cases are never dropped.
 """
@@ -48,6 +49,9 @@ def filter_case(ctx: Any, case: Any) -> bool:
             return False
         max_tokens = body.get("max_completion_tokens")
         max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
+    seed = body.get("seed")
+    if seed is not None and seed + (body.get("n") or 1) - 1 >= 2**63:
+        return False
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS[path]
     min_tokens = body.get("min_tokens") or 0

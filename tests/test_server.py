@@ -135,9 +135,22 @@ async def test_bad_input_is_400_naming_the_field(server):
         ({"prompt": []}, "prompt"),
         ({"prompt": [99999]}, "prompt"),
         ({"prompt": " ".join(["w5"] * 600)}, "prompt"),
+        ({"prompt": "w5", "seed": 2**63 - 1, "n": 2}, "seed"),  # choice 1's seed + 1
+        ({"prompt": "w5", "min_tokens": 2, "stop_token_ids": [100000]}, "stop_token_ids"),
+        # Not implemented: a 400, not an answer that ignores them.
+        ({"prompt": "w5", "logit_bias": {"5": -100}}, "logit_bias"),
+        ({"prompt": "w5", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"prompt": "w5", "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "tools"),
+        ({"prompt": "w5", "tool_choice": "auto"}, "tool_choice"),
     ]
     for body, param in cases:
         assert_error(await client.post("/v1/completions", json=body), 400, param)
+    # The same fields with values that ask for nothing, as SDKs may send them: answered.
+    no_ops = {"logit_bias": {}, "tools": [], "tool_choice": "none",
+              "response_format": {"type": "text"}, "max_tokens": 2}  # fmt: skip
+    assert (await client.post("/v1/completions", json={"prompt": "w5", **no_ops})).json()[
+        "usage"]["completion_tokens"] <= 2
     assert_error(await client.post("/v1/completions", json={"model": "gpt-9", "prompt": "w5"}),
                  404, "model")  # fmt: skip
     assert_error(await client.post("/v1/completions", content=b"{not json"), 400, None)

@@ -12,7 +12,7 @@ from collections.abc import Collection
 from typing import Any
 
 from protocols.sampling import MAX_LOGPROBS
-from runtime.server.schemas import MAX_N
+from runtime.server.schemas import MAX_N, UNSUPPORTED
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT_MAX = sys.float_info.max  # a bigger JSON number is no float: 400
@@ -45,14 +45,18 @@ def _object(properties: dict[str, Schema], required: list[str] | None = None) ->
     return schema
 
 
-def _sampling() -> dict[str, Schema]:
+def _sampling(vocab_size: int) -> dict[str, Schema]:
     """The fields completions and chat share (parse_common); vLLM's extras included."""
     stop_string = {"type": "string", "minLength": 1}
+    unsupported = {name: {"enum": [*no_ops, None], "description": "unsupported: only a value "
+                          "that asks for nothing"} for name, no_ops in UNSUPPORTED.items()}
     return {
+        **unsupported,
         "temperature": _number(minimum=0),
         "top_p": _number(exclusiveMinimum=0, maximum=1),
         "n": _int(1, MAX_N, description="choices per prompt"),
-        "seed": _int(),
+        "seed": _int(description="each of the n choices samples with seed + its index, "
+                                 "which must fit in 64 bits too"),
         "presence_penalty": _number(minimum=-2, maximum=2),
         "frequency_penalty": _number(minimum=-2, maximum=2),
         "repetition_penalty": _number(exclusiveMinimum=0),
@@ -65,7 +69,8 @@ def _sampling() -> dict[str, Schema]:
         "stop": {"anyOf": [stop_string, {"type": "array", "items": stop_string},
                            {"type": "null"}]},  # fmt: skip
         "stop_token_ids": {"type": ["array", "null"],
-                           "items": {"type": "integer", "minimum": 0, "maximum": INT64_MAX}},
+                           "items": {"type": "integer", "minimum": 0,
+                                     "maximum": vocab_size - 1}},
         "stream": _bool(),
         "stream_options": {
             "type": ["object", "null"], "description": "only with stream: true",
@@ -96,13 +101,14 @@ def _requests(model: str, max_model_len: int, vocab_size: int) -> dict[str, Sche
         "echo": _bool(),
         "logprobs": _int(0, MAX_LOGPROBS),
         "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "unsupported"},
-        **_sampling(),
+        **_sampling(vocab_size),
     }, ["prompt"])  # fmt: skip
     completion["allOf"] = [_STREAM_OPTIONS_RULE]
     text_part = _object({"type": {"const": "text"}, "text": {"type": "string"}}, ["type", "text"])
     message = _object({
         "role": {"type": "string", "minLength": 1},
         "content": {"type": ["string", "array", "null"], "items": text_part},
+        "tool_calls": {"type": ["array", "null"], "items": {"type": "object"}},
     }, ["role"])  # fmt: skip
     # content may be null or absent only in a message with tool_calls
     message["anyOf"] = [
@@ -118,7 +124,7 @@ def _requests(model: str, max_model_len: int, vocab_size: int) -> dict[str, Sche
         "max_tokens": _int(1, description="used when max_completion_tokens is absent"),
         "logprobs": _bool(),
         "top_logprobs": _int(0, MAX_LOGPROBS, description="only with logprobs: true"),
-        **_sampling(),
+        **_sampling(vocab_size),
     }, ["messages"])  # fmt: skip
     chat["allOf"] = [_STREAM_OPTIONS_RULE, {
         "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},

@@ -19,6 +19,13 @@ _SAMPLING_FIELDS = {
     "min_tokens": "int", "stop_token_ids": "int_list", "skip_special_tokens": "bool",
     "include_stop_str_in_output": "bool",
 }  # fmt: skip
+# OpenAI fields this server does not implement, each with the values that ask for nothing
+# (accepted, as OpenAI's SDKs and frameworks may send them); any other value: 400, rather
+# than an answer that silently ignores it.
+UNSUPPORTED = {
+    "logit_bias": [{}], "tools": [[]], "tool_choice": ["none"], "functions": [[]],
+    "function_call": ["none"], "response_format": [{"type": "text"}],
+}  # fmt: skip
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # choices per prompt: more would flood the batch
 MAX_MESSAGE_CHARS = 1000
@@ -128,6 +135,9 @@ def parse_common(
     renames: dict[str, str], stream_kind: RequestOutputKind = RequestOutputKind.DELTA,
     prompt_logprobs: int | None = None,
 ) -> Common:  # fmt: skip
+    for name, no_ops in UNSUPPORTED.items():
+        if body.get(name) is not None and body[name] not in no_ops:
+            raise bad(f"{name} is not supported by this server", name)
     stream = field(body, "stream", "bool", False)
     options = field(body, "stream_options", "dict", {})
     if options and not stream:
