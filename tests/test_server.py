@@ -299,3 +299,33 @@ def test_loom_generate_streams_to_stdout(tiny_model, shared_manager):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.split()) >= 1 and result.stdout.endswith("\n")
+
+
+def test_an_engine_dead_at_a_requests_start_is_503_and_closes_what_started():
+    """The engine's worker died between the request's arrival and its prompts' start: 503
+    (retry: the supervisor restarts the engine), as for a death mid-request, not a 500."""
+    from runtime.errors import EngineDeadError
+    from runtime.server.schemas import ApiError, parse_completion
+    from runtime.server.serving import start_streams
+
+    closed = []
+
+    class Stream:
+        def close(self):
+            closed.append(self)
+
+    class DyingEngine:
+        def __init__(self):
+            self.calls = 0
+
+        def generate(self, prompt, params, request_id):
+            self.calls += 1
+            if self.calls == 2:
+                raise EngineDeadError("the worker died")
+            return Stream()
+
+    req = parse_completion({"prompt": ["w5", "w6", "w7"]})
+    with pytest.raises(ApiError) as caught:
+        start_streams(DyingEngine(), req.prompts, req, "cmpl-x")
+    assert caught.value.status == 503 and "the worker died" in caught.value.message
+    assert len(closed) == 1  # the first prompt's request, aborted

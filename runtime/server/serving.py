@@ -46,6 +46,10 @@ def start_streams(
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
         renames = {"prompt_token_ids": param, "prompt": param, "messages": "messages"}
         raise from_value_error(exc, param, renames) from None
+    except (EngineDeadError, EngineClosedError) as exc:  # it died since the request came in
+        for s in streams:
+            s.close()
+        raise engine_error(exc) from None
     return streams
 
 
