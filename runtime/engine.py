@@ -85,12 +85,13 @@ class Engine:
     ) -> bool | None:
         """Cancellation: its cleanup steps are shielded; workers are released on return."""
         assert self._stack is not None
+        # First: a generate() from another task while the engine closes is refused, not
+        # added to a step loop that is ending (its stream would wait forever).
+        self._running = False
         try:
             return await self._stack.__aexit__(et, e, tb)
         except BaseExceptionGroup as eg:
             raise _simplest(eg) from None
-        finally:
-            self._running = False
 
     async def _start(self, stack: AsyncExitStack) -> None:
         cfg = self.config
@@ -206,6 +207,9 @@ class Engine:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         text, token_ids = self._prompt_tokens(prompt)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if type(request_id) is not str or not _encodable(request_id):  # it crosses the wire
+            raise ValueError(f"request_id must be a string (of whole UTF-8 characters), got "
+                             f"{request_id!r}")  # fmt: skip
         if self.replica_index(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already running")
         live = self._live_replicas()
@@ -316,6 +320,14 @@ class Engine:
         if not acquired:
             raise EngineClosedError("the engine has not started: use `async with Engine(...)`")
         return acquired
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
 
 
 _heap_lock = threading.Lock()

@@ -21,7 +21,7 @@ from protocols.messages import (
     StepResult,
 )
 from runtime.engine_stats import EngineStats
-from runtime.errors import EngineStepError
+from runtime.errors import EngineClosedError, EngineStepError
 from runtime.output_processor import OutputProcessor, ParentRequest
 from runtime.request import Request, RequestStatus
 from runtime.scheduler import EngineCoreOutput, Scheduler
@@ -57,6 +57,8 @@ class EngineCore:
     # -- intake (sync, any task) -----------------------------------------------------------
 
     def add_request(self, parent: ParentRequest) -> None:
+        if self._stopped:  # no loop would ever step it: its stream would wait forever
+            raise EngineClosedError("the engine's step loop has ended")
         params = parent.params
         # Every child's params before any is registered: one that fails leaves nothing behind.
         children = [params] if params.n == 1 else [
@@ -66,6 +68,10 @@ class EngineCore:
                                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             for i in range(params.n)
         ]  # fmt: skip
+        if params.stop:
+            # Stop strings are this process's (the output processor's): never sent to the
+            # workers, where one huge or unencodable string would fail every step's frame.
+            children = [dataclasses.replace(child, stop=()) for child in children]
         for child_id, child_params in zip(self.output_processor.add(parent), children, strict=True):
             self.scheduler.add_request(
                 Request(

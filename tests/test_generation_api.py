@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from runtime import Engine, RequestOutputKind, SamplingParams
@@ -225,6 +226,70 @@ async def test_bad_prompts_fail_clearly_and_others_continue(engine, prompt, para
         with pytest.raises(ValueError, match=match):
             await final(engine, prompt, params)
     assert len(results[0].outputs[0].token_ids) == 20
+
+
+@pytest.mark.parametrize("request_id", [5, 2.5, b"id", ("a",), True, "w\ud800"])
+async def test_bad_request_ids_fail_clearly_and_others_continue(engine, request_id):
+    """The id crosses the wire to the workers: a non-string or a lone surrogate failed the
+    next step's frame, which ended the engine and every request in it."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    async with anyio.create_task_group() as tg:
+        results = []
+        tg.start_soon(lambda: _append(results, final(engine, PROMPT, params)))
+        with pytest.raises(ValueError, match="^request_id must be a string"):
+            engine.generate(PROMPT, params, request_id=request_id)
+    assert len(results[0].outputs[0].token_ids) == 20
+
+
+async def test_stop_strings_stay_in_this_process(engine):
+    """Stop strings are the output processor's: the workers never get them, so none can
+    fail a step's frame (a lone surrogate could not be encoded; one of 70 MB outgrew it)."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                            stop=["\ud800", "x" * 100_000])  # fmt: skip
+    stream = engine.generate(PROMPT, params, request_id="stops")
+    first = await stream.__anext__()
+    (replica,) = engine._replicas
+    assert replica.core.scheduler.requests["stops"].sampling_params.stop == ()
+    rest = [out async for out in stream]
+    assert (rest or [first])[-1].outputs[0].finish_reason == "length"
+
+
+async def test_generate_while_the_engine_closes_is_refused_not_left_waiting(
+        tiny_model, shared_manager):  # fmt: skip
+    """Another task's generate() once the owner is leaving `async with`: EngineClosedError,
+    or a stream that ends; never one added to a step loop that has ended (it waited forever)."""
+    from runtime.errors import EngineClosedError
+
+    outcomes = []
+    leaving = anyio.Event()
+
+    async def one(engine):
+        try:
+            stream = engine.generate(PROMPT, SamplingParams(max_tokens=2))
+        except EngineClosedError:
+            outcomes.append("refused")
+            return
+        with anyio.fail_after(10):
+            try:
+                outs = [out async for out in stream]
+                outcomes.append(outs[-1].outputs[0].finish_reason if outs else "no output")
+            except EngineClosedError:
+                outcomes.append("refused")
+
+    async def caller(engine):
+        await leaving.wait()
+        async with anyio.create_task_group() as tg:
+            for _ in range(200):  # across the whole exit
+                tg.start_soon(one, engine)
+                await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        async with Engine(tiny_model, manager_socket=shared_manager.socket,
+                          dtype="float32") as engine:  # fmt: skip
+            tg.start_soon(caller, engine)
+            await anyio.sleep(0.05)
+            leaving.set()
+    assert len(outcomes) == 200 and set(outcomes) <= {"refused", "length", "abort"}, outcomes
 
 
 async def _append(results, coro):
