@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 
@@ -34,11 +35,64 @@ def workers_dir(socket_path: Path) -> Path:
     return socket_path.with_name(socket_path.name + ".workers")
 
 
+def open_private_file(path: Path, flags: int) -> int:
+    """os.open `path` (created if missing) readable by this user only: a manager's log and
+    lock may sit in a directory that others can list (ensure_socket_dir)."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o600)  # ours, made by an older version that left it readable
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def ensure_socket_dir(path: Path) -> None:
+    """Create `path` (and parents) with mode 0700, or check the existing directory the
+    user named: it must be ours, and others must not be able to write to it (they could
+    plant or swap the socket). It is never chmodded: it may be a project directory, or
+    /tmp. Others may list it: the socket (0600, and SO_PEERCRED in workers/peer_auth.py),
+    the log and the lock (open_private_file) keep them out."""
+    if _make_private_dir(path):
+        return
+    _check_ours(path)
+    mode = path.stat().st_mode
+    if mode & 0o022:
+        raise PermissionError(
+            f"{path} (mode {stat.S_IMODE(mode):o}) is writable by other users, who could "
+            "replace the engine-manager's socket; put the socket (--socket or "
+            f"LOOM_MANAGER_SOCKET) in a directory only you can write to, or `chmod go-w {path}`"
+        )
+
+
 def ensure_private_dir(path: Path) -> None:
-    """Create `path` (and parents) with mode 0700 and refuse one that others can enter."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Create `path` (and parents) with mode 0700, or check that the existing one is ours
+    and closed to others: for directories only a manager makes (worker sockets, logs)."""
+    if _make_private_dir(path):
+        return
+    _check_ours(path)
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise PermissionError(
+            f"{path} (mode {stat.S_IMODE(mode):o}) is open to other users; it holds the "
+            f"engine-manager's worker sockets and logs: `chmod 700 {path}` or remove it"
+        )
+
+
+def _make_private_dir(path: Path) -> bool:
+    """True if we created `path` (mode 0700), False if it already existed."""
+    try:
+        path.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        return False  # someone's: check it, never change it
+    os.chmod(path, 0o700)  # mkdir's mode went through the umask
+    return True
+
+
+def _check_ours(path: Path) -> None:
     st = path.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"{path} is not a directory; choose another manager socket path")
     if st.st_uid != os.getuid():
         raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this user")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)

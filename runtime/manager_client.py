@@ -45,29 +45,58 @@ REQUEST_TIMEOUT_S = 30.0  # a request the manager answers from memory
 # and 5 s more after a SIGKILL (workers/worker_group.py STOP_GRACE_S). Waiting that long
 # means an engine's exit frees its GPU memory before the next engine sizes its KV cache.
 RELEASE_TIMEOUT_S = 12.0
+# A daemon shutting down (idle timeout, `engine-manager stop`) may accept a connection and
+# close it unanswered. We wait for it to go, then start a new one: a few tries, a short pause.
+MAX_CONNECT_TRIES = 5
+GOING_AWAY_PAUSE_S = 0.1
 
 
 def manager_command(socket_path: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "workers.manager", "--socket", str(socket_path), *args]
 
 
+class _ManagerGoingAway(ManagerError):
+    """The manager closed our connection before the handshake was done: it is exiting."""
+
+
 async def connect_manager(socket_path: Path, role: str = "engine") -> MessageStream:
-    """Connect and handshake; a refusal or a broken peer becomes ManagerError."""
+    """Connect and handshake; a refusal or a broken peer becomes ManagerError (one that
+    closed on us mid-handshake, _ManagerGoingAway)."""
     try:
         return await open_unix_connection(socket_path, role)
     except RemoteError as exc:
         raise ManagerError(f"engine-manager on {socket_path} refused: {exc}") from None
-    except (ProtocolError, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
+    except (anyio.EndOfStream, anyio.BrokenResourceError) as exc:
+        message = f"engine-manager on {socket_path} failed the handshake: {exc!r}"
+        raise _ManagerGoingAway(message) from exc
+    except ProtocolError as exc:
         message = f"engine-manager on {socket_path} failed the handshake: {exc!r}"
         raise ManagerError(message) from exc
 
 
 async def connect_shared_manager(socket_path: Path) -> MessageStream:
-    """Connect to the per-user daemon, starting it first if nobody answers."""
+    """Connect to the per-user daemon, starting it first if nobody answers, or again if
+    the one that answered was on its way out.
+
+    Cancellation: nothing is left open; a daemon it started keeps running (shared)."""
+    for _ in range(MAX_CONNECT_TRIES):
+        try:
+            return await connect_manager(socket_path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            pass  # nobody serves it: start one
+        except _ManagerGoingAway:
+            # Give it a moment to close its listener, or `start` may still find it
+            # answering and start nothing.
+            await anyio.sleep(GOING_AWAY_PAUSE_S)
+        # Also after a `start` that found a daemon which then went away: start again.
+        await _start_shared_manager(socket_path)
     try:
         return await connect_manager(socket_path)
-    except (FileNotFoundError, ConnectionRefusedError):
-        pass
+    except OSError as exc:
+        raise ManagerError(f"engine-manager started but {socket_path} refuses: {exc}") from exc
+
+
+async def _start_shared_manager(socket_path: Path) -> None:
     with anyio.fail_after(MANAGER_START_TIMEOUT_S):
         # `start` takes the flock and rechecks, so racing engines start one daemon.
         result = await anyio.run_process(
@@ -78,10 +107,6 @@ async def connect_shared_manager(socket_path: Path) -> MessageStream:
             f"could not start engine-manager on {socket_path}:\n"
             f"{result.stderr.decode(errors='replace').strip()}"
         )
-    try:
-        return await connect_manager(socket_path)
-    except OSError as exc:
-        raise ManagerError(f"engine-manager started but {socket_path} refuses: {exc}") from exc
 
 
 async def list_workers(socket_path: Path) -> list[WorkerInfo]:
@@ -174,12 +199,17 @@ class ManagerClient:
         self._done = anyio.Event()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Read the connection until it closes; runs in the engine's task group."""
+        """Read the connection until it closes; runs in the engine's task group.
+
+        Cancellation: shielded; it ends when aclose() shuts the connection. An engine left
+        by a cancelled scope still releases its workers, and that release needs its reply.
+        """
         self._started = True
         task_status.started()
         async with self._reply_send:
             try:
-                await self._read_until_closed()
+                with anyio.CancelScope(shield=True):
+                    await self._read_until_closed()
             finally:
                 self._done.set()
 

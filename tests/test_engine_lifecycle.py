@@ -163,6 +163,19 @@ def test_leaving_right_after_the_last_output_is_clean(tiny_model, backend):
     assert "could not release" not in done.stderr
 
 
+async def test_leaving_by_cancellation_still_releases_politely(tiny_model, shared_manager, caplog):
+    """A scope cancelled inside the block: the release still gets its answer, so a
+    keep_alive=0 worker is gone on return, as after a normal exit."""
+    with anyio.CancelScope() as scope:
+        async with Engine(tiny_model, manager_socket=shared_manager.socket, keep_alive=0) as e:
+            worker_pid = e.worker_pids[0]
+            scope.cancel()
+            await anyio.sleep_forever()
+    assert scope.cancelled_caught
+    assert wait_gone(worker_pid, timeout=0)
+    assert "could not release" not in caplog.text
+
+
 async def test_private_manager_exits_with_the_engine(tiny_model):
     async with Engine(tiny_model, manager="private") as engine:
         worker_pid = engine.worker_pids[0]

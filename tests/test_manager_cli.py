@@ -78,7 +78,8 @@ def test_client_commands_on_a_stopped_daemon(manager):
 
 
 def test_running_daemon_status_logs_and_permissions(manager):
-    # A directory others can enter is made private before the socket goes in it.
+    # A directory others can list is the user's to set: left as it is; what goes in it
+    # is private by itself.
     os.chmod(manager.socket.parent, 0o755)
     manager.start()
     [pid] = _daemon_pids(manager)
@@ -90,7 +91,9 @@ def test_running_daemon_status_logs_and_permissions(manager):
     assert f"engine-manager pid {pid} listening on {manager.socket}" in logs.stdout
     socket_mode = os.stat(manager.socket).st_mode
     assert stat.S_ISSOCK(socket_mode) and stat.S_IMODE(socket_mode) == 0o600
-    assert stat.S_IMODE(os.stat(manager.socket.parent).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(manager.socket.parent).st_mode) == 0o755
+    for name in ["m.sock.log", "m.sock.lock"]:
+        assert stat.S_IMODE(os.stat(manager.socket.parent / name).st_mode) == 0o600, name
     workers_dir = manager.socket.with_name(manager.socket.name + ".workers")
     assert stat.S_IMODE(os.stat(workers_dir).st_mode) == 0o700
 

@@ -36,7 +36,7 @@ from protocols.messages import (
     WorkerInfo,
     WorkerList,
 )
-from protocols.rundir import ensure_private_dir, workers_dir
+from protocols.rundir import ensure_private_dir, ensure_socket_dir, workers_dir
 from workers.peer_auth import refusal
 from workers.ray_group import RayDriver, launch_ray_group
 from workers.worker_group import (
@@ -77,6 +77,9 @@ class ManagerServer:
         self.allowed_uid = allowed_uid
         self.groups: dict[str, WorkerGroup] = {}
         self.clients: set[MessageStream] = set()
+        # A private manager's engine: the first client to say it is one. Only its
+        # disconnect ends a private manager; a debugging `ps` or `status` must not.
+        self.owner: MessageStream | None = None
         self.started_at = time.monotonic()
         self._group_ids = itertools.count(1)
         self._tg: TaskGroup | None = None
@@ -85,7 +88,7 @@ class ManagerServer:
         self.ray = RayDriver()  # connects when a group asks for distributed_executor_backend=ray
 
     async def serve(self, *, ready: anyio.Event | None = None) -> None:
-        ensure_private_dir(self.socket_path.parent)
+        ensure_socket_dir(self.socket_path.parent)
         ensure_private_dir(self.workdir)
         listener = await anyio.create_unix_listener(self.socket_path, mode=0o600)
         bound_inode = os.stat(self.socket_path).st_ino  # noqa: ASYNC240
@@ -129,8 +132,11 @@ class ManagerServer:
                 return
             self.clients.add(ms)
             self._disarm_idle_timer()
+            role = None  # until the handshake says
             try:
-                await server_handshake(ms, "manager")
+                role = (await server_handshake(ms, "manager")).role
+                if self.exit_with_client and self.owner is None and role == "engine":
+                    self.owner = ms
                 await self._serve_requests(ms)
             except VersionMismatchError as exc:
                 logger.warning("refused client: %s", exc)  # the handshake said why
@@ -149,9 +155,17 @@ class ManagerServer:
                     # An engine that went away (closed or killed) returns its workers.
                     for group in [g for g in self.groups.values() if g.owner is ms]:
                         await self._release(group)
-                if self.exit_with_client:
+                if self.exit_with_client and self._is_owner(ms, role):
                     self.shutdown()
                 self._arm_idle_timer()
+
+    def _is_owner(self, ms: MessageStream, role: str | None) -> bool:
+        """Whether a private manager's engine is the client leaving. One that never said
+        who it was counts while no engine has come: the engine itself, dying as it
+        connected, must not leave its private manager running."""
+        if role == "cli":
+            return False
+        return ms is self.owner or self.owner is None
 
     async def _serve_requests(self, ms: MessageStream) -> None:
         while True:

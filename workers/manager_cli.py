@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -30,7 +31,13 @@ from protocols.messages import (
     UnloadModel,
     WorkerList,
 )
-from protocols.rundir import default_socket_path, ensure_private_dir, lock_path, log_path
+from protocols.rundir import (
+    default_socket_path,
+    ensure_socket_dir,
+    lock_path,
+    log_path,
+    open_private_file,
+)
 from protocols.worker_table import format_seconds, ps_table
 
 START_TIMEOUT_S = 30.0
@@ -93,6 +100,10 @@ def _cmd_serve(args: argparse.Namespace, socket_path: Path) -> int:
     if _is_running(socket_path):
         logging.error("an engine-manager already serves %s", socket_path)
         return 1
+    problem = _socket_path_problem(socket_path)
+    if problem:
+        logging.error("%s", problem)
+        return 1
     server = ManagerServer(
         socket_path,
         max_workers=args.max_workers,
@@ -107,8 +118,7 @@ def _cmd_serve(args: argparse.Namespace, socket_path: Path) -> int:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signal, server)
             tg.start_soon(_report_ready, ready, args.ready_fd)
-            # Stale: nobody answered on it above.
-            socket_path.unlink(missing_ok=True)  # noqa: ASYNC240
+            _remove_stale_socket(socket_path)
             await server.serve(ready=ready)
             tg.cancel_scope.cancel()
 
@@ -137,13 +147,46 @@ async def _report_ready(ready: anyio.Event, fd: int | None) -> None:
         os.close(fd)
 
 
+def _socket_path_problem(socket_path: Path) -> str | None:
+    """Why a daemon may not bind `socket_path`, or None: something there that is not a
+    socket is the user's (a typo in --socket), never ours to delete."""
+    try:
+        mode = os.lstat(socket_path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None  # a stale socket (nobody answered on it): serve replaces it
+    return (
+        f"{socket_path} exists and is not a socket; engine-manager will not replace it. "
+        "Choose another socket path (--socket or LOOM_MANAGER_SOCKET) or remove that file."
+    )
+
+
+def _remove_stale_socket(socket_path: Path) -> None:
+    """Unlink a socket that nobody answered on (_cmd_serve checked); anything else stays."""
+    try:
+        if stat.S_ISSOCK(os.lstat(socket_path).st_mode):
+            socket_path.unlink()
+    except FileNotFoundError:
+        pass
+
+
 def _cmd_start(args: argparse.Namespace, socket_path: Path) -> int:
-    ensure_private_dir(socket_path.parent)
-    with open(lock_path(socket_path), "a") as lock:
+    try:
+        ensure_socket_dir(socket_path.parent)
+        lock_fd = open_private_file(lock_path(socket_path), os.O_RDWR)
+    except OSError as exc:
+        print(f"engine-manager cannot use {socket_path}: {exc}", file=sys.stderr)
+        return 1
+    with open(lock_fd, "r+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second starter waits here, then finds ours
         if _is_running(socket_path):
             print(f"engine-manager already running on {socket_path}")
             return 0
+        problem = _socket_path_problem(socket_path)
+        if problem:
+            print(problem, file=sys.stderr)
+            return 1
         return _spawn_daemon(args, socket_path)
 
 
@@ -160,7 +203,7 @@ def _spawn_daemon(args: argparse.Namespace, socket_path: Path) -> int:
     ]  # fmt: skip
     if args.allowed_uid is not None:
         command += ["--allowed-uid", str(args.allowed_uid)]
-    with open(log, "ab") as log_file:
+    with open(open_private_file(log, os.O_WRONLY | os.O_APPEND), "ab") as log_file:
         # The daemon outlives us: its own session, no stdin, output to its log. We never
         # wait for it; when we exit it is adopted by init, so no zombie is left behind.
         subprocess.Popen(
