@@ -11,7 +11,7 @@ import atexit
 import dataclasses
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -25,6 +25,9 @@ from runtime.outputs import RequestOutput
 
 Prompt = str | dict[str, Any]
 T = TypeVar("T")
+
+# How long an interrupted call waits for its cancelled task (its requests' aborts) to end.
+CANCEL_WAIT_S = 10.0
 
 
 class LLM:
@@ -89,15 +92,39 @@ class LLM:
 
     def collective_rpc(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
         """Run `fn(worker, *args, **kwargs)` on every worker rank; results by rank."""
-        return self._require_portal().call(partial(self.engine.collective_rpc, fn, *args, **kwargs))
+        return self._call(partial(self.engine.collective_rpc, fn, *args, **kwargs))
 
     def _run(self, calls: list[tuple[Any, Any, SamplingParams]], use_tqdm: bool) -> list:
-        portal = self._require_portal()
         with tqdm(total=len(calls), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:
-                return portal.call(_run_all, calls, bar)
+                return self._call(partial(_run_all, calls, bar))
             except BaseExceptionGroup as eg:
                 raise eg.exceptions[0] if len(eg.exceptions) == 1 else eg from None
+
+    def _call(self, func: Callable[[], Awaitable[T]]) -> T:
+        """Run `func()` in the engine's loop and wait for it; an interrupt cancels it.
+
+        `portal.call()` would leave the task running when the waiting thread is interrupted
+        (Ctrl-C in a notebook): the batch would go on to max_tokens. Here a KeyboardInterrupt
+        (any exception) cancels the task, which aborts its requests, then propagates.
+        """
+        finished = threading.Event()
+
+        async def run() -> T:
+            try:
+                return await func()
+            finally:
+                finished.set()
+
+        future = self._require_portal().start_task_soon(run)
+        try:
+            return future.result()
+        except BaseException:
+            # cancel() is False once the task has ended: then there is nothing to stop.
+            # Bounded: a second Ctrl-C, or a loop that does not answer, must not hang us.
+            if future.cancel():
+                finished.wait(CANCEL_WAIT_S)
+            raise
 
     # -- lifecycle -----------------------------------------------------------------------
 

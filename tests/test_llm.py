@@ -4,11 +4,14 @@ and from a thread; outputs in input order; bad input leaves it usable."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
+import anyio
 import pytest
 
 from runtime import LLM, SamplingParams
@@ -52,6 +55,53 @@ def test_bad_input_raises_and_the_llm_stays_usable(llm):
         llm.generate([PROMPTS[0], ""], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="2 sampling_params for 5 prompts"):
         llm.generate(PROMPTS, [GREEDY, GREEDY], use_tqdm=False)
+    assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == 5
+
+
+def test_ctrl_c_during_generate_aborts_the_batch(llm):
+    """Ctrl-C in a notebook cell: the KeyboardInterrupt reaches the caller and the batch's
+    requests are aborted (not left running to max_tokens); the LLM stays usable."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("Python delivers signals to the main thread only")
+    # pytest-xdist's workers may ignore SIGINT: here it must raise, as in a notebook.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def slow_steps(w):
+        import time
+
+        w.runner.launch_before_slow_steps = launch = w.runner.launch
+        w.runner.launch = lambda *a: (time.sleep(0.02), launch(*a))[1]
+
+    def normal_steps(w):
+        w.runner.launch = w.runner.launch_before_slow_steps
+
+    def interrupt_once_all_run(main_thread: int) -> None:
+        # The requests run, so the main thread waits inside generate: interrupt it there.
+        deadline = time.monotonic() + 30
+        while llm._portal.call(lambda: llm.engine.stats().num_running) < 4:
+            if time.monotonic() > deadline:
+                return  # generate failed early: its own error shows
+            time.sleep(0.01)
+        signal.pthread_kill(main_thread, signal.SIGINT)
+
+    async def idle_within(seconds: float) -> int:
+        with anyio.fail_after(seconds):
+            await llm.engine.wait_until_idle()
+        return llm.engine.stats().num_running
+
+    interrupter = threading.Thread(target=interrupt_once_all_run, args=(threading.get_ident(),))
+    llm.collective_rpc(slow_steps)
+    try:
+        interrupter.start()
+        # ~10 s to finish at 20 ms a step: only an abort ends it within the wait below.
+        long = SamplingParams(max_tokens=500, ignore_eos=True)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([{"prompt_token_ids": [5, 6]}] * 4, long, use_tqdm=False)
+        assert llm._portal.call(idle_within, 3) == 0
+    finally:
+        interrupter.join()
+        signal.signal(signal.SIGINT, previous)
+        llm.collective_rpc(normal_steps)
     assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == 5
 
 
