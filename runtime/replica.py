@@ -67,7 +67,7 @@ class Replica:
         spec = cfg.worker_spec(self.index)
         self.acquired = await manager.acquire(spec, cfg.keep_alive, self.engine_id)
         stack.push_async_callback(self._release, manager, self.acquired.group_id)
-        workers = await WorkerClient.connect(self.acquired.sockets, self.acquired.lease_token)
+        workers = await self._attach(self.acquired)
         stack.push_async_callback(workers.aclose)
         workers.start_readers(tg, self._on_rank_lost)
         self.workers = workers
@@ -95,6 +95,21 @@ class Replica:
 
         tg.start_soon(run_core, self.core)
         stack.push_async_callback(stop_core)
+
+    async def _attach(self, acquired: WorkersAcquired) -> WorkerClient:
+        """Connect to the acquired ranks; a rank that died since then is EngineDeadError.
+
+        The manager's report of that death (signal, stderr) says more than the broken
+        socket does, so a failed attach waits briefly for it.
+        """
+        try:
+            return await WorkerClient.connect(acquired.sockets, acquired.lease_token)
+        except ManagerError as exc:
+            with anyio.move_on_after(DEATH_REPORT_WAIT_S):
+                await self._death_reported.wait()
+            if self._lost.is_set():
+                raise EngineDeadError(self._death_reason()) from exc
+            raise
 
     @property
     def is_alive(self) -> bool:

@@ -26,6 +26,11 @@ logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
 DEATH_REPORT_WAIT_S = 1.0
 Reply = CallResult | CallFailed | StepResult
+# What a rank that refuses us, is gone, or dies while we attach raises from the handshake.
+_ATTACH_ERRORS = (
+    OSError, RemoteError, TimeoutError, ProtocolError,
+    anyio.EndOfStream, anyio.BrokenResourceError,
+)  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -51,9 +56,11 @@ class WorkerClient:
     async def connect(cls, sockets: list[str], lease_token: bytes) -> WorkerClient:
         """Attach to every rank with the lease token from WorkersAcquired.
 
-        A refusal (no such lease, another engine still attached) is ManagerError.
+        A refusal (no such lease, another engine still attached), or a rank that is gone or
+        hangs up (it died since the manager acquired it), is ManagerError.
         """
         ranks: list[MessageStream] = []
+        address = ""
         try:
             with anyio.fail_after(CONNECT_TIMEOUT_S):
                 for address in sockets:
@@ -64,8 +71,10 @@ class WorkerClient:
         except BaseException as exc:
             for ms in ranks:
                 await anyio.aclose_forcefully(ms.stream)
-            if isinstance(exc, OSError | RemoteError | TimeoutError):
-                raise ManagerError(f"could not attach to worker socket: {exc}") from exc
+            if isinstance(exc, _ATTACH_ERRORS):
+                raise ManagerError(
+                    f"could not attach to worker socket {address}: {_describe(exc)}"
+                ) from exc
             raise
         return cls(ranks)
 
@@ -188,3 +197,9 @@ class WorkerClient:
                 await done.wait()
         for ms in self.ranks:
             await anyio.aclose_forcefully(ms.stream)
+
+
+def _describe(exc: BaseException) -> str:
+    # EndOfStream and BrokenResourceError carry no message: their name is the news.
+    name, text = type(exc).__name__, str(exc)
+    return f"{name}: {text}" if text else f"{name} (the worker closed the connection)"

@@ -1,0 +1,63 @@
+"""Attaching to acquired workers: a rank that hangs up or died since WorkersAcquired is a clear
+error (ManagerError naming the socket; EngineDeadError with the manager's report of the death),
+never a bare anyio exception. Every test runs on asyncio and trio."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+import anyio
+import pytest
+from proc_utils import wait_gone
+
+from runtime import Engine, EngineDeadError
+from runtime import replica as replica_module
+from runtime.errors import ManagerError
+from runtime.worker_client import WorkerClient
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_a_rank_that_hangs_up_is_a_manager_error_naming_its_socket():
+    async def hang_up(stream: anyio.abc.ByteStream) -> None:
+        await stream.aclose()  # as a worker that dies as we connect
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        path = str(Path(tmp) / "rank0.sock")
+        listener = await anyio.create_unix_listener(path)
+        async with listener, anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, hang_up)
+            with pytest.raises(ManagerError, match=f"could not attach to worker socket {path}: "):
+                await WorkerClient.connect([path], b"lease")
+            tg.cancel_scope.cancel()
+
+
+async def test_worker_dying_before_attach_is_engine_dead_with_its_report(
+    tiny_model, shared_manager, monkeypatch
+):
+    """The worker dies between the manager's WorkersAcquired and our Attach: the error is
+    the manager's report (killed by SIGKILL), not the broken socket's empty message."""
+    acquired_pids: list[int] = []
+    acquire = replica_module.ManagerClient.acquire
+    connect = WorkerClient.connect.__func__
+
+    async def recording_acquire(self, *args, **kwargs):
+        acquired = await acquire(self, *args, **kwargs)
+        acquired_pids.extend(acquired.pids)
+        return acquired
+
+    async def kill_then_connect(cls, sockets, lease_token):
+        os.kill(acquired_pids[0], signal.SIGKILL)
+        return await connect(cls, sockets, lease_token)
+
+    monkeypatch.setattr(replica_module.ManagerClient, "acquire", recording_acquire)
+    monkeypatch.setattr(WorkerClient, "connect", classmethod(kill_then_connect))
+    # A max_num_seqs of its own: a fresh worker, not a warm one other tests hold on to.
+    with pytest.raises(EngineDeadError, match="killed by signal SIGKILL"):
+        with anyio.fail_after(60):
+            async with Engine(tiny_model, manager_socket=shared_manager.socket, max_num_seqs=41):
+                pass
+    assert wait_gone(acquired_pids[0], timeout=10)
