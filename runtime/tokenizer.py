@@ -51,7 +51,7 @@ class Tokenizer:
         path = Path(model_dir).expanduser()
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"model directory {path} has no tokenizer.json (a fast tokenizer)")
-        inner = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        inner = _load_tokenizer_json(path / "tokenizer.json")
         # transformers pads and truncates only when asked to; a tokenizer.json may enable both.
         inner.no_padding()
         inner.no_truncation()
@@ -252,12 +252,21 @@ def _load_chat_templates(path: Path, config: Mapping[str, Any]) -> dict[str, str
     return {}
 
 
+def _load_tokenizer_json(path: Path) -> tokenizers.Tokenizer:
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as exc:
+        # tokenizers raises a bare Exception ("expected value at line 1 column 1") that
+        # names neither the file nor the problem's kind: a corrupt or truncated download.
+        raise ValueError(f"{path} is not a valid tokenizers file: {exc}") from exc
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # the latter names no file
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
     return data if isinstance(data, dict) else {}
 

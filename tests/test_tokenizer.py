@@ -4,6 +4,7 @@ the module stays light (no torch, no transformers) in the user's process."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -256,3 +257,17 @@ def test_eos_ids_come_from_every_config(tmp_path):
 def test_missing_tokenizer_json(tmp_path):
     with pytest.raises(ValueError, match="no tokenizer.json"):
         Tokenizer.from_model_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("tokenizer.json", "garbage"), ("tokenizer.json", '{"model": 3}'),
+     ("tokenizer.json", b"\xff\xfe"), ("tokenizer_config.json", "{not json"),
+     ("tokenizer_config.json", b"\xff\xfe")],
+)  # fmt: skip
+def test_corrupt_tokenizer_files_are_value_errors_naming_the_file(tmp_path, name, content):
+    model_dir = make_dir(tmp_path)
+    file = model_dir / name
+    file.write_bytes(content) if isinstance(content, bytes) else file.write_text(content)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(file))} is not "):
+        Tokenizer.from_model_dir(model_dir)
