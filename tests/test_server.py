@@ -151,6 +151,14 @@ async def test_bad_input_is_400_naming_the_field(server):
               "response_format": {"type": "text"}, "max_tokens": 2}  # fmt: skip
     assert (await client.post("/v1/completions", json={"prompt": "w5", **no_ops})).json()[
         "usage"]["completion_tokens"] <= 2
+    # null is absent, here as everywhere: no usage chunk.
+    body = {"prompt": "w5", "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": None}}  # fmt: skip
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = await sse_events(response)
+    assert events[-1] == "[DONE]" and all("usage" not in e or e["usage"] is None
+                                          for e in events[:-1])  # fmt: skip
     assert_error(await client.post("/v1/completions", json={"model": "gpt-9", "prompt": "w5"}),
                  404, "model")  # fmt: skip
     assert_error(await client.post("/v1/completions", content=b"{not json"), 400, None)

@@ -74,7 +74,7 @@ def _sampling(vocab_size: int) -> dict[str, Schema]:
         "stream": _bool(),
         "stream_options": {
             "type": ["object", "null"], "description": "only with stream: true",
-            "properties": {"include_usage": {"type": "boolean"}},
+            "properties": {"include_usage": {"type": ["boolean", "null"]}},
         },
     }  # fmt: skip
 

@@ -142,7 +142,8 @@ def parse_common(
     options = field(body, "stream_options", "dict", {})
     if options and not stream:
         raise bad("stream_options is only allowed with stream: true", "stream_options")
-    include_usage = options.get("include_usage", False)
+    include_usage = options.get("include_usage")
+    include_usage = False if include_usage is None else include_usage  # null: absent
     if type(include_usage) is not bool:
         raise bad("stream_options.include_usage must be true or false", "stream_options")
     kwargs = {name: v for name, kind in _SAMPLING_FIELDS.items()
