@@ -62,6 +62,24 @@ async def test_second_engine_reuses_warm_workers(tiny_model, shared_manager):
         assert again == [(pid, loaded_at, {})]
 
 
+async def test_each_engine_with_a_seed_samples_as_on_new_workers(tiny_model, shared_manager):
+    """`seed` seeds what unseeded requests draw from: a second engine on the warm workers
+    samples what the first did, not where the first left the generator."""
+    from runtime import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        async with Engine(tiny_model, manager_socket=shared_manager.socket, seed=1234,
+                          max_num_seqs=43) as engine:  # max_num_seqs: workers of its own
+            runs.append((engine.reused_warm_workers, [
+                [out async for out in engine.generate({"prompt_token_ids": [5, 6]}, params)]
+                [-1].outputs[0].token_ids for _ in range(2)]))  # fmt: skip
+    (first_reused, first), (second_reused, second) = runs
+    assert second_reused and first == second, runs
+    assert first[0] != first[1]  # the generator moved on between requests: not re-seeded
+
+
 async def test_engines_with_other_configs_do_not_share(tiny_model, shared_manager):
     async with Engine(tiny_model, manager_socket=shared_manager.socket) as a:
         async with Engine(tiny_model, manager_socket=shared_manager.socket) as b:

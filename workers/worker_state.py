@@ -29,6 +29,7 @@ class Worker:
     # Per-engine state (requests, their KV blocks, user RPC scratch): dropped whenever
     # the attached engine goes away, so the next engine starts clean.
     session: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None  # the engines' `seed`: each one's draws start from it
 
     @classmethod
     def start(
@@ -95,11 +96,24 @@ class Worker:
         # the loading's garbage cycles are not frozen with them.
         gc.collect()
         gc.freeze()
-        return cls(rank, world_size, device, loaded, runner, info, time.time())
+        worker = cls(rank, world_size, device, loaded, runner, info, time.time(),
+                     seed=options.get("seed"))  # fmt: skip
+        worker.reseed()
+        return worker
 
     def reset_session(self) -> None:
         self.session.clear()
         self.runner.reset()
+        self.reseed()
+
+    def reseed(self) -> None:
+        """Unseeded requests draw from torch's RNG: with a `seed`, every engine that
+        attaches finds it as a new worker would (vLLM seeds once per engine), not where the
+        last engine, or the load's random weights, left it."""
+        if self.seed is not None:
+            import torch
+
+            torch.manual_seed(self.seed)
 
     def shutdown(self) -> None:
         import torch.distributed as dist
