@@ -68,6 +68,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("model must be a non-empty string (a path, hub id or 'smollm2')")
+        local = Path(self.model).expanduser()
+        if local.exists():
+            # A path of this process's, made absolute: the workers resolve it in the
+            # manager daemon's directory, where a relative one names another file or none.
+            object.__setattr__(self, "model", os.path.abspath(local))
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)

@@ -139,6 +139,19 @@ async def test_bad_options_fail_before_anything_starts():
         Engine("smollm2", manager="remote")
 
 
+async def test_a_relative_model_path_is_this_process_s(tiny_model, shared_manager, monkeypatch):
+    """The workers resolve the model in the manager daemon's directory: a relative path
+    of the user's is sent absolute, else it named another file there, or none."""
+    from pathlib import Path
+
+    model = Path(tiny_model)
+    monkeypatch.chdir(model.parent)
+    assert Path.cwd() != Path(shared_manager.socket).parent  # not the daemon's directory
+    async with Engine(model.name, manager_socket=shared_manager.socket) as engine:
+        assert engine.model_info.model_dir == str(model.resolve())
+    assert Engine("smollm2").config.model == "smollm2"  # an alias stays a name
+
+
 async def test_unknown_model_is_a_clear_error_and_manager_survives(tiny_model, shared_manager):
     with pytest.raises(WorkerStartError, match="no-such-model"):
         async with Engine("/nonexistent/no-such-model", manager_socket=shared_manager.socket):
