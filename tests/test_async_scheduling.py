@@ -59,10 +59,10 @@ def tokens_and_ends(outputs: dict[str, list[tuple]]) -> dict[str, list]:
     return {req_id: [(o[0], o[3]) for o in outs] for req_id, outs in outputs.items()}
 
 
-def make_runner(model_dir: str) -> ModelRunner:
+def make_runner(model_dir: str, num_blocks: int = 24) -> ModelRunner:
     loaded = load_model(model_dir, dtype="float32")
     return ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
-                       dtype=torch.float32, block_size=16, num_blocks=24)  # fmt: skip
+                       dtype=torch.float32, block_size=16, num_blocks=num_blocks)  # fmt: skip
 
 
 def test_runner_launched_ahead_samples_what_it_samples_step_by_step(tiny_model):
@@ -83,19 +83,23 @@ def test_runner_launched_ahead_samples_what_it_samples_step_by_step(tiny_model):
 
 def test_runner_launched_ahead_through_preemptions(tiny_model):
     """A KV cache of 6 blocks for 6 requests of up to 3: requests are preempted with a step
-    of theirs in flight, recomputed, and still get the step-by-step greedy tokens."""
+    of theirs in flight, recomputed, and still get the tokens of a cache roomy enough for
+    none to be: greedy ones, and seeded sampled ones (whose generator restarted from its
+    seed at each recompute, repeating the first tokens, until each draw had its own)."""
     runs, preemptions = [], []
-    for ahead in (False, True):
-        scheduler = Scheduler(SchedulerConfig(8, 32, 64, 16, 6))
+    for ahead, blocks in ((False, 64), (False, 6), (True, 6)):
+        scheduler = Scheduler(SchedulerConfig(8, 32, 64, 16, blocks))
         for i in range(6):
-            params = SamplingParams(temperature=0.0, max_tokens=16 + 4 * i, ignore_eos=True)
+            params = SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=None if i % 2 else i,
+                                    max_tokens=16 + 4 * i, ignore_eos=True)  # fmt: skip
             prompt = [3 + i + j for j in range(6 + 3 * i)]
             scheduler.add_request(Request(f"r{i}", prompt, params, frozenset({EOS}), 64, 0.0))
-        outputs = drive(scheduler, make_runner(tiny_model), ahead)
+        outputs = drive(scheduler, make_runner(tiny_model, blocks), ahead)
         runs.append({r: [t for o in outs for t in o.new_token_ids] for r, outs in outputs.items()})
         preemptions.append(scheduler.num_preemptions)
-    assert runs[1] == runs[0] and min(preemptions) > 0, preemptions
-    assert [len(tokens) for tokens in runs[1].values()] == [16 + 4 * i for i in range(6)]
+    assert runs[2] == runs[1] == runs[0], preemptions
+    assert preemptions[0] == 0 and min(preemptions[1:]) > 0, preemptions
+    assert [len(tokens) for tokens in runs[2].values()] == [16 + 4 * i for i in range(6)]
 
 
 def test_idle_probe_counts_each_launched_step(tiny_model):

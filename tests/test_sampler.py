@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -12,7 +13,7 @@ from protocols.sampling import SamplingParams
 from workers.sampler import (
     SamplingMetadata,
     apply_penalties,
-    make_generator,
+    draw_seed,
     sample,
 )
 
@@ -22,7 +23,7 @@ V = 16
 def _meta(
     params: Sequence[SamplingParams],
     *,
-    generators: Sequence[torch.Generator | None] | None = None,
+    draws: Sequence[int] | None = None,
     prompts: Sequence[list[int]] | None = None,
     outputs: Sequence[list[int]] | None = None,
     banned: Sequence[list[int]] | None = None,
@@ -30,7 +31,7 @@ def _meta(
     n = len(params)
     return SamplingMetadata.from_params(
         list(params),
-        list(generators) if generators is not None else [None] * n,
+        list(draws) if draws is not None else [0] * n,
         list(prompts) if prompts is not None else [[] for _ in range(n)],
         list(outputs) if outputs is not None else [[] for _ in range(n)],
         list(banned) if banned is not None else [[] for _ in range(n)],
@@ -63,15 +64,12 @@ def test_from_params_builds_tensors_and_maps_top_k_off() -> None:
 
 def test_greedy_is_argmax_and_touches_no_rng() -> None:
     logits = _logits(6)
-    gens = [make_generator(7, "cpu") if i % 2 else None for i in range(6)]
-    gen_states = [g.get_state() if g is not None else None for g in gens]
     rng_state = torch.get_rng_state()
-    out = sample(logits, _meta([SamplingParams(temperature=0.0)] * 6, generators=gens))
+    params = [SamplingParams(temperature=0.0, seed=7 if i % 2 else None) for i in range(6)]
+    out = sample(logits, _meta(params))
     assert out.sampled_token_ids.tolist() == logits.argmax(-1).tolist()
     assert out.sampled_token_ids.dtype == torch.int64
     assert torch.equal(torch.get_rng_state(), rng_state)
-    for g, state in zip(gens, gen_states, strict=True):
-        assert g is None or torch.equal(g.get_state(), state)
 
 
 @pytest.mark.parametrize(
@@ -236,25 +234,26 @@ def test_seeded_rows_ignore_batch_companions() -> None:
     params = SamplingParams(temperature=1.5, top_p=0.9, top_k=12, seed=42)
 
     def run(companions: int, companion_seed: int | None, steps: int = 8) -> list[int]:
-        gen = make_generator(42, "cpu")
         tokens = []
-        for step in range(steps):
+        for step in range(steps):  # the seeded row samples its output token `step`
             others = _logits(companions, seed=100 + step + companions) if companions else None
             logits = target[None, :] if others is None else torch.cat([others, target[None, :]])
-            others_params = [SamplingParams(temperature=1.0)] * companions
-            others_gens = [
-                make_generator(companion_seed, "cpu") if companion_seed is not None else None
-            ] * companions
-            meta = _meta(others_params + [params], generators=others_gens + [gen])
+            others_params = [SamplingParams(temperature=1.0, seed=companion_seed)] * companions
+            meta = _meta(others_params + [params], draws=[step * 3] * companions + [step])
             tokens.append(sample(logits, meta).sampled_token_ids[-1].item())
         return tokens
 
     alone = run(0, None)
     assert run(3, None) == alone
     assert run(5, 9) == alone
-    assert len(set(alone)) > 1  # a seeded row is still random from step to step
-    other_gen = make_generator(43, "cpu")
-    meta = _meta([params] * 8, generators=[other_gen] * 8)
+    assert run(2, 42) == alone  # companions of the same seed, at other tokens
+    assert len(set(alone)) > 1  # a seeded row is still random from token to token
+    # Each draw is its (seed, index)'s alone: resampling token 3 (after a preemption, or a
+    # draw async scheduling dropped) gives it again; another seed gives other tokens.
+    again = sample(target[None, :], _meta([params], draws=[3])).sampled_token_ids.item()
+    assert again == alone[3]
+    other = dataclasses.replace(params, seed=43)
+    meta = _meta([other] * 8, draws=list(range(8)))
     assert sample(target[None, :].expand(8, -1), meta).sampled_token_ids.tolist() != alone
 
 
@@ -316,8 +315,7 @@ def test_bfloat16_logits() -> None:
         SamplingParams(presence_penalty=0.5),
         SamplingParams(seed=1),
     ]
-    gens = [None, None, None, make_generator(1, "cpu")]
-    out = sample(logits, _meta(params, generators=gens, outputs=[[1]] * 4))
+    out = sample(logits, _meta(params, outputs=[[1]] * 4))
     assert out.sampled_token_ids.dtype == torch.int64 and out.logprobs.dtype == torch.float32
     assert out.sampled_token_ids[0] == logits[0].float().argmax()
     raw = torch.log_softmax(logits.float(), dim=-1)
@@ -327,7 +325,11 @@ def test_bfloat16_logits() -> None:
     assert out.top_token_ids[0] == raw[0].topk(2).indices.tolist()
 
 
-def test_make_generator_is_reproducible() -> None:
-    a = torch.empty(8).exponential_(generator=make_generator(5, "cpu"))
-    b = torch.empty(8).exponential_(generator=make_generator(5, "cpu"))
-    assert torch.equal(a, b)
+def test_draw_seeds_are_the_seed_and_index_s_alone_and_use_all_64_bits() -> None:
+    assert draw_seed(5, 3) == draw_seed(5, 3) and 0 <= draw_seed(-(2**63), 0) < 2**64
+    seeds = {draw_seed(seed, index) for seed in (-2, -1, 0, 1, 2**32 + 1, 2**63 - 1)
+             for index in range(50)}  # fmt: skip
+    assert len(seeds) == 300
+    # A CPU generator keeps the low 32 bits of its seed: these differ too (there, -1 and
+    # 2**63 - 1, or 1 and 2**32 + 1, would have drawn alike).
+    assert len({seed % 2**32 for seed in seeds}) == 300

@@ -35,7 +35,6 @@ from workers.sampler import (
     SamplerOutput,
     SamplingMetadata,
     compute_prompt_logprobs,
-    make_generator,
     sample,
 )
 
@@ -55,7 +54,6 @@ class CachedRequestState:
     banned_until_min_tokens: list[int]  # eos + stop_token_ids, masked while output < min_tokens
     block_ids: list[int]
     num_computed_tokens: int
-    generator: torch.Generator | None = None
     all_token_ids: list[int] = field(default_factory=list)
     # Cache slot of each position computed so far: block ids never change once given, so
     # each step extends this instead of recomputing the whole context (the hot path).
@@ -177,12 +175,10 @@ class ModelRunner:
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         params = new.sampling_params
-        seed = params.seed
         return CachedRequestState(
             new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), params,
             sorted(set(new.eos_token_ids) | set(params.stop_token_ids)), list(new.block_ids),
             new.num_computed_tokens,
-            make_generator(seed, self.device) if seed is not None else None,
         )  # fmt: skip
 
     # -- one step --------------------------------------------------------------------------
@@ -367,15 +363,15 @@ class ModelRunner:
     ) -> SamplerOutput:
         """`pending`: requests whose last sampled token is still on the device (it counts
         for min_tokens; penalties wait for it on the host, see `launch`)."""
+        # The index of the token each row samples: its output so far, on the host or not.
+        indexes = [len(s.output_token_ids) + (id(s) in pending) for s in samplers]
         banned = [
-            s.banned_until_min_tokens
-            if len(s.output_token_ids) + (id(s) in pending) < s.sampling_params.min_tokens
-            else []
-            for s in samplers
+            s.banned_until_min_tokens if index < s.sampling_params.min_tokens else []
+            for s, index in zip(samplers, indexes, strict=True)
         ]
         meta = SamplingMetadata.from_params(
             [s.sampling_params for s in samplers],
-            [s.generator for s in samplers],
+            indexes,
             [s.prompt_token_ids for s in samplers],
             [s.output_token_ids for s in samplers],
             banned,

@@ -29,7 +29,9 @@ class SamplingMetadata:
     presence_penalty: torch.Tensor  # [B] float32
     frequency_penalty: torch.Tensor  # [B] float32
     repetition_penalty: torch.Tensor  # [B] float32
-    generators: list[torch.Generator | None]  # per row: a seeded request's own generator
+    # Per row: the seed of this row's draw, from its request's seed and the index of the
+    # token it samples (draw_seed); None: unseeded, drawn from torch's RNG.
+    draw_seeds: list[int | None]
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]  # tokens generated so far
     banned_token_ids: list[list[int]]  # ids forbidden this step (eos/stop while < min_tokens)
@@ -58,7 +60,7 @@ class SamplingMetadata:
     def from_params(
         cls,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        draw_indexes: list[int],
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
         banned_token_ids: list[list[int]],
@@ -80,7 +82,8 @@ class SamplingMetadata:
             frequency_penalty=floats([p.frequency_penalty for p in params]),
             repetition_penalty=floats([min(max(p.repetition_penalty, _F32_TINY), _F32_MAX)
                                        for p in params]),  # fmt: skip
-            generators=list(generators),
+            draw_seeds=[None if p.seed is None else draw_seed(p.seed, index)
+                        for p, index in zip(params, draw_indexes, strict=True)],  # fmt: skip
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
             banned_token_ids=banned_token_ids,
@@ -96,9 +99,27 @@ class SamplerOutput:
     top_logprobs: list[list[float] | None]
 
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A seeded request's own generator: its draws never depend on the other rows."""
-    return torch.Generator(device=device).manual_seed(seed)
+def draw_seed(seed: int, index: int) -> int:
+    """The seed of a seeded request's draw of its output token `index`: a function of the
+    two alone, so the token does not depend on the other rows, on a preemption that
+    recomputed the request, or on a draw made for a token async scheduling then dropped.
+    Mixed with splitmix64 over all 64 bits (a CPU generator keeps only the low 32 of a
+    seed, where 2**63 - 1 and -1 agree)."""
+    mixed = (seed + 0x9E3779B97F4A7C15 * (index + 1)) % 2**64
+    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) % 2**64
+    return mixed ^ (mixed >> 31)
+
+
+_generators: dict[torch.device, torch.Generator] = {}
+
+
+def _seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    """The device's one generator for seeded draws, set to `seed` (a draw's own)."""
+    generator = _generators.get(device)
+    if generator is None:
+        generator = _generators[device] = torch.Generator(device=device)
+    return generator.manual_seed(seed)
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
@@ -178,12 +199,12 @@ def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     # argmax(p / q) with q ~ Exp(1) draws from p; each seeded row draws only from its own
     # generator, so its tokens do not depend on which other rows share the batch.
     q = torch.empty_like(probs)  # [B, V]
-    rows = list(zip(meta.is_greedy, meta.generators, strict=True))
-    if any(not is_greedy and gen is None for is_greedy, gen in rows):
+    rows = list(zip(meta.is_greedy, meta.draw_seeds, strict=True))
+    if any(not is_greedy and seed is None for is_greedy, seed in rows):
         q.exponential_()  # one batched draw from the default RNG for all unseeded rows
-    for i, (is_greedy, gen) in enumerate(rows):
-        if gen is not None and not is_greedy:
-            q[i].exponential_(generator=gen)
+    for i, (is_greedy, seed) in enumerate(rows):
+        if seed is not None and not is_greedy:
+            q[i].exponential_(generator=_seeded_generator(seed, q.device))
     sampled = (probs / q).argmax(dim=-1)  # [B]
     if any(meta.is_greedy):
         sampled = torch.where(greedy, x.argmax(dim=-1), sampled)
