@@ -9,6 +9,7 @@ data parallelism only its replica's requests fail while another replica lives.
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
@@ -224,7 +225,9 @@ class Engine:
             RequestMetrics(arrival_time=time.time()),
         )  # fmt: skip
         core.add_request(parent)
-        return RequestStream(request_id, parent.collector, core.abort)
+        # The stream aborts its own request only: never a later one that reuses the id.
+        return RequestStream(request_id, parent.collector,
+                             functools.partial(core.abort, parent=parent))  # fmt: skip
 
     def chat(
         self,

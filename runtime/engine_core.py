@@ -47,7 +47,8 @@ class EngineCore:
         self.num_steps = 0
         self._clock = StepClock()
         self._work = anyio.Event()
-        self._pending_aborts: list[str] = []
+        # (id, the request it meant; None: whichever holds the id when it applies)
+        self._pending_aborts: list[tuple[str, ParentRequest | None]] = []
         # Async scheduling: the last step's results, streamed once the next step is out (see
         # run), or before any abort applies, so that none reaches a request that took the id.
         self._unstreamed: tuple[list[EngineCoreOutput], list[PromptLogprobs]] | None = None
@@ -81,12 +82,14 @@ class EngineCore:
             )
         self._work.set()
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, parent: ParentRequest | None = None) -> None:
         """Drop a request before the next step (its KV blocks are freed then).
 
         Only queues the id: it may be called from a finalizer, in the middle of anything.
+        `parent`: abort only that request, not a later one that took its id (a stream
+        closed after its request finished, or collected much later, must not end it).
         """
-        self._pending_aborts.append(request_id)
+        self._pending_aborts.append((request_id, parent))
         self._work.set()
 
     def abort_all(self) -> None:
@@ -149,7 +152,10 @@ class EngineCore:
                 if self._pending_aborts:
                     self._stream_unstreamed()
                 while self._pending_aborts:
-                    self._abort_now(self._pending_aborts.pop())
+                    request_id, parent = self._pending_aborts.pop()
+                    holder = self.output_processor.parents.get(request_id)
+                    if parent is None or holder is parent:
+                        self._abort_now(request_id)
                 if not sent_ahead:
                     self._clock.start()
                 sent_ahead = False

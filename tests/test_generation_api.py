@@ -316,6 +316,20 @@ async def test_max_tokens_beyond_context_stops_at_max_model_len(tiny_model, shar
     assert len(PROMPT["prompt_token_ids"]) + len(out.outputs[0].token_ids) == 20
 
 
+async def test_a_stream_left_after_its_end_never_aborts_the_next_request_of_its_id(engine):
+    """A stream closed (or collected) with its final output unread aborts its own request
+    only: not a new one that took the id meanwhile."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = engine.generate(PROMPT, params, request_id="x")
+    await engine.wait_until_idle()  # "x" has finished; its last output waits unread
+    first.close()  # the consumer leaves without it: an abort of "x" is queued
+    # The id is free: this "x" is new, and starts before the queued abort applies.
+    second = [out async for out in engine.generate(PROMPT, params, request_id="x")][-1]
+    assert second.outputs[0].finish_reason == "length"
+    assert second.outputs[0].token_ids == (await final(engine, PROMPT, params)).outputs[
+        0].token_ids
+
+
 async def test_duplicate_request_id_is_refused(engine):
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     first = engine.generate(PROMPT, params, request_id="same")
