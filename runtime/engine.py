@@ -311,6 +311,10 @@ class Engine:
 
     def _require_running(self) -> None:
         if not self._running:
+            # An engine that ended because its worker died says so, not "not running".
+            for replica in self._replicas:
+                if replica.dead is not None:
+                    raise EngineDeadError(str(replica.dead))
             raise EngineClosedError("the engine is not running: use `async with Engine(...)`")
 
     def _live_replicas(self) -> list[Replica]:

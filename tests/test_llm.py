@@ -119,3 +119,30 @@ def test_plain_script_without_main_guard(tiny_model, shared_manager, tmp_path):
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "tokens [4, 4, 4]" in out.stdout
+
+
+def test_after_its_worker_died_calls_say_so(tiny_model, shared_manager):
+    """Not "the engine is not running: use `async with Engine(...)`": the death, with the
+    manager's report."""
+    import os
+
+    from runtime import EngineDeadError
+
+    llm = LLM(tiny_model, manager_socket=shared_manager.socket, keep_alive=0,
+              max_num_seqs=47)  # max_num_seqs: a worker of its own
+    [pid] = llm.collective_rpc(lambda worker: os.getpid())
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while True:  # until the engine has seen the death
+        try:
+            llm.collective_rpc(lambda worker: None)
+        except EngineDeadError:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    for call in (lambda: llm.generate("w5", SamplingParams(max_tokens=2), use_tqdm=False),
+                 lambda: llm.collective_rpc(lambda worker: None)):  # fmt: skip
+        with pytest.raises(EngineDeadError, match="killed by signal SIGKILL"):
+            call()
+    with pytest.raises(EngineDeadError):  # closing reports it too, once more
+        llm.close()
