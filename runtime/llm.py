@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from protocols.sampling import RequestOutputKind, SamplingParams
 from runtime.engine import Engine
 from runtime.outputs import RequestOutput
+from runtime.request_stream import RequestStream
 
 Prompt = str | dict[str, Any]
 T = TypeVar("T")
@@ -170,14 +171,30 @@ def _per_prompt(
 
 
 async def _run_all(calls: list[tuple[Any, Any, SamplingParams]], bar: tqdm) -> list:
-    results: list[RequestOutput | None] = [None] * len(calls)
+    # Every request starts before any is awaited: a bad prompt raises one ValueError, which
+    # says which prompt it was, and the requests started before it are aborted.
+    streams: list[RequestStream] = []
+    try:
+        for method, prompt, params in calls:
+            streams.append(method(prompt, params))
+    except ValueError as exc:
+        for stream in streams:
+            stream.close()
+        bad = len(streams)  # the index of the prompt that failed
+        raise ValueError(f"prompt {bad}: {exc}" if len(calls) > 1 else str(exc)) from exc
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    results: list[RequestOutput | None] = [None] * len(streams)
 
-    async def one(index: int, method: Any, prompt: Any, params: SamplingParams) -> None:
-        async for output in method(prompt, params):
-            results[index] = output
+    async def one(index: int, stream: RequestStream) -> None:
+        async with stream:
+            async for output in stream:
+                results[index] = output
         bar.update(1)
 
     async with anyio.create_task_group() as tg:
-        for index, (method, prompt, params) in enumerate(calls):
-            tg.start_soon(one, index, method, prompt, params)
+        for index, stream in enumerate(streams):
+            tg.start_soon(one, index, stream)
     return results

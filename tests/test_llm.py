@@ -51,8 +51,12 @@ def test_works_from_a_thread(llm):
 
 
 def test_bad_input_raises_and_the_llm_stays_usable(llm):
-    with pytest.raises(ValueError, match="prompt must not be empty"):
+    with pytest.raises(ValueError, match="^prompt 1: prompt must not be empty"):
         llm.generate([PROMPTS[0], ""], GREEDY, use_tqdm=False)
+    # vLLM-style token ids as the prompts: one clear error, not one per prompt in a group.
+    with pytest.raises(ValueError, match=r"^prompt 0: prompt must be a string or \{"):
+        llm.generate([1, 2, 3], GREEDY, use_tqdm=False)
+    assert llm.engine.stats().num_running == llm.engine.stats().num_waiting == 0
     with pytest.raises(ValueError, match="2 sampling_params for 5 prompts"):
         llm.generate(PROMPTS, [GREEDY, GREEDY], use_tqdm=False)
     assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == 5
