@@ -235,14 +235,20 @@ class Engine:
         sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> RequestStream:
-        """Apply the model's chat template to `messages`, then stream like generate()."""
+        """Apply the model's chat template to `messages`, then stream like generate().
+
+        `chat_template`: a template string, or the name of one of the model's, instead of
+        its default; `chat_template_kwargs`: variables for the template (vLLM's names).
+        """
         self._require_running()
         assert self.tokenizer is not None
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, **(chat_template_kwargs or {})
-        )
+        kwargs = dict(chat_template_kwargs or {})
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return self.generate(
             {"prompt_token_ids": ids, "prompt": text}, sampling_params, request_id=request_id

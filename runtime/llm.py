@@ -84,11 +84,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; answers in input order."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = _per_prompt(sampling_params, len(conversations))
-        calls = [(self.engine.chat, m, sp) for m, sp in zip(conversations, params, strict=True)]
+        chat = partial(self.engine.chat, chat_template=chat_template,
+                       chat_template_kwargs=chat_template_kwargs)  # fmt: skip
+        calls = [(chat, m, sp) for m, sp in zip(conversations, params, strict=True)]
         return self._run(calls, use_tqdm)
 
     def collective_rpc(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:

@@ -130,7 +130,8 @@ class Tokenizer:
             if not templates:
                 raise ValueError(
                     "this model has no chat template (no chat_template.jinja, none in "
-                    "tokenizer_config.json): pass chat_template=, or generate() from a prompt"
+                    "tokenizer_config.json): pass chat_template= (a template string), or "
+                    "generate() from a prompt"
                 )
             choice = "tool_use" if has_tools and "tool_use" in templates else "default"
             if choice not in templates:

@@ -62,6 +62,17 @@ def test_bad_input_raises_and_the_llm_stays_usable(llm):
     assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == 5
 
 
+def test_chat_takes_a_template_and_its_variables(llm):
+    """This model has no chat template: the error says to pass one, and one passed works,
+    with variables of its own (vLLM's chat_template and chat_template_kwargs)."""
+    chat = [{"role": "user", "content": "w5"}]
+    with pytest.raises(ValueError, match="pass chat_template="):
+        llm.chat(chat, GREEDY, use_tqdm=False)
+    (out,) = llm.chat(chat, GREEDY, use_tqdm=False, chat_template_kwargs={"more": "w6"},
+                      chat_template="{{ messages[0].content }} {{ more }}")  # fmt: skip
+    assert out.prompt == "w5 w6" and len(out.outputs[0].token_ids) == 6
+
+
 def test_ctrl_c_during_generate_aborts_the_batch(llm):
     """Ctrl-C in a notebook cell: the KeyboardInterrupt reaches the caller and the batch's
     requests are aborted (not left running to max_tokens); the LLM stays usable."""
