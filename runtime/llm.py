@@ -50,7 +50,8 @@ class LLM:
         except BaseException:
             self._stop_portal()
             raise
-        self._closer = weakref.finalize(self, LLM._close_parts, self._engine_cm, self._portal)
+        self._closer = weakref.finalize(self, LLM._close_parts, self._engine_cm, self._portal,
+                                        self._thread)  # fmt: skip
         atexit.register(self._closer)
 
     def _serve(self, ready: threading.Event) -> None:
@@ -154,11 +155,14 @@ class LLM:
         self._thread.join()
 
     @staticmethod
-    def _close_parts(engine_cm: Any, portal: BlockingPortal) -> None:
+    def _close_parts(engine_cm: Any, portal: BlockingPortal, thread: threading.Thread) -> None:
         try:
             engine_cm.__exit__(None, None, None)
         finally:
             portal.call(portal.stop)
+            # Its loop is done once close() returns (not from a finalizer on that thread).
+            if thread is not threading.current_thread():
+                thread.join()
 
 
 def _per_prompt(

@@ -161,3 +161,11 @@ def test_after_its_worker_died_calls_say_so(tiny_model, shared_manager):
             call()
     with pytest.raises(EngineDeadError):  # closing reports it too, once more
         llm.close()
+
+
+def test_close_returns_once_the_loop_thread_is_gone(tiny_model, shared_manager):
+    llm = LLM(tiny_model, manager_socket=shared_manager.socket, dtype="float32")
+    thread = llm._thread
+    llm.close()
+    assert not thread.is_alive()
+    llm.close()  # twice: nothing more to do
