@@ -8,15 +8,30 @@ gracefully (in-flight requests get a few seconds), the engine closes, exit code 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
+import socket
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import anyio
 
+from runtime.config import EngineConfig
 from runtime.errors import LoomError
+
+
+def _default(name: str) -> Any:
+    """EngineConfig's default for the option `name`, for help texts: the flags themselves
+    default to None (not given), so that EngineConfig alone decides."""
+    return next(field.default for field in fields(EngineConfig) if field.name == name)
+
+
+def _on_off(name: str) -> str:
+    return "on" if _default(name) else "off"
+
 
 ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--dtype", str, "auto | float32 | bfloat16 | float16"),
@@ -37,7 +52,20 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--distributed-executor-backend", str, "local | ray (ranks as actors of a Ray cluster "
      "at $RAY_ADDRESS; pip install 'loomllm[ray]')"),
     ("--keep-alive", float, "seconds the workers stay warm after exit (-1: pinned)"),
+    ("--gpu-memory-utilization", float, "CUDA: share of the GPU's memory the worker may "
+     f"fill, in (0, 1] (default {_default('gpu_memory_utilization')})"),
     ("--manager-socket", Path, "engine-manager socket (default: the per-user one)"),
+]
+# On/off engine options: --NAME and --no-NAME (None when neither: EngineConfig's default).
+ENGINE_SWITCHES: list[tuple[str, str]] = [
+    ("--enable-prefix-caching", "reuse the KV blocks of a shared prompt prefix "
+     f"(default: {_on_off('enable_prefix_caching')})"),
+    ("--enable-chunked-prefill", "split long prompts over steps, with decodes alongside "
+     f"(default: {_on_off('enable_chunked_prefill')})"),
+    ("--async-scheduling", "send step N+1 while step N runs (default: on with CUDA workers, "
+     "off on the CPU)"),
+    ("--enforce-eager", "CUDA: run every step eager, no decode CUDA graphs "
+     f"(default: {_on_off('enforce_eager')})"),
 ]
 
 
@@ -66,11 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     def engine_args(p: argparse.ArgumentParser) -> None:
         for flag, kind, help_ in ENGINE_FLAGS:
             p.add_argument(flag, type=kind, default=None, help=help_)
-        p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                       default=None, help="send step N+1 while step N runs (default: on "
-                       "with CUDA workers, off on the CPU)")  # fmt: skip
-        p.add_argument("--enforce-eager", action="store_true", default=None,
-                       help="CUDA: run every step eager, no decode CUDA graphs")  # fmt: skip
+        for flag, help_ in ENGINE_SWITCHES:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                           help=help_)  # fmt: skip
         p.add_argument("--manager", choices=["auto", "private"], default=None,
                        help="auto: the shared daemon; private: one that dies with us")  # fmt: skip
         p.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio")
@@ -78,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("model", nargs="?", default="smollm2")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000, help="0: any free port")
     # From the environment by default: a key on the command line shows in `ps`.
     serve.add_argument("--api-key", default=os.environ.get("LOOM_API_KEY") or None,
                        help="require Authorization: Bearer KEY on every route but /health, "
@@ -86,11 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the name clients send")
     serve.add_argument("--restart-on-failure", action=argparse.BooleanOptionalAction,
                        default=True, help="start a new engine when a worker dies (else exit 1)")
-    serve.add_argument("--max-restarts", type=int, default=5,
+    serve.add_argument("--max-restarts", type=_non_negative_int, default=5,
                        help="exit 1 after more worker deaths than this within 10 minutes")
-    serve.add_argument("--shutdown-grace", type=float, default=10.0,
+    serve.add_argument("--shutdown-grace", type=_seconds, default=10.0,
                        help="seconds in-flight requests get on SIGTERM before they are aborted")
-    serve.add_argument("--max-request-body", type=int, default=None,
+    serve.add_argument("--max-request-body", type=_positive_int, default=None,
                        help="largest request body in bytes (default 8 MiB; larger: 413)")
     engine_args(serve)
 
@@ -125,10 +151,52 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# -- argparse types: a bad value is exit 2 with "argument --FLAG: ...", before anything starts.
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def _port(text: str) -> int:
+    value = _integer(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A finite duration >= 0: NaN would reach anyio's deadlines only at SIGTERM."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be seconds >= 0 (finite), got {text}")
+    return value
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags that were given, as Engine keyword arguments."""
-    names = [flag[2:].replace("-", "_") for flag, _, _ in ENGINE_FLAGS]
-    names += ["async_scheduling", "enforce_eager", "manager"]
+    flags = [flag for flag, _, _ in ENGINE_FLAGS] + [flag for flag, _ in ENGINE_SWITCHES]
+    names = [flag[2:].replace("-", "_") for flag in flags] + ["manager"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
@@ -143,6 +211,15 @@ async def _watch_signals(stop: anyio.Event, scope: anyio.CancelScope, serving: l
 
 async def _serve(args: argparse.Namespace) -> int:
     """Serve until a signal (exit 0) or until the engine is gone for good (exit 1)."""
+    from runtime.server.run import bind_socket
+
+    # Bound before the engine starts: a port in use or an unknown host is one line, at
+    # once, not a traceback after the model has loaded.
+    with bind_socket(args.host, args.port) as listener:
+        return await _serve_on(listener, args)
+
+
+async def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
     from functools import partial
 
     from runtime.engine import Engine
@@ -170,9 +247,9 @@ async def _serve(args: argparse.Namespace) -> int:
             # Stop listening now; in-flight requests finish while hypercorn waits for them.
             tg.start_soon(drain, slot, args.shutdown_grace)
 
-        host = f"[{args.host}]" if ":" in args.host else args.host
         serving.append(True)
-        await serve(app, f"{host}:{args.port}", shutdown_trigger,
+        # hypercorn owns the socket from here: it listens on it and closes it.
+        await serve(app, f"fd://{listener.detach()}", shutdown_trigger,
                     graceful_timeout=args.shutdown_grace + 5)  # fmt: skip
         tg.cancel_scope.cancel()
     if slot.failure is not None:

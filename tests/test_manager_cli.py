@@ -20,6 +20,7 @@ from conftest import pids_mentioning
 from proc_utils import is_alive, wait_gone
 
 from runtime import Engine, ManagerError, WorkerStartError
+from workers import manager_cli
 
 STARTUP_TIMEOUT_S = 30
 
@@ -75,6 +76,47 @@ def test_client_commands_on_a_stopped_daemon(manager):
     stop = manager.cli("stop")
     assert (stop.returncode, stop.stdout.strip()) == (0, "engine-manager is not running")
     assert not manager.socket.exists()
+
+
+SECONDS_OR_MINUS_ONE = "must be seconds >= 0 (finite), or -1"
+
+
+@pytest.mark.parametrize("command", ["start", "serve"])
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--max-workers", "0", "must be an integer >= 1, got 0"),
+    ("--max-workers", "-1", "must be an integer >= 1, got -1"),
+    ("--idle-timeout", "nan", f"{SECONDS_OR_MINUS_ONE}; got nan"),
+    ("--idle-timeout", "-7", f"{SECONDS_OR_MINUS_ONE}; got -7"),
+    ("--max-keep-alive", "-5", f"{SECONDS_OR_MINUS_ONE}; got -5"),
+    ("--max-keep-alive", "inf", f"{SECONDS_OR_MINUS_ONE}; got inf"),
+    ("--log-level", "foo", "invalid choice: 'FOO' (choose from 'DEBUG', 'INFO', 'WARNING', "
+     "'ERROR', 'CRITICAL')"),
+])  # fmt: skip
+def test_bad_values_are_refused_naming_the_flag(command, flag, value, message, capsys):
+    # The parser, not main(): were a value accepted, `serve` would run the daemon here.
+    with pytest.raises(SystemExit) as exited:
+        manager_cli._parser().parse_args([command, flag, value])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error == f"engine-manager {command}: error: argument {flag}: {message}"
+
+
+def test_start_with_a_bad_value_spawns_no_daemon(manager):
+    start = manager.cli("start", "--max-workers", "0")
+    assert start.returncode == 2
+    assert start.stderr.splitlines()[-1] == (
+        "engine-manager start: error: argument --max-workers: must be an integer >= 1, got 0"
+    )
+    assert not manager.socket.exists() and not _daemon_pids(manager)
+
+
+def test_documented_values_are_accepted():
+    args = manager_cli._parser().parse_args(["start", "--max-workers", "1", "--idle-timeout",
+                                             "-1", "--max-keep-alive", "0", "--log-level",
+                                             "debug"])  # fmt: skip
+    assert (args.max_workers, args.idle_timeout, args.max_keep_alive, args.log_level) == (
+        1, -1.0, 0.0, "DEBUG",
+    )  # fmt: skip
 
 
 def test_running_daemon_status_logs_and_permissions(manager):

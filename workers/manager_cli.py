@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import logging
+import math
 import os
 import signal
 import stat
@@ -41,6 +42,7 @@ from protocols.rundir import (
 from protocols.worker_table import format_seconds, ps_table
 
 START_TIMEOUT_S = 30.0
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_LOG_BYTES = 10 * 1024 * 1024
 
 
@@ -64,15 +66,16 @@ def _parser() -> argparse.ArgumentParser:
         ("start", _cmd_start, "start the daemon in the background; return when ready"),
     ]:
         s = sub.add_parser(name, help=help_)
-        s.add_argument("--max-workers", type=int, default=8, help="cap on worker processes")
-        s.add_argument("--max-keep-alive", type=float, default=-1,
+        s.add_argument("--max-workers", type=_positive_int, default=8,
+                       help="cap on worker processes")  # fmt: skip
+        s.add_argument("--max-keep-alive", type=_seconds_or_minus_one, default=-1,
                        help="cap on any engine's keep_alive, seconds (-1: no cap)")  # fmt: skip
-        s.add_argument("--idle-timeout", type=float, default=600,
-                       help="exit when idle this long; -1: never")  # fmt: skip
+        s.add_argument("--idle-timeout", type=_seconds_or_minus_one, default=600,
+                       help="exit when idle this long, seconds (-1: never)")  # fmt: skip
         s.add_argument("--exit-with-client", action="store_true", help=argparse.SUPPRESS)
         s.add_argument("--allowed-uid", type=int, default=None, help=argparse.SUPPRESS)
         s.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
-        s.add_argument("--log-level", default="INFO")
+        s.add_argument("--log-level", type=str.upper, default="INFO", choices=LOG_LEVELS)
         s.set_defaults(func=func)
     sub.add_parser("stop", help="stop the daemon and its workers").set_defaults(func=_cmd_stop)
     sub.add_parser("status", help="is it running? (exit 1 if not)").set_defaults(func=_cmd_status)
@@ -85,6 +88,32 @@ def _parser() -> argparse.ArgumentParser:
     unload.add_argument("model")
     unload.set_defaults(func=_cmd_unload)
     return p
+
+
+# argparse types: a bad value is exit 2 naming the flag, before any daemon is spawned (its
+# errors would only reach the log, or fail every engine later).
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _seconds_or_minus_one(text: str) -> float:
+    """Finite seconds >= 0, or -1 (no cap / never). The manager would take any negative
+    value or infinity as -1 (and NaN as nonsense): only the documented -1 says so."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if value != -1 and not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be seconds >= 0 (finite), or -1; got {text}")
+    return value
 
 
 # -- serve / start ----------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -18,6 +19,29 @@ def hypercorn_config(bind: str, *, graceful_timeout: float = 5.0) -> Config:
     config.graceful_timeout = graceful_timeout
     config.accesslog = None
     return config
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), for `serve(app, f"fd://{sock.detach()}", ...)`.
+
+    Binding before the engine starts makes a port in use or an unknown host fail at once,
+    as one OSError naming the address, on either loop (hypercorn's own bind fails only
+    after the model has loaded, and on asyncio its lifespan task prints a long traceback).
+    """
+    host = host.removeprefix("[").removesuffix("]")  # "[::1]", as in a URL
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # hypercorn's choice
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # As hypercorn sets up a "HOST:PORT" bind: accepted sockets inherit no-Nagle (small
+        # streamed chunks go out at once), and a restart may rebind over TIME_WAIT.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:  # socket.gaierror (unknown host) included
+        sock.close()
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise OSError(f"cannot listen on {where}: {exc}") from exc
+    return sock
 
 
 async def serve(
