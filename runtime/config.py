@@ -106,12 +106,12 @@ class EngineConfig:
         if not (self.async_scheduling is None or type(self.async_scheduling) is bool):
             raise ValueError(f"async_scheduling must be true, false or None (auto), got "
                              f"{self.async_scheduling!r}")  # fmt: skip
-        if not _is_number(self.keep_alive) or not (
-            0 <= self.keep_alive < math.inf or self.keep_alive == -1
-        ):  # infinity: -1 says "pinned" (the manager would show "infs" left)
+        if not _is_number(self.keep_alive) or not (self.keep_alive >= 0 or self.keep_alive == -1):
             raise ValueError(
-                f"keep_alive must be finite seconds >= 0, or -1 to pin, got {self.keep_alive!r}"
+                f"keep_alive must be seconds >= 0, or -1 to pin, got {self.keep_alive!r}"
             )
+        if self.keep_alive == math.inf:  # forever: pinned, as the manager says it (not "infs")
+            object.__setattr__(self, "keep_alive", -1)
         if self.manager_socket is not None:
             object.__setattr__(self, "manager_socket", _socket_path(self.manager_socket))
 
