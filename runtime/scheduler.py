@@ -33,6 +33,12 @@ from protocols.messages import (
 from runtime.kv_blocks import KVCacheManager
 from runtime.request import Request, RequestStatus
 
+# Token ids a step's newly admitted requests carry to the workers (each whole prompt, prefix
+# hits included), at most: 4 Mi ids are at most 20 MiB of msgpack, well within a frame's
+# 64 MiB. Without it, a few hundred requests sharing a long cached prefix, admitted in one
+# step, outgrew the frame and ended the engine. One request is always admitted.
+MAX_NEW_REQUEST_TOKENS = 4 * 2**20
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -158,6 +164,7 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int] = {}
         cached = CachedRequests([], [], [])
         new_requests: list[NewRequestData] = []
+        new_request_tokens = 0  # the ids new_requests carry
         preempted = False
 
         # Running requests, oldest first: decodes and the rest of chunked prefills.
@@ -203,6 +210,9 @@ class Scheduler:
             and len(self.running) < config.max_num_seqs
         ):  # fmt: skip
             request = self.waiting[0]
+            new_request_tokens += request.num_tokens
+            if new_requests and new_request_tokens > MAX_NEW_REQUEST_TOKENS:
+                break  # the frame to the workers is full enough: the next step takes it
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
             if not config.enable_chunked_prefill and num_new > token_budget:

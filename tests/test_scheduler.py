@@ -322,6 +322,42 @@ def test_identical_prompts_in_one_step_share_blocks() -> None:
     assert driver.tokens("a") == driver.tokens("b")
 
 
+def test_a_steps_new_requests_carry_a_bounded_number_of_ids(monkeypatch) -> None:
+    """Requests sharing a long cached prefix cost a step almost nothing to compute, but each
+    carries its whole prompt to the workers: admissions stop at MAX_NEW_REQUEST_TOKENS
+    ids a step (one request always goes), so the frame never outgrows its limit."""
+    from runtime import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "MAX_NEW_REQUEST_TOKENS", 50)
+    driver = Driver(make_config())
+    prompt = list(range(1, 19))
+    requests = [driver.add(make_request(f"r{i}", prompt)) for i in range(5)]
+    driver.add(make_request("big", list(range(60, 120))))  # alone over the bound: still goes
+    carried = []
+    while driver.scheduler.has_unfinished_requests():
+        so = driver.step()
+        carried.append([len(new.prompt_token_ids) for new in so.new_requests])
+    assert carried[:4] == [[18, 18], [18, 18], [18], [60]], carried
+    for request in requests:
+        assert driver.tokens(request.request_id) == reference(prompt, request.sampling_params,
+                                                              128)[0]  # fmt: skip
+
+
+def test_the_most_ids_a_step_carries_fit_a_frame() -> None:
+    """MAX_NEW_REQUEST_TOKENS ids, each of the widest msgpack int a vocabulary id takes."""
+    from protocols.codec import encode
+    from protocols.framing import DEFAULT_MAX_FRAME_SIZE
+    from protocols.messages import CachedRequests, ExecuteStep, NewRequestData
+    from runtime.scheduler import MAX_NEW_REQUEST_TOKENS
+
+    each = MAX_NEW_REQUEST_TOKENS // 256
+    new = [NewRequestData(f"r{i}", [2**32 - 1] * each, [], SamplingParams(), [2], [], 0)
+           for i in range(256)]  # fmt: skip
+    so = SchedulerOutput(0, new, CachedRequests([], [], []), {f"r{i}": 1 for i in range(256)},
+                         [])  # fmt: skip
+    assert len(encode(ExecuteStep(1, so))) < DEFAULT_MAX_FRAME_SIZE / 2
+
+
 # -- preemption ------------------------------------------------------------------------
 
 
