@@ -35,6 +35,15 @@ def workers_dir(socket_path: Path) -> Path:
     return socket_path.with_name(socket_path.name + ".workers")
 
 
+def unlink_if_ours(path: Path, inode: int) -> None:
+    """Remove our socket file, but never one that another daemon has bound since."""
+    try:
+        if os.stat(path).st_ino == inode:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
 def open_private_file(path: Path, flags: int) -> int:
     """os.open `path` (created if missing) readable by this user only: a manager's log and
     lock may sit in a directory that others can list (ensure_socket_dir)."""
@@ -54,30 +63,27 @@ def ensure_socket_dir(path: Path) -> None:
     plant or swap the socket). It is never chmodded: it may be a project directory, or
     /tmp. Others may list it: the socket (0600, and SO_PEERCRED in workers/peer_auth.py),
     the log and the lock (open_private_file) keep them out."""
-    if _make_private_dir(path):
-        return
-    _check_ours(path)
-    mode = path.stat().st_mode
-    if mode & 0o022:
-        raise PermissionError(
-            f"{path} (mode {stat.S_IMODE(mode):o}) is writable by other users, who could "
-            "replace the engine-manager's socket; put the socket (--socket or "
-            f"LOOM_MANAGER_SOCKET) in a directory only you can write to, or `chmod go-w {path}`"
-        )
+    _ensure_dir(path, 0o022, "is writable by other users, who could replace the "
+                "engine-manager's socket; put the socket (--socket or LOOM_MANAGER_SOCKET) "
+                f"in a directory only you can write to, or `chmod go-w {path}`")  # fmt: skip
 
 
 def ensure_private_dir(path: Path) -> None:
     """Create `path` (and parents) with mode 0700, or check that the existing one is ours
     and closed to others: for directories only a manager makes (worker sockets, logs)."""
+    _ensure_dir(path, 0o077, "is open to other users; it holds the engine-manager's worker "
+                f"sockets and logs: `chmod 700 {path}` or remove it")  # fmt: skip
+
+
+def _ensure_dir(path: Path, forbidden: int, why: str) -> None:
+    """Make `path` private, or refuse (never change) an existing one with `forbidden` mode
+    bits: PermissionError "PATH (mode M) `why`"."""
     if _make_private_dir(path):
         return
     _check_ours(path)
     mode = path.stat().st_mode
-    if mode & 0o077:
-        raise PermissionError(
-            f"{path} (mode {stat.S_IMODE(mode):o}) is open to other users; it holds the "
-            f"engine-manager's worker sockets and logs: `chmod 700 {path}` or remove it"
-        )
+    if mode & forbidden:
+        raise PermissionError(f"{path} (mode {stat.S_IMODE(mode):o}) {why}")
 
 
 def _make_private_dir(path: Path) -> bool:

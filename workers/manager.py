@@ -36,7 +36,7 @@ from protocols.messages import (
     WorkerInfo,
     WorkerList,
 )
-from protocols.rundir import ensure_private_dir, ensure_socket_dir, workers_dir
+from protocols.rundir import ensure_private_dir, ensure_socket_dir, unlink_if_ours, workers_dir
 from workers.peer_auth import refusal
 from workers.ray_group import RayDriver, launch_ray_group
 from workers.worker_group import (
@@ -112,7 +112,7 @@ class ManagerServer:
                         for group in list(self.groups.values()):
                             await self._stop_group(group, "manager shutting down")
                 finally:
-                    _unlink_if_ours(self.socket_path, bound_inode)
+                    unlink_if_ours(self.socket_path, bound_inode)
                     zygote_tg.cancel_scope.cancel()
                     logger.info("engine-manager stopped")
 
@@ -390,16 +390,6 @@ class ManagerServer:
             await anyio.sleep(self.idle_timeout)
             logger.info("no clients and no workers for %gs: exiting", self.idle_timeout)
             self.shutdown()
-
-
-def _unlink_if_ours(path: Path, inode: int) -> None:
-    """Remove our socket file, but never one that another daemon has bound since."""
-    try:
-        if os.stat(path).st_ino == inode:
-            path.unlink()
-    except FileNotFoundError:
-        pass
-
 
 
 if __name__ == "__main__":  # `python -m workers.manager ...` is the daemon's command line
