@@ -61,6 +61,10 @@ class EngineCore:
         if self._stopped:  # no loop would ever step it: its stream would wait forever
             raise EngineClosedError("the engine's step loop has ended")
         params = parent.params
+        if params.stop:
+            # Stop strings are this process's (the output processor's): never sent to the
+            # workers, where one huge or unencodable string would fail every step's frame.
+            params = dataclasses.replace(params, stop=())
         # Every child's params before any is registered: one that fails leaves nothing behind.
         children = [params] if params.n == 1 else [
             # Children sample independently; seeded ones stay reproducible (vLLM's rule).
@@ -69,10 +73,6 @@ class EngineCore:
                                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             for i in range(params.n)
         ]  # fmt: skip
-        if params.stop:
-            # Stop strings are this process's (the output processor's): never sent to the
-            # workers, where one huge or unencodable string would fail every step's frame.
-            children = [dataclasses.replace(child, stop=()) for child in children]
         for child_id, child_params in zip(self.output_processor.add(parent), children, strict=True):
             self.scheduler.add_request(
                 Request(

@@ -185,14 +185,11 @@ async def _run_all(calls: list[tuple[Any, Any, SamplingParams]], bar: tqdm) -> l
     try:
         for method, prompt, params in calls:
             streams.append(method(prompt, params))
-    except ValueError as exc:
+    except BaseException as exc:
         for stream in streams:
             stream.close()
-        bad = len(streams)  # the index of the prompt that failed
-        raise ValueError(f"prompt {bad}: {exc}" if len(calls) > 1 else str(exc)) from exc
-    except BaseException:
-        for stream in streams:
-            stream.close()
+        if isinstance(exc, ValueError) and len(calls) > 1:  # len(streams): the bad one's index
+            raise ValueError(f"prompt {len(streams)}: {exc}") from exc
         raise
     results: list[RequestOutput | None] = [None] * len(streams)
 

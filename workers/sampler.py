@@ -11,7 +11,6 @@ from workers.device_copy import device_tensor, to_device
 
 _GREEDY_EPSILON = 1e-5  # same threshold as SamplingParams.is_greedy
 _F32_MAX = torch.finfo(torch.float32).max
-_F32_TINY = torch.finfo(torch.float32).tiny  # the least normal float32
 
 
 @dataclass(slots=True)
@@ -70,9 +69,9 @@ class SamplingMetadata:
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32)  # [B]
 
-        # Values valid as Python floats that float32 would round to 0 or inf (a temperature
-        # of 1e300, a repetition penalty of 1e-300) are kept finite and nonzero: else a
-        # division by them makes NaNs, and NaN logits sample token 0.
+        # A temperature float32 would round to inf (1e300) is kept finite: a banned -inf
+        # divided by it would be NaN, and NaN logits sample token 0. (apply_penalties
+        # clamps what an extreme repetition penalty makes.)
         return cls(
             temperature=floats([min(p.temperature, _F32_MAX) for p in params]),
             top_p=floats([p.top_p for p in params]),
@@ -80,8 +79,7 @@ class SamplingMetadata:
             min_p=floats([p.min_p for p in params]),
             presence_penalty=floats([p.presence_penalty for p in params]),
             frequency_penalty=floats([p.frequency_penalty for p in params]),
-            repetition_penalty=floats([min(max(p.repetition_penalty, _F32_TINY), _F32_MAX)
-                                       for p in params]),  # fmt: skip
+            repetition_penalty=floats([p.repetition_penalty for p in params]),
             draw_seeds=[None if p.seed is None else draw_seed(p.seed, index)
                         for p, index in zip(params, draw_indexes, strict=True)],  # fmt: skip
             prompt_token_ids=prompt_token_ids,
