@@ -166,7 +166,9 @@ def _compile(tp: Any) -> tuple[Encoder | None, Decoder]:
         return (lambda v: [item_enc(x) for x in v]), dec_seq
     if origin is dict:
         key_t, value_t = typing.get_args(tp)
-        if key_t in (int, str) and value_t in (int, str, bool):
+        if key_t is int:  # msgpack maps take only str keys here (strict_map_key)
+            return _compile_int_keyed(value_t)
+        if key_t is str and value_t in (int, str, bool):
             return None, _scalar_map_decoder(key_t, value_t)
         key_enc, key_dec = _compile(key_t)
         val_enc, val_dec = _compile(value_t)
@@ -204,6 +206,23 @@ def _compile(tp: Any) -> tuple[Encoder | None, Decoder]:
     if tp in (int, str, bytes, bool, type(None)):
         return None, _checker(lambda v: type(v) is tp, tp.__name__)
     raise TypeError(f"no wire encoding for annotation {tp!r}")
+
+
+def _compile_int_keyed(value_t: Any) -> tuple[Encoder, Decoder]:
+    """dict[int, V] on the wire: a list of [key, value] pairs."""
+    val_enc, val_dec = _compile(value_t)
+    val_enc = val_enc or _identity
+
+    def dec(v: Any, where: Where) -> dict[int, Any]:
+        _check(type(v) is list, v, where, "a list of [key, value] pairs")
+        out = {}
+        for i, pair in enumerate(v):
+            _check(type(pair) is list and len(pair) == 2, pair, (where, i), "a [key, value] pair")
+            _check(type(pair[0]) is int, pair[0], (where, i), "an int key")
+            out[pair[0]] = val_dec(pair[1], (where, (pair[0],)))
+        return out
+
+    return (lambda v: [[k, val_enc(x)] for k, x in v.items()]), dec
 
 
 def _identity(value: Any) -> Any:

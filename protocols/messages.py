@@ -21,7 +21,8 @@ from protocols.sampling import SamplingParams
 # 3: SamplingParams.prompt_logprobs; StepResult.prompt_logprobs.
 # 4: SchedulerOutput.cached (columns) replaced the list of CachedRequestData.
 # 5: worker leases: WorkersAcquired.lease_token, Lease (manager -> worker), Attach.
-PROTOCOL_VERSION = 5
+# 6: SamplingParams.logit_bias and allowed_token_ids.
+PROTOCOL_VERSION = 6
 
 
 # -- handshake and errors (all connections) -------------------------------------------

@@ -40,6 +40,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Added to the token's logit before penalties and sampling, every step (OpenAI's
+    # logit_bias, in token ids; the server keeps OpenAI's [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids can be sampled (vLLM's); None: any. min_tokens still bans eos.
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Accept what vLLM accepts: a single stop string, lists instead of tuples, None.
@@ -49,6 +54,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is None or isinstance(value, list):
                 object.__setattr__(self, name, tuple(value or ()))
+        if isinstance(self.allowed_token_ids, list):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.logit_bias, dict):  # ints as floats: the wire's annotation
+            bias = {k: float(v) if type(v) is int else v for k, v in self.logit_bias.items()}
+            object.__setattr__(self, "logit_bias", bias)
         kind = self.output_kind
         if type(kind) is int:  # a bool is no output kind
             object.__setattr__(self, "output_kind", _enum("output_kind", kind))
@@ -91,8 +101,27 @@ class SamplingParams:
             _int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         _bool("skip_special_tokens", self.skip_special_tokens)
         _bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        self._validate_token_filters()
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+
+    def _validate_token_filters(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got "
+                                 f"{self.logit_bias!r}")  # fmt: skip
+            for token_id, bias in self.logit_bias.items():
+                if type(token_id) is not int or not 0 <= token_id <= _INT64[1]:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), "
+                                     f"got {token_id!r}")  # fmt: skip
+                _number(f"logit_bias[{token_id}]", bias)
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, tuple) or not allowed:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
+                                 f"got {allowed!r}")  # fmt: skip
+            for token_id in allowed:
+                _int("allowed_token_ids", token_id, low=0)
 
     @property
     def is_greedy(self) -> bool:

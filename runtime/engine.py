@@ -40,6 +40,7 @@ from runtime.manager_client import (
 from runtime.output_processor import ParentRequest
 from runtime.outputs import RequestMetrics, RequestOutputCollector
 from runtime.replica import Replica, least_loaded
+from runtime.request_checks import check_request_id, check_token_ids, prompt_token_ids
 from runtime.request_stream import RequestStream
 from runtime.tokenizer import Tokenizer
 
@@ -203,14 +204,12 @@ class Engine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
+        tokenizer = self.tokenizer
+        assert tokenizer is not None
         vocab = self.model_info.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):  # (>= 0: SamplingParams checks)
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
-        text, token_ids = self._prompt_tokens(prompt)
-        request_id = request_id if request_id is not None else uuid.uuid4().hex
-        if type(request_id) is not str or not _encodable(request_id):  # it crosses the wire
-            raise ValueError(f"request_id must be a string (of whole UTF-8 characters), got "
-                             f"{request_id!r}")  # fmt: skip
+        check_token_ids(params, vocab, tokenizer.eos_token_ids)
+        text, token_ids = prompt_token_ids(prompt, tokenizer, vocab, self.max_model_len)
+        request_id = check_request_id(uuid.uuid4().hex if request_id is None else request_id)
         if self.replica_index(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already running")
         live = self._live_replicas()
@@ -292,29 +291,6 @@ class Engine:
         self._require_running()
         return merge_stats([replica.stats() for replica in self._replicas])
 
-    def _prompt_tokens(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
-        max_model_len = self.max_model_len
-        assert self.tokenizer is not None
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-            vocab = self.model_info.vocab_size
-            if not isinstance(ids, list) or not all(
-                type(t) is int and 0 <= t < vocab for t in ids
-            ):
-                raise ValueError(f"prompt_token_ids must be a list of token ids in [0, {vocab})")
-        else:
-            raise ValueError('prompt must be a string or {"prompt_token_ids": [...]}')
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if len(ids) >= max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; it must be shorter than max_model_len "
-                f"({max_model_len}) to leave room for output"
-            )
-        return text, list(ids)
-
     def _require_running(self) -> None:
         if not self._running:
             # An engine that ended because its worker died says so, not "not running".
@@ -333,14 +309,6 @@ class Engine:
         if not acquired:
             raise EngineClosedError("the engine has not started: use `async with Engine(...)`")
         return acquired
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:  # a lone surrogate
-        return False
-    return True
 
 
 _heap_lock = threading.Lock()

@@ -1,9 +1,10 @@
 """Schemathesis hooks for test_openapi_schemathesis.py, loaded through SCHEMATHESIS_HOOKS.
 
-positive_data_acceptance wants every schema-valid body answered 2xx, but three of the server's
+positive_data_acceptance wants every schema-valid body answered 2xx, but four of the server's
 rules are beyond JSON Schema: a prompt (or the rendered messages) must encode to 1 to
-max_model_len - 1 tokens, min_tokens <= max_tokens, and seed + n - 1 fits in 64 bits (choice
-i samples with seed + i). Positive cases breaking them are
+max_model_len - 1 tokens, min_tokens <= max_tokens, seed + n - 1 fits in 64 bits (choice
+i samples with seed + i), and with min_tokens, allowed_token_ids must hold more than eos
+and the stop ids (which min_tokens bans). Positive cases breaking them are
 dropped before they are sent; tokens are counted by the server's own /tokenize route, so the
 route under test is not its own judge. Negative cases are never dropped.
 """
@@ -20,6 +21,7 @@ CLIENT = httpx.Client(  # one client: a new one per call costs a TLS context (~4
     base_url=os.environ["LOOM_TEST_BASE_URL"], timeout=30,
     headers={"Authorization": f"Bearer {os.environ['LOOM_TEST_API_KEY']}"},
 )  # fmt: skip
+EOS_IDS = {int(t) for t in os.environ["LOOM_TEST_EOS_IDS"].split(",")}
 DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": None}
 
 
@@ -55,4 +57,7 @@ def filter_case(ctx: Any, case: Any) -> bool:
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS[path]
     min_tokens = body.get("min_tokens") or 0
+    allowed = body.get("allowed_token_ids")
+    if allowed and min_tokens and set(allowed) <= EOS_IDS | set(body.get("stop_token_ids") or ()):
+        return False
     return max_tokens is None or min_tokens <= max_tokens

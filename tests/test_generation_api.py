@@ -78,6 +78,47 @@ async def test_logprobs_match_hf_log_softmax(engine, tiny_model):
     assert math.isclose(completion.cumulative_logprob, total, abs_tol=1e-3)
 
 
+async def test_logit_bias_and_allowed_token_ids_match_hf_generate(engine, tiny_model):
+    """Greedy tokens with a bias and with an allowed list, batched beside a plain request,
+    against HF generate's sequence_bias and prefix_allowed_tokens_fn one at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([PROMPT["prompt_token_ids"]])
+    with torch.no_grad():  # bias the tokens the plain run picks, so the bias must show
+        plain_ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=12, pad_token_id=0)[0, ids.shape[1]:]
+    picked = plain_ref.tolist()
+    bias = {picked[0]: -5.0, picked[3]: -2.5, 77: 1.5}
+    allowed = [2, 9, 30, 77, 150, picked[5]]
+    cases = {
+        "plain": (plain, {}),
+        "bias": (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                logit_bias=bias), {"sequence_bias": {(t,): b for t, b in
+                                                                    bias.items()}}),
+        "allowed": (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                   allowed_token_ids=allowed),
+                    {"prefix_allowed_tokens_fn": lambda batch, ids: allowed}),
+    }  # fmt: skip
+    got = {}
+
+    async def run(name, params):
+        got[name] = (await final(engine, PROMPT, params)).outputs[0].token_ids
+
+    async with anyio.create_task_group() as tg:
+        for name, (params, _) in cases.items():
+            tg.start_soon(run, name, params)
+    for name, (_, hf_kwargs) in cases.items():
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=12, pad_token_id=0, **hf_kwargs)  # fmt: skip
+        assert got[name] == ref[0, ids.shape[1]:].tolist(), name
+    assert got["bias"] != got["plain"] and set(got["allowed"]) <= set(allowed)
+
+
 async def test_output_kinds_agree(engine):
     base = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = {}
@@ -213,6 +254,11 @@ async def test_consumer_leaving_aborts_the_request(engine):
         # Out of the vocabulary, banned until min_tokens: it failed the whole step once.
         (PROMPT, SamplingParams(min_tokens=2, stop_token_ids=[100000]),
          r"^stop_token_ids must be token ids in \[0, "),
+        (PROMPT, SamplingParams(logit_bias={100000: 1.0}), r"^logit_bias must be token ids"),
+        (PROMPT, SamplingParams(allowed_token_ids=[5, 100000]), r"^allowed_token_ids must be"),
+        # eos (2) and the stop ids are banned until min_tokens: nothing would be left.
+        (PROMPT, SamplingParams(allowed_token_ids=[2, 7], stop_token_ids=[7], min_tokens=1),
+         "nothing is left to sample"),
     ],
 )
 async def test_bad_prompts_fail_clearly_and_others_continue(engine, prompt, params, match):
@@ -300,7 +346,11 @@ async def _append(results, coro):
     "kwargs, field",
     [(dict(n=0), "n"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
      (dict(max_tokens=0), "max_tokens"), (dict(top_k=-3), "top_k"),
-     (dict(presence_penalty=float("nan")), "presence_penalty")],
+     (dict(presence_penalty=float("nan")), "presence_penalty"),
+     (dict(logit_bias={"5": 1.0}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+     (dict(logit_bias={5: float("inf")}), r"logit_bias\[5\]"), (dict(logit_bias=[5]), "logit_bias"),
+     (dict(allowed_token_ids=[]), "allowed_token_ids"),
+     (dict(allowed_token_ids=[1, -2]), "allowed_token_ids")],
 )  # fmt: skip
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field} "):

@@ -8,7 +8,9 @@ schemathesis_hooks.py narrows positive cases to what JSON Schema cannot state.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -61,6 +63,15 @@ def test_built_document_is_valid_openapi_with_the_servers_limits():
     assert "401" not in doc["paths"]["/v1/completions"]["post"]["responses"]
 
 
+@pytest.mark.parametrize("vocab", [1, 2, 10, 11, 100, 101, 256, 1000, 32000, 49152, 151936])
+def test_logit_bias_keys_are_the_vocabulary_s_ids_in_decimal(vocab):
+    doc = build_openapi("m", 16, vocab)
+    bias = doc["components"]["schemas"]["CompletionRequest"]["properties"]["logit_bias"]
+    key = re.compile(bias["propertyNames"]["pattern"])
+    assert [i for i in range(2 * vocab + 100) if key.search(str(i))] == list(range(vocab))
+    assert not any(key.search(k) for k in ("00", "01", "-1", "", "1.0", " 1", "1a"))
+
+
 def test_served_document_needs_no_key_and_names_the_key_elsewhere(server):
     response = httpx.get(f"{server}/openapi.json")  # an open path, as /health
     assert response.status_code == 200
@@ -102,15 +113,17 @@ def test_what_fuzzing_found_stays_fixed(server):
         assert response.status_code == 405 and response.headers["allow"] == "POST"
 
 
-def test_schemathesis_finds_no_server_error_and_no_schema_violation(server, tmp_path):
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(server, chat_model,
+                                                                   tmp_path):  # fmt: skip
     # Every operation: the /v1 routes the issue names and the four small ones beside them.
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{server}/openapi.json",
            "--checks", ",".join(CHECKS), "--phases", "examples,coverage,fuzzing",
            "--max-examples", "20", "--seed", "1", "--generation-database", "none",
            "--workers", "1", "--request-timeout", "30", "--no-color",
            "--header", f"Authorization: Bearer {KEY}"]  # fmt: skip
+    eos = json.loads((Path(chat_model) / "config.json").read_text())["eos_token_id"]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks", "LOOM_TEST_BASE_URL": server,
-           "LOOM_TEST_API_KEY": KEY,
+           "LOOM_TEST_API_KEY": KEY, "LOOM_TEST_EOS_IDS": str(eos),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get(
                "PYTHONPATH", "")])}  # fmt: skip
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,

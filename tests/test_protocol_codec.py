@@ -63,6 +63,29 @@ class ArrayProbe:
     note: str
 
 
+@message(9002)
+@dataclasses.dataclass(frozen=True, slots=True)
+class IntKeyProbe:
+    """Test-only message: a map with int keys (token ids), which msgpack maps here refuse."""
+
+    bias: dict[int, float]
+
+
+def test_int_keyed_maps_cross_as_pairs_and_bad_pairs_are_named() -> None:
+    msg = IntKeyProbe({5: 1.5, 2**63 - 1: -100.0, 0: 0.0})
+    assert msgpack.unpackb(encode(msg))[1] == [[[5, 1.5], [2**63 - 1, -100.0], [0, 0.0]]]
+    assert decode(encode(msg)) == msg
+    assert decode(msgpack.packb([9002, [[[7, 2]]]])).bias == {7: 2.0}  # an int value as float
+    for bias, match in [
+        ({"5": 1.0}, r"IntKeyProbe\.bias: expected a list of \[key, value\] pairs"),
+        ([[5]], r"IntKeyProbe\.bias\[0\]: expected a \[key, value\] pair"),
+        ([["5", 1.0]], r"IntKeyProbe\.bias\[0\]: expected an int key"),
+        ([[True, 1.0]], r"IntKeyProbe\.bias\[0\]: expected an int key"),
+        ([[5, "x"]], r"IntKeyProbe\.bias\[5\]: expected a number"),  # named by its key
+    ]:
+        expect_malformed([9002, [bias]], match=match)
+
+
 # -- values built from annotations ----------------------------------------------------
 
 ANY_VALUE = st.recursive(
@@ -91,6 +114,10 @@ VALID_SAMPLING_PARAMS = st.builds(
     max_tokens=st.none() | st.integers(1, 100), logprobs=st.none() | st.integers(0, 5),
     prompt_logprobs=st.none() | st.integers(0, 5),
     output_kind=st.sampled_from(list(RequestOutputKind)),
+    logit_bias=st.none() | st.dictionaries(st.integers(0, 2**63 - 1),
+                                           st.floats(allow_nan=False, allow_infinity=False),
+                                           max_size=3),
+    allowed_token_ids=st.none() | st.lists(st.integers(0, 1000), min_size=1, max_size=3),
 )  # fmt: skip
 # CachedRequests' columns have one length.
 VALID_CACHED_REQUESTS = st.lists(

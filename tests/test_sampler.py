@@ -333,3 +333,47 @@ def test_draw_seeds_are_the_seed_and_index_s_alone_and_use_all_64_bits() -> None
     # A CPU generator keeps the low 32 bits of its seed: these differ too (there, -1 and
     # 2**63 - 1, or 1 and 2**32 + 1, would have drawn alike).
     assert len({seed % 2**32 for seed in seeds}) == 300
+
+
+def test_logit_bias_adds_to_the_logits_before_sampling() -> None:
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.2, 1.3, -2.0, 0.7])
+    bias = {2: 3.0, 4: -1.5, 9: 0.25}
+    shifted = row.clone()
+    for token_id, b in bias.items():
+        shifted[token_id] += b
+    # Greedy picks the biased argmax; sampling follows softmax(logits + bias).
+    greedy = sample(row[None, :], _meta([SamplingParams(temperature=0.0, logit_bias=bias)]))
+    assert greedy.sampled_token_ids.item() == shifted.argmax().item() == 2
+    n = 20000
+    counts = torch.bincount(_draws(row, SamplingParams(logit_bias=bias), n), minlength=10)
+    assert (counts / n - torch.softmax(shifted, dim=-1)).abs().max() < 0.02
+    # OpenAI's extremes: +100 forces a token, -100 all but bans it; logprobs stay raw.
+    out = sample(row[None, :].expand(2, -1), _meta([
+        SamplingParams(logit_bias={8: 100}, logprobs=1),
+        SamplingParams(logit_bias={4: -100, 7: -100, 0: -100}, temperature=0.0),
+    ]))  # fmt: skip
+    assert out.sampled_token_ids.tolist() == [8, 9]
+    torch.testing.assert_close(out.logprobs[0], torch.log_softmax(row, -1)[8])
+
+
+def test_allowed_token_ids_limit_every_row_that_has_them() -> None:
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.2, 1.3, -2.0, 0.7])
+    assert _reachable(row, SamplingParams(allowed_token_ids=[3, 5, 8])) == {3, 5, 8}
+    out = sample(row[None, :].expand(3, -1), _meta([
+        SamplingParams(temperature=0.0, allowed_token_ids=[1, 3]),
+        SamplingParams(temperature=0.0),  # a row without the list is untouched
+        SamplingParams(temperature=0.0, allowed_token_ids=[1, 3], logit_bias={3: 1.5}),
+    ]))  # fmt: skip
+    assert out.sampled_token_ids.tolist() == [1, 4, 3]
+
+
+def test_bias_keeps_banned_ids_banned_and_sums_finite() -> None:
+    row = torch.zeros(V)
+    params = SamplingParams(logit_bias={3: 1e300, 1: -1e300, 2: 50.0}, temperature=0.0)
+    # min_tokens' ban of 3 wins over its bias; a huge bias is a finite logit (NaN logits
+    # would sample token 0).
+    for temperature in (0.0, 1.0):
+        one = dataclasses.replace(params, temperature=temperature)
+        assert sample(row[None, :], _meta([one])).sampled_token_ids.item() == 3
+        out = sample(row[None, :], _meta([one], banned=[[3]]))
+        assert out.sampled_token_ids.item() == 2

@@ -118,6 +118,17 @@ async def test_completion_n_lists_logprobs_echo(server):
     assert echoed["choices"][0]["text"].startswith("w5 w6")
 
 
+async def test_logit_bias_and_allowed_token_ids_steer_the_tokens(server):
+    _, client = server
+    body = {"prompt": "w5 w6", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+    forced = await client.post("/v1/completions", json={**body, "logit_bias": {"9": 100}})
+    assert forced.json()["choices"][0]["text"].split() == ["w9"] * 4 != plain.split()
+    sampled = {**body, "temperature": 1.0, "max_tokens": 8, "allowed_token_ids": [7, 8]}
+    answer = await client.post("/v1/completions", json=sampled)
+    assert set(answer.json()["choices"][0]["text"].split()) <= {"w7", "w8"}
+
+
 async def test_bad_input_is_400_naming_the_field(server):
     engine, client = server
     cases = [
@@ -137,8 +148,17 @@ async def test_bad_input_is_400_naming_the_field(server):
         ({"prompt": " ".join(["w5"] * 600)}, "prompt"),
         ({"prompt": "w5", "seed": 2**63 - 1, "n": 2}, "seed"),  # choice 1's seed + 1
         ({"prompt": "w5", "min_tokens": 2, "stop_token_ids": [100000]}, "stop_token_ids"),
+        ({"prompt": "w5", "logit_bias": {"5": 101}}, "logit_bias"),  # OpenAI's [-100, 100]
+        ({"prompt": "w5", "logit_bias": {"05": 1}}, "logit_bias"),
+        ({"prompt": "w5", "logit_bias": {"w5": 1}}, "logit_bias"),
+        ({"prompt": "w5", "logit_bias": {"5": "1"}}, "logit_bias"),
+        ({"prompt": "w5", "logit_bias": {"100000": 1}}, "logit_bias"),
+        ({"prompt": "w5", "logit_bias": {"9" * 40: 1}}, "logit_bias"),
+        ({"prompt": "w5", "logit_bias": [5]}, "logit_bias"),
+        ({"prompt": "w5", "allowed_token_ids": []}, "allowed_token_ids"),
+        ({"prompt": "w5", "allowed_token_ids": [100000]}, "allowed_token_ids"),
+        ({"prompt": "w5", "allowed_token_ids": [2], "min_tokens": 1}, "allowed_token_ids"),
         # Not implemented: a 400, not an answer that ignores them.
-        ({"prompt": "w5", "logit_bias": {"5": -100}}, "logit_bias"),
         ({"prompt": "w5", "response_format": {"type": "json_object"}}, "response_format"),
         ({"prompt": "w5", "tools": [{"type": "function", "function": {"name": "f"}}]},
          "tools"),

@@ -35,6 +35,9 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]  # tokens generated so far
     banned_token_ids: list[list[int]]  # ids forbidden this step (eos/stop while < min_tokens)
     num_logprobs: list[int | None]  # how many top logprobs to return
+    # Per row: {token id: added to its logit} and the only ids it may sample (None: any).
+    logit_bias: list[dict[int, float] | None] = field(default_factory=list)
+    allowed_token_ids: list[tuple[int, ...] | None] = field(default_factory=list)
     is_greedy: list[bool] = field(init=False)
     is_all_greedy: bool = field(init=False)
     has_penalties: bool = field(init=False)
@@ -86,6 +89,8 @@ class SamplingMetadata:
             output_token_ids=output_token_ids,
             banned_token_ids=banned_token_ids,
             num_logprobs=[p.logprobs for p in params],
+            logit_bias=[p.logit_bias or None for p in params],
+            allowed_token_ids=[p.allowed_token_ids for p in params],
         )
 
 
@@ -124,7 +129,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     """Sample one token per row of `logits` [B, V] (any float dtype; computed in float32)."""
     raw = logits.float()  # [B, V]; never modified in place (may be the caller's tensor)
     lse = torch.logsumexp(raw, dim=-1)  # [B]
-    x = apply_banned(raw, meta.banned_token_ids)  # [B, V]
+    x = apply_token_filters(raw, meta)  # [B, V]
     if meta.has_penalties:
         x = apply_penalties(x, meta)
     if meta.is_all_greedy:  # the common case: no RNG touched, a few tensor ops
@@ -134,6 +139,38 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     logprobs = raw.gather(1, sampled[:, None])[:, 0] - lse  # [B]
     top_ids, top_lps = _top_logprobs(raw, lse, meta.num_logprobs)
     return SamplerOutput(sampled, logprobs, top_ids, top_lps)
+
+
+def apply_token_filters(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """vLLM's order before penalties: only the allowed ids, then min_tokens' bans, then the
+    logit bias. Out of place; `x` [B, V] is returned when no row has any."""
+    if any(a is not None for a in meta.allowed_token_ids):
+        x = _keep_allowed(x, meta.allowed_token_ids)
+    x = apply_banned(x, meta.banned_token_ids)
+    if any(meta.logit_bias):
+        rows = [i for i, bias in enumerate(meta.logit_bias) for _ in bias or ()]
+        cols = [t for bias in meta.logit_bias for t in bias or ()]
+        values = [b for bias in meta.logit_bias for b in (bias or {}).values()]
+        index = (device_tensor(rows, torch.long, x.device),
+                 device_tensor(cols, torch.long, x.device))  # fmt: skip
+        values = [min(max(b, -_F32_MAX), _F32_MAX) for b in values]  # float32 holds them
+        bias = torch.zeros_like(x).index_put(
+            index, device_tensor(values, torch.float32, x.device), accumulate=True)  # [B, V]
+        # A sum float32 cannot hold stays finite (inf would be NaN after softmax), and a
+        # banned -inf stays banned.
+        x = torch.where(x.isfinite(), (x + bias).clamp(-_F32_MAX, _F32_MAX), x)
+    return x
+
+
+def _keep_allowed(x: torch.Tensor, allowed: list[tuple[int, ...] | None]) -> torch.Tensor:
+    """Rows with an allowed list keep only those ids' logits; the others are -inf."""
+    rows = [i for i, ids in enumerate(allowed) for _ in ids or ()]
+    cols = [t for ids in allowed for t in ids or ()]
+    index = (device_tensor(rows, torch.long, x.device), device_tensor(cols, torch.long, x.device))
+    keep = torch.zeros_like(x, dtype=torch.bool).index_put(
+        index, torch.ones((), dtype=torch.bool, device=x.device))  # [B, V]
+    limited = device_tensor([a is not None for a in allowed], torch.bool, x.device)[:, None]
+    return x.masked_fill(limited & ~keep, float("-inf"))
 
 
 def apply_banned(x: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:

@@ -12,7 +12,7 @@ from collections.abc import Collection
 from typing import Any
 
 from protocols.sampling import MAX_LOGPROBS
-from runtime.server.schemas import MAX_N, UNSUPPORTED
+from runtime.server.schemas import MAX_LOGIT_BIAS, MAX_N, UNSUPPORTED
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT_MAX = sys.float_info.max  # a bigger JSON number is no float: 400
@@ -71,12 +71,39 @@ def _sampling(vocab_size: int) -> dict[str, Schema]:
         "stop_token_ids": {"type": ["array", "null"],
                            "items": {"type": "integer", "minimum": 0,
                                      "maximum": vocab_size - 1}},
+        "logit_bias": {
+            "type": ["object", "null"], "propertyNames": {"pattern": _ids_below(vocab_size)},
+            "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                     "maximum": MAX_LOGIT_BIAS},
+            "description": "{token id: added to its logit}; -100 all but bans it, 100 all but "
+                           "forces it",
+        },
+        "allowed_token_ids": {"type": ["array", "null"], "minItems": 1,
+                              "items": {"type": "integer", "minimum": 0,
+                                        "maximum": vocab_size - 1},
+                              "description": "only these can be sampled; with min_tokens, "
+                                             "not only eos and stop_token_ids"},
         "stream": _bool(),
         "stream_options": {
             "type": ["object", "null"], "description": "only with stream: true",
             "properties": {"include_usage": {"type": ["boolean", "null"]}},
         },
     }  # fmt: skip
+
+
+def _ids_below(n: int) -> str:
+    """A regular expression for the decimal numbers 0 to n - 1 (no leading zeros)."""
+    top = str(n - 1)
+    options = ["0"] if n > 1 else []
+    if len(top) > 1:  # every shorter number
+        options.append(f"[1-9][0-9]{{0,{len(top) - 2}}}")
+    for i, digit in enumerate(top):  # as long as top: its first i digits, then a smaller one
+        low = "1" if i == 0 else "0"
+        if digit > low:
+            rest = len(top) - i - 1
+            options.append(f"{top[:i]}[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" * (rest > 0)))
+    options.append(top)
+    return "^(" + "|".join(dict.fromkeys(options)) + ")$"
 
 
 # A non-empty stream_options needs stream: true.

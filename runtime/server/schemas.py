@@ -6,6 +6,7 @@ engine's own ValueErrors (SamplingParams, prompt checks) are translated here too
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,17 +18,19 @@ _SAMPLING_FIELDS = {
     "presence_penalty": "number", "frequency_penalty": "number", "top_k": "int",
     "min_p": "number", "repetition_penalty": "number", "ignore_eos": "bool",
     "min_tokens": "int", "stop_token_ids": "int_list", "skip_special_tokens": "bool",
-    "include_stop_str_in_output": "bool",
+    "include_stop_str_in_output": "bool", "allowed_token_ids": "int_list",
 }  # fmt: skip
 # OpenAI fields this server does not implement, each with the values that ask for nothing
 # (accepted, as OpenAI's SDKs and frameworks may send them); any other value: 400, rather
 # than an answer that silently ignores it.
 UNSUPPORTED = {
-    "logit_bias": [{}], "tools": [[]], "tool_choice": ["none"], "functions": [[]],
+    "tools": [[]], "tool_choice": ["none"], "functions": [[]],
     "function_call": ["none"], "response_format": [{"type": "text"}],
 }  # fmt: skip
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # choices per prompt: more would flood the batch
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: a token id, in ASCII digits
 MAX_MESSAGE_CHARS = 1000
 _KIND_WORDS = {
     "int": "an integer", "number": "a number", "bool": "true or false", "str": "a string",
@@ -155,6 +158,9 @@ def parse_common(
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop must be a non-empty string or a list of them", "stop")
         kwargs["stop"] = stop
+    bias = logit_bias(body)
+    if bias:
+        kwargs["logit_bias"] = bias
     if kwargs.get("n", 1) > MAX_N:
         raise bad(f"n must be in [1, {MAX_N}], got {kwargs['n']}", "n")
     kind = stream_kind if stream else RequestOutputKind.FINAL_ONLY
@@ -164,6 +170,20 @@ def parse_common(
     except ValueError as exc:
         raise from_value_error(exc, "body", renames) from None
     return Common(params, stream, include_usage)
+
+
+def logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}, as {id: bias}."""
+    raw = field(body, "logit_bias", "dict", {})
+    bias = {}
+    for key, value in raw.items():
+        if not _TOKEN_ID_KEY.fullmatch(key) or len(key) > 19:  # 19 digits: 64 bits' reach
+            raise bad(f"logit_bias keys must be token ids, got {key!r}"[:300], "logit_bias")
+        if type(value) not in (int, float) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise bad(f"logit_bias values must be numbers in [-100, 100], got {value!r} for "
+                      f"{key}"[:300], "logit_bias")  # fmt: skip
+        bias[int(key)] = float(value)
+    return bias
 
 
 @dataclass(slots=True)

@@ -1,0 +1,58 @@
+"""A request's input checked against the model before anything is scheduled: ValueError
+naming the field, so a bad request costs nothing but itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocols.sampling import SamplingParams
+from runtime.tokenizer import Tokenizer
+
+
+def prompt_token_ids(
+    prompt: str | dict[str, Any], tokenizer: Tokenizer, vocab: int, max_model_len: int
+) -> tuple[str | None, list[int]]:
+    """The prompt's text (None when given as ids) and token ids."""
+    if isinstance(prompt, str):
+        text, ids = prompt, tokenizer.encode(prompt)
+    elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be a list of token ids in [0, {vocab})")
+    else:
+        raise ValueError('prompt must be a string or {"prompt_token_ids": [...]}')
+    if not ids:
+        raise ValueError("prompt must not be empty")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(ids)} tokens; it must be shorter than max_model_len "
+            f"({max_model_len}) to leave room for output"
+        )
+    return text, list(ids)
+
+
+def check_token_ids(params: SamplingParams, vocab: int, eos_token_ids: frozenset[int]) -> None:
+    """The params' token ids against the vocabulary (>= 0: SamplingParams checks that)."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids),
+                      ("logit_bias", params.logit_bias or ()),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):  # fmt: skip
+        if any(t >= vocab for t in ids):
+            raise ValueError(f"{name} must be token ids in [0, {vocab})")
+    allowed = params.allowed_token_ids
+    # Before min_tokens the workers ban eos and the stop ids: something must be left.
+    if allowed is not None and params.min_tokens:
+        if (eos_token_ids | set(params.stop_token_ids)).issuperset(allowed):
+            raise ValueError("allowed_token_ids holds only eos and stop ids, which min_tokens "
+                             "bans: nothing is left to sample")  # fmt: skip
+
+
+def check_request_id(request_id: object) -> str:
+    """A request id that can cross the wire: a str of whole UTF-8 characters."""
+    if type(request_id) is str:
+        try:
+            request_id.encode()
+            return request_id
+        except UnicodeEncodeError:  # a lone surrogate
+            pass
+    raise ValueError(f"request_id must be a string (of whole UTF-8 characters), got "
+                     f"{request_id!r}")  # fmt: skip
