@@ -21,7 +21,8 @@ from protocols.sampling import SamplingParams
 # 3: SamplingParams.prompt_logprobs; StepResult.prompt_logprobs.
 # 4: SchedulerOutput.cached (columns) replaced the list of CachedRequestData.
 # 5: worker leases: WorkersAcquired.lease_token, Lease (manager -> worker), Attach.
-# 6: SamplingParams.logit_bias and allowed_token_ids.
+# 6: SamplingParams.logit_bias, allowed_token_ids and structured_outputs;
+#    StepResult.request_errors.
 PROTOCOL_VERSION = 6
 
 
@@ -371,3 +372,12 @@ class StepResult:
     # Seconds the worker spent executing the step (forward, sampling): the engine's
     # step timings subtract it from the wait for this reply.
     worker_time_s: float = 0.0
+    # Requests the worker could not serve (a grammar that does not compile): the engine
+    # fails each alone; whatever else this step holds for them is to be dropped.
+    request_errors: list[RequestError] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    req_id: str
+    message: str  # shown to the request's caller, as a ValueError

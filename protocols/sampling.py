@@ -7,8 +7,51 @@ the allowed range, before a request is scheduled.
 from __future__ import annotations
 
 import enum
+import json as _json
 import math
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar (vLLM's StructuredOutputsParams): exactly one
+    of a JSON schema, any JSON object, a regular expression, a choice of strings, or an EBNF
+    grammar (xgrammar's dialect). The workers compile it; one that does not compile fails
+    its request alone, with a ValueError on its stream."""
+
+    json: str | None = None  # a JSON schema, as JSON text (a dict is dumped)
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict | bool):
+            object.__setattr__(self, "json", _json.dumps(self.json))
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + ["json_object"] * (self.json_object is True)
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, json_object, "
+                             f"regex, choice, grammar; got {given or 'none'}")  # fmt: skip
+        _bool("structured_outputs.json_object", self.json_object)
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.json is not None:
+            try:
+                schema = _json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not JSON: {exc}") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+        choice = self.choice
+        if choice is not None and (not isinstance(choice, tuple) or not choice
+                                   or not all(isinstance(c, str) and c for c in choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
+                             "strings")  # fmt: skip
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -45,6 +88,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Only these token ids can be sampled (vLLM's); None: any. min_tokens still bans eos.
     allowed_token_ids: tuple[int, ...] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept what vLLM accepts: a single stop string, lists instead of tuples, None.
@@ -102,6 +146,9 @@ class SamplingParams:
         _bool("skip_special_tokens", self.skip_special_tokens)
         _bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self._validate_token_filters()
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

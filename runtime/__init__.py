@@ -1,6 +1,6 @@
 """loomllm's user side: the Engine and its errors. Light to import: no torch here."""
 
-from protocols.sampling import RequestOutputKind, SamplingParams
+from protocols.sampling import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.engine_stats import EngineStats
@@ -30,6 +30,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "LoomError",
     "ManagerError",
     "RemoteCallError",

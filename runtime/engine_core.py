@@ -17,6 +17,7 @@ from protocols.messages import (
     CallFailed,
     ExecuteStep,
     PromptLogprobs,
+    RequestError,
     SchedulerOutput,
     StepResult,
 )
@@ -199,6 +200,8 @@ class EngineCore:
                 else:
                     assert isinstance(reply, StepResult)
                     outputs = self.scheduler.update_from_output(step, reply)
+                    if reply.request_errors:
+                        self._fail_requests(reply.request_errors)
                     self._clock.updated()
                     # Only while a step is in flight: the next turn, which streams them, then
                     # always has a reply to wait for.
@@ -247,6 +250,19 @@ class EngineCore:
         stopped = self.output_processor.process(outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+
+    def _fail_requests(self, errors: list[RequestError]) -> None:
+        """Requests the worker could not take (a grammar that does not compile) fail alone:
+        ValueError on their streams, before any of their tokens is streamed."""
+        self._stream_unstreamed()  # the step before's outputs are theirs, and are sound
+        for error in errors:
+            state = self.output_processor.states.get(error.req_id)
+            if state is None:
+                continue  # aborted meanwhile, or failed with a sibling (n > 1)
+            request_id = state.parent.request_id
+            logger.info("request %s failed on the worker: %s", request_id, error.message)
+            self.output_processor.parents[request_id].collector.put(ValueError(error.message))
+            self._abort_now(request_id, "error")
 
     def _fail_running(self, failed: CallFailed) -> None:
         """The worker raised in a step and dropped its batch: fail what it held, keep the rest."""

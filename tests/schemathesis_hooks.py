@@ -4,7 +4,8 @@ positive_data_acceptance wants every schema-valid body answered 2xx, but four of
 rules are beyond JSON Schema: a prompt (or the rendered messages) must encode to 1 to
 max_model_len - 1 tokens, min_tokens <= max_tokens, seed + n - 1 fits in 64 bits (choice
 i samples with seed + i), and with min_tokens, allowed_token_ids must hold more than eos
-and the stop ids (which min_tokens bans). Positive cases breaking them are
+and the stop ids (which min_tokens bans). A JSON schema, regex or grammar must also
+compile, which only the workers' xgrammar can tell. Positive cases breaking them are
 dropped before they are sent; tokens are counted by the server's own /tokenize route, so the
 route under test is not its own judge. Negative cases are never dropped.
 """
@@ -57,7 +58,18 @@ def filter_case(ctx: Any, case: Any) -> bool:
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS[path]
     min_tokens = body.get("min_tokens") or 0
+    if grammar_may_not_compile(body):
+        return False
     allowed = body.get("allowed_token_ids")
     if allowed and min_tokens and set(allowed) <= EOS_IDS | set(body.get("stop_token_ids") or ()):
         return False
     return max_tokens is None or min_tokens <= max_tokens
+
+
+def grammar_may_not_compile(body: dict[str, Any]) -> bool:
+    """A JSON schema, regex or EBNF grammar the workers' xgrammar may refuse (a 400 then)."""
+    formats = [body.get("structured_outputs") or {}, body.get("response_format") or {}]
+    if any(body.get(name) is not None for name in ("guided_json", "guided_regex",
+                                                     "guided_grammar")):  # fmt: skip
+        return True
+    return any(key in f for f in formats for key in ("json", "regex", "grammar", "json_schema"))

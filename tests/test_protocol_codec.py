@@ -251,7 +251,7 @@ def test_errors_name_nested_fields() -> None:
     step = [0, [], [["a", "b"], [[]], [3]], {}, []]
     expect_malformed([43, [1, step]], match=(
         r"^ExecuteStep\.scheduler_output\.cached: CachedRequests columns differ in length"))
-    expect_malformed([44, [1, ["a"], [5], [0.5, "x"], [None], [], 0.0]],
+    expect_malformed([44, [1, ["a"], [5], [0.5, "x"], [None], [], 0.0, []]],
                      match=r"^StepResult\.logprobs\[1\]: expected a number")  # fmt: skip
 
 

@@ -129,6 +129,27 @@ async def test_logit_bias_and_allowed_token_ids_steer_the_tokens(server):
     assert set(answer.json()["choices"][0]["text"].split()) <= {"w7", "w8"}
 
 
+async def test_structured_outputs_and_a_grammar_that_does_not_compile(server):
+    engine, client = server
+    body = {"prompt": "w5 w6", "max_tokens": 4, "temperature": 1.0, "seed": 5, "n": 4}
+    # The tiny tokenizer's tokens are words, which a grammar reads concatenated.
+    for fields in ({"structured_outputs": {"choice": ["w7", "w9w11"]}},
+                   {"guided_choice": ["w7", "w9w11"]}, {"guided_regex": "(w7|w9w11)"}):
+        out = (await client.post("/v1/completions", json={**body, **fields})).json()
+        assert {c["text"].replace(" ", "") for c in out["choices"]} <= {"w7", "w9w11"}, out
+    bad = {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "frob"}}}}  # fmt: skip
+    error = assert_error(await client.post("/v1/completions", json={**body, **bad}), 400,
+                         "response_format")  # fmt: skip
+    assert "does not compile" in error["message"] and "frob" in error["message"]
+    async with client.stream("POST", "/v1/completions",
+                             json={**body, **bad, "stream": True}) as response:  # fmt: skip
+        events = await sse_events(response)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["param"] == "response_format"
+    await engine.wait_until_idle()
+    assert engine.stats().num_running == 0
+
+
 async def test_bad_input_is_400_naming_the_field(server):
     engine, client = server
     cases = [
@@ -159,7 +180,17 @@ async def test_bad_input_is_400_naming_the_field(server):
         ({"prompt": "w5", "allowed_token_ids": [100000]}, "allowed_token_ids"),
         ({"prompt": "w5", "allowed_token_ids": [2], "min_tokens": 1}, "allowed_token_ids"),
         # Not implemented: a 400, not an answer that ignores them.
-        ({"prompt": "w5", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"prompt": "w5", "response_format": {"type": "xml"}}, "response_format"),
+        ({"prompt": "w5", "response_format": {"type": "json_schema", "json_schema": {}}},
+         "response_format"),
+        ({"prompt": "w5", "response_format": {"type": "json_object"}, "guided_regex": "w5"},
+         "guided_regex"),
+        ({"prompt": "w5", "structured_outputs": {}}, "structured_outputs"),
+        ({"prompt": "w5", "structured_outputs": {"regex": "w5", "choice": ["w6"]}},
+         "structured_outputs"),
+        ({"prompt": "w5", "structured_outputs": {"xml": "w5"}}, "structured_outputs"),
+        ({"prompt": "w5", "guided_choice": []}, "guided_choice"),
+        ({"prompt": "w5", "guided_json": "{oops"}, "guided_json"),
         ({"prompt": "w5", "tools": [{"type": "function", "function": {"name": "f"}}]},
          "tools"),
         ({"prompt": "w5", "tool_choice": "auto"}, "tool_choice"),

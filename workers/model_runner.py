@@ -19,6 +19,7 @@ import torch
 from protocols.messages import (
     NewRequestData,
     PromptLogprobs,
+    RequestError,
     SchedulerOutput,
     StepResult,
     TopLogprobs,
@@ -34,9 +35,10 @@ from workers.pending_step import PendingStep
 from workers.sampler import (
     SamplerOutput,
     SamplingMetadata,
-    compute_prompt_logprobs,
     sample,
+    score_prompt_chunks,
 )
+from workers.structured_output import GrammarCompiler, RequestGrammar, allocate_bitmask
 
 logger = logging.getLogger(__name__)
 G = TypeVar("G", DecodeGraphs, MixedGraphs)
@@ -55,6 +57,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     all_token_ids: list[int] = field(default_factory=list)
+    grammar: RequestGrammar | None = None  # its structured_outputs' matcher
     # Cache slot of each position computed so far: block ids never change once given, so
     # each step extends this instead of recomputing the whole context (the hot path).
     slots: list[int] = field(default_factory=list)
@@ -111,6 +114,9 @@ class ModelRunner:
         self.idle_probe: DeviceIdleProbe | None = None  # set by start_idle_probe()
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_graphs()
         self.mixed_graphs: MixedGraphs | None = None  # set by enable_graphs()
+        self.grammars: GrammarCompiler | None = None  # for structured_outputs (worker_state)
+        # Requests this launch could not take (RequestError), reported with its result.
+        self._request_errors: list[RequestError] = []
 
     @staticmethod
     def bytes_per_block(
@@ -175,11 +181,19 @@ class ModelRunner:
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         params = new.sampling_params
-        return CachedRequestState(
+        state = CachedRequestState(
             new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), params,
             sorted(set(new.eos_token_ids) | set(params.stop_token_ids)), list(new.block_ids),
             new.num_computed_tokens,
         )  # fmt: skip
+        if params.structured_outputs is not None:
+            assert self.grammars is not None, "worker_state gives every runner its compiler"
+            try:
+                state.grammar = self.grammars.request_grammar(
+                    params.structured_outputs, new.eos_token_ids)
+            except ValueError as exc:  # the request fails alone; it runs unconstrained meanwhile
+                self._request_errors.append(RequestError(new.req_id, str(exc)))
+        return state
 
     # -- one step --------------------------------------------------------------------------
 
@@ -309,7 +323,7 @@ class ModelRunner:
                 attn_metadata=meta,
                 logits_to_keep=device_tensor(sample_idx + prompt_idx, torch.long, dev),
             ).logits[0]  # [num_samplers + num_prompt_positions, V]
-        prompt_lps = self._prompt_logprobs(logits[len(sample_idx) :], scored) if scored else []
+        prompt_lps = score_prompt_chunks(logits[len(sample_idx) :], scored) if scored else []
         if previous is not None and any(
             id(s) in pending and _needs_output_ids(s.sampling_params) for s in samplers
         ):
@@ -325,38 +339,19 @@ class ModelRunner:
         self, call_id: int, samplers: list[CachedRequestState], sampled: SamplerOutput | None,
         prompt_lps: list[PromptLogprobs],
     ) -> PendingStep:  # fmt: skip
+        errors, self._request_errors = self._request_errors, []
         if sampled is None:
             none = torch.empty(0, dtype=torch.long)
-            step = PendingStep(call_id, [], none, none.float(), [], prompt_lps)
+            step = PendingStep(call_id, [], none, none.float(), [], prompt_lps, errors)
         else:
             top = [
                 None if ids is None else TopLogprobs(ids, lps)
                 for ids, lps in zip(sampled.top_token_ids, sampled.top_logprobs, strict=True)
             ]
             step = PendingStep(call_id, samplers, sampled.sampled_token_ids, sampled.logprobs,
-                               top, prompt_lps)  # fmt: skip
+                               top, prompt_lps, errors)  # fmt: skip
         self._last = step
         return step
-
-    def _prompt_logprobs(
-        self, logits: torch.Tensor, scored: list[tuple[CachedRequestState, int, int]]
-    ) -> list[PromptLogprobs]:
-        """Each scored request's chunk: the logprob, rank and top-k of its next prompt tokens."""
-        chunks = []
-        row = 0
-        for state, start, num in scored:
-            targets = state.prompt_token_ids[start + 1 : start + 1 + num]
-            lps, ranks, top_ids, top_lps = compute_prompt_logprobs(
-                logits[row : row + num],  # [num, V]
-                torch.tensor(targets, dtype=torch.long, device=logits.device),
-                state.sampling_params.prompt_logprobs or 0,
-            )
-            chunks.append(PromptLogprobs(
-                state.req_id, start + 1, lps.numpy(), ranks.numpy(), top_ids.numpy(),
-                top_lps.numpy(),
-            ))  # fmt: skip
-            row += num
-        return chunks
 
     def _sample(
         self, logits: torch.Tensor, samplers: list[CachedRequestState], pending: dict[int, int]
@@ -376,6 +371,11 @@ class ModelRunner:
             [s.output_token_ids for s in samplers],
             banned,
         )
+        if any(s.grammar is not None for s in samplers):
+            meta.token_bitmask = allocate_bitmask(len(samplers), logits.shape[-1])
+            for row, s in enumerate(samplers):
+                if s.grammar is not None:
+                    s.grammar.fill_bitmask(s.output_token_ids, meta.token_bitmask, row)
         return sample(logits, meta)
 
 
@@ -392,5 +392,6 @@ def _captured(graphs: G, pool: object, kind: str) -> G | None:
 
 
 def _needs_output_ids(params: SamplingParams) -> bool:
+    """Penalties count the output ids, a grammar's matcher advances by them."""
     return bool(params.presence_penalty or params.frequency_penalty
-                or params.repetition_penalty != 1.0)  # fmt: skip
+                or params.repetition_penalty != 1.0 or params.structured_outputs)  # fmt: skip

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from protocols.messages import PromptLogprobs, StepResult, TopLogprobs
+from protocols.messages import PromptLogprobs, RequestError, StepResult, TopLogprobs
 
 
 @dataclass(eq=False)
@@ -24,6 +24,7 @@ class PendingStep:
     logprobs: torch.Tensor  # [B] float32
     top_logprobs: list[TopLogprobs | None]
     prompt_logprobs: list[PromptLogprobs]
+    request_errors: list[RequestError] = field(default_factory=list)
     # id() of each sampled request's state -> its row in `sampled`: by identity, since a
     # new request may take a finished one's id while this step is still unread.
     rows: dict[int, int] = field(init=False)
@@ -63,5 +64,6 @@ class PendingStep:
             self._result = StepResult(
                 self.call_id, [s.req_id for s in self.samplers], token_ids,
                 self._host[1].tolist(), self.top_logprobs, self.prompt_logprobs,
+                request_errors=self.request_errors,
             )  # fmt: skip
         return self._result

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from protocols.messages import PromptLogprobs
 from protocols.sampling import SamplingParams
 from workers.device_copy import device_tensor, to_device
+from workers.structured_output import apply_bitmask
 
 _GREEDY_EPSILON = 1e-5  # same threshold as SamplingParams.is_greedy
 _F32_MAX = torch.finfo(torch.float32).max
@@ -38,6 +41,9 @@ class SamplingMetadata:
     # Per row: {token id: added to its logit} and the only ids it may sample (None: any).
     logit_bias: list[dict[int, float] | None] = field(default_factory=list)
     allowed_token_ids: list[tuple[int, ...] | None] = field(default_factory=list)
+    # [B, ceil(V / 32)] int32 on the CPU, bit j of word i set: token 32 i + j may be sampled
+    # (structured_outputs' grammars; every bit set in an unconstrained row). None: no row has one.
+    token_bitmask: torch.Tensor | None = None
     is_greedy: list[bool] = field(init=False)
     is_all_greedy: bool = field(init=False)
     has_penalties: bool = field(init=False)
@@ -142,8 +148,11 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
 
 
 def apply_token_filters(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """vLLM's order before penalties: only the allowed ids, then min_tokens' bans, then the
-    logit bias. Out of place; `x` [B, V] is returned when no row has any."""
+    """vLLM's order before penalties: the grammar's tokens, only the allowed ids, then
+    min_tokens' bans, then the logit bias. Out of place; `x` [B, V] is returned when no row
+    has any."""
+    if meta.token_bitmask is not None:
+        x = apply_bitmask(x, meta.token_bitmask)
     if any(a is not None for a in meta.allowed_token_ids):
         x = _keep_allowed(x, meta.allowed_token_ids)
     x = apply_banned(x, meta.banned_token_ids)
@@ -306,3 +315,26 @@ def compute_prompt_logprobs(
         top_ids.append(ids)
     lp, rank, ids, values = (torch.cat(t).cpu() for t in (lps, ranks, top_ids, top_lps))
     return lp, rank, ids, values
+
+
+def score_prompt_chunks(
+    logits: torch.Tensor, scored: list[tuple[Any, int, int]]
+) -> list[PromptLogprobs]:
+    """Each scored request's chunk: the logprob, rank and top-k of its next prompt tokens.
+
+    `scored`: (request state, first position, count) in the row order of `logits`."""
+    chunks = []
+    row = 0
+    for state, start, num in scored:
+        targets = state.prompt_token_ids[start + 1 : start + 1 + num]
+        lps, ranks, top_ids, top_lps = compute_prompt_logprobs(
+            logits[row : row + num],  # [num, V]
+            torch.tensor(targets, dtype=torch.long, device=logits.device),
+            state.sampling_params.prompt_logprobs or 0,
+        )
+        chunks.append(PromptLogprobs(
+            state.req_id, start + 1, lps.numpy(), ranks.numpy(), top_ids.numpy(),
+            top_lps.numpy(),
+        ))  # fmt: skip
+        row += num
+    return chunks

@@ -161,6 +161,7 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
 
     from workers.kv_sizing import kv_cache_budget, largest_step_tokens
     from workers.model_runner import ModelRunner
+    from workers.structured_output import GrammarCompiler
 
     block_size = int(options.get("block_size") or DEFAULT_BLOCK_SIZE)
     dtype = getattr(torch, loaded.dtype)  # the model's: weight_dtype leaves it as it is
@@ -195,6 +196,7 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
         raise ValueError(f"{where}, {budget:.0f} bytes, holds no KV block ({per_block} "
                          f"bytes each)")  # fmt: skip
     runner = make_runner(num_blocks)
+    runner.grammars = GrammarCompiler(str(loaded.model_dir), loaded.vocab_size)
     if fast_path:
         runner.enable_graphs(int(options.get("max_num_seqs") or 256), loaded.max_model_len,
                              capture=True,

@@ -12,7 +12,7 @@ from collections.abc import Collection
 from typing import Any
 
 from protocols.sampling import MAX_LOGPROBS
-from runtime.server.schemas import MAX_LOGIT_BIAS, MAX_N, UNSUPPORTED
+from runtime.server.schemas import GUIDED_FIELDS, MAX_LOGIT_BIAS, MAX_N, UNSUPPORTED
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT_MAX = sys.float_info.max  # a bigger JSON number is no float: 400
@@ -83,12 +83,40 @@ def _sampling(vocab_size: int) -> dict[str, Schema]:
                                         "maximum": vocab_size - 1},
                               "description": "only these can be sampled; with min_tokens, "
                                              "not only eos and stop_token_ids"},
+        "response_format": {"anyOf": [
+            _object({"type": {"enum": ["text", "json_object"]}}, ["type"]),
+            _object({"type": {"const": "json_schema"},
+                     "json_schema": _object({"name": {"type": "string"},
+                                             "schema": {"type": "object"},
+                                             "strict": {"type": ["boolean", "null"]}},
+                                            ["schema"])}, ["type", "json_schema"]),
+            {"type": "null"}]},
+        "structured_outputs": {
+            "anyOf": [_one_of_grammars(), {"type": "null"}],
+            "description": "vLLM's: exactly one of json (a schema), json_object, regex, "
+                           "choice, grammar (EBNF); one that does not compile: 400",
+        },
+        **{name: {"type": ["array", "null"], "minItems": 1,
+                  "items": {"type": "string", "minLength": 1}} if key == "choice" else
+           {"type": ["object", "string", "null"]} if key == "json" else
+           {"type": ["string", "null"], "minLength": 1}
+           for name, key in GUIDED_FIELDS.items()},
         "stream": _bool(),
         "stream_options": {
             "type": ["object", "null"], "description": "only with stream: true",
             "properties": {"include_usage": {"type": ["boolean", "null"]}},
         },
     }  # fmt: skip
+
+
+def _one_of_grammars() -> Schema:
+    text = {"type": "string", "minLength": 1}
+    options = {"json": {"type": ["object", "string"]}, "json_object": {"const": True},
+               "regex": text, "choice": {"type": "array", "minItems": 1, "items": text},
+               "grammar": text}
+    return {"oneOf": [{"type": "object", "properties": {key: value},
+                       "required": [key], "additionalProperties": False}
+                      for key, value in options.items()]}  # fmt: skip
 
 
 def _ids_below(n: int) -> str:

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from protocols.sampling import RequestOutputKind, SamplingParams
+from protocols.sampling import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # Body fields passed to SamplingParams as they are (vLLM's extras included).
 _SAMPLING_FIELDS = {
@@ -25,8 +25,11 @@ _SAMPLING_FIELDS = {
 # than an answer that silently ignores it.
 UNSUPPORTED = {
     "tools": [[]], "tool_choice": ["none"], "functions": [[]],
-    "function_call": ["none"], "response_format": [{"type": "text"}],
+    "function_call": ["none"],
 }  # fmt: skip
+# vLLM's older names for structured_outputs' fields, still sent by its clients.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}  # fmt: skip
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # choices per prompt: more would flood the batch
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
@@ -131,6 +134,48 @@ class Common:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    # The body field that asked for structured outputs: a grammar the workers cannot
+    # compile is a 400 naming it.
+    structured_field: str | None = None
+
+
+def structured_outputs(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The grammar asked for by response_format, vLLM's structured_outputs, or its guided_*
+    fields (one of them at most), and the field that asked."""
+    asked: list[tuple[str, dict[str, Any]]] = []
+    response_format = field(body, "response_format", "dict")
+    if response_format is not None:
+        kind = response_format.get("type")
+        if kind == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad("response_format.json_schema.schema must be a JSON schema (an object)",
+                          "response_format")  # fmt: skip
+            asked.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise bad('response_format.type must be "text", "json_object" or "json_schema"',
+                      "response_format")  # fmt: skip
+    given = field(body, "structured_outputs", "dict")
+    if given is not None:
+        asked.append(("structured_outputs", given))
+    for name, key in GUIDED_FIELDS.items():
+        if body.get(name) is not None:
+            asked.append((name, {key: body[name]}))
+    if not asked:
+        return None, None
+    if len(asked) > 1:
+        names = ", ".join(name for name, _ in asked)
+        raise bad(f"ask for one output format at most, got {names}", asked[1][0])
+    name, kwargs = asked[0]
+    try:
+        if not set(kwargs) <= set(StructuredOutputsParams.__dataclass_fields__):
+            raise ValueError(f"its fields are {', '.join(StructuredOutputsParams.__slots__)}")
+        return StructuredOutputsParams(**kwargs), name
+    except (TypeError, ValueError) as exc:
+        raise bad(f"{name}: {exc}"[:MAX_MESSAGE_CHARS], name) from None
 
 
 def parse_common(
@@ -161,6 +206,7 @@ def parse_common(
     bias = logit_bias(body)
     if bias:
         kwargs["logit_bias"] = bias
+    kwargs["structured_outputs"], structured_field = structured_outputs(body)
     if kwargs.get("n", 1) > MAX_N:
         raise bad(f"n must be in [1, {MAX_N}], got {kwargs['n']}", "n")
     kind = stream_kind if stream else RequestOutputKind.FINAL_ONLY
@@ -169,7 +215,7 @@ def parse_common(
                                 prompt_logprobs=prompt_logprobs, **kwargs)  # fmt: skip
     except ValueError as exc:
         raise from_value_error(exc, "body", renames) from None
-    return Common(params, stream, include_usage)
+    return Common(params, stream, include_usage, structured_field)
 
 
 def logit_bias(body: dict[str, Any]) -> dict[int, float]:

@@ -6,6 +6,7 @@ Between the HTTP layer (app.py) and the Engine. Every RequestStream is held in a
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -20,9 +21,11 @@ from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.request_stream import RequestStream
 from runtime.server import sse
 from runtime.server.schemas import (
+    MAX_MESSAGE_CHARS,
     ApiError,
     ChatRequest,
     CompletionRequest,
+    bad,
     from_value_error,
 )
 
@@ -91,8 +94,15 @@ async def drive(
         raise error
 
 
-def engine_error(exc: Exception) -> ApiError:
-    """A dead or closed engine is 503 (retry later: it restarts); any other failure 500."""
+def engine_error(exc: Exception, structured_field: str | None = None) -> ApiError:
+    """A dead or closed engine is 503 (retry later: it restarts); a ValueError (a grammar
+    the workers could not compile) 400 naming `structured_field`; any other failure 500."""
+    if isinstance(exc, ValueError):
+        message = str(exc)
+        if structured_field is not None and structured_field != "structured_outputs":
+            # The worker names its own field: "structured_outputs.json does not compile".
+            message = re.sub(r"^structured_outputs\.\w+", structured_field, message)
+        return bad(message[:MAX_MESSAGE_CHARS], structured_field)
     if isinstance(exc, EngineDeadError | EngineClosedError):
         return ApiError(503, f"the engine stopped during this request: {exc}", None,
                         "service_unavailable")  # fmt: skip
@@ -201,7 +211,7 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
     try:
         await drive(streams, keep)
     except Exception as exc:
-        raise engine_error(exc) from exc
+        raise engine_error(exc, req.common.structured_field) from exc
     n = req.common.params.n
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for i in range(len(prompts)):
@@ -273,7 +283,7 @@ def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: str) -> 
         try:
             await drive(streams, handle)
         except Exception as exc:
-            await send(sse.event(engine_error(exc).body()))
+            await send(sse.event(engine_error(exc, req.common.structured_field).body()))
         else:
             if req.common.include_usage:
                 used = usage(sum(prompt_tokens.values()), completion_tokens)

@@ -1,0 +1,218 @@
+"""Structured outputs: the bitmask arithmetic, the worker's grammars, and constrained
+generation end to end, against HF generate with xgrammar's own logits processor."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+import torch
+
+from protocols.sampling import SamplingParams, StructuredOutputsParams
+from runtime import LLM, Engine
+from workers.structured_output import (
+    GrammarCompiler,
+    RequestGrammar,
+    allocate_bitmask,
+    apply_bitmask,
+    choice_grammar,
+)
+
+PROMPT = {"prompt_token_ids": [5, 17, 42, 99, 7, 3]}
+TINY_EOS = [2]
+
+
+def test_bitmask_bits_are_tokens_32i_plus_j():
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(-(2**31), 2**31, (3, 5), dtype=torch.int64, generator=gen)
+    bitmask = words.to(torch.int32)  # [3, 5]: 160 bits for a vocabulary of 150
+    logits = torch.randn(3, 150, generator=gen)
+    out = apply_bitmask(logits, bitmask)
+    for row in range(3):
+        for token in range(150):
+            allowed = (int(bitmask[row, token // 32]) >> (token % 32)) & 1
+            assert out[row, token] == (logits[row, token] if allowed else float("-inf"))
+    assert torch.equal(apply_bitmask(logits, allocate_bitmask(3, 150)), logits)
+
+
+def test_specs_are_validated_where_they_are_made():
+    assert StructuredOutputsParams(json={"type": "object"}).json == '{"type": "object"}'
+    assert StructuredOutputsParams(choice=["a", "b"]).choice == ("a", "b")
+    for kwargs, match in [
+        ({}, "exactly one"), ({"regex": "a", "grammar": "root ::= \"a\""}, "exactly one"),
+        ({"json": "{not json"}, "not JSON"), ({"json": "[1]"}, "a JSON schema"),
+        ({"choice": []}, "non-empty list"), ({"choice": ["a", ""]}, "non-empty list"),
+        ({"regex": ""}, "non-empty string"), ({"json_object": 1}, "exactly one"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            StructuredOutputsParams(**kwargs)
+    with pytest.raises(ValueError, match="structured_outputs must be"):
+        SamplingParams(structured_outputs={"regex": "a"})
+
+
+def test_grammars_compile_for_the_model_and_refusals_are_value_errors(tiny_model):
+    import xgrammar
+
+    compiler = GrammarCompiler(tiny_model, 256)
+    choices = ('say "hi"', "a\\b", "new\nline", "ünï", "w7")
+    grammar = compiler.compile(StructuredOutputsParams(choice=choices), TINY_EOS)
+    for text in choices:
+        assert xgrammar.GrammarMatcher(grammar).accept_string(text), text
+    assert not xgrammar.GrammarMatcher(grammar).accept_string("say hi")
+    assert choice_grammar(("a",)) == 'root ::= "a"'
+    for spec, match in [
+        (StructuredOutputsParams(regex="(?=a)b"), r"^structured_outputs\.regex does not "
+                                                  r"compile: Regex parsing error"),
+        (StructuredOutputsParams(grammar="root ::= "), r"^structured_outputs\.grammar does "
+                                                      r"not compile: EBNF parser error"),
+        (StructuredOutputsParams(json='{"type": "frob"}'), "Unsupported type"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            compiler.request_grammar(spec, TINY_EOS)
+
+
+def test_a_finished_grammar_allows_only_its_stop_tokens(tiny_model):
+    compiler = GrammarCompiler(tiny_model, 256)
+    grammar = compiler.request_grammar(StructuredOutputsParams(regex="w7"), [2, 63])
+    bitmask = allocate_bitmask(2, 256)
+    grammar.fill_bitmask([], bitmask, 1)
+    assert apply_bitmask(torch.zeros(2, 256), bitmask)[1].isfinite().nonzero().tolist() == [[7]]
+    grammar.fill_bitmask([7, 63], bitmask, 1)  # ignore_eos: the request goes on past it
+    allowed = apply_bitmask(torch.zeros(2, 256), bitmask).isfinite()
+    assert allowed[1].nonzero().flatten().tolist() == [2, 63] and allowed[0].all()
+    broken = RequestGrammar(compiler.compile(StructuredOutputsParams(regex="w7"), [2]))
+    broken.fill_bitmask([9], bitmask, 0)  # a token it refuses: unconstrained from then on
+    assert broken.broken and bool((bitmask[0] == -1).all())
+
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+async def test_constrained_requests_beside_plain_and_failing_ones(tiny_model, shared_manager,
+                                                                  async_scheduling):  # fmt: skip
+    """Grammars, batched with a plain request and one whose grammar does not compile: that
+    one fails alone with a ValueError, the plain one's tokens are what they are alone."""
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    results: dict[str, object] = {}
+
+    async def run(engine, name, params):
+        try:
+            outs = [out async for out in engine.generate(PROMPT, params)]
+            results[name] = [(c.text, c.finish_reason) for c in outs[-1].outputs]
+        except ValueError as exc:
+            results[name] = exc
+
+    def constrained(**so):
+        return SamplingParams(temperature=1.0, seed=3, max_tokens=6, n=3,
+                              structured_outputs=StructuredOutputsParams(**so))  # fmt: skip
+
+    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
+                      async_scheduling=async_scheduling) as engine:  # fmt: skip
+        await run(engine, "alone", greedy)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, engine, "plain", greedy)
+            tg.start_soon(run, engine, "choice", constrained(choice=["w7", "w9w11"]))
+            # (No token may be a proper prefix of a match: no token continues "w1" with "5".)
+            tg.start_soon(run, engine, "regex", constrained(regex="(w7|w9)+"))
+            tg.start_soon(run, engine, "bad", constrained(regex="(?=a)"))
+        assert results["plain"] == results["alone"]
+        assert isinstance(results["bad"], ValueError)
+        assert "structured_outputs.regex does not compile" in str(results["bad"])
+        # The tiny tokenizer's words are its tokens, which a grammar reads concatenated (its
+        # decoder puts spaces between them): "w9w11" is w9 then w11.
+        for text, reason in results["choice"]:
+            assert text.split() in (["w7"], ["w9", "w11"]) and reason == "stop", results["choice"]
+        assert {text for text, _ in results["choice"]} != {" w7"}  # the seed gives both
+        for text, reason in results["regex"]:
+            words = text.split()
+            assert (len(words) == 6) == (reason == "length"), results["regex"]
+            assert words and set(words) <= {"w7", "w9"}, results["regex"]
+        await engine.wait_until_idle()
+        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def hf_constrained_greedy(model_dir: str, prompts: list[list[int]], schema: str,
+                          max_new_tokens: int) -> list[list[int]]:  # fmt: skip
+    """HF generate with xgrammar's own logits processor, one prompt at a time."""
+    import xgrammar
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos = model.generation_config.eos_token_id
+    info = xgrammar.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=model.config.vocab_size,
+        stop_token_ids=eos if isinstance(eos, list) else [eos])  # fmt: skip
+    compiled = xgrammar.GrammarCompiler(info).compile_json_schema(schema, any_whitespace=False)
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=max_new_tokens, pad_token_id=0,
+                logits_processor=[xgrammar.contrib.hf.LogitsProcessor(compiled)],
+            )  # fmt: skip
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+    "likes": {"type": "array", "items": {"enum": ["tea", "coffee", "rain"]}, "maxItems": 2}},
+    "required": ["name", "age", "likes"]}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.compute
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_smollm2_json_schema_matches_hf_with_xgrammar(shared_manager, async_scheduling):
+    """SmolLM2's greedy tokens under a JSON schema, batched, chunked and preempted under a
+    small KV cache, with async scheduling off and on: those of HF generate with xgrammar's
+    logits processor; and every answer parses and fits the schema."""
+    from runtime.tokenizer import Tokenizer
+    from workers.model_loader import prepare_model_dir, resolve_model
+
+    model_dir = str(prepare_model_dir(resolve_model("smollm2")))
+    tok = Tokenizer.from_model_dir(model_dir)
+    asks = ["Describe a pirate", "Who is your favourite author?", "Invent a person.",
+            "A cat that likes rain"]  # fmt: skip
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"{a} as JSON"}],
+                                                  add_generation_prompt=True)) for a in asks]
+    expected = hf_constrained_greedy(model_dir, prompts, json.dumps(SCHEMA), 48)
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 KV heads x 64
+    params = SamplingParams(temperature=0, max_tokens=48,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    with LLM("smollm2", manager_socket=shared_manager.socket, dtype="float32",
+             max_num_batched_tokens=32, kv_cache_memory=12 * block_bytes, max_model_len=160,
+             async_scheduling=async_scheduling) as llm:  # fmt: skip
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)  # fmt: skip
+        assert [out.outputs[0].token_ids for out in outputs] == expected
+        assert llm.engine.stats().num_preemptions > 0
+    assert sum(out.outputs[0].finish_reason == "stop" for out in outputs) >= 2
+    for out in outputs:
+        if out.outputs[0].finish_reason == "stop":
+            answer = json.loads(out.outputs[0].text)
+            assert set(answer) == {"name", "age", "likes"} and type(answer["age"]) is int
+            assert set(answer["likes"]) <= {"tea", "coffee", "rain"}
+
+
+@pytest.mark.slow
+def test_the_example_answers_parse(shared_manager):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "examples" / "json_output.py"
+    out = subprocess.run([sys.executable, str(example)], env=shared_manager.env,
+                         capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    answers = [line.removeprefix("  -> ") for line in out.stdout.splitlines()
+               if line.startswith("  -> ")]  # fmt: skip
+    assert len(answers) == 3, out.stdout
+    person = json.loads(answers[0])
+    assert set(person) == {"name", "age"} and type(person["age"]) is int
+    assert answers[1] in ("yes", "no") and re.fullmatch(r"\d{4}-\d{2}-\d{2}", answers[2])

@@ -1,0 +1,145 @@
+"""Structured outputs on the worker: each constrained request's grammar (xgrammar), its matcher,
+and the token bitmask that keeps its next token inside the grammar.
+
+The worker, not the engine, holds the matchers: it samples the tokens, so it advances each
+matcher itself, and the engine's process never imports xgrammar (nor torch). A matcher
+advances lazily, by the output tokens its request holds when it next samples, so a
+preempted request (rebuilt with its output so far) and async scheduling (whose steps wait
+for the output ids of the step before, as penalties do) need nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protocols.sampling import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")  # "[14:50:05] /project/x.cc:83: "
+
+
+class GrammarCompiler:
+    """Compiles a request's StructuredOutputsParams for one model's vocabulary.
+
+    xgrammar (and the tokenizer's vocabulary it preprocesses) load on the first constrained
+    request, not at the worker's start. Compiled grammars are cached by xgrammar.
+    """
+
+    def __init__(self, model_dir: str, vocab_size: int) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size  # the logits' width: may exceed the tokenizer's
+        self._compilers: dict[tuple[int, ...], Any] = {}  # by stop token ids
+
+    def request_grammar(
+        self, spec: StructuredOutputsParams, stop_token_ids: list[int]
+    ) -> RequestGrammar:
+        """A new matcher for one request; ValueError for anything that keeps it from being
+        built, so that the request fails alone."""
+        try:
+            return RequestGrammar(self.compile(spec, stop_token_ids))
+        except ValueError:
+            raise
+        except Exception as exc:
+            logger.exception("building a grammar failed")
+            raise ValueError(f"structured_outputs failed on the worker: "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+    def compile(self, spec: StructuredOutputsParams, stop_token_ids: list[int]) -> Any:
+        """An xgrammar CompiledGrammar; ValueError naming what is wrong with the spec."""
+        compiler = self._compiler(tuple(sorted(stop_token_ids)))
+        try:
+            if spec.json is not None:
+                # No free whitespace: a model could loop on it; json.dumps' separators.
+                return compiler.compile_json_schema(spec.json, any_whitespace=False)
+            if spec.json_object:
+                return compiler.compile_builtin_json_grammar()
+            if spec.regex is not None:
+                return compiler.compile_regex(spec.regex)
+            if spec.choice is not None:
+                return compiler.compile_grammar(choice_grammar(spec.choice))
+            assert spec.grammar is not None
+            return compiler.compile_grammar(spec.grammar)
+        except RuntimeError as exc:  # xgrammar's parse and conversion errors
+            kind = next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                        if getattr(spec, k) not in (None, False))  # fmt: skip
+            reason = _CPP_PREFIX.sub("", str(exc).strip())
+            raise ValueError(f"structured_outputs.{kind} does not compile: {reason}") from None
+
+    def _compiler(self, stop_token_ids: tuple[int, ...]) -> Any:
+        compiler = self._compilers.get(stop_token_ids)
+        if compiler is None:
+            try:
+                import xgrammar
+            except ImportError as exc:  # the request fails alone, clearly
+                raise ValueError(f"structured_outputs need xgrammar in the workers' "
+                                 f"environment: pip install xgrammar ({exc})") from None
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer_file = Path(self.model_dir) / "tokenizer.json"
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file))
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(stop_token_ids)
+            )
+            compiler = self._compilers[stop_token_ids] = xgrammar.GrammarCompiler(info)
+        return compiler
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """An EBNF grammar whose only sentences are `choices` (JSON string escapes, which
+    xgrammar's EBNF literals read alike)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class RequestGrammar:
+    """One request's matcher, advanced by its output tokens as they come."""
+
+    def __init__(self, compiled: Any) -> None:
+        import xgrammar
+
+        self.matcher = xgrammar.GrammarMatcher(compiled)
+        self.num_accepted = 0
+        self.broken = False  # a token the grammar refused: the request runs unconstrained
+
+    def fill_bitmask(self, output_token_ids: list[int], bitmask: torch.Tensor, row: int) -> None:
+        """Accept the tokens sampled since the last call, then write the allowed next tokens
+        into `bitmask[row]` (int32 words, bit j of word i: token 32 i + j)."""
+        for token_id in output_token_ids[self.num_accepted :]:
+            if not self.broken and not self.matcher.is_terminated():
+                if not self.matcher.accept_token(token_id):
+                    logger.warning("grammar refused token %d: unconstrained now", token_id)
+                    self.broken = True
+            self.num_accepted += 1
+        if self.broken:
+            bitmask[row] = -1
+        elif self.matcher.is_terminated():  # past its stop token (ignore_eos): stop tokens only
+            bitmask[row] = 0
+            for token_id in self.matcher.stop_token_ids:
+                bitmask[row, token_id // 32] |= _bit(token_id % 32)
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def _bit(j: int) -> int:
+    """Bit j of an int32 word, as the signed value torch stores (bit 31 is negative)."""
+    return (1 << j) - (1 << 32) * (j == 31)
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(V / 32)] int32, every token allowed (all bits set)."""
+    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
+
+
+def apply_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Logits `x` [B, V] with the tokens whose bit is clear in `bitmask` [B, W] at -inf."""
+    vocab = x.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)  # [32]
+    words = bitmask.to(x.device, non_blocking=True)  # [B, W]
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [B, V]
+    return x.masked_fill(~allowed, float("-inf"))
