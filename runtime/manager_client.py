@@ -48,6 +48,9 @@ RELEASE_TIMEOUT_S = 12.0
 # A daemon shutting down (idle timeout, `engine-manager stop`) may accept a connection and
 # close it unanswered. We wait for it to go, then start a new one: a few tries, a short pause.
 MAX_CONNECT_TRIES = 5
+# A daemon answers Hello from memory: one that accepts and stays silent this long is stopped
+# (SIGSTOP, a debugger) or hung, and waiting on would hang the engine's start with it.
+HANDSHAKE_TIMEOUT_S = 15.0
 GOING_AWAY_PAUSE_S = 0.1
 
 
@@ -63,7 +66,14 @@ async def connect_manager(socket_path: Path, role: str = "engine") -> MessageStr
     """Connect and handshake; a refusal or a broken peer becomes ManagerError (one that
     closed on us mid-handshake, _ManagerGoingAway)."""
     try:
-        return await open_unix_connection(socket_path, role)
+        with anyio.fail_after(HANDSHAKE_TIMEOUT_S):
+            return await open_unix_connection(socket_path, role)
+    except TimeoutError:
+        raise ManagerError(
+            f"engine-manager on {socket_path} accepted the connection but did not answer in "
+            f"{HANDSHAKE_TIMEOUT_S:g}s: is it stopped or hung? Kill it, and the next engine "
+            f"starts a new one"
+        ) from None
     except RemoteError as exc:
         raise ManagerError(f"engine-manager on {socket_path} refused: {exc}") from None
     except (anyio.EndOfStream, anyio.BrokenResourceError) as exc:

@@ -1,6 +1,7 @@
 """What starting, asking and stopping an engine-manager must never do: delete a user's
-file, chmod a user's directory, end a private engine for a read-only `ps`, or fail an
-engine that connects while the shared daemon is on its way out.
+file, chmod a user's directory, end a private engine for a read-only `ps`, fail an
+engine that connects while the shared daemon is on its way out, or hang an engine on a
+daemon that accepts and never answers.
 """
 
 from __future__ import annotations
@@ -133,3 +134,28 @@ async def test_an_engine_connecting_as_the_daemon_exits_starts_a_new_one(manager
     async with ms.stream:
         status = await _status(ms)
     assert status.socket == str(manager.socket) and is_alive(status.pid)
+
+
+@pytest.mark.anyio
+async def test_a_silent_daemon_is_an_error_not_a_hang(manager, monkeypatch):
+    """A stopped (SIGSTOP) or hung daemon: its socket still accepts, into the kernel's
+    backlog, and never answers Hello. The engine's start hung forever on it."""
+    import socket
+
+    from runtime import Engine
+
+    monkeypatch.setattr("runtime.manager_client.HANDSHAKE_TIMEOUT_S", 0.5)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.bind(str(manager.socket))
+    silent.listen(8)  # never accepted, never answered
+    try:
+        with anyio.fail_after(30):
+            for connect in (connect_manager, connect_shared_manager):
+                with pytest.raises(ManagerError, match="did not answer in 0.5s"):
+                    await connect(manager.socket)
+            with pytest.raises(ManagerError, match="stopped or hung"):
+                async with Engine("smollm2", manager_socket=manager.socket):
+                    pass
+    finally:
+        silent.close()
+        manager.socket.unlink()
