@@ -9,6 +9,7 @@ field, never deeper inside the receiver. No pickle anywhere.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import enum
 import types
@@ -164,7 +165,7 @@ def _compile(tp: Any) -> tuple[Encoder | None, Decoder]:
         if item_enc is None:
             return None, dec_seq
         return (lambda v: [item_enc(x) for x in v]), dec_seq
-    if origin is dict:
+    if origin in (dict, collections.abc.Mapping):  # a Mapping decodes as a dict
         key_t, value_t = typing.get_args(tp)
         if key_t is int:  # msgpack maps take only str keys here (strict_map_key)
             return _compile_int_keyed(value_t)

@@ -6,10 +6,14 @@ the allowed range, before a request is scheduled.
 
 from __future__ import annotations
 
+import copy
 import enum
 import json as _json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +88,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Added to the token's logit before penalties and sampling, every step (OpenAI's
-    # logit_bias, in token ids; the server keeps OpenAI's [-100, 100]).
-    logit_bias: dict[int, float] | None = None
-    # Only these token ids can be sampled (vLLM's); None: any. min_tokens still bans eos.
+    # logit_bias, in token ids; the server keeps OpenAI's [-100, 100]). Held read-only (a
+    # copy of the mapping given), and left out of the hash, as a mapping cannot be hashed.
+    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
+    # Only these token ids can be sampled (vLLM's), held sorted and once each; None: any.
+    # min_tokens still bans eos.
     allowed_token_ids: tuple[int, ...] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -98,11 +104,6 @@ class SamplingParams:
             value = getattr(self, name)
             if value is None or isinstance(value, list):
                 object.__setattr__(self, name, tuple(value or ()))
-        if isinstance(self.allowed_token_ids, list):
-            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
-        if isinstance(self.logit_bias, dict):  # ints as floats: the wire's annotation
-            bias = {k: float(v) if type(v) is int else v for k, v in self.logit_bias.items()}
-            object.__setattr__(self, "logit_bias", bias)
         kind = self.output_kind
         if type(kind) is int:  # a bool is no output kind
             object.__setattr__(self, "output_kind", _enum("output_kind", kind))
@@ -153,26 +154,41 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     def _validate_token_filters(self) -> None:
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must map token ids to numbers, got "
-                                 f"{self.logit_bias!r}")  # fmt: skip
-            for token_id, bias in self.logit_bias.items():
+        """Check, then hold in their normal form: a read-only bias of floats, the allowed
+        ids sorted and once each (a request's size on the wire is bounded by the vocabulary)."""
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, Mapping):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+            for token_id, value in bias.items():
                 if type(token_id) is not int or not 0 <= token_id <= _INT64[1]:
                     raise ValueError(f"logit_bias keys must be token ids (integers >= 0), "
                                      f"got {token_id!r}")  # fmt: skip
-                _number(f"logit_bias[{token_id}]", bias)
+                _number(f"logit_bias[{token_id}]", value)
+            normal = MappingProxyType({k: float(v) for k, v in bias.items()})
+            object.__setattr__(self, "logit_bias", normal)
         allowed = self.allowed_token_ids
         if allowed is not None:
-            if not isinstance(allowed, tuple) or not allowed:
+            if not isinstance(allowed, tuple | list) or not allowed:
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
                                  f"got {allowed!r}")  # fmt: skip
             for token_id in allowed:
                 _int("allowed_token_ids", token_id, low=0)
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPSILON or self.top_k == 1
+
+
+def replace_checked(params: SamplingParams, **changes: Any) -> SamplingParams:
+    """`params` with `changes` the caller knows keep it valid, not checked again: a
+    request's n children share its checked bias and allowed ids (a full vocabulary's worth,
+    checked once, not n times)."""
+    child = copy.copy(params)
+    for name, value in changes.items():
+        object.__setattr__(child, name, value)
+    return child
 
 
 _GREEDY_EPSILON = 1e-5

@@ -6,7 +6,6 @@ that only touch the scheduler and wake the loop, so they work from any task.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections import deque
@@ -21,6 +20,7 @@ from protocols.messages import (
     SchedulerOutput,
     StepResult,
 )
+from protocols.sampling import replace_checked
 from runtime.engine_stats import EngineStats
 from runtime.errors import EngineClosedError, EngineStepError
 from runtime.output_processor import OutputProcessor, ParentRequest
@@ -65,13 +65,14 @@ class EngineCore:
         if params.stop:
             # Stop strings are this process's (the output processor's): never sent to the
             # workers, where one huge or unencodable string would fail every step's frame.
-            params = dataclasses.replace(params, stop=())
+            params = replace_checked(params, stop=())
         # Every child's params before any is registered: one that fails leaves nothing behind.
+        # (SamplingParams checked seed + n - 1.)
         children = [params] if params.n == 1 else [
             # Children sample independently; seeded ones stay reproducible (vLLM's rule).
             # The prompt is the same for all: child 0 alone scores it (prompt_logprobs).
-            dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i,
-                                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            replace_checked(params, n=1, seed=None if params.seed is None else params.seed + i,
+                            prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             for i in range(params.n)
         ]  # fmt: skip
         for child_id, child_params in zip(self.output_processor.add(parent), children, strict=True):

@@ -73,6 +73,14 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def num_wire_ids(self) -> int:
+        """About how many ids its NewRequestData carries: its tokens, its allowed ids, and
+        its logit bias (an id and a float, as much as three ids)."""
+        params = self.sampling_params
+        return (len(self._all_token_ids) + len(params.allowed_token_ids or ())
+                + 3 * len(params.logit_bias or ()))  # fmt: skip
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

@@ -34,9 +34,10 @@ from runtime.kv_blocks import KVCacheManager
 from runtime.request import Request, RequestStatus
 
 # Token ids a step's newly admitted requests carry to the workers (each whole prompt, prefix
-# hits included), at most: 4 Mi ids are at most 20 MiB of msgpack, well within a frame's
-# 64 MiB. Without it, a few hundred requests sharing a long cached prefix, admitted in one
-# step, outgrew the frame and ended the engine. One request is always admitted.
+# hits included, and its allowed ids and logit bias: Request.num_wire_ids), at most: 4 Mi
+# ids are at most 20 MiB of msgpack, well within a frame's 64 MiB. Without it, a few hundred
+# requests sharing a long cached prefix, admitted in one step, outgrew the frame and ended
+# the engine. One request is always admitted.
 MAX_NEW_REQUEST_TOKENS = 4 * 2**20
 
 
@@ -210,7 +211,7 @@ class Scheduler:
             and len(self.running) < config.max_num_seqs
         ):  # fmt: skip
             request = self.waiting[0]
-            new_request_tokens += request.num_tokens
+            new_request_tokens += request.num_wire_ids
             if new_requests and new_request_tokens > MAX_NEW_REQUEST_TOKENS:
                 break  # the frame to the workers is full enough: the next step takes it
             computed_blocks, num_computed = kv.get_computed_blocks(request)

@@ -349,6 +349,7 @@ async def _append(results, coro):
      (dict(presence_penalty=float("nan")), "presence_penalty"),
      (dict(logit_bias={"5": 1.0}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
      (dict(logit_bias={5: float("inf")}), r"logit_bias\[5\]"), (dict(logit_bias=[5]), "logit_bias"),
+     (dict(logit_bias={5: 10**400}), r"logit_bias\[5\]"),
      (dict(allowed_token_ids=[]), "allowed_token_ids"),
      (dict(allowed_token_ids=[1, -2]), "allowed_token_ids")],
 )  # fmt: skip
@@ -402,3 +403,15 @@ def test_integers_beyond_64_bits_are_refused():
             SamplingParams(temperature=huge)
     with pytest.raises(ValueError, match="^top_p must be a finite number"):
         SamplingParams(top_p=float("nan"))
+
+
+def test_a_requests_children_share_its_checked_params(monkeypatch):
+    """n children of a full vocabulary's bias were each checked (and copied) again: seconds
+    of the event loop, and n copies in memory, for one request."""
+    from protocols.sampling import replace_checked
+
+    params = SamplingParams(n=3, seed=5, logit_bias={t: 1.0 for t in range(1000)})
+    monkeypatch.setattr(SamplingParams, "_validate", lambda self: pytest.fail("checked again"))
+    child = replace_checked(params, n=1, seed=7)
+    assert (child.n, child.seed, params.n, params.seed) == (1, 7, 3, 5)
+    assert child.logit_bias is params.logit_bias

@@ -372,8 +372,36 @@ def test_bias_keeps_banned_ids_banned_and_sums_finite() -> None:
     params = SamplingParams(logit_bias={3: 1e300, 1: -1e300, 2: 50.0}, temperature=0.0)
     # min_tokens' ban of 3 wins over its bias; a huge bias is a finite logit (NaN logits
     # would sample token 0).
-    for temperature in (0.0, 1.0):
+    for temperature in (0.0, 0.5, 1.0):  # below 1, dividing once overflowed to NaN
         one = dataclasses.replace(params, temperature=temperature)
         assert sample(row[None, :], _meta([one])).sampled_token_ids.item() == 3
         out = sample(row[None, :], _meta([one], banned=[[3]]))
         assert out.sampled_token_ids.item() == 2
+
+
+def test_an_extreme_repetition_penalty_under_a_low_temperature_stays_finite() -> None:
+    row = torch.zeros(V)
+    row[4] = 1.0
+    params = SamplingParams(repetition_penalty=1e-40, temperature=0.5)  # 1 / 1e-40 / 0.5
+    out = sample(row[None, :], _meta([params], prompts=[[4]], banned=[[0]]))
+    assert out.sampled_token_ids.item() == 4  # not NaN's token 0, which is banned here
+
+
+def test_token_filters_are_built_once_in_their_normal_form() -> None:
+    from workers.token_filters import TokenFilters
+
+    params = SamplingParams(allowed_token_ids=[9, 3, 9, 20], logit_bias={20: 1.0, 5: 1e300})
+    assert params.allowed_token_ids == (3, 9, 20)
+    with pytest.raises(TypeError):
+        params.logit_bias[7] = 1.0  # type: ignore[index]
+    assert hash(params) == hash(dataclasses.replace(params, logit_bias={1: 2.0}))
+    filters = TokenFilters.of(params, V, torch.device("cpu"))  # 20 is beyond V = 16: dropped
+    assert filters is not None and filters.allowed.tolist() == [3, 9]
+    assert filters.bias_ids.tolist() == [5]
+    assert filters.bias_values.item() == torch.finfo(torch.float32).max
+    assert TokenFilters.of(SamplingParams(), V, torch.device("cpu")) is None
+    both = [params, SamplingParams(temperature=0.0)]
+    meta = SamplingMetadata.from_params(both, [0, 0], [[], []], [[], []], [[], []],
+                                        vocab_size=V)  # fmt: skip
+    out = sample(torch.zeros(2, V), meta)
+    assert out.sampled_token_ids.tolist() == [3, 0]  # 5 is not allowed: its bias is moot

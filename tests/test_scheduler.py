@@ -343,6 +343,22 @@ def test_a_steps_new_requests_carry_a_bounded_number_of_ids(monkeypatch) -> None
                                                               128)[0]  # fmt: skip
 
 
+def test_allowed_ids_and_logit_bias_count_toward_a_steps_ids(monkeypatch) -> None:
+    """A request's allowed ids and logit bias cross to the workers with it: a batch of them
+    (a full vocabulary's each) once outgrew the frame and ended the engine."""
+    from runtime import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "MAX_NEW_REQUEST_TOKENS", 100)
+    driver = Driver(make_config())
+    prompt = [1, 2, 3, 4]
+    driver.add(make_request("allowed", prompt, allowed_token_ids=list(range(40)) * 3))
+    driver.add(make_request("bias", prompt, logit_bias={t: 1.0 for t in range(20)}))
+    driver.add(make_request("plain", prompt))
+    assert [r.num_wire_ids for r in driver.scheduler.waiting] == [44, 64, 4]  # 40 ids, once
+    carried = [[new.req_id for new in driver.step().new_requests] for _ in range(2)]
+    assert carried == [["allowed"], ["bias", "plain"]], carried
+
+
 def test_the_most_ids_a_step_carries_fit_a_frame() -> None:
     """MAX_NEW_REQUEST_TOKENS ids, each of the widest msgpack int a vocabulary id takes."""
     from protocols.codec import encode

@@ -36,7 +36,7 @@ REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers
 @dataclass(frozen=True, slots=True)
 class DecoderShape:
     """What the model is made of, from config.json; field names as in transformers' configs
-    (workers.model_runner.kv_geometry reads them)."""
+    (workers.kv_sizing.kv_geometry reads them)."""
 
     architecture: str
     vocab_size: int

@@ -30,6 +30,7 @@ from workers.attention_metadata import context_metadata, paged_metadata
 from workers.cuda_graphs import DecodeGraphs
 from workers.device_copy import device_tensor
 from workers.device_idle import DeviceIdleProbe, DeviceTime
+from workers.kv_sizing import kv_geometry
 from workers.mixed_graphs import MAX_MIXED_TOKENS, MixedGraphs
 from workers.pending_step import PendingStep
 from workers.sampler import (
@@ -39,6 +40,7 @@ from workers.sampler import (
     score_prompt_chunks,
 )
 from workers.structured_output import GrammarCompiler, RequestGrammar, allocate_bitmask
+from workers.token_filters import TokenFilters
 
 logger = logging.getLogger(__name__)
 G = TypeVar("G", DecodeGraphs, MixedGraphs)
@@ -58,21 +60,13 @@ class CachedRequestState:
     num_computed_tokens: int
     all_token_ids: list[int] = field(default_factory=list)
     grammar: RequestGrammar | None = None  # its structured_outputs' matcher
+    filters: TokenFilters | None = None  # its allowed ids and logit bias, on the device
     # Cache slot of each position computed so far: block ids never change once given, so
     # each step extends this instead of recomputing the whole context (the hot path).
     slots: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
-
-
-def kv_geometry(config: object, tp_size: int = 1) -> tuple[int, int, int]:
-    """(layers, KV heads of one rank, head dim) of an HF decoder config (or its text
-    config), its KV heads split over `tp_size` tensor-parallel ranks."""
-    text = getattr(config, "text_config", None) or config
-    num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers, num_kv_heads // tp_size, head_dim
 
 
 class ModelRunner:
@@ -95,6 +89,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.vocab_size: int = (getattr(config, "text_config", None) or config).vocab_size
         num_layers, num_kv_heads, head_dim = kv_geometry(config, tp_size)
         # Slot-major, one row a token. The Triton backend's cache has one block more than
         # the scheduler's, scratch for the padded rows of decode graphs (cuda_graphs.py).
@@ -186,6 +181,7 @@ class ModelRunner:
             sorted(set(new.eos_token_ids) | set(params.stop_token_ids)), list(new.block_ids),
             new.num_computed_tokens,
         )  # fmt: skip
+        state.filters = TokenFilters.of(params, self.vocab_size, self.device)
         if params.structured_outputs is not None:
             assert self.grammars is not None, "worker_state gives every runner its compiler"
             try:
@@ -370,6 +366,7 @@ class ModelRunner:
             [s.prompt_token_ids for s in samplers],
             [s.output_token_ids for s in samplers],
             banned,
+            [s.filters for s in samplers],
         )
         if any(s.grammar is not None for s in samplers):
             meta.token_bitmask = allocate_bitmask(len(samplers), logits.shape[-1])

@@ -11,6 +11,7 @@ from protocols.messages import PromptLogprobs
 from protocols.sampling import SamplingParams
 from workers.device_copy import device_tensor, to_device
 from workers.structured_output import apply_bitmask
+from workers.token_filters import TokenFilters, apply_allowed, apply_bias
 
 _GREEDY_EPSILON = 1e-5  # same threshold as SamplingParams.is_greedy
 _F32_MAX = torch.finfo(torch.float32).max
@@ -38,9 +39,8 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]  # tokens generated so far
     banned_token_ids: list[list[int]]  # ids forbidden this step (eos/stop while < min_tokens)
     num_logprobs: list[int | None]  # how many top logprobs to return
-    # Per row: {token id: added to its logit} and the only ids it may sample (None: any).
-    logit_bias: list[dict[int, float] | None] = field(default_factory=list)
-    allowed_token_ids: list[tuple[int, ...] | None] = field(default_factory=list)
+    # Per row: its allowed ids and logit bias (None: neither), built once per request.
+    token_filters: list[TokenFilters | None] = field(default_factory=list)
     # [B, ceil(V / 32)] int32 on the CPU, bit j of word i set: token 32 i + j may be sampled
     # (structured_outputs' grammars; every bit set in an unconstrained row). None: no row has one.
     token_bitmask: torch.Tensor | None = None
@@ -72,8 +72,12 @@ class SamplingMetadata:
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
         banned_token_ids: list[list[int]],
+        token_filters: list[TokenFilters | None] | None = None,
+        vocab_size: int = 2**62,
     ) -> SamplingMetadata:
-        """Build the per-row tensors on the CPU; top_k -1 (vLLM's "off") becomes 0."""
+        """Build the per-row tensors on the CPU; top_k -1 (vLLM's "off") becomes 0.
+        `token_filters`: each row's, cached by the caller (else built here, on the CPU,
+        dropping ids from `vocab_size` on)."""
 
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32)  # [B]
@@ -95,9 +99,9 @@ class SamplingMetadata:
             output_token_ids=output_token_ids,
             banned_token_ids=banned_token_ids,
             num_logprobs=[p.logprobs for p in params],
-            logit_bias=[p.logit_bias or None for p in params],
-            allowed_token_ids=[p.allowed_token_ids for p in params],
-        )
+            token_filters=token_filters if token_filters is not None else [
+                TokenFilters.of(p, vocab_size, torch.device("cpu")) for p in params],
+        )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -153,33 +157,12 @@ def apply_token_filters(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     has any."""
     if meta.token_bitmask is not None:
         x = apply_bitmask(x, meta.token_bitmask)
-    if any(a is not None for a in meta.allowed_token_ids):
-        x = _keep_allowed(x, meta.allowed_token_ids)
+    if any(meta.token_filters):
+        x = apply_allowed(x, meta.token_filters)
     x = apply_banned(x, meta.banned_token_ids)
-    if any(meta.logit_bias):
-        rows = [i for i, bias in enumerate(meta.logit_bias) for _ in bias or ()]
-        cols = [t for bias in meta.logit_bias for t in bias or ()]
-        values = [b for bias in meta.logit_bias for b in (bias or {}).values()]
-        index = (device_tensor(rows, torch.long, x.device),
-                 device_tensor(cols, torch.long, x.device))  # fmt: skip
-        values = [min(max(b, -_F32_MAX), _F32_MAX) for b in values]  # float32 holds them
-        bias = torch.zeros_like(x).index_put(
-            index, device_tensor(values, torch.float32, x.device), accumulate=True)  # [B, V]
-        # A sum float32 cannot hold stays finite (inf would be NaN after softmax), and a
-        # banned -inf stays banned.
-        x = torch.where(x.isfinite(), (x + bias).clamp(-_F32_MAX, _F32_MAX), x)
+    if any(meta.token_filters):
+        x = apply_bias(x, meta.token_filters)
     return x
-
-
-def _keep_allowed(x: torch.Tensor, allowed: list[tuple[int, ...] | None]) -> torch.Tensor:
-    """Rows with an allowed list keep only those ids' logits; the others are -inf."""
-    rows = [i for i, ids in enumerate(allowed) for _ in ids or ()]
-    cols = [t for ids in allowed for t in ids or ()]
-    index = (device_tensor(rows, torch.long, x.device), device_tensor(cols, torch.long, x.device))
-    keep = torch.zeros_like(x, dtype=torch.bool).index_put(
-        index, torch.ones((), dtype=torch.bool, device=x.device))  # [B, V]
-    limited = device_tensor([a is not None for a in allowed], torch.bool, x.device)[:, None]
-    return x.masked_fill(limited & ~keep, float("-inf"))
 
 
 def apply_banned(x: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
@@ -232,6 +215,9 @@ def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     greedy = device_tensor(meta.is_greedy, torch.bool, device)  # [B]
     temperature = to_device(meta.temperature, device)
     scaled = x / torch.where(greedy, 1.0, temperature)[:, None]  # [B, V]
+    # A huge finite logit (a bias, a penalty) over a temperature below 1 must stay finite:
+    # inf is NaN after softmax, and NaN samples token 0. -inf (banned) stays -inf.
+    scaled = torch.where(x.isfinite(), scaled.clamp(-_F32_MAX, _F32_MAX), scaled)
     if meta.has_top_k_top_p:
         scaled = _apply_top_k_top_p(
             scaled, to_device(meta.top_k, device), to_device(meta.top_p, device)

@@ -131,7 +131,9 @@ def _ids_below(n: int) -> str:
             rest = len(top) - i - 1
             options.append(f"{top[:i]}[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" * (rest > 0)))
     options.append(top)
-    return "^(" + "|".join(dict.fromkeys(options)) + ")$"
+    # Not "$": in Python's dialect (and tools written in it) "$" also matches before a final
+    # newline, which JSON Schema's ECMA-262 does not; this end means the same in both.
+    return "^(" + "|".join(dict.fromkeys(options)) + r")(?![\s\S])"
 
 
 # A non-empty stream_options needs stream: true.

@@ -1,0 +1,82 @@
+"""A request's allowed token ids and logit bias as device tensors, built once when the worker
+first sees the request, and applied to each step's logits without a per-step Python loop
+over them (a full vocabulary's worth each, for some requests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from protocols.sampling import SamplingParams
+
+F32_MAX = torch.finfo(torch.float32).max
+
+
+@dataclass(frozen=True, slots=True)
+class TokenFilters:
+    allowed: torch.Tensor | None  # [A] int64: the only ids it may sample; None: any
+    bias_ids: torch.Tensor | None  # [K] int64
+    bias_values: torch.Tensor | None  # [K] float32, within float32's range
+
+    @classmethod
+    def of(
+        cls, params: SamplingParams, vocab_size: int, device: torch.device
+    ) -> TokenFilters | None:
+        """None when the request has neither. Ids beyond the logits are dropped: the
+        engine refuses them, and one must never fail a step that others share."""
+        if params.allowed_token_ids is None and not params.logit_bias:
+            return None
+        allowed = None
+        if params.allowed_token_ids is not None:
+            allowed = torch.tensor([t for t in params.allowed_token_ids if t < vocab_size],
+                                   dtype=torch.int64).to(device)  # fmt: skip
+        bias_ids = bias_values = None
+        if params.logit_bias:
+            pairs = [(t, min(max(b, -F32_MAX), F32_MAX))
+                     for t, b in params.logit_bias.items() if t < vocab_size]  # fmt: skip
+            bias_ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64).to(device)
+            bias_values = torch.tensor([b for _, b in pairs], dtype=torch.float32).to(device)
+        return cls(allowed, bias_ids, bias_values)
+
+
+def _rows_and(
+    filters: list[TokenFilters | None], name: str, device: torch.device
+) -> tuple[torch.Tensor, list[int]] | None:
+    """Each row's `name` tensor concatenated, with the row index of every entry; and the
+    rows that have one. None when no row has one."""
+    rows = [i for i, f in enumerate(filters) if f is not None and getattr(f, name) is not None]
+    if not rows:
+        return None
+    parts = [getattr(filters[i], name) for i in rows]
+    counts = torch.tensor([len(p) for p in parts], device=device)
+    row_index = torch.repeat_interleave(torch.tensor(rows, device=device), counts)
+    return row_index, rows
+
+
+def apply_allowed(x: torch.Tensor, filters: list[TokenFilters | None]) -> torch.Tensor:
+    """Rows with allowed ids keep only those ids' logits; the others become -inf."""
+    found = _rows_and(filters, "allowed", x.device)
+    if found is None:
+        return x
+    row_index, rows = found
+    ids = torch.cat([filters[i].allowed for i in rows])  # type: ignore[union-attr,misc]
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    keep[row_index, ids] = True
+    limited = torch.zeros(x.shape[0], 1, dtype=torch.bool, device=x.device)
+    limited[rows] = True
+    return x.masked_fill(limited & ~keep, float("-inf"))
+
+
+def apply_bias(x: torch.Tensor, filters: list[TokenFilters | None]) -> torch.Tensor:
+    """Each row's bias added to its logits, out of place. A sum float32 cannot hold stays
+    finite (inf would be NaN after softmax); a banned -inf stays banned."""
+    found = _rows_and(filters, "bias_ids", x.device)
+    if found is None:
+        return x
+    row_index, rows = found
+    ids = torch.cat([filters[i].bias_ids for i in rows])  # type: ignore[union-attr,misc]
+    values = torch.cat([filters[i].bias_values for i in rows])  # type: ignore[union-attr,misc]
+    old = x[row_index, ids]  # [K]
+    new = torch.where(old.isfinite(), (old + values).clamp(-F32_MAX, F32_MAX), old)
+    return x.index_put((row_index, ids), new)
