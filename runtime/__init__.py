@@ -11,6 +11,7 @@ from runtime.errors import (
     LoomError,
     ManagerError,
     RemoteCallError,
+    RequestRefusedError,
     WorkerStartError,
 )
 from runtime.llm import LLM
@@ -34,5 +35,6 @@ __all__ = [
     "LoomError",
     "ManagerError",
     "RemoteCallError",
+    "RequestRefusedError",
     "WorkerStartError",
 ]

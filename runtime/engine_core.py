@@ -22,7 +22,7 @@ from protocols.messages import (
 )
 from protocols.sampling import replace_checked
 from runtime.engine_stats import EngineStats
-from runtime.errors import EngineClosedError, EngineStepError
+from runtime.errors import EngineClosedError, EngineStepError, RequestRefusedError
 from runtime.output_processor import OutputProcessor, ParentRequest
 from runtime.request import Request, RequestStatus
 from runtime.scheduler import EngineCoreOutput, Scheduler
@@ -55,6 +55,9 @@ class EngineCore:
         self._unstreamed: tuple[list[EngineCoreOutput], list[PromptLogprobs]] | None = None
         self._idle = anyio.Event()  # set while the loop waits for work
         self._stopped = False  # the loop has ended (its worker died, or the engine closed)
+        # Per step in flight: its requests the workers may refuse (RequestError), by id, as
+        # they were then: an error must not fail a later request that took the id.
+        self._fallible: dict[int, dict[str, Request]] = {}
 
     # -- intake (sync, any task) -----------------------------------------------------------
 
@@ -180,6 +183,7 @@ class EngineCore:
                     )
                     self._clock.sent()
                     in_flight.append((scheduler_output, call_id))
+                    self._note_fallible(scheduler_output)
                 else:
                     self._clock.encoded()
                 if self._unstreamed is not None:
@@ -194,15 +198,17 @@ class EngineCore:
                 self._clock.replied(reply.worker_time_s if isinstance(reply, StepResult) else 0.0)
                 self.num_steps += 1
                 if isinstance(reply, CallFailed):
+                    self._fallible.clear()  # every running request fails, or was drained
                     self.scheduler.drop_step(step)
                     self._fail_running(reply)
                     await self._drain(in_flight)
                     self._clock.idle()  # the drain's wait is no turnaround
                 else:
                     assert isinstance(reply, StepResult)
+                    fallible = self._fallible.pop(step.step_id, {})
+                    if reply.request_errors:  # first: their tokens of this step are dropped
+                        self._fail_requests(reply.request_errors, fallible)
                     outputs = self.scheduler.update_from_output(step, reply)
-                    if reply.request_errors:
-                        self._fail_requests(reply.request_errors)
                     self._clock.updated()
                     # Only while a step is in flight: the next turn, which streams them, then
                     # always has a reply to wait for.
@@ -218,6 +224,7 @@ class EngineCore:
             for _, call_id in in_flight:
                 self.workers.discard(call_id)
             self._unstreamed = None
+            self._fallible.clear()
             # An ended loop holds nothing: its streams end, its requests free their blocks.
             self.output_processor.abort_all(error)
             self.scheduler.finish_requests(
@@ -252,17 +259,32 @@ class EngineCore:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
 
-    def _fail_requests(self, errors: list[RequestError]) -> None:
-        """Requests the worker could not take (a grammar that does not compile) fail alone:
-        ValueError on their streams, before any of their tokens is streamed."""
+    def _note_fallible(self, step: SchedulerOutput) -> None:
+        """Remember the step's requests that the workers may refuse (see `_fail_requests`)."""
+        requests = self.scheduler.requests
+        fallible = {
+            req_id: request for req_id in step.num_scheduled_tokens
+            if (params := (request := requests[req_id]).sampling_params).structured_outputs
+            or params.allowed_token_ids is not None
+        }  # fmt: skip
+        if fallible:
+            self._fallible[step.step_id] = fallible
+
+    def _fail_requests(self, errors: list[RequestError], fallible: dict[str, Request]) -> None:
+        """Requests the workers could not serve (a grammar that does not compile, nothing
+        left to sample) fail alone: RequestRefusedError on their streams."""
         self._stream_unstreamed()  # the step before's outputs are theirs, and are sound
         for error in errors:
+            request = fallible.get(error.req_id)
             state = self.output_processor.states.get(error.req_id)
+            if request is None or self.scheduler.requests.get(error.req_id) is not request:
+                continue  # ended meanwhile (and its id may be a new request's now)
             if state is None:
-                continue  # aborted meanwhile, or failed with a sibling (n > 1)
+                continue  # failed with a sibling (n > 1)
             request_id = state.parent.request_id
-            logger.info("request %s failed on the worker: %s", request_id, error.message)
-            self.output_processor.parents[request_id].collector.put(ValueError(error.message))
+            logger.info("request %s refused by the workers: %s", request_id, error.message)
+            refused = RequestRefusedError(error.message)
+            self.output_processor.parents[request_id].collector.put(refused)
             self._abort_now(request_id, "error")
 
     def _fail_running(self, failed: CallFailed) -> None:

@@ -4,6 +4,7 @@
     ├── EngineDeadError       a worker died or its connection broke; the engine is done
     ├── EngineClosedError     the engine was used outside its `async with` block
     ├── EngineStepError       the worker raised in a step; those requests fail, others go on
+    ├── RequestRefusedError   the workers could not serve one request (also a ValueError)
     ├── ManagerError          the engine-manager could not be reached, started, or refused us
     │   └── WorkerStartError  the manager could not start workers (bad model, no memory, ...)
     └── RemoteCallError       a collective_rpc callable raised on a worker (worker still sound)
@@ -44,6 +45,11 @@ class RemoteCallError(LoomError):
         self.rank = rank
         self.error_type = error_type
         self.remote_traceback = traceback
+
+
+class RequestRefusedError(LoomError, ValueError):
+    """The workers could not serve this request as asked (a grammar that does not compile,
+    filters that leave no token): it failed alone, the engine and other requests go on."""
 
 
 class EngineStepError(LoomError):

@@ -137,6 +137,14 @@ async def test_structured_outputs_and_a_grammar_that_does_not_compile(server):
                    {"guided_choice": ["w7", "w9w11"]}, {"guided_regex": "(w7|w9w11)"}):
         out = (await client.post("/v1/completions", json={**body, **fields})).json()
         assert {c["text"].replace(" ", "") for c in out["choices"]} <= {"w7", "w9w11"}, out
+    error = assert_error(await client.post("/v1/completions", json={**body, "guided_json": "x"}),
+                         400, "guided_json")  # fmt: skip
+    assert error["message"].startswith("guided_json is not JSON")
+    # Any JSON value: the tiny vocabulary ("w0" to "w255") cannot spell one.
+    error = assert_error(await client.post("/v1/completions", json={**body, "guided_json": True}),
+                         400, "guided_json")  # fmt: skip
+    assert error["message"] == ("guided_json: no token of this model's vocabulary can continue "
+                                "the grammar")  # fmt: skip
     bad = {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "frob"}}}}  # fmt: skip
     error = assert_error(await client.post("/v1/completions", json={**body, **bad}), 400,
@@ -191,6 +199,11 @@ async def test_bad_input_is_400_naming_the_field(server):
         ({"prompt": "w5", "structured_outputs": {"xml": "w5"}}, "structured_outputs"),
         ({"prompt": "w5", "guided_choice": []}, "guided_choice"),
         ({"prompt": "w5", "guided_json": "{oops"}, "guided_json"),
+        ({"prompt": "w5", "structured_outputs": {"regex": "w5", "json_object": False}},
+         "structured_outputs"),
+        ({"prompt": "w5", "structured_outputs": {"json_object": False}}, "structured_outputs"),
+        ({"prompt": "w5", "response_format": {"type": "json_schema", "json_schema": {
+            "name": 5, "schema": {}}}}, "response_format"),
         ({"prompt": "w5", "tools": [{"type": "function", "function": {"name": "f"}}]},
          "tools"),
         ({"prompt": "w5", "tool_choice": "auto"}, "tool_choice"),

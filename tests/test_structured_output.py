@@ -34,6 +34,8 @@ def test_bitmask_bits_are_tokens_32i_plus_j():
             allowed = (int(bitmask[row, token // 32]) >> (token % 32)) & 1
             assert out[row, token] == (logits[row, token] if allowed else float("-inf"))
     assert torch.equal(apply_bitmask(logits, allocate_bitmask(3, 150)), logits)
+    only = apply_bitmask(logits, bitmask, rows=[1])  # the others are not looked at
+    assert torch.equal(only[1], out[1]) and torch.equal(only[[0, 2]], logits[[0, 2]])
 
 
 def test_specs_are_validated_where_they_are_made():
@@ -61,6 +63,11 @@ def test_grammars_compile_for_the_model_and_refusals_are_value_errors(tiny_model
         assert xgrammar.GrammarMatcher(grammar).accept_string(text), text
     assert not xgrammar.GrammarMatcher(grammar).accept_string("say hi")
     assert choice_grammar(("a",)) == 'root ::= "a"'
+    any_object = compiler.compile(StructuredOutputsParams(json_object=True), TINY_EOS)
+    for text, ok in [('{"a": [1, 2], "b": {"c": null}}', True), ("[1, 2]", False),
+                     ("{ }", False), ('{"a":1}', False)]:  # an object, json.dumps' spacing
+        matcher = xgrammar.GrammarMatcher(any_object)
+        assert (matcher.accept_string(text) and matcher.is_completed()) == ok, text
     for spec, match in [
         (StructuredOutputsParams(regex="(?=a)b"), r"^structured_outputs\.regex does not "
                                                   r"compile: Regex parsing error"),
@@ -81,9 +88,12 @@ def test_a_finished_grammar_allows_only_its_stop_tokens(tiny_model):
     grammar.fill_bitmask([7, 63], bitmask, 1)  # ignore_eos: the request goes on past it
     allowed = apply_bitmask(torch.zeros(2, 256), bitmask).isfinite()
     assert allowed[1].nonzero().flatten().tolist() == [2, 63] and allowed[0].all()
-    broken = RequestGrammar(compiler.compile(StructuredOutputsParams(regex="w7"), [2]))
-    broken.fill_bitmask([9], bitmask, 0)  # a token it refuses: unconstrained from then on
-    assert broken.broken and bool((bitmask[0] == -1).all())
+    refusing = RequestGrammar(compiler.compile(StructuredOutputsParams(regex="w7"), [2]))
+    with pytest.raises(ValueError, match="the grammar refused token 9"):
+        refusing.fill_bitmask([9], bitmask, 0)
+    unspellable = compiler.request_grammar(StructuredOutputsParams(regex="[a-z]{3}"), [2])
+    with pytest.raises(ValueError, match="no token of this model's vocabulary"):
+        unspellable.fill_bitmask([], bitmask, 0)  # the tiny vocabulary is "w0" to "w255"
 
 
 
@@ -128,6 +138,47 @@ async def test_constrained_requests_beside_plain_and_failing_ones(tiny_model, sh
             words = text.split()
             assert (len(words) == 6) == (reason == "length"), results["regex"]
             assert words and set(words) <= {"w7", "w9"}, results["regex"]
+        await engine.wait_until_idle()
+        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+async def test_requests_left_nothing_to_sample_fail_alone(tiny_model, shared_manager,
+                                                          async_scheduling):  # fmt: skip
+    """Token 0 was drawn from an all -inf row and the grammar then silently let go."""
+    from runtime import RequestRefusedError
+
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cases = {
+        # The grammar ends after w7 (eos only) while min_tokens bans eos.
+        "min_tokens": (dict(min_tokens=4, structured_outputs=StructuredOutputsParams(
+            choice=["w7"])), "nothing is left to sample"),
+        "disjoint": (dict(allowed_token_ids=[9, 10], structured_outputs=StructuredOutputsParams(
+            choice=["w7"])), "nothing is left to sample"),
+        "unspellable": (dict(structured_outputs=StructuredOutputsParams(regex="[a-z]{3}")),
+                        "no token of this model's vocabulary"),
+    }  # fmt: skip
+    results: dict[str, object] = {}
+
+    async def run(engine, name, params):
+        try:
+            results[name] = [out async for out in engine.generate(PROMPT, params)][-1]
+        except RequestRefusedError as exc:
+            results[name] = exc
+
+    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
+                      async_scheduling=async_scheduling) as engine:  # fmt: skip
+        await run(engine, "alone", greedy)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, engine, "plain", greedy)
+            for name, (kwargs, _) in cases.items():
+                tg.start_soon(run, engine, name, SamplingParams(temperature=0, max_tokens=6,
+                                                                **kwargs))  # fmt: skip
+        for name, (_, match) in cases.items():
+            assert isinstance(results[name], RequestRefusedError), (name, results[name])
+            assert match in str(results[name]) and isinstance(results[name], ValueError)
+        assert results["plain"].outputs[0].token_ids == results["alone"].outputs[0].token_ids
         await engine.wait_until_idle()
         assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 

@@ -39,7 +39,7 @@ from workers.sampler import (
     sample,
     score_prompt_chunks,
 )
-from workers.structured_output import GrammarCompiler, RequestGrammar, allocate_bitmask
+from workers.structured_output import GrammarCompiler, RequestGrammar, fill_bitmasks
 from workers.token_filters import TokenFilters
 
 logger = logging.getLogger(__name__)
@@ -154,9 +154,10 @@ class ModelRunner:
         return probe.result()
 
     def reset(self) -> None:
-        """Forget every request (the attached engine went away)."""
+        """Forget every request (the attached engine went away, or a step failed)."""
         self.requests.clear()
         self._last = None
+        self._request_errors = []  # of requests gone with the rest
 
     # -- persistent batch ----------------------------------------------------------------
 
@@ -345,7 +346,7 @@ class ModelRunner:
                 for ids, lps in zip(sampled.top_token_ids, sampled.top_logprobs, strict=True)
             ]
             step = PendingStep(call_id, samplers, sampled.sampled_token_ids, sampled.logprobs,
-                               top, prompt_lps, errors)  # fmt: skip
+                               top, prompt_lps, errors, sampled.stuck)  # fmt: skip
         self._last = step
         return step
 
@@ -368,11 +369,8 @@ class ModelRunner:
             banned,
             [s.filters for s in samplers],
         )
-        if any(s.grammar is not None for s in samplers):
-            meta.token_bitmask = allocate_bitmask(len(samplers), logits.shape[-1])
-            for row, s in enumerate(samplers):
-                if s.grammar is not None:
-                    s.grammar.fill_bitmask(s.output_token_ids, meta.token_bitmask, row)
+        meta.token_bitmask, meta.bitmask_rows, failed = fill_bitmasks(samplers, logits.shape[-1])
+        self._request_errors += [RequestError(req_id, why) for req_id, why in failed]
         return sample(logits, meta)
 
 

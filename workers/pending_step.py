@@ -15,6 +15,9 @@ import torch
 
 from protocols.messages import PromptLogprobs, RequestError, StepResult, TopLogprobs
 
+NOTHING_TO_SAMPLE = ("nothing is left to sample: structured_outputs, allowed_token_ids and "
+                     "min_tokens (which bans eos) together exclude every token")
+
 
 @dataclass(eq=False)
 class PendingStep:
@@ -25,10 +28,12 @@ class PendingStep:
     top_logprobs: list[TopLogprobs | None]
     prompt_logprobs: list[PromptLogprobs]
     request_errors: list[RequestError] = field(default_factory=list)
+    # [B] bool on the device: rows that had no token left to sample (their requests fail)
+    stuck: torch.Tensor | None = None
     # id() of each sampled request's state -> its row in `sampled`: by identity, since a
     # new request may take a finished one's id while this step is still unread.
     rows: dict[int, int] = field(init=False)
-    _host: tuple[torch.Tensor, torch.Tensor] = field(init=False)
+    _host: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] = field(init=False)
     _copied: Any = field(init=False, default=None)  # torch.cuda.Event of the copy
     _result: StepResult | None = field(init=False, default=None)
 
@@ -37,12 +42,13 @@ class PendingStep:
         if self.sampled.is_cuda:
             # Start the copy now, on the current stream, without blocking the host: the
             # next step's kernels queue up behind it and the host waits only in result().
+            stuck = None if self.stuck is None else self.stuck.to("cpu", non_blocking=True)
             self._host = (self.sampled.to("cpu", non_blocking=True),
-                          self.logprobs.to("cpu", non_blocking=True))  # fmt: skip
+                          self.logprobs.to("cpu", non_blocking=True), stuck)  # fmt: skip
             self._copied = torch.cuda.Event()
             self._copied.record()
         else:
-            self._host = (self.sampled, self.logprobs)
+            self._host = (self.sampled, self.logprobs, self.stuck)
 
     @property
     def is_resolved(self) -> bool:
@@ -61,6 +67,12 @@ class PendingStep:
             for state, token_id in zip(self.samplers, token_ids, strict=True):
                 state.output_token_ids.append(token_id)
                 state.all_token_ids.append(token_id)
+            if self._host[2] is not None:
+                self.request_errors += [
+                    RequestError(state.req_id, NOTHING_TO_SAMPLE)
+                    for state, stuck in zip(self.samplers, self._host[2].tolist(), strict=True)
+                    if stuck
+                ]  # fmt: skip
             self._result = StepResult(
                 self.call_id, [s.req_id for s in self.samplers], token_ids,
                 self._host[1].tolist(), self.top_logprobs, self.prompt_logprobs,

@@ -41,9 +41,10 @@ class SamplingMetadata:
     num_logprobs: list[int | None]  # how many top logprobs to return
     # Per row: its allowed ids and logit bias (None: neither), built once per request.
     token_filters: list[TokenFilters | None] = field(default_factory=list)
-    # [B, ceil(V / 32)] int32 on the CPU, bit j of word i set: token 32 i + j may be sampled
-    # (structured_outputs' grammars; every bit set in an unconstrained row). None: no row has one.
+    # [B, ceil(V / 32)] int32 on the CPU, bit j of word i set: token 32 i + j may be sampled,
+    # for the rows in bitmask_rows (structured_outputs' grammars). None: no row has one.
     token_bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] = field(default_factory=list)
     is_greedy: list[bool] = field(init=False)
     is_all_greedy: bool = field(init=False)
     has_penalties: bool = field(init=False)
@@ -110,6 +111,9 @@ class SamplerOutput:
     logprobs: torch.Tensor  # [B] float32: raw log_softmax (before penalties) at the sampled id
     top_token_ids: list[list[int] | None]  # per row, sorted by logprob desc; None: not asked
     top_logprobs: list[list[float] | None]
+    # [B] bool: rows whose filters left no token (a token was drawn anyway); None: no row
+    # was narrowed to a few tokens. On the logits' device: read with the tokens, no sync.
+    stuck: torch.Tensor | None = None
 
 
 def draw_seed(seed: int, index: int) -> int:
@@ -140,6 +144,9 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     raw = logits.float()  # [B, V]; never modified in place (may be the caller's tensor)
     lse = torch.logsumexp(raw, dim=-1)  # [B]
     x = apply_token_filters(raw, meta)  # [B, V]
+    narrowed = meta.token_bitmask is not None or any(
+        f is not None and f.allowed is not None for f in meta.token_filters)  # fmt: skip
+    stuck = ~x.isfinite().any(dim=-1) if narrowed else None  # [B]
     if meta.has_penalties:
         x = apply_penalties(x, meta)
     if meta.is_all_greedy:  # the common case: no RNG touched, a few tensor ops
@@ -148,7 +155,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         sampled = _sample_random(x, meta)
     logprobs = raw.gather(1, sampled[:, None])[:, 0] - lse  # [B]
     top_ids, top_lps = _top_logprobs(raw, lse, meta.num_logprobs)
-    return SamplerOutput(sampled, logprobs, top_ids, top_lps)
+    return SamplerOutput(sampled, logprobs, top_ids, top_lps, stuck)
 
 
 def apply_token_filters(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -156,7 +163,7 @@ def apply_token_filters(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     min_tokens' bans, then the logit bias. Out of place; `x` [B, V] is returned when no row
     has any."""
     if meta.token_bitmask is not None:
-        x = apply_bitmask(x, meta.token_bitmask)
+        x = apply_bitmask(x, meta.token_bitmask, meta.bitmask_rows)
     if any(meta.token_filters):
         x = apply_allowed(x, meta.token_filters)
     x = apply_banned(x, meta.banned_token_ids)

@@ -19,9 +19,13 @@ from typing import Any
 import torch
 
 from protocols.sampling import StructuredOutputsParams
+from workers.device_copy import device_tensor, to_device
 
 logger = logging.getLogger(__name__)
 
+# Compiled grammars kept for reuse (xgrammar evicts the least recently used beyond it): about
+# 10 MB a JSON schema on a 49k vocabulary, and a server may see a new schema per request.
+GRAMMAR_CACHE_BYTES = 256 * 2**20
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")  # "[14:50:05] /project/x.cc:83: "
 
 
@@ -58,8 +62,9 @@ class GrammarCompiler:
             if spec.json is not None:
                 # No free whitespace: a model could loop on it; json.dumps' separators.
                 return compiler.compile_json_schema(spec.json, any_whitespace=False)
-            if spec.json_object:
-                return compiler.compile_builtin_json_grammar()
+            if spec.json_object:  # an object (not any JSON value), held to the same whitespace
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                    strict_mode=False)  # fmt: skip
             if spec.regex is not None:
                 return compiler.compile_regex(spec.regex)
             if spec.choice is not None:
@@ -87,7 +92,8 @@ class GrammarCompiler:
             info = xgrammar.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(stop_token_ids)
             )
-            compiler = self._compilers[stop_token_ids] = xgrammar.GrammarCompiler(info)
+            compiler = self._compilers[stop_token_ids] = xgrammar.GrammarCompiler(
+                info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         return compiler
 
 
@@ -105,25 +111,25 @@ class RequestGrammar:
 
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.num_accepted = 0
-        self.broken = False  # a token the grammar refused: the request runs unconstrained
 
     def fill_bitmask(self, output_token_ids: list[int], bitmask: torch.Tensor, row: int) -> None:
         """Accept the tokens sampled since the last call, then write the allowed next tokens
-        into `bitmask[row]` (int32 words, bit j of word i: token 32 i + j)."""
+        into `bitmask[row]` (int32 words, bit j of word i: token 32 i + j). ValueError if
+        the grammar refuses one (it was sampled under another mask: never, short of a bug)
+        or allows no next token (the vocabulary cannot spell what it needs next)."""
         for token_id in output_token_ids[self.num_accepted :]:
-            if not self.broken and not self.matcher.is_terminated():
-                if not self.matcher.accept_token(token_id):
-                    logger.warning("grammar refused token %d: unconstrained now", token_id)
-                    self.broken = True
+            if not self.matcher.is_terminated() and not self.matcher.accept_token(token_id):
+                raise ValueError(f"structured_outputs: the grammar refused token {token_id}")
             self.num_accepted += 1
-        if self.broken:
-            bitmask[row] = -1
-        elif self.matcher.is_terminated():  # past its stop token (ignore_eos): stop tokens only
+        if self.matcher.is_terminated():  # past its stop token (ignore_eos): stop tokens only
             bitmask[row] = 0
             for token_id in self.matcher.stop_token_ids:
                 bitmask[row, token_id // 32] |= _bit(token_id % 32)
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
+        if not bool(bitmask[row].any()):
+            raise ValueError("structured_outputs: no token of this model's vocabulary can "
+                             "continue the grammar")  # fmt: skip
 
 
 def _bit(j: int) -> int:
@@ -131,15 +137,44 @@ def _bit(j: int) -> int:
     return (1 << j) - (1 << 32) * (j == 31)
 
 
+def fill_bitmasks(
+    samplers: list[Any], vocab_size: int
+) -> tuple[torch.Tensor | None, list[int], list[tuple[str, str]]]:
+    """The step's bitmask for the sampling rows whose request has a grammar (`.grammar`,
+    advanced by its `.output_token_ids`), those rows, and (request id, why) for each
+    grammar that failed: that request is to fail, and its row goes unconstrained."""
+    if all(s.grammar is None for s in samplers):
+        return None, [], []
+    bitmask = allocate_bitmask(len(samplers), vocab_size)
+    rows, failed = [], []
+    for row, state in enumerate(samplers):
+        if state.grammar is None:
+            continue
+        try:
+            state.grammar.fill_bitmask(state.output_token_ids, bitmask, row)
+            rows.append(row)
+        except ValueError as exc:
+            failed.append((state.req_id, str(exc)))
+            state.grammar = None
+    return bitmask, rows, failed
+
+
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """[rows, ceil(V / 32)] int32, every token allowed (all bits set)."""
     return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
 
 
-def apply_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Logits `x` [B, V] with the tokens whose bit is clear in `bitmask` [B, W] at -inf."""
+def apply_bitmask(
+    x: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None
+) -> torch.Tensor:
+    """Logits `x` [B, V] with the tokens whose bit is clear in `bitmask` [B, W] (on the
+    host) at -inf, out of place; only `rows` are looked at (None: all)."""
+    rows = list(range(x.shape[0])) if rows is None else rows
+    if not rows:
+        return x
     vocab = x.shape[-1]
     shifts = torch.arange(32, dtype=torch.int32, device=x.device)  # [32]
-    words = bitmask.to(x.device, non_blocking=True)  # [B, W]
-    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [B, V]
-    return x.masked_fill(~allowed, float("-inf"))
+    words = to_device(bitmask[rows], x.device)  # [R, W], through pinned memory on CUDA
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [R, V]
+    index = device_tensor(rows, torch.long, x.device)
+    return x.index_put((index,), x[index].masked_fill(~allowed, float("-inf")))

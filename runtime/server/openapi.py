@@ -98,7 +98,7 @@ def _sampling(vocab_size: int) -> dict[str, Schema]:
         },
         **{name: {"type": ["array", "null"], "minItems": 1,
                   "items": {"type": "string", "minLength": 1}} if key == "choice" else
-           {"type": ["object", "string", "null"]} if key == "json" else
+           {"type": ["object", "string", "boolean", "null"]} if key == "json" else
            {"type": ["string", "null"], "minLength": 1}
            for name, key in GUIDED_FIELDS.items()},
         "stream": _bool(),
@@ -111,7 +111,7 @@ def _sampling(vocab_size: int) -> dict[str, Schema]:
 
 def _one_of_grammars() -> Schema:
     text = {"type": "string", "minLength": 1}
-    options = {"json": {"type": ["object", "string"]}, "json_object": {"const": True},
+    options = {"json": {"type": ["object", "string", "boolean"]}, "json_object": {"const": True},
                "regex": text, "choice": {"type": "array", "minItems": 1, "items": text},
                "grammar": text}
     return {"oneOf": [{"type": "object", "properties": {key: value},

@@ -154,12 +154,20 @@ def structured_outputs(body: dict[str, Any]) -> tuple[StructuredOutputsParams | 
             if not isinstance(schema, dict):
                 raise bad("response_format.json_schema.schema must be a JSON schema (an object)",
                           "response_format")  # fmt: skip
+            assert isinstance(spec, dict)
+            if not isinstance(spec.get("name", ""), str) or spec.get("strict") not in (
+                    None, True, False):  # fmt: skip
+                raise bad("response_format.json_schema: name must be a string, strict true or "
+                          "false", "response_format")  # fmt: skip
             asked.append(("response_format", {"json": schema}))
         elif kind != "text":
             raise bad('response_format.type must be "text", "json_object" or "json_schema"',
                       "response_format")  # fmt: skip
     given = field(body, "structured_outputs", "dict")
     if given is not None:
+        if len(given) != 1 or None in given.values():
+            raise bad("structured_outputs must set exactly one of json, json_object, regex, "
+                      "choice, grammar", "structured_outputs")  # fmt: skip
         asked.append(("structured_outputs", given))
     for name, key in GUIDED_FIELDS.items():
         if body.get(name) is not None:
@@ -175,7 +183,12 @@ def structured_outputs(body: dict[str, Any]) -> tuple[StructuredOutputsParams | 
             raise ValueError(f"its fields are {', '.join(StructuredOutputsParams.__slots__)}")
         return StructuredOutputsParams(**kwargs), name
     except (TypeError, ValueError) as exc:
-        raise bad(f"{name}: {exc}"[:MAX_MESSAGE_CHARS], name) from None
+        # "structured_outputs.json is not JSON" as the field the body named: guided_json.
+        message = str(exc) if name == "structured_outputs" else re.sub(
+            r"^structured_outputs(\.\w+)?", name, str(exc))  # fmt: skip
+        if not message.startswith(name):
+            message = f"{name}: {message}"
+        raise bad(message[:MAX_MESSAGE_CHARS], name) from None
 
 
 def parse_common(

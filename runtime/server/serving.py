@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from runtime.engine import Engine
-from runtime.errors import EngineClosedError, EngineDeadError
+from runtime.errors import EngineClosedError, EngineDeadError, RequestRefusedError
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.request_stream import RequestStream
 from runtime.server import sse
@@ -95,13 +95,14 @@ async def drive(
 
 
 def engine_error(exc: Exception, structured_field: str | None = None) -> ApiError:
-    """A dead or closed engine is 503 (retry later: it restarts); a ValueError (a grammar
-    the workers could not compile) 400 naming `structured_field`; any other failure 500."""
-    if isinstance(exc, ValueError):
+    """A dead or closed engine is 503 (retry later: it restarts); a request the workers
+    refused (a grammar that does not compile) 400 naming `structured_field`; any other
+    failure 500."""
+    if isinstance(exc, RequestRefusedError):
         message = str(exc)
         if structured_field is not None and structured_field != "structured_outputs":
             # The worker names its own field: "structured_outputs.json does not compile".
-            message = re.sub(r"^structured_outputs\.\w+", structured_field, message)
+            message = re.sub(r"^structured_outputs(\.\w+)?", structured_field, message)
         return bad(message[:MAX_MESSAGE_CHARS], structured_field)
     if isinstance(exc, EngineDeadError | EngineClosedError):
         return ApiError(503, f"the engine stopped during this request: {exc}", None,
