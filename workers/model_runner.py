@@ -185,11 +185,9 @@ class ModelRunner:
         state.filters = TokenFilters.of(params, self.vocab_size, self.device)
         if params.structured_outputs is not None:
             assert self.grammars is not None, "worker_state gives every runner its compiler"
-            try:
-                state.grammar = self.grammars.request_grammar(
-                    params.structured_outputs, new.eos_token_ids)
-            except ValueError as exc:  # the request fails alone; it runs unconstrained meanwhile
-                self._request_errors.append(RequestError(new.req_id, str(exc)))
+            # Compiled meanwhile; one that fails fails its request at its first sample.
+            state.grammar = self.grammars.request_grammar(params.structured_outputs,
+                                                          new.eos_token_ids)  # fmt: skip
         return state
 
     # -- one step --------------------------------------------------------------------------

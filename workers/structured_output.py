@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +41,22 @@ class GrammarCompiler:
         self.model_dir = model_dir
         self.vocab_size = vocab_size  # the logits' width: may exceed the tokenizer's
         self._compilers: dict[tuple[int, ...], Any] = {}  # by stop token ids
+        self._thread: ThreadPoolExecutor | None = None
 
     def request_grammar(
         self, spec: StructuredOutputsParams, stop_token_ids: list[int]
     ) -> RequestGrammar:
-        """A new matcher for one request; ValueError for anything that keeps it from being
+        """A new request's matcher, its grammar compiled on a thread of its own (xgrammar
+        lets go of the GIL): the step's forward runs meanwhile, and the first fill waits
+        for it. That fill raises ValueError for anything that kept the grammar from being
         built, so that the request fails alone."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
+        return RequestGrammar(self._thread.submit(self._build, spec, stop_token_ids))
+
+    def _build(self, spec: StructuredOutputsParams, stop_token_ids: list[int]) -> Any:
         try:
-            return RequestGrammar(self.compile(spec, stop_token_ids))
+            return self.compile(spec, stop_token_ids)
         except ValueError:
             raise
         except Exception as exc:
@@ -107,16 +116,27 @@ class RequestGrammar:
     """One request's matcher, advanced by its output tokens as they come."""
 
     def __init__(self, compiled: Any) -> None:
-        import xgrammar
-
-        self.matcher = xgrammar.GrammarMatcher(compiled)
+        self._compiled = compiled  # an xgrammar CompiledGrammar, or a Future of one
+        self._matcher: Any = None
         self.num_accepted = 0
+
+    @property
+    def matcher(self) -> Any:
+        """The xgrammar GrammarMatcher, once its grammar is compiled (ValueError if it was not)."""
+        if self._matcher is None:
+            import xgrammar
+
+            compiled = self._compiled
+            if isinstance(compiled, Future):
+                compiled = compiled.result()
+            self._matcher = xgrammar.GrammarMatcher(compiled)
+        return self._matcher
 
     def fill_bitmask(self, output_token_ids: list[int], bitmask: torch.Tensor, row: int) -> None:
         """Accept the tokens sampled since the last call, then write the allowed next tokens
         into `bitmask[row]` (int32 words, bit j of word i: token 32 i + j). ValueError if
-        the grammar refuses one (it was sampled under another mask: never, short of a bug)
-        or allows no next token (the vocabulary cannot spell what it needs next)."""
+        the grammar did not compile, refuses a token (sampled under another mask: never,
+        short of a bug) or allows no next token (the vocabulary cannot spell what it needs)."""
         for token_id in output_token_ids[self.num_accepted :]:
             if not self.matcher.is_terminated() and not self.matcher.accept_token(token_id):
                 raise ValueError(f"structured_outputs: the grammar refused token {token_id}")
