@@ -164,7 +164,10 @@ class SamplingParams:
                 if type(token_id) is not int or not 0 <= token_id <= _INT64[1]:
                     raise ValueError(f"logit_bias keys must be token ids (integers >= 0), "
                                      f"got {token_id!r}")  # fmt: skip
-                _number(f"logit_bias[{token_id}]", value)
+                try:
+                    _number("logit_bias", value)
+                except ValueError as exc:
+                    raise ValueError(f"{exc} (token {token_id})") from None
             normal = MappingProxyType({k: float(v) for k, v in bias.items()})
             object.__setattr__(self, "logit_bias", normal)
         allowed = self.allowed_token_ids

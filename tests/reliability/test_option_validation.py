@@ -37,6 +37,10 @@ BAD_SAMPLING = {
     "skip_special_tokens": [1, "yes", None],
     "include_stop_str_in_output": [0, "no", None],
     "output_kind": [5, -1, "DELTA", 1.0, None, True],
+    "logit_bias": [{"1": 1.0}, {-1: 1.0}, {1.5: 1.0}, {True: 1.0}, {HUGE: 1.0}, {1: NAN},
+                   {1: INF}, {1: "1"}, {1: None}, {1: 10**400}, [1], "{}"],
+    "allowed_token_ids": [[], [-1], [1.5], ["1"], [True], [HUGE], 5, "12", {1: 2}],
+    "structured_outputs": [{"regex": "a"}, "json", 5, True],
 }
 
 BAD_ENGINE = {
