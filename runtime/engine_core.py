@@ -165,6 +165,7 @@ class EngineCore:
                     self._clock.start()
                 sent_ahead = False
                 scheduler_output = self.scheduler.schedule()
+                self._note_fallible(scheduler_output)  # before an await can end one of them
                 has_work = bool(
                     scheduler_output.num_scheduled_tokens or scheduler_output.finished_req_ids
                 )
@@ -183,7 +184,6 @@ class EngineCore:
                     )
                     self._clock.sent()
                     in_flight.append((scheduler_output, call_id))
-                    self._note_fallible(scheduler_output)
                 else:
                     self._clock.encoded()
                 if self._unstreamed is not None:
