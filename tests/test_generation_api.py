@@ -9,6 +9,7 @@ import math
 import anyio
 import anyio.lowlevel
 import pytest
+from hf_reference import hf_greedy
 
 from runtime import Engine, RequestOutputKind, SamplingParams
 
@@ -81,26 +82,17 @@ async def test_logprobs_match_hf_log_softmax(engine, tiny_model):
 async def test_logit_bias_and_allowed_token_ids_match_hf_generate(engine, tiny_model):
     """Greedy tokens with a bias and with an allowed list, batched beside a plain request,
     against HF generate's sequence_bias and prefix_allowed_tokens_fn one at a time."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    ids = torch.tensor([PROMPT["prompt_token_ids"]])
-    with torch.no_grad():  # bias the tokens the plain run picks, so the bias must show
-        plain_ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=12, pad_token_id=0)[0, ids.shape[1]:]
-    picked = plain_ref.tolist()
+    prompts = [PROMPT["prompt_token_ids"]]
+    # Bias the tokens the plain run picks, so that the bias must show.
+    picked = hf_greedy(tiny_model, prompts, 12)[0]
     bias = {picked[0]: -5.0, picked[3]: -2.5, 77: 1.5}
     allowed = [2, 9, 30, 77, 150, picked[5]]
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
     cases = {
-        "plain": (plain, {}),
-        "bias": (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                logit_bias=bias), {"sequence_bias": {(t,): b for t, b in
-                                                                    bias.items()}}),
-        "allowed": (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                   allowed_token_ids=allowed),
+        "plain": (SamplingParams(**greedy), {}),
+        "bias": (SamplingParams(**greedy, logit_bias=bias),
+                 {"sequence_bias": {(t,): b for t, b in bias.items()}}),
+        "allowed": (SamplingParams(**greedy, allowed_token_ids=allowed),
                     {"prefix_allowed_tokens_fn": lambda batch, ids: allowed}),
     }  # fmt: skip
     got = {}
@@ -112,10 +104,7 @@ async def test_logit_bias_and_allowed_token_ids_match_hf_generate(engine, tiny_m
         for name, (params, _) in cases.items():
             tg.start_soon(run, name, params)
     for name, (_, hf_kwargs) in cases.items():
-        with torch.no_grad():
-            ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=12, pad_token_id=0, **hf_kwargs)  # fmt: skip
-        assert got[name] == ref[0, ids.shape[1]:].tolist(), name
+        assert [got[name]] == hf_greedy(tiny_model, prompts, 12, **hf_kwargs), name
     assert got["bias"] != got["plain"] and set(got["allowed"]) <= set(allowed)
 
 

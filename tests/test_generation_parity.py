@@ -12,6 +12,7 @@ import random
 import anyio
 import pytest
 from conftest import make_tiny_model
+from hf_reference import hf_greedy
 
 from runtime import LLM, Engine, SamplingParams
 
@@ -31,30 +32,11 @@ def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    # Like ignore_eos: generate through EOS. (min_new_tokens would instead ban EOS.)
-    model.generation_config.eos_token_id = None
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                max_new_tokens=MAX_TOKENS, pad_token_id=0,
-            )  # fmt: skip
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def arch_case(request, tmp_path_factory):
     model_dir = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=1)
     prompts = make_prompts(256)
-    return model_dir, prompts, hf_greedy(model_dir, prompts)
+    return model_dir, prompts, hf_greedy(model_dir, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
@@ -136,7 +118,7 @@ def smollm2_case():
     # The last four share a long system prefix: prefix-cache hits across requests.
     prompts = [tok.encode(p) for p in SMOL_PROMPTS[:4]]
     prompts += [tok.encode(SYSTEM + p) for p in SMOL_PROMPTS[4:]]
-    return prompts, hf_greedy(model_dir, prompts)
+    return prompts, hf_greedy(model_dir, prompts, MAX_TOKENS)
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import json
 import anyio
 import pytest
 import torch
+from hf_reference import hf_greedy
 
 from protocols.sampling import SamplingParams, StructuredOutputsParams
 from runtime import LLM, Engine
@@ -188,26 +189,18 @@ def hf_constrained_greedy(model_dir: str, prompts: list[list[int]], schema: str,
                           max_new_tokens: int) -> list[list[int]]:  # fmt: skip
     """HF generate with xgrammar's own logits processor, one prompt at a time."""
     import xgrammar
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    eos = model.generation_config.eos_token_id
+    eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     info = xgrammar.TokenizerInfo.from_huggingface(
-        tokenizer, vocab_size=model.config.vocab_size,
+        AutoTokenizer.from_pretrained(model_dir),
+        vocab_size=AutoConfig.from_pretrained(model_dir).vocab_size,
         stop_token_ids=eos if isinstance(eos, list) else [eos])  # fmt: skip
     compiled = xgrammar.GrammarCompiler(info).compile_json_schema(schema, any_whitespace=False)
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                max_new_tokens=max_new_tokens, pad_token_id=0,
-                logits_processor=[xgrammar.contrib.hf.LogitsProcessor(compiled)],
-            )  # fmt: skip
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    # A processor holds one generation's matcher: a new one for each prompt.
+    return [hf_greedy(model_dir, [prompt], max_new_tokens, ignore_eos=False,
+                      logits_processor=[xgrammar.contrib.hf.LogitsProcessor(compiled)])[0]
+            for prompt in prompts]  # fmt: skip
 
 
 SCHEMA = {"type": "object", "properties": {

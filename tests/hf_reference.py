@@ -1,0 +1,30 @@
+"""The independent reference for greedy tokens: Hugging Face `generate`, one prompt at a time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def hf_greedy(
+    model_dir: str, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True,
+    **generate_kwargs: Any,
+) -> list[list[int]]:  # fmt: skip
+    """Each prompt's greedy continuation by transformers' model in float32. `ignore_eos`:
+    generate through EOS (min_new_tokens would instead ban it); `generate_kwargs` go to
+    `generate` as they are (a logits processor, a sequence bias)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if ignore_eos:
+        model.generation_config.eos_token_id = None
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=max_new_tokens, pad_token_id=0, **generate_kwargs,
+            )  # fmt: skip
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
