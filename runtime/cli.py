@@ -84,6 +84,7 @@ BENCHMARKS = {
     "compile": "benchmarks.kernel_compile",
     "emulated": "benchmarks.emulated_device",
     "gpu-session": "benchmarks.gpu_session",
+    "structured": "benchmarks.structured_overhead",
 }
 
 
