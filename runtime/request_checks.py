@@ -38,12 +38,16 @@ def check_token_ids(params: SamplingParams, vocab: int, eos_token_ids: frozenset
                       ("allowed_token_ids", params.allowed_token_ids or ())):  # fmt: skip
         if any(t >= vocab for t in ids):
             raise ValueError(f"{name} must be token ids in [0, {vocab})")
-    allowed = params.allowed_token_ids
     # Before min_tokens the workers ban eos and the stop ids: something must be left.
-    if allowed is not None and params.min_tokens:
-        if (eos_token_ids | set(params.stop_token_ids)).issuperset(allowed):
+    if params.min_tokens:
+        banned = eos_token_ids | set(params.stop_token_ids)
+        allowed = params.allowed_token_ids
+        if allowed is not None and banned.issuperset(allowed):
             raise ValueError("allowed_token_ids holds only eos and stop ids, which min_tokens "
                              "bans: nothing is left to sample")  # fmt: skip
+        if len(banned) >= vocab and sum(t < vocab for t in banned) >= vocab:
+            raise ValueError("stop_token_ids and eos cover the vocabulary, and min_tokens "
+                             "bans them: nothing is left to sample")  # fmt: skip
 
 
 def check_request_id(request_id: object) -> str:

@@ -248,6 +248,8 @@ async def test_consumer_leaving_aborts_the_request(engine):
         # eos (2) and the stop ids are banned until min_tokens: nothing would be left.
         (PROMPT, SamplingParams(allowed_token_ids=[2, 7], stop_token_ids=[7], min_tokens=1),
          "nothing is left to sample"),
+        (PROMPT, SamplingParams(stop_token_ids=list(range(256)), min_tokens=1),
+         "stop_token_ids and eos cover the vocabulary"),
     ],
 )
 async def test_bad_prompts_fail_clearly_and_others_continue(engine, prompt, params, match):

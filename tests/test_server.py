@@ -204,6 +204,8 @@ async def test_bad_input_is_400_naming_the_field(server):
         ({"prompt": "w5", "structured_outputs": {"json_object": False}}, "structured_outputs"),
         ({"prompt": "w5", "response_format": {"type": "json_schema", "json_schema": {
             "name": 5, "schema": {}}}}, "response_format"),
+        ({"prompt": "w5", "response_format": {"type": "json_schema", "json_schema": {
+            "strict": 1, "schema": {}}}}, "response_format"),
         ({"prompt": "w5", "tools": [{"type": "function", "function": {"name": "f"}}]},
          "tools"),
         ({"prompt": "w5", "tool_choice": "auto"}, "tool_choice"),

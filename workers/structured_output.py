@@ -173,7 +173,10 @@ def fill_bitmasks(
         try:
             state.grammar.fill_bitmask(state.output_token_ids, bitmask, row)
             rows.append(row)
-        except ValueError as exc:
+        except Exception as exc:  # its request fails alone, never the step
+            if not isinstance(exc, ValueError):
+                logger.exception("request %s's grammar failed", state.req_id)
+                exc = ValueError(f"structured_outputs failed on the worker: {exc!r}")
             failed.append((state.req_id, str(exc)))
             state.grammar = None
     return bitmask, rows, failed

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from protocols.sampling import SamplingParams
+from workers.device_copy import device_tensor
 
 F32_MAX = torch.finfo(torch.float32).max
 
@@ -29,14 +30,14 @@ class TokenFilters:
             return None
         allowed = None
         if params.allowed_token_ids is not None:
-            allowed = torch.tensor([t for t in params.allowed_token_ids if t < vocab_size],
-                                   dtype=torch.int64).to(device)  # fmt: skip
+            allowed = device_tensor([t for t in params.allowed_token_ids if t < vocab_size],
+                                    torch.int64, device)  # fmt: skip
         bias_ids = bias_values = None
         if params.logit_bias:
             pairs = [(t, min(max(b, -F32_MAX), F32_MAX))
                      for t, b in params.logit_bias.items() if t < vocab_size]  # fmt: skip
-            bias_ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64).to(device)
-            bias_values = torch.tensor([b for _, b in pairs], dtype=torch.float32).to(device)
+            bias_ids = device_tensor([t for t, _ in pairs], torch.int64, device)
+            bias_values = device_tensor([b for _, b in pairs], torch.float32, device)
         return cls(allowed, bias_ids, bias_values)
 
 
@@ -48,9 +49,11 @@ def _rows_and(
     rows = [i for i, f in enumerate(filters) if f is not None and getattr(f, name) is not None]
     if not rows:
         return None
-    parts = [getattr(filters[i], name) for i in rows]
-    counts = torch.tensor([len(p) for p in parts], device=device)
-    row_index = torch.repeat_interleave(torch.tensor(rows, device=device), counts)
+    sizes = [len(getattr(filters[i], name)) for i in rows]
+    # Host values through pinned memory, the output size given: no wait on the device.
+    row_index = torch.repeat_interleave(device_tensor(rows, torch.int64, device),
+                                        device_tensor(sizes, torch.int64, device),
+                                        output_size=sum(sizes))  # fmt: skip
     return row_index, rows
 
 
@@ -63,8 +66,8 @@ def apply_allowed(x: torch.Tensor, filters: list[TokenFilters | None]) -> torch.
     ids = torch.cat([filters[i].allowed for i in rows])  # type: ignore[union-attr,misc]
     keep = torch.zeros_like(x, dtype=torch.bool)
     keep[row_index, ids] = True
-    limited = torch.zeros(x.shape[0], 1, dtype=torch.bool, device=x.device)
-    limited[rows] = True
+    limited = device_tensor([f is not None and f.allowed is not None for f in filters],
+                            torch.bool, x.device)[:, None]  # fmt: skip
     return x.masked_fill(limited & ~keep, float("-inf"))
 
 

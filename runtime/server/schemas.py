@@ -155,8 +155,9 @@ def structured_outputs(body: dict[str, Any]) -> tuple[StructuredOutputsParams | 
                 raise bad("response_format.json_schema.schema must be a JSON schema (an object)",
                           "response_format")  # fmt: skip
             assert isinstance(spec, dict)
-            if not isinstance(spec.get("name", ""), str) or spec.get("strict") not in (
-                    None, True, False):  # fmt: skip
+            strict = spec.get("strict")
+            if not isinstance(spec.get("name", ""), str) or not (
+                    strict is None or isinstance(strict, bool)):  # fmt: skip
                 raise bad("response_format.json_schema: name must be a string, strict true or "
                           "false", "response_format")  # fmt: skip
             asked.append(("response_format", {"json": schema}))
