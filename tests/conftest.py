@@ -201,6 +201,39 @@ def chat_model(tiny_model, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def char_model(tmp_path_factory) -> str:
+    """A tiny random llama whose tokens are single characters (ids 3 to 127: ASCII), with a
+    chat template: a vocabulary that can spell JSON, for structured outputs and tool calls."""
+    import json
+
+    import torch
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    path = tmp_path_factory.mktemp("char") / "m"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {**{t: i for i, t in enumerate(specials)}, **{chr(i): i for i in range(3, 128)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    tok.save(str(path / "tokenizer.json"))
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": template,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))  # fmt: skip
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def fault_report() -> FaultReport:
     return REPORT
 

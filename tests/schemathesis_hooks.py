@@ -72,6 +72,8 @@ def grammar_may_not_compile(body: dict[str, Any]) -> bool:
     vocabulary can spell what it asks (the tiny model's words cannot spell JSON, nor most
     choices), only the workers can tell; a 400 then."""
     response_format = body.get("response_format") or {}
+    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+        return True  # tools: "auto" is a 400, a demanded call is a grammar
     return response_format.get("type") not in (None, "text") or any(
         body.get(name) is not None for name in ("structured_outputs", "guided_json",
                                                 "guided_regex", "guided_choice",

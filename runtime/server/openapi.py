@@ -16,7 +16,8 @@ from runtime.server.schemas import GUIDED_FIELDS, MAX_LOGIT_BIAS, MAX_N, UNSUPPO
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT_MAX = sys.float_info.max  # a bigger JSON number is no float: 400
-FINISH_REASONS = ["stop", "length", "abort"]  # "abort": the server shut down mid-request
+# "abort": the server shut down mid-request; "tool_calls": tool_choice "required"
+FINISH_REASONS = ["stop", "length", "abort", "tool_calls"]
 
 Schema = dict[str, Any]
 
@@ -109,6 +110,28 @@ def _sampling(vocab_size: int) -> dict[str, Schema]:
     }  # fmt: skip
 
 
+def _tools() -> dict[str, Schema]:
+    """Chat's tool fields (runtime/server/tool_calls.py): names unique, and tool_choice
+    "auto" (the default with tools) is a 400, which a schema cannot say."""
+    function = _object({
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+        "description": {"type": ["string", "null"]}, "parameters": {"type": ["object", "null"]},
+        "strict": {"type": ["boolean", "null"]},
+    }, ["name"])  # fmt: skip
+    tool = _object({"type": {"const": "function"}, "function": function}, ["type", "function"])
+    named = _object({"type": {"const": "function"},
+                     "function": _object({"name": {"type": "string"}}, ["name"])},
+                    ["type", "function"])  # fmt: skip
+    return {
+        "tools": {"type": ["array", "null"], "items": tool},
+        "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required", None]}, named],
+                        "description": '"required" or a named function: the answer is '
+                                       'tool_calls, generated under the tools\' schemas; '
+                                       '"auto": 400'},
+        "parallel_tool_calls": _bool(),
+    }
+
+
 def _one_of_grammars() -> Schema:
     text = {"type": "string", "minLength": 1}
     options = {"json": {"type": ["object", "string", "boolean"]}, "json_object": {"const": True},
@@ -158,6 +181,8 @@ def _requests(model: str, max_model_len: int, vocab_size: int) -> dict[str, Sche
         "echo": _bool(),
         "logprobs": _int(0, MAX_LOGPROBS),
         "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "unsupported"},
+        "tools": {"type": ["array", "null"], "maxItems": 0, "description": "chat only"},
+        "tool_choice": {"enum": ["none", None], "description": "chat only"},
         **_sampling(vocab_size),
     }, ["prompt"])  # fmt: skip
     completion["allOf"] = [_STREAM_OPTIONS_RULE]
@@ -181,6 +206,7 @@ def _requests(model: str, max_model_len: int, vocab_size: int) -> dict[str, Sche
         "max_tokens": _int(1, description="used when max_completion_tokens is absent"),
         "logprobs": _bool(),
         "top_logprobs": _int(0, MAX_LOGPROBS, description="only with logprobs: true"),
+        **_tools(),
         **_sampling(vocab_size),
     }, ["messages"])  # fmt: skip
     chat["allOf"] = [_STREAM_OPTIONS_RULE, {
@@ -234,10 +260,23 @@ def _responses(model: str) -> dict[str, Schema]:
         return _object(props, list(props))
 
     text = {"text": {"type": "string"}}
-    message = {"message": _object({"role": {"const": "assistant"}, "content": {"type": "string"}},
+    call = _object({"id": {"type": "string"}, "type": {"const": "function"},
+                    "function": _object({"name": {"type": "string"},
+                                         "arguments": {"type": "string"}},
+                                        ["name", "arguments"])},
+                   ["id", "type", "function"])  # fmt: skip
+    message = {"message": _object({"role": {"const": "assistant"},
+                                   "content": {"type": ["string", "null"]},
+                                   "tool_calls": {"type": "array", "items": call}},
                                   ["role", "content"])}  # fmt: skip
-    delta = {"delta": _object({"role": {"const": "assistant"}, "content": {"type": "string"}},
-                              ["content"])}  # fmt: skip
+    call_delta = _object({"index": count, "id": {"type": "string"},
+                          "type": {"const": "function"},
+                          "function": _object({"name": {"type": "string"},
+                                               "arguments": {"type": "string"}})},
+                         ["index"])  # fmt: skip
+    delta = {"delta": _object({"role": {"const": "assistant"},
+                               "content": {"type": ["string", "null"]},
+                               "tool_calls": {"type": "array", "items": call_delta}})}
     return {
         "Usage": _object({"prompt_tokens": count, "completion_tokens": count,
                           "total_tokens": count}, ["prompt_tokens", "completion_tokens",

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocols.sampling import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from runtime.server.api_error import ApiError, bad
+from runtime.server.tool_calls import ToolCalls, parse_tools
 
 # Body fields passed to SamplingParams as they are (vLLM's extras included).
 _SAMPLING_FIELDS = {
@@ -23,10 +25,7 @@ _SAMPLING_FIELDS = {
 # OpenAI fields this server does not implement, each with the values that ask for nothing
 # (accepted, as OpenAI's SDKs and frameworks may send them); any other value: 400, rather
 # than an answer that silently ignores it.
-UNSUPPORTED = {
-    "tools": [[]], "tool_choice": ["none"], "functions": [[]],
-    "function_call": ["none"],
-}  # fmt: skip
+UNSUPPORTED = {"functions": [[]], "function_call": ["none"]}  # (tools: tool_calls.py)
 # vLLM's older names for structured_outputs' fields, still sent by its clients.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}  # fmt: skip
@@ -39,28 +38,6 @@ _KIND_WORDS = {
     "int": "an integer", "number": "a number", "bool": "true or false", "str": "a string",
     "int_list": "a list of integers", "dict": "an object", "list": "a list",
 }  # fmt: skip
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's `{"error": {message, type, param, code}}`."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None,
-        type_: str = "invalid_request_error", code: str | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = (
-            status, message, param, type_, code,
-        )  # fmt: skip
-
-    def body(self) -> dict[str, Any]:
-        error = {"message": self.message, "type": self.type, "param": self.param,
-                 "code": self.code if self.code is not None else self.status}  # fmt: skip
-        return {"error": error}
-
-
-def bad(message: str, param: str | None) -> ApiError:
-    return ApiError(400, message, param)
 
 
 def from_value_error(exc: ValueError, default_param: str, renames: dict[str, str]) -> ApiError:
@@ -195,7 +172,7 @@ def structured_outputs(body: dict[str, Any]) -> tuple[StructuredOutputsParams | 
 def parse_common(
     body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
     renames: dict[str, str], stream_kind: RequestOutputKind = RequestOutputKind.DELTA,
-    prompt_logprobs: int | None = None,
+    prompt_logprobs: int | None = None, tool_calls: ToolCalls | None = None,
 ) -> Common:  # fmt: skip
     for name, no_ops in UNSUPPORTED.items():
         if body.get(name) is not None and body[name] not in no_ops:
@@ -220,7 +197,13 @@ def parse_common(
     bias = logit_bias(body)
     if bias:
         kwargs["logit_bias"] = bias
-    kwargs["structured_outputs"], structured_field = structured_outputs(body)
+    constraint, structured_field = structured_outputs(body)
+    if tool_calls is not None:  # the call tool_choice demands is generated under its schema
+        if constraint is not None:
+            raise bad(f"{structured_field} cannot go with a tool call that tool_choice "
+                      f"demands", structured_field)  # fmt: skip
+        constraint, structured_field = tool_calls.constraint, "tools"
+    kwargs["structured_outputs"] = constraint
     if kwargs.get("n", 1) > MAX_N:
         raise bad(f"n must be in [1, {MAX_N}], got {kwargs['n']}", "n")
     kind = stream_kind if stream else RequestOutputKind.FINAL_ONLY
@@ -275,6 +258,9 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
                   "prompt")  # fmt: skip
     if field(body, "suffix", "str"):
         raise bad("suffix is not supported", "suffix")
+    for name, no_op in (("tools", []), ("tool_choice", "none")):
+        if body.get(name) not in (None, no_op):
+            raise bad(f"{name} is for chat completions", name)
     echo = field(body, "echo", "bool", False)
     logprobs = field(body, "logprobs", "int")
     max_tokens = field(body, "max_tokens", "int", 16)
@@ -289,6 +275,8 @@ class ChatRequest:
     messages: list[Any]
     common: Common
     want_logprobs: bool
+    tools: list[dict[str, Any]] | None = None  # for the chat template
+    tool_calls: ToolCalls | None = None  # the calls tool_choice demands
 
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
@@ -310,5 +298,6 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         max_tokens = legacy_max_tokens
     else:
         renames["max_tokens"] = "max_completion_tokens"
-    common = parse_common(body, max_tokens, logprobs, renames)
-    return ChatRequest(messages, common, want_logprobs)
+    tools, tool_calls = parse_tools(body)
+    common = parse_common(body, max_tokens, logprobs, renames, tool_calls=tool_calls)
+    return ChatRequest(messages, common, want_logprobs, tools, tool_calls)

@@ -28,6 +28,7 @@ from runtime.server.schemas import (
     bad,
     from_value_error,
 )
+from runtime.server.tool_calls import ToolCallDeltas
 
 
 def start_streams(
@@ -39,7 +40,9 @@ def start_streams(
         for i, prompt in enumerate(prompts):
             rid = f"{base_id}-{i}"
             if isinstance(req, ChatRequest):
-                streams.append(engine.chat(req.messages, req.common.params, request_id=rid))
+                kwargs = {"tools": req.tools} if req.tools else None
+                streams.append(engine.chat(req.messages, req.common.params, request_id=rid,
+                                           chat_template_kwargs=kwargs))  # fmt: skip
             else:
                 streams.append(engine.generate(prompt, req.common.params, request_id=rid))
     except ValueError as exc:
@@ -221,8 +224,12 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
         for c in sorted(out.outputs, key=lambda c: c.index):
             completion_tokens += len(c.token_ids)
             index = i * n + c.index
-            choice: dict[str, Any] = {"index": index}
-            if chat:
+            choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason}
+            calls = req.tool_calls.calls(c.text) if chat and req.tool_calls else None
+            if calls is not None:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                choice["finish_reason"] = req.tool_calls.finish_reason  # type: ignore[union-attr]
+            elif chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
                 echo = req.echo and (out.prompt if out.prompt is not None else
@@ -232,7 +239,6 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
             if not chat and req.echo:  # before the completion's: text_offset runs on
                 echoed = fmt.prompt_logprobs(index, out.prompt_token_ids, out.prompt_logprobs)
             choice["logprobs"] = joined(echoed, fmt.logprobs(index, c))
-            choice["finish_reason"] = c.finish_reason
             choices.append(choice)
     return fmt.envelope(choices, chunk=False, usage_=usage(prompt_tokens, completion_tokens))
 
@@ -258,6 +264,8 @@ def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: str) -> 
         # DELTA: only a request's first output carries them; n > 1 choices echo them all.
         prompt_lps: dict[int, Any] = {}
 
+        tool_deltas = ToolCallDeltas(req.tool_calls) if chat and req.tool_calls else None
+
         async def handle(i: int, out: RequestOutput) -> None:
             nonlocal completion_tokens
             prompt_tokens[i] = len(out.prompt_token_ids)
@@ -267,7 +275,9 @@ def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: str) -> 
                 index = i * n + c.index
                 if index not in started:
                     started.add(index)
-                    if chat:
+                    if tool_deltas is not None:
+                        await send(chunk(index, {"delta": tool_deltas.first()}))
+                    elif chat:
                         await send(chunk(index, {"delta": {"role": "assistant",
                                                            "content": ""}}))  # fmt: skip
                     elif req.echo:
@@ -279,8 +289,15 @@ def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: str) -> 
                 completion_tokens += len(c.token_ids)
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
-                piece = {"delta": {"content": c.text}} if chat else {"text": c.text}
-                await send(chunk(index, piece, fmt.logprobs(index, c), c.finish_reason))
+                finish = c.finish_reason
+                if tool_deltas is not None:
+                    delta, finish = tool_deltas.next(index, c.text, finish)
+                    if delta is None:
+                        continue
+                    piece = {"delta": delta}
+                else:
+                    piece = {"delta": {"content": c.text}} if chat else {"text": c.text}
+                await send(chunk(index, piece, fmt.logprobs(index, c), finish))
         try:
             await drive(streams, handle)
         except Exception as exc:

@@ -1,0 +1,150 @@
+"""OpenAI tool calling on chat completions: the tools reach the model's chat template, and a
+call that `tool_choice` demands ("required", or a named function) is generated under a JSON
+schema (structured outputs), then answered as the message's `tool_calls`.
+
+`tool_choice` "auto" would need a parser for each model family's own tool-call syntax,
+which this server does not have: it is a 400, as in vLLM run without
+--enable-auto-tool-choice. "none" renders the tools and answers in text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from protocols.sampling import StructuredOutputsParams
+from runtime.server.api_error import bad
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function name
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCalls:
+    """A chat request's demanded tool calls."""
+
+    function: str | None  # the function tool_choice names; None: "required", any of them
+    constraint: StructuredOutputsParams
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's: "tool_calls" when the model chose to call, "stop" when the call was forced."""
+        return "stop" if self.function is not None else "tool_calls"
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        """A finished answer's calls, as `message.tool_calls`; None if it is not whole JSON
+        (max_tokens cut it short)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.function is not None:
+            pairs = [(self.function, text)]
+        elif isinstance(value, list) and all(isinstance(v, dict) for v in value):
+            pairs = [(v["name"], json.dumps(v["parameters"], ensure_ascii=False)) for v in value]
+        else:
+            return None
+        return [{"id": call_id(), "type": "function", "function": {"name": name, "arguments": a}}
+                for name, a in pairs]  # fmt: skip
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolCalls | None]:
+    """The tools for the chat template (None: none) and the calls tool_choice demands."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    if not tools:
+        if tools is not None and not isinstance(tools, list):
+            raise bad("tools must be a list of function tools", "tools")
+        if choice not in (None, "none"):
+            raise bad("tool_choice needs tools", "tool_choice")
+        return None, None
+    schemas = _function_schemas(tools)
+    if choice is None or choice == "auto":
+        raise bad('tool_choice "auto" (the default with tools) needs a parser of the model\'s '
+                  'tool-call syntax, which this server does not have: send "required", "none" '
+                  'or {"type": "function", "function": {"name": ...}}', "tool_choice")  # fmt: skip
+    if choice == "none":
+        return tools, None
+    if choice == "required":
+        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"enum": [name]}, "parameters": schema},
+             "required": ["name", "parameters"]} for name, schema in schemas.items()]}}  # fmt: skip
+        if parallel is False:
+            calls["maxItems"] = 1
+        return tools, ToolCalls(None, StructuredOutputsParams(json=calls))
+    is_named = isinstance(choice, dict) and choice.get("type") == "function"
+    named = choice.get("function") if is_named else None
+    name = named.get("name") if isinstance(named, dict) else None
+    if not isinstance(name, str) or name not in schemas:
+        raise bad('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                  '"function": {"name": <one of the tools>}}', "tool_choice")  # fmt: skip
+    return tools, ToolCalls(name, StructuredOutputsParams(json=schemas[name]))
+
+
+def _function_schemas(tools: Any) -> dict[str, dict[str, Any]]:
+    """Each function tool's parameters schema, by name; 400 for anything else."""
+    if not isinstance(tools, list):
+        raise bad("tools must be a list of function tools", "tools")
+    schemas: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(
+                function, dict):  # fmt: skip
+            raise bad(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', "tools")
+        name, parameters = function.get("name"), function.get("parameters")
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or name in schemas:
+            raise bad(f"tools[{i}].function.name must be a unique name of 1 to 64 letters, "
+                      f"digits, _ or -", "tools")  # fmt: skip
+        if parameters is not None and not isinstance(parameters, dict):
+            raise bad(f"tools[{i}].function.parameters must be a JSON schema (an object)",
+                      "tools")  # fmt: skip
+        description, strict = function.get("description"), function.get("strict")
+        if not isinstance(description, str | None) or not isinstance(strict, bool | None):
+            raise bad(f"tools[{i}].function: description must be a string, strict true or "
+                      f"false", "tools")  # fmt: skip
+        schemas[name] = parameters if parameters is not None else NO_PARAMETERS
+    return schemas
+
+
+class ToolCallDeltas:
+    """A streamed choice's deltas when its answer is a demanded call: a named function's
+    arguments stream as they come; "required" calls are sent whole at the end (their split
+    into calls needs the whole JSON)."""
+
+    def __init__(self, tool_calls: ToolCalls) -> None:
+        self.tool_calls = tool_calls
+        self._held: dict[int, str] = {}  # "required": each choice's text so far
+
+    def first(self) -> dict[str, Any]:
+        """The choice's first delta."""
+        delta: dict[str, Any] = {"role": "assistant", "content": None}
+        function = self.tool_calls.function
+        if function is not None:
+            delta["tool_calls"] = [{"index": 0, "id": call_id(), "type": "function",
+                                    "function": {"name": function, "arguments": ""}}]  # fmt: skip
+        return delta
+
+    def next(self, index: int, text: str, finish: str | None) -> tuple[dict | None, str | None]:
+        """The delta for new `text` (None: nothing to send yet) and the finish reason."""
+        if self.tool_calls.function is not None:
+            if finish == "stop":
+                finish = self.tool_calls.finish_reason
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}, finish
+        held = self._held[index] = self._held.get(index, "") + text
+        if finish is None:
+            return None, None
+        del self._held[index]
+        calls = self.tool_calls.calls(held)
+        if calls is None:  # cut short: the text as it is
+            return {"content": held}, finish
+        tool_calls = [{"index": k, **call} for k, call in enumerate(calls)]
+        return {"tool_calls": tool_calls}, self.tool_calls.finish_reason

@@ -1,0 +1,129 @@
+"""Tool calls and JSON schemas through the server, on a tiny model whose tokens are characters
+(it can spell JSON): demanded calls come back as tool_calls whose arguments fit the
+function's schema, streamed or not; "auto" and malformed tools are 400s. asyncio and trio.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from test_server import assert_error, running, sse_events
+
+pytestmark = pytest.mark.anyio
+
+WEATHER = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]},
+                                            "rain": {"type": "boolean"}},
+           "required": ["unit", "rain"]}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "ping", "description": "no parameters"}},
+]
+ASK = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
+       "max_tokens": 64, "temperature": 1.0, "seed": 3, "n": 3}  # fmt: skip
+
+
+@pytest.fixture
+async def server(char_model, shared_manager):
+    async with running(char_model, shared_manager) as pair:
+        yield pair
+
+
+def assert_weather(arguments: str) -> None:
+    value = json.loads(arguments)
+    assert set(value) == {"unit", "rain"} and value["unit"] in ("c", "f")
+    assert type(value["rain"]) is bool
+
+
+async def test_a_named_function_is_called_with_arguments_that_fit_its_schema(server):
+    _, client = server
+    body = {**ASK, "tool_choice": {"type": "function", "function": {"name": "weather"}}}
+    answer = (await client.post("/v1/chat/completions", json=body)).json()
+    assert len(answer["choices"]) == 3
+    parsed = ChatCompletion.model_validate(answer)  # as the openai SDK reads it
+    assert parsed.choices[0].message.tool_calls[0].function.name == "weather"
+    for choice in answer["choices"]:
+        message = choice["message"]
+        assert choice["finish_reason"] == "stop" and message["content"] is None, choice
+        (call,) = message["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        assert call["function"]["name"] == "weather"
+        assert_weather(call["function"]["arguments"])
+    # Streamed: the call's name first, then its arguments as they come.
+    async with client.stream("POST", "/v1/chat/completions",
+                             json={**body, "n": 1, "stream": True}) as response:  # fmt: skip
+        events = await sse_events(response)
+    for event in events[:-1]:
+        ChatCompletionChunk.model_validate(event)
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    first = deltas[0]["tool_calls"][0]
+    assert first["function"] == {"name": "weather", "arguments": ""} and first["index"] == 0
+    arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas[1:])
+    assert_weather(arguments)
+    assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_required_calls_any_of_the_tools(server, stream):
+    _, client = server
+    body = {**ASK, "tool_choice": "required", "parallel_tool_calls": False, "stream": stream}
+    if stream:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            events = await sse_events(response)
+        # Whole calls, in the chunk that ends each choice.
+        ends = [e["choices"][0] for e in events[:-1] if e["choices"][0]["finish_reason"]]
+        calls = [(end["finish_reason"], end["delta"]["tool_calls"]) for end in ends]
+    else:
+        answer = (await client.post("/v1/chat/completions", json=body)).json()
+        calls = [(c["finish_reason"], c["message"]["tool_calls"]) for c in answer["choices"]]
+    assert len(calls) == 3
+    for finish, (call,) in calls:  # parallel_tool_calls false: one call each
+        assert finish == "tool_calls" and call["function"]["name"] in ("weather", "ping")
+        arguments = call["function"]["arguments"]
+        if call["function"]["name"] == "weather":
+            assert_weather(arguments)
+        else:
+            assert json.loads(arguments) == {}
+
+
+async def test_a_json_schema_answer_parses(server):
+    _, client = server
+    body = {"messages": [{"role": "user", "content": "?"}], "max_tokens": 64, "n": 3,
+            "seed": 1, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "weather", "schema": WEATHER}}}  # fmt: skip
+    answer = (await client.post("/v1/chat/completions", json=body)).json()
+    for choice in answer["choices"]:
+        assert choice["finish_reason"] == "stop"
+        assert_weather(choice["message"]["content"])
+
+
+async def test_tools_that_cannot_be_served_are_400s_and_the_engine_goes_on(server):
+    engine, client = server
+    named = {"type": "function", "function": {"name": "weather"}}
+    cases = [
+        ({**ASK}, "tool_choice"),  # "auto", the default with tools: no parser here
+        ({**ASK, "tool_choice": "auto"}, "tool_choice"),
+        ({**ASK, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice"),
+        ({**ASK, "tools": [], "tool_choice": "required"}, "tool_choice"),
+        ({**ASK, "tools": [{"type": "function", "function": {"name": "a b"}}],
+          "tool_choice": "required"}, "tools"),
+        ({**ASK, "tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools"),
+        ({**ASK, "tools": [{"type": "code"}], "tool_choice": "required"}, "tools"),
+        ({**ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}],
+          "tool_choice": "required"}, "tools"),
+        ({**ASK, "tool_choice": named, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({**ASK, "tool_choice": named, "response_format": {"type": "json_object"}},
+         "response_format"),
+    ]  # fmt: skip
+    for body, param in cases:
+        assert_error(await client.post("/v1/chat/completions", json=body), 400, param)
+    completion = {"prompt": "a", "max_tokens": 2, "tools": TOOLS}
+    assert_error(await client.post("/v1/completions", json=completion), 400, "tools")
+    # "none": the tools reach the template, the answer is text.
+    body = {**ASK, "tool_choice": "none", "n": 1, "max_tokens": 4}
+    answer = (await client.post("/v1/chat/completions", json=body)).json()
+    assert isinstance(answer["choices"][0]["message"]["content"], str)
+    await engine.wait_until_idle()
+    assert engine.stats().num_running == 0
