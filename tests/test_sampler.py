@@ -400,8 +400,9 @@ def test_token_filters_are_built_once_in_their_normal_form() -> None:
     assert filters.bias_ids.tolist() == [5]
     assert filters.bias_values.item() == torch.finfo(torch.float32).max
     assert TokenFilters.of(SamplingParams(), V, torch.device("cpu")) is None
-    both = [params, SamplingParams(temperature=0.0)]
+    both = [dataclasses.replace(params, temperature=0.0), SamplingParams(temperature=0.0)]
     meta = SamplingMetadata.from_params(both, [0, 0], [[], []], [[], []], [[], []],
                                         vocab_size=V)  # fmt: skip
     out = sample(torch.zeros(2, V), meta)
     assert out.sampled_token_ids.tolist() == [3, 0]  # 5 is not allowed: its bias is moot
+    # (greedy over equal logits takes the lowest allowed id)
