@@ -205,8 +205,27 @@ def _prepare_messages(messages: Any) -> list[dict[str, Any]]:
             isinstance(calls, list | tuple) and all(isinstance(c, Mapping) for c in calls)
         ):
             raise ValueError(f"{where}.tool_calls must be a list of tool call objects")
+        if calls is not None:
+            message["tool_calls"] = [_with_parsed_arguments(c, f"{where}.tool_calls[{j}]")
+                                     for j, c in enumerate(calls)]  # fmt: skip
         chat.append(_plain(message))
     return chat
+
+
+def _with_parsed_arguments(call: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    """A tool call whose `function.arguments` (OpenAI's: a JSON string) is the object it
+    spells, as chat templates read it (`arguments | tojson`, `arguments.items()`), as vLLM
+    hands it to them."""
+    function = call.get("function")
+    arguments = function.get("arguments") if isinstance(function, Mapping) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except (ValueError, RecursionError):
+        raise ValueError(f"{where}.function.arguments must be JSON, got "
+                         f"{arguments[:80]!r}") from None
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 def _join_text_parts(parts: Sequence[Any], where: str) -> str:

@@ -123,6 +123,8 @@ def test_text_parts_are_joined(ours):
          r"messages\[0\]\.content\[1\]"),
         ([{"role": "user", "content": [{"type": "text", "text": 3}]}],
          r"messages\[0\]\.content\[0\]\.text"),
+        ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}],
+         r"messages\[0\]\.tool_calls\[0\]\.function\.arguments must be JSON"),
     ],
 )  # fmt: skip
 def test_bad_messages_name_the_field(ours, messages, field):
@@ -271,3 +273,22 @@ def test_corrupt_tokenizer_files_are_value_errors_naming_the_file(tmp_path, name
     file.write_bytes(content) if isinstance(content, bytes) else file.write_text(content)
     with pytest.raises(ValueError, match=f"^{re.escape(str(file))} is not "):
         Tokenizer.from_model_dir(model_dir)
+
+
+def test_tool_call_arguments_reach_the_template_as_objects(ours):
+    """OpenAI sends a call's arguments as a JSON string; templates (Qwen2.5's, Llama 3.1's)
+    render `arguments | tojson` or iterate them: they get the object, as vLLM gives them."""
+    template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                "{{ c.function.name }}{{ c.function.arguments | tojson }};"
+                "{% endfor %}{% endfor %}")  # fmt: skip
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"unit": "c"}'}}  # fmt: skip
+    messages = [{"role": "user", "content": "?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+    text = ours.apply_chat_template(messages, chat_template=template)
+    assert text == 'weather{"unit": "c"};'
+    assert call["function"]["arguments"] == '{"unit": "c"}'  # the caller's copy untouched
+    empty = {**call, "function": {"name": "ping", "arguments": ""}}
+    assert ours.apply_chat_template([{"role": "assistant", "tool_calls": [empty]}],
+                                    chat_template=template) == "ping{};"  # fmt: skip

@@ -21,7 +21,7 @@ TOOLS = [
     {"type": "function", "function": {"name": "ping", "description": "no parameters"}},
 ]
 ASK = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
-       "max_tokens": 64, "temperature": 1.0, "seed": 3, "n": 3}  # fmt: skip
+       "max_tokens": 96, "temperature": 1.0, "seed": 3, "n": 3}  # fmt: skip
 
 
 @pytest.fixture
@@ -87,6 +87,43 @@ async def test_required_calls_any_of_the_tools(server, stream):
             assert json.loads(arguments) == {}
 
 
+async def test_references_in_a_tools_schema_hold_among_many_and_cut_calls_stay_calls(server):
+    """A pydantic-style schema ($defs, "$ref") under "required", where each tool's schema
+    sits inside the array of calls; a named call cut by max_tokens is still a tool call."""
+    _, client = server
+    unit = {"type": "object", "$defs": {"Unit": {"enum": ["c", "f"]}},
+            "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"]}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "unit", "parameters": unit}}, TOOLS[1]]
+    body = {**ASK, "tools": tools, "tool_choice": "required", "logprobs": True, "n": 2}
+    answer = (await client.post("/v1/chat/completions", json=body)).json()
+    for choice in answer["choices"]:
+        (call,) = choice["message"]["tool_calls"][:1]
+        if call["function"]["name"] == "unit":
+            assert json.loads(call["function"]["arguments"])["unit"] in ("c", "f")
+    # Streamed, the held calls' logprobs come whole with them.
+    async with client.stream("POST", "/v1/chat/completions",
+                             json={**body, "n": 1, "stream": True}) as response:  # fmt: skip
+        events = await sse_events(response)
+    end = next(e["choices"][0] for e in events[:-1] if e["choices"][0]["finish_reason"])
+    usage_free = [e for e in events[:-1] if e["choices"][0]["logprobs"]]
+    assert usage_free == [e for e in events[:-1] if e["choices"][0] is end]
+    assert len(end["logprobs"]["content"]) > 3
+    named = {**ASK, "n": 1, "max_tokens": 5,
+             "tool_choice": {"type": "function", "function": {"name": "weather"}}}
+    cut = (await client.post("/v1/chat/completions", json=named)).json()["choices"][0]
+    assert cut["finish_reason"] == "length"
+    assert cut["message"]["tool_calls"][0]["function"]["arguments"].startswith('{"')
+
+
+def test_an_answer_nested_past_jsons_depth_is_no_call():
+    from runtime.server.tool_calls import ToolCalls
+
+    required = ToolCalls(None, None)  # type: ignore[arg-type]
+    assert required.calls("[" * 5000) is None and required.calls('[{"name": "f"}]') is None
+    (call,) = ToolCalls("f", None).calls("[" * 5000)  # type: ignore[arg-type, misc]
+    assert call["function"] == {"name": "f", "arguments": "[" * 5000}
+
+
 async def test_a_json_schema_answer_parses(server):
     _, client = server
     body = {"messages": [{"role": "user", "content": "?"}], "max_tokens": 64, "n": 3,
@@ -114,6 +151,11 @@ async def test_tools_that_cannot_be_served_are_400s_and_the_engine_goes_on(serve
         ({**ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}],
           "tool_choice": "required"}, "tools"),
         ({**ASK, "tool_choice": named, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({**ASK, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "array"}}}], "tool_choice": "required"},
+         "tools"),  # a call's arguments are an object
+        ({**ASK, "tools": [{"type": "function", "function": {"name": f"f{i}"}}
+                           for i in range(129)], "tool_choice": "required"}, "tools"),
         ({**ASK, "tool_choice": named, "response_format": {"type": "json_object"}},
          "response_format"),
     ]  # fmt: skip

@@ -123,7 +123,7 @@ def _tools() -> dict[str, Schema]:
                      "function": _object({"name": {"type": "string"}}, ["name"])},
                     ["type", "function"])  # fmt: skip
     return {
-        "tools": {"type": ["array", "null"], "items": tool},
+        "tools": {"type": ["array", "null"], "items": tool, "maxItems": 128},
         "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required", None]}, named],
                         "description": '"required" or a named function: the answer is '
                                        'tool_calls, generated under the tools\' schemas; '

@@ -225,10 +225,11 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
             completion_tokens += len(c.token_ids)
             index = i * n + c.index
             choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason}
-            calls = req.tool_calls.calls(c.text) if chat and req.tool_calls else None
+            tool_calls = req.tool_calls if chat else None
+            calls = tool_calls.calls(c.text) if tool_calls else None
             if calls is not None:
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-                choice["finish_reason"] = req.tool_calls.finish_reason  # type: ignore[union-attr]
+                choice["finish_reason"] = tool_calls.finish(c.finish_reason)
             elif chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
@@ -289,15 +290,15 @@ def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: str) -> 
                 completion_tokens += len(c.token_ids)
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
-                finish = c.finish_reason
+                finish, logprobs = c.finish_reason, fmt.logprobs(index, c)
                 if tool_deltas is not None:
-                    delta, finish = tool_deltas.next(index, c.text, finish)
+                    delta, finish, logprobs = tool_deltas.next(index, c.text, finish, logprobs)
                     if delta is None:
                         continue
                     piece = {"delta": delta}
                 else:
                     piece = {"delta": {"content": c.text}} if chat else {"text": c.text}
-                await send(chunk(index, piece, fmt.logprobs(index, c), finish))
+                await send(chunk(index, piece, logprobs, finish))
         try:
             await drive(streams, handle)
         except Exception as exc:

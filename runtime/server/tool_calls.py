@@ -20,6 +20,7 @@ from runtime.server.api_error import bad
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function name
 NO_PARAMETERS = {"type": "object", "properties": {}}
+MAX_TOOLS = 128  # OpenAI's limit; a "required" grammar over thousands compiles for minutes
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,24 +30,26 @@ class ToolCalls:
     function: str | None  # the function tool_choice names; None: "required", any of them
     constraint: StructuredOutputsParams
 
-    @property
-    def finish_reason(self) -> str:
-        """OpenAI's: "tool_calls" when the model chose to call, "stop" when the call was forced."""
-        return "stop" if self.function is not None else "tool_calls"
+    def finish(self, engine_reason: str | None) -> str | None:
+        """OpenAI's finish_reason: "tool_calls" for calls the model made under "required";
+        a forced (named) call keeps the engine's ("stop", or "length" if cut short)."""
+        if self.function is None and engine_reason == "stop":
+            return "tool_calls"
+        return engine_reason
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """A finished answer's calls, as `message.tool_calls`; None if it is not whole JSON
-        (max_tokens cut it short)."""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
+        """An answer's calls, as `message.tool_calls`. A named function's arguments are the
+        text as generated, whole or cut short; "required" calls need the whole JSON array
+        to be split (None when max_tokens or a stop string cut it)."""
         if self.function is not None:
             pairs = [(self.function, text)]
-        elif isinstance(value, list) and all(isinstance(v, dict) for v in value):
-            pairs = [(v["name"], json.dumps(v["parameters"], ensure_ascii=False)) for v in value]
         else:
-            return None
+            try:
+                value = json.loads(text)
+                pairs = [(v["name"], json.dumps(v["parameters"], ensure_ascii=False,
+                                                allow_nan=False)) for v in value]  # fmt: skip
+            except (ValueError, TypeError, KeyError, RecursionError):
+                return None  # not the whole array (RecursionError: nested past json's depth)
         return [{"id": call_id(), "type": "function", "function": {"name": name, "arguments": a}}
                 for name, a in pairs]  # fmt: skip
 
@@ -75,9 +78,14 @@ def parse_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Tool
     if choice == "none":
         return tools, None
     if choice == "required":
-        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "properties": {"name": {"enum": [name]}, "parameters": schema},
-             "required": ["name", "parameters"]} for name, schema in schemas.items()]}}  # fmt: skip
+        # Each tool's schema sits in $defs, its own "#..." references moved along with it.
+        defs = {f"tool{i}": _rebased(schema, f"#/$defs/tool{i}")
+                for i, schema in enumerate(schemas.values())}  # fmt: skip
+        one_call = [{"type": "object", "required": ["name", "parameters"], "properties": {
+            "name": {"enum": [name]}, "parameters": {"$ref": f"#/$defs/tool{i}"}}}
+            for i, name in enumerate(schemas)]  # fmt: skip
+        calls: dict[str, Any] = {"type": "array", "minItems": 1, "$defs": defs,
+                                 "items": {"anyOf": one_call}}  # fmt: skip
         if parallel is False:
             calls["maxItems"] = 1
         return tools, ToolCalls(None, StructuredOutputsParams(json=calls))
@@ -90,10 +98,23 @@ def parse_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Tool
     return tools, ToolCalls(name, StructuredOutputsParams(json=schemas[name]))
 
 
+def _rebased(schema: Any, root: str) -> Any:
+    """`schema` with each "$ref" to its own root ("#...") pointing below `root` instead."""
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {key: root + value[1:] if key == "$ref" and isinstance(value, str)
+            and value.startswith("#") else _rebased(value, root)
+            for key, value in schema.items()}  # fmt: skip
+
+
 def _function_schemas(tools: Any) -> dict[str, dict[str, Any]]:
-    """Each function tool's parameters schema, by name; 400 for anything else."""
+    """Each function tool's parameters schema (an object's), by name; 400 for anything else."""
     if not isinstance(tools, list):
         raise bad("tools must be a list of function tools", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise bad(f"tools holds at most {MAX_TOOLS} functions, got {len(tools)}", "tools")
     schemas: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -111,7 +132,10 @@ def _function_schemas(tools: Any) -> dict[str, dict[str, Any]]:
         if not isinstance(description, str | None) or not isinstance(strict, bool | None):
             raise bad(f"tools[{i}].function: description must be a string, strict true or "
                       f"false", "tools")  # fmt: skip
-        schemas[name] = parameters if parameters is not None else NO_PARAMETERS
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise bad(f"tools[{i}].function.parameters must describe an object (the call's "
+                      f"keyword arguments)", "tools")  # fmt: skip
+        schemas[name] = {"type": "object", **(parameters or NO_PARAMETERS)}
     return schemas
 
 
@@ -123,6 +147,7 @@ class ToolCallDeltas:
     def __init__(self, tool_calls: ToolCalls) -> None:
         self.tool_calls = tool_calls
         self._held: dict[int, str] = {}  # "required": each choice's text so far
+        self._held_logprobs: dict[int, list[Any]] = {}  # and its logprobs' entries
 
     def first(self) -> dict[str, Any]:
         """The choice's first delta."""
@@ -133,18 +158,24 @@ class ToolCallDeltas:
                                     "function": {"name": function, "arguments": ""}}]  # fmt: skip
         return delta
 
-    def next(self, index: int, text: str, finish: str | None) -> tuple[dict | None, str | None]:
-        """The delta for new `text` (None: nothing to send yet) and the finish reason."""
+    def next(
+        self, index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None
+    ) -> tuple[dict[str, Any] | None, str | None, dict[str, Any] | None]:
+        """The delta for new `text` (None: nothing to send yet), the finish reason and the
+        logprobs to send with it (chat's {"content": [...]}, held along with the text)."""
         if self.tool_calls.function is not None:
-            if finish == "stop":
-                finish = self.tool_calls.finish_reason
-            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}, finish
+            delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+            return delta, finish, logprobs
         held = self._held[index] = self._held.get(index, "") + text
+        if logprobs is not None:
+            self._held_logprobs.setdefault(index, []).extend(logprobs["content"])
         if finish is None:
-            return None, None
+            return None, None, None
         del self._held[index]
+        entries = self._held_logprobs.pop(index, None)
+        logprobs = None if entries is None else {"content": entries}
         calls = self.tool_calls.calls(held)
         if calls is None:  # cut short: the text as it is
-            return {"content": held}, finish
+            return {"content": held}, finish, logprobs
         tool_calls = [{"index": k, **call} for k, call in enumerate(calls)]
-        return {"tool_calls": tool_calls}, self.tool_calls.finish_reason
+        return {"tool_calls": tool_calls}, self.tool_calls.finish(finish), logprobs
