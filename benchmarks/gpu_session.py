@@ -84,12 +84,19 @@ def plan(device: str, big: str, small: str, logs: Path, kernel_cache: Path) -> l
     ]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_step(step: Step, log: Path, limit_s: float, env: dict[str, str]) -> None:
     """Run one step with its output in `log`; interrupt it after `limit_s` seconds."""
     started = time.monotonic()
     with log.open("w") as out:
+        # SIGINT back to its default in the step: a session started in the background
+        # inherits it ignored, and Python then never raises KeyboardInterrupt for it.
         proc = subprocess.Popen(step.argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**env, **step.env}, start_new_session=True)  # fmt: skip
+                                env={**env, **step.env}, start_new_session=True,
+                                preexec_fn=_default_sigint)  # fmt: skip
         try:
             rc = proc.wait(timeout=limit_s)
             step.status = "ok" if rc == 0 else f"failed (exit {rc})"

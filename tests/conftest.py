@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -198,6 +199,22 @@ def chat_model(tiny_model, tmp_path_factory) -> str:
     config["chat_template"] = CHAT_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return str(path)
+
+
+# SmolLM2's KV bytes a block in float32: K and V, 30 layers, 16 tokens, 3 KV heads x 64.
+SMOLLM2_BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4
+
+
+def preempting_smollm2(manager: ManagerHandle, num_blocks: int, max_num_batched_tokens: int,
+                       async_scheduling: bool) -> Any:  # fmt: skip
+    """A blocking LLM on SmolLM2 (float32) whose KV cache holds `num_blocks` blocks of 16
+    tokens: a batch of a few prompts is preempted and recomputed, its prompts chunked."""
+    from runtime import LLM
+
+    return LLM("smollm2", manager_socket=manager.socket, dtype="float32",
+               max_num_batched_tokens=max_num_batched_tokens,
+               kv_cache_memory=num_blocks * SMOLLM2_BLOCK_BYTES, max_model_len=160,
+               async_scheduling=async_scheduling)  # fmt: skip
 
 
 @pytest.fixture(scope="session")

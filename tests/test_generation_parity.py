@@ -11,10 +11,10 @@ import random
 
 import anyio
 import pytest
-from conftest import make_tiny_model
+from conftest import make_tiny_model, preempting_smollm2
 from hf_reference import hf_greedy
 
-from runtime import LLM, Engine, SamplingParams
+from runtime import Engine, SamplingParams
 
 pytestmark = [pytest.mark.anyio, pytest.mark.compute]
 
@@ -140,10 +140,7 @@ def test_smollm2_greedy_parity_chunked_and_preempted(smollm2_case, shared_manage
     event loop is its own: once, not again under each anyio backend (the model's most
     expensive runs here; the tiny models' cases run under both)."""
     prompts, expected = smollm2_case
-    block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 KV heads x 64
-    with LLM("smollm2", manager_socket=shared_manager.socket, dtype="float32",
-             max_num_batched_tokens=24, kv_cache_memory=10 * block_bytes, max_model_len=160,
-             async_scheduling=async_scheduling) as llm:  # fmt: skip
+    with preempting_smollm2(shared_manager, 10, 24, async_scheduling) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                                use_tqdm=False)  # fmt: skip
         assert [out.outputs[0].token_ids for out in outputs] == expected

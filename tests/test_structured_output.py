@@ -8,10 +8,11 @@ import json
 import anyio
 import pytest
 import torch
+from conftest import preempting_smollm2
 from hf_reference import hf_greedy
 
 from protocols.sampling import SamplingParams, StructuredOutputsParams
-from runtime import LLM, Engine
+from runtime import Engine
 from workers.structured_output import (
     GrammarCompiler,
     RequestGrammar,
@@ -226,12 +227,9 @@ def test_smollm2_json_schema_matches_hf_with_xgrammar(shared_manager, async_sche
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"{a} as JSON"}],
                                                   add_generation_prompt=True)) for a in asks]
     expected = hf_constrained_greedy(model_dir, prompts, json.dumps(SCHEMA), 48)
-    block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 KV heads x 64
     params = SamplingParams(temperature=0, max_tokens=48,
                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
-    with LLM("smollm2", manager_socket=shared_manager.socket, dtype="float32",
-             max_num_batched_tokens=32, kv_cache_memory=12 * block_bytes, max_model_len=160,
-             async_scheduling=async_scheduling) as llm:  # fmt: skip
+    with preempting_smollm2(shared_manager, 12, 32, async_scheduling) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                use_tqdm=False)  # fmt: skip
         assert [out.outputs[0].token_ids for out in outputs] == expected
