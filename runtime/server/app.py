@@ -154,7 +154,10 @@ async def unless_disconnected(request: Request, run: Callable[[], Awaitable[Any]
 
 async def answer(engine: Engine, request: Request, req: Any, model: str) -> Response:
     if req.common.stream:
-        return EventStreamResponse(serving.stream(engine, req, model))  # type: ignore[return-value]
+        produce = await unless_disconnected(request, lambda: serving.stream(engine, req, model))
+        if produce is None:  # the client left before the first byte
+            return Response(status_code=499)
+        return EventStreamResponse(produce)  # type: ignore[return-value]
     body = await unless_disconnected(request, lambda: serving.complete(engine, req, model))
     if body is None:  # the client left; nobody reads this
         return Response(status_code=499)

@@ -97,6 +97,47 @@ async def drive(
         raise error
 
 
+class PrimedStream:
+    """A RequestStream whose first output was read already: it comes first."""
+
+    def __init__(self, first: RequestOutput, rest: RequestStream) -> None:
+        self._first: RequestOutput | None = first
+        self._rest = rest
+
+    def __aiter__(self) -> PrimedStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await self._rest.__anext__()
+
+    def close(self) -> None:
+        self._rest.close()
+
+    async def aclose(self) -> None:
+        self._rest.close()
+
+    async def __aenter__(self) -> PrimedStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._rest.close()
+
+
+async def primed(streams: list[RequestStream], structured_field: str) -> list[PrimedStream]:
+    """Each stream with its first output read; a failure closes them all (ApiError)."""
+    try:
+        return [PrimedStream(await s.__anext__(), s) for s in streams]
+    except BaseException as exc:
+        for s in streams:
+            s.close()
+        if isinstance(exc, Exception):
+            raise engine_error(exc, structured_field) from exc
+        raise
+
+
 def engine_error(exc: Exception, structured_field: str | None = None) -> ApiError:
     """A dead or closed engine is 503 (retry later: it restarts); a request the workers
     refused (a grammar that does not compile) 400 naming `structured_field`; any other
@@ -244,13 +285,19 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
     return fmt.envelope(choices, chunk=False, usage_=usage(prompt_tokens, completion_tokens))
 
 
-def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: str) -> Any:
-    """Start the requests now (bad input: ApiError before any byte), return the SSE producer."""
+async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: str) -> Any:
+    """Start the requests now (bad input: ApiError before any byte), return the SSE producer.
+
+    A request with a grammar (structured outputs, a demanded tool call) is read up to its
+    first output first: one the workers refuse (a grammar that does not compile) is a 400,
+    as vLLM answers it, not an error event inside a 200 stream."""
     chat = isinstance(req, ChatRequest)
     fmt = Formatter(engine, model, chat, req.want_logprobs if chat else req.common.params.logprobs
                     is not None)  # fmt: skip
     prompts = [None] if chat else req.prompts
-    streams = start_streams(engine, prompts, req, fmt.id)
+    streams: list[Any] = start_streams(engine, prompts, req, fmt.id)
+    if req.common.structured_field is not None:
+        streams = await primed(streams, req.common.structured_field)
     n = req.common.params.n
 
     def chunk(index: int, piece: dict[str, Any], logprobs: Any = None,
