@@ -161,9 +161,7 @@ def structured_outputs(body: dict[str, Any]) -> tuple[StructuredOutputsParams | 
             raise ValueError(f"its fields are {', '.join(StructuredOutputsParams.__slots__)}")
         return StructuredOutputsParams(**kwargs), name
     except (TypeError, ValueError) as exc:
-        # "structured_outputs.json is not JSON" as the field the body named: guided_json.
-        message = str(exc) if name == "structured_outputs" else re.sub(
-            r"^structured_outputs(\.\w+)?", name, str(exc))  # fmt: skip
+        message = as_field(str(exc), name)
         if not message.startswith(name):
             message = f"{name}: {message}"
         raise bad(message[:MAX_MESSAGE_CHARS], name) from None
@@ -213,6 +211,14 @@ def parse_common(
     except ValueError as exc:
         raise from_value_error(exc, "body", renames) from None
     return Common(params, stream, include_usage, structured_field)
+
+
+def as_field(message: str, field: str) -> str:
+    """A message naming StructuredOutputsParams' fields ("structured_outputs.json is not
+    JSON", from a worker too) as naming `field`, the body's field that asked (guided_json)."""
+    if field == "structured_outputs":
+        return message
+    return re.sub(r"^structured_outputs(\.\w+)?", field, message)
 
 
 def logit_bias(body: dict[str, Any]) -> dict[int, float]:

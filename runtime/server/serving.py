@@ -6,7 +6,6 @@ Between the HTTP layer (app.py) and the Engine. Every RequestStream is held in a
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -25,6 +24,7 @@ from runtime.server.schemas import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    as_field,
     bad,
     from_value_error,
 )
@@ -143,10 +143,7 @@ def engine_error(exc: Exception, structured_field: str | None = None) -> ApiErro
     refused (a grammar that does not compile) 400 naming `structured_field`; any other
     failure 500."""
     if isinstance(exc, RequestRefusedError):
-        message = str(exc)
-        if structured_field is not None and structured_field != "structured_outputs":
-            # The worker names its own field: "structured_outputs.json does not compile".
-            message = re.sub(r"^structured_outputs(\.\w+)?", structured_field, message)
+        message = str(exc) if structured_field is None else as_field(str(exc), structured_field)
         return bad(message[:MAX_MESSAGE_CHARS], structured_field)
     if isinstance(exc, EngineDeadError | EngineClosedError):
         return ApiError(503, f"the engine stopped during this request: {exc}", None,
