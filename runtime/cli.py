@@ -117,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="exit 1 after more worker deaths than this within 10 minutes")
     serve.add_argument("--shutdown-grace", type=_seconds, default=10.0,
                        help="seconds in-flight requests get on SIGTERM before they are aborted")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a chat body's chat_template be a template's text (code that "
+                       "runs here), not only the name of one of the model's templates")
     serve.add_argument("--max-request-body", type=_positive_int, default=None,
                        help="largest request body in bytes (default 8 MiB; larger: 413)")
     engine_args(serve)
@@ -239,6 +242,7 @@ async def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
                                restart_on_failure=args.restart_on_failure,
                                max_restarts=args.max_restarts))  # fmt: skip
         app = build_app(slot, args.served_model_name or args.model, api_key=args.api_key,
+                        trust_request_chat_template=args.trust_request_chat_template,
                         **app_options)  # fmt: skip
 
         async def shutdown_trigger() -> None:

@@ -236,18 +236,25 @@ class Engine:
         request_id: str | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> RequestStream:
         """Apply the model's chat template to `messages`, then stream like generate().
 
         `chat_template`: a template string, or the name of one of the model's, instead of
         its default; `chat_template_kwargs`: variables for the template (vLLM's names).
+        `continue_final_message` (with add_generation_prompt=False): the model goes on with
+        the final message's text (a prefilled assistant answer) instead of starting a new one.
         """
         self._require_running()
         assert self.tokenizer is not None
         kwargs = dict(chat_template_kwargs or {})
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **kwargs,
+        )  # fmt: skip
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return self.generate(
             {"prompt_token_ids": ids, "prompt": text}, sampling_params, request_id=request_id

@@ -87,12 +87,18 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; answers in input order."""
+        """One conversation (a list of messages) or several; answers in input order.
+
+        The keyword arguments are Engine.chat's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = _per_prompt(sampling_params, len(conversations))
         chat = partial(self.engine.chat, chat_template=chat_template,
-                       chat_template_kwargs=chat_template_kwargs)  # fmt: skip
+                       chat_template_kwargs=chat_template_kwargs,
+                       add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message)  # fmt: skip
         calls = [(chat, m, sp) for m, sp in zip(conversations, params, strict=True)]
         return self._run(calls, use_tqdm)
 

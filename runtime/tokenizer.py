@@ -95,14 +95,20 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **kwargs: Any,
+    ) -> str:  # fmt: skip
         """Render `messages` as the model's prompt text; encode it with add_special_tokens=False.
 
         `tools` and `documents` reach the template as in transformers; other keyword arguments
         become template variables (e.g. enable_thinking); `chat_template` picks a named template
-        or passes a template string. Bad messages or a template that rejects them: ValueError.
+        or passes a template string. `continue_final_message`: the text ends inside the final
+        message (a prefilled answer the model goes on with), not after its end-of-turn tokens.
+        Bad messages or a template that rejects them: ValueError.
         """
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message goes on with the final message, "
+                             "add_generation_prompt starts a new one: set one of them at most")
         chat = _prepare_messages(messages)
         tools = kwargs.pop("tools", None)
         if tools is not None and not (
@@ -113,7 +119,7 @@ class Tokenizer:
         documents = kwargs.pop("documents", None)
         variables = _plain({**self.special_tokens, **kwargs})  # kwargs win, as in transformers
         try:
-            return template.render(
+            text = template.render(
                 variables, messages=chat, tools=_plain(tools), documents=_plain(documents),
                 add_generation_prompt=add_generation_prompt,
             )  # fmt: skip
@@ -123,6 +129,7 @@ class Tokenizer:
             # (Llama 3.1's takes `message.tool_calls|length`: a TypeError on a number)
             raise ValueError(f"the chat template failed on these messages: "
                              f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+        return _open_final_message(text, chat[-1]) if continue_final_message else text
 
     def _template(self, choice: str | None, has_tools: bool) -> jinja2.Template:
         templates = self.chat_templates
@@ -144,6 +151,26 @@ class Tokenizer:
             except jinja2.TemplateError as exc:
                 raise ValueError(f"the chat template does not compile: {exc}") from exc
         return compiled
+
+
+def _open_final_message(text: str, message: Mapping[str, Any]) -> str:
+    """`text` cut right after the final message's own text: its end-of-turn tokens dropped.
+
+    As transformers does it: the message's last occurrence, found without its surrounding
+    whitespace (templates often trim it); trailing whitespace is kept where the template
+    kept it.
+    """
+    content = message.get("content")
+    core = content.strip() if isinstance(content, str) else ""
+    if not core:
+        raise ValueError("continue_final_message needs text in the final message to go on from")
+    assert isinstance(content, str)
+    at = text.rfind(core)
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not render the final "
+                         "message's text as it is, so there is no place to go on from")
+    kept = content.lstrip()
+    return text[: at + (len(kept) if text.startswith(kept, at) else len(core))]
 
 
 class _GenerationTag(jinja2.ext.Extension):

@@ -3,12 +3,14 @@
 positive_data_acceptance wants every schema-valid body answered 2xx, but four of the server's
 rules are beyond JSON Schema: a prompt (or the rendered messages) must encode to 1 to
 max_model_len - 1 tokens, min_tokens <= max_tokens, seed + n - 1 fits in 64 bits (choice
-i samples with seed + i), and with min_tokens, allowed_token_ids must hold more than eos
-and the stop ids (which min_tokens bans). A structured output's grammar must also compile
+i samples with seed + i), with min_tokens, allowed_token_ids must hold more than eos
+and the stop ids (which min_tokens bans), and continue_final_message needs text in the final
+message (on /tokenize too). A structured output's grammar must also compile
 and be spelled by the model's vocabulary, which only the workers can tell. Positive cases
 breaking them are
-dropped before they are sent; tokens are counted by the server's own /tokenize route, so the
-route under test is not its own judge. Negative cases are never dropped.
+dropped before they are sent; tokens are counted by the server's own /tokenize route (with the
+body's chat-template fields, so the same prompt), so the route under test is not its own
+judge. Negative cases are never dropped.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 import httpx
 import schemathesis
+
+from runtime.server.chat_template_fields import FIELDS as TEMPLATE_FIELDS
 
 CLIENT = httpx.Client(  # one client: a new one per call costs a TLS context (~40 ms)
     base_url=os.environ["LOOM_TEST_BASE_URL"], timeout=30,
@@ -40,7 +44,11 @@ def fits(body: dict[str, Any]) -> bool:
 def filter_case(ctx: Any, case: Any) -> bool:
     path, body = case.operation.path, case.body
     positive = case.meta is not None and case.meta.generation.mode.is_positive
-    if not positive or path not in DEFAULT_MAX_TOKENS or not isinstance(body, dict):
+    if not positive or not isinstance(body, dict):
+        return True
+    if body.get("continue_final_message") and not final_text(body.get("messages")):
+        return False  # nothing to go on from
+    if path not in DEFAULT_MAX_TOKENS:
         return True
     if path == "/v1/completions":
         prompt = body["prompt"]
@@ -49,7 +57,8 @@ def filter_case(ctx: Any, case: Any) -> bool:
             return False
         max_tokens = body.get("max_tokens")
     else:
-        if not fits({"messages": body["messages"]}):
+        template = {name: body[name] for name in TEMPLATE_FIELDS if name in body}
+        if not fits({"messages": body["messages"], **template}):
             return False
         max_tokens = body.get("max_completion_tokens")
         max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
@@ -65,6 +74,14 @@ def filter_case(ctx: Any, case: Any) -> bool:
     if allowed and min_tokens and set(allowed) <= EOS_IDS | set(body.get("stop_token_ids") or ()):
         return False
     return max_tokens is None or min_tokens <= max_tokens
+
+
+def final_text(messages: Any) -> str:
+    """The final message's text, blanks stripped (continue_final_message goes on from it)."""
+    content = messages[-1].get("content") if isinstance(messages, list) and messages else None
+    if isinstance(content, list):
+        content = "\n".join(part["text"] for part in content)
+    return content.strip() if isinstance(content, str) else ""
 
 
 def grammar_may_not_compile(body: dict[str, Any]) -> bool:

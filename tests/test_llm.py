@@ -76,6 +76,27 @@ def test_chat_takes_a_template_and_its_variables(llm):
     assert out.prompt == "w5 w6" and len(out.outputs[0].token_ids) == 6
 
 
+def test_chat_continues_a_prefilled_answer(llm, tiny_model):
+    """continue_final_message: the prompt ends inside the final message, where transformers
+    ends it, and the model goes on from there; asking for a new message too is refused."""
+    from transformers import AutoTokenizer
+
+    template = ("{% for m in messages %}{{ m.content }} w3 {% endfor %}"
+                "{% if add_generation_prompt %}w9{% endif %}")
+    chat = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6 w7"}]
+    expected = AutoTokenizer.from_pretrained(tiny_model).apply_chat_template(
+        chat, chat_template=template, add_generation_prompt=False, continue_final_message=True,
+        tokenize=True, return_dict=False)  # fmt: skip
+    (out,) = llm.chat(chat, GREEDY, use_tqdm=False, chat_template=template,
+                      add_generation_prompt=False, continue_final_message=True)  # fmt: skip
+    assert out.prompt == "w5 w3 w6 w7" and out.prompt_token_ids == list(expected)
+    (same,) = llm.generate({"prompt_token_ids": list(expected)}, GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == same.outputs[0].token_ids
+    with pytest.raises(ValueError, match="set one of them at most"):
+        llm.chat(chat, GREEDY, use_tqdm=False, chat_template=template,
+                 continue_final_message=True)  # fmt: skip
+
+
 def test_ctrl_c_during_generate_aborts_the_batch(llm):
     """Ctrl-C in a notebook cell: the KeyboardInterrupt reaches the caller and the batch's
     requests are aborted (not left running to max_tokens); the LLM stays usable."""

@@ -292,3 +292,53 @@ def test_tool_call_arguments_reach_the_template_as_objects(ours):
     empty = {**call, "function": {"name": "ping", "arguments": ""}}
     assert ours.apply_chat_template([{"role": "assistant", "tool_calls": [empty]}],
                                     chat_template=template) == "ping{};"  # fmt: skip
+
+
+PREFILLED = [
+    [*SYSTEM_USER, {"role": "assistant", "content": "The answer is"}],
+    [*SYSTEM_USER, {"role": "assistant", "content": "  Four, since  "}],  # spaces both ends
+    [*MULTI_TURN, {"role": "assistant", "content": [{"type": "text", "text": "Sure."},
+                                                    {"type": "text", "text": "<b>bold"}]}],
+    # the final text appears earlier too: the prompt is cut after its last occurrence
+    [{"role": "user", "content": "Say ok"}, {"role": "assistant", "content": "ok"}],
+]  # fmt: skip
+
+
+def joined_parts(messages: list[dict]) -> list[dict]:
+    return [{**m, "content": "\n".join(p["text"] for p in m["content"])}
+            if isinstance(m["content"], list) else m for m in messages]  # fmt: skip
+
+
+@pytest.mark.parametrize("messages", PREFILLED, ids=["plain", "spaces", "parts", "repeated"])
+def test_continue_final_message_matches_transformers(ours, theirs, messages, tmp_path):
+    """The prompt ends inside the final message, exactly where transformers ends it: with
+    SmolLM2's template, and with one that trims the message (RICH_TEMPLATE keeps it)."""
+    pairs = [(ours, theirs)]
+    trimming = RICH_TEMPLATE.replace("message['content'] }}", "message['content'] | trim }}")
+    for template in (RICH_TEMPLATE, trimming):
+        model_dir = make_dir(tmp_path / str(len(pairs)), template)
+        pairs.append((Tokenizer.from_model_dir(model_dir), AutoTokenizer.from_pretrained(model_dir)))
+    for mine, reference in pairs:
+        text = mine.apply_chat_template(messages, add_generation_prompt=False,
+                                        continue_final_message=True)  # fmt: skip
+        expected = reference.apply_chat_template(  # text parts joined, as vLLM joins them
+            joined_parts(messages), tokenize=False, add_generation_prompt=False,
+            continue_final_message=True)  # fmt: skip
+        assert text == expected
+        assert "<|im_end|>" not in text[-12:]
+
+
+@pytest.mark.parametrize(
+    "kwargs, messages, match",
+    [
+        ({"continue_final_message": True}, PREFILLED[0], "set one of them at most"),
+        ({"continue_final_message": True, "add_generation_prompt": False},
+         [*SYSTEM_USER, {"role": "assistant", "content": "  "}], "needs text in the final"),
+        ({"continue_final_message": True, "add_generation_prompt": False,
+          "chat_template": "{% for m in messages %}{{ m.content | upper }}{% endfor %}"},
+         PREFILLED[0], "does not render the final message's text as it is"),
+    ],
+)  # fmt: skip
+def test_continue_final_message_errors(ours, kwargs, messages, match):
+    with pytest.raises(ValueError, match=match):
+        ours.apply_chat_template(messages, **kwargs)

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from protocols.sampling import SamplingParams
 from runtime.engine import Engine
 from runtime.server import serving
+from runtime.server.chat_template_fields import parse_template_fields
 from runtime.server.metrics import build_metrics_handler
 from runtime.server.openapi import build_openapi
 from runtime.server.schemas import (
@@ -167,14 +168,15 @@ async def answer(engine: Engine, request: Request, req: Any, model: str) -> Resp
 def build_app(
     engine: Engine | EngineSlot, served_model_name: str | None = None, *,
     api_key: str | None = None, health_timeout: float = 10.0,
-    max_body_bytes: int = MAX_BODY_BYTES,
+    max_body_bytes: int = MAX_BODY_BYTES, trust_request_chat_template: bool = False,
 ) -> Starlette:  # fmt: skip
     """An ASGI app serving `engine` under the model name `served_model_name`.
 
     `engine` may be an EngineSlot whose engine is replaced while the app runs (restarts);
     each request uses the engine there at its start, and gets 503 while there is none.
     With `api_key`, every route outside OPEN_PATHS needs `Authorization: Bearer <key>`.
-    Bodies over `max_body_bytes` get 413.
+    Bodies over `max_body_bytes` get 413. A body's `chat_template` may name one of the
+    model's templates; its own template text only with `trust_request_chat_template`.
     """
     slot = engine if isinstance(engine, EngineSlot) else EngineSlot(engine)
     first = slot.require()
@@ -198,7 +200,10 @@ def build_app(
     async def chat(request: Request) -> Response:
         body = await read_body(request)
         check_model(body, model)
-        return await answer(slot.require(), request, parse_chat(body), model)
+        engine = slot.require()
+        assert engine.tokenizer is not None
+        req = parse_chat(body, engine.tokenizer.chat_templates, trust_request_chat_template)
+        return await answer(engine, request, req, model)
 
     async def tokenize(request: Request) -> Response:
         body = await read_body(request)
@@ -208,8 +213,11 @@ def build_app(
         add_special = field(body, "add_special_tokens", "bool", True)
         text = field(body, "prompt", "str")  # checked even when messages win
         if body.get("messages") is not None:
+            template = parse_template_fields(body, tokenizer.chat_templates,
+                                             trust_request_chat_template)  # fmt: skip
             try:
-                text = tokenizer.apply_chat_template(field(body, "messages", "list"))
+                text = tokenizer.apply_chat_template(field(body, "messages", "list"),
+                                                     **template.render_kwargs())  # fmt: skip
             except ValueError as exc:
                 raise bad(str(exc), "messages") from None
             ids = tokenizer.encode(text, add_special_tokens=False)
@@ -246,8 +254,11 @@ def build_app(
             return JSONResponse({"status": "unhealthy", "error": repr(exc)}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    assert first.tokenizer is not None
     schema = build_openapi(model, max_model_len, first.model_info.vocab_size,
-                           needs_api_key=api_key is not None, open_paths=OPEN_PATHS)
+                           needs_api_key=api_key is not None, open_paths=OPEN_PATHS,
+                           template_names=first.tokenizer.chat_templates,
+                           trust_request_chat_template=trust_request_chat_template)  # fmt: skip
 
     async def openapi(request: Request) -> Response:
         return JSONResponse(schema)

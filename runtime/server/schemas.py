@@ -7,11 +7,14 @@ engine's own ValueErrors (SamplingParams, prompt checks) are translated here too
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
+from dataclasses import field as field_of
 from typing import Any
 
 from protocols.sampling import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from runtime.server.api_error import ApiError, bad
+from runtime.server.chat_template_fields import TemplateFields, echoed_text, parse_template_fields
 from runtime.server.tool_calls import ToolCalls, parse_tools
 
 # Body fields passed to SamplingParams as they are (vLLM's extras included).
@@ -281,11 +284,16 @@ class ChatRequest:
     messages: list[Any]
     common: Common
     want_logprobs: bool
+    template: TemplateFields = field_of(default_factory=TemplateFields)
     tools: list[dict[str, Any]] | None = None  # for the chat template
     tool_calls: ToolCalls | None = None  # the calls tool_choice demands
+    echo: str = ""  # the text `echo` puts before each choice's answer
 
 
-def parse_chat(body: dict[str, Any]) -> ChatRequest:
+def parse_chat(
+    body: dict[str, Any], template_names: Collection[str] = (), trust_templates: bool = False
+) -> ChatRequest:
+    """A chat body; `template_names` and `trust_templates`: see parse_template_fields."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages is required: a non-empty list of {role, content} objects",
@@ -304,6 +312,8 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         max_tokens = legacy_max_tokens
     else:
         renames["max_tokens"] = "max_completion_tokens"
+    template = parse_template_fields(body, template_names, trust_templates)
+    echo = echoed_text(messages) if field(body, "echo", "bool", False) else ""
     tools, tool_calls = parse_tools(body)
     common = parse_common(body, max_tokens, logprobs, renames, tool_calls=tool_calls)
-    return ChatRequest(messages, common, want_logprobs, tools, tool_calls)
+    return ChatRequest(messages, common, want_logprobs, template, tools, tool_calls, echo)

@@ -40,9 +40,8 @@ def start_streams(
         for i, prompt in enumerate(prompts):
             rid = f"{base_id}-{i}"
             if isinstance(req, ChatRequest):
-                kwargs = {"tools": req.tools} if req.tools else None
                 streams.append(engine.chat(req.messages, req.common.params, request_id=rid,
-                                           chat_template_kwargs=kwargs))  # fmt: skip
+                                           **req.template.chat_kwargs(req.tools)))  # fmt: skip
             else:
                 streams.append(engine.generate(prompt, req.common.params, request_id=rid))
     except ValueError as exc:
@@ -269,7 +268,7 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                 choice["finish_reason"] = tool_calls.finish(c.finish_reason)
             elif chat:
-                choice["message"] = {"role": "assistant", "content": c.text}
+                choice["message"] = {"role": "assistant", "content": req.echo + c.text}
             else:
                 echo = req.echo and (out.prompt if out.prompt is not None else
                                      fmt.tokenizer.decode(out.prompt_token_ids))  # fmt: skip
@@ -324,7 +323,7 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
                         await send(chunk(index, {"delta": tool_deltas.first()}))
                     elif chat:
                         await send(chunk(index, {"delta": {"role": "assistant",
-                                                           "content": ""}}))  # fmt: skip
+                                                           "content": req.echo}}))  # fmt: skip
                     elif req.echo:
                         text = out.prompt if out.prompt is not None else \
                             fmt.tokenizer.decode(out.prompt_token_ids)
