@@ -117,6 +117,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="exit 1 after more worker deaths than this within 10 minutes")
     serve.add_argument("--shutdown-grace", type=_seconds, default=10.0,
                        help="seconds in-flight requests get on SIGTERM before they are aborted")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto" (the default with tools): calls are read out '
+                       "of the model's text with --tool-call-parser")
+    # runtime.server.tool_parsers.PARSERS, not imported here: runtime.server loads starlette.
+    serve.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                       help="the model family's tool-call syntax (hermes: Qwen2.5, Qwen3, "
+                       "Hermes)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat body's chat_template be a template's text (code that "
                        "runs here), not only the name of one of the model's templates")
@@ -243,6 +250,8 @@ async def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
                                max_restarts=args.max_restarts))  # fmt: skip
         app = build_app(slot, args.served_model_name or args.model, api_key=args.api_key,
                         trust_request_chat_template=args.trust_request_chat_template,
+                        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
+                        else None,
                         **app_options)  # fmt: skip
 
         async def shutdown_trigger() -> None:
@@ -316,7 +325,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve" and args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.command == "bench":
         return _bench(args)
     run = {"serve": _serve, "generate": _generate, "chat": _chat, "models": _models}[args.command]

@@ -1,6 +1,6 @@
 """Schemathesis hooks for test_openapi_schemathesis.py, loaded through SCHEMATHESIS_HOOKS.
 
-positive_data_acceptance wants every schema-valid body answered 2xx, but four of the server's
+positive_data_acceptance wants every schema-valid body answered 2xx, but five of the server's
 rules are beyond JSON Schema: a prompt (or the rendered messages) must encode to 1 to
 max_model_len - 1 tokens, min_tokens <= max_tokens, seed + n - 1 fits in 64 bits (choice
 i samples with seed + i), with min_tokens, allowed_token_ids must hold more than eos

@@ -38,6 +38,7 @@ from runtime.server.schemas import (
 )
 from runtime.server.sse import EventStreamResponse
 from runtime.server.supervisor import EngineSlot
+from runtime.server.tool_parsers import PARSERS
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/version", "/metrics", "/openapi.json")  # as vLLM: no API key
@@ -169,6 +170,7 @@ def build_app(
     engine: Engine | EngineSlot, served_model_name: str | None = None, *,
     api_key: str | None = None, health_timeout: float = 10.0,
     max_body_bytes: int = MAX_BODY_BYTES, trust_request_chat_template: bool = False,
+    tool_call_parser: str | None = None,
 ) -> Starlette:  # fmt: skip
     """An ASGI app serving `engine` under the model name `served_model_name`.
 
@@ -177,7 +179,12 @@ def build_app(
     With `api_key`, every route outside OPEN_PATHS needs `Authorization: Bearer <key>`.
     Bodies over `max_body_bytes` get 413. A body's `chat_template` may name one of the
     model's templates; its own template text only with `trust_request_chat_template`.
+    `tool_call_parser` (one of tool_parsers.PARSERS): tool_choice "auto" reads calls out of
+    the answers; None: "auto" is a 400.
     """
+    if tool_call_parser not in (None, *PARSERS):
+        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, "
+                         f"got {tool_call_parser!r}")  # fmt: skip
     slot = engine if isinstance(engine, EngineSlot) else EngineSlot(engine)
     first = slot.require()
     root, max_model_len = first.config.model, first.max_model_len
@@ -202,7 +209,8 @@ def build_app(
         check_model(body, model)
         engine = slot.require()
         assert engine.tokenizer is not None
-        req = parse_chat(body, engine.tokenizer.chat_templates, trust_request_chat_template)
+        req = parse_chat(body, engine.tokenizer.chat_templates, trust_request_chat_template,
+                         auto_tools=tool_call_parser is not None)  # fmt: skip
         return await answer(engine, request, req, model)
 
     async def tokenize(request: Request) -> Response:
@@ -258,7 +266,8 @@ def build_app(
     schema = build_openapi(model, max_model_len, first.model_info.vocab_size,
                            needs_api_key=api_key is not None, open_paths=OPEN_PATHS,
                            template_names=first.tokenizer.chat_templates,
-                           trust_request_chat_template=trust_request_chat_template)  # fmt: skip
+                           trust_request_chat_template=trust_request_chat_template,
+                           auto_tools=tool_call_parser is not None)  # fmt: skip
 
     async def openapi(request: Request) -> Response:
         return JSONResponse(schema)

@@ -117,7 +117,7 @@ def _operation(
 def build_openapi(
     model: str, max_model_len: int, vocab_size: int, *, needs_api_key: bool = False,
     open_paths: Collection[str] = (), template_names: Collection[str] = (),
-    trust_request_chat_template: bool = False,
+    trust_request_chat_template: bool = False, auto_tools: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The OpenAPI 3.1 document of build_app()'s routes, for this model and these limits.
 
@@ -172,7 +172,7 @@ def build_openapi(
         "info": {"title": "loomllm OpenAI-compatible API", "version": "1"},
         "paths": paths,
         "components": {"schemas": request_schemas(model, max_model_len, vocab_size, template_names,
-                                                  trust_request_chat_template)
+                                                  trust_request_chat_template, auto_tools)
                        | _responses(model)},  # fmt: skip
     }
     if needs_api_key:

@@ -109,9 +109,9 @@ def _sampling(vocab_size: int) -> dict[str, Schema]:
     }  # fmt: skip
 
 
-def _tools() -> dict[str, Schema]:
-    """Chat's tool fields (runtime/server/tool_calls.py): names unique, and tool_choice
-    "auto" (the default with tools) is a 400, which a schema cannot say."""
+def _tools(auto: bool) -> dict[str, Schema]:
+    """Chat's tool fields (runtime/server/tool_calls.py): names unique, and (without `auto`)
+    tool_choice "auto", the default with tools, is a 400, which a schema cannot say."""
     function = object_of({
         "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
         "description": {"type": ["string", "null"]}, "parameters": {"type": ["object", "null"]},
@@ -126,7 +126,8 @@ def _tools() -> dict[str, Schema]:
         "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required", None]}, named],
                         "description": '"required" or a named function: the answer is '
                                        'tool_calls, generated under the tools\' schemas; '
-                                       '"auto": 400'},
+                                       + ('"auto": calls read out of the answer' if auto else
+                                          '"auto": 400 (no --enable-auto-tool-choice)')},
         "parallel_tool_calls": _bool(),
     }
 
@@ -197,7 +198,7 @@ _CONTINUE_RULE = {
 
 def request_schemas(
     model: str, max_model_len: int, vocab_size: int, template_names: Collection[str] = (),
-    trust_templates: bool = False,
+    trust_templates: bool = False, auto_tools: bool = False,
 ) -> dict[str, Schema]:  # fmt: skip
     model_field = {"type": ["string", "null"], "enum": [model, None],
                    "description": "another name: 404"}  # fmt: skip
@@ -240,7 +241,7 @@ def request_schemas(
         "echo": _bool(description="the answer starts with the final message's text when "
                       "that is the assistant's"),
         **_template_fields(template_names, trust_templates),
-        **_tools(),
+        **_tools(auto_tools),
         **_sampling(vocab_size),
     }, ["messages"])  # fmt: skip
     chat["allOf"] = [_STREAM_OPTIONS_RULE, _CONTINUE_RULE, {

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from dataclasses import field as field_of
 from typing import Any
 
-from protocols.sampling import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from protocols.sampling import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    replace_checked,
+)
 from runtime.server.api_error import ApiError, bad
 from runtime.server.chat_template_fields import TemplateFields, echoed_text, parse_template_fields
 from runtime.server.tool_calls import ToolCalls, parse_tools
@@ -288,12 +293,15 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None  # for the chat template
     tool_calls: ToolCalls | None = None  # the calls tool_choice demands
     echo: str = ""  # the text `echo` puts before each choice's answer
+    auto_tools: bool = False  # tool_choice "auto": the answer is read for calls
 
 
 def parse_chat(
-    body: dict[str, Any], template_names: Collection[str] = (), trust_templates: bool = False
-) -> ChatRequest:
-    """A chat body; `template_names` and `trust_templates`: see parse_template_fields."""
+    body: dict[str, Any], template_names: Collection[str] = (), trust_templates: bool = False,
+    auto_tools: bool = False,
+) -> ChatRequest:  # fmt: skip
+    """A chat body; `template_names` and `trust_templates`: see parse_template_fields;
+    `auto_tools`: the server has a tool-call parser (tool_choice "auto" works)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages is required: a non-empty list of {role, content} objects",
@@ -314,6 +322,9 @@ def parse_chat(
         renames["max_tokens"] = "max_completion_tokens"
     template = parse_template_fields(body, template_names, trust_templates)
     echo = echoed_text(messages) if field(body, "echo", "bool", False) else ""
-    tools, tool_calls = parse_tools(body)
+    tools, tool_calls, auto = parse_tools(body, auto_tools)
     common = parse_common(body, max_tokens, logprobs, renames, tool_calls=tool_calls)
-    return ChatRequest(messages, common, want_logprobs, template, tools, tool_calls, echo)
+    if auto:  # the tags may be special tokens: they must reach the text (vLLM does the same)
+        common.params = replace_checked(common.params, skip_special_tokens=False)
+    return ChatRequest(messages, common, want_logprobs, template, tools, tool_calls, echo,
+                       auto)  # fmt: skip

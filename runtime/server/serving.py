@@ -29,6 +29,7 @@ from runtime.server.schemas import (
     from_value_error,
 )
 from runtime.server.tool_calls import ToolCallDeltas
+from runtime.server.tool_parsers import AutoToolDeltas, finish_reason, split_answer
 
 
 def start_streams(
@@ -267,6 +268,12 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
             if calls is not None:
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                 choice["finish_reason"] = tool_calls.finish(c.finish_reason)
+            elif chat and req.auto_tools:
+                content, made = split_answer(req.echo + c.text)
+                choice["message"] = {"role": "assistant", "content": content}
+                if made:
+                    choice["message"]["tool_calls"] = made
+                choice["finish_reason"] = finish_reason(bool(made), c.finish_reason)
             elif chat:
                 choice["message"] = {"role": "assistant", "content": req.echo + c.text}
             else:
@@ -308,7 +315,11 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
         # DELTA: only a request's first output carries them; n > 1 choices echo them all.
         prompt_lps: dict[int, Any] = {}
 
-        tool_deltas = ToolCallDeltas(req.tool_calls) if chat and req.tool_calls else None
+        tool_deltas: ToolCallDeltas | AutoToolDeltas | None = None
+        if chat and req.tool_calls:
+            tool_deltas = ToolCallDeltas(req.tool_calls)
+        elif chat and req.auto_tools:
+            tool_deltas = AutoToolDeltas()
 
         async def handle(i: int, out: RequestOutput) -> None:
             nonlocal completion_tokens
@@ -319,7 +330,7 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
                 index = i * n + c.index
                 if index not in started:
                     started.add(index)
-                    if tool_deltas is not None:
+                    if isinstance(tool_deltas, ToolCallDeltas):
                         await send(chunk(index, {"delta": tool_deltas.first()}))
                     elif chat:
                         await send(chunk(index, {"delta": {"role": "assistant",

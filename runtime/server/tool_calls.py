@@ -2,9 +2,9 @@
 call that `tool_choice` demands ("required", or a named function) is generated under a JSON
 schema (structured outputs), then answered as the message's `tool_calls`.
 
-`tool_choice` "auto" would need a parser for each model family's own tool-call syntax,
-which this server does not have: it is a 400, as in vLLM run without
---enable-auto-tool-choice. "none" renders the tools and answers in text.
+`tool_choice` "auto" reads the calls out of the model's own text (tool_parsers.py) when the
+server runs with --enable-auto-tool-choice; without it, a 400, as in vLLM. "none" renders
+the tools and answers in text.
 """
 
 from __future__ import annotations
@@ -58,8 +58,12 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolCalls | None]:
-    """The tools for the chat template (None: none) and the calls tool_choice demands."""
+def parse_tools(
+    body: dict[str, Any], auto: bool = False
+) -> tuple[list[dict[str, Any]] | None, ToolCalls | None, bool]:
+    """The tools for the chat template (None: none), the calls tool_choice demands, and
+    whether the answer is read for calls the model chose to make ("auto": only when the
+    server has a parser of the model's tool-call syntax, `auto`)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -69,14 +73,17 @@ def parse_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Tool
             raise bad("tools must be a list of function tools", "tools")
         if choice not in (None, "none"):
             raise bad("tool_choice needs tools", "tool_choice")
-        return None, None
+        return None, None, False
     schemas = _function_schemas(tools)
     if choice is None or choice == "auto":
+        if auto:
+            return tools, None, True
         raise bad('tool_choice "auto" (the default with tools) needs a parser of the model\'s '
-                  'tool-call syntax, which this server does not have: send "required", "none" '
-                  'or {"type": "function", "function": {"name": ...}}', "tool_choice")  # fmt: skip
+                  'tool-call syntax: start the server with --enable-auto-tool-choice '
+                  '--tool-call-parser hermes, or send "required", "none" or '
+                  '{"type": "function", "function": {"name": ...}}', "tool_choice")  # fmt: skip
     if choice == "none":
-        return tools, None
+        return tools, None, False
     if choice == "required":
         # Each tool's schema sits in $defs, its own "#..." references moved along with it.
         defs = {f"tool{i}": _rebased(schema, f"#/$defs/tool{i}")
@@ -88,14 +95,14 @@ def parse_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Tool
                                  "items": {"anyOf": one_call}}  # fmt: skip
         if parallel is False:
             calls["maxItems"] = 1
-        return tools, ToolCalls(None, StructuredOutputsParams(json=calls))
+        return tools, ToolCalls(None, StructuredOutputsParams(json=calls)), False
     is_named = isinstance(choice, dict) and choice.get("type") == "function"
     named = choice.get("function") if is_named else None
     name = named.get("name") if isinstance(named, dict) else None
     if not isinstance(name, str) or name not in schemas:
         raise bad('tool_choice must be "none", "auto", "required" or {"type": "function", '
                   '"function": {"name": <one of the tools>}}', "tool_choice")  # fmt: skip
-    return tools, ToolCalls(name, StructuredOutputsParams(json=schemas[name]))
+    return tools, ToolCalls(name, StructuredOutputsParams(json=schemas[name])), False
 
 
 def _rebased(schema: Any, root: str) -> Any:

@@ -1,0 +1,149 @@
+"""tool_choice "auto" with the hermes parser: whole answers split into content and calls, the
+same split streamed however the text is cut into deltas, and through the server on a tiny
+model whose tokens are characters (its answer forced by a one-choice grammar, so the parser
+reads what the model really generated). asyncio and trio.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from test_server import assert_error, running, sse_events
+from test_tool_calls import TOOLS
+
+from runtime.server.tool_parsers import AutoToolDeltas, split_answer
+
+WEATHER_CALL = ('<tool_call>\n{"name": "weather", "arguments": {"unit": "c", "rain": true}}\n'
+                '</tool_call>')
+PING_CALL = '<tool_call>\n{"name": "ping", "arguments": "{}"}\n</tool_call>'
+# (answer, content, [(name, arguments)])
+CASES = [
+    ("It is sunny.", "It is sunny.", []),
+    ("Trailing blanks stay  \n", "Trailing blanks stay  \n", []),
+    ("a < b and <tool is not a tag", "a < b and <tool is not a tag", []),
+    (WEATHER_CALL, None, [("weather", {"unit": "c", "rain": True})]),
+    ("Let me look.\n\n" + WEATHER_CALL + "\n" + PING_CALL, "Let me look.",
+     [("weather", {"unit": "c", "rain": True}), ("ping", {})]),
+    # cut short (max_tokens) after the JSON: the unclosed call still counts
+    ('<tool_call>{"name": "ping", "arguments": {}}', None, [("ping", {})]),
+    ("ok " + WEATHER_CALL + " and text after a call is dropped", "ok",
+     [("weather", {"unit": "c", "rain": True})]),
+]  # fmt: skip
+NOT_CALLS = ['<tool_call>{"name": "weather", "argu', "<tool_call>[1, 2]</tool_call>",
+             '<tool_call>{"arguments": {}}</tool_call>']  # fmt: skip
+
+
+def calls_of(calls: list[dict]) -> list[tuple[str, dict]]:
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize("answer, content, calls", CASES)
+def test_whole_answers_split_into_content_and_calls(answer, content, calls):
+    got_content, got_calls = split_answer(answer)
+    assert got_content == content and calls_of(got_calls) == calls
+
+
+@pytest.mark.parametrize("answer", NOT_CALLS)
+def test_what_does_not_parse_stays_text(answer):
+    assert split_answer(answer) == (answer, [])
+    content, calls = streamed(answer, [len(answer)])
+    assert content == answer and calls == []
+
+
+def streamed(answer: str, cuts: list[int]) -> tuple[str | None, list]:
+    """The answer fed to AutoToolDeltas in pieces ending at `cuts`: content and calls."""
+    deltas, content, calls, start = AutoToolDeltas(), "", [], 0
+    for end in cuts:
+        finish = "stop" if end == len(answer) else None
+        delta, reason, _ = deltas.next(0, answer[start:end], finish, None)
+        start = end
+        if delta is None:
+            continue
+        content += delta.get("content") or ""
+        for call in delta.get("tool_calls", []):
+            assert call["index"] == len(calls)
+            calls.append(call)
+    assert reason == ("tool_calls" if calls else "stop")
+    return content or None, calls
+
+
+@pytest.mark.parametrize("answer, content, calls", CASES)
+def test_streamed_deltas_add_up_to_the_whole_answer_however_cut(answer, content, calls):
+    rng = random.Random(0)
+    cuttings = [list(range(1, len(answer) + 1)), [len(answer)]]  # char by char, whole
+    cuttings += [sorted({*rng.sample(range(1, len(answer)), min(5, len(answer) - 1)),
+                         len(answer)}) for _ in range(20)]  # fmt: skip
+    for cuts in cuttings:
+        got_content, got_calls = streamed(answer, cuts)
+        assert got_content == content and calls_of(got_calls) == calls, cuts
+
+
+def test_held_text_is_sent_once_it_cannot_be_a_tag():
+    deltas = AutoToolDeltas()
+    assert deltas.next(0, "Hi <tool", None, None)[0] == {"content": "Hi"}
+    assert deltas.next(0, "s>", None, None)[0] == {"content": " <tools>"}
+    delta, reason, _ = deltas.next(0, "", "length", None)
+    assert delta == {} and reason == "length"
+
+
+FORCED = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
+          "max_tokens": 200, "temperature": 0}  # fmt: skip
+
+
+@pytest.mark.anyio
+async def test_auto_reads_the_calls_the_model_made(char_model, shared_manager):
+    answer = "Checking.\n" + WEATHER_CALL
+    body = {**FORCED, "structured_outputs": {"choice": [answer]}}  # the model spells it
+    async with running(char_model, shared_manager, tool_call_parser="hermes") as (_, client):
+        whole = (await client.post("/v1/chat/completions", json=body)).json()
+        ChatCompletion.model_validate(whole)  # as the openai SDK reads it
+        (choice,) = whole["choices"]
+        assert choice["finish_reason"] == "tool_calls"
+        assert choice["message"]["content"] == "Checking."
+        assert calls_of(choice["message"]["tool_calls"]) == [("weather", {"unit": "c",
+                                                                         "rain": True})]
+        async with client.stream("POST", "/v1/chat/completions",
+                                 json={**body, "stream": True}) as response:  # fmt: skip
+            events = await sse_events(response)
+        for event in events[:-1]:
+            ChatCompletionChunk.model_validate(event)
+        deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+        assert "".join(d.get("content") or "" for d in deltas) == "Checking."
+        streamed_calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert calls_of(streamed_calls) == calls_of(choice["message"]["tool_calls"])
+        assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+        # A text answer stays text; "none" renders the tools and reads nothing.
+        text = {**FORCED, "structured_outputs": {"choice": ["No tools needed."]}}
+        plain = (await client.post("/v1/chat/completions", json=text)).json()["choices"][0]
+        assert plain["message"] == {"role": "assistant", "content": "No tools needed."}
+        assert plain["finish_reason"] == "stop"
+        none = {**body, "tool_choice": "none"}
+        kept = (await client.post("/v1/chat/completions", json=none)).json()["choices"][0]
+        assert kept["message"]["content"] == answer and "tool_calls" not in kept["message"]
+
+
+@pytest.mark.anyio
+async def test_auto_without_a_parser_is_a_400_naming_the_flags(char_model, shared_manager):
+    async with running(char_model, shared_manager) as (_, client):
+        response = await client.post("/v1/chat/completions", json=FORCED)
+        assert "--enable-auto-tool-choice" in assert_error(response, 400, "tool_choice")["message"]
+        ok = await client.post("/v1/chat/completions", json={**FORCED, "tool_choice": "none"})
+        assert ok.status_code == 200
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes"):
+        async with running(char_model, shared_manager, tool_call_parser="nope"):
+            pass
+
+
+def test_the_cli_wants_a_parser_with_auto_tool_choice():
+    result = subprocess.run([sys.executable, "-m", "runtime.cli", "serve", "smollm2",
+                             "--enable-auto-tool-choice"], capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert result.returncode == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in result.stderr
