@@ -120,10 +120,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='tool_choice "auto" (the default with tools): calls are read out '
                        "of the model's text with --tool-call-parser")
-    # runtime.server.tool_parsers.PARSERS, not imported here: runtime.server loads starlette.
+    # runtime.server.tool_parsers.PARSERS (runtime.server is not imported here: it loads
+    # starlette)
     serve.add_argument("--tool-call-parser", choices=["hermes"], default=None,
                        help="the model family's tool-call syntax (hermes: Qwen2.5, Qwen3, "
                        "Hermes)")
+    # runtime.server.reasoning.PARSERS
+    serve.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+                       help="split a thinking model's <think>...</think> out of chat answers "
+                       "into the message's reasoning")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat body's chat_template be a template's text (code that "
                        "runs here), not only the name of one of the model's templates")
@@ -248,10 +253,10 @@ async def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
         await tg.start(partial(supervise, lambda: Engine(args.model, **options), slot,
                                restart_on_failure=args.restart_on_failure,
                                max_restarts=args.max_restarts))  # fmt: skip
+        auto_tools = args.tool_call_parser if args.enable_auto_tool_choice else None
         app = build_app(slot, args.served_model_name or args.model, api_key=args.api_key,
                         trust_request_chat_template=args.trust_request_chat_template,
-                        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
-                        else None,
+                        tool_call_parser=auto_tools, reasoning_parser=args.reasoning_parser,
                         **app_options)  # fmt: skip
 
         async def shutdown_trigger() -> None:

@@ -317,7 +317,8 @@ def test_continue_final_message_matches_transformers(ours, theirs, messages, tmp
     trimming = RICH_TEMPLATE.replace("message['content'] }}", "message['content'] | trim }}")
     for template in (RICH_TEMPLATE, trimming):
         model_dir = make_dir(tmp_path / str(len(pairs)), template)
-        pairs.append((Tokenizer.from_model_dir(model_dir), AutoTokenizer.from_pretrained(model_dir)))
+        reference = AutoTokenizer.from_pretrained(model_dir)
+        pairs.append((Tokenizer.from_model_dir(model_dir), reference))
     for mine, reference in pairs:
         text = mine.apply_chat_template(messages, add_generation_prompt=False,
                                         continue_final_message=True)  # fmt: skip

@@ -62,7 +62,7 @@ def streamed(answer: str, cuts: list[int]) -> tuple[str | None, list]:
     deltas, content, calls, start = AutoToolDeltas(), "", [], 0
     for end in cuts:
         finish = "stop" if end == len(answer) else None
-        delta, reason, _ = deltas.next(0, answer[start:end], finish, None)
+        delta, reason = deltas.next(0, answer[start:end], finish)
         start = end
         if delta is None:
             continue
@@ -87,9 +87,9 @@ def test_streamed_deltas_add_up_to_the_whole_answer_however_cut(answer, content,
 
 def test_held_text_is_sent_once_it_cannot_be_a_tag():
     deltas = AutoToolDeltas()
-    assert deltas.next(0, "Hi <tool", None, None)[0] == {"content": "Hi"}
-    assert deltas.next(0, "s>", None, None)[0] == {"content": " <tools>"}
-    delta, reason, _ = deltas.next(0, "", "length", None)
+    assert deltas.next(0, "Hi <tool", None) == ({"content": "Hi"}, None)
+    assert deltas.next(0, "s>", None) == ({"content": " <tools>"}, None)
+    delta, reason = deltas.next(0, "", "length")
     assert delta == {} and reason == "length"
 
 

@@ -47,3 +47,29 @@ def fail_next_result(worker) -> None:
         return step
 
     runner.launch = launch_once
+
+
+def script_answers(worker, scripts: dict[tuple[int, ...], list[int]]) -> None:
+    """A request whose prompt ids are a key of `scripts` samples that key's ids in turn: its
+    logits are made one-hot, so it draws them whatever its sampling parameters (the model's
+    real step loop, detokenizer and server shape the answer). Undo: unscript_answers."""
+    import torch
+
+    runner = worker.runner
+    sample = type(runner)._sample
+
+    def scripted(logits, samplers, pending):
+        logits = logits.clone()
+        for row, state in enumerate(samplers):
+            script = scripts.get(tuple(state.prompt_token_ids))
+            index = len(state.output_token_ids) + (id(state) in pending)
+            if script is not None and index < len(script):
+                logits[row] = -torch.inf
+                logits[row, script[index]] = 0.0
+        return sample(runner, logits, samplers, pending)
+
+    runner._sample = scripted
+
+
+def unscript_answers(worker) -> None:
+    vars(worker.runner).pop("_sample", None)  # the class's own again

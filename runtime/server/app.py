@@ -28,6 +28,7 @@ from runtime.server import serving
 from runtime.server.chat_template_fields import parse_template_fields
 from runtime.server.metrics import build_metrics_handler
 from runtime.server.openapi import build_openapi
+from runtime.server.reasoning import PARSERS as REASONING_PARSERS
 from runtime.server.schemas import (
     ApiError,
     bad,
@@ -38,7 +39,7 @@ from runtime.server.schemas import (
 )
 from runtime.server.sse import EventStreamResponse
 from runtime.server.supervisor import EngineSlot
-from runtime.server.tool_parsers import PARSERS
+from runtime.server.tool_parsers import PARSERS as TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/version", "/metrics", "/openapi.json")  # as vLLM: no API key
@@ -170,7 +171,7 @@ def build_app(
     engine: Engine | EngineSlot, served_model_name: str | None = None, *,
     api_key: str | None = None, health_timeout: float = 10.0,
     max_body_bytes: int = MAX_BODY_BYTES, trust_request_chat_template: bool = False,
-    tool_call_parser: str | None = None,
+    tool_call_parser: str | None = None, reasoning_parser: str | None = None,
 ) -> Starlette:  # fmt: skip
     """An ASGI app serving `engine` under the model name `served_model_name`.
 
@@ -180,11 +181,15 @@ def build_app(
     Bodies over `max_body_bytes` get 413. A body's `chat_template` may name one of the
     model's templates; its own template text only with `trust_request_chat_template`.
     `tool_call_parser` (one of tool_parsers.PARSERS): tool_choice "auto" reads calls out of
-    the answers; None: "auto" is a 400.
+    the answers; None: "auto" is a 400. `reasoning_parser` (one of reasoning.PARSERS):
+    chat answers' reasoning is split out into the message's `reasoning`.
     """
-    if tool_call_parser not in (None, *PARSERS):
-        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, "
+    if tool_call_parser not in (None, *TOOL_PARSERS):
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
                          f"got {tool_call_parser!r}")  # fmt: skip
+    if reasoning_parser not in (None, *REASONING_PARSERS):
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                         f"got {reasoning_parser!r}")  # fmt: skip
     slot = engine if isinstance(engine, EngineSlot) else EngineSlot(engine)
     first = slot.require()
     root, max_model_len = first.config.model, first.max_model_len
@@ -210,7 +215,8 @@ def build_app(
         engine = slot.require()
         assert engine.tokenizer is not None
         req = parse_chat(body, engine.tokenizer.chat_templates, trust_request_chat_template,
-                         auto_tools=tool_call_parser is not None)  # fmt: skip
+                         auto_tools=tool_call_parser is not None,
+                         reasoning_parser=reasoning_parser)  # fmt: skip
         return await answer(engine, request, req, model)
 
     async def tokenize(request: Request) -> Response:
@@ -267,7 +273,8 @@ def build_app(
                            needs_api_key=api_key is not None, open_paths=OPEN_PATHS,
                            template_names=first.tokenizer.chat_templates,
                            trust_request_chat_template=trust_request_chat_template,
-                           auto_tools=tool_call_parser is not None)  # fmt: skip
+                           auto_tools=tool_call_parser is not None,
+                           reasoning=reasoning_parser is not None)  # fmt: skip
 
     async def openapi(request: Request) -> Response:
         return JSONResponse(schema)

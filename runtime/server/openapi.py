@@ -14,7 +14,9 @@ from runtime.server.openapi_requests import Schema, object_of, ref, request_sche
 FINISH_REASONS = ["stop", "length", "abort", "tool_calls"]
 
 
-def _responses(model: str) -> dict[str, Schema]:
+def _responses(model: str, reasoning: bool) -> dict[str, Schema]:
+    """The answers' schemas; with `reasoning`, chat messages and deltas carry it (vLLM's
+    `reasoning`, and `reasoning_content`, its earlier name)."""
     def envelope(kind: str, choice: Schema, chunk: bool) -> Schema:
         props = {"id": {"type": "string"}, "object": {"const": kind},
                  "created": {"type": "integer"}, "model": {"const": model},
@@ -50,9 +52,11 @@ def _responses(model: str) -> dict[str, Schema]:
                                          "arguments": {"type": "string"}},
                                         ["name", "arguments"])},
                    ["id", "type", "function"])  # fmt: skip
+    thought = {"type": ["string", "null"]}
+    thoughts = {"reasoning": thought, "reasoning_content": thought} if reasoning else {}
     message = {"message": object_of({"role": {"const": "assistant"},
                                    "content": {"type": ["string", "null"]},
-                                   "tool_calls": {"type": "array", "items": call}},
+                                   "tool_calls": {"type": "array", "items": call}, **thoughts},
                                   ["role", "content"])}  # fmt: skip
     call_delta = object_of({"index": count, "id": {"type": "string"},
                           "type": {"const": "function"},
@@ -61,7 +65,8 @@ def _responses(model: str) -> dict[str, Schema]:
                          ["index"])  # fmt: skip
     delta = {"delta": object_of({"role": {"const": "assistant"},
                                "content": {"type": ["string", "null"]},
-                               "tool_calls": {"type": "array", "items": call_delta}})}
+                               "tool_calls": {"type": "array", "items": call_delta},
+                               **thoughts})}
     return {
         "Usage": object_of({"prompt_tokens": count, "completion_tokens": count,
                           "total_tokens": count}, ["prompt_tokens", "completion_tokens",
@@ -118,6 +123,7 @@ def build_openapi(
     model: str, max_model_len: int, vocab_size: int, *, needs_api_key: bool = False,
     open_paths: Collection[str] = (), template_names: Collection[str] = (),
     trust_request_chat_template: bool = False, auto_tools: bool = False,
+    reasoning: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The OpenAPI 3.1 document of build_app()'s routes, for this model and these limits.
 
@@ -173,7 +179,7 @@ def build_openapi(
         "paths": paths,
         "components": {"schemas": request_schemas(model, max_model_len, vocab_size, template_names,
                                                   trust_request_chat_template, auto_tools)
-                       | _responses(model)},  # fmt: skip
+                       | _responses(model, reasoning)},  # fmt: skip
     }
     if needs_api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

@@ -294,14 +294,16 @@ class ChatRequest:
     tool_calls: ToolCalls | None = None  # the calls tool_choice demands
     echo: str = ""  # the text `echo` puts before each choice's answer
     auto_tools: bool = False  # tool_choice "auto": the answer is read for calls
+    reasoning_parser: str | None = None  # the answer's reasoning is split out by this one
 
 
 def parse_chat(
     body: dict[str, Any], template_names: Collection[str] = (), trust_templates: bool = False,
-    auto_tools: bool = False,
+    auto_tools: bool = False, reasoning_parser: str | None = None,
 ) -> ChatRequest:  # fmt: skip
     """A chat body; `template_names` and `trust_templates`: see parse_template_fields;
-    `auto_tools`: the server has a tool-call parser (tool_choice "auto" works)."""
+    `auto_tools`: the server has a tool-call parser (tool_choice "auto" works);
+    `reasoning_parser`: the server's (reasoning.PARSERS), if it splits out reasoning."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages is required: a non-empty list of {role, content} objects",
@@ -326,5 +328,9 @@ def parse_chat(
     common = parse_common(body, max_tokens, logprobs, renames, tool_calls=tool_calls)
     if auto:  # the tags may be special tokens: they must reach the text (vLLM does the same)
         common.params = replace_checked(common.params, skip_special_tokens=False)
+    if common.structured_field is not None:
+        # A grammar holds from the first token: the model cannot think first, and its
+        # answer is all content.
+        reasoning_parser = None
     return ChatRequest(messages, common, want_logprobs, template, tools, tool_calls, echo,
-                       auto)  # fmt: skip
+                       auto, reasoning_parser)  # fmt: skip

@@ -19,6 +19,7 @@ from runtime.errors import EngineClosedError, EngineDeadError, RequestRefusedErr
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.request_stream import RequestStream
 from runtime.server import sse
+from runtime.server.chat_answers import ChatDeltas, chat_message
 from runtime.server.schemas import (
     MAX_MESSAGE_CHARS,
     ApiError,
@@ -28,8 +29,6 @@ from runtime.server.schemas import (
     bad,
     from_value_error,
 )
-from runtime.server.tool_calls import ToolCallDeltas
-from runtime.server.tool_parsers import AutoToolDeltas, finish_reason, split_answer
 
 
 def start_streams(
@@ -263,19 +262,9 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
             completion_tokens += len(c.token_ids)
             index = i * n + c.index
             choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason}
-            tool_calls = req.tool_calls if chat else None
-            calls = tool_calls.calls(c.text) if tool_calls else None
-            if calls is not None:
-                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-                choice["finish_reason"] = tool_calls.finish(c.finish_reason)
-            elif chat and req.auto_tools:
-                content, made = split_answer(req.echo + c.text)
-                choice["message"] = {"role": "assistant", "content": content}
-                if made:
-                    choice["message"]["tool_calls"] = made
-                choice["finish_reason"] = finish_reason(bool(made), c.finish_reason)
-            elif chat:
-                choice["message"] = {"role": "assistant", "content": req.echo + c.text}
+            if isinstance(req, ChatRequest):
+                choice["message"], choice["finish_reason"] = chat_message(req, c.text,
+                                                                          c.finish_reason)
             else:
                 echo = req.echo and (out.prompt if out.prompt is not None else
                                      fmt.tokenizer.decode(out.prompt_token_ids))  # fmt: skip
@@ -315,11 +304,7 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
         # DELTA: only a request's first output carries them; n > 1 choices echo them all.
         prompt_lps: dict[int, Any] = {}
 
-        tool_deltas: ToolCallDeltas | AutoToolDeltas | None = None
-        if chat and req.tool_calls:
-            tool_deltas = ToolCallDeltas(req.tool_calls)
-        elif chat and req.auto_tools:
-            tool_deltas = AutoToolDeltas()
+        deltas = ChatDeltas(req) if isinstance(req, ChatRequest) else None
 
         async def handle(i: int, out: RequestOutput) -> None:
             nonlocal completion_tokens
@@ -330,11 +315,8 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
                 index = i * n + c.index
                 if index not in started:
                     started.add(index)
-                    if isinstance(tool_deltas, ToolCallDeltas):
-                        await send(chunk(index, {"delta": tool_deltas.first()}))
-                    elif chat:
-                        await send(chunk(index, {"delta": {"role": "assistant",
-                                                           "content": req.echo}}))  # fmt: skip
+                    if deltas is not None:
+                        await send(chunk(index, {"delta": deltas.first()}))
                     elif req.echo:
                         text = out.prompt if out.prompt is not None else \
                             fmt.tokenizer.decode(out.prompt_token_ids)
@@ -345,13 +327,13 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
                 finish, logprobs = c.finish_reason, fmt.logprobs(index, c)
-                if tool_deltas is not None:
-                    delta, finish, logprobs = tool_deltas.next(index, c.text, finish, logprobs)
+                if deltas is not None:
+                    delta, finish, logprobs = deltas.next(index, c.text, finish, logprobs)
                     if delta is None:
                         continue
                     piece = {"delta": delta}
                 else:
-                    piece = {"delta": {"content": c.text}} if chat else {"text": c.text}
+                    piece = {"text": c.text}
                 await send(chunk(index, piece, logprobs, finish))
         try:
             await drive(streams, handle)

@@ -11,9 +11,10 @@ leaves the whole answer as text (streamed: that call's own text).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from runtime.server.held_text import tag_prefix_length
 from runtime.server.tool_calls import call_id
 
 START, END = "<tool_call>", "</tool_call>"
@@ -66,7 +67,6 @@ class _Choice:
     held: str = ""  # text not sent yet: blanks, a tag's start, or a call's body
     in_call: bool = False
     calls: int = 0
-    logprobs: list[Any] = field(default_factory=list)  # entries held along with the text
 
 
 class AutoToolDeltas:
@@ -77,27 +77,20 @@ class AutoToolDeltas:
     def __init__(self) -> None:
         self._choices: dict[int, _Choice] = {}
 
-    def next(
-        self, index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None
-    ) -> tuple[dict[str, Any] | None, str | None, dict[str, Any] | None]:
-        """The delta for new `text` (None: nothing to send yet), the finish reason, and the
-        logprobs to send with it (chat's {"content": [...]}, held along with the text)."""
+    def next(self, index: int, text: str, finish: str | None) -> tuple[dict[str, Any] | None,
+                                                                       str | None]:  # fmt: skip
+        """The delta for new `text` (None: nothing to send yet) and the finish reason."""
         state = self._choices.setdefault(index, _Choice())
-        if logprobs is not None:
-            state.logprobs.extend(logprobs["content"])
         content, calls = self._advance(state, state.held + text, finish is not None)
         delta: dict[str, Any] = {}
         if content:
             delta["content"] = content
         if calls:
             delta["tool_calls"] = calls
-        if not delta and finish is None:
-            return None, None, None
-        entries, state.logprobs = state.logprobs, []
-        sent_logprobs = {"content": entries} if logprobs is not None or entries else None
         if finish is not None:
             del self._choices[index]
-        return delta, finish_reason(state.calls > 0, finish), sent_logprobs
+            return delta, finish_reason(state.calls > 0, finish)
+        return delta or None, None
 
     def _advance(self, state: _Choice, text: str, last: bool) -> tuple[str, list[Any]]:
         content, calls = "", []
@@ -127,18 +120,10 @@ class AutoToolDeltas:
                 return content + (text if state.calls == 0 else ""), calls
             # Hold what may be the start of a tag, and trailing blanks (dropped if a call
             # follows); after a call, text outside calls is dropped (as in whole answers).
-            keep = _tag_prefix_length(text)
+            keep = tag_prefix_length(text, START)
             sendable = text[: len(text) - keep]
             stripped = sendable.rstrip()
             state.held = sendable[len(stripped):] + text[len(text) - keep:]
             if state.calls == 0:
                 content += stripped
             return content, calls
-
-
-def _tag_prefix_length(text: str) -> int:
-    """The length of the longest end of `text` that begins START."""
-    for n in range(min(len(START) - 1, len(text)), 0, -1):
-        if START.startswith(text[-n:]):
-            return n
-    return 0

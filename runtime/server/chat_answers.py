@@ -1,0 +1,81 @@
+"""A chat choice's answer shaped from the engine's text: its message (whole answers) or its
+deltas (streamed), with the tool calls tool_choice demanded or the model made ("auto"), the
+reasoning split out, and `echo`'s text first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.server.reasoning import ReasoningDeltas, split_reasoning
+from runtime.server.schemas import ChatRequest
+from runtime.server.tool_calls import ToolCallDeltas
+from runtime.server.tool_parsers import AutoToolDeltas, finish_reason, split_answer
+
+Delta = dict[str, Any]
+
+
+def chat_message(req: ChatRequest, text: str, finish: str | None) -> tuple[Delta, str | None]:
+    """A whole answer's message and finish_reason."""
+    if req.tool_calls is not None and (calls := req.tool_calls.calls(text)) is not None:
+        message = {"role": "assistant", "content": None, "tool_calls": calls}
+        return message, req.tool_calls.finish(finish)
+    message: Delta = {"role": "assistant"}
+    if req.reasoning_parser is not None:
+        reasoning, content = split_reasoning(req.reasoning_parser, text)
+        # vLLM's field was reasoning_content, now reasoning: clients read one or the other.
+        message["reasoning"] = message["reasoning_content"] = reasoning
+        text = content or ""
+    text = req.echo + text
+    if req.auto_tools:
+        message["content"], made = split_answer(text)
+        if made:
+            message["tool_calls"] = made
+        return message, finish_reason(bool(made), finish)
+    message["content"] = text if text or req.reasoning_parser is None else None
+    return message, finish
+
+
+class ChatDeltas:
+    """A streamed chat's deltas, choice by choice. Logprobs entries of text held back (a tag
+    not whole yet) are held too, and sent with the next delta."""
+
+    def __init__(self, req: ChatRequest) -> None:
+        self.req = req
+        self._demanded = ToolCallDeltas(req.tool_calls) if req.tool_calls else None
+        self._auto = AutoToolDeltas() if req.auto_tools else None
+        parser = req.reasoning_parser
+        self._thinking = ReasoningDeltas(parser) if parser is not None else None
+        self._held_logprobs: dict[int, list[Any]] = {}
+
+    def first(self) -> Delta:
+        """The choice's first delta."""
+        if self._demanded is not None:
+            return self._demanded.first()
+        return {"role": "assistant", "content": self.req.echo}
+
+    def next(
+        self, index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None
+    ) -> tuple[Delta | None, str | None, dict[str, Any] | None]:
+        """The delta for new `text` (None: nothing to send yet), the finish reason, and the
+        logprobs to send with it (chat's {"content": [...]})."""
+        if self._demanded is not None:
+            return self._demanded.next(index, text, finish, logprobs)
+        reasoning = ""
+        if self._thinking is not None:
+            reasoning, text = self._thinking.next(index, text, finish is not None)
+        delta: Delta | None
+        if self._auto is not None:
+            delta, finish = self._auto.next(index, text, finish)
+        else:
+            delta = {"content": text} if text or self._thinking is None else None
+        if reasoning:
+            delta = {"reasoning": reasoning, "reasoning_content": reasoning, **(delta or {})}
+        if delta is None and finish is not None:
+            delta = {}
+        if logprobs is not None:
+            self._held_logprobs.setdefault(index, []).extend(logprobs["content"])
+        if delta is None:
+            return None, None, None
+        entries = self._held_logprobs.pop(index, None)
+        return delta, finish, None if entries is None else {"content": entries}
