@@ -47,6 +47,8 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--kv-cache-memory", int, "KV cache size in bytes"),
     ("--block-size", int, "tokens per KV block"),
     ("--seed", int, "engine seed"),
+    ("--scheduling-policy", str, "fcfs | priority (a request's priority: lower runs first; "
+     f"default {_default('scheduling_policy')})"),
     ("--tensor-parallel-size", int, "ranks each layer's weights and KV heads are split over"),
     ("--data-parallel-size", int, "independent replicas, each request to the least loaded"),
     ("--distributed-executor-backend", str, "local | ray (ranks as actors of a Ray cluster "

@@ -24,6 +24,9 @@ MODEL_IMPLS = ("auto", "loom", "transformers")
 # "local": ranks are processes the engine-manager starts on this machine; "ray": actors
 # it places in an existing Ray cluster (address: $RAY_ADDRESS, else the local node's).
 EXECUTOR_BACKENDS = ("local", "ray")
+# Which waiting request runs first: "fcfs" (arrival order) or "priority" (a request's
+# `priority`, lower first, then arrival; preemption gives up the lowest first), as vLLM's.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU the worker may fill
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES
     # Schedule and send step N+1 while step N runs (its sampled ids stay on the worker's
     # device). None: on where the workers run on CUDA (the engine's work then overlaps
     # the forward); off on the CPU, where the engine would take cores from the forward.
@@ -83,6 +87,7 @@ class EngineConfig:
                 f"weight_dtype must be bfloat16, float16 or None; got {self.weight_dtype!r}"
             )
         _one_of("manager", self.manager, MANAGER_MODES)
+        _one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _one_of("distributed_executor_backend", self.distributed_executor_backend,
                 EXECUTOR_BACKENDS)  # fmt: skip
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)

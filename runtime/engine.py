@@ -40,7 +40,12 @@ from runtime.manager_client import (
 from runtime.output_processor import ParentRequest
 from runtime.outputs import RequestMetrics, RequestOutputCollector
 from runtime.replica import Replica, least_loaded
-from runtime.request_checks import check_request_id, check_token_ids, prompt_token_ids
+from runtime.request_checks import (
+    check_priority,
+    check_request_id,
+    check_token_ids,
+    prompt_token_ids,
+)
 from runtime.request_stream import RequestStream
 from runtime.tokenizer import Tokenizer
 
@@ -192,15 +197,18 @@ class Engine:
         sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Start one request and return its stream of outputs (`async for out in ...`).
 
         `prompt` is a string or {"prompt_token_ids": [...]}. Bad input raises ValueError
         naming the field here, before anything is scheduled. Leaving the stream (break,
         cancellation, a deadline, `aclose()`) aborts the request; its KV blocks are free
-        again before the next step.
+        again before the next step. `priority` (scheduling_policy="priority" only): lower
+        runs first, and is preempted last.
         """
         self._require_running()
+        check_priority(priority, self.config.scheduling_policy)
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
@@ -221,7 +229,7 @@ class Engine:
         assert core is not None
         parent = ParentRequest(
             request_id, text, token_ids, params, RequestOutputCollector(params.output_kind),
-            RequestMetrics(arrival_time=time.time()),
+            RequestMetrics(arrival_time=time.time()), priority=priority,
         )  # fmt: skip
         core.add_request(parent)
         # The stream aborts its own request only: never a later one that reuses the id.
@@ -238,6 +246,7 @@ class Engine:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        priority: int = 0,
     ) -> RequestStream:
         """Apply the model's chat template to `messages`, then stream like generate().
 
@@ -256,9 +265,8 @@ class Engine:
             continue_final_message=continue_final_message, **kwargs,
         )  # fmt: skip
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self.generate(
-            {"prompt_token_ids": ids, "prompt": text}, sampling_params, request_id=request_id
-        )
+        return self.generate({"prompt_token_ids": ids, "prompt": text}, sampling_params,
+                             request_id=request_id, priority=priority)  # fmt: skip
 
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op if it already finished)."""

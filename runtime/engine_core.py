@@ -82,7 +82,7 @@ class EngineCore:
             self.scheduler.add_request(
                 Request(
                     child_id, parent.prompt_token_ids, child_params, self.eos_token_ids,
-                    self.max_model_len, parent.metrics.arrival_time,
+                    self.max_model_len, parent.metrics.arrival_time, parent.priority,
                 )  # fmt: skip
             )
         self._work.set()

@@ -61,6 +61,7 @@ def build_engine_core(
             num_blocks=info.num_kv_blocks,
             enable_prefix_caching=cfg.enable_prefix_caching,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
+            scheduling_policy=cfg.scheduling_policy,
         )
     )
     if tokenizer is None:

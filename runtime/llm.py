@@ -71,12 +71,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched by the engine; results in input order."""
+        """Run every prompt to completion, batched by the engine; results in input order.
+
+        `priority`: one for all prompts or one each (scheduling_policy="priority")."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        calls = [(self.engine.generate, p, sp) for p, sp in zip(prompts, params, strict=True)]
+        calls = [(partial(self.engine.generate, priority=rank), p, sp) for p, sp, rank in
+                 zip(prompts, params, _priorities(priority, len(prompts)), strict=True)]
         return self._run(calls, use_tqdm)
 
     def chat(
@@ -89,17 +93,20 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; answers in input order.
 
-        The keyword arguments are Engine.chat's."""
+        The keyword arguments are Engine.chat's; `priority` as in generate()."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = _per_prompt(sampling_params, len(conversations))
         chat = partial(self.engine.chat, chat_template=chat_template,
                        chat_template_kwargs=chat_template_kwargs,
                        add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message)  # fmt: skip
-        calls = [(chat, m, sp) for m, sp in zip(conversations, params, strict=True)]
+        calls = [(partial(chat, priority=rank), m, sp) for m, sp, rank in
+                 zip(conversations, params, _priorities(priority, len(conversations)),
+                     strict=True)]  # fmt: skip
         return self._run(calls, use_tqdm)
 
     def collective_rpc(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
@@ -182,6 +189,15 @@ def _per_prompt(
             raise ValueError(f"got {len(chosen)} sampling_params for {count} prompts")
     # Only the final output matters here; skip building the intermediate ones.
     return [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in chosen]
+
+
+def _priorities(priority: int | Sequence[int] | None, count: int) -> list[int]:
+    if priority is None or isinstance(priority, int):
+        return [priority or 0] * count
+    ranks = list(priority)
+    if len(ranks) != count:
+        raise ValueError(f"got {len(ranks)} priorities for {count} prompts")
+    return ranks
 
 
 async def _run_all(calls: list[tuple[Any, Any, SamplingParams]], bar: tqdm) -> list:

@@ -39,6 +39,7 @@ class ParentRequest:
     collector: RequestOutputCollector
     metrics: RequestMetrics
     children: dict[int, CompletionOutput] = field(default_factory=dict)
+    priority: int = 0  # lower first, under the "priority" scheduling policy
     num_cached_tokens: int = 0
     # One entry per prompt token while being filled (params.prompt_logprobs set): child 0
     # alone asks the workers, n > 1 children share the prompt.

@@ -42,14 +42,16 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "output_token_ids", "num_computed_tokens", "num_cached_tokens", "status",
-        "stop_reason", "max_tokens", "num_output_placeholders", "_all_token_ids",
+        "stop_reason", "max_tokens", "num_output_placeholders", "_all_token_ids", "priority",
     )  # fmt: skip
 
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
         eos_token_ids: frozenset[int], max_model_len: int, arrival_time: float,
+        priority: int = 0,
     ) -> None:  # fmt: skip
         self.request_id = request_id
+        self.priority = priority  # lower first, under the "priority" scheduling policy
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids

@@ -60,3 +60,13 @@ def check_request_id(request_id: object) -> str:
             pass
     raise ValueError(f"request_id must be a string (of whole UTF-8 characters), got "
                      f"{request_id!r}")  # fmt: skip
+
+
+def check_priority(priority: object, policy: str) -> None:
+    """A request's priority: an integer, other than 0 only under the "priority" policy (as
+    vLLM refuses it: under FCFS it would silently do nothing)."""
+    if type(priority) is not int:
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority and policy != "priority":
+        raise ValueError(f"priority {priority} needs scheduling_policy='priority' (this engine "
+                         f"schedules {policy})")  # fmt: skip

@@ -19,7 +19,6 @@ it, supplies the id. Without async scheduling the count is 1 between `schedule()
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ from protocols.messages import (
 )
 from runtime.kv_blocks import KVCacheManager
 from runtime.request import Request, RequestStatus
+from runtime.request_queue import waiting_queue
 
 # Token ids a step's newly admitted requests carry to the workers (each whole prompt, prefix
 # hits included, and its allowed ids and logit bias: Request.num_wire_ids), at most: 4 Mi
@@ -50,8 +50,10 @@ class SchedulerConfig:
     num_blocks: int  # KV blocks the workers allocated
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # config.SCHEDULING_POLICIES
 
     def __post_init__(self) -> None:
+        waiting_queue(self.scheduling_policy)  # ValueError for an unknown policy
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                      "num_blocks"):  # fmt: skip
             value = getattr(self, name)
@@ -88,7 +90,8 @@ class EngineCoreOutput:
 
 
 class Scheduler:
-    """FCFS continuous batching: running requests first, then waiting ones, in one budget."""
+    """Continuous batching: running requests first, then waiting ones (in the policy's
+    order: arrival, or priority), in one budget."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -96,8 +99,8 @@ class Scheduler:
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.requests: dict[str, Request] = {}  # unfinished requests by id
-        self.waiting: deque[Request] = deque()  # new and preempted, FCFS
-        self.running: list[Request] = []  # hold KV blocks; oldest first
+        self.waiting = waiting_queue(config.scheduling_policy)  # new and preempted
+        self.running: list[Request] = []  # hold KV blocks; in order of admission
         # Finished, aborted or preempted since the last schedule(): the workers forget them.
         self.finished_req_ids: dict[str, None] = {}
         self.step_id = 0  # schedule() calls so far
@@ -133,7 +136,7 @@ class Scheduler:
                 f"({self.config.max_model_len})"
             )
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string): blocks are free on return.
@@ -155,7 +158,7 @@ class Scheduler:
             request.status = status
             self._free_request(request)
         if removed_waiting:
-            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+            self.waiting.drop_finished()
 
     def schedule(self) -> SchedulerOutput:
         """Pick the work of one step and advance `num_computed_tokens` of what it picked."""
@@ -168,7 +171,7 @@ class Scheduler:
         new_request_tokens = 0  # the ids new_requests carry
         preempted = False
 
-        # Running requests, oldest first: decodes and the rest of chunked prefills.
+        # Running requests, in order of admission: decodes and the rest of chunked prefills.
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
@@ -189,15 +192,26 @@ class Scheduler:
                 continue
             new_block_ids = kv.allocate_slots(request, num_new)
             while new_block_ids is None:
-                # Out of blocks: the newest running request gives its blocks back.
-                victim = self.running.pop()
+                # Out of blocks: the policy's victim (FCFS: the newest running request)
+                # gives its blocks back.
+                victim = self.waiting.victim(self.running)
+                at = self.running.index(victim)
+                del self.running[at]
+                if at < index:  # passed already in this step (priority)
+                    index -= 1
+                if victim.request_id in num_scheduled_tokens:  # scheduled in it: undo that
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    k = cached.req_ids.index(victim.request_id)
+                    del cached.req_ids[k], cached.new_block_ids[k], cached.num_computed_tokens[k]
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
                 new_block_ids = kv.allocate_slots(request, num_new)
             if new_block_ids is None:
-                break
+                # It gave its own blocks back; those after it (by priority, ones that rank
+                # above it) still run. Under FCFS it was the last.
+                continue
             num_scheduled_tokens[request.request_id] = num_new
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_block_ids)
@@ -205,12 +219,13 @@ class Scheduler:
             token_budget -= num_new
             index += 1
 
-        # Waiting requests, FCFS; none if this step had to preempt (memory is short).
+        # Waiting requests, in the policy's order; none if this step had to preempt (memory
+        # is short).
         while (
             not preempted and self.waiting and token_budget > 0
             and len(self.running) < config.max_num_seqs
         ):  # fmt: skip
-            request = self.waiting[0]
+            request = self.waiting.peek()
             new_request_tokens += request.num_wire_ids
             if new_requests and new_request_tokens > MAX_NEW_REQUEST_TOKENS:
                 break  # the frame to the workers is full enough: the next step takes it
@@ -221,7 +236,7 @@ class Scheduler:
             num_new = min(num_new, token_budget)
             if kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             if request.status is RequestStatus.WAITING:  # first admission, not a resume
                 request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
@@ -315,12 +330,12 @@ class Scheduler:
         return False
 
     def _preempt(self, request: Request) -> None:
-        """Recompute later: drop its KV, put it first in line; workers drop its state."""
+        """Recompute later: drop its KV, back in line (FCFS: first); workers drop its state."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # tokens in flight are dropped: recomputed
-        self.waiting.appendleft(request)
+        self.waiting.push_preempted(request)
         self.finished_req_ids[request.request_id] = None
         self.num_preemptions += 1
 

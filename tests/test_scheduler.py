@@ -198,6 +198,7 @@ class Driver:
         ({"enable_prefix_caching": 1}, "enable_prefix_caching"),
         ({"max_model_len": 257}, "max_model_len"),  # more than 64 blocks of 4 hold
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": 99}, "max_num_batched_tokens"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
     ],
 )
 def test_config_is_validated(overrides: dict[str, object], field: str) -> None:
@@ -410,9 +411,49 @@ def test_preempted_requests_go_back_first_in_line() -> None:
     driver.step()  # position 3 still fits the second block
     driver.step()  # position 4 needs a third block for each: r1 is preempted
     assert [r.request_id for r in driver.scheduler.waiting] == ["r1", "r2"]
-    assert driver.scheduler.waiting[0].status is RequestStatus.PREEMPTED
+    assert next(iter(driver.scheduler.waiting)).status is RequestStatus.PREEMPTED
     assert driver.outputs[-1].finished_req_ids == ["r1"]
     assert driver.outputs[-1].num_scheduled_tokens == {"r0": 1}  # no admission this step
+
+
+def test_priority_orders_admission_then_arrival() -> None:
+    """Lower priority first; equal ones by arrival, then intake (a request's n children)."""
+    driver = Driver(make_config(max_num_seqs=1, scheduling_policy="priority"))
+    for name, priority, arrival in [("late-low", 5, 0.0), ("urgent", -1, 3.0), ("a", 0, 1.0),
+                                    ("b", 0, 1.0), ("early", 0, 0.5)]:  # fmt: skip
+        request = Request(name, [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True),
+                          frozenset({EOS}), 128, arrival, priority)  # fmt: skip
+        driver.add(request)
+    order = [r.request_id for r in driver.scheduler.waiting]
+    assert order == ["urgent", "early", "a", "b", "late-low"]
+    admitted = []
+    while driver.scheduler.has_unfinished_requests():
+        so = driver.step()
+        admitted += [new.req_id for new in so.new_requests]
+    assert admitted == order
+
+
+def test_priority_preempts_the_lowest_priority_even_one_scheduled_earlier_in_the_step() -> None:
+    """Out of blocks, the victim is the lowest-priority running request (FCFS: the newest),
+    though the step has scheduled it already: its tokens and budget are taken back."""
+    config = make_config(num_blocks=5, block_size=2, max_model_len=8, scheduling_policy="priority")
+    driver = Driver(config)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    low = Request("low", [3, 4, 5], params, frozenset({EOS}), 8, 0.0, 1)
+    high = Request("high", [6, 7, 8, 9], params, frozenset({EOS}), 8, 1.0, 0)
+    driver.add(low)
+    driver.step()  # "low" alone: it runs first from here on
+    driver.add(high)
+    driver.step()  # both hold two blocks now; one is free
+    assert [r.request_id for r in driver.scheduler.running] == ["low", "high"]
+    so = driver.step()  # each needs a third: "low" takes the last, then gives it up
+    assert so.num_scheduled_tokens == {"high": 1} and so.cached.req_ids == ["high"]
+    assert len(so.cached.new_block_ids) == len(so.cached.num_computed_tokens) == 1
+    assert [r.request_id for r in driver.scheduler.waiting] == ["low"]
+    assert so.finished_req_ids == ["low"]
+    driver.run()
+    assert driver.tokens("low") == reference([3, 4, 5], params, 8)[0]
+    assert driver.tokens("high") == reference([6, 7, 8, 9], params, 8)[0]
 
 
 def test_no_admission_in_a_step_that_preempted() -> None:
@@ -525,6 +566,7 @@ def scheduler_configs(draw: st.DrawFn) -> SchedulerConfig:
         max_num_batched_tokens=budget if chunked else max(budget, max_model_len),
         max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
         enable_prefix_caching=draw(st.booleans()), enable_chunked_prefill=chunked,
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
     )  # fmt: skip
 
 
@@ -539,6 +581,7 @@ request_specs = st.fixed_dictionaries({
     "stop_token": st.one_of(st.none(), st.integers(1, 19)),
     "abort_at": st.one_of(st.none(), st.integers(0, 40)),
     "abort_mid_flight": st.booleans(),
+    "priority": st.integers(-2, 2),  # used under the "priority" policy
 })  # fmt: skip
 
 
@@ -591,8 +634,9 @@ def test_random_traffic_keeps_blocks_consistent_and_finishes_everything(
                     min_tokens=min(spec["min_tokens"], max_tokens or 3),
                     stop_token_ids=() if spec["stop_token"] is None else (spec["stop_token"],),
                 )  # fmt: skip
+                priority = spec["priority"] if config.scheduling_policy == "priority" else 0
                 request = Request(f"r{k}", prompt, params, frozenset({EOS}),
-                                  config.max_model_len, float(step))  # fmt: skip
+                                  config.max_model_len, float(step), priority)  # fmt: skip
                 requests[request.request_id] = driver.add(request)
         to_abort: dict[bool, list[str]] = {True: [], False: []}
         for k, spec in enumerate(specs):

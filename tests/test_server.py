@@ -22,9 +22,10 @@ NAME = "tiny"
 
 
 @asynccontextmanager
-async def running(model: str, manager, **app_options):
+async def running(model: str, manager, engine_options: dict | None = None, **app_options):
     """(engine, client) with the app served by hypercorn on a free port in this task group."""
-    async with Engine(model, manager_socket=manager.socket, dtype="float32") as engine:
+    async with Engine(model, manager_socket=manager.socket, dtype="float32",
+                      **(engine_options or {})) as engine:  # fmt: skip
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -391,7 +392,7 @@ def test_an_engine_dead_at_a_requests_start_is_503_and_closes_what_started():
         def __init__(self):
             self.calls = 0
 
-        def generate(self, prompt, params, request_id):
+        def generate(self, prompt, params, request_id, priority):
             self.calls += 1
             if self.calls == 2:
                 raise EngineDeadError("the worker died")

@@ -274,7 +274,8 @@ def build_app(
                            template_names=first.tokenizer.chat_templates,
                            trust_request_chat_template=trust_request_chat_template,
                            auto_tools=tool_call_parser is not None,
-                           reasoning=reasoning_parser is not None)  # fmt: skip
+                           reasoning=reasoning_parser is not None,
+                           priority=first.config.scheduling_policy == "priority")  # fmt: skip
 
     async def openapi(request: Request) -> Response:
         return JSONResponse(schema)

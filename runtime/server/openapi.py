@@ -123,7 +123,7 @@ def build_openapi(
     model: str, max_model_len: int, vocab_size: int, *, needs_api_key: bool = False,
     open_paths: Collection[str] = (), template_names: Collection[str] = (),
     trust_request_chat_template: bool = False, auto_tools: bool = False,
-    reasoning: bool = False,
+    reasoning: bool = False, priority: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The OpenAPI 3.1 document of build_app()'s routes, for this model and these limits.
 
@@ -178,7 +178,8 @@ def build_openapi(
         "info": {"title": "loomllm OpenAI-compatible API", "version": "1"},
         "paths": paths,
         "components": {"schemas": request_schemas(model, max_model_len, vocab_size, template_names,
-                                                  trust_request_chat_template, auto_tools)
+                                                  trust_request_chat_template, auto_tools,
+                                                  priority)
                        | _responses(model, reasoning)},  # fmt: skip
     }
     if needs_api_key:

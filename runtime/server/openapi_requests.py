@@ -45,7 +45,7 @@ def object_of(properties: dict[str, Schema], required: list[str] | None = None) 
     return schema
 
 
-def _sampling(vocab_size: int) -> dict[str, Schema]:
+def _sampling(vocab_size: int, priority: bool) -> dict[str, Schema]:
     """The fields completions and chat share (parse_common); vLLM's extras included."""
     stop_string = {"type": "string", "minLength": 1}
     unsupported = {name: {"enum": [*no_ops, None], "description": "unsupported: only a value "
@@ -55,6 +55,8 @@ def _sampling(vocab_size: int) -> dict[str, Schema]:
         "temperature": _number(minimum=0),
         "top_p": _number(exclusiveMinimum=0, maximum=1),
         "n": _int(1, MAX_N, description="choices per prompt"),
+        "priority": _int(description="lower runs first") if priority else {
+            "enum": [0, None], "description": "only with --scheduling-policy priority"},
         "seed": _int(description="each of the n choices samples with seed + its index, "
                                  "which must fit in 64 bits too"),
         "presence_penalty": _number(minimum=-2, maximum=2),
@@ -198,7 +200,7 @@ _CONTINUE_RULE = {
 
 def request_schemas(
     model: str, max_model_len: int, vocab_size: int, template_names: Collection[str] = (),
-    trust_templates: bool = False, auto_tools: bool = False,
+    trust_templates: bool = False, auto_tools: bool = False, priority: bool = False,
 ) -> dict[str, Schema]:  # fmt: skip
     model_field = {"type": ["string", "null"], "enum": [model, None],
                    "description": "another name: 404"}  # fmt: skip
@@ -215,7 +217,7 @@ def request_schemas(
         "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "unsupported"},
         "tools": {"type": ["array", "null"], "maxItems": 0, "description": "chat only"},
         "tool_choice": {"enum": ["none", None], "description": "chat only"},
-        **_sampling(vocab_size),
+        **_sampling(vocab_size, priority),
     }, ["prompt"])  # fmt: skip
     completion["allOf"] = [_STREAM_OPTIONS_RULE]
     text_part = object_of({"type": {"const": "text"}, "text": {"type": "string"}}, ["type", "text"])
@@ -242,7 +244,7 @@ def request_schemas(
                       "that is the assistant's"),
         **_template_fields(template_names, trust_templates),
         **_tools(auto_tools),
-        **_sampling(vocab_size),
+        **_sampling(vocab_size, priority),
     }, ["messages"])  # fmt: skip
     chat["allOf"] = [_STREAM_OPTIONS_RULE, _CONTINUE_RULE, {
         "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},

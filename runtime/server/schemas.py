@@ -122,6 +122,7 @@ class Common:
     # The body field that asked for structured outputs: a grammar the workers cannot
     # compile is a 400 naming it.
     structured_field: str | None = None
+    priority: int = 0  # vLLM's extra: lower first (--scheduling-policy priority)
 
 
 def structured_outputs(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -218,7 +219,8 @@ def parse_common(
                                 prompt_logprobs=prompt_logprobs, **kwargs)  # fmt: skip
     except ValueError as exc:
         raise from_value_error(exc, "body", renames) from None
-    return Common(params, stream, include_usage, structured_field)
+    return Common(params, stream, include_usage, structured_field,
+                  field(body, "priority", "int", 0))  # fmt: skip
 
 
 def as_field(message: str, field: str) -> str:

@@ -39,17 +39,21 @@ def start_streams(
     try:
         for i, prompt in enumerate(prompts):
             rid = f"{base_id}-{i}"
+            priority = req.common.priority
             if isinstance(req, ChatRequest):
                 streams.append(engine.chat(req.messages, req.common.params, request_id=rid,
+                                           priority=priority,
                                            **req.template.chat_kwargs(req.tools)))  # fmt: skip
             else:
-                streams.append(engine.generate(prompt, req.common.params, request_id=rid))
+                streams.append(engine.generate(prompt, req.common.params, request_id=rid,
+                                               priority=priority))  # fmt: skip
     except ValueError as exc:
         for s in streams:
             s.close()
         # A chat's prompt is its rendered messages: a prompt error names them.
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
-        renames = {"prompt_token_ids": param, "prompt": param, "messages": "messages"}
+        renames = {"prompt_token_ids": param, "prompt": param, "messages": "messages",
+                   "priority": "priority"}  # fmt: skip
         raise from_value_error(exc, param, renames) from None
     except (EngineDeadError, EngineClosedError) as exc:  # it died since the request came in
         for s in streams:
