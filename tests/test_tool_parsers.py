@@ -33,6 +33,14 @@ CASES = [
     ('<tool_call>{"name": "ping", "arguments": {}}', None, [("ping", {})]),
     ("ok " + WEATHER_CALL + " and text after a call is dropped", "ok",
      [("weather", {"unit": "c", "rain": True})]),
+    # a block that is no call is text, its blanks before it kept; after a call, dropped
+    ('Let me check. <tool_call>{"nam', 'Let me check. <tool_call>{"nam', []),
+    (WEATHER_CALL + '\n<tool_call>{"name": "ping", "arg', None,
+     [("weather", {"unit": "c", "rain": True})]),
+    ("<tool_call>[1]</tool_call>\n" + PING_CALL, "<tool_call>[1]</tool_call>", [("ping", {})]),
+    ("Use <tool_call> tags, then JSON.", "Use <tool_call> tags, then JSON.", []),
+    ('<tool_call>{"name": "f", "arguments": {"x": "\\ud83d"}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"x": "\\ud83d"}}</tool_call>', []),
 ]  # fmt: skip
 NOT_CALLS = ['<tool_call>{"name": "weather", "argu', "<tool_call>[1, 2]</tool_call>",
              '<tool_call>{"arguments": {}}</tool_call>']  # fmt: skip
@@ -48,6 +56,17 @@ def calls_of(calls: list[dict]) -> list[tuple[str, dict]]:
 def test_whole_answers_split_into_content_and_calls(answer, content, calls):
     got_content, got_calls = split_answer(answer)
     assert got_content == content and calls_of(got_calls) == calls
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    answer = WEATHER_CALL + PING_CALL
+    assert calls_of(split_answer(answer, parallel=False)[1]) == [("weather", {"unit": "c",
+                                                                              "rain": True})]
+    deltas = AutoToolDeltas(parallel=False)
+    first, _ = deltas.next(0, answer[:-5], None)
+    last, reason = deltas.next(0, answer[-5:], "stop")
+    assert [c["index"] for c in first["tool_calls"]] == [0] and last == {}
+    assert reason == "tool_calls"
 
 
 @pytest.mark.parametrize("answer", NOT_CALLS)
@@ -85,10 +104,12 @@ def test_streamed_deltas_add_up_to_the_whole_answer_however_cut(answer, content,
         assert got_content == content and calls_of(got_calls) == calls, cuts
 
 
-def test_held_text_is_sent_once_it_cannot_be_a_tag():
+def test_held_text_is_sent_once_it_cannot_be_a_tag_or_a_call():
     deltas = AutoToolDeltas()
     assert deltas.next(0, "Hi <tool", None) == ({"content": "Hi"}, None)
     assert deltas.next(0, "s>", None) == ({"content": " <tools>"}, None)
+    assert deltas.next(0, " <tool_call>  ", None) == (None, None)
+    assert deltas.next(0, "is a tag", None) == ({"content": " <tool_call>  is a tag"}, None)
     delta, reason = deltas.next(0, "", "length")
     assert delta == {} and reason == "length"
 
@@ -127,6 +148,32 @@ async def test_auto_reads_the_calls_the_model_made(char_model, shared_manager):
         none = {**body, "tool_choice": "none"}
         kept = (await client.post("/v1/chat/completions", json=none)).json()["choices"][0]
         assert kept["message"]["content"] == answer and "tool_calls" not in kept["message"]
+        # A prefilled answer that opens the call (continue_final_message), echoed: the
+        # echo is read for calls too, whole and streamed.
+        opened = '<tool_call>\n{"name": "weather", '
+        rest = '"arguments": {"unit": "c", "rain": true}}\n</tool_call>'
+        prefilled = {**FORCED, "messages": [*FORCED["messages"],
+                                            {"role": "assistant", "content": opened}],
+                     "add_generation_prompt": False, "continue_final_message": True,
+                     "echo": True, "structured_outputs": {"choice": [rest]}}  # fmt: skip
+        whole, chunks = await both_ways(client, prefilled)
+        assert whole["message"]["content"] is None and whole["finish_reason"] == "tool_calls"
+        assert calls_of(whole["message"]["tool_calls"]) == [("weather", {"unit": "c",
+                                                                         "rain": True})]
+        deltas = [c["delta"] for c in chunks]
+        assert not "".join(d.get("content") or "" for d in deltas)
+        streamed_calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert calls_of(streamed_calls) == calls_of(whole["message"]["tool_calls"])
+
+
+async def both_ways(client, body: dict) -> tuple[dict, list[dict]]:
+    """A chat's one choice, whole, and its streamed chunks' choices."""
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    async with client.stream("POST", "/v1/chat/completions",
+                             json={**body, "stream": True}) as streamed:  # fmt: skip
+        events = await sse_events(streamed)
+    return response.json()["choices"][0], [e["choices"][0] for e in events[:-1]]
 
 
 @pytest.mark.anyio

@@ -28,7 +28,7 @@ def chat_message(req: ChatRequest, text: str, finish: str | None) -> tuple[Delta
         text = content or ""
     text = req.echo + text
     if req.auto_tools:
-        message["content"], made = split_answer(text)
+        message["content"], made = split_answer(text, req.parallel_tool_calls)
         if made:
             message["tool_calls"] = made
         return message, finish_reason(bool(made), finish)
@@ -43,15 +43,19 @@ class ChatDeltas:
     def __init__(self, req: ChatRequest) -> None:
         self.req = req
         self._demanded = ToolCallDeltas(req.tool_calls) if req.tool_calls else None
-        self._auto = AutoToolDeltas() if req.auto_tools else None
+        self._auto = AutoToolDeltas(req.parallel_tool_calls) if req.auto_tools else None
         parser = req.reasoning_parser
         self._thinking = ReasoningDeltas(parser) if parser is not None else None
         self._held_logprobs: dict[int, list[Any]] = {}
+        self._unechoed: set[int] = set()  # choices whose echo goes to the tool-call parser
 
-    def first(self) -> Delta:
+    def first(self, index: int) -> Delta:
         """The choice's first delta."""
         if self._demanded is not None:
             return self._demanded.first()
+        if self._auto is not None and self.req.echo:  # it may open a call: parsed first
+            self._unechoed.add(index)
+            return {"role": "assistant", "content": ""}
         return {"role": "assistant", "content": self.req.echo}
 
     def next(
@@ -66,6 +70,9 @@ class ChatDeltas:
             reasoning, text = self._thinking.next(index, text, finish is not None)
         delta: Delta | None
         if self._auto is not None:
+            if index in self._unechoed:
+                self._unechoed.discard(index)
+                text = self.req.echo + text
             delta, finish = self._auto.next(index, text, finish)
         else:
             delta = {"content": text} if text or self._thinking is None else None

@@ -296,6 +296,7 @@ class ChatRequest:
     tool_calls: ToolCalls | None = None  # the calls tool_choice demands
     echo: str = ""  # the text `echo` puts before each choice's answer
     auto_tools: bool = False  # tool_choice "auto": the answer is read for calls
+    parallel_tool_calls: bool = True  # false: the first call the model made only
     reasoning_parser: str | None = None  # the answer's reasoning is split out by this one
 
 
@@ -334,5 +335,6 @@ def parse_chat(
         # A grammar holds from the first token: the model cannot think first, and its
         # answer is all content.
         reasoning_parser = None
+    parallel = body.get("parallel_tool_calls") is not False  # parse_tools checked it
     return ChatRequest(messages, common, want_logprobs, template, tools, tool_calls, echo,
-                       auto, reasoning_parser)  # fmt: skip
+                       auto, parallel, reasoning_parser)  # fmt: skip

@@ -320,7 +320,7 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
                 if index not in started:
                     started.add(index)
                     if deltas is not None:
-                        await send(chunk(index, {"delta": deltas.first()}))
+                        await send(chunk(index, {"delta": deltas.first(index)}))
                     elif req.echo:
                         text = out.prompt if out.prompt is not None else \
                             fmt.tokenizer.decode(out.prompt_token_ids)

@@ -1,11 +1,13 @@
 """Tool calls read out of a model's own text, for tool_choice "auto" (`loom serve
---enable-auto-tool-choice --tool-call-parser hermes`, vLLM's flags): whole answers, and
-streamed deltas that hold back what may turn out to be a call.
+--enable-auto-tool-choice --tool-call-parser hermes`, vLLM's flags): streamed deltas that
+hold back what may turn out to be a call, and whole answers read the same way (all their
+text at once), so that both give the same content and calls.
 
 "hermes": each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as the
-chat templates of Qwen2.5, Qwen3 and Hermes 2 Pro / 3 teach their models. As in vLLM, the
-message's content is the text before the first call, and a call whose JSON does not parse
-leaves the whole answer as text (streamed: that call's own text).
+chat templates of Qwen2.5, Qwen3 and Hermes 2 Pro / 3 teach their models. The content is
+the text before the first call (its trailing blanks dropped); text after a call is dropped,
+as vLLM drops it. A tag not followed by `{`, or a block whose JSON is not a call (cut short
+by max_tokens, say), is text like any other.
 """
 
 from __future__ import annotations
@@ -38,23 +40,18 @@ def parse_call(body: str) -> dict[str, Any] | None:
     if not isinstance(arguments, dict):
         return None
     text = json.dumps(arguments, ensure_ascii=False)
+    try:  # an escaped lone surrogate ("\ud83d") decodes to no text: not a call we can send
+        name.encode(), text.encode()
+    except UnicodeEncodeError:
+        return None
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": text}}
 
 
-def split_answer(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def split_answer(text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole answer's content (None: none) and calls."""
-    first = text.find(START)
-    if first < 0:
-        return text, []
-    calls, at = [], first
-    while at >= 0:
-        end = text.find(END, at)
-        call = parse_call(text[at + len(START): len(text) if end < 0 else end])
-        if call is None:
-            return text, []  # not calls after all
-        calls.append(call)
-        at = -1 if end < 0 else text.find(START, end)
-    return text[:first].rstrip() or None, calls
+    delta, _ = AutoToolDeltas(parallel).next(0, text, "stop")
+    assert delta is not None
+    return delta.get("content") or None, delta.get("tool_calls", [])
 
 
 def finish_reason(called: bool, engine_reason: str | None) -> str | None:
@@ -66,15 +63,16 @@ def finish_reason(called: bool, engine_reason: str | None) -> str | None:
 class _Choice:
     held: str = ""  # text not sent yet: blanks, a tag's start, or a call's body
     in_call: bool = False
+    blanks: str = ""  # the blanks before the tag now open: content again if it is no call
     calls: int = 0
 
 
 class AutoToolDeltas:
     """A streamed chat's deltas when the model may call tools: content as it comes, each
-    call whole once its closing tag arrives. Trailing blanks are held, so the content
-    streamed is the whole answer's content."""
+    call whole once its closing tag arrives (`parallel` false: the first call only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parallel: bool = True) -> None:
+        self.parallel = parallel
         self._choices: dict[int, _Choice] = {}
 
     def next(self, index: int, text: str, finish: str | None) -> tuple[dict[str, Any] | None,
@@ -94,36 +92,48 @@ class AutoToolDeltas:
 
     def _advance(self, state: _Choice, text: str, last: bool) -> tuple[str, list[Any]]:
         content, calls = "", []
+        state.held = ""
+
+        def as_text(piece: str) -> None:  # text outside calls: content until the first call
+            nonlocal content
+            if state.calls == 0:
+                content += piece
+
         while True:
             if state.in_call:
+                opening = text.lstrip()
+                if opening and not opening.startswith("{"):  # the tag was text
+                    as_text(state.blanks + START)
+                    state.in_call = False
+                    continue
                 end = text.find(END)
                 if end < 0 and not last:
                     state.held = text
                     return content, calls
                 body = text if end < 0 else text[:end]
                 call = parse_call(body)
-                if call is None:  # not a call: its text is content
-                    content += START + (body if end < 0 else body + END)
-                else:
+                if call is None:
+                    as_text(state.blanks + START + (body if end < 0 else body + END))
+                elif state.calls == 0 or self.parallel:
                     calls.append({"index": state.calls, **call})
                     state.calls += 1
                 state.in_call, text = False, "" if end < 0 else text[end + len(END):]
                 continue
             start = text.find(START)
             if start >= 0:
-                if state.calls == 0:
-                    content += text[:start].rstrip()  # blanks before a call are dropped
+                before = text[:start]
+                as_text(before.rstrip())  # blanks before a call are dropped
+                state.blanks = before[len(before.rstrip()):]
                 state.in_call, text = True, text[start + len(START):]
                 continue
             if last:
-                state.held = ""
-                return content + (text if state.calls == 0 else ""), calls
+                as_text(text)
+                return content, calls
             # Hold what may be the start of a tag, and trailing blanks (dropped if a call
-            # follows); after a call, text outside calls is dropped (as in whole answers).
+            # follows).
             keep = tag_prefix_length(text, START)
             sendable = text[: len(text) - keep]
             stripped = sendable.rstrip()
+            as_text(stripped)
             state.held = sendable[len(stripped):] + text[len(text) - keep:]
-            if state.calls == 0:
-                content += stripped
             return content, calls
