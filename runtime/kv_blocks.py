@@ -54,7 +54,7 @@ class BlockPool:
         for _ in range(num_blocks):
             block_id, _ = self.free_block_queue.popitem(last=False)
             assert self.ref_cnt[block_id] == 0
-            self._evict(block_id)
+            self.evict(block_id)
             self.ref_cnt[block_id] = 1
             blocks.append(block_id)
         return blocks
@@ -81,7 +81,7 @@ class BlockPool:
         self.block_hashes[block_id] = block_hash
         self.cached_block_hash_to_block[block_hash] = block_id
 
-    def _evict(self, block_id: int) -> None:
+    def evict(self, block_id: int) -> None:
         block_hash = self.block_hashes[block_id]
         if block_hash is not None:
             del self.cached_block_hash_to_block[block_hash]
@@ -201,6 +201,16 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(rid, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+
+    def forget_unwritten(self, request: Request) -> None:
+        """Make the request's blocks past `num_computed_tokens` unfindable: a step that
+        allocated them cached their hashes for the KV it was to write, and will not (the
+        request left the step before it was sent). Call before free()."""
+        pool = self.block_pool
+        first = request.num_computed_tokens // self.block_size
+        for block_id in self.req_to_blocks.get(request.request_id, ())[first:]:
+            if pool.ref_cnt[block_id] == 1:  # its own, not a hit another request holds
+                pool.evict(block_id)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table (block i holds tokens i*block_size...)."""

@@ -43,6 +43,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "output_token_ids", "num_computed_tokens", "num_cached_tokens", "status",
         "stop_reason", "max_tokens", "num_output_placeholders", "_all_token_ids", "priority",
+        "queue_order",
     )  # fmt: skip
 
     def __init__(
@@ -52,6 +53,7 @@ class Request:
     ) -> None:  # fmt: skip
         self.request_id = request_id
         self.priority = priority  # lower first, under the "priority" scheduling policy
+        self.queue_order: int | None = None  # its first place in a priority queue (ties)
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids

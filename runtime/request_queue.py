@@ -56,7 +56,9 @@ class PriorityQueue:
         self._counter = itertools.count()
 
     def push(self, request: Request) -> None:
-        entry = (request.priority, request.arrival_time, next(self._counter), request)
+        if request.queue_order is None:
+            request.queue_order = next(self._counter)
+        entry = (request.priority, request.arrival_time, request.queue_order, request)
         heapq.heappush(self._heap, entry)
 
     push_preempted = push

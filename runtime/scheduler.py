@@ -203,6 +203,7 @@ class Scheduler:
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     k = cached.req_ids.index(victim.request_id)
                     del cached.req_ids[k], cached.new_block_ids[k], cached.num_computed_tokens[k]
+                    kv.forget_unwritten(victim)  # no step writes what its allocation cached
                 self._preempt(victim)
                 preempted = True
                 if victim is request:

@@ -426,6 +426,12 @@ def test_priority_orders_admission_then_arrival() -> None:
         driver.add(request)
     order = [r.request_id for r in driver.scheduler.waiting]
     assert order == ["urgent", "early", "a", "b", "late-low"]
+    queue = driver.scheduler.waiting  # a preempted request takes its own place again
+    popped = [queue.pop() for _ in range(3)]  # urgent, early, a
+    queue.push_preempted(popped[-1])  # "a" ties with "b": it came first, it goes first
+    assert [r.request_id for r in queue] == ["a", "b", "late-low"]
+    for request in popped[:2]:
+        queue.push_preempted(request)
     admitted = []
     while driver.scheduler.has_unfinished_requests():
         so = driver.step()
@@ -454,6 +460,35 @@ def test_priority_preempts_the_lowest_priority_even_one_scheduled_earlier_in_the
     driver.run()
     assert driver.tokens("low") == reference([3, 4, 5], params, 8)[0]
     assert driver.tokens("high") == reference([6, 7, 8, 9], params, 8)[0]
+
+
+def test_an_undone_victim_leaves_no_cache_entry_for_kv_never_written() -> None:
+    """Its allocation this step hashed the block its decode was to fill; undone, that block
+    must not be found by a prompt that starts with its tokens (found by fuzzing)."""
+    params = SamplingParams(max_tokens=13, ignore_eos=True)
+    config = make_config(block_size=3, num_blocks=11, max_model_len=33,
+                         max_num_batched_tokens=13, scheduling_policy="priority")  # fmt: skip
+    driver = Driver(config)
+
+    def request(name: str, prompt: list[int], priority: int, arrival: float) -> Request:
+        return Request(name, prompt, params, frozenset({EOS}), 33, arrival, priority)
+
+    driver.add(request("X", [10, 13, 8, 1, 3, 7], 0, 0.0))
+    driver.add(request("V", [19, 3, 19, 3], 2, 0.0))
+    for _ in range(4):
+        driver.step()  # V has computed positions 0..7
+    driver.add(request("R", [(i * 7) % 19 + 1 for i in range(33)], 1, 4.0))
+    driver.step()  # R admitted mid-prefill: the cache is full
+    so = driver.step()  # V's decode hashes its block 2, is undone, and R preempts itself
+    assert so.num_scheduled_tokens == {"X": 1} and so.finished_req_ids == ["V", "R"]
+    v_tokens = [19, 3, 19, 3, *driver.tokens("V")]
+    assert len(v_tokens) == 9
+    driver.add(request("W", [*v_tokens, 9], -2, 5.0))
+    hit = driver.scheduler.kv_cache_manager.get_computed_blocks(driver.scheduler.requests["W"])
+    assert hit[1] == 6  # blocks 0 and 1, written; not block 2 (positions 6..8)
+    driver.run()  # the FakeWorker checks every context slot W reads
+    for name, prompt in [("X", [10, 13, 8, 1, 3, 7]), ("V", [19, 3, 19, 3])]:
+        assert driver.tokens(name) == reference(prompt, params, 33)[0]
 
 
 def test_no_admission_in_a_step_that_preempted() -> None:
