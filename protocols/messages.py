@@ -23,7 +23,8 @@ from protocols.sampling import SamplingParams
 # 5: worker leases: WorkersAcquired.lease_token, Lease (manager -> worker), Attach.
 # 6: SamplingParams.logit_bias, allowed_token_ids and structured_outputs;
 #    StepResult.request_errors.
-PROTOCOL_VERSION = 6
+# 7: SamplingParams.bad_words and bad_words_token_ids.
+PROTOCOL_VERSION = 7
 
 
 # -- handshake and errors (all connections) -------------------------------------------

@@ -95,12 +95,19 @@ class SamplingParams:
     # min_tokens still bans eos.
     allowed_token_ids: tuple[int, ...] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Words the model may not write (vLLM's): the engine encodes each, as it is and after a
+    # space, into bad_words_token_ids, and the last token of such a sequence is banned
+    # whenever the output so far ends with the rest of it.
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    # Token sequences banned that way: bad_words' encodings, and any given here directly.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept what vLLM accepts: a single stop string, lists instead of tuples, None.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "bad_words"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),))
+        for name in ("stop", "stop_token_ids", "bad_words"):
             value = getattr(self, name)
             if value is None or isinstance(value, list):
                 object.__setattr__(self, name, tuple(value or ()))
@@ -147,6 +154,7 @@ class SamplingParams:
         _bool("skip_special_tokens", self.skip_special_tokens)
         _bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self._validate_token_filters()
+        self._validate_bad_words()
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
@@ -178,6 +186,24 @@ class SamplingParams:
             for token_id in allowed:
                 _int("allowed_token_ids", token_id, low=0)
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
+
+    def _validate_bad_words(self) -> None:
+        words = self.bad_words
+        if not isinstance(words, tuple) or not all(isinstance(w, str) and w.strip()
+                                                   for w in words):  # fmt: skip
+            raise ValueError(f"bad_words must be a list of words (non-blank strings), "
+                             f"got {words!r}"[:300])  # fmt: skip
+        sequences = self.bad_words_token_ids
+        if sequences is None or isinstance(sequences, list):
+            sequences = tuple(sequences or ())
+        if not isinstance(sequences, tuple) or not all(
+                isinstance(seq, tuple | list) and seq for seq in sequences):  # fmt: skip
+            raise ValueError(f"bad_words_token_ids must be a list of non-empty token id "
+                             f"lists, got {sequences!r}"[:300])  # fmt: skip
+        for seq in sequences:
+            for token_id in seq:
+                _int("bad_words_token_ids", token_id, low=0)
+        object.__setattr__(self, "bad_words_token_ids", tuple(map(tuple, sequences)))
 
     @property
     def is_greedy(self) -> bool:

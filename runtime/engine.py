@@ -45,6 +45,7 @@ from runtime.request_checks import (
     check_request_id,
     check_token_ids,
     prompt_token_ids,
+    with_bad_words_encoded,
 )
 from runtime.request_stream import RequestStream
 from runtime.tokenizer import Tokenizer
@@ -215,6 +216,7 @@ class Engine:
         tokenizer = self.tokenizer
         assert tokenizer is not None
         vocab = self.model_info.vocab_size
+        params = with_bad_words_encoded(params, tokenizer)
         check_token_ids(params, vocab, tokenizer.eos_token_ids)
         text, token_ids = prompt_token_ids(prompt, tokenizer, vocab, self.max_model_len)
         request_id = check_request_id(uuid.uuid4().hex if request_id is None else request_id)

@@ -65,10 +65,11 @@ class EngineCore:
         if self._stopped:  # no loop would ever step it: its stream would wait forever
             raise EngineClosedError("the engine's step loop has ended")
         params = parent.params
-        if params.stop:
-            # Stop strings are this process's (the output processor's): never sent to the
-            # workers, where one huge or unencodable string would fail every step's frame.
-            params = replace_checked(params, stop=())
+        if params.stop or params.bad_words:
+            # Stop strings are this process's (the output processor's), bad words are
+            # encoded here: never sent to the workers, where one huge or unencodable string
+            # would fail every step's frame.
+            params = replace_checked(params, stop=(), bad_words=())
         # Every child's params before any is registered: one that fails leaves nothing behind.
         # (SamplingParams checked seed + n - 1.)
         children = [params] if params.n == 1 else [

@@ -78,11 +78,12 @@ class Request:
 
     @property
     def num_wire_ids(self) -> int:
-        """About how many ids its NewRequestData carries: its tokens, its allowed ids, and
-        its logit bias (an id and a float, as much as three ids)."""
+        """About how many ids its NewRequestData carries: its tokens, its allowed ids, its
+        logit bias (an id and a float, as much as three ids) and its bad words' ids."""
         params = self.sampling_params
         return (len(self._all_token_ids) + len(params.allowed_token_ids or ())
-                + 3 * len(params.logit_bias or ()))  # fmt: skip
+                + 3 * len(params.logit_bias or ())
+                + sum(len(seq) + 1 for seq in params.bad_words_token_ids))  # fmt: skip
 
     @property
     def num_output_tokens(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocols.sampling import SamplingParams
+from protocols.sampling import SamplingParams, replace_checked
 from runtime.tokenizer import Tokenizer
 
 
@@ -33,9 +33,11 @@ def prompt_token_ids(
 
 def check_token_ids(params: SamplingParams, vocab: int, eos_token_ids: frozenset[int]) -> None:
     """The params' token ids against the vocabulary (>= 0: SamplingParams checks that)."""
+    bad_ids = [t for seq in params.bad_words_token_ids for t in seq]
     for name, ids in (("stop_token_ids", params.stop_token_ids),
                       ("logit_bias", params.logit_bias or ()),
-                      ("allowed_token_ids", params.allowed_token_ids or ())):  # fmt: skip
+                      ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("bad_words_token_ids", bad_ids)):  # fmt: skip
         if any(t >= vocab for t in ids):
             raise ValueError(f"{name} must be token ids in [0, {vocab})")
     # Before min_tokens the workers ban eos and the stop ids: something must be left.
@@ -70,3 +72,20 @@ def check_priority(priority: object, policy: str) -> None:
     if priority and policy != "priority":
         raise ValueError(f"priority {priority} needs scheduling_policy='priority' (this engine "
                          f"schedules {policy})")  # fmt: skip
+
+
+def with_bad_words_encoded(params: SamplingParams, tokenizer: Tokenizer) -> SamplingParams:
+    """`params` with each of its bad_words' encodings added to bad_words_token_ids: the word
+    as it starts a text, and after a space when that spells it in as many tokens but
+    another first one (a word-start token: "▁word", "Ġword"), as vLLM encodes them."""
+    if not params.bad_words:
+        return params
+    sequences = list(params.bad_words_token_ids)
+    for word in params.bad_words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        variants = [alone]
+        if len(spaced) == len(alone) and spaced[:1] != alone[:1]:
+            variants.append(spaced)
+        sequences += [seq for seq in variants if seq and seq not in sequences]
+    return replace_checked(params, bad_words_token_ids=tuple(sequences))

@@ -37,6 +37,10 @@ RUNNER_REQUESTS = {
     "logprobs": ([19, 20, 21], SamplingParams(temperature=0.0, max_tokens=9, logprobs=3,
                                              prompt_logprobs=2)),
     "chunked": (list(range(30, 70)), SamplingParams(temperature=0.0, max_tokens=6)),
+    # Most low ids banned, and any id from 120 on banned right after itself: the bans read
+    # the output ids, the one still on the device included.
+    "bad_words": ([22, 23, 24], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+        bad_words_token_ids=[[t] for t in range(3, 120)] + [[t, t] for t in range(120, 250)])),
 }  # fmt: skip
 
 
@@ -77,7 +81,10 @@ def test_runner_launched_ahead_samples_what_it_samples_step_by_step(tiny_model):
             assert [t and t.token_ids for t in top] == [t and t.token_ids for t in ref_top]
     lengths = {req_id: sum(len(o[0]) for o in outs) for req_id, outs in ahead.items()}
     assert lengths == {"greedy": 12, "seeded": lengths["seeded"], "penalized": 12,
-                       "min_tokens": 5, "logprobs": 9, "chunked": 6}  # fmt: skip
+                       "min_tokens": 5, "logprobs": 9, "chunked": 6, "bad_words": 10}  # fmt: skip
+    banned_tokens = [t for o in ahead["bad_words"] for t in o[0]]
+    assert all(t >= 120 for t in banned_tokens)
+    assert all(a != b for a, b in zip(banned_tokens, banned_tokens[1:], strict=False))
     assert all(outs[-1][3] is not None for outs in ahead.values())
 
 

@@ -108,6 +108,26 @@ async def test_logit_bias_and_allowed_token_ids_match_hf_generate(engine, tiny_m
     assert got["bias"] != got["plain"] and set(got["allowed"]) <= set(allowed)
 
 
+async def test_bad_words_match_hf_generate(engine, tiny_model):
+    """bad_words (words, encoded by the engine), and sequences given as ids, against HF
+    generate's bad_words_ids: a word's last token is banned where the output ends with the
+    rest of it. The tiny vocabulary is whole words: "w5 w6" is [5, 6]."""
+    prompts = [PROMPT["prompt_token_ids"]]
+    picked = hf_greedy(tiny_model, prompts, 12)[0]
+    assert picked[3] != prompts[0][-1]  # HF also looks at the prompt; the engine does not
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    cases = {
+        "word": ([f"w{picked[2]}"], (), [[picked[2]]]),
+        "two tokens": ([f" w{picked[3]} w{picked[4]}"], (), [[picked[3], picked[4]]]),
+        "ids": ((), [[picked[1]], [picked[5], picked[6]]], [[picked[1]], [picked[5], picked[6]]]),
+    }  # fmt: skip
+    for name, (words, ids, hf_ids) in cases.items():
+        params = SamplingParams(**greedy, bad_words=words, bad_words_token_ids=ids)
+        got = (await final(engine, PROMPT, params)).outputs[0].token_ids
+        assert [got] == hf_greedy(tiny_model, prompts, 12, bad_words_ids=hf_ids), name
+        assert got != picked, name
+
+
 async def test_output_kinds_agree(engine):
     base = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = {}
@@ -342,7 +362,10 @@ async def _append(results, coro):
      (dict(logit_bias={5: float("inf")}), "logit_bias"),
      (dict(logit_bias=[5]), "logit_bias"), (dict(logit_bias={5: 10**400}), "logit_bias"),
      (dict(allowed_token_ids=[]), "allowed_token_ids"),
-     (dict(allowed_token_ids=[1, -2]), "allowed_token_ids")],
+     (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+     (dict(bad_words=["ok", " "]), "bad_words"), (dict(bad_words=[3]), "bad_words"),
+     (dict(bad_words_token_ids=[[]]), "bad_words_token_ids"),
+     (dict(bad_words_token_ids=[[1, -1]]), "bad_words_token_ids")],
 )  # fmt: skip
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field} "):

@@ -128,6 +128,14 @@ async def test_logit_bias_and_allowed_token_ids_steer_the_tokens(server):
     sampled = {**body, "temperature": 1.0, "max_tokens": 8, "allowed_token_ids": [7, 8]}
     answer = await client.post("/v1/completions", json=sampled)
     assert set(answer.json()["choices"][0]["text"].split()) <= {"w7", "w8"}
+    first = plain.split()[0]
+    banned = await client.post("/v1/completions", json={**body, "bad_words": [first]})
+    assert first not in banned.json()["choices"][0]["text"].split()
+    for words in (["ok", "  "], "w5", [5], ["w5"] * 1001):
+        response = await client.post("/v1/completions", json={**body, "bad_words": words})
+        assert_error(response, 400, "bad_words")
+    unknown = await client.post("/v1/completions", json={**body, "bad_words": ["w9999999"]})
+    assert unknown.status_code == 200  # not a word of this vocabulary: <unk>, banned alone
 
 
 async def test_structured_outputs_and_a_grammar_that_does_not_compile(server):

@@ -40,7 +40,7 @@ from workers.sampler import (
     score_prompt_chunks,
 )
 from workers.structured_output import GrammarCompiler, RequestGrammar, fill_bitmasks
-from workers.token_filters import TokenFilters
+from workers.token_filters import TokenFilters, bad_word_bans
 
 logger = logging.getLogger(__name__)
 G = TypeVar("G", DecodeGraphs, MixedGraphs)
@@ -356,7 +356,8 @@ class ModelRunner:
         # The index of the token each row samples: its output so far, on the host or not.
         indexes = [len(s.output_token_ids) + (id(s) in pending) for s in samplers]
         banned = [
-            s.banned_until_min_tokens if index < s.sampling_params.min_tokens else []
+            (s.banned_until_min_tokens if index < s.sampling_params.min_tokens else [])
+            + bad_word_bans(s.sampling_params.bad_words_token_ids, s.output_token_ids)
             for s, index in zip(samplers, indexes, strict=True)
         ]
         meta = SamplingMetadata.from_params(
@@ -385,6 +386,8 @@ def _captured(graphs: G, pool: object, kind: str) -> G | None:
 
 
 def _needs_output_ids(params: SamplingParams) -> bool:
-    """Penalties count the output ids, a grammar's matcher advances by them."""
+    """Penalties count the output ids, a grammar's matcher advances by them, bad words end
+    them."""
     return bool(params.presence_penalty or params.frequency_penalty
-                or params.repetition_penalty != 1.0 or params.structured_outputs)  # fmt: skip
+                or params.repetition_penalty != 1.0 or params.structured_outputs
+                or params.bad_words_token_ids)  # fmt: skip

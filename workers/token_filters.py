@@ -1,6 +1,7 @@
 """A request's allowed token ids and logit bias as device tensors, built once when the worker
 first sees the request, and applied to each step's logits without a per-step Python loop
-over them (a full vocabulary's worth each, for some requests)."""
+over them (a full vocabulary's worth each, for some requests); and the tokens its bad words
+ban at a step."""
 
 from __future__ import annotations
 
@@ -83,3 +84,14 @@ def apply_bias(x: torch.Tensor, filters: list[TokenFilters | None]) -> torch.Ten
     old = x[row_index, ids]  # [K]
     new = torch.where(old.isfinite(), (old + values).clamp(-F32_MAX, F32_MAX), old)
     return x.index_put((row_index, ids), new)
+
+
+def bad_word_bans(sequences: tuple[tuple[int, ...], ...], output: list[int]) -> list[int]:
+    """The token each bad-word sequence would complete next: its last, wherever the output
+    ends with the rest of it (vLLM's rule: the output only, not the prompt)."""
+    bans = []
+    for seq in sequences:
+        rest = len(seq) - 1
+        if rest == 0 or (rest <= len(output) and tuple(output[len(output) - rest:]) == seq[:-1]):
+            bans.append(seq[-1])
+    return bans

@@ -13,7 +13,13 @@ from typing import Any
 
 from protocols.sampling import MAX_LOGPROBS
 from runtime.server.chat_template_fields import RESERVED_VARIABLES
-from runtime.server.schemas import GUIDED_FIELDS, MAX_LOGIT_BIAS, MAX_N, UNSUPPORTED
+from runtime.server.schemas import (
+    GUIDED_FIELDS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    UNSUPPORTED,
+)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT_MAX = sys.float_info.max  # a bigger JSON number is no float: 400
@@ -55,6 +61,8 @@ def _sampling(vocab_size: int, priority: bool) -> dict[str, Schema]:
         "temperature": _number(minimum=0),
         "top_p": _number(exclusiveMinimum=0, maximum=1),
         "n": _int(1, MAX_N, description="choices per prompt"),
+        "bad_words": {"type": ["array", "null"], "maxItems": MAX_BAD_WORDS,
+                      "items": {"type": "string", "pattern": "\\S"}},
         "priority": _int(description="lower runs first") if priority else {
             "enum": [0, None], "description": "only with --scheduling-policy priority"},
         "seed": _int(description="each of the n choices samples with seed + its index, "

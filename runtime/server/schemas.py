@@ -40,6 +40,7 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # choices per prompt: more would flood the batch
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+MAX_BAD_WORDS = 1000  # the workers check each one's sequences at every step
 _TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: a token id, in ASCII digits
 MAX_MESSAGE_CHARS = 1000
 _KIND_WORDS = {
@@ -201,6 +202,11 @@ def parse_common(
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop must be a non-empty string or a list of them", "stop")
         kwargs["stop"] = stop
+    words = body.get("bad_words")
+    if words is not None:
+        if not isinstance(words, list) or len(words) > MAX_BAD_WORDS:
+            raise bad(f"bad_words must be a list of at most {MAX_BAD_WORDS} words", "bad_words")
+        kwargs["bad_words"] = words  # SamplingParams checks each
     bias = logit_bias(body)
     if bias:
         kwargs["logit_bias"] = bias
