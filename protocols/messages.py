@@ -23,7 +23,7 @@ from protocols.sampling import SamplingParams
 # 5: worker leases: WorkersAcquired.lease_token, Lease (manager -> worker), Attach.
 # 6: SamplingParams.logit_bias, allowed_token_ids and structured_outputs;
 #    StepResult.request_errors.
-# 7: SamplingParams.bad_words and bad_words_token_ids.
+# 7: SamplingParams.bad_words, bad_words_token_ids and truncate_prompt_tokens.
 PROTOCOL_VERSION = 7
 
 

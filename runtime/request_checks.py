@@ -10,9 +10,11 @@ from runtime.tokenizer import Tokenizer
 
 
 def prompt_token_ids(
-    prompt: str | dict[str, Any], tokenizer: Tokenizer, vocab: int, max_model_len: int
-) -> tuple[str | None, list[int]]:
-    """The prompt's text (None when given as ids) and token ids."""
+    prompt: str | dict[str, Any], tokenizer: Tokenizer, vocab: int, max_model_len: int,
+    truncate: int | None = None,
+) -> tuple[str | None, list[int]]:  # fmt: skip
+    """The prompt's text (None when given as ids) and token ids; `truncate`: keep the last
+    that many tokens (-1: max_model_len - 1), the text then being theirs."""
     if isinstance(prompt, str):
         text, ids = prompt, tokenizer.encode(prompt)
     elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -23,6 +25,10 @@ def prompt_token_ids(
         raise ValueError('prompt must be a string or {"prompt_token_ids": [...]}')
     if not ids:
         raise ValueError("prompt must not be empty")
+    keep = max_model_len - 1 if truncate == -1 else truncate
+    if keep is not None and len(ids) > keep:
+        ids = ids[len(ids) - keep:]
+        text = None if text is None else tokenizer.decode(ids, skip_special_tokens=False)
     if len(ids) >= max_model_len:
         raise ValueError(
             f"prompt has {len(ids)} tokens; it must be shorter than max_model_len "

@@ -128,6 +128,28 @@ async def test_bad_words_match_hf_generate(engine, tiny_model):
         assert got != picked, name
 
 
+async def test_truncate_prompt_tokens_keeps_the_prompts_end(tiny_model, shared_manager):
+    long = [5 + i % 90 for i in range(40)]
+    greedy = dict(temperature=0, max_tokens=3, ignore_eos=True)
+    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
+                      max_model_len=32) as e:  # fmt: skip
+        with pytest.raises(ValueError, match="max_model_len"):
+            e.generate({"prompt_token_ids": long}, SamplingParams(**greedy))
+        cut = await final(e, {"prompt_token_ids": long},
+                          SamplingParams(**greedy, truncate_prompt_tokens=10))  # fmt: skip
+        same = await final(e, {"prompt_token_ids": long[-10:]}, SamplingParams(**greedy))
+        assert cut.prompt_token_ids == long[-10:]
+        assert cut.outputs[0].token_ids == same.outputs[0].token_ids
+        text = " ".join(f"w{t}" for t in long)
+        most = await final(e, text, SamplingParams(**greedy, truncate_prompt_tokens=-1))
+        assert most.prompt_token_ids == long[-31:]  # room for one output token
+        assert most.prompt == " ".join(f"w{t}" for t in long[-31:])
+        assert len(most.outputs[0].token_ids) == 1  # max_model_len ends it
+        short = await final(e, {"prompt_token_ids": long[:4]},
+                            SamplingParams(**greedy, truncate_prompt_tokens=10))  # fmt: skip
+        assert short.prompt_token_ids == long[:4]
+
+
 async def test_output_kinds_agree(engine):
     base = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = {}
@@ -365,7 +387,9 @@ async def _append(results, coro):
      (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
      (dict(bad_words=["ok", " "]), "bad_words"), (dict(bad_words=[3]), "bad_words"),
      (dict(bad_words_token_ids=[[]]), "bad_words_token_ids"),
-     (dict(bad_words_token_ids=[[1, -1]]), "bad_words_token_ids")],
+     (dict(bad_words_token_ids=[[1, -1]]), "bad_words_token_ids"),
+     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens")],
 )  # fmt: skip
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field} "):

@@ -134,6 +134,12 @@ async def test_logit_bias_and_allowed_token_ids_steer_the_tokens(server):
     for words in (["ok", "  "], "w5", [5], ["w5"] * 1001):
         response = await client.post("/v1/completions", json={**body, "bad_words": words})
         assert_error(response, 400, "bad_words")
+    cut = await client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 1})
+    assert cut.json()["usage"]["prompt_tokens"] == 1
+    for value in (0, -2, "1"):
+        response = await client.post("/v1/completions",
+                                     json={**body, "truncate_prompt_tokens": value})  # fmt: skip
+        assert_error(response, 400, "truncate_prompt_tokens")
     unknown = await client.post("/v1/completions", json={**body, "bad_words": ["w9999999"]})
     assert unknown.status_code == 200  # not a word of this vocabulary: <unk>, banned alone
 

@@ -61,6 +61,9 @@ def _sampling(vocab_size: int, priority: bool) -> dict[str, Schema]:
         "temperature": _number(minimum=0),
         "top_p": _number(exclusiveMinimum=0, maximum=1),
         "n": _int(1, MAX_N, description="choices per prompt"),
+        "truncate_prompt_tokens": {"anyOf": [_int(1), {"const": -1}],
+                                   "description": "keep the prompt's last k tokens; -1: "
+                                   "max_model_len - 1"},
         "bad_words": {"type": ["array", "null"], "maxItems": MAX_BAD_WORDS,
                       "items": {"type": "string", "pattern": "\\S"}},
         "priority": _int(description="lower runs first") if priority else {

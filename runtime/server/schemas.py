@@ -29,6 +29,7 @@ _SAMPLING_FIELDS = {
     "min_p": "number", "repetition_penalty": "number", "ignore_eos": "bool",
     "min_tokens": "int", "stop_token_ids": "int_list", "skip_special_tokens": "bool",
     "include_stop_str_in_output": "bool", "allowed_token_ids": "int_list",
+    "truncate_prompt_tokens": "int",
 }  # fmt: skip
 # OpenAI fields this server does not implement, each with the values that ask for nothing
 # (accepted, as OpenAI's SDKs and frameworks may send them); any other value: 400, rather
