@@ -95,7 +95,7 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        self, messages: list[dict[str, Any]], /, add_generation_prompt: bool = True,
         continue_final_message: bool = False, **kwargs: Any,
     ) -> str:  # fmt: skip
         """Render `messages` as the model's prompt text; encode it with add_special_tokens=False.
@@ -110,6 +110,8 @@ class Tokenizer:
             raise ValueError("continue_final_message goes on with the final message, "
                              "add_generation_prompt starts a new one: set one of them at most")
         chat = _prepare_messages(messages)
+        if continue_final_message:
+            chat[-1] = _marked_final_message(chat[-1])
         tools = kwargs.pop("tools", None)
         if tools is not None and not (
             isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)
@@ -129,7 +131,7 @@ class Tokenizer:
             # (Llama 3.1's takes `message.tool_calls|length`: a TypeError on a number)
             raise ValueError(f"the chat template failed on these messages: "
                              f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
-        return _open_final_message(text, chat[-1]) if continue_final_message else text
+        return _cut_at_marker(text) if continue_final_message else text
 
     def _template(self, choice: str | None, has_tools: bool) -> jinja2.Template:
         templates = self.chat_templates
@@ -147,30 +149,40 @@ class Tokenizer:
         source = templates.get(choice, choice)  # a template's name, or a template itself
         if (compiled := self._compiled.get(source)) is None:
             try:
-                compiled = self._compiled[source] = _ENV.from_string(source)
+                compiled = _ENV.from_string(source)
             except jinja2.TemplateError as exc:
-                raise ValueError(f"the chat template does not compile: {exc}") from exc
+                raise ValueError(f"chat_template does not compile: {exc}") from exc
+            if len(self._compiled) >= MAX_COMPILED_TEMPLATES:
+                # Templates passed in (a server's requests) come and go: the oldest goes.
+                own = set(templates.values())
+                stale = next((k for k in self._compiled if k not in own), None)
+                if stale is not None:
+                    del self._compiled[stale]
+            self._compiled[source] = compiled
         return compiled
 
 
-def _open_final_message(text: str, message: Mapping[str, Any]) -> str:
-    """`text` cut right after the final message's own text: its end-of-turn tokens dropped.
+# Appended to the final message's text for continue_final_message: the prompt is cut where
+# it renders. The space after it shows whether the template keeps a message's trailing
+# blanks (then the message's own are kept) or trims them (then they go too).
+_CONTINUE_MARKER = "LOOM_CONTINUE_FINAL_MESSAGE_HERE"  # plain text: templates may tojson it
 
-    As transformers does it: the message's last occurrence, found without its surrounding
-    whitespace (templates often trim it); trailing whitespace is kept where the template
-    kept it.
-    """
+
+def _marked_final_message(message: dict[str, Any]) -> dict[str, Any]:
     content = message.get("content")
-    core = content.strip() if isinstance(content, str) else ""
-    if not core:
-        raise ValueError("continue_final_message needs text in the final message to go on from")
-    assert isinstance(content, str)
-    at = text.rfind(core)
+    if not isinstance(content, str):
+        raise ValueError("continue_final_message needs the final message's text content")
+    return {**message, "content": content + _CONTINUE_MARKER + " "}
+
+
+def _cut_at_marker(text: str) -> str:
+    """The rendered prompt up to the final message's end (its end-of-turn tokens dropped)."""
+    at = text.rfind(_CONTINUE_MARKER)
     if at < 0:
         raise ValueError("continue_final_message: the chat template does not render the final "
                          "message's text as it is, so there is no place to go on from")
-    kept = content.lstrip()
-    return text[: at + (len(kept) if text.startswith(kept, at) else len(core))]
+    kept_blanks = text.startswith(" ", at + len(_CONTINUE_MARKER))
+    return text[:at] if kept_blanks else text[:at].rstrip()
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -198,6 +210,8 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# Compiled templates kept: the model's own, and the latest ones passed in.
+MAX_COMPILED_TEMPLATES = 32
 # Chat templates are untrusted code from the Hub: sandboxed, immutable, as transformers runs them.
 _ENV = ImmutableSandboxedEnvironment(
     trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]

@@ -4,8 +4,8 @@ positive_data_acceptance wants every schema-valid body answered 2xx, but five of
 rules are beyond JSON Schema: a prompt (or the rendered messages) must encode to 1 to
 max_model_len - 1 tokens, min_tokens <= max_tokens, seed + n - 1 fits in 64 bits (choice
 i samples with seed + i), with min_tokens, allowed_token_ids must hold more than eos
-and the stop ids (which min_tokens bans), and continue_final_message needs text in the final
-message (on /tokenize too). A structured output's grammar must also compile
+and the stop ids (which min_tokens bans), and continue_final_message needs text content in the
+final message (on /tokenize too). A structured output's grammar must also compile
 and be spelled by the model's vocabulary, which only the workers can tell. Positive cases
 breaking them are
 dropped before they are sent; tokens are counted by the server's own /tokenize route (with the
@@ -46,7 +46,7 @@ def filter_case(ctx: Any, case: Any) -> bool:
     positive = case.meta is not None and case.meta.generation.mode.is_positive
     if not positive or not isinstance(body, dict):
         return True
-    if body.get("continue_final_message") and not final_text(body.get("messages")):
+    if body.get("continue_final_message") and not final_has_text(body.get("messages")):
         return False  # nothing to go on from
     if path not in DEFAULT_MAX_TOKENS:
         return True
@@ -76,12 +76,11 @@ def filter_case(ctx: Any, case: Any) -> bool:
     return max_tokens is None or min_tokens <= max_tokens
 
 
-def final_text(messages: Any) -> str:
-    """The final message's text, blanks stripped (continue_final_message goes on from it)."""
+def final_has_text(messages: Any) -> bool:
+    """Whether the final message has text content (continue_final_message goes on from it;
+    a message of tool calls alone has none)."""
     content = messages[-1].get("content") if isinstance(messages, list) and messages else None
-    if isinstance(content, list):
-        content = "\n".join(part["text"] for part in content)
-    return content.strip() if isinstance(content, str) else ""
+    return isinstance(content, str | list)
 
 
 def grammar_may_not_compile(body: dict[str, Any]) -> bool:

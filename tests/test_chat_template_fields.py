@@ -52,9 +52,20 @@ async def test_continue_final_message_with_echo(chat_model, shared_manager):
         # Without echo, or when the final message is the user's, nothing is put before it.
         unechoed = (await client.post(CHAT, json={**body, "echo": False})).json()
         assert unechoed["choices"][0]["message"]["content"] == answer
-        user_last = {**GREEDY, "messages": PREFILLED[:1], "echo": True}
-        content = (await client.post(CHAT, json=user_last)).json()["choices"][0]["message"]
-        assert not content["content"].startswith("w5")
+        user_last = {**GREEDY, "messages": PREFILLED[:1]}
+        answers = [(await client.post(CHAT, json={**user_last, "echo": echo})).json()
+                   for echo in (True, False)]  # fmt: skip
+        echoed, plain = (a["choices"][0]["message"]["content"] for a in answers)
+        assert echoed == plain
+
+
+async def test_continuing_an_empty_prefill_starts_the_answer(chat_model, shared_manager):
+    empty = [PREFILLED[0], {"role": "assistant", "content": ""}]
+    expected = reference_ids(chat_model, empty, add_generation_prompt=False,
+                             continue_final_message=True)  # fmt: skip
+    async with running(chat_model, shared_manager) as (_, client):
+        counted = await client.post("/tokenize", json={"messages": empty, **CONTINUE})
+        assert counted.json()["tokens"] == expected
 
 
 async def test_bad_template_fields_are_400_and_the_server_goes_on(chat_model, shared_manager):
@@ -76,10 +87,17 @@ async def test_bad_template_fields_are_400_and_the_server_goes_on(chat_model, sh
                     continue
                 payload = {**body, **extra} if path == CHAT else {"messages": PREFILLED, **extra}
                 assert_error(await client.post(path, json=payload), 400, param)
-        blank = [PREFILLED[0], {"role": "assistant", "content": " "}]
-        response = await client.post(CHAT, json={**body, "messages": blank, **CONTINUE})
+        no_text = [PREFILLED[0], {"role": "assistant", "tool_calls": []}]
+        response = await client.post(CHAT, json={**body, "messages": no_text, **CONTINUE})
         error = assert_error(response, 400, "messages")
-        assert "needs text in the final message" in error["message"]
+        assert "needs the final message's text content" in error["message"]
+        # Fields of the template are checked when /tokenize tokenizes a prompt, too.
+        response = await client.post("/tokenize", json={"prompt": "w5", "chat_template": "x"})
+        assert_error(response, 400, "chat_template")
+        # A template variable may be named as the renderer's own parameters are.
+        for path, payload in ((CHAT, body), ("/tokenize", {"messages": PREFILLED})):
+            named = {**payload, "chat_template_kwargs": {"self": 1, "kwargs": 2}}
+            assert (await client.post(path, json=named)).status_code == 200
         # The model's own template, by name, needs no trust.
         named = await client.post(CHAT, json={**body, "chat_template": "default"})
         plain = await client.post(CHAT, json=body)
@@ -105,7 +123,7 @@ async def test_a_trusted_template_its_variables_and_documents(chat_model, shared
         assert whole.json()["usage"]["prompt_tokens"] == len(expected) == 3
         broken = {**kwargs, "chat_template": "{% for %}"}
         response = await client.post(CHAT, json={**GREEDY, "messages": PREFILLED, **broken})
-        assert "does not compile" in assert_error(response, 400, "messages")["message"]
+        assert "does not compile" in assert_error(response, 400, "chat_template")["message"]
         assert (await client.post(CHAT, json={**GREEDY, "messages": PREFILLED})).status_code == 200
         doc = (await client.get("/openapi.json")).json()["components"]["schemas"]
         assert doc["ChatCompletionRequest"]["properties"]["chat_template"]["type"] == [

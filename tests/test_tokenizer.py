@@ -301,6 +301,10 @@ PREFILLED = [
                                                     {"type": "text", "text": "<b>bold"}]}],
     # the final text appears earlier too: the prompt is cut after its last occurrence
     [{"role": "user", "content": "Say ok"}, {"role": "assistant", "content": "ok"}],
+    # the final text is also part of the end-of-turn markup after it (<|im_end|>)
+    [*SYSTEM_USER, {"role": "assistant", "content": "e"}],
+    [*SYSTEM_USER, {"role": "assistant", "content": "<"}],
+    [*SYSTEM_USER, {"role": "assistant", "content": ""}],  # prefill nothing: the header
 ]  # fmt: skip
 
 
@@ -309,7 +313,8 @@ def joined_parts(messages: list[dict]) -> list[dict]:
             if isinstance(m["content"], list) else m for m in messages]  # fmt: skip
 
 
-@pytest.mark.parametrize("messages", PREFILLED, ids=["plain", "spaces", "parts", "repeated"])
+@pytest.mark.parametrize("messages", PREFILLED, ids=["plain", "spaces", "parts", "repeated",
+                                                     "in-markup", "tag-start", "empty"])
 def test_continue_final_message_matches_transformers(ours, theirs, messages, tmp_path):
     """The prompt ends inside the final message, exactly where transformers ends it: with
     SmolLM2's template, and with one that trims the message (RICH_TEMPLATE keeps it)."""
@@ -326,7 +331,7 @@ def test_continue_final_message_matches_transformers(ours, theirs, messages, tmp
             joined_parts(messages), tokenize=False, add_generation_prompt=False,
             continue_final_message=True)  # fmt: skip
         assert text == expected
-        assert "<|im_end|>" not in text[-12:]
+        assert not text.endswith("\n") or not messages[-1]["content"]
 
 
 @pytest.mark.parametrize(
@@ -334,9 +339,9 @@ def test_continue_final_message_matches_transformers(ours, theirs, messages, tmp
     [
         ({"continue_final_message": True}, PREFILLED[0], "set one of them at most"),
         ({"continue_final_message": True, "add_generation_prompt": False},
-         [*SYSTEM_USER, {"role": "assistant", "content": "  "}], "needs text in the final"),
+         [*SYSTEM_USER, {"role": "assistant", "tool_calls": []}], "needs the final message's"),
         ({"continue_final_message": True, "add_generation_prompt": False,
-          "chat_template": "{% for m in messages %}{{ m.content | upper }}{% endfor %}"},
+          "chat_template": "{% for m in messages[:-1] %}{{ m.content }}{% endfor %}"},
          PREFILLED[0], "does not render the final message's text as it is"),
     ],
 )  # fmt: skip

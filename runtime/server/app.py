@@ -25,7 +25,7 @@ from starlette.routing import Route
 from protocols.sampling import SamplingParams
 from runtime.engine import Engine
 from runtime.server import serving
-from runtime.server.chat_template_fields import parse_template_fields
+from runtime.server.chat_template_fields import TEMPLATE_ERRORS, parse_template_fields
 from runtime.server.metrics import build_metrics_handler
 from runtime.server.openapi import build_openapi
 from runtime.server.reasoning import PARSERS as REASONING_PARSERS
@@ -34,6 +34,7 @@ from runtime.server.schemas import (
     bad,
     check_model,
     field,
+    from_value_error,
     parse_chat,
     parse_completion,
 )
@@ -226,14 +227,15 @@ def build_app(
         assert tokenizer is not None
         add_special = field(body, "add_special_tokens", "bool", True)
         text = field(body, "prompt", "str")  # checked even when messages win
+        # Checked even when a prompt is tokenized: the schema states them for every body.
+        template = parse_template_fields(body, tokenizer.chat_templates,
+                                         trust_request_chat_template)  # fmt: skip
         if body.get("messages") is not None:
-            template = parse_template_fields(body, tokenizer.chat_templates,
-                                             trust_request_chat_template)  # fmt: skip
             try:
                 text = tokenizer.apply_chat_template(field(body, "messages", "list"),
                                                      **template.render_kwargs())  # fmt: skip
             except ValueError as exc:
-                raise bad(str(exc), "messages") from None
+                raise from_value_error(exc, "messages", TEMPLATE_ERRORS) from None
             ids = tokenizer.encode(text, add_special_tokens=False)
         else:
             if text is None:

@@ -15,6 +15,8 @@ FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template",
           "chat_template_kwargs", "documents")  # fmt: skip
 # Names the template sees from the body's own fields: chat_template_kwargs cannot set them
 # (chat_template there would pass a template past --trust-request-chat-template).
+# A rendering error that names chat_template (one that does not compile) is a 400 naming it.
+TEMPLATE_ERRORS = {"chat_template": "chat_template", "messages": "messages"}
 RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "chat_template",
                                 "add_generation_prompt", "continue_final_message"})  # fmt: skip
 
@@ -91,7 +93,9 @@ def parse_template_fields(
 
 def echoed_text(messages: list[Any]) -> str:
     """What chat's `echo` puts before the answer: the final message's text when it is the
-    assistant's own (continue_final_message goes on from it), else nothing (vLLM's rule)."""
+    assistant's own (continue_final_message goes on from it), else nothing. (vLLM echoes a
+    final message of any role, and answers in that role; here the answer is the
+    assistant's, so only its own text is echoed.)"""
     last = messages[-1] if messages else None
     if not isinstance(last, dict) or last.get("role") != "assistant":
         return ""

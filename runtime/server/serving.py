@@ -20,6 +20,7 @@ from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.request_stream import RequestStream
 from runtime.server import sse
 from runtime.server.chat_answers import ChatDeltas, chat_message
+from runtime.server.chat_template_fields import TEMPLATE_ERRORS
 from runtime.server.schemas import (
     MAX_MESSAGE_CHARS,
     ApiError,
@@ -52,8 +53,8 @@ def start_streams(
             s.close()
         # A chat's prompt is its rendered messages: a prompt error names them.
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
-        renames = {"prompt_token_ids": param, "prompt": param, "messages": "messages",
-                   "priority": "priority"}  # fmt: skip
+        renames = {"prompt_token_ids": param, "prompt": param, "priority": "priority",
+                   **TEMPLATE_ERRORS}  # fmt: skip
         raise from_value_error(exc, param, renames) from None
     except (EngineDeadError, EngineClosedError) as exc:  # it died since the request came in
         for s in streams:
