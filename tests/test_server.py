@@ -99,6 +99,19 @@ async def test_completion_streaming_matches_non_streaming(server):
     chunks = events[:-2]
     assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in chunks)
+    # vLLM's continuous_usage_stats: every chunk counts the tokens so far.
+    continuous = {**stream_body, "n": 2, "stream_options": {"include_usage": True,
+                                                           "continuous_usage_stats": True}}
+    async with client.stream("POST", "/v1/completions", json=continuous) as response:
+        events = await sse_events(response)
+    seen = {0: 0, 1: 0}
+    for event in events[:-2]:
+        (c,) = event["choices"]
+        seen[c["index"]] += 1
+        assert event["usage"] == {"prompt_tokens": 3, "completion_tokens": seen[c["index"]],
+                                  "total_tokens": 3 + seen[c["index"]]}  # fmt: skip
+    assert seen == {0: 8, 1: 8} and events[-2]["usage"]["completion_tokens"] == 16
     tokens = await client.post("/tokenize", json={"prompt": "w5 w17 w42"})
     assert tokens.json()["tokens"] == [5, 17, 42]
     text = await client.post("/detokenize", json={"tokens": [5, 17]})

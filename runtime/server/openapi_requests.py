@@ -117,7 +117,8 @@ def _sampling(vocab_size: int, priority: bool) -> dict[str, Schema]:
         "stream": _bool(),
         "stream_options": {
             "type": ["object", "null"], "description": "only with stream: true",
-            "properties": {"include_usage": {"type": ["boolean", "null"]}},
+            "properties": {"include_usage": {"type": ["boolean", "null"]},
+                           "continuous_usage_stats": {"type": ["boolean", "null"]}},
         },
     }  # fmt: skip
 

@@ -125,6 +125,9 @@ class Common:
     # compile is a 400 naming it.
     structured_field: str | None = None
     priority: int = 0  # vLLM's extra: lower first (--scheduling-policy priority)
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
+    # its prompt's tokens and its choice's tokens so far.
+    continuous_usage: bool = False
 
 
 def structured_outputs(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -192,8 +195,11 @@ def parse_common(
         raise bad("stream_options is only allowed with stream: true", "stream_options")
     include_usage = options.get("include_usage")
     include_usage = False if include_usage is None else include_usage  # null: absent
-    if type(include_usage) is not bool:
-        raise bad("stream_options.include_usage must be true or false", "stream_options")
+    continuous = options.get("continuous_usage_stats")
+    continuous = False if continuous is None else continuous
+    if type(include_usage) is not bool or type(continuous) is not bool:
+        raise bad("stream_options.include_usage and continuous_usage_stats must be true or "
+                  "false", "stream_options")  # fmt: skip
     kwargs = {name: v for name, kind in _SAMPLING_FIELDS.items()
               if (v := field(body, name, kind)) is not None}  # fmt: skip
     stop = body.get("stop")
@@ -227,7 +233,7 @@ def parse_common(
     except ValueError as exc:
         raise from_value_error(exc, "body", renames) from None
     return Common(params, stream, include_usage, structured_field,
-                  field(body, "priority", "int", 0))  # fmt: skip
+                  field(body, "priority", "int", 0), include_usage and continuous)  # fmt: skip
 
 
 def as_field(message: str, field: str) -> str:

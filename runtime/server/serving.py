@@ -297,13 +297,18 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
         streams = await primed(streams, req.common.structured_field)
     n = req.common.params.n
 
+    prompt_tokens: dict[int, int] = {}  # by prompt
+    choice_tokens: dict[int, int] = {}  # by choice, so far
+
     def chunk(index: int, piece: dict[str, Any], logprobs: Any = None,
               finish: str | None = None) -> bytes:  # fmt: skip
         choice = {"index": index, **piece, "logprobs": logprobs, "finish_reason": finish}
-        return sse.event(fmt.envelope([choice], chunk=True))
+        used = None
+        if req.common.continuous_usage:
+            used = usage(prompt_tokens[index // n], choice_tokens.get(index, 0))
+        return sse.event(fmt.envelope([choice], chunk=True, usage_=used))
 
     async def produce(send: sse.Send) -> None:
-        prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
         started: set[int] = set()
         # DELTA: only a request's first output carries them; n > 1 choices echo them all.
@@ -329,6 +334,7 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
                                                      prompt_lps.get(i))  # fmt: skip
                         await send(chunk(index, {"text": text}, echoed))
                 completion_tokens += len(c.token_ids)
+                choice_tokens[index] = choice_tokens.get(index, 0) + len(c.token_ids)
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
                 finish, logprobs = c.finish_reason, fmt.logprobs(index, c)

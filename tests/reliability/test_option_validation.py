@@ -41,6 +41,10 @@ BAD_SAMPLING = {
                    {1: INF}, {1: "1"}, {1: None}, {1: 10**400}, [1], "{}"],
     "allowed_token_ids": [[], [-1], [1.5], ["1"], [True], [HUGE], 5, "12", {1: 2}],
     "structured_outputs": [{"regex": "a"}, "json", 5, True],
+    "bad_words": ["", [""], ["  "], [5], [None], ("a", 5), 5, {"a": 1}, b"a"],
+    "bad_words_token_ids": [[[]], [[-1]], [[1.5]], [["1"]], [[True]], [[HUGE]], [5], [None],
+                            5, "12", {1: 2}],
+    "truncate_prompt_tokens": [0, -2, 1.5, "1", True, HUGE],
 }
 
 BAD_ENGINE = {
@@ -67,6 +71,7 @@ BAD_ENGINE = {
     "distributed_executor_backend": ["mp", "", None, 5, "Ray"],
     "keep_alive": [-5, -0.5, -INF, NAN, "300", None, True, HUGE],
     "manager": ["remote", "", None, 5],
+    "scheduling_policy": ["lifo", "", None, 5, "FCFS"],
     "manager_socket": [5, "", b"/tmp/m.sock", "/tmp/a\0b", "/tmp/" + "x" * 200],
 }
 
