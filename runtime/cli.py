@@ -47,6 +47,8 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--kv-cache-memory", int, "KV cache size in bytes"),
     ("--block-size", int, "tokens per KV block"),
     ("--seed", int, "engine seed"),
+    ("--generation-config", str, "sampling defaults for fields a request leaves out: auto "
+     "(the model's generation_config.json) | vllm (none) | a directory holding one"),
     ("--scheduling-policy", str, "fcfs | priority (a request's priority: lower runs first; "
      f"default {_default('scheduling_policy')})"),
     ("--tensor-parallel-size", int, "ranks each layer's weights and KV heads are split over"),

@@ -51,6 +51,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES
+    # Sampling defaults for requests that leave a field out (vLLM's option): "auto", the
+    # model's generation_config.json; "vllm", SamplingParams' own; or a directory holding
+    # a generation_config.json.
+    generation_config: str = "auto"
     # Schedule and send step N+1 while step N runs (its sampled ids stay on the worker's
     # device). None: on where the workers run on CUDA (the engine's work then overlaps
     # the forward); off on the CPU, where the engine would take cores from the forward.
@@ -88,6 +92,15 @@ class EngineConfig:
             )
         _one_of("manager", self.manager, MANAGER_MODES)
         _one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be auto, vllm or a directory, got "
+                             f"{self.generation_config!r}")  # fmt: skip
+        if self.generation_config not in ("auto", "vllm"):
+            folder = Path(self.generation_config).expanduser()
+            if not folder.is_dir():
+                raise ValueError(f"generation_config must be auto, vllm or a directory, got "
+                                 f"{self.generation_config!r} (no such directory)")  # fmt: skip
+            object.__setattr__(self, "generation_config", os.path.abspath(folder))
         _one_of("distributed_executor_backend", self.distributed_executor_backend,
                 EXECUTOR_BACKENDS)  # fmt: skip
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)

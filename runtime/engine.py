@@ -31,6 +31,7 @@ from protocols.sampling import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine_stats import EngineStats, merge_stats
 from runtime.errors import EngineClosedError, EngineDeadError, RemoteCallError
+from runtime.generation_defaults import sampling_defaults
 from runtime.manager_client import (
     ManagerClient,
     PrivateManager,
@@ -70,6 +71,8 @@ class Engine:
         self._running = False
         self._turn = itertools.count()  # round-robin among equally loaded replicas
         self.tokenizer: Tokenizer | None = None
+        # The model's sampling defaults (generation_config), for requests without params.
+        self.sampling_defaults: dict[str, Any] = {}
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -125,6 +128,9 @@ class Engine:
             await replica.start(stack, tg, manager, self.tokenizer)
             assert replica.core is not None and replica.acquired is not None
             self.tokenizer = replica.core.output_processor.tokenizer
+            if index == 0:
+                self.sampling_defaults = sampling_defaults(cfg.generation_config,
+                                                           replica.acquired.model_info.model_dir)
             logger.info(
                 "engine %s attached to %s workers %s (%s)", engine_id,
                 "warm" if replica.acquired.reused else "new", replica.acquired.pids, cfg.model,
@@ -210,7 +216,8 @@ class Engine:
         """
         self._require_running()
         check_priority(priority, self.config.scheduling_policy)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else (
+            self.default_sampling_params())
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
         tokenizer = self.tokenizer
@@ -238,6 +245,11 @@ class Engine:
         # The stream aborts its own request only: never a later one that reuses the id.
         return RequestStream(request_id, parent.collector,
                              functools.partial(core.abort, parent=parent))  # fmt: skip
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's defaults (generation_config, as vLLM's LLM
+        .get_default_sampling_params()): what generate() and chat() use without params."""
+        return SamplingParams(**self.sampling_defaults)
 
     def chat(
         self,

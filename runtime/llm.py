@@ -78,7 +78,7 @@ class LLM:
         `priority`: one for all prompts or one each (scheduling_policy="priority")."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
-        params = _per_prompt(sampling_params, len(prompts))
+        params = _per_prompt(sampling_params, len(prompts), self.engine)
         calls = [(partial(self.engine.generate, priority=rank), p, sp) for p, sp, rank in
                  zip(prompts, params, _priorities(priority, len(prompts)), strict=True)]
         return self._run(calls, use_tqdm)
@@ -99,7 +99,7 @@ class LLM:
 
         The keyword arguments are Engine.chat's; `priority` as in generate()."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        params = _per_prompt(sampling_params, len(conversations))
+        params = _per_prompt(sampling_params, len(conversations), self.engine)
         chat = partial(self.engine.chat, chat_template=chat_template,
                        chat_template_kwargs=chat_template_kwargs,
                        add_generation_prompt=add_generation_prompt,
@@ -179,10 +179,11 @@ class LLM:
 
 
 def _per_prompt(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int, engine: Engine
 ) -> list[SamplingParams]:
+    """None: the model's defaults (its generation_config), as vLLM's LLM uses them."""
     if params is None or isinstance(params, SamplingParams):
-        chosen = [params or SamplingParams()] * count
+        chosen = [params or engine.default_sampling_params()] * count
     else:
         chosen = list(params)
         if len(chosen) != count:

@@ -208,7 +208,9 @@ def build_app(
     async def completions(request: Request) -> Response:
         body = await read_body(request)
         check_model(body, model)
-        return await answer(slot.require(), request, parse_completion(body), model)
+        engine = slot.require()
+        req = parse_completion(body, engine.sampling_defaults)
+        return await answer(engine, request, req, model)
 
     async def chat(request: Request) -> Response:
         body = await read_body(request)
@@ -217,7 +219,8 @@ def build_app(
         assert engine.tokenizer is not None
         req = parse_chat(body, engine.tokenizer.chat_templates, trust_request_chat_template,
                          auto_tools=tool_call_parser is not None,
-                         reasoning_parser=reasoning_parser)  # fmt: skip
+                         reasoning_parser=reasoning_parser,
+                         defaults=engine.sampling_defaults)  # fmt: skip
         return await answer(engine, request, req, model)
 
     async def tokenize(request: Request) -> Response:

@@ -185,7 +185,9 @@ def parse_common(
     body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
     renames: dict[str, str], stream_kind: RequestOutputKind = RequestOutputKind.DELTA,
     prompt_logprobs: int | None = None, tool_calls: ToolCalls | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> Common:  # fmt: skip
+    """`defaults`: sampling fields for those the body leaves out (the model's own)."""
     for name, no_ops in UNSUPPORTED.items():
         if body.get(name) is not None and body[name] not in no_ops:
             raise bad(f"{name} is not supported by this server", name)
@@ -202,6 +204,7 @@ def parse_common(
                   "false", "stream_options")  # fmt: skip
     kwargs = {name: v for name, kind in _SAMPLING_FIELDS.items()
               if (v := field(body, name, kind)) is not None}  # fmt: skip
+    kwargs = {**(defaults or {}), **kwargs}
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -265,7 +268,10 @@ class CompletionRequest:
     common: Common
 
 
-def parse_completion(body: dict[str, Any]) -> CompletionRequest:
+def parse_completion(
+    body: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> CompletionRequest:
+    """A completion body; `defaults`: see parse_common."""
     if "prompt" not in body or body["prompt"] is None:
         raise bad("prompt is required (a string, a list of strings or of token ids)", "prompt")
     raw = body["prompt"]
@@ -295,7 +301,8 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     max_tokens = field(body, "max_tokens", "int", 16)
     # echo with logprobs scores the prompt too: its tokens' logprobs come first.
     prompt_logprobs = logprobs if echo else None
-    common = parse_common(body, max_tokens, logprobs, {}, prompt_logprobs=prompt_logprobs)
+    common = parse_common(body, max_tokens, logprobs, {}, prompt_logprobs=prompt_logprobs,
+                          defaults=defaults)  # fmt: skip
     return CompletionRequest(prompts, echo, common)
 
 
@@ -316,10 +323,12 @@ class ChatRequest:
 def parse_chat(
     body: dict[str, Any], template_names: Collection[str] = (), trust_templates: bool = False,
     auto_tools: bool = False, reasoning_parser: str | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> ChatRequest:  # fmt: skip
     """A chat body; `template_names` and `trust_templates`: see parse_template_fields;
     `auto_tools`: the server has a tool-call parser (tool_choice "auto" works);
-    `reasoning_parser`: the server's (reasoning.PARSERS), if it splits out reasoning."""
+    `reasoning_parser`: the server's (reasoning.PARSERS), if it splits out reasoning;
+    `defaults`: see parse_common."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages is required: a non-empty list of {role, content} objects",
@@ -341,7 +350,8 @@ def parse_chat(
     template = parse_template_fields(body, template_names, trust_templates)
     echo = echoed_text(messages) if field(body, "echo", "bool", False) else ""
     tools, tool_calls, auto = parse_tools(body, auto_tools)
-    common = parse_common(body, max_tokens, logprobs, renames, tool_calls=tool_calls)
+    common = parse_common(body, max_tokens, logprobs, renames, tool_calls=tool_calls,
+                          defaults=defaults)  # fmt: skip
     if auto:  # the tags may be special tokens: they must reach the text (vLLM does the same)
         common.params = replace_checked(common.params, skip_special_tokens=False)
     if common.structured_field is not None:

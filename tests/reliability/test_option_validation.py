@@ -72,6 +72,7 @@ BAD_ENGINE = {
     "keep_alive": [-5, -0.5, -INF, NAN, "300", None, True, HUGE],
     "manager": ["remote", "", None, 5],
     "scheduling_policy": ["lifo", "", None, 5, "FCFS"],
+    "generation_config": ["", None, 5, "/nonexistent/loom-generation-config"],
     "manager_socket": [5, "", b"/tmp/m.sock", "/tmp/a\0b", "/tmp/" + "x" * 200],
 }
 
