@@ -127,6 +127,14 @@ async def test_completion_n_lists_logprobs_echo(server):
     assert out["usage"]["prompt_tokens"] == 5 and out["usage"]["completion_tokens"] == 12
     lp = out["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 3 and len(lp["top_logprobs"][0]) == 2
+    # vLLM's return_tokens_as_token_ids: the same logprobs, each token as its id (the tiny
+    # vocabulary's token i is the word w<i>).
+    as_ids = (await client.post("/v1/completions", json={
+        **body, "return_tokens_as_token_ids": True})).json()["choices"][0]["logprobs"]  # fmt: skip
+    assert as_ids["tokens"] == [f"token_id:{t[1:]}" for t in lp["tokens"]]
+    assert as_ids["token_logprobs"] == lp["token_logprobs"]
+    assert [list(top) for top in as_ids["top_logprobs"]] == [
+        [f"token_id:{t[1:]}" for t in top] for top in lp["top_logprobs"]]
     echoed = (await client.post("/v1/completions", json={
         "prompt": "w5 w6", "echo": True, "max_tokens": 2, "temperature": 0})).json()  # fmt: skip
     assert echoed["choices"][0]["text"].startswith("w5 w6")

@@ -61,6 +61,7 @@ def _sampling(vocab_size: int, priority: bool) -> dict[str, Schema]:
         "temperature": _number(minimum=0),
         "top_p": _number(exclusiveMinimum=0, maximum=1),
         "n": _int(1, MAX_N, description="choices per prompt"),
+        "return_tokens_as_token_ids": _bool(description="logprobs' tokens as token_id:<id>"),
         "truncate_prompt_tokens": {"anyOf": [_int(1), {"const": -1}],
                                    "description": "keep the prompt's last k tokens; -1: "
                                    "max_model_len - 1"},

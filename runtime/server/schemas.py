@@ -128,6 +128,7 @@ class Common:
     # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
     # its prompt's tokens and its choice's tokens so far.
     continuous_usage: bool = False
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:5" in logprobs
 
 
 def structured_outputs(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -236,7 +237,8 @@ def parse_common(
     except ValueError as exc:
         raise from_value_error(exc, "body", renames) from None
     return Common(params, stream, include_usage, structured_field,
-                  field(body, "priority", "int", 0), include_usage and continuous)  # fmt: skip
+                  field(body, "priority", "int", 0), include_usage and continuous,
+                  field(body, "return_tokens_as_token_ids", "bool", False))  # fmt: skip
 
 
 def as_field(message: str, field: str) -> str:

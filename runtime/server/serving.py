@@ -170,15 +170,19 @@ def joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[st
 class Formatter:
     """Turns CompletionOutputs into OpenAI choice objects (text or chat, logprobs)."""
 
-    def __init__(self, engine: Engine, model: str, chat: bool, want_logprobs: bool) -> None:
+    def __init__(self, engine: Engine, model: str, chat: bool, want_logprobs: bool,
+                 as_token_ids: bool = False) -> None:  # fmt: skip
         assert engine.tokenizer is not None
         self.tokenizer = engine.tokenizer
         self.model, self.chat, self.want_logprobs = model, chat, want_logprobs
+        self.as_token_ids = as_token_ids
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}  # choice index -> text offset so far (completions)
 
     def token_text(self, token_id: int, lp: Logprob | None = None) -> str:
+        if self.as_token_ids:  # vLLM's return_tokens_as_token_ids: tokens no text spells
+            return f"token_id:{token_id}"
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -246,7 +250,7 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
     """The whole answer as one body (stream: false)."""
     chat = isinstance(req, ChatRequest)
     fmt = Formatter(engine, model, chat, req.want_logprobs if chat else req.common.params.logprobs
-                    is not None)  # fmt: skip
+                    is not None, req.common.tokens_as_ids)  # fmt: skip
     prompts = [None] if chat else req.prompts
     streams = start_streams(engine, prompts, req, fmt.id)
     finals: dict[int, RequestOutput] = {}
@@ -290,7 +294,7 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
     as vLLM answers it, not an error event inside a 200 stream."""
     chat = isinstance(req, ChatRequest)
     fmt = Formatter(engine, model, chat, req.want_logprobs if chat else req.common.params.logprobs
-                    is not None)  # fmt: skip
+                    is not None, req.common.tokens_as_ids)  # fmt: skip
     prompts = [None] if chat else req.prompts
     streams: list[Any] = start_streams(engine, prompts, req, fmt.id)
     if req.common.structured_field is not None:
