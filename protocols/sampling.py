@@ -101,8 +101,8 @@ class SamplingParams:
     bad_words: tuple[str, ...] = field(default_factory=tuple)
     # Token sequences banned that way: bad_words' encodings, and any given here directly.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
-    # Keep only the prompt's last k tokens (vLLM's left truncation); -1: as many as leave
-    # room for one output token (max_model_len - 1); None: a longer prompt is refused.
+    # Keep only the prompt's last k tokens (vLLM's left truncation; a text prompt keeps its
+    # BOS first); -1: as many as leave room for max_tokens; None: a longer prompt is refused.
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -158,8 +158,9 @@ class SamplingParams:
         _bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self._validate_token_filters()
         self._validate_bad_words()
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
-            _int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=1)
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and not (type(truncate) is int and truncate == -1):
+            _int("truncate_prompt_tokens", truncate, low=1)
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")

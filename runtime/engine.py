@@ -226,7 +226,7 @@ class Engine:
         params = with_bad_words_encoded(params, tokenizer)
         check_token_ids(params, vocab, tokenizer.eos_token_ids)
         text, token_ids = prompt_token_ids(prompt, tokenizer, vocab, self.max_model_len,
-                                           params.truncate_prompt_tokens)  # fmt: skip
+                                           params)  # fmt: skip
         request_id = check_request_id(uuid.uuid4().hex if request_id is None else request_id)
         if self.replica_index(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already running")

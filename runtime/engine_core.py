@@ -65,11 +65,17 @@ class EngineCore:
         if self._stopped:  # no loop would ever step it: its stream would wait forever
             raise EngineClosedError("the engine's step loop has ended")
         params = parent.params
-        if params.stop or params.bad_words:
+        if (params.stop or params.bad_words or params.bad_words_token_ids
+                or params.truncate_prompt_tokens is not None):  # fmt: skip
             # Stop strings are this process's (the output processor's), bad words are
-            # encoded here: never sent to the workers, where one huge or unencodable string
-            # would fail every step's frame.
-            params = replace_checked(params, stop=(), bad_words=())
+            # encoded and prompts truncated here: never sent to the workers, where one huge
+            # or unencodable string would fail every step's frame. Bad-word sequences
+            # longer than the context can never complete.
+            longest = self.max_model_len
+            params = replace_checked(
+                params, stop=(), bad_words=(), truncate_prompt_tokens=None,
+                bad_words_token_ids=tuple(s for s in params.bad_words_token_ids
+                                          if len(s) <= longest))  # fmt: skip
         # Every child's params before any is registered: one that fails leaves nothing behind.
         # (SamplingParams checked seed + n - 1.)
         children = [params] if params.n == 1 else [

@@ -12,7 +12,10 @@ from protocols.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config's name -> SamplingParams' (vLLM reads the same keys).
+SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                 "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                 "max_new_tokens": "max_tokens"}  # fmt: skip
 
 
 def sampling_defaults(choice: str, model_dir: str) -> dict[str, Any]:
@@ -29,7 +32,8 @@ def sampling_defaults(choice: str, model_dir: str) -> dict[str, Any]:
         return {}
     if not isinstance(config, dict):
         return {}
-    defaults = {key: config[key] for key in SAMPLING_KEYS if config.get(key) is not None}
+    defaults = {ours: config[key] for key, ours in SAMPLING_KEYS.items()
+                if config.get(key) is not None}  # fmt: skip
     try:
         SamplingParams(**defaults)
     except ValueError as exc:

@@ -11,10 +11,10 @@ from runtime.tokenizer import Tokenizer
 
 def prompt_token_ids(
     prompt: str | dict[str, Any], tokenizer: Tokenizer, vocab: int, max_model_len: int,
-    truncate: int | None = None,
+    params: SamplingParams | None = None,
 ) -> tuple[str | None, list[int]]:  # fmt: skip
-    """The prompt's text (None when given as ids) and token ids; `truncate`: keep the last
-    that many tokens (-1: max_model_len - 1), the text then being theirs."""
+    """The prompt's text (None when given as ids) and token ids, truncated as
+    `params.truncate_prompt_tokens` says (the text then being the kept tokens')."""
     if isinstance(prompt, str):
         text, ids = prompt, tokenizer.encode(prompt)
     elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -25,9 +25,9 @@ def prompt_token_ids(
         raise ValueError('prompt must be a string or {"prompt_token_ids": [...]}')
     if not ids:
         raise ValueError("prompt must not be empty")
-    keep = max_model_len - 1 if truncate == -1 else truncate
-    if keep is not None and len(ids) > keep:
-        ids = ids[len(ids) - keep:]
+    if params is not None and params.truncate_prompt_tokens is not None:
+        ids = truncated(ids, params, max_model_len, tokenizer.bos_token_id
+                        if isinstance(prompt, str) else None)  # fmt: skip
         text = None if text is None else tokenizer.decode(ids, skip_special_tokens=False)
     if len(ids) >= max_model_len:
         raise ValueError(
@@ -35,6 +35,24 @@ def prompt_token_ids(
             f"({max_model_len}) to leave room for output"
         )
     return text, list(ids)
+
+
+def truncated(ids: list[int], params: SamplingParams, max_model_len: int,
+              bos: int | None) -> list[int]:  # fmt: skip
+    """The last truncate_prompt_tokens of `ids` (-1: all that leave room for max_tokens), a
+    leading `bos` kept first: the tokenizer put it there, and models need it."""
+    k = params.truncate_prompt_tokens
+    assert k is not None
+    if k == -1:
+        k = max(max_model_len - (params.max_tokens or 1), 1)
+    elif k >= max_model_len:
+        raise ValueError(f"truncate_prompt_tokens ({k}) must be below max_model_len "
+                         f"({max_model_len}), to leave room for output")  # fmt: skip
+    if len(ids) <= k:
+        return list(ids)
+    if bos is not None and ids[0] == bos and k > 1:
+        return [bos, *ids[len(ids) - k + 1:]]
+    return list(ids[len(ids) - k:])
 
 
 def check_token_ids(params: SamplingParams, vocab: int, eos_token_ids: frozenset[int]) -> None:
@@ -87,7 +105,7 @@ def with_bad_words_encoded(params: SamplingParams, tokenizer: Tokenizer) -> Samp
     if not params.bad_words:
         return params
     sequences = list(params.bad_words_token_ids)
-    for word in params.bad_words:
+    for word in params.bad_words:  # (the server bounds their length: this runs in the loop)
         alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
         variants = [alone]

@@ -44,13 +44,15 @@ RUNNER_REQUESTS = {
 }  # fmt: skip
 
 
-def drive_runner(runner: ModelRunner, ahead: bool) -> dict[str, list[tuple]]:
-    """RUNNER_REQUESTS through a real Scheduler: each one's (tokens, logprobs, top
-    logprobs, finish reason) per step."""
+def drive_runner(
+    runner: ModelRunner, ahead: bool, requests: dict[str, tuple] = RUNNER_REQUESTS
+) -> dict[str, list[tuple]]:
+    """`requests` (RUNNER_REQUESTS) through a real Scheduler: each one's (tokens, logprobs,
+    top logprobs, finish reason) per step."""
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24,
                                           max_model_len=64, block_size=16,
                                           num_blocks=runner.num_blocks))  # fmt: skip
-    for req_id, (prompt, params) in RUNNER_REQUESTS.items():
+    for req_id, (prompt, params) in requests.items():
         scheduler.add_request(Request(req_id, prompt, params, frozenset({EOS}), 64, 0.0))
     return {
         req_id: [(o.new_token_ids, o.new_logprobs, o.new_top_logprobs, o.finish_reason)
@@ -67,6 +69,17 @@ def make_runner(model_dir: str, num_blocks: int = 24) -> ModelRunner:
     loaded = load_model(model_dir, dtype="float32")
     return ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
                        dtype=torch.float32, block_size=16, num_blocks=num_blocks)  # fmt: skip
+
+
+def test_bad_words_of_several_tokens_read_the_token_still_on_the_device(tiny_model):
+    """Alone in its batch (nothing else makes the runner wait for the step before), a
+    request whose bans depend on its last token: launched ahead, it must wait for it."""
+    requests = {"bad_words": RUNNER_REQUESTS["bad_words"]}
+    step_by_step = drive_runner(make_runner(tiny_model), ahead=False, requests=requests)
+    ahead = drive_runner(make_runner(tiny_model), ahead=True, requests=requests)
+    assert tokens_and_ends(ahead) == tokens_and_ends(step_by_step)
+    tokens = [t for o in ahead["bad_words"] for t in o[0]]
+    assert all(a != b for a, b in zip(tokens, tokens[1:], strict=False))
 
 
 def test_runner_launched_ahead_samples_what_it_samples_step_by_step(tiny_model):

@@ -142,12 +142,24 @@ async def test_truncate_prompt_tokens_keeps_the_prompts_end(tiny_model, shared_m
         assert cut.outputs[0].token_ids == same.outputs[0].token_ids
         text = " ".join(f"w{t}" for t in long)
         most = await final(e, text, SamplingParams(**greedy, truncate_prompt_tokens=-1))
-        assert most.prompt_token_ids == long[-31:]  # room for one output token
-        assert most.prompt == " ".join(f"w{t}" for t in long[-31:])
-        assert len(most.outputs[0].token_ids) == 1  # max_model_len ends it
+        assert most.prompt_token_ids == long[-29:]  # room for max_tokens (3)
+        assert most.prompt == " ".join(f"w{t}" for t in long[-29:])
+        assert len(most.outputs[0].token_ids) == 3
+        with pytest.raises(ValueError, match="^truncate_prompt_tokens .32. must be below"):
+            e.generate(text, SamplingParams(**greedy, truncate_prompt_tokens=32))
         short = await final(e, {"prompt_token_ids": long[:4]},
                             SamplingParams(**greedy, truncate_prompt_tokens=10))  # fmt: skip
         assert short.prompt_token_ids == long[:4]
+
+
+def test_truncation_keeps_a_text_prompts_bos_first():
+    from runtime.request_checks import truncated
+
+    params = SamplingParams(truncate_prompt_tokens=3)
+    assert truncated([1, 7, 8, 9, 10], params, 32, bos=1) == [1, 9, 10]
+    assert truncated([7, 8, 9, 10], params, 32, bos=1) == [8, 9, 10]
+    assert truncated([1, 7, 8, 9, 10], params, 32, bos=None) == [8, 9, 10]  # ids as given
+    assert truncated([1, 7], params, 32, bos=1) == [1, 7]
 
 
 async def test_output_kinds_agree(engine):

@@ -29,7 +29,7 @@ def write_config(folder: Path, config: dict) -> Path:
 def test_the_sampling_keys_are_read_and_bad_ones_left_out(tmp_path, caplog):
     model = write_config(tmp_path / "m", RECOMMENDED)
     assert sampling_defaults("auto", str(model)) == {"temperature": 0.6, "top_p": 0.9,
-                                                     "top_k": 20}  # fmt: skip
+                                                     "top_k": 20, "max_tokens": 5}  # fmt: skip
     assert sampling_defaults("vllm", str(model)) == {}
     other = write_config(tmp_path / "other", {"repetition_penalty": 1.1})
     assert sampling_defaults(str(other), str(model)) == {"repetition_penalty": 1.1}
@@ -42,12 +42,17 @@ def test_the_sampling_keys_are_read_and_bad_ones_left_out(tmp_path, caplog):
     assert sampling_defaults("auto", str(tmp_path)) == {}  # none there
 
 
-def test_the_body_wins_over_the_defaults():
-    defaults = {"temperature": 0.0, "top_k": 20}
+def test_the_body_wins_over_the_defaults_and_max_new_tokens_caps():
+    defaults = {"temperature": 0.0, "top_k": 20, "max_tokens": 10}
     params = parse_completion({"prompt": "w5", "temperature": 1.0}, defaults).common.params
-    assert (params.temperature, params.top_k) == (1.0, 20)
+    assert (params.temperature, params.top_k, params.max_tokens) == (1.0, 20, 10)
     chat = parse_chat({"messages": [{"role": "user", "content": "w5"}]}, defaults=defaults)
     assert (chat.common.params.temperature, chat.common.params.top_k) == (0.0, 20)
+    assert chat.common.params.max_tokens == 10  # chat's absent max_tokens: the model's
+    capped = parse_completion({"prompt": "w5", "max_tokens": 99}, defaults).common.params
+    assert capped.max_tokens == 10  # as vLLM caps it
+    short = parse_completion({"prompt": "w5", "max_tokens": 3}, defaults).common.params
+    assert short.max_tokens == 3
 
 
 @pytest.fixture(scope="module")

@@ -152,7 +152,7 @@ async def test_logit_bias_and_allowed_token_ids_steer_the_tokens(server):
     first = plain.split()[0]
     banned = await client.post("/v1/completions", json={**body, "bad_words": [first]})
     assert first not in banned.json()["choices"][0]["text"].split()
-    for words in (["ok", "  "], "w5", [5], ["w5"] * 1001):
+    for words in (["ok", "  "], "w5", [5], ["w5"] * 1001, ["w5 " * 67]):
         response = await client.post("/v1/completions", json={**body, "bad_words": words})
         assert_error(response, 400, "bad_words")
     cut = await client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 1})

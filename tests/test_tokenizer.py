@@ -348,3 +348,18 @@ def test_continue_final_message_matches_transformers(ours, theirs, messages, tmp
 def test_continue_final_message_errors(ours, kwargs, messages, match):
     with pytest.raises(ValueError, match=match):
         ours.apply_chat_template(messages, **kwargs)
+
+
+def test_bad_words_are_encoded_alone_and_after_a_space(ours, theirs):
+    """vLLM's rule: a word as it starts a text, and after a space when that spells it with
+    another first token in as many tokens (a word-start token, "Ġhello"); token ids from
+    transformers' tokenizer."""
+    from protocols.sampling import SamplingParams
+    from runtime.request_checks import with_bad_words_encoded
+
+    words = ["hello", "New York", "   spaced"]
+    params = with_bad_words_encoded(SamplingParams(bad_words=words), ours)
+    alone = [tuple(theirs.encode(w.lstrip(), add_special_tokens=False)) for w in words]
+    spaced = [tuple(theirs.encode(" " + w.lstrip(), add_special_tokens=False)) for w in words]
+    assert spaced[0] != alone[0] and len(spaced[0]) == len(alone[0])  # "Ġhello"
+    assert params.bad_words_token_ids == (alone[0], spaced[0], alone[1], spaced[1], alone[2])

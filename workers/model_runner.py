@@ -386,8 +386,8 @@ def _captured(graphs: G, pool: object, kind: str) -> G | None:
 
 
 def _needs_output_ids(params: SamplingParams) -> bool:
-    """Penalties count the output ids, a grammar's matcher advances by them, bad words end
-    them."""
+    """Penalties count the output ids, a grammar's matcher advances by them, a bad word of
+    several tokens ends them."""
     return bool(params.presence_penalty or params.frequency_penalty
                 or params.repetition_penalty != 1.0 or params.structured_outputs
-                or params.bad_words_token_ids)  # fmt: skip
+                or any(len(seq) > 1 for seq in params.bad_words_token_ids))  # fmt: skip

@@ -15,6 +15,7 @@ from protocols.sampling import MAX_LOGPROBS
 from runtime.server.chat_template_fields import RESERVED_VARIABLES
 from runtime.server.schemas import (
     GUIDED_FIELDS,
+    MAX_BAD_WORD_CHARS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_N,
@@ -66,7 +67,8 @@ def _sampling(vocab_size: int, priority: bool) -> dict[str, Schema]:
                                    "description": "keep the prompt's last k tokens; -1: "
                                    "max_model_len - 1"},
         "bad_words": {"type": ["array", "null"], "maxItems": MAX_BAD_WORDS,
-                      "items": {"type": "string", "pattern": "\\S"}},
+                      "items": {"type": "string", "pattern": "\\S",
+                                "maxLength": MAX_BAD_WORD_CHARS}},
         "priority": _int(description="lower runs first") if priority else {
             "enum": [0, None], "description": "only with --scheduling-policy priority"},
         "seed": _int(description="each of the n choices samples with seed + its index, "

@@ -42,6 +42,7 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # choices per prompt: more would flood the batch
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 MAX_BAD_WORDS = 1000  # the workers check each one's sequences at every step
+MAX_BAD_WORD_CHARS = 200  # each is encoded in the engine's loop
 _TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: a token id, in ASCII digits
 MAX_MESSAGE_CHARS = 1000
 _KIND_WORDS = {
@@ -188,7 +189,11 @@ def parse_common(
     prompt_logprobs: int | None = None, tool_calls: ToolCalls | None = None,
     defaults: dict[str, Any] | None = None,
 ) -> Common:  # fmt: skip
-    """`defaults`: sampling fields for those the body leaves out (the model's own)."""
+    """`defaults`: sampling fields for those the body leaves out (the model's own); its
+    max_tokens also caps the body's, as vLLM caps it."""
+    defaults = dict(defaults or {})
+    if (default_max := defaults.pop("max_tokens", None)) is not None:
+        max_tokens = default_max if max_tokens is None else min(max_tokens, default_max)
     for name, no_ops in UNSUPPORTED.items():
         if body.get(name) is not None and body[name] not in no_ops:
             raise bad(f"{name} is not supported by this server", name)
@@ -205,7 +210,7 @@ def parse_common(
                   "false", "stream_options")  # fmt: skip
     kwargs = {name: v for name, kind in _SAMPLING_FIELDS.items()
               if (v := field(body, name, kind)) is not None}  # fmt: skip
-    kwargs = {**(defaults or {}), **kwargs}
+    kwargs = {**defaults, **kwargs}
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -215,8 +220,10 @@ def parse_common(
         kwargs["stop"] = stop
     words = body.get("bad_words")
     if words is not None:
-        if not isinstance(words, list) or len(words) > MAX_BAD_WORDS:
-            raise bad(f"bad_words must be a list of at most {MAX_BAD_WORDS} words", "bad_words")
+        if not isinstance(words, list) or len(words) > MAX_BAD_WORDS or any(
+                isinstance(w, str) and len(w) > MAX_BAD_WORD_CHARS for w in words):  # fmt: skip
+            raise bad(f"bad_words must be a list of at most {MAX_BAD_WORDS} words of at most "
+                      f"{MAX_BAD_WORD_CHARS} characters", "bad_words")  # fmt: skip
         kwargs["bad_words"] = words  # SamplingParams checks each
     bias = logit_bias(body)
     if bias:

@@ -44,7 +44,7 @@ BAD_SAMPLING = {
     "bad_words": ["", [""], ["  "], [5], [None], ("a", 5), 5, {"a": 1}, b"a"],
     "bad_words_token_ids": [[[]], [[-1]], [[1.5]], [["1"]], [[True]], [[HUGE]], [5], [None],
                             5, "12", {1: 2}],
-    "truncate_prompt_tokens": [0, -2, 1.5, "1", True, HUGE],
+    "truncate_prompt_tokens": [0, -2, 1.5, -1.0, "1", True, HUGE],
 }
 
 BAD_ENGINE = {
