@@ -55,7 +55,8 @@ def test_built_document_is_valid_openapi_with_the_servers_limits():
     assert labels(doc) >= V1
     assert "securitySchemes" not in doc["components"]
     schemas = doc["components"]["schemas"]
-    prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    untruncated = schemas["CompletionRequest"]["allOf"][1]["else"]  # no truncate_prompt_tokens
+    prompt = untruncated["properties"]["prompt"]["anyOf"]
     ids = [p for p in prompt if p.get("items", {}).get("type") == "integer"]
     assert ids == [{"type": "array", "minItems": 1, "maxItems": 15,
                     "items": {"type": "integer", "minimum": 0, "maximum": 99}}]  # fmt: skip

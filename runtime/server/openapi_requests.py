@@ -52,7 +52,7 @@ def object_of(properties: dict[str, Schema], required: list[str] | None = None) 
     return schema
 
 
-def _sampling(vocab_size: int, priority: bool) -> dict[str, Schema]:
+def _sampling(vocab_size: int, priority: bool, max_model_len: int) -> dict[str, Schema]:
     """The fields completions and chat share (parse_common); vLLM's extras included."""
     stop_string = {"type": "string", "minLength": 1}
     unsupported = {name: {"enum": [*no_ops, None], "description": "unsupported: only a value "
@@ -63,7 +63,7 @@ def _sampling(vocab_size: int, priority: bool) -> dict[str, Schema]:
         "top_p": _number(exclusiveMinimum=0, maximum=1),
         "n": _int(1, MAX_N, description="choices per prompt"),
         "return_tokens_as_token_ids": _bool(description="logprobs' tokens as token_id:<id>"),
-        "truncate_prompt_tokens": {"anyOf": [_int(1), {"const": -1}],
+        "truncate_prompt_tokens": {"anyOf": [_int(1, max_model_len - 1), {"const": -1}],
                                    "description": "keep the prompt's last k tokens; -1: "
                                    "max_model_len - 1"},
         "bad_words": {"type": ["array", "null"], "maxItems": MAX_BAD_WORDS,
@@ -219,22 +219,32 @@ def request_schemas(
 ) -> dict[str, Schema]:  # fmt: skip
     model_field = {"type": ["string", "null"], "enum": [model, None],
                    "description": "another name: 404"}  # fmt: skip
-    tokens = {"type": "array", "minItems": 1, "maxItems": max_model_len - 1,
-              "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}  # fmt: skip
-    text = {"type": "string", "description": f"1 to {max_model_len - 1} tokens once encoded"}
+    any_tokens = {"type": "array", "minItems": 1,
+                  "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+    tokens = {**any_tokens, "maxItems": max_model_len - 1}
+    text = {"type": "string", "description": f"1 to {max_model_len - 1} tokens once encoded "
+            "(or truncated: truncate_prompt_tokens)"}  # fmt: skip
+
+    def prompts(ids: Schema) -> Schema:
+        return {"anyOf": [text, {"type": "array", "items": text, "minItems": 1}, ids,
+                          {"type": "array", "items": ids, "minItems": 1}]}
+
     completion = object_of({
         "model": model_field,
-        "prompt": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1}, tokens,
-                             {"type": "array", "items": tokens, "minItems": 1}]},
+        "prompt": prompts(any_tokens),
         "max_tokens": _int(1, description="default 16; output stops at max_model_len"),
         "echo": _bool(),
         "logprobs": _int(0, MAX_LOGPROBS),
         "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "unsupported"},
         "tools": {"type": ["array", "null"], "maxItems": 0, "description": "chat only"},
         "tool_choice": {"enum": ["none", None], "description": "chat only"},
-        **_sampling(vocab_size, priority),
+        **_sampling(vocab_size, priority, max_model_len),
     }, ["prompt"])  # fmt: skip
-    completion["allOf"] = [_STREAM_OPTIONS_RULE]
+    # Token ids past max_model_len - 1 only when truncate_prompt_tokens cuts them.
+    truncating = {"properties": {"truncate_prompt_tokens": {"type": "integer"}},
+                  "required": ["truncate_prompt_tokens"]}  # fmt: skip
+    completion["allOf"] = [_STREAM_OPTIONS_RULE, {
+        "if": truncating, "else": {"properties": {"prompt": prompts(tokens)}}}]
     text_part = object_of({"type": {"const": "text"}, "text": {"type": "string"}}, ["type", "text"])
     message = object_of({
         "role": {"type": "string", "minLength": 1},
@@ -259,7 +269,7 @@ def request_schemas(
                       "that is the assistant's"),
         **_template_fields(template_names, trust_templates),
         **_tools(auto_tools),
-        **_sampling(vocab_size, priority),
+        **_sampling(vocab_size, priority, max_model_len),
     }, ["messages"])  # fmt: skip
     chat["allOf"] = [_STREAM_OPTIONS_RULE, _CONTINUE_RULE, {
         "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
