@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from contextlib import asynccontextmanager
 
+import anyio
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from test_server import running, sse_events
@@ -17,6 +18,7 @@ from test_tool_calls import TOOLS
 from test_tool_parsers import WEATHER_CALL, calls_of
 from worker_hooks import script_answers, unscript_answers
 
+from runtime.server.chat_template_fields import FIELDS as TEMPLATE_FIELDS
 from runtime.server.reasoning import ReasoningDeltas, split_reasoning
 
 # (parser, answer, reasoning, content)
@@ -31,6 +33,18 @@ CASES = [
     ("deepseek_r1", "The prompt opened it.</think>It is 4.", "The prompt opened it.", "It is 4."),
     ("deepseek_r1", "<think>x < y </thin</think>\n", "x < y </thin", None),
     ("deepseek_r1", "still thinking when cut", "still thinking when cut", None),
+    # only the newlines after </think> go: code keeps its indentation
+    ("qwen3", "<think>ok</think>\n\n    x = 1\n    y = 2", "ok", "    x = 1\n    y = 2"),
+]  # fmt: skip
+# (prompt's end, parser, answer, reasoning, content): the prompt says where the answer starts
+AFTER_PROMPTS = [
+    ("<|im_start|>assistant\n<think>\n", "qwen3", "Let me think.\n</think>\n\nIt is 4.",
+     "Let me think.\n", "It is 4."),  # Qwen3-2507 thinking: the template opens it
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "deepseek_r1", "It is 4.", None,
+     "It is 4."),  # enable_thinking: false closes an empty block
+    ("<think>old</think> earlier turn\nassistant:", "deepseek_r1", "Hm.</think>4", "Hm.",
+     "4"),  # a closed block earlier: the parser's own rule
+    (None, "qwen3", "Let me think.</think>4", None, "Let me think.</think>4"),
 ]  # fmt: skip
 
 
@@ -49,6 +63,16 @@ def test_whole_and_streamed_answers_split_alike(parser, answer, reasoning, conte
         assert (got_reasoning or None, got_content or None) == (reasoning, content), cuts
 
 
+@pytest.mark.parametrize("prompt, parser, answer, reasoning, content", AFTER_PROMPTS)
+def test_the_prompt_says_where_the_answer_starts(prompt, parser, answer, reasoning, content):
+    assert split_reasoning(parser, answer, prompt) == (reasoning, content)
+    deltas, got_reasoning, got_content = ReasoningDeltas(parser), "", ""
+    for i, char in enumerate(answer):  # streamed: the prompt read with the first text
+        r, c = deltas.next(0, char, last=i == len(answer) - 1, prompt=prompt if i == 0 else None)
+        got_reasoning, got_content = got_reasoning + r, got_content + c
+    assert (got_reasoning or None, got_content or None) == (reasoning, content)
+
+
 def test_an_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
         ReasoningDeltas("r2")
@@ -65,7 +89,9 @@ async def scripted_server(char_model, manager, answers: list[tuple[dict, str]], 
     async with running(char_model, manager, **app_options) as (engine, client):
         scripts = {}
         for body, text in answers:
-            counted = await client.post("/tokenize", json={"messages": body["messages"]})
+            fields = {k: body[k] for k in TEMPLATE_FIELDS if k in body}
+            counted = await client.post("/tokenize", json={"messages": body["messages"],
+                                                           **fields})  # fmt: skip
             prompt = counted.json()["tokens"]
             ids = engine.tokenizer.encode(text, add_special_tokens=False)
             assert engine.tokenizer.decode(ids) == text
@@ -74,7 +100,8 @@ async def scripted_server(char_model, manager, answers: list[tuple[dict, str]], 
         try:
             yield client
         finally:
-            await engine.collective_rpc(unscript_answers)
+            with anyio.CancelScope(shield=True):  # the workers are shared: never left scripted
+                await engine.collective_rpc(unscript_answers)
 
 
 async def chat_both_ways(client, body: dict) -> tuple[dict, list[dict]]:
@@ -107,8 +134,8 @@ async def test_reasoning_then_tool_calls_through_the_server(char_model, shared_m
         assert "".join(d.get("reasoning") or "" for d in deltas) == thinking
         assert "".join(d.get("reasoning_content") or "" for d in deltas) == thinking
         assert "".join(d.get("content") or "" for d in deltas) == "Checking."
-        assert calls_of([c for d in deltas for c in d.get("tool_calls", [])]) == calls_of(
-            message["tool_calls"])
+        streamed_calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert calls_of(streamed_calls, streamed=True) == calls_of(message["tool_calls"])
         assert chunks[-1]["finish_reason"] == "tool_calls"
         # Every token's logprob arrives once, held text's too, in order.
         streamed = [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]]
@@ -122,7 +149,7 @@ async def test_deepseek_r1_and_what_skips_the_parser(char_model, shared_manager)
     body = {**ASK, "max_tokens": 100}
     grammar = {**body, "messages": [{"role": "user", "content": "Again?"}],  # not scripted
                "structured_outputs": {"choice": ["4</think>4"]}}  # fmt: skip
-    async with scripted_server(char_model, shared_manager, [(body, "Sum.</think> 4")],
+    async with scripted_server(char_model, shared_manager, [(body, "Sum.</think>\n4")],
                                reasoning_parser="deepseek_r1") as client:
         whole, chunks = await chat_both_ways(client, body)
         message = whole["choices"][0]["message"]

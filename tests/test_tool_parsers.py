@@ -46,9 +46,11 @@ NOT_CALLS = ['<tool_call>{"name": "weather", "argu', "<tool_call>[1, 2]</tool_ca
              '<tool_call>{"arguments": {}}</tool_call>']  # fmt: skip
 
 
-def calls_of(calls: list[dict]) -> list[tuple[str, dict]]:
-    for call in calls:
+def calls_of(calls: list[dict], streamed: bool = False) -> list[tuple[str, dict]]:
+    """Each call's name and arguments; a message's calls have no "index", deltas' do."""
+    for k, call in enumerate(calls):
         assert call["type"] == "function" and call["id"].startswith("call_")
+        assert call.get("index") == (k if streamed else None)
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
@@ -101,7 +103,7 @@ def test_streamed_deltas_add_up_to_the_whole_answer_however_cut(answer, content,
                          len(answer)}) for _ in range(20)]  # fmt: skip
     for cuts in cuttings:
         got_content, got_calls = streamed(answer, cuts)
-        assert got_content == content and calls_of(got_calls) == calls, cuts
+        assert got_content == content and calls_of(got_calls, streamed=True) == calls, cuts
 
 
 def test_held_text_is_sent_once_it_cannot_be_a_tag_or_a_call():
@@ -138,7 +140,7 @@ async def test_auto_reads_the_calls_the_model_made(char_model, shared_manager):
         deltas = [e["choices"][0]["delta"] for e in events[:-1]]
         assert "".join(d.get("content") or "" for d in deltas) == "Checking."
         streamed_calls = [c for d in deltas for c in d.get("tool_calls", [])]
-        assert calls_of(streamed_calls) == calls_of(choice["message"]["tool_calls"])
+        assert calls_of(streamed_calls, streamed=True) == calls_of(choice["message"]["tool_calls"])
         assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
         # A text answer stays text; "none" renders the tools and reads nothing.
         text = {**FORCED, "structured_outputs": {"choice": ["No tools needed."]}}
@@ -163,7 +165,7 @@ async def test_auto_reads_the_calls_the_model_made(char_model, shared_manager):
         deltas = [c["delta"] for c in chunks]
         assert not "".join(d.get("content") or "" for d in deltas)
         streamed_calls = [c for d in deltas for c in d.get("tool_calls", [])]
-        assert calls_of(streamed_calls) == calls_of(whole["message"]["tool_calls"])
+        assert calls_of(streamed_calls, streamed=True) == calls_of(whole["message"]["tool_calls"])
 
 
 async def both_ways(client, body: dict) -> tuple[dict, list[dict]]:

@@ -15,14 +15,16 @@ from runtime.server.tool_parsers import AutoToolDeltas, finish_reason, split_ans
 Delta = dict[str, Any]
 
 
-def chat_message(req: ChatRequest, text: str, finish: str | None) -> tuple[Delta, str | None]:
-    """A whole answer's message and finish_reason."""
+def chat_message(
+    req: ChatRequest, text: str, finish: str | None, prompt: str | None = None
+) -> tuple[Delta, str | None]:
+    """A whole answer's message and finish_reason; `prompt`: the rendered prompt it follows."""
     if req.tool_calls is not None and (calls := req.tool_calls.calls(text)) is not None:
         message = {"role": "assistant", "content": None, "tool_calls": calls}
         return message, req.tool_calls.finish(finish)
     message: Delta = {"role": "assistant"}
     if req.reasoning_parser is not None:
-        reasoning, content = split_reasoning(req.reasoning_parser, text)
+        reasoning, content = split_reasoning(req.reasoning_parser, text, prompt)
         # vLLM's field was reasoning_content, now reasoning: clients read one or the other.
         message["reasoning"] = message["reasoning_content"] = reasoning
         text = content or ""
@@ -37,8 +39,10 @@ def chat_message(req: ChatRequest, text: str, finish: str | None) -> tuple[Delta
 
 
 class ChatDeltas:
-    """A streamed chat's deltas, choice by choice. Logprobs entries of text held back (a tag
-    not whole yet) are held too, and sent with the next delta."""
+    """A streamed chat's deltas, choice by choice. The logprobs entries of an output whose
+    text is all held back (a tag not whole yet) are held too, and go with the next delta:
+    over the stream every entry is sent once and in order, though one may come a chunk
+    before the rest of its text."""
 
     def __init__(self, req: ChatRequest) -> None:
         self.req = req
@@ -48,9 +52,11 @@ class ChatDeltas:
         self._thinking = ReasoningDeltas(parser) if parser is not None else None
         self._held_logprobs: dict[int, list[Any]] = {}
         self._unechoed: set[int] = set()  # choices whose echo goes to the tool-call parser
+        self._prompts: dict[int, str | None] = {}  # each choice's prompt, till its first text
 
-    def first(self, index: int) -> Delta:
-        """The choice's first delta."""
+    def first(self, index: int, prompt: str | None = None) -> Delta:
+        """The choice's first delta; `prompt`: the rendered prompt it answers."""
+        self._prompts[index] = prompt
         if self._demanded is not None:
             return self._demanded.first()
         if self._auto is not None and self.req.echo:  # it may open a call: parsed first
@@ -67,7 +73,8 @@ class ChatDeltas:
             return self._demanded.next(index, text, finish, logprobs)
         reasoning = ""
         if self._thinking is not None:
-            reasoning, text = self._thinking.next(index, text, finish is not None)
+            reasoning, text = self._thinking.next(index, text, finish is not None,
+                                                  self._prompts.pop(index, None))  # fmt: skip
         delta: Delta | None
         if self._auto is not None:
             if index in self._unechoed:

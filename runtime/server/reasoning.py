@@ -2,12 +2,16 @@
 vLLM's flag): the text inside `<think>...</think>` is the message's `reasoning`, the rest its
 content. Whole answers and streamed deltas take the same path, so they split alike.
 
-- "deepseek_r1" (DeepSeek R1 and its distills, QwQ): the template may open `<think>` in the
-  prompt, so everything up to `</think>` is reasoning, all of it if the answer was cut first.
-- "qwen3": reasoning only when the answer opens with `<think>` (with enable_thinking: false
-  the template closes an empty one in the prompt, and the answer is all content).
+Where the answer starts is read from the prompt first: a prompt that leaves `<think>` open
+(the thinking templates of Qwen3-2507 and DeepSeek R1 end with it, or a prefilled answer)
+makes the answer reasoning up to `</think>`; one that ends with a closed block (Qwen3 with
+enable_thinking: false) makes it content. Otherwise, by the parser:
 
-Blanks between `</think>` and the content are dropped.
+- "deepseek_r1" (DeepSeek R1 and its distills, QwQ): everything up to `</think>` is
+  reasoning, all of it if the answer was cut first (its template may open the tag unseen);
+- "qwen3": reasoning only when the answer opens with `<think>`.
+
+The newlines between `</think>` and the content are dropped (its indentation is kept).
 """
 
 from __future__ import annotations
@@ -36,10 +40,15 @@ class ReasoningDeltas:
         self.parser = parser
         self._choices: dict[int, _Choice] = {}
 
-    def next(self, index: int, text: str, last: bool) -> tuple[str, str]:
+    def next(
+        self, index: int, text: str, last: bool, prompt: str | None = None
+    ) -> tuple[str, str]:
         """The reasoning and the content in `text` (what may still be a tag is held back);
-        `last`: the choice's final text, everything held is let go."""
-        state = self._choices.setdefault(index, _Choice())
+        `last`: the choice's final text, everything held is let go; `prompt`: the text the
+        answer follows (read at the choice's first text)."""
+        state = self._choices.get(index)
+        if state is None:
+            state = self._choices[index] = _Choice(mode=_mode_after(prompt))
         text, state.held = state.held + text, ""
         reasoning = content = ""
         if state.mode == "opening":
@@ -59,11 +68,10 @@ class ReasoningDeltas:
                 text = ""
             else:
                 reasoning, text, state.mode = text[:end], text[end + len(END):], "after"
-        if state.mode == "after":  # blanks after the reasoning are held until text comes
-            if text.strip():
-                state.mode, text = "content", text.lstrip()
-            else:
-                state.held, text = ("" if last else text), ""
+        if state.mode == "after":  # newlines after the reasoning are dropped
+            text = text.lstrip("\r\n")
+            if text:
+                state.mode = "content"
         if state.mode == "content":
             content = text
         if last:
@@ -71,7 +79,22 @@ class ReasoningDeltas:
         return reasoning, content
 
 
-def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:
+def split_reasoning(
+    parser: str, text: str, prompt: str | None = None
+) -> tuple[str | None, str | None]:
     """A whole answer's reasoning and content (None: none)."""
-    reasoning, content = ReasoningDeltas(parser).next(0, text, last=True)
+    reasoning, content = ReasoningDeltas(parser).next(0, text, last=True, prompt=prompt)
     return reasoning or None, content or None
+
+
+def _mode_after(prompt: str | None) -> str:
+    """Where an answer to `prompt` starts: inside a think block the prompt left open, after
+    one it closed at its very end, or where its own first text decides ("opening")."""
+    if prompt is None:
+        return "opening"
+    start, end = prompt.rfind(START), prompt.rfind(END)
+    if start > end:
+        return "reasoning"
+    if end >= 0 and not prompt[end + len(END):].strip():
+        return "after"
+    return "opening"

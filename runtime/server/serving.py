@@ -272,8 +272,8 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
             index = i * n + c.index
             choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason}
             if isinstance(req, ChatRequest):
-                choice["message"], choice["finish_reason"] = chat_message(req, c.text,
-                                                                          c.finish_reason)
+                choice["message"], choice["finish_reason"] = chat_message(
+                    req, c.text, c.finish_reason, out.prompt)
             else:
                 echo = req.echo and (out.prompt if out.prompt is not None else
                                      fmt.tokenizer.decode(out.prompt_token_ids))  # fmt: skip
@@ -330,7 +330,7 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
                 if index not in started:
                     started.add(index)
                     if deltas is not None:
-                        await send(chunk(index, {"delta": deltas.first(index)}))
+                        await send(chunk(index, {"delta": deltas.first(index, out.prompt)}))
                     elif req.echo:
                         text = out.prompt if out.prompt is not None else \
                             fmt.tokenizer.decode(out.prompt_token_ids)

@@ -51,7 +51,10 @@ def split_answer(text: str, parallel: bool = True) -> tuple[str | None, list[dic
     """A whole answer's content (None: none) and calls."""
     delta, _ = AutoToolDeltas(parallel).next(0, text, "stop")
     assert delta is not None
-    return delta.get("content") or None, delta.get("tool_calls", [])
+    # A message's calls have no "index": that is a delta's, to merge streamed pieces.
+    calls = [{k: v for k, v in call.items() if k != "index"} for call in delta.get(
+        "tool_calls", [])]  # fmt: skip
+    return delta.get("content") or None, calls
 
 
 def finish_reason(called: bool, engine_reason: str | None) -> str | None:
