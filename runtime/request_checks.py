@@ -104,12 +104,11 @@ def with_bad_words_encoded(params: SamplingParams, tokenizer: Tokenizer) -> Samp
     another first one (a word-start token: "▁word", "Ġword"), as vLLM encodes them."""
     if not params.bad_words:
         return params
-    sequences = list(params.bad_words_token_ids)
+    sequences = dict.fromkeys(params.bad_words_token_ids)  # ordered, once each
     for word in params.bad_words:  # (the server bounds their length: this runs in the loop)
         alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        variants = [alone]
-        if len(spaced) == len(alone) and spaced[:1] != alone[:1]:
-            variants.append(spaced)
-        sequences += [seq for seq in variants if seq and seq not in sequences]
+        sequences.update(dict.fromkeys([alone] if len(spaced) != len(alone)
+                                       or spaced[:1] == alone[:1] else [alone, spaced]))
+    sequences.pop((), None)  # a word that encodes to nothing bans nothing
     return replace_checked(params, bad_words_token_ids=tuple(sequences))

@@ -1,6 +1,6 @@
-"""The scheduler's waiting queue, by policy: "fcfs" (arrival order, a preempted request first
-again) or "priority" (vLLM's: lower `priority` first, then earlier arrival), and the running
-request that policy gives up first when KV blocks run out.
+"""The scheduler's waiting queue, by policy (config.SCHEDULING_POLICIES): "fcfs" (arrival
+order, a preempted request first again) or "priority" (vLLM's: lower `priority` first, then
+earlier arrival), and the running request that policy gives up first when KV blocks run out.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from runtime.config import SCHEDULING_POLICIES
 from runtime.request import Request
 
 
@@ -87,7 +86,5 @@ class PriorityQueue:
 
 
 def waiting_queue(policy: str) -> FcfsQueue | PriorityQueue:
-    if policy not in SCHEDULING_POLICIES:
-        raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
-                         f"got {policy!r}")  # fmt: skip
-    return FcfsQueue() if policy == "fcfs" else PriorityQueue()
+    """The queue of a policy in SCHEDULING_POLICIES (SchedulerConfig checked it)."""
+    return PriorityQueue() if policy == "priority" else FcfsQueue()

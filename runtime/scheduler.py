@@ -29,6 +29,7 @@ from protocols.messages import (
     StepResult,
     TopLogprobs,
 )
+from runtime.config import SCHEDULING_POLICIES
 from runtime.kv_blocks import KVCacheManager
 from runtime.request import Request, RequestStatus
 from runtime.request_queue import waiting_queue
@@ -53,7 +54,9 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"  # config.SCHEDULING_POLICIES
 
     def __post_init__(self) -> None:
-        waiting_queue(self.scheduling_policy)  # ValueError for an unknown policy
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                      "num_blocks"):  # fmt: skip
             value = getattr(self, name)

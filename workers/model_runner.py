@@ -355,11 +355,13 @@ class ModelRunner:
         for min_tokens; penalties wait for it on the host, see `launch`)."""
         # The index of the token each row samples: its output so far, on the host or not.
         indexes = [len(s.output_token_ids) + (id(s) in pending) for s in samplers]
-        banned = [
-            (s.banned_until_min_tokens if index < s.sampling_params.min_tokens else [])
-            + bad_word_bans(s.sampling_params.bad_words_token_ids, s.output_token_ids)
-            for s, index in zip(samplers, indexes, strict=True)
-        ]
+        banned = []
+        for s, index in zip(samplers, indexes, strict=True):
+            bans = s.banned_until_min_tokens if index < s.sampling_params.min_tokens else []
+            if s.sampling_params.bad_words_token_ids:  # rare: most rows skip the walk
+                bans = bans + bad_word_bans(s.sampling_params.bad_words_token_ids,
+                                            s.output_token_ids)  # fmt: skip
+            banned.append(bans)
         meta = SamplingMetadata.from_params(
             [s.sampling_params for s in samplers],
             indexes,

@@ -69,20 +69,21 @@ class ChatDeltas:
     ) -> tuple[Delta | None, str | None, dict[str, Any] | None]:
         """The delta for new `text` (None: nothing to send yet), the finish reason, and the
         logprobs to send with it (chat's {"content": [...]})."""
-        if self._demanded is not None:
-            return self._demanded.next(index, text, finish, logprobs)
-        reasoning = ""
-        if self._thinking is not None:
-            reasoning, text = self._thinking.next(index, text, finish is not None,
-                                                  self._prompts.pop(index, None))  # fmt: skip
         delta: Delta | None
-        if self._auto is not None:
-            if index in self._unechoed:
-                self._unechoed.discard(index)
-                text = self.req.echo + text
-            delta, finish = self._auto.next(index, text, finish)
+        reasoning = ""
+        if self._demanded is not None:
+            delta, finish = self._demanded.next(index, text, finish)
         else:
-            delta = {"content": text} if text or self._thinking is None else None
+            if self._thinking is not None:
+                reasoning, text = self._thinking.next(index, text, finish is not None,
+                                                      self._prompts.pop(index, None))  # fmt: skip
+            if self._auto is not None:
+                if index in self._unechoed:
+                    self._unechoed.discard(index)
+                    text = self.req.echo + text
+                delta, finish = self._auto.next(index, text, finish)
+            else:
+                delta = {"content": text} if text or self._thinking is None else None
         if reasoning:
             delta = {"reasoning": reasoning, "reasoning_content": reasoning, **(delta or {})}
         if delta is None and finish is not None:

@@ -154,7 +154,6 @@ class ToolCallDeltas:
     def __init__(self, tool_calls: ToolCalls) -> None:
         self.tool_calls = tool_calls
         self._held: dict[int, str] = {}  # "required": each choice's text so far
-        self._held_logprobs: dict[int, list[Any]] = {}  # and its logprobs' entries
 
     def first(self) -> dict[str, Any]:
         """The choice's first delta."""
@@ -166,23 +165,17 @@ class ToolCallDeltas:
         return delta
 
     def next(
-        self, index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None
-    ) -> tuple[dict[str, Any] | None, str | None, dict[str, Any] | None]:
-        """The delta for new `text` (None: nothing to send yet), the finish reason and the
-        logprobs to send with it (chat's {"content": [...]}, held along with the text)."""
+        self, index: int, text: str, finish: str | None
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """The delta for new `text` (None: nothing to send yet) and the finish reason."""
         if self.tool_calls.function is not None:
-            delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
-            return delta, finish, logprobs
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}, finish
         held = self._held[index] = self._held.get(index, "") + text
-        if logprobs is not None:
-            self._held_logprobs.setdefault(index, []).extend(logprobs["content"])
         if finish is None:
-            return None, None, None
+            return None, None
         del self._held[index]
-        entries = self._held_logprobs.pop(index, None)
-        logprobs = None if entries is None else {"content": entries}
         calls = self.tool_calls.calls(held)
         if calls is None:  # cut short: the text as it is
-            return {"content": held}, finish, logprobs
+            return {"content": held}, finish
         tool_calls = [{"index": k, **call} for k, call in enumerate(calls)]
-        return {"tool_calls": tool_calls}, self.tool_calls.finish(finish), logprobs
+        return {"tool_calls": tool_calls}, self.tool_calls.finish(finish)
