@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from runtime.manager_client import list_workers, manager_command
+from loomllm.clients.manager import list_workers, manager_command
 
 
 def int_list(text: str) -> list[int]:
@@ -50,7 +50,7 @@ def run_manager() -> Iterator[Path]:
 
 def wait_for_no_workers(socket: Path, timeout: float = 120) -> None:
     """Block until the manager at `socket` runs no worker. An engine's exit waits for its
-    keep_alive=0 worker to be gone (runtime.manager_client.RELEASE_TIMEOUT_S), but `loom
+    keep_alive=0 worker to be gone (loomllm.clients.manager.RELEASE_TIMEOUT_S), but `loom
     serve` stopped by a signal, or a release that timed out, may leave one exiting, with
     GPU memory the next worker's KV sizing would count as taken."""
     import anyio

@@ -75,8 +75,8 @@ def mixed_errors(requests, *, num_heads, group, head_dim, block_size, dtype, win
     request through the prefill kernel, as a mixed-step graph runs them (its tile list is
     always padded to the most tiles the batch could take). `split_counts`: the decode
     kernel's counters (default: its own)."""
-    from workers import triton_attention as ta
-    from workers.attention_metadata import max_tiles, prefill_tiles
+    from loomllm.workers.attention import triton_kernels as ta
+    from loomllm.workers.attention.metadata import max_tiles, prefill_tiles
 
     rng = random.Random(seed)
     q, k_cache, v_cache, tables, block_tables = make_batch(

@@ -3,20 +3,20 @@ bandwidth each of the model's matmuls reaches alone, at the decode batch sizes.
 
     loom bench decode-profile [--shape llama-8b] [--batch-sizes 1,64] [--steps 16]
         [--warmup 8]
-    (or, from the repository's root: python -m benchmarks.decode_profile ...)
+    (or, from the repository's root: python -m loomllm.benchmarks.decode_profile ...)
 
 1. A model runner (random weights, bf16, the Triton backend) decodes `--steps` steps at
    each batch size under torch's profiler: per step the wall time, the kernels' summed
    device time, and the kernels that take most of it (a decode step of a dense model
    should be its weight matmuls, read at the copy bandwidth). Four runs: CUDA graphs with
    transformers' model and its ops, with the fused kernels and packed projections swapped
-   into it (workers/fused_layers.py), and loomllm's own model (workers/llama_family.py,
+   into it (workers/models/fused_layers.py), and loomllm's own model (workers/models/llama/model.py,
    the same kernels built in: what a worker runs), with graphs and eager.
 2. Each distinct weight shape as one `F.linear` at each batch size, replayed from a CUDA
    graph over copies of the weight that overflow the L2 cache (a step reads each weight
    from memory): the bandwidth it reaches (weight bytes / time), against the device's copy
    bandwidth, and the same for the packed projections (q|k|v, gate|up) that the fused
-   layers run instead; at batches of up to 8 rows, workers.skinny_matmul's kernel too
+   layers run instead; at batches of up to 8 rows, loomllm.workers.kernels.skinny_matmul's kernel too
    (and for gate|up with SiLU * up, cuBLAS then silu_mul against the gated kernel).
 
 Self-contained like `loom bench gpu`; CUDA (`--device cpu`: a smoke test).
@@ -34,8 +34,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks import int_list
-from benchmarks.gpu_bench import SHAPES, copy_bandwidth, write_model_dir
+from loomllm.benchmarks import int_list
+from loomllm.benchmarks.gpu_bench import SHAPES, copy_bandwidth, write_model_dir
 
 PROG = "loom bench decode-profile"
 MAX_STEP_TOKENS = 8192  # one step's token budget: the prompts' steps are few
@@ -47,7 +47,7 @@ TILINGS = ("16x256x4x4,16x256x3x4,32x256x4x4,32x128x4x4,16x512x3x4,16x128x6x4,64
 
 def tiling_list(text: str) -> list[Any]:
     """argparse type for "16x256x4x4,32x128x4x4" (skinny_matmul.Tiling's)."""
-    from workers.skinny_matmul import Tiling
+    from loomllm.workers.kernels.skinny_matmul import Tiling
 
     try:
         return [Tiling.parse(item) for item in text.split(",") if item]
@@ -66,10 +66,10 @@ def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, warmup: int,
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from protocols.sampling import SamplingParams
-    from runtime.request import Request
-    from runtime.scheduler import Scheduler, SchedulerConfig
-    from workers.model_runner import ModelRunner
+    from loomllm.core.request import Request
+    from loomllm.core.scheduler import Scheduler, SchedulerConfig
+    from loomllm.protocols.sampling import SamplingParams
+    from loomllm.workers.runner.model_runner import ModelRunner
 
     cuda = device.startswith("cuda")
     most = max(batch_sizes)
@@ -148,7 +148,7 @@ def timer(device: str, reps: int) -> Any:
     one call's wall time."""
     import time
 
-    from workers import skinny_matmul as skinny
+    from loomllm.workers.kernels import skinny_matmul as skinny
 
     def wall_seconds(fn: Any) -> float:
         fn()
@@ -163,12 +163,12 @@ def timer(device: str, reps: int) -> Any:
 
 def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int, device: str) -> None:
     """Print the bandwidth each of `shape`'s weight matrices reaches as one F.linear (cuBLAS)
-    and, at batches workers.skinny_matmul takes, as its Triton kernel (what a worker picks
+    and, at batches loomllm.workers.kernels.skinny_matmul takes, as its Triton kernel (what a worker picks
     between at start). On the CPU a smoke test: one call's wall time each."""
     import torch
     import torch.nn.functional as F
 
-    from workers import skinny_matmul as skinny
+    from loomllm.workers.kernels import skinny_matmul as skinny
 
     weights = weight_shapes(shape)
     # name -> (cuBLAS's op, the skinny kernel's): the gate|up projection with its SiLU * up.
@@ -206,7 +206,7 @@ def skinny_tilings(shape: str, tilings: list[Any], reps: int, device: str) -> No
     (too much shared memory, say) shows as "failed"."""
     import torch
 
-    from workers import skinny_matmul as skinny
+    from loomllm.workers.kernels import skinny_matmul as skinny
 
     shapes = weight_shapes(shape)
     weights = {name: (shapes[name], skinny.skinny_linear) for name in
@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     linear_bandwidth(args.shape, args.batch_sizes, args.reps, args.device)
     if args.tilings:
         skinny_tilings(args.shape, args.tilings, args.reps, args.device)
-    from workers.fused_layers import install_fused_ops
-    from workers.model_loader import load_model
+    from loomllm.workers.models.fused_layers import install_fused_ops
+    from loomllm.workers.models.loader import load_model
 
     profile = functools.partial(profile_decode, batch_sizes=args.batch_sizes, steps=args.steps,
                                 warmup=args.warmup, top=args.top, device=args.device,

@@ -28,11 +28,11 @@ def step_times(model_dir: str, model_impl: str, batch: int, steps: int) -> float
     """The median seconds of `steps` decode steps of `batch` requests (after 5 unmeasured)."""
     import torch
 
-    from protocols.sampling import SamplingParams
-    from runtime.request import Request
-    from runtime.scheduler import Scheduler, SchedulerConfig
-    from workers.model_loader import load_model
-    from workers.model_runner import ModelRunner
+    from loomllm.core.request import Request
+    from loomllm.core.scheduler import Scheduler, SchedulerConfig
+    from loomllm.protocols.sampling import SamplingParams
+    from loomllm.workers.models.loader import load_model
+    from loomllm.workers.runner.model_runner import ModelRunner
 
     loaded = load_model(model_dir, dtype="float32", device="cpu", model_impl=model_impl)
     blocks = max(512 // 16, batch * (-(-(steps + 16) // 16)))  # and a whole context

@@ -35,8 +35,8 @@ from typing import Any
 
 import cloudpickle
 
-from benchmarks import run_manager, wait_for_no_workers
-from benchmarks.gpu_bench import SHAPES, sharegpt_like, submit_all, write_model_dir
+from loomllm.benchmarks import run_manager, wait_for_no_workers
+from loomllm.benchmarks.gpu_bench import SHAPES, sharegpt_like, submit_all, write_model_dir
 
 # The workers cannot import benchmarks/ from every checkout: send the hooks' code itself.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -51,7 +51,7 @@ def install(worker: Any, vocab_size: int, base_ms: float, row_ms: float, token_m
 
     import torch
 
-    from workers.device_idle import DeviceIdleProbe
+    from loomllm.workers.device.idle_probe import DeviceIdleProbe
 
     runner = worker.runner
     launch = runner.launch
@@ -96,7 +96,7 @@ def run(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace,
     engine."""
     import anyio
 
-    from runtime import Engine, SamplingParams
+    from loomllm import Engine, SamplingParams
 
     async def main() -> tuple[float, int, Any, float]:
         async with Engine(model, load_format="dummy", dtype="float32", device="cpu",

@@ -3,7 +3,7 @@
 A tiny random llama (hidden 64, 2 layers, vocab 256) makes the worker's forward pass
 cheap, so what is left is the engine: schedule, encode, receive, update, and
 detokenize+stream. B requests run concurrently (ignore_eos, fixed max_tokens) for each
-batch size B; the split comes from `Engine.stats().step_timings` (runtime/step_timings.py).
+batch size B; the split comes from `Engine.stats().step_timings` (runtime/metrics/step_timings.py).
 
     loom bench overhead [--batch-sizes 1,16,64] [--max-tokens 128] [--prompt-len 16]
         [--backends asyncio,trio] [--worker-threads 1] [--model M --kv-cache-memory GIB]
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import anyio
 
-from benchmarks import int_list, run_manager, save_word_tokenizer
-from protocols.sampling import RequestOutputKind, SamplingParams
-from runtime.engine import Engine
-from runtime.step_timings import PHASES, StepTimings
+from loomllm.benchmarks import int_list, run_manager, save_word_tokenizer
+from loomllm.engine.engine import Engine
+from loomllm.metrics.step_timings import PHASES, StepTimings
+from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 
 VOCAB = 256
 Row = tuple[int, float, int, StepTimings]  # batch size, seconds, tokens generated, timings
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="both: each mode, alternated, and the ratio")  # fmt: skip
     p.add_argument("--gc-freeze", choices=["off", "on", "both"], default="on",
                    help="off: undo the engine's and the workers' gc.freeze() of their heaps "
-                        "after the start (runtime/engine.py _freeze_heap); both: the ratio")
+                        "after the start (runtime/engine/engine.py _freeze_heap); both: the ratio")
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds with 'both'")
     p.add_argument("--worker-threads", type=int, default=1,
                    help="OMP_NUM_THREADS for the workers of the manager started for the run "

@@ -10,7 +10,7 @@ output mean ~180 tokens, from a fixed seed), all submitted at once.
     loom bench gpu [--shape llama-8b|qwen-0.5b|tiny] [--num-requests 500]
         [--skip async-off,serve,generate,continuous,stream,eager]
     (or, from the repository's root where loomllm is not installed:
-     python -m benchmarks.gpu_bench ...)
+     python -m loomllm.benchmarks.gpu_bench ...)
 
 Prints (a) output tokens/s of loomllm (offline, and through `loom serve` with every
 request sent at once), transformers `generate` (padded batches of --hf-batch) and
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import run_manager, save_word_tokenizer, wait_for_no_workers
+from loomllm.benchmarks import run_manager, save_word_tokenizer, wait_for_no_workers
 
 PROG = "loom bench gpu"
 SHAPES: dict[str, dict[str, Any]] = {
@@ -98,7 +98,7 @@ def run_loomllm(
     and idle time between steps from the worker's DeviceIdleProbe)."""
     import anyio
 
-    from runtime import Engine, SamplingParams
+    from loomllm import Engine, SamplingParams
 
     async def run() -> tuple[float, int, Any, Any]:
         async with Engine(model, load_format="dummy", dtype=args.dtype, device=args.device,
@@ -126,7 +126,7 @@ async def submit_all(engine: Any, work: list[tuple[list[int], int]]) -> tuple[fl
     output tokens)."""
     import anyio
 
-    from runtime import SamplingParams
+    from loomllm import SamplingParams
 
     tokens = 0
 
@@ -158,7 +158,7 @@ def run_served(model: str, work: list[tuple[list[int], int]], args: argparse.Nam
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "runtime.cli", "serve", model, "--port", str(port),
+    cmd = [sys.executable, "-m", "loomllm.cli.main", "serve", model, "--port", str(port),
            "--served-model-name", "m", "--load-format", "dummy", "--dtype", args.dtype,
            "--device", args.device, "--max-num-seqs", str(args.max_num_seqs),
            "--keep-alive", "0", "--manager-socket", str(args.manager_socket)]  # fmt: skip
@@ -211,7 +211,7 @@ def single_stream_loomllm(
     busy and idle time between the steps of that request, from the worker's probe)."""
     import anyio
 
-    from runtime import Engine, RequestOutputKind, SamplingParams
+    from loomllm import Engine, RequestOutputKind, SamplingParams
 
     params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0,
                             output_kind=RequestOutputKind.DELTA)  # fmt: skip

@@ -2,7 +2,7 @@
 
     loom bench gpu-check [--device cuda] [--shape qwen-0.5b] [--requests 48]
         [--kernel-batches 24] [--longest 4096]
-    (or, from the repository's root: python -m benchmarks.gpu_checks ...)
+    (or, from the repository's root: python -m loomllm.benchmarks.gpu_checks ...)
 
 1. The Triton paged-attention kernels at full shapes (head dims 64/128, GQA 1/4/8, block
    sizes 16/32, contexts 1..4096, decodes, whole and chunked prompts in one batch, sliding
@@ -10,13 +10,13 @@
    Every other batch runs every request through the prefill kernel, from a padded tile
    list, as a mixed-step graph does; every third runs its decodes in one split (nothing to
    merge).
-2. The fused kernels (workers/fused_ops.py) in bf16 against transformers' ops (the rotary
+2. The fused kernels (workers/kernels/fused_ops.py) in bf16 against transformers' ops (the rotary
    embedding bit for bit, and so is the one that writes K and V into the cache against the
    rotary kernel then write_kv; RMSNorm with or without the residual add before it, and SiLU
    times up, within a unit in the last place; the skinny matmul of a few rows no further from
    a float64 matmul than x1.5 cuBLAS's error); and a bf16 model's logits against the same
    weights in float32, no further off (x1.5) with the fused kernels and packed projections
-   (workers/fused_layers.py), nor in loomllm's own model (workers/llama_family.py, what a
+   (workers/models/fused_layers.py), nor in loomllm's own model (workers/models/llama/model.py, what a
    worker runs for this shape), nor in it at 8 rows with every matmul through the skinny
    kernel.
 3. CUDA graphs (decode-only and mixed steps): a model runner driven through the same
@@ -43,9 +43,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import run_manager, wait_for_no_workers
-from benchmarks.attention_reference import TOLERANCE, mixed_errors
-from benchmarks.gpu_bench import SHAPES, write_model_dir
+from loomllm.benchmarks import run_manager, wait_for_no_workers
+from loomllm.benchmarks.attention_reference import TOLERANCE, mixed_errors
+from loomllm.benchmarks.gpu_bench import SHAPES, write_model_dir
 
 PROG = "loom bench gpu-check"
 
@@ -90,12 +90,12 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
     if not device.startswith("cuda"):
         return None, "needs CUDA"
 
-    from protocols.sampling import SamplingParams
-    from runtime.request import Request
-    from runtime.scheduler import Scheduler, SchedulerConfig
-    from workers.fused_layers import install_fused_ops
-    from workers.model_loader import load_model
-    from workers.model_runner import ModelRunner
+    from loomllm.core.request import Request
+    from loomllm.core.scheduler import Scheduler, SchedulerConfig
+    from loomllm.protocols.sampling import SamplingParams
+    from loomllm.workers.models.fused_layers import install_fused_ops
+    from loomllm.workers.models.loader import load_model
+    from loomllm.workers.runner.model_runner import ModelRunner
 
     loaded = load_model(model, dtype="bfloat16", device=device, load_format="dummy")
     runs = []
@@ -140,12 +140,12 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
 
 
 def check_fused(model: str, device: str, vocab: int, longest: int) -> tuple[bool | None, str]:
-    """workers.fused_ops against transformers' own ops in bf16: the rotary embedding bit for
+    """loomllm.workers.kernels.fused_ops against transformers' own ops in bf16: the rotary embedding bit for
     bit; RMSNorm (alone, and after the residual add) within a unit in the last place (its
     float32 sum runs in another order), and SiLU times up (Triton's exp on a GPU is the
     approximate one); and the model's logits against
-    the same weights in float32: no further off with workers.fused_layers installed (the
-    kernels and packed projections), or in workers.llama_family's model with the kernels
+    the same weights in float32: no further off with loomllm.workers.models.fused_layers installed (the
+    kernels and packed projections), or in loomllm.workers.models.llama.model's model with the kernels
     (what a worker runs), than with transformers' ops. `longest`: the decode contexts'
     cap."""
     import copy
@@ -154,9 +154,11 @@ def check_fused(model: str, device: str, vocab: int, longest: int) -> tuple[bool
     import transformers
     from transformers.models.llama import modeling_llama
 
-    from workers import fused_ops, llama_config, llama_weights
-    from workers.fused_layers import install_fused_ops
-    from workers.llama_family import Linear
+    from loomllm.workers.kernels import fused_ops
+    from loomllm.workers.models.fused_layers import install_fused_ops
+    from loomllm.workers.models.llama import config as llama_config
+    from loomllm.workers.models.llama import weights as llama_weights
+    from loomllm.workers.models.llama.model import Linear
 
     def ulps(out: Any, ref: Any) -> tuple[float, float]:
         """(most units in bf16's last place between them, share of elements that differ);
@@ -208,7 +210,7 @@ def check_fused(model: str, device: str, vocab: int, longest: int) -> tuple[bool
         exact = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     half = copy.deepcopy(exact).bfloat16()
     ids = torch.randint(3, vocab, (4, tokens // 2), device=device)
-    few = ids[:, :2]  # 8 rows: what workers.skinny_matmul takes
+    few = ids[:, :2]  # 8 rows: what loomllm.workers.kernels.skinny_matmul takes
 
     def error(ids: Any = ids) -> float:
         # No transformers cache: the fused layers hand a cached forward to transformers'.
@@ -225,7 +227,7 @@ def check_fused(model: str, device: str, vocab: int, longest: int) -> tuple[bool
         del half  # room for loomllm's own model, built from the same weights
         shape, why_not = llama_config.read_shape(Path(model) / "config.json")
         if shape is None:
-            return False, f"workers.llama_family does not run {model}: {why_not}"
+            return False, f"loomllm.workers.models.llama.model does not run {model}: {why_not}"
         half = llama_weights.build(shape, torch.bfloat16, torch.device(device), Path(model),
                                   "dummy")  # fmt: skip
         llama_weights.copy_weights(half, exact.state_dict().items())
@@ -254,18 +256,18 @@ def check_fused(model: str, device: str, vocab: int, longest: int) -> tuple[bool
                 f"SiLU * up {silu_ulps:.2f} "
                 f"({silu_share:.2%}); {fused_model.layers} layers packed; bf16 logits against "
                 f"float32: relative error {fused:.2e} fused, {stock:.2e} with transformers' "
-                f"ops, {own:.2e} in workers.llama_family's model with the kernels "
+                f"ops, {own:.2e} in loomllm.workers.models.llama.model's model with the kernels "
                 f"({own_fused.layers} layers); at 8 rows {own_few:.2e} in it with every matmul "
                 f"through the skinny kernel, {stock_few:.2e} with transformers' ops")  # fmt: skip
 
 
 def _skinny_error_ratio(randn: Any, shapes: dict[str, tuple[int, int]]) -> float:
     """The largest ratio, over these weight shapes ([out, in], with a bias) at 1 and
-    MAX_ROWS rows, of workers.skinny_matmul's relative error against a float64 matmul to
+    MAX_ROWS rows, of loomllm.workers.kernels.skinny_matmul's relative error against a float64 matmul to
     F.linear's (cuBLAS's)."""
     import torch
 
-    from workers.skinny_matmul import MAX_ROWS, skinny_linear
+    from loomllm.workers.kernels.skinny_matmul import MAX_ROWS, skinny_linear
 
     worst = 0.0
     for out_features, in_features in shapes.values():
@@ -282,12 +284,12 @@ def _skinny_error_ratio(randn: Any, shapes: dict[str, tuple[int, int]]) -> float
 
 
 def _gated_is_the_pair(randn: Any, inter: int, hidden: int) -> bool:
-    """Whether workers.skinny_matmul's gate|up kernel with SiLU * up in its epilogue gives
+    """Whether loomllm.workers.kernels.skinny_matmul's gate|up kernel with SiLU * up in its epilogue gives
     the bits of the plain kernel then fused_ops.silu_mul, at 1 and MAX_ROWS rows."""
     import torch
 
-    from workers.fused_ops import silu_mul
-    from workers.skinny_matmul import MAX_ROWS, skinny_linear, skinny_silu_linear
+    from loomllm.workers.kernels.fused_ops import silu_mul
+    from loomllm.workers.kernels.skinny_matmul import MAX_ROWS, skinny_linear, skinny_silu_linear
 
     weight = randn(2 * inter, hidden) * hidden**-0.5  # gate values around 1: SiLU's bend
     xs = [randn(rows, hidden) for rows in (1, MAX_ROWS)]
@@ -303,7 +305,8 @@ def _rotating_decode_is_the_pair(randn: Any, heads: int, kv_heads: int, dim: int
     (none past `longest`)."""
     import torch
 
-    from workers import fused_ops, triton_attention
+    from loomllm.workers.attention import triton_kernels as triton_attention
+    from loomllm.workers.kernels import fused_ops
 
     lens = [min(n, longest) for n in (1, 17, 300, 1000, 2047, 64, 5, 129)]
     bs, device = 16, randn(1).device
@@ -339,7 +342,8 @@ def _rotary_into_cache_is_the_pair(randn: Any, cos: Any, sin: Any, heads: int, k
     one packed projection as loomllm's model makes them."""
     import torch
 
-    from workers import fused_ops, triton_attention
+    from loomllm.workers.attention import triton_kernels as triton_attention
+    from loomllm.workers.kernels import fused_ops
 
     tokens = cos.shape[0]
     qkv = randn(tokens, (heads + 2 * kv_heads) * dim)
@@ -365,7 +369,7 @@ def check_engines(
     workers forked from one manager's zygote."""
     import anyio
 
-    from runtime import Engine, SamplingParams
+    from loomllm import Engine, SamplingParams
 
     rng = random.Random(2)
     work = [([rng.randrange(3, vocab) for _ in range(rng.randint(4, 400))], rng.randint(8, 96))

@@ -48,7 +48,7 @@ class Step:
 
 
 def bench(*args: str) -> list[str]:
-    return [sys.executable, "-m", "runtime.cli", "bench", *args]
+    return [sys.executable, "-m", "loomllm.cli.main", "bench", *args]
 
 
 def plan(device: str, big: str, small: str, logs: Path, kernel_cache: Path) -> list[Step]:

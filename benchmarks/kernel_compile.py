@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from benchmarks.gpu_bench import shape_config
+from loomllm.benchmarks.gpu_bench import shape_config
 
 PROG = "loom bench compile"
 VOCAB = 512
@@ -165,7 +165,9 @@ def cpu_as_cuda_start(census: Census) -> Iterator[None]:
     fused kernels take CPU tensors."""
     import torch
 
-    from workers import cuda_graphs, fused_layers, fused_ops, mixed_graphs
+    from loomllm.workers.kernels import fused_ops
+    from loomllm.workers.models import fused_layers
+    from loomllm.workers.runner import cuda_graphs, mixed_graphs
 
     capture = cuda_graphs.capture_buckets
 
@@ -208,15 +210,15 @@ def cpu_as_cuda_start(census: Census) -> Iterator[None]:
 
 
 def worker_start(shape: str, model_impl: str, census: Census) -> None:
-    """What workers.worker_state's CUDA fast path runs: the fused kernels, the KV profiling
+    """What loomllm.workers.worker.state's CUDA fast path runs: the fused kernels, the KV profiling
     pass, then the mixed-step and decode graphs' captures, largest first."""
     import torch
 
-    from workers import kv_sizing
-    from workers.fused_layers import install_fused_ops
-    from workers.llama_family import Linear
-    from workers.model_loader import load_model
-    from workers.model_runner import ModelRunner
+    from loomllm.workers.models.fused_layers import install_fused_ops
+    from loomllm.workers.models.llama.model import Linear
+    from loomllm.workers.models.loader import load_model
+    from loomllm.workers.runner import kv_sizing
+    from loomllm.workers.runner.model_runner import ModelRunner
 
     config = shape_config(shape)
     config.num_hidden_layers, config.vocab_size = 1, VOCAB

@@ -10,7 +10,7 @@ stream: one request, time to first token and decode ms/token after it.
         [--dtype float32] [--skip-hf] [--skip-generate-batch] [--transformers-model]
 
 --transformers-model adds loomllm running transformers' modeling code (model_impl=
-"transformers") beside its own model (workers/llama_family.py, the default for SmolLM2).
+"transformers") beside its own model (workers/models/llama/model.py, the default for SmolLM2).
     (or: .venv/bin/python benchmarks/offline_throughput.py ...)
 """
 
@@ -36,7 +36,7 @@ def run_loomllm(
     prompts: list[list[int]], output_len: int, dtype: str, weight_dtype: str | None = None,
     model_impl: str = "auto",
 ) -> tuple[float, int]:
-    from runtime import LLM, SamplingParams
+    from loomllm import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     options = dict(dtype=dtype, weight_dtype=weight_dtype, max_num_seqs=len(prompts),
@@ -56,7 +56,7 @@ def weight_dtype_accuracy(
     """Greedy runs with float32 and with 16-bit weights on the same prompts: how many
     outputs are identical, the mean share of each output before the first difference, and
     the mean |logprob difference| of the chosen tokens over those common prefixes."""
-    from runtime import LLM, SamplingParams
+    from loomllm import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0, logprobs=0)
     runs = []
@@ -80,7 +80,7 @@ def load_hf(dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from workers.model_loader import prepare_model_dir, resolve_model
+    from loomllm.workers.models.loader import prepare_model_dir, resolve_model
 
     model_dir = prepare_model_dir(resolve_model("smollm2"))
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
@@ -123,7 +123,7 @@ def single_stream_loomllm(
     """(time to first token, decode seconds per token) for one request alone."""
     import anyio
 
-    from runtime import Engine, RequestOutputKind, SamplingParams
+    from loomllm import Engine, RequestOutputKind, SamplingParams
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0,
                             output_kind=RequestOutputKind.DELTA)  # fmt: skip

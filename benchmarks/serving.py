@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks import int_list
+from loomllm.benchmarks import int_list
 
 PROG = "loom bench serving"
 
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"no llama-server at {args.llama_server}: run `make bench-peers` "
                  "(or pass --llama-server, or --skip-llama-cpp)")  # fmt: skip
 
-    from workers.model_loader import prepare_model_dir, resolve_model
+    from loomllm.workers.models.loader import prepare_model_dir, resolve_model
 
     source = resolve_model("smollm2")
     tokenizer_dir = prepare_model_dir(source)

@@ -32,15 +32,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.gpu_bench import SHAPES, write_model_dir
-from protocols.rundir import log_path, workers_dir
-from runtime.config import MODEL_IMPLS
+from loomllm.benchmarks.gpu_bench import SHAPES, write_model_dir
+from loomllm.config import MODEL_IMPLS
+from loomllm.protocols.rundir import log_path, workers_dir
 
 PROG = "loom bench start"
 CHILD = """
 import json, sys, time
 import anyio
-from runtime import Engine, SamplingParams
+from loomllm import Engine, SamplingParams
 
 model, dtype, device, model_impl = sys.argv[1:5]
 
@@ -74,7 +74,7 @@ def import_times() -> None:
     """Print whether bytecode is cached, then the imports' wall time in fresh interpreters."""
     import importlib.util
 
-    from workers.zygote import PRELOAD, PRELOAD_LATER
+    from loomllm.workers.worker.zygote import PRELOAD, PRELOAD_LATER
 
     # Before the timed imports, which may write the bytecode they did not find.
     spec = importlib.util.find_spec("transformers.modeling_utils")
@@ -147,7 +147,7 @@ def start_sequence(args: argparse.Namespace, model_impl: str) -> float:
             runs += [(f"warm {i + 1}", run_child(model, args, env, model_impl))
                      for i in range(args.warm)]  # fmt: skip
         finally:
-            subprocess.run([sys.executable, "-m", "workers.manager", "stop"], env=env,
+            subprocess.run([sys.executable, "-m", "loomllm.workers.manager.daemon", "stop"], env=env,
                            capture_output=True, timeout=120)  # fmt: skip
             if args.logs:  # the worker's log says what the KV profiling pass and capture did
                 socket = Path(env["LOOM_MANAGER_SOCKET"])

@@ -20,10 +20,10 @@ import time
 import anyio
 from anyio.abc import UNIXSocketStream
 
-from benchmarks import int_list
-from protocols.connection import MessageStream
-from protocols.messages import CachedRequests, ExecuteStep, NewRequestData, SchedulerOutput
-from protocols.sampling import SamplingParams
+from loomllm.benchmarks import int_list
+from loomllm.protocols.connection import MessageStream
+from loomllm.protocols.messages import CachedRequests, ExecuteStep, NewRequestData, SchedulerOutput
+from loomllm.protocols.sampling import SamplingParams
 
 PROG = "loom bench broadcast"
 

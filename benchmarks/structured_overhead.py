@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     args = p.parse_args(argv)
 
-    from runtime import LLM, SamplingParams, StructuredOutputsParams
+    from loomllm import LLM, SamplingParams, StructuredOutputsParams
 
     asks = [[{"role": "user", "content": f"Describe book number {i} as JSON."}]
             for i in range(args.num_prompts)]  # fmt: skip

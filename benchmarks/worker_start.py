@@ -22,9 +22,9 @@ from pathlib import Path
 
 import anyio
 
-from benchmarks.engine_overhead import make_tiny_llama
-from protocols.sampling import SamplingParams
-from runtime.engine import Engine
+from loomllm.benchmarks.engine_overhead import make_tiny_llama
+from loomllm.engine.engine import Engine
+from loomllm.protocols.sampling import SamplingParams
 
 PROG = "loom bench worker-start"
 ZYGOTE_WARMUP_S = 15.0  # the zygote's imports take 6-8 s on 2 cores
@@ -49,7 +49,7 @@ def run_side(model: str, count: int, zygote: bool) -> list[float]:
     socket = Path(tempfile.mkdtemp(prefix="loom-bench-", dir="/tmp")) / "m.sock"
     env = {**os.environ, "LOOM_MANAGER_SOCKET": str(socket)}
     env["LOOM_WORKER_ZYGOTE"] = "1" if zygote else "0"
-    manager = [sys.executable, "-m", "workers.manager"]
+    manager = [sys.executable, "-m", "loomllm.workers.manager.daemon"]
     subprocess.run([*manager, "start"], env=env, check=True, capture_output=True)
     try:
         if zygote:

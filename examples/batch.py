@@ -1,6 +1,6 @@
 """Offline batch with the blocking LLM facade: many prompts in, answers out in order."""
 
-from runtime import LLM, SamplingParams
+from loomllm import LLM, SamplingParams
 
 prompts = [
     "The capital of France is",

@@ -4,7 +4,7 @@ All three run in one batch; each request's grammar masks its own tokens."""
 
 import json
 
-from runtime import LLM, SamplingParams, StructuredOutputsParams
+from loomllm import LLM, SamplingParams, StructuredOutputsParams
 
 person = {
     "type": "object",

@@ -8,7 +8,7 @@ to the warm worker that the engine-manager kept for you.
 import asyncio
 import sys
 
-from runtime import Engine, RequestOutputKind, SamplingParams
+from loomllm import Engine, RequestOutputKind, SamplingParams
 
 QUESTION = " ".join(sys.argv[1:]) or "What is the capital of France? Answer in one sentence."
 

@@ -2,7 +2,7 @@
 
 import trio
 
-from runtime import Engine, RequestOutputKind, SamplingParams
+from loomllm import Engine, RequestOutputKind, SamplingParams
 
 QUESTIONS = ["Name a color.", "Name a fruit.", "Name a planet."]
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
-from protocols.errors import MalformedMessageError, UnknownMessageError
+from loomllm.protocols.errors import MalformedMessageError, UnknownMessageError
 
 NUMPY_EXT_CODE = 1
 # Plain numeric dtypes only: an object dtype would let bytes become Python objects.

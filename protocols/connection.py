@@ -14,15 +14,20 @@ import anyio
 from anyio.abc import ByteStream, SocketAttribute
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from protocols.codec import decode, encode
-from protocols.errors import (
+from loomllm.protocols.codec import decode, encode
+from loomllm.protocols.errors import (
     SilentPeerError,
     TruncatedFrameError,
     UnexpectedMessageError,
     VersionMismatchError,
 )
-from protocols.framing import DEFAULT_MAX_FRAME_SIZE, HEADER, check_frame_length, encode_frame
-from protocols.messages import PROTOCOL_VERSION, ErrorReply, Hello, Welcome
+from loomllm.protocols.framing import (
+    DEFAULT_MAX_FRAME_SIZE,
+    HEADER,
+    check_frame_length,
+    encode_frame,
+)
+from loomllm.protocols.messages import PROTOCOL_VERSION, ErrorReply, Hello, Welcome
 
 M = TypeVar("M")
 # A client that connects sends its opening messages at once; one that holds a connection

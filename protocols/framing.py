@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 
-from protocols.errors import FrameTooLargeError, TruncatedFrameError
+from loomllm.protocols.errors import FrameTooLargeError, TruncatedFrameError
 
 HEADER = struct.Struct(">I")
 # 64 MiB: far above any step message (a few KiB) or collective_rpc payload we expect,

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from protocols.codec import message
-from protocols.sampling import SamplingParams
+from loomllm.protocols.codec import message
+from loomllm.protocols.sampling import SamplingParams
 
 # 2: WorkerInfo gained world_size and dtype.
 # 3: SamplingParams.prompt_logprobs; StepResult.prompt_logprobs.

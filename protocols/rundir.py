@@ -61,7 +61,7 @@ def ensure_socket_dir(path: Path) -> None:
     """Create `path` (and parents) with mode 0700, or check the existing directory the
     user named: it must be ours, and others must not be able to write to it (they could
     plant or swap the socket). It is never chmodded: it may be a project directory, or
-    /tmp. Others may list it: the socket (0600, and SO_PEERCRED in workers/peer_auth.py),
+    /tmp. Others may list it: the socket (0600, and SO_PEERCRED in protocols/peer_auth.py),
     the log and the lock (open_private_file) keep them out."""
     _ensure_dir(path, 0o022, "is writable by other users, who could replace the "
                 "engine-manager's socket; put the socket (--socket or LOOM_MANAGER_SOCKET) "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from protocols.messages import WorkerInfo
+from loomllm.protocols.messages import WorkerInfo
 
 PS_COLUMNS = ("GROUP", "RANK", "PID", "MODEL", "STATE", "MEMORY", "AGE", "KEEP_ALIVE", "EXPIRES")
 MODELS_COLUMNS = ("MODEL", "DTYPE", "TP", "PIDS", "STATE", "MEMORY", "KEEP_ALIVE", "EXPIRES")

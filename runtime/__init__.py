@@ -1,10 +1,8 @@
 """loomllm's user side: the Engine and its errors. Light to import: no torch here."""
 
-from protocols.sampling import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from runtime.config import EngineConfig
-from runtime.engine import Engine
-from runtime.engine_stats import EngineStats
-from runtime.errors import (
+from loomllm.config import EngineConfig
+from loomllm.engine.engine import Engine
+from loomllm.errors import (
     EngineClosedError,
     EngineDeadError,
     EngineStepError,
@@ -14,8 +12,10 @@ from runtime.errors import (
     RequestRefusedError,
     WorkerStartError,
 )
-from runtime.llm import LLM
-from runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from loomllm.llm import LLM
+from loomllm.metrics.stats import EngineStats
+from loomllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from loomllm.protocols.sampling import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",

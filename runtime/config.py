@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocols.messages import PROFILE_WHOLE_CONTEXT, WorkerSpec
+from loomllm.protocols.messages import PROFILE_WHOLE_CONTEXT, WorkerSpec
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = (None, "bfloat16", "float16")
@@ -36,7 +36,7 @@ class EngineConfig:
     load_format: str = "auto"
     model_impl: str = "auto"
     dtype: str = "auto"
-    # A float32 model's linear weights stored in 16 bits (workers/half_weights.py): ~1.4x
+    # A float32 model's linear weights stored in 16 bits (workers/models/half_weights.py): ~1.4x
     # faster single-stream decode on CPUs, at a measured accuracy cost. None: as `dtype`.
     weight_dtype: str | None = None
     device: str = "auto"
@@ -59,7 +59,7 @@ class EngineConfig:
     # device). None: on where the workers run on CUDA (the engine's work then overlaps
     # the forward); off on the CPU, where the engine would take cores from the forward.
     async_scheduling: bool | None = None
-    # CUDA: no decode graphs (workers/cuda_graphs.py), every step eager (vLLM's option).
+    # CUDA: no decode graphs (workers/runner/cuda_graphs.py), every step eager (vLLM's option).
     enforce_eager: bool = False
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -71,7 +71,7 @@ class EngineConfig:
     keep_alive: float = 300.0
     # "auto": use (or start) the shared per-user daemon; "private": one that dies with us.
     manager: str = "auto"
-    manager_socket: Path | None = None  # default: protocols.rundir.default_socket_path()
+    manager_socket: Path | None = None  # default: loomllm.protocols.rundir.default_socket_path()
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():

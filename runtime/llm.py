@@ -19,10 +19,10 @@ import anyio
 from anyio.from_thread import BlockingPortal
 from tqdm.auto import tqdm
 
-from protocols.sampling import RequestOutputKind, SamplingParams
-from runtime.engine import Engine
-from runtime.outputs import RequestOutput
-from runtime.request_stream import RequestStream
+from loomllm.engine.engine import Engine
+from loomllm.engine.request_stream import RequestStream
+from loomllm.outputs import RequestOutput
+from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 
 Prompt = str | dict[str, Any]
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from protocols.sampling import RequestOutputKind
+from loomllm.protocols.sampling import RequestOutputKind
 
 
 @dataclass(slots=True)

@@ -56,7 +56,7 @@ class ManagerHandle:
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "workers.manager", *args],
+            [sys.executable, "-m", "loomllm.workers.manager.daemon", *args],
             env=self.env, capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
 
@@ -209,7 +209,7 @@ def preempting_smollm2(manager: ManagerHandle, num_blocks: int, max_num_batched_
                        async_scheduling: bool) -> Any:  # fmt: skip
     """A blocking LLM on SmolLM2 (float32) whose KV cache holds `num_blocks` blocks of 16
     tokens: a batch of a few prompts is preempted and recomputed, its prompts chunked."""
-    from runtime import LLM
+    from loomllm import LLM
 
     return LLM("smollm2", manager_socket=manager.socket, dtype="float32",
                max_num_batched_tokens=max_num_batched_tokens,

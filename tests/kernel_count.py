@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from protocols.sampling import SamplingParams
-from runtime.request import Request
-from runtime.scheduler import Scheduler, SchedulerConfig
-from workers import fused_ops
-from workers.model_runner import ModelRunner
+from loomllm.core.request import Request
+from loomllm.core.scheduler import Scheduler, SchedulerConfig
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.workers.kernels import fused_ops
+from loomllm.workers.runner.model_runner import ModelRunner
 
 # aten ops that launch no kernel: views, allocations, dtype arithmetic.
 NO_LAUNCH = {"view", "transpose", "t", "unsqueeze", "squeeze", "expand", "slice", "select",

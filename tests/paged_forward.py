@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from workers import attention
-from workers.attention_metadata import context_metadata, paged_metadata
+from loomllm.workers.attention import paged as attention
+from loomllm.workers.attention.metadata import context_metadata, paged_metadata
 
 BLOCK = 16
 

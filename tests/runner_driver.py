@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from protocols.messages import SchedulerOutput
-from runtime.scheduler import EngineCoreOutput, Scheduler
-from workers.model_runner import ModelRunner
+from loomllm.core.scheduler import EngineCoreOutput, Scheduler
+from loomllm.protocols.messages import SchedulerOutput
+from loomllm.workers.runner.model_runner import ModelRunner
 
 
 def drive(

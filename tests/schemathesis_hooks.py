@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import schemathesis
 
-from runtime.server.chat_template_fields import FIELDS as TEMPLATE_FIELDS
+from loomllm.server.openai.chat_template_fields import FIELDS as TEMPLATE_FIELDS
 
 CLIENT = httpx.Client(  # one client: a new one per call costs a TLS context (~40 ms)
     base_url=os.environ["LOOM_TEST_BASE_URL"], timeout=30,

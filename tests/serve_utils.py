@@ -50,7 +50,7 @@ def loom_serve(
     has exited already (the test checks that itself), SIGTERM it and check it exits 0.
     """
     port = free_port()
-    cmd = [sys.executable, "-m", "runtime.cli", "serve", model, "--port", str(port),
+    cmd = [sys.executable, "-m", "loomllm.cli.main", "serve", model, "--port", str(port),
            "--served-model-name", name, "--dtype", "float32", "--loop", loop,
            "--manager-socket", str(manager_socket), *args]  # fmt: skip
     # Output goes to a file, not a pipe: a long test could fill a pipe nobody reads.

@@ -16,13 +16,13 @@ import torch
 from runner_driver import drive
 from worker_hooks import fail_next_launch, fail_next_result, launch_ahead
 
-from protocols.sampling import SamplingParams
-from runtime import Engine
-from runtime.errors import EngineStepError
-from runtime.request import Request
-from runtime.scheduler import Scheduler, SchedulerConfig
-from workers.model_loader import load_model
-from workers.model_runner import ModelRunner
+from loomllm import Engine
+from loomllm.core.request import Request
+from loomllm.core.scheduler import Scheduler, SchedulerConfig
+from loomllm.errors import EngineStepError
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.workers.models.loader import load_model
+from loomllm.workers.runner.model_runner import ModelRunner
 
 EOS = 2
 RUNNER_REQUESTS = {
@@ -319,7 +319,7 @@ async def test_abort_with_two_steps_in_flight_frees_its_blocks(
 
 
 def test_cli_flags_become_engine_options():
-    from runtime.cli import _parser, engine_options
+    from loomllm.cli.main import _parser, engine_options
 
     def options(*flags: str) -> dict:
         return engine_options(_parser().parse_args(["serve", "m", *flags]))

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.compute
 
 def loom(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "runtime.cli", *args],
+        [sys.executable, "-m", "loomllm.cli.main", *args],
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 

@@ -12,10 +12,10 @@ import sys
 import anyio
 import pytest
 
-from protocols.sampling import RequestOutputKind, SamplingParams
-from runtime import Engine
-from runtime.chat_cli import ChatSession
-from runtime.cli import main
+from loomllm import Engine
+from loomllm.cli.chat import ChatSession
+from loomllm.cli.main import main
+from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.anyio
 
@@ -44,7 +44,7 @@ async def chat_once(engine: Engine, messages: list[dict]) -> str:
 
 
 def loom_chat(model: str, manager, *args: str) -> list[str]:
-    cmd = [sys.executable, "-m", "runtime.cli", "chat", model, "--dtype", "float32",
+    cmd = [sys.executable, "-m", "loomllm.cli.main", "chat", model, "--dtype", "float32",
            "--manager-socket", str(manager.socket), *args]  # fmt: skip
     return cmd
 
@@ -167,7 +167,7 @@ def test_loom_models_lists_warm_workers(tiny_model, shared_manager):
             return await engine.collective_rpc(lambda worker: os.getpid())
 
     [pid] = anyio.run(attach)
-    result = subprocess.run([sys.executable, "-m", "runtime.cli", "models"], env=shared_manager.env,
+    result = subprocess.run([sys.executable, "-m", "loomllm.cli.main", "models"], env=shared_manager.env,
                             capture_output=True, text=True, timeout=30)  # fmt: skip
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.splitlines()

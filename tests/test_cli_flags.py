@@ -13,8 +13,8 @@ from dataclasses import fields
 
 import pytest
 
-from runtime.cli import _parser, engine_options, main
-from runtime.config import EngineConfig
+from loomllm.cli.main import _parser, engine_options, main
+from loomllm.config import EngineConfig
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from workers.cpu_features import CPU_BF16_ENV, cpu_supports_bf16
-from workers.model_loader import ModelLoadError, load_model
-from workers.worker_state import Worker
+from loomllm.workers.device.cpu_features import CPU_BF16_ENV, cpu_supports_bf16
+from loomllm.workers.models.loader import ModelLoadError, load_model
+from loomllm.workers.worker.state import Worker
 
 AVX2_ONLY = "fpu vme sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2"
 AVX512_NO_BF16 = AVX2_ONLY + " avx512f avx512dq avx512bw avx512vl avx512_vnni"
@@ -76,7 +76,7 @@ def test_load_model_auto_follows_the_decision(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setenv(CPU_BF16_ENV, env)
-    with caplog.at_level(logging.INFO, logger="workers.device_dtype"):
+    with caplog.at_level(logging.INFO, logger="loomllm.workers.device.dtype"):
         loaded = load_model(tiny_model, dtype="auto", device="cpu")
     name = str(expected).removeprefix("torch.")
     assert {p.dtype for p in loaded.model.parameters()} == {expected}

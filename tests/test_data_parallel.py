@@ -18,9 +18,9 @@ import httpx
 import pytest
 from serve_utils import loom_serve
 
-from runtime import Engine, EngineDeadError, SamplingParams
-from runtime.engine_metrics import HistogramSnapshot
-from runtime.engine_stats import EngineStats, merge_stats
+from loomllm import Engine, EngineDeadError, SamplingParams
+from loomllm.metrics.counters import HistogramSnapshot
+from loomllm.metrics.stats import EngineStats, merge_stats
 
 # Processes that need both cores at once: `make test` runs these tests one at a time.
 pytestmark = pytest.mark.serial
@@ -211,7 +211,7 @@ def test_merged_stats_add_up_and_keep_the_breakdown():
 
 
 def test_each_cuda_rank_gets_a_gpu_of_its_own():
-    from workers.worker_state import cuda_device_index
+    from loomllm.workers.worker.state import cuda_device_index
 
     dp2_tp2 = {"data_parallel_size": 2, "data_parallel_rank": 1}
     assert [cuda_device_index(dp2_tp2, rank, 2, 4) for rank in (0, 1)] == [2, 3]

@@ -19,16 +19,16 @@ import pytest
 import torch
 from runner_driver import drive
 
-from protocols.sampling import SamplingParams
-from runtime import Engine
-from runtime.request import Request
-from runtime.scheduler import Scheduler, SchedulerConfig
-from workers.cuda_graphs import DecodeGraphs, bucket_sizes
-from workers.fused_layers import install_fused_ops
-from workers.llama_family import Linear
-from workers.mixed_graphs import MixedGraphs, token_buckets
-from workers.model_loader import load_model
-from workers.model_runner import ModelRunner
+from loomllm import Engine
+from loomllm.core.request import Request
+from loomllm.core.scheduler import Scheduler, SchedulerConfig
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.workers.models.fused_layers import install_fused_ops
+from loomllm.workers.models.llama.model import Linear
+from loomllm.workers.models.loader import load_model
+from loomllm.workers.runner.cuda_graphs import DecodeGraphs, bucket_sizes
+from loomllm.workers.runner.mixed_graphs import MixedGraphs, token_buckets
+from loomllm.workers.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.compute
 

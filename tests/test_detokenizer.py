@@ -1,4 +1,4 @@
-"""runtime.detokenizer: streamed text equals a whole decode; stop strings end it and never show.
+"""loomllm.text.detokenizer: streamed text equals a whole decode; stop strings end it and never show.
 
 Every test runs twice: on tokenizers' DecodeStream and on the window-decode fallback.
 """
@@ -13,10 +13,10 @@ from conftest import save_tiny_tokenizer
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from runtime import detokenizer
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.tokenizer import Tokenizer
-from workers.model_loader import prepare_model_dir, resolve_model
+from loomllm.text import detokenizer
+from loomllm.text.detokenizer import IncrementalDetokenizer
+from loomllm.text.tokenizer import Tokenizer
+from loomllm.workers.models.loader import prepare_model_dir, resolve_model
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. Naïve café owners in Zürich said “déjà vu”.\n"

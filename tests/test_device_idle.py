@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.device_idle import DeviceIdleProbe
+from loomllm.workers.device.idle_probe import DeviceIdleProbe
 
 
 def test_gaps_of_a_millisecond_or_more_count_as_stalls():

@@ -16,8 +16,8 @@ import anyio
 import pytest
 from proc_utils import wait_gone
 
-from runtime import Engine, EngineClosedError, RemoteCallError, WorkerStartError
-from runtime import engine as engine_module
+from loomllm import Engine, EngineClosedError, RemoteCallError, WorkerStartError
+from loomllm.engine import engine as engine_module
 
 pytestmark = pytest.mark.anyio
 
@@ -65,7 +65,7 @@ async def test_second_engine_reuses_warm_workers(tiny_model, shared_manager):
 async def test_each_engine_with_a_seed_samples_as_on_new_workers(tiny_model, shared_manager):
     """`seed` seeds what unseeded requests draw from: a second engine on the warm workers
     samples what the first did, not where the first left the generator."""
-    from runtime import SamplingParams
+    from loomllm import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     runs = []
@@ -164,7 +164,7 @@ async def test_unknown_model_is_a_clear_error_and_manager_survives(tiny_model, s
 
 LEAVE_MID_STEP = """
 import sys, anyio
-from runtime import Engine, SamplingParams
+from loomllm import Engine, SamplingParams
 
 def slow_steps(w):
     import time

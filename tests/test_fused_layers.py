@@ -1,4 +1,4 @@
-"""workers.fused_layers: Llama-family models with the fused kernels and packed projections
+"""loomllm.workers.models.fused_layers: Llama-family models with the fused kernels and packed projections
 compute transformers' logits (bit for bit in bf16), keep one copy of their weights, hand
 what they do not handle to transformers' forward, and sample through a model runner what
 one without them samples. The kernels run in Triton's interpreter (conftest.py)."""
@@ -19,12 +19,13 @@ from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 
-from protocols.sampling import SamplingParams
-from runtime.request import Request
-from runtime.scheduler import Scheduler, SchedulerConfig
-from workers import fused_layers, fused_ops
-from workers.fused_layers import FusedModel, install_fused_ops
-from workers.model_runner import ModelRunner
+from loomllm.core.request import Request
+from loomllm.core.scheduler import Scheduler, SchedulerConfig
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.workers.kernels import fused_ops
+from loomllm.workers.models import fused_layers
+from loomllm.workers.models.fused_layers import FusedModel, install_fused_ops
+from loomllm.workers.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.compute
 

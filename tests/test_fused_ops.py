@@ -1,4 +1,4 @@
-"""The fused kernels (workers.fused_ops: RMSNorm alone and after the residual add, the
+"""The fused kernels (loomllm.workers.kernels.fused_ops: RMSNorm alone and after the residual add, the
 rotary embedding, SiLU times up) against a float64 reference and transformers' own ops,
 under Triton's interpreter (TRITON_INTERPRET=1: conftest.py).
 
@@ -6,7 +6,7 @@ bfloat16: the kernels round each product and sum to nearest even, in integer ari
 where torch's eager ops round (the interpreter's own float-to-bfloat16 conversion
 truncates), so the rotary embedding and SiLU times up are bit-identical to transformers'
 and RMSNorm is up to its float32 sum's order; `loom bench gpu-check` checks the same on a
-GPU. workers.fused_layers, which swaps them into models: tests/test_fused_layers.py."""
+GPU. loomllm.workers.models.fused_layers, which swaps them into models: tests/test_fused_layers.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from transformers.models.llama import modeling_llama
 
-from workers import fused_ops
+from loomllm.workers.kernels import fused_ops
 
 pytestmark = pytest.mark.compute
 
@@ -208,7 +208,7 @@ def _packed_qkv(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.d
 def test_rotary_into_cache_is_rotary_then_write_kv(dtype, heads, kv_heads, dim):
     """The fused kernel leaves q and both caches exactly as `rotary` then `write_kv` do,
     and touches no other slot."""
-    from workers import triton_attention
+    from loomllm.workers.attention import triton_kernels as triton_attention
 
     torch.manual_seed(4)
     tokens = 5

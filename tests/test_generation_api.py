@@ -11,7 +11,7 @@ import anyio.lowlevel
 import pytest
 from hf_reference import hf_greedy
 
-from runtime import Engine, RequestOutputKind, SamplingParams
+from loomllm import Engine, RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.anyio
 
@@ -153,7 +153,7 @@ async def test_truncate_prompt_tokens_keeps_the_prompts_end(tiny_model, shared_m
 
 
 def test_truncation_keeps_a_text_prompts_bos_first():
-    from runtime.request_checks import truncated
+    from loomllm.engine.input_checks import truncated
 
     params = SamplingParams(truncate_prompt_tokens=3)
     assert truncated([1, 7, 8, 9, 10], params, 32, bos=1) == [1, 9, 10]
@@ -349,7 +349,7 @@ async def test_generate_while_the_engine_closes_is_refused_not_left_waiting(
         tiny_model, shared_manager):  # fmt: skip
     """Another task's generate() once the owner is leaving `async with`: EngineClosedError,
     or a stream that ends; never one added to a step loop that has ended (it waited forever)."""
-    from runtime.errors import EngineClosedError
+    from loomllm.errors import EngineClosedError
 
     outcomes = []
     leaving = anyio.Event()
@@ -458,7 +458,7 @@ def test_integers_beyond_64_bits_are_refused():
 def test_a_requests_children_share_its_checked_params(monkeypatch):
     """n children of a full vocabulary's bias were each checked (and copied) again: seconds
     of the event loop, and n copies in memory, for one request."""
-    from protocols.sampling import replace_checked
+    from loomllm.protocols.sampling import replace_checked
 
     params = SamplingParams(n=3, seed=5, logit_bias={t: 1.0 for t in range(1000)})
     monkeypatch.setattr(SamplingParams, "_validate", lambda self: pytest.fail("checked again"))

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from test_server import running
 
-from runtime import LLM, Engine, SamplingParams
-from runtime.generation_defaults import sampling_defaults
-from runtime.server.schemas import parse_chat, parse_completion
+from loomllm import LLM, Engine, SamplingParams
+from loomllm.engine.generation_defaults import sampling_defaults
+from loomllm.server.openai.schemas import parse_chat, parse_completion
 
 RECOMMENDED = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": True,
                "max_new_tokens": 5, "bos_token_id": 0, "min_p": None}  # fmt: skip

@@ -14,7 +14,7 @@ import pytest
 from conftest import make_tiny_model, preempting_smollm2
 from hf_reference import hf_greedy
 
-from runtime import Engine, SamplingParams
+from loomllm import Engine, SamplingParams
 
 pytestmark = [pytest.mark.anyio, pytest.mark.compute]
 
@@ -110,8 +110,8 @@ SYSTEM = "You are a concise assistant. Answer in one short sentence. " * 3
 
 @pytest.fixture(scope="module")
 def smollm2_case():
-    from runtime.tokenizer import Tokenizer
-    from workers.model_loader import prepare_model_dir, resolve_model
+    from loomllm.text.tokenizer import Tokenizer
+    from loomllm.workers.models.loader import prepare_model_dir, resolve_model
 
     model_dir = str(prepare_model_dir(resolve_model("smollm2")))
     tok = Tokenizer.from_model_dir(model_dir)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_session import Step, run_steps, write_results
+from loomllm.benchmarks.gpu_session import Step, run_steps, write_results
 
 SLEEPER = """
 import sys, time

@@ -6,10 +6,14 @@ import pytest
 import torch
 from paged_forward import paged_logits
 
-from runtime import Engine, SamplingParams
-from runtime.config import EngineConfig
-from workers.half_weights import MAX_HALF_ROWS, HalfWeightLinear, store_linear_weights_in
-from workers.model_loader import load_model
+from loomllm import Engine, SamplingParams
+from loomllm.config import EngineConfig
+from loomllm.workers.models.half_weights import (
+    MAX_HALF_ROWS,
+    HalfWeightLinear,
+    store_linear_weights_in,
+)
+from loomllm.workers.models.loader import load_model
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.kernel_compile import Census, Variant
+from loomllm.benchmarks.kernel_compile import Census, Variant
 
 pytestmark = pytest.mark.compute
 
@@ -35,7 +35,7 @@ def compiler_env() -> dict[str, str]:
 
 def test_every_kernel_a_cuda_start_launches_compiles_for_h100_and_a100() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "bench", "compile", "--shape",
+        [sys.executable, "-m", "loomllm.cli.main", "bench", "compile", "--shape",
          "llama-8b,qwen-0.5b", "--model-impl", "auto,transformers", "--arch", "90,80"],
         capture_output=True, text=True, timeout=600, env=compiler_env(),
     )  # fmt: skip
@@ -70,7 +70,7 @@ def test_a_kernel_the_compiler_refuses_is_a_failure_of_the_census(tmp_path) -> N
     script = tmp_path / "refused.py"  # Triton reads a kernel's source from its file
     script.write_text("""
 import json, torch, triton, triton.language as tl
-from benchmarks.kernel_compile import compile_only
+from loomllm.benchmarks.kernel_compile import compile_only
 
 @triton.jit
 def not_a_power_of_two(x_ptr, N: tl.constexpr):

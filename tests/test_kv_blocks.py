@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from protocols.sampling import SamplingParams
-from runtime.kv_blocks import KVCacheManager, hash_block_tokens
-from runtime.request import Request
+from loomllm.core.kv_blocks import KVCacheManager, hash_block_tokens
+from loomllm.core.request import Request
+from loomllm.protocols.sampling import SamplingParams
 
 
 def make_request(request_id: str, tokens: list[int]) -> Request:

@@ -7,7 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from workers.kv_sizing import DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_budget, kv_cache_budget
+from loomllm.workers.runner.kv_sizing import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    gpu_kv_budget,
+    kv_cache_budget,
+)
 
 GiB = 1 << 30
 
@@ -37,9 +41,9 @@ def test_the_profiling_step_runs_and_splits_past_the_context(tiny_model, monkeyp
     100 tokens on a 64-token context is two requests, every position's logprobs computed."""
     import torch
 
-    from workers.kv_sizing import profile_activation_bytes
-    from workers.model_loader import load_model
-    from workers.model_runner import ModelRunner
+    from loomllm.workers.models.loader import load_model
+    from loomllm.workers.runner.kv_sizing import profile_activation_bytes
+    from loomllm.workers.runner.model_runner import ModelRunner
 
     reserved = iter([1000, 5000, 9000])  # before, with its KV cache, peak
     for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):

@@ -1,4 +1,4 @@
-"""workers.llama_family, loomllm's own Llama-family decoder: its logits against transformers'
+"""loomllm.workers.models.llama.model, loomllm's own Llama-family decoder: its logits against transformers'
 own model on the same checkpoint (stock eager attention, no paged cache: an independent
 reference), with torch's ops and with the fused kernels and Triton attention (in Triton's
 interpreter); which configs it takes; clear errors for checkpoints that do not fit; and
@@ -18,14 +18,18 @@ from kernel_count import decode_layer_launches
 from paged_forward import paged_logits
 from safetensors.torch import load_file, save_file
 
-from protocols.sampling import SamplingParams
-from runtime.request import Request
-from runtime.scheduler import Scheduler, SchedulerConfig
-from workers import attention, fused_ops, llama_config, llama_family, llama_weights
-from workers import triton_attention as ta
-from workers.fused_layers import install_fused_ops
-from workers.model_loader import ModelLoadError, load_model
-from workers.model_runner import ModelRunner
+from loomllm.core.request import Request
+from loomllm.core.scheduler import Scheduler, SchedulerConfig
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.workers.attention import paged as attention
+from loomllm.workers.attention import triton_kernels as ta
+from loomllm.workers.kernels import fused_ops
+from loomllm.workers.models.fused_layers import install_fused_ops
+from loomllm.workers.models.llama import config as llama_config
+from loomllm.workers.models.llama import model as llama_family
+from loomllm.workers.models.llama import weights as llama_weights
+from loomllm.workers.models.loader import ModelLoadError, load_model
+from loomllm.workers.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.compute
 
@@ -268,7 +272,7 @@ def test_a_worker_on_it_never_imports_transformers_modeling_code(tiny_model):
     torch._dynamo, torch.distributed.tensor and sympy imports they bring."""
     script = (
         "import sys\n"
-        "from workers.worker_state import Worker\n"
+        "from loomllm.workers.worker.state import Worker\n"
         f"w = Worker.start({tiny_model!r}, {{'device': 'cpu', 'dtype': 'float32'}}, 0, 1, '')\n"
         "print(type(w.loaded.model).__name__)\n"
         "print(sorted(m for m in ('transformers', 'torch._dynamo', 'sympy',\n"

@@ -14,7 +14,7 @@ import time
 import anyio
 import pytest
 
-from runtime import LLM, SamplingParams
+from loomllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [5 + i] * (i + 1)} for i in range(5)]
@@ -147,7 +147,7 @@ def test_ctrl_c_during_generate_aborts_the_batch(llm):
 def test_plain_script_without_main_guard(tiny_model, shared_manager, tmp_path):
     script = tmp_path / "batch.py"
     script.write_text(textwrap.dedent(f"""
-        from runtime import LLM, SamplingParams
+        from loomllm import LLM, SamplingParams
         llm = LLM({tiny_model!r}, dtype="float32")
         outs = llm.generate([{{"prompt_token_ids": [7, 8, 9]}}] * 3,
                             SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -165,7 +165,7 @@ def test_after_its_worker_died_calls_say_so(tiny_model, shared_manager):
     manager's report."""
     import os
 
-    from runtime import EngineDeadError
+    from loomllm import EngineDeadError
 
     llm = LLM(tiny_model, manager_socket=shared_manager.socket, keep_alive=0,
               max_num_seqs=47)  # max_num_seqs: a worker of its own

@@ -13,15 +13,15 @@ import anyio
 import pytest
 from proc_utils import is_alive, wait_gone
 
-from protocols.messages import ManagerStatus, StatusRequest
-from protocols.rundir import ensure_private_dir, ensure_socket_dir
-from runtime import ManagerError
-from runtime.manager_client import (
+from loomllm import ManagerError
+from loomllm.clients.manager import (
     PrivateManager,
     connect_manager,
     connect_shared_manager,
     manager_command,
 )
+from loomllm.protocols.messages import ManagerStatus, StatusRequest
+from loomllm.protocols.rundir import ensure_private_dir, ensure_socket_dir
 
 # -- the socket's directory and the socket path ---------------------------------------------
 
@@ -142,9 +142,9 @@ async def test_a_silent_daemon_is_an_error_not_a_hang(manager, monkeypatch):
     backlog, and never answers Hello. The engine's start hung forever on it."""
     import socket
 
-    from runtime import Engine
+    from loomllm import Engine
 
-    monkeypatch.setattr("runtime.manager_client.HANDSHAKE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("loomllm.clients.manager.HANDSHAKE_TIMEOUT_S", 0.5)
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     silent.bind(str(manager.socket))
     silent.listen(8)  # never accepted, never answered

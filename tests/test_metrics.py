@@ -20,16 +20,22 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from test_server import running
 
-from protocols.sampling import SamplingParams
-from runtime.engine_metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, EngineMetrics, Histogram
-from runtime.engine_stats import EngineStats
-from runtime.output_processor import OutputProcessor, ParentRequest
-from runtime.outputs import RequestMetrics, RequestOutputCollector
-from runtime.scheduler import EngineCoreOutput
-from runtime.server.loop_tasks import count_loop_tasks
-from runtime.server.metrics import build_metrics_handler
-from runtime.server.supervisor import EngineSlot
-from runtime.tokenizer import Tokenizer
+from loomllm.core.scheduler import EngineCoreOutput
+from loomllm.engine.output_processor import OutputProcessor, ParentRequest
+from loomllm.metrics.counters import (
+    E2E_BUCKETS,
+    ITL_BUCKETS,
+    TTFT_BUCKETS,
+    EngineMetrics,
+    Histogram,
+)
+from loomllm.metrics.stats import EngineStats
+from loomllm.outputs import RequestMetrics, RequestOutputCollector
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.server.loop_tasks import count_loop_tasks
+from loomllm.server.metrics import build_metrics_handler
+from loomllm.server.supervisor import EngineSlot
+from loomllm.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.anyio
 

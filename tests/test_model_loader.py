@@ -1,4 +1,4 @@
-"""Tests for workers.model_loader: resolving model strings, the GGUF cache, and loading."""
+"""Tests for loomllm.workers.models.loader: resolving model strings, the GGUF cache, and loading."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from workers import model_loader
-from workers.model_loader import (
+from loomllm.workers.models import loader as model_loader
+from loomllm.workers.models.loader import (
     ModelLoadError,
     ModelNotFoundError,
     ModelSource,
@@ -104,7 +104,7 @@ def test_load_tiny_llama_gives_the_same_logits(
 ) -> None:
     model_dir, original = tiny_llama_dir
     # float32 explicitly: "auto" is bfloat16 on CPUs with native bf16 (tests/test_cpu_dtype.py).
-    # transformers' modeling code, called as it is: workers.llama_family's model runs only
+    # transformers' modeling code, called as it is: loomllm.workers.models.llama.model's model runs only
     # over a paged KV cache (its logits: tests/test_llama_family.py).
     loaded = load_model(str(model_dir), dtype="float32", model_impl="transformers")
     assert loaded.model_dir == model_dir.resolve()

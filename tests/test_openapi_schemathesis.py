@@ -21,7 +21,7 @@ import pytest
 import schemathesis
 from serve_utils import loom_serve
 
-from runtime.server.openapi import build_openapi
+from loomllm.server.openai.openapi import build_openapi
 
 NAME = "tiny"
 KEY = "test-key"

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from protocols.sampling import RequestOutputKind, SamplingParams
-from runtime.output_processor import OutputProcessor, ParentRequest
-from runtime.outputs import RequestMetrics, RequestOutput, RequestOutputCollector
-from runtime.scheduler import EngineCoreOutput
-from runtime.tokenizer import Tokenizer
+from loomllm.core.scheduler import EngineCoreOutput
+from loomllm.engine.output_processor import OutputProcessor, ParentRequest
+from loomllm.outputs import RequestMetrics, RequestOutput, RequestOutputCollector
+from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
+from loomllm.text.tokenizer import Tokenizer
 
 # Per step, per child: (new token ids, finish_reason). Child 0 ends at step 2 (a stop
 # token), child 1 at step 4 (its length); child 1 sends two tokens at once in step 3.

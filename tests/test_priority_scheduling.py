@@ -9,7 +9,7 @@ import anyio
 import pytest
 from test_server import assert_error, running
 
-from runtime import LLM, Engine, SamplingParams
+from loomllm import LLM, Engine, SamplingParams
 
 pytestmark = pytest.mark.anyio
 

@@ -9,7 +9,7 @@ import anyio
 import pytest
 from test_server import NAME, running, sse_events
 
-from runtime import Engine, RequestOutputKind, SamplingParams
+from loomllm import Engine, RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.anyio
 
@@ -137,7 +137,7 @@ def test_scoring_more_rows_than_one_slice():
     """compute_prompt_logprobs works in slices of rows: the seams must not show."""
     import torch
 
-    from workers.sampler import compute_prompt_logprobs
+    from loomllm.workers.sample.sampler import compute_prompt_logprobs
 
     logits = torch.randn(2500, 50, generator=torch.Generator().manual_seed(0)).half()  # [N, V]
     targets = torch.arange(2500) % 50

@@ -1,4 +1,4 @@
-"""Tests for protocols.framing, protocols.codec and protocols.connection, with no processes.
+"""Tests for loomllm.protocols.framing, loomllm.protocols.codec and loomllm.protocols.connection, with no processes.
 
 Every registered message type gets a round trip and malformed-input checks (walked from
 the registry, so a new type is covered without touching this file); MessageStream and
@@ -25,9 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from protocols.codec import NUMPY_EXT_CODE, decode, encode, message, registered_messages
-from protocols.connection import MessageStream, client_handshake, server_handshake
-from protocols.errors import (
+from loomllm.protocols.codec import NUMPY_EXT_CODE, decode, encode, message, registered_messages
+from loomllm.protocols.connection import MessageStream, client_handshake, server_handshake
+from loomllm.protocols.errors import (
     FrameTooLargeError,
     MalformedMessageError,
     ProtocolError,
@@ -36,8 +36,8 @@ from protocols.errors import (
     UnknownMessageError,
     VersionMismatchError,
 )
-from protocols.framing import HEADER, FrameReader, encode_frame
-from protocols.messages import (
+from loomllm.protocols.framing import HEADER, FrameReader, encode_frame
+from loomllm.protocols.messages import (
     PROTOCOL_VERSION,
     Attach,
     CachedRequests,
@@ -47,7 +47,7 @@ from protocols.messages import (
     StatusRequest,
     Welcome,
 )
-from protocols.sampling import RequestOutputKind, SamplingParams
+from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 
 FAST = settings(max_examples=50, deadline=None)
 DTYPES = ["int32", "int64", "uint8", "float16", "float32", "float64", "bool", ">i4"]

@@ -17,10 +17,11 @@ import anyio
 import msgpack
 import pytest
 
-from protocols.codec import encode
-from protocols.connection import MessageStream, client_handshake, open_unix_connection
-from protocols.framing import HEADER, encode_frame
-from protocols.messages import (
+from loomllm import Engine
+from loomllm.protocols.codec import encode
+from loomllm.protocols.connection import MessageStream, client_handshake, open_unix_connection
+from loomllm.protocols.framing import HEADER, encode_frame
+from loomllm.protocols.messages import (
     PROTOCOL_VERSION,
     AcquireWorkers,
     ErrorReply,
@@ -28,7 +29,6 @@ from protocols.messages import (
     StatusRequest,
     WorkerSpec,
 )
-from runtime import Engine
 
 pytestmark = pytest.mark.anyio
 

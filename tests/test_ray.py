@@ -27,11 +27,11 @@ from anyio.abc import SocketListener
 from conftest import make_tiny_model, new_manager_handle, pids_mentioning
 from serve_utils import free_port
 
-from protocols.connection import MessageStream
-from protocols.messages import Ack, Attach, ErrorReply
-from protocols.sampling import SamplingParams
-from runtime import LLM, EngineDeadError, WorkerStartError
-from workers.ray_rank import accept_lifeline
+from loomllm import LLM, EngineDeadError, WorkerStartError
+from loomllm.protocols.connection import MessageStream
+from loomllm.protocols.messages import Ack, Attach, ErrorReply
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.workers.worker.ray_rank import accept_lifeline
 
 # Processes that need both cores at once: `make test` runs these tests one at a time.
 pytestmark = pytest.mark.serial

@@ -18,8 +18,8 @@ from test_tool_calls import TOOLS
 from test_tool_parsers import WEATHER_CALL, calls_of
 from worker_hooks import script_answers, unscript_answers
 
-from runtime.server.chat_template_fields import FIELDS as TEMPLATE_FIELDS
-from runtime.server.reasoning import ReasoningDeltas, split_reasoning
+from loomllm.server.openai.chat_template_fields import FIELDS as TEMPLATE_FIELDS
+from loomllm.server.parsers.reasoning import ReasoningDeltas, split_reasoning
 
 # (parser, answer, reasoning, content)
 CASES = [

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from protocols.sampling import SamplingParams
-from workers.sampler import (
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.workers.sample.sampler import (
     SamplingMetadata,
     apply_penalties,
     draw_seed,
@@ -388,7 +388,7 @@ def test_an_extreme_repetition_penalty_under_a_low_temperature_stays_finite() ->
 
 
 def test_token_filters_are_built_once_in_their_normal_form() -> None:
-    from workers.token_filters import TokenFilters
+    from loomllm.workers.sample.token_filters import TokenFilters
 
     params = SamplingParams(allowed_token_ids=[9, 3, 9, 20], logit_bias={20: 1.0, 5: 1e300})
     assert params.allowed_token_ids == (3, 9, 20)

@@ -1,6 +1,6 @@
 """Scheduler against a fake worker: budgets, chunked prefill, prefix hits, preemption, stops.
 
-`FakeWorker` keeps the same per-request state as workers/model_runner.py, built only from
+`FakeWorker` keeps the same per-request state as workers/runner/model_runner.py, built only from
 the SchedulerOutputs, and a fake KV cache whose every slot records the token prefix it was
 computed for: reading a context slot that holds anything else (a wrong block id, a wrong
 prefix-cache hit, a block overwritten by another request) fails the test.
@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocols.messages import SchedulerOutput, StepResult, TopLogprobs
-from protocols.sampling import SamplingParams
-from runtime.request import Request, RequestStatus
-from runtime.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
+from loomllm.core.request import Request, RequestStatus
+from loomllm.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
+from loomllm.protocols.messages import SchedulerOutput, StepResult, TopLogprobs
+from loomllm.protocols.sampling import SamplingParams
 
 EOS = 0
 NextToken = Callable[[list[int], list[int]], int]  # (prompt, output) -> next token
@@ -327,7 +327,7 @@ def test_a_steps_new_requests_carry_a_bounded_number_of_ids(monkeypatch) -> None
     """Requests sharing a long cached prefix cost a step almost nothing to compute, but each
     carries its whole prompt to the workers: admissions stop at MAX_NEW_REQUEST_TOKENS
     ids a step (one request always goes), so the frame never outgrows its limit."""
-    from runtime import scheduler as scheduler_module
+    from loomllm.core import scheduler as scheduler_module
 
     monkeypatch.setattr(scheduler_module, "MAX_NEW_REQUEST_TOKENS", 50)
     driver = Driver(make_config())
@@ -347,7 +347,7 @@ def test_a_steps_new_requests_carry_a_bounded_number_of_ids(monkeypatch) -> None
 def test_allowed_ids_and_logit_bias_count_toward_a_steps_ids(monkeypatch) -> None:
     """A request's allowed ids and logit bias cross to the workers with it: a batch of them
     (a full vocabulary's each) once outgrew the frame and ended the engine."""
-    from runtime import scheduler as scheduler_module
+    from loomllm.core import scheduler as scheduler_module
 
     monkeypatch.setattr(scheduler_module, "MAX_NEW_REQUEST_TOKENS", 100)
     driver = Driver(make_config())
@@ -362,10 +362,10 @@ def test_allowed_ids_and_logit_bias_count_toward_a_steps_ids(monkeypatch) -> Non
 
 def test_the_most_ids_a_step_carries_fit_a_frame() -> None:
     """MAX_NEW_REQUEST_TOKENS ids, each of the widest msgpack int a vocabulary id takes."""
-    from protocols.codec import encode
-    from protocols.framing import DEFAULT_MAX_FRAME_SIZE
-    from protocols.messages import CachedRequests, ExecuteStep, NewRequestData
-    from runtime.scheduler import MAX_NEW_REQUEST_TOKENS
+    from loomllm.core.scheduler import MAX_NEW_REQUEST_TOKENS
+    from loomllm.protocols.codec import encode
+    from loomllm.protocols.framing import DEFAULT_MAX_FRAME_SIZE
+    from loomllm.protocols.messages import CachedRequests, ExecuteStep, NewRequestData
 
     each = MAX_NEW_REQUEST_TOKENS // 256
     new = [NewRequestData(f"r{i}", [2**32 - 1] * each, [], SamplingParams(), [2], [], 0)

@@ -34,7 +34,7 @@ def user_script(model: str, counter: Path, backend: str, prelude: str = "") -> s
         with open({str(counter)!r}, "a") as f:
             f.write("x")
         {textwrap.indent(prelude, "        ").strip()}
-        from runtime import Engine
+        from loomllm import Engine
 
         async def main():
             async with Engine({model!r}) as engine:

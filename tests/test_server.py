@@ -13,8 +13,8 @@ import anyio
 import httpx
 import pytest
 
-from runtime import Engine
-from runtime.server import build_app, serve
+from loomllm import Engine
+from loomllm.server import build_app, serve
 
 pytestmark = pytest.mark.anyio
 
@@ -373,7 +373,7 @@ def test_loom_serve_cli_stops_cleanly_on_sigterm(tiny_model, shared_manager, loo
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "runtime.cli", "serve", tiny_model, "--port", str(port),
+    cmd = [sys.executable, "-m", "loomllm.cli.main", "serve", tiny_model, "--port", str(port),
            "--served-model-name", NAME, "--dtype", "float32", "--loop", loop,
            "--manager-socket", str(shared_manager.socket)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -403,7 +403,7 @@ def test_loom_generate_streams_to_stdout(tiny_model, shared_manager):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "runtime.cli", "generate", tiny_model, "w5 w6", "--max-tokens",
+    cmd = [sys.executable, "-m", "loomllm.cli.main", "generate", tiny_model, "w5 w6", "--max-tokens",
            "4", "--dtype", "float32", "--manager-socket", str(shared_manager.socket)]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -413,9 +413,9 @@ def test_loom_generate_streams_to_stdout(tiny_model, shared_manager):
 def test_an_engine_dead_at_a_requests_start_is_503_and_closes_what_started():
     """The engine's worker died between the request's arrival and its prompts' start: 503
     (retry: the supervisor restarts the engine), as for a death mid-request, not a 500."""
-    from runtime.errors import EngineDeadError
-    from runtime.server.schemas import ApiError, parse_completion
-    from runtime.server.serving import start_streams
+    from loomllm.errors import EngineDeadError
+    from loomllm.server.openai.schemas import ApiError, parse_completion
+    from loomllm.server.openai.serving import start_streams
 
     closed = []
 

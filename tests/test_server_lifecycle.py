@@ -17,11 +17,11 @@ import httpx
 import pytest
 from serve_utils import loom_serve
 
-from protocols.sampling import SamplingParams
-from runtime import Engine
-from runtime.errors import EngineDeadError
-from runtime.server.schemas import ApiError
-from runtime.server.supervisor import EngineSlot, drain, supervise
+from loomllm import Engine
+from loomllm.errors import EngineDeadError
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.server.openai.schemas import ApiError
+from loomllm.server.supervisor import EngineSlot, drain, supervise
 
 LONG = SamplingParams(max_tokens=450, temperature=0.0, ignore_eos=True)  # outlives each test
 SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

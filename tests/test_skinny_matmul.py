@@ -1,4 +1,4 @@
-"""workers.skinny_matmul, the Triton matmul for a few rows (Triton's interpreter, conftest.py):
+"""loomllm.workers.kernels.skinny_matmul, the Triton matmul for a few rows (Triton's interpreter, conftest.py):
 against a float64 reference and F.linear's own error, its refusals, the per-shape choice
 between it and cuBLAS, and loomllm's own model running it."""
 
@@ -11,10 +11,10 @@ import torch
 from paged_forward import paged_logits
 from test_llama_family import PROMPT, save_variant
 
-from workers import fused_ops, skinny_matmul
-from workers.fused_layers import install_fused_ops
-from workers.llama_family import Linear
-from workers.model_loader import load_model
+from loomllm.workers.kernels import fused_ops, skinny_matmul
+from loomllm.workers.models.fused_layers import install_fused_ops
+from loomllm.workers.models.llama.model import Linear
+from loomllm.workers.models.loader import load_model
 
 pytestmark = pytest.mark.compute
 

@@ -17,13 +17,13 @@ import pytest
 from conftest import save_tiny_tokenizer
 from test_scheduler import FakeWorker
 
-from protocols.messages import ExecuteStep, StepResult
-from protocols.sampling import RequestOutputKind, SamplingParams
-from runtime.engine_core import EngineCore
-from runtime.output_processor import OutputProcessor, ParentRequest
-from runtime.outputs import RequestMetrics, RequestOutput, RequestOutputCollector
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.tokenizer import Tokenizer
+from loomllm.core.scheduler import Scheduler, SchedulerConfig
+from loomllm.engine.core import EngineCore
+from loomllm.engine.output_processor import OutputProcessor, ParentRequest
+from loomllm.outputs import RequestMetrics, RequestOutput, RequestOutputCollector
+from loomllm.protocols.messages import ExecuteStep, StepResult
+from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
+from loomllm.text.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 64
 PROMPT = [5, 6, 7]

@@ -7,8 +7,8 @@ import time
 import anyio
 import pytest
 
-from runtime import Engine, SamplingParams
-from runtime.step_timings import PHASES, StepClock, StepTimings
+from loomllm import Engine, SamplingParams
+from loomllm.metrics.step_timings import PHASES, StepClock, StepTimings
 
 
 def test_clock_charges_each_lap_to_its_phase_and_clamps_the_worker_report():

@@ -11,9 +11,9 @@ import torch
 from conftest import preempting_smollm2
 from hf_reference import hf_greedy
 
-from protocols.sampling import SamplingParams, StructuredOutputsParams
-from runtime import Engine
-from workers.structured_output import (
+from loomllm import Engine
+from loomllm.protocols.sampling import SamplingParams, StructuredOutputsParams
+from loomllm.workers.sample.structured_output import (
     GrammarCompiler,
     RequestGrammar,
     allocate_bitmask,
@@ -150,7 +150,7 @@ async def test_constrained_requests_beside_plain_and_failing_ones(tiny_model, sh
 async def test_requests_left_nothing_to_sample_fail_alone(tiny_model, shared_manager,
                                                           async_scheduling):  # fmt: skip
     """Token 0 was drawn from an all -inf row and the grammar then silently let go."""
-    from runtime import RequestRefusedError
+    from loomllm import RequestRefusedError
 
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     cases = {
@@ -217,8 +217,8 @@ def test_smollm2_json_schema_matches_hf_with_xgrammar(shared_manager, async_sche
     """SmolLM2's greedy tokens under a JSON schema, batched, chunked and preempted under a
     small KV cache, with async scheduling off and on: those of HF generate with xgrammar's
     logits processor; and every answer parses and fits the schema."""
-    from runtime.tokenizer import Tokenizer
-    from workers.model_loader import prepare_model_dir, resolve_model
+    from loomllm.text.tokenizer import Tokenizer
+    from loomllm.workers.models.loader import prepare_model_dir, resolve_model
 
     model_dir = str(prepare_model_dir(resolve_model("smollm2")))
     tok = Tokenizer.from_model_dir(model_dir)

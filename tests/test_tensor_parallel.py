@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from conftest import make_tiny_model
 
-from protocols.sampling import SamplingParams
-from runtime import LLM, ManagerError
+from loomllm import LLM, ManagerError
+from loomllm.protocols.sampling import SamplingParams
 
 # Processes that need both cores at once: `make test` runs these tests one at a time.
 pytestmark = pytest.mark.serial

@@ -1,4 +1,4 @@
-"""runtime.tokenizer: ids, special tokens and chat templates equal to transformers' own, and
+"""loomllm.text.tokenizer: ids, special tokens and chat templates equal to transformers' own, and
 the module stays light (no torch, no transformers) in the user's process."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import AutoTokenizer
 
-from runtime.tokenizer import Tokenizer
-from workers.model_loader import prepare_model_dir, resolve_model
+from loomllm.text.tokenizer import Tokenizer
+from loomllm.workers.models.loader import prepare_model_dir, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,7 +133,7 @@ def test_bad_messages_name_the_field(ours, messages, field):
 
 
 def test_import_stays_light():
-    code = "import runtime.tokenizer, runtime.detokenizer, sys; print('torch' in sys.modules, 'transformers' in sys.modules)"  # noqa: E501
+    code = "import loomllm.text.tokenizer, loomllm.text.detokenizer, sys; print('torch' in sys.modules, 'transformers' in sys.modules)"  # noqa: E501
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
@@ -354,8 +354,8 @@ def test_bad_words_are_encoded_alone_and_after_a_space(ours, theirs):
     """vLLM's rule: a word as it starts a text, and after a space when that spells it with
     another first token in as many tokens (a word-start token, "Ġhello"); token ids from
     transformers' tokenizer."""
-    from protocols.sampling import SamplingParams
-    from runtime.request_checks import with_bad_words_encoded
+    from loomllm.engine.input_checks import with_bad_words_encoded
+    from loomllm.protocols.sampling import SamplingParams
 
     words = ["hello", "New York", "   spaced"]
     params = with_bad_words_encoded(SamplingParams(bad_words=words), ours)

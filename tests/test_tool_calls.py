@@ -116,7 +116,7 @@ async def test_references_in_a_tools_schema_hold_among_many_and_cut_calls_stay_c
 
 
 def test_an_answer_nested_past_jsons_depth_is_no_call():
-    from runtime.server.tool_calls import ToolCalls
+    from loomllm.server.openai.tool_calls import ToolCalls
 
     required = ToolCalls(None, None)  # type: ignore[arg-type]
     assert required.calls("[" * 5000) is None and required.calls('[{"name": "f"}]') is None

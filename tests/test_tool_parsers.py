@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from test_server import assert_error, running, sse_events
 from test_tool_calls import TOOLS
 
-from runtime.server.tool_parsers import AutoToolDeltas, split_answer
+from loomllm.server.parsers.tool_parsers import AutoToolDeltas, split_answer
 
 WEATHER_CALL = ('<tool_call>\n{"name": "weather", "arguments": {"unit": "c", "rain": true}}\n'
                 '</tool_call>')
@@ -191,7 +191,7 @@ async def test_auto_without_a_parser_is_a_400_naming_the_flags(char_model, share
 
 
 def test_the_cli_wants_a_parser_with_auto_tool_choice():
-    result = subprocess.run([sys.executable, "-m", "runtime.cli", "serve", "smollm2",
+    result = subprocess.run([sys.executable, "-m", "loomllm.cli.main", "serve", "smollm2",
                              "--enable-auto-tool-choice"], capture_output=True, text=True,
                             timeout=60)  # fmt: skip
     assert result.returncode == 2

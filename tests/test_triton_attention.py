@@ -12,10 +12,12 @@ import random
 import pytest
 import torch
 
-from benchmarks.attention_reference import TOLERANCE, mixed_errors
-from workers import fused_ops
-from workers import triton_attention as ta  # under TRITON_INTERPRET=1: see conftest.py
-from workers.attention_metadata import max_tiles, prefill_tiles
+from loomllm.benchmarks.attention_reference import TOLERANCE, mixed_errors
+from loomllm.workers.attention import (
+    triton_kernels as ta,  # under TRITON_INTERPRET=1: see conftest.py
+)
+from loomllm.workers.attention.metadata import max_tiles, prefill_tiles
+from loomllm.workers.kernels import fused_ops
 
 pytestmark = pytest.mark.compute
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from protocols.messages import CachedRequests, NewRequestData, SchedulerOutput
-from protocols.sampling import SamplingParams
-from runtime import LLM
-from workers.model_loader import load_model
-from workers.model_runner import ModelRunner
-from workers.worker_state import _attention_backend
+from loomllm import LLM
+from loomllm.protocols.messages import CachedRequests, NewRequestData, SchedulerOutput
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.workers.models.loader import load_model
+from loomllm.workers.runner.model_runner import ModelRunner
+from loomllm.workers.worker.state import _attention_backend
 
 pytestmark = pytest.mark.compute
 

@@ -1,4 +1,4 @@
-"""Triton's interpreter with helper calls that skip re-patching (workers/triton_interpreter.py):
+"""Triton's interpreter with helper calls that skip re-patching (workers/kernels/triton_interpreter.py):
 same results, one patching a launch however many helper calls it makes, nothing left patched;
 its dtype lookups from a table, with the answers of its own; and no overflow checks that
 nothing reads."""
@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 from triton.runtime import interpreter
 
-import workers.fused_ops  # noqa: F401  (it puts the skipping in place, as kernel modules do)
-from workers.triton_interpreter import (
+import loomllm.workers.kernels.fused_ops  # noqa: F401  (it puts the skipping in place, as kernel modules do)
+from loomllm.workers.kernels.triton_interpreter import (
     cache_dtype_lookups,
     skip_dead_overflow_checks,
     skip_nested_patches,

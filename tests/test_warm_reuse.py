@@ -20,7 +20,7 @@ pytestmark = pytest.mark.serial
 PROGRAM = textwrap.dedent("""
     import json, os, sys, time
     import anyio
-    from runtime import Engine
+    from loomllm import Engine
 
     async def main():
         entered = time.perf_counter()

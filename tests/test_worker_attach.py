@@ -13,10 +13,10 @@ import anyio
 import pytest
 from proc_utils import wait_gone
 
-from runtime import Engine, EngineDeadError
-from runtime import replica as replica_module
-from runtime.errors import ManagerError
-from runtime.worker_client import WorkerClient
+from loomllm import Engine, EngineDeadError
+from loomllm.clients.workers import WorkerClient
+from loomllm.engine import replica as replica_module
+from loomllm.errors import ManagerError
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 from proc_utils import wait_gone
 
-from runtime import LLM, EngineDeadError, SamplingParams
+from loomllm import LLM, EngineDeadError, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
@@ -39,7 +39,7 @@ def test_a_dead_zygote_takes_its_workers_and_the_next_engine_gets_a_new_one(tiny
         expected = generate_once(llm)
         [worker] = manager.worker_states()
         zygote = parent_of(worker)
-        assert "workers.zygote" in command_line(zygote)
+        assert "loomllm.workers.worker.zygote" in command_line(zygote)
         assert parent_of(zygote) == manager.pid()
         os.kill(zygote, signal.SIGKILL)
         assert wait_gone(worker, timeout=5)
@@ -57,12 +57,12 @@ def test_without_the_zygote_workers_start_as_fresh_interpreters(tiny_model, mana
         assert len(generate_once(llm)) == 4
         [worker] = manager.worker_states()
         assert parent_of(worker) == manager.pid()
-        assert "workers.worker" in command_line(worker)
+        assert "loomllm.workers.worker.main" in command_line(worker)
 
 
 LATER_SCRIPT = """
 import logging, socket, sys, threading
-from workers import zygote
+from loomllm.workers.worker import zygote
 logging.basicConfig(level=logging.INFO)
 zygote.LATER_AFTER_S = float(sys.argv[2])
 sys.path.insert(0, sys.argv[1])

@@ -17,10 +17,10 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from protocols.sampling import SamplingParams
+from loomllm.protocols.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from runtime.engine import Engine
+    from loomllm.engine.engine import Engine
 
 HELP = "/reset forgets the conversation, /exit (or Ctrl-D) quits"
 ReadLine = Callable[[], Awaitable[str]]

@@ -19,8 +19,8 @@ from typing import Any
 
 import anyio
 
-from runtime.config import EngineConfig
-from runtime.errors import LoomError
+from loomllm.config import EngineConfig
+from loomllm.errors import LoomError
 
 
 def _default(name: str) -> Any:
@@ -75,20 +75,20 @@ ENGINE_SWITCHES: list[tuple[str, str]] = [
 
 # `loom bench NAME`: the module in benchmarks/ that runs it.
 BENCHMARKS = {
-    "offline": "benchmarks.offline_throughput",
-    "overhead": "benchmarks.engine_overhead",
-    "serving": "benchmarks.serving",
-    "worker-start": "benchmarks.worker_start",
-    "gpu": "benchmarks.gpu_bench",
-    "gpu-check": "benchmarks.gpu_checks",
-    "start": "benchmarks.start_times",
-    "decode-profile": "benchmarks.decode_profile",
-    "eager-step": "benchmarks.eager_step",
-    "broadcast": "benchmarks.step_broadcast",
-    "compile": "benchmarks.kernel_compile",
-    "emulated": "benchmarks.emulated_device",
-    "gpu-session": "benchmarks.gpu_session",
-    "structured": "benchmarks.structured_overhead",
+    "offline": "loomllm.benchmarks.offline_throughput",
+    "overhead": "loomllm.benchmarks.engine_overhead",
+    "serving": "loomllm.benchmarks.serving",
+    "worker-start": "loomllm.benchmarks.worker_start",
+    "gpu": "loomllm.benchmarks.gpu_bench",
+    "gpu-check": "loomllm.benchmarks.gpu_checks",
+    "start": "loomllm.benchmarks.start_times",
+    "decode-profile": "loomllm.benchmarks.decode_profile",
+    "eager-step": "loomllm.benchmarks.eager_step",
+    "broadcast": "loomllm.benchmarks.step_broadcast",
+    "compile": "loomllm.benchmarks.kernel_compile",
+    "emulated": "loomllm.benchmarks.emulated_device",
+    "gpu-session": "loomllm.benchmarks.gpu_session",
+    "structured": "loomllm.benchmarks.structured_overhead",
 }
 
 
@@ -124,12 +124,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='tool_choice "auto" (the default with tools): calls are read out '
                        "of the model's text with --tool-call-parser")
-    # runtime.server.tool_parsers.PARSERS (runtime.server is not imported here: it loads
+    # loomllm.server.parsers.tool_parsers.PARSERS (loomllm.server is not imported here: it loads
     # starlette)
     serve.add_argument("--tool-call-parser", choices=["hermes"], default=None,
                        help="the model family's tool-call syntax (hermes: Qwen2.5, Qwen3, "
                        "Hermes)")
-    # runtime.server.reasoning.PARSERS
+    # loomllm.server.parsers.reasoning.PARSERS
     serve.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
                        help="split a thinking model's <think>...</think> out of chat answers "
                        "into the message's reasoning")
@@ -231,7 +231,7 @@ async def _watch_signals(stop: anyio.Event, scope: anyio.CancelScope, serving: l
 
 async def _serve(args: argparse.Namespace) -> int:
     """Serve until a signal (exit 0) or until the engine is gone for good (exit 1)."""
-    from runtime.server.run import bind_socket
+    from loomllm.server.run import bind_socket
 
     # Bound before the engine starts: a port in use or an unknown host is one line, at
     # once, not a traceback after the model has loaded.
@@ -242,9 +242,9 @@ async def _serve(args: argparse.Namespace) -> int:
 async def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
     from functools import partial
 
-    from runtime.engine import Engine
-    from runtime.server import build_app, serve
-    from runtime.server.supervisor import EngineSlot, drain, supervise
+    from loomllm.engine.engine import Engine
+    from loomllm.server import build_app, serve
+    from loomllm.server.supervisor import EngineSlot, drain, supervise
 
     stop = anyio.Event()
     serving: list[bool] = []
@@ -288,7 +288,7 @@ async def _set_then_cancel(event: anyio.Event, scope: anyio.CancelScope) -> None
 
 def _streaming_params(args: argparse.Namespace) -> Any:
     """SamplingParams from --max-tokens/--temperature/--sampling-seed, streamed as deltas."""
-    from protocols.sampling import RequestOutputKind, SamplingParams
+    from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed,
@@ -297,7 +297,7 @@ def _streaming_params(args: argparse.Namespace) -> Any:
 
 
 async def _generate(args: argparse.Namespace) -> None:
-    from runtime.engine import Engine
+    from loomllm.engine.engine import Engine
 
     params = _streaming_params(args)
     async with Engine(args.model, **engine_options(args)) as engine:
@@ -309,8 +309,8 @@ async def _generate(args: argparse.Namespace) -> None:
 
 
 async def _chat(args: argparse.Namespace) -> None:
-    from runtime.chat_cli import chat_in_terminal
-    from runtime.engine import Engine
+    from loomllm.cli.chat import chat_in_terminal
+    from loomllm.engine.engine import Engine
 
     params = _streaming_params(args)
     async with Engine(args.model, **engine_options(args)) as engine:
@@ -318,9 +318,9 @@ async def _chat(args: argparse.Namespace) -> None:
 
 
 async def _models(args: argparse.Namespace) -> None:
-    from protocols.rundir import default_socket_path
-    from protocols.worker_table import models_table
-    from runtime.manager_client import list_workers
+    from loomllm.clients.manager import list_workers
+    from loomllm.protocols.rundir import default_socket_path
+    from loomllm.protocols.worker_table import models_table
 
     print(models_table(await list_workers(args.manager_socket or default_socket_path())))
 

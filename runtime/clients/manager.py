@@ -18,9 +18,10 @@ from types import TracebackType
 import anyio
 from anyio.abc import Process, TaskStatus
 
-from protocols.connection import MessageStream, RemoteError, open_unix_connection
-from protocols.errors import ProtocolError
-from protocols.messages import (
+from loomllm.errors import ManagerError, WorkerStartError
+from loomllm.protocols.connection import MessageStream, RemoteError, open_unix_connection
+from loomllm.protocols.errors import ProtocolError
+from loomllm.protocols.messages import (
     Ack,
     AcquireWorkers,
     ErrorReply,
@@ -32,8 +33,7 @@ from protocols.messages import (
     WorkersAcquired,
     WorkerSpec,
 )
-from protocols.rundir import log_path
-from runtime.errors import ManagerError, WorkerStartError
+from loomllm.protocols.rundir import log_path
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ MANAGER_START_TIMEOUT_S = 30.0
 ACQUIRE_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 30.0  # a request the manager answers from memory
 # Releasing a keep_alive=0 group is answered once its ranks are gone: each gets 5 s to exit
-# and 5 s more after a SIGKILL (workers/worker_group.py STOP_GRACE_S). Waiting that long
+# and 5 s more after a SIGKILL (workers/manager/worker_group.py STOP_GRACE_S). Waiting that long
 # means an engine's exit frees its GPU memory before the next engine sizes its KV cache.
 RELEASE_TIMEOUT_S = 12.0
 # A daemon shutting down (idle timeout, `engine-manager stop`) may accept a connection and
@@ -55,7 +55,7 @@ GOING_AWAY_PAUSE_S = 0.1
 
 
 def manager_command(socket_path: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "workers.manager", "--socket", str(socket_path), *args]
+    return [sys.executable, "-m", "loomllm.workers.manager.daemon", "--socket", str(socket_path), *args]
 
 
 class _ManagerGoingAway(ManagerError):

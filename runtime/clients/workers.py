@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import TaskGroup
 
-from protocols.connection import MessageStream, RemoteError, open_connection
-from protocols.errors import ProtocolError
-from protocols.messages import Ack, Attach, CallFailed, CallResult, ErrorReply, StepResult
-from runtime.errors import EngineDeadError, ManagerError
+from loomllm.errors import EngineDeadError, ManagerError
+from loomllm.protocols.connection import MessageStream, RemoteError, open_connection
+from loomllm.protocols.errors import ProtocolError
+from loomllm.protocols.messages import Ack, Attach, CallFailed, CallResult, ErrorReply, StepResult
 
 logger = logging.getLogger(__name__)
 

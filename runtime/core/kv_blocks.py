@@ -18,7 +18,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from runtime.request import Request
+from loomllm.core.request import Request
 
 BlockHash = bytes
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from protocols.sampling import SamplingParams
+from loomllm.protocols.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -22,17 +22,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from protocols.messages import (
+from loomllm.config import SCHEDULING_POLICIES
+from loomllm.core.kv_blocks import KVCacheManager
+from loomllm.core.request import Request, RequestStatus
+from loomllm.core.waiting_queue import waiting_queue
+from loomllm.protocols.messages import (
     CachedRequests,
     NewRequestData,
     SchedulerOutput,
     StepResult,
     TopLogprobs,
 )
-from runtime.config import SCHEDULING_POLICIES
-from runtime.kv_blocks import KVCacheManager
-from runtime.request import Request, RequestStatus
-from runtime.request_queue import waiting_queue
 
 # Token ids a step's newly admitted requests carry to the workers (each whole prompt, prefix
 # hits included, and its allowed ids and logit bias: Request.num_wire_ids), at most: 4 Mi

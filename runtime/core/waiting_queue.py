@@ -10,7 +10,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from runtime.request import Request
+from loomllm.core.request import Request
 
 
 class FcfsQueue:

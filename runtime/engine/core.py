@@ -12,7 +12,14 @@ from collections import deque
 
 import anyio
 
-from protocols.messages import (
+from loomllm.clients.workers import WorkerClient
+from loomllm.core.request import Request, RequestStatus
+from loomllm.core.scheduler import EngineCoreOutput, Scheduler
+from loomllm.engine.output_processor import OutputProcessor, ParentRequest
+from loomllm.errors import EngineClosedError, EngineStepError, RequestRefusedError
+from loomllm.metrics.stats import EngineStats
+from loomllm.metrics.step_timings import StepClock
+from loomllm.protocols.messages import (
     CallFailed,
     ExecuteStep,
     PromptLogprobs,
@@ -20,14 +27,7 @@ from protocols.messages import (
     SchedulerOutput,
     StepResult,
 )
-from protocols.sampling import replace_checked
-from runtime.engine_stats import EngineStats
-from runtime.errors import EngineClosedError, EngineStepError, RequestRefusedError
-from runtime.output_processor import OutputProcessor, ParentRequest
-from runtime.request import Request, RequestStatus
-from runtime.scheduler import EngineCoreOutput, Scheduler
-from runtime.step_timings import StepClock
-from runtime.worker_client import WorkerClient
+from loomllm.protocols.sampling import replace_checked
 
 logger = logging.getLogger(__name__)
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from protocols.messages import ModelInfo
-from runtime.config import EngineConfig
-from runtime.engine_core import EngineCore
-from runtime.output_processor import OutputProcessor
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.tokenizer import Tokenizer
-from runtime.worker_client import WorkerClient
+from loomllm.clients.workers import WorkerClient
+from loomllm.config import EngineConfig
+from loomllm.core.scheduler import Scheduler, SchedulerConfig
+from loomllm.engine.core import EngineCore
+from loomllm.engine.output_processor import OutputProcessor
+from loomllm.protocols.messages import ModelInfo
+from loomllm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

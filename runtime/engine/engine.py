@@ -25,31 +25,37 @@ from typing import Any, TypeVar
 import anyio
 import cloudpickle
 
-from protocols.messages import CallFailed, ModelInfo, RunCallable, WorkerDied, WorkersAcquired
-from protocols.rundir import default_socket_path
-from protocols.sampling import SamplingParams
-from runtime.config import EngineConfig
-from runtime.engine_stats import EngineStats, merge_stats
-from runtime.errors import EngineClosedError, EngineDeadError, RemoteCallError
-from runtime.generation_defaults import sampling_defaults
-from runtime.manager_client import (
+from loomllm.clients.manager import (
     ManagerClient,
     PrivateManager,
     connect_manager,
     connect_shared_manager,
 )
-from runtime.output_processor import ParentRequest
-from runtime.outputs import RequestMetrics, RequestOutputCollector
-from runtime.replica import Replica, least_loaded
-from runtime.request_checks import (
+from loomllm.config import EngineConfig
+from loomllm.engine.generation_defaults import sampling_defaults
+from loomllm.engine.input_checks import (
     check_priority,
     check_request_id,
     check_token_ids,
     prompt_token_ids,
     with_bad_words_encoded,
 )
-from runtime.request_stream import RequestStream
-from runtime.tokenizer import Tokenizer
+from loomllm.engine.output_processor import ParentRequest
+from loomllm.engine.replica import Replica, least_loaded
+from loomllm.engine.request_stream import RequestStream
+from loomllm.errors import EngineClosedError, EngineDeadError, RemoteCallError
+from loomllm.metrics.stats import EngineStats, merge_stats
+from loomllm.outputs import RequestMetrics, RequestOutputCollector
+from loomllm.protocols.messages import (
+    CallFailed,
+    ModelInfo,
+    RunCallable,
+    WorkerDied,
+    WorkersAcquired,
+)
+from loomllm.protocols.rundir import default_socket_path
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +65,7 @@ T = TypeVar("T")
 class Engine:
     """An LLM engine whose model runs in worker processes owned by the engine-manager.
 
-    With `data_parallel_size=N` it runs N replicas (runtime/replica.py), each with its own
+    With `data_parallel_size=N` it runs N replicas (runtime/engine/replica.py), each with its own
     workers, scheduler and KV cache; a request goes to the least loaded one.
     """
 

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from protocols.sampling import SamplingParams
+from loomllm.protocols.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

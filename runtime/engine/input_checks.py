@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocols.sampling import SamplingParams, replace_checked
-from runtime.tokenizer import Tokenizer
+from loomllm.protocols.sampling import SamplingParams, replace_checked
+from loomllm.text.tokenizer import Tokenizer
 
 
 def prompt_token_ids(

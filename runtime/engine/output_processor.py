@@ -11,19 +11,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from protocols.messages import PromptLogprobs, TopLogprobs
-from protocols.sampling import RequestOutputKind, SamplingParams
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.engine_metrics import EngineMetrics
-from runtime.outputs import (
+from loomllm.core.scheduler import EngineCoreOutput
+from loomllm.metrics.counters import EngineMetrics
+from loomllm.outputs import (
     CompletionOutput,
     Logprob,
     RequestMetrics,
     RequestOutput,
     RequestOutputCollector,
 )
-from runtime.scheduler import EngineCoreOutput
-from runtime.tokenizer import Tokenizer
+from loomllm.protocols.messages import PromptLogprobs, TopLogprobs
+from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
+from loomllm.text.detokenizer import IncrementalDetokenizer
+from loomllm.text.tokenizer import Tokenizer
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 

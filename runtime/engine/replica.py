@@ -17,15 +17,15 @@ from contextlib import AsyncExitStack
 import anyio
 from anyio.abc import TaskGroup
 
-from protocols.messages import WorkerDied, WorkersAcquired
-from runtime.config import EngineConfig
-from runtime.engine_core import EngineCore
-from runtime.engine_setup import build_engine_core
-from runtime.engine_stats import EngineStats
-from runtime.errors import EngineDeadError, ManagerError
-from runtime.manager_client import RELEASE_TIMEOUT_S, ManagerClient
-from runtime.tokenizer import Tokenizer
-from runtime.worker_client import WorkerClient
+from loomllm.clients.manager import RELEASE_TIMEOUT_S, ManagerClient
+from loomllm.clients.workers import WorkerClient
+from loomllm.config import EngineConfig
+from loomllm.engine.core import EngineCore
+from loomllm.engine.core_builder import build_engine_core
+from loomllm.errors import EngineDeadError, ManagerError
+from loomllm.metrics.stats import EngineStats
+from loomllm.protocols.messages import WorkerDied, WorkersAcquired
+from loomllm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import TracebackType
 
-from runtime.outputs import RequestOutput, RequestOutputCollector
+from loomllm.outputs import RequestOutput, RequestOutputCollector
 
 
 class RequestStream:

@@ -12,13 +12,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.engine_metrics import HistogramSnapshot
-from runtime.step_timings import StepTimings
+from loomllm.metrics.counters import HistogramSnapshot
+from loomllm.metrics.step_timings import StepTimings
 
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """The engine now (queues, KV blocks) and its totals since start (runtime/engine_metrics.py).
+    """The engine now (queues, KV blocks) and its totals since start (runtime/metrics/counters.py).
 
     Latency histograms and finishes are per sequence (n=2 counts twice); prompt tokens
     once per request.
@@ -37,7 +37,7 @@ class EngineStats:
     time_to_first_token: HistogramSnapshot
     inter_token_latency: HistogramSnapshot
     e2e_request_latency: HistogramSnapshot
-    # Where the step loop's time went, by phase (runtime/step_timings.py).
+    # Where the step loop's time went, by phase (runtime/metrics/step_timings.py).
     step_timings: StepTimings = dataclasses.field(default_factory=StepTimings)
     num_prefix_cache_queries: int = 0  # prompt tokens looked up: the hit rate's weight
     is_alive: bool = True  # False: a replica whose worker died (its gauges are zero)

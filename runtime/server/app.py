@@ -22,14 +22,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from protocols.sampling import SamplingParams
-from runtime.engine import Engine
-from runtime.server import serving
-from runtime.server.chat_template_fields import TEMPLATE_ERRORS, parse_template_fields
-from runtime.server.metrics import build_metrics_handler
-from runtime.server.openapi import build_openapi
-from runtime.server.reasoning import PARSERS as REASONING_PARSERS
-from runtime.server.schemas import (
+from loomllm.engine.engine import Engine
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.server.metrics import build_metrics_handler
+from loomllm.server.openai import serving
+from loomllm.server.openai.chat_template_fields import TEMPLATE_ERRORS, parse_template_fields
+from loomllm.server.openai.openapi import build_openapi
+from loomllm.server.openai.schemas import (
     ApiError,
     bad,
     check_model,
@@ -38,9 +37,10 @@ from runtime.server.schemas import (
     parse_chat,
     parse_completion,
 )
-from runtime.server.sse import EventStreamResponse
-from runtime.server.supervisor import EngineSlot
-from runtime.server.tool_parsers import PARSERS as TOOL_PARSERS
+from loomllm.server.parsers.reasoning import PARSERS as REASONING_PARSERS
+from loomllm.server.parsers.tool_parsers import PARSERS as TOOL_PARSERS
+from loomllm.server.sse import EventStreamResponse
+from loomllm.server.supervisor import EngineSlot
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/version", "/metrics", "/openapi.json")  # as vLLM: no API key

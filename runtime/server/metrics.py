@@ -25,12 +25,12 @@ from prometheus_client.utils import floatToGoString
 from starlette.requests import Request
 from starlette.responses import Response
 
-from runtime.engine import Engine
-from runtime.engine_metrics import FINISH_REASONS, HistogramSnapshot
-from runtime.engine_stats import EngineStats
-from runtime.errors import EngineClosedError
-from runtime.server.loop_tasks import count_loop_tasks
-from runtime.server.supervisor import EngineSlot
+from loomllm.engine.engine import Engine
+from loomllm.errors import EngineClosedError
+from loomllm.metrics.counters import FINISH_REASONS, HistogramSnapshot
+from loomllm.metrics.stats import EngineStats
+from loomllm.server.loop_tasks import count_loop_tasks
+from loomllm.server.supervisor import EngineSlot
 
 PREFIX = "loomllm:"
 

@@ -15,9 +15,9 @@ from collections.abc import Callable
 import anyio
 from anyio.abc import TaskStatus
 
-from runtime.engine import Engine
-from runtime.errors import LoomError
-from runtime.server.schemas import ApiError
+from loomllm.engine.engine import Engine
+from loomllm.errors import LoomError
+from loomllm.server.openai.schemas import ApiError
 
 logger = logging.getLogger(__name__)
 

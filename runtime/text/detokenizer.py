@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from runtime.tokenizer import Tokenizer
+from loomllm.text.tokenizer import Tokenizer
 
 try:
     from tokenizers.decoders import DecodeStream

@@ -18,9 +18,9 @@ import anyio
 import pytest
 from worker_hooks import fail_next_launch
 
-from protocols.sampling import RequestOutputKind, SamplingParams
-from runtime import Engine, EngineDeadError
-from runtime.errors import EngineStepError
+from loomllm import Engine, EngineDeadError
+from loomllm.errors import EngineStepError
+from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 
 TRIALS = 10
 DETECT_S = 1.0  # every in-flight stream ends within this after the fault

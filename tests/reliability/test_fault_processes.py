@@ -20,7 +20,7 @@ import pytest
 from proc_utils import is_alive, wait_gone
 from serve_utils import loom_serve
 
-from runtime import LLM, EngineDeadError, SamplingParams
+from loomllm import LLM, EngineDeadError, SamplingParams
 
 # Processes that need both cores at once: `make test` runs these tests one at a time.
 pytestmark = pytest.mark.serial
@@ -151,7 +151,7 @@ def test_manager_killed(tiny_model, manager, other_manager, fault_report):
             [worker] = llm.engine.worker_pids
             zygote = _parent(worker)
             daemon = _parent(zygote)
-            assert "workers.manager" in Path(f"/proc/{daemon}/cmdline").read_text()
+            assert "loomllm.workers.manager.daemon" in Path(f"/proc/{daemon}/cmdline").read_text()
             killed_at = time.monotonic()
             os.kill(daemon, signal.SIGKILL)
             assert wait_gone(worker, timeout=5) and wait_gone(zygote, timeout=5)
@@ -170,7 +170,7 @@ def test_manager_killed(tiny_model, manager, other_manager, fault_report):
 
 USER_SCRIPT = """
 import anyio
-from runtime import Engine, SamplingParams
+from loomllm import Engine, SamplingParams
 async def main():
     async with Engine({model!r}, max_num_seqs=16) as engine:
         params = SamplingParams(max_tokens=400, ignore_eos=True)

@@ -19,8 +19,8 @@ import pytest
 from conftest import TINY_VOCAB
 from test_server import NAME, running
 
-from runtime.server.app import MAX_JSON_DEPTH
-from runtime.server.openapi_requests import FLOAT_MAX, INT64_MAX, INT64_MIN
+from loomllm.server.app import MAX_JSON_DEPTH
+from loomllm.server.openai.openapi_requests import FLOAT_MAX, INT64_MAX, INT64_MIN
 
 pytestmark = pytest.mark.anyio
 

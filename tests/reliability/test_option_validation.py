@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from protocols.sampling import SamplingParams
-from runtime import Engine
-from runtime.config import EngineConfig
+from loomllm import Engine
+from loomllm.config import EngineConfig
+from loomllm.protocols.sampling import SamplingParams
 
 NAN, INF = float("nan"), float("inf")
 HUGE = 2**64  # past what crosses the wire to the workers (msgpack: 64 bits)

@@ -27,10 +27,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from proc_utils import is_alive
 
-from protocols.codec import decode, encode, registered_messages
-from protocols.errors import ProtocolError
-from protocols.framing import DEFAULT_MAX_FRAME_SIZE, HEADER, FrameReader
-from protocols.messages import (
+from loomllm import LLM
+from loomllm.protocols.codec import decode, encode, registered_messages
+from loomllm.protocols.errors import ProtocolError
+from loomllm.protocols.framing import DEFAULT_MAX_FRAME_SIZE, HEADER, FrameReader
+from loomllm.protocols.messages import (
     PROTOCOL_VERSION,
     Ack,
     AcquireWorkers,
@@ -49,8 +50,7 @@ from protocols.messages import (
     Welcome,
     WorkerList,
 )
-from protocols.sampling import SamplingParams
-from runtime import LLM
+from loomllm.protocols.sampling import SamplingParams
 
 MANAGER_CASES = 1200
 WORKER_CASES = 1000

@@ -27,16 +27,19 @@ from anyio.abc import UNIXSocketStream
 from serve_utils import loom_serve
 from test_protocol_sockets import answers_to
 
-from protocols.codec import decode, encode
-from protocols.connection import (
+from loomllm import LLM, Engine, ManagerError
+from loomllm.cli.main import _parser
+from loomllm.config import EngineConfig
+from loomllm.protocols.codec import decode, encode
+from loomllm.protocols.connection import (
     MessageStream,
     client_handshake,
     open_unix_connection,
     receive_request,
 )
-from protocols.errors import SilentPeerError
-from protocols.framing import FrameReader, encode_frame
-from protocols.messages import (
+from loomllm.protocols.errors import SilentPeerError
+from loomllm.protocols.framing import FrameReader, encode_frame
+from loomllm.protocols.messages import (
     Ack,
     AcquireWorkers,
     Attach,
@@ -47,11 +50,8 @@ from protocols.messages import (
     RunCallable,
     WorkersAcquired,
 )
-from protocols.rundir import log_path, workers_dir
-from runtime import LLM, Engine, ManagerError
-from runtime.cli import _parser
-from runtime.config import EngineConfig
-from workers.peer_auth import peer_credentials, refusal
+from loomllm.protocols.peer_auth import peer_credentials, refusal
+from loomllm.protocols.rundir import log_path, workers_dir
 
 ENGINE_START_S = 120  # the first engine of a session loads a worker
 REPLY_S = 10
@@ -112,12 +112,12 @@ def test_manager_refuses_another_uid_and_logs_it(manager, tiny_model) -> None:
 
 @pytest.mark.anyio
 async def test_worker_refuses_another_uid_and_logs_it(caplog) -> None:
-    from workers.worker import DataServer
+    from loomllm.workers.worker.main import DataServer
 
     server = DataServer(worker=None, allowed_uid=os.getuid() + 1)  # type: ignore[arg-type]
     a, b = socket.socketpair()
     async with await UNIXSocketStream.from_socket(b) as client:
-        with caplog.at_level(logging.WARNING, logger="workers.worker"), anyio.fail_after(5):
+        with caplog.at_level(logging.WARNING, logger="loomllm.workers.worker.main"), anyio.fail_after(5):
             await server.handle(await UNIXSocketStream.from_socket(a))
             reply = await MessageStream(client).receive()
     assert reply.kind == "permission_denied" and f"serves uid {os.getuid() + 1}" in reply.message
@@ -168,7 +168,7 @@ class RecordingWorker:
 async def test_a_revoked_session_runs_none_of_its_queued_calls() -> None:
     """Calls already in the socket when the lease is revoked stay readable (AF_UNIX keeps
     queued data across shutdown): the worker must not run them for an engine it left."""
-    from workers.worker import DataServer
+    from loomllm.workers.worker.main import DataServer
 
     worker = RecordingWorker()
     server = DataServer(worker)  # type: ignore[arg-type]

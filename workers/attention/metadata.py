@@ -1,15 +1,15 @@
 """One step's attention metadata, from the model runner's packed batch to device tensors.
 
 The torch backend attends decodes over their context slots, padded to the longest with a
-mask; the Triton backend reads block tables and lengths (workers/attention.py uses both).
+mask; the Triton backend reads block tables and lengths (workers/attention/paged.py uses both).
 """
 
 from __future__ import annotations
 
 import torch
 
-from workers.attention import AttentionMetadata, PagedBatch, PrefillRow
-from workers.device_copy import device_tensor, to_device
+from loomllm.workers.attention.paged import AttentionMetadata, PagedBatch, PrefillRow
+from loomllm.workers.device.transfer import device_tensor, to_device
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 PREFILL_TILE = 16  # queries per program of the Triton prefill kernel (tl.dot's minimum rows)

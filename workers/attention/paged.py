@@ -1,11 +1,11 @@
 """Paged attention for the worker's models: a torch reference, also behind transformers' interface.
 
 The model runner packs all scheduled tokens of all requests into one `[1, T]` sequence;
-the model (workers.llama_family, or a stock HF model through transformers' attention
+the model (loomllm.workers.models.llama.model, or a stock HF model through transformers' attention
 interface) computes Q/K/V (RoPE applied) and calls `paged_attention` per layer, which
 writes the new K/V into the paged cache and attends each request over its own context:
 here in torch (the CPU backend, and the reference), or with the Triton kernels of
-workers.triton_attention when the metadata carries their block tables (`paged`).
+loomllm.workers.attention.triton_kernels when the metadata carries their block tables (`paged`).
 """
 
 from __future__ import annotations
@@ -89,7 +89,9 @@ def paged_attention(
     key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
     q = query[0].transpose(0, 1)  # [T, H, D]
     if meta.paged is not None:
-        from workers import triton_attention  # only where Triton is the backend
+        from loomllm.workers.attention import (
+            triton_kernels as triton_attention,  # only where Triton is the backend
+        )
 
         triton_attention.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache,
                                   v_cache, meta.slot_mapping)  # fmt: skip
@@ -119,8 +121,10 @@ def attend_written(
 ) -> torch.Tensor:
     """Each row's attention on the Triton backend, over a cache that holds the step's K/V
     already (`paged_attention` writes them first; loomllm's model, with
-    workers.fused_ops.rotary_into_cache): [T, H, D]."""
-    from workers import triton_attention  # only where Triton is the backend
+    loomllm.workers.kernels.fused_ops.rotary_into_cache): [T, H, D]."""
+    from loomllm.workers.attention import (
+        triton_kernels as triton_attention,  # only where Triton is the backend
+    )
 
     meta = attn_metadata
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
@@ -160,7 +164,7 @@ def attend_rotating(
     """A decode-only step's attention on the Triton backend, [T, H, D], the rotary embedding
     and the write of K and V into the cache done by the decode kernel itself (one launch a
     layer, not two); None for a step with prompt rows (the caller rotates and writes first:
-    workers.fused_ops.rotary_into_cache, then `attend_written`). The caller checks
+    loomllm.workers.kernels.fused_ops.rotary_into_cache, then `attend_written`). The caller checks
     `fused_ops.rotary_into_cache_fits` first.
 
     Safe because no decode row reads a block another row writes in the same step: a
@@ -181,7 +185,9 @@ def _decode_only(module: torch.nn.Module, q: torch.Tensor, meta: AttentionMetada
                  new_kv: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
     """A decode-only step's attention: token i is decode row i, all through the decode
     kernel (`new_kv`: see triton_attention.decode_attention)."""
-    from workers import triton_attention  # only where Triton is the backend
+    from loomllm.workers.attention import (
+        triton_kernels as triton_attention,  # only where Triton is the backend
+    )
 
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
     paged = meta.paged
@@ -257,7 +263,7 @@ def _window_keep(valid: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def route_transformers_model(model: torch.nn.Module) -> None:
-    """Make a transformers model call `paged_attention` (workers.llama_family's calls it
+    """Make a transformers model call `paged_attention` (loomllm.workers.models.llama.model's calls it
     itself, and has no attention implementations to pick from)."""
     if hasattr(model, "set_attn_implementation"):
         register()

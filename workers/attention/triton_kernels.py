@@ -1,13 +1,13 @@
 """Paged attention kernels in Triton (the CUDA path): prefill over the packed batch, split-K decode.
 
 Both read K/V through per-request block tables from the slot-major cache that
-workers.attention writes ([num_blocks * block_size, KVH, D]: slot = block * block_size +
+loomllm.workers.attention.paged writes ([num_blocks * block_size, KVH, D]: slot = block * block_size +
 offset), after the step's new K/V are in it. GQA: the decode kernel computes the `group`
 query heads of one KV head together, so each K/V page is read once per KV head.
 
 - `prefill_attention`: requests computing several tokens (a prompt or a chunk of one).
   One program per (tile of BLOCK_M queries of one request, query head), the tiles listed
-  by workers.attention_metadata.prefill_tiles; a tile of request -1 does nothing (a CUDA
+  by loomllm.workers.attention.metadata.prefill_tiles; a tile of request -1 does nothing (a CUDA
   graph's grid is fixed, so its tile list is padded). Causal over the request's whole
   context, with an optional sliding window. A request computing one token is a one-query
   tile: mixed-step graphs run every row through this kernel.
@@ -32,8 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.attention_metadata import PREFILL_TILE as BLOCK_M  # queries per prefill program
-from workers.fused_ops import dot_f32, rotated
+from loomllm.workers.attention.metadata import (
+    PREFILL_TILE as BLOCK_M,  # queries per prefill program
+)
+from loomllm.workers.kernels.fused_ops import dot_f32, rotated
 
 MIN_DOT_ROWS = 16  # tl.dot's minimum rows on GPUs
 TARGET_PROGRAMS = 264  # decode splits aim at ~2 programs per SM of an H100 (132 SMs)

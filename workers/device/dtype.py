@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from workers.cpu_features import cpu_supports_bf16
+from loomllm.workers.device.cpu_features import cpu_supports_bf16
 
 logger = logging.getLogger(__name__)
 

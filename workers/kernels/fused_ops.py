@@ -15,7 +15,7 @@ within a unit in bf16's last place on a GPU (`loom bench gpu-check` checks them 
 first version, which rounded by float round trips): a decode step's kernels took 7.9 ->
 6.8 ms at batch 1, 10.4 -> 8.2 at 64, 15.5 -> 12.7 at 256.
 
-workers.fused_layers swaps them into the models whose code it knows.
+loomllm.workers.models.fused_layers swaps them into the models whose code it knows.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.triton_interpreter import (
+from loomllm.workers.kernels.triton_interpreter import (
     cache_dtype_lookups,
     skip_dead_overflow_checks,
     skip_nested_patches,
@@ -36,7 +36,7 @@ from workers.triton_interpreter import (
 
 # Every kernel module imports this one. On the CPU (TRITON_INTERPRET=1), calls of @triton.jit
 # helpers inside a launch then skip the interpreter's re-patching, its dtype lookups hit a
-# table, and it computes no overflow checks that nothing reads: workers/triton_interpreter.py.
+# table, and it computes no overflow checks that nothing reads: workers/kernels/triton_interpreter.py.
 skip_nested_patches()
 cache_dtype_lookups()
 skip_dead_overflow_checks()
@@ -321,7 +321,7 @@ def rotary_into_cache(
 ) -> torch.Tensor:  # fmt: skip
     """`rotary` of q, k [T, heads, D] by cos, sin [T, D], and the rotated k and v written to
     their cache slots ([slots, KVH, D] caches, `slot_mapping` [T]), in one kernel instead of
-    two (workers.triton_attention.write_kv): the rotated q [T, H, D]. The same values as the
+    two (loomllm.workers.attention.triton_kernels.write_kv): the rotated q [T, H, D]. The same values as the
     pair, bit for bit; the caller checks `rotary_into_cache_fits` first."""
     num_tokens, num_q_heads, head_dim = q.shape
     q_out = q.new_empty(q.shape)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.fused_ops import dot_f32, round_to, silu_mul, silu_times
+from loomllm.workers.kernels.fused_ops import dot_f32, round_to, silu_mul, silu_times
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def _skinny_kernel(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out = x @ w.T (+ b). GATED: w (and b) hold gate's n_out rows then up's, and out =
-    silu(x @ gate.T) * (x @ up.T), each product rounded as workers.fused_ops.silu_mul
+    silu(x @ gate.T) * (x @ up.T), each product rounded as loomllm.workers.kernels.fused_ops.silu_mul
     rounds it: the same bits as this kernel's plain output through silu_mul."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, ROWS)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import anyio
 
-from protocols.connection import MessageStream, RemoteError, open_unix_connection
-from protocols.errors import ProtocolError
-from protocols.messages import (
+from loomllm.protocols.connection import MessageStream, RemoteError, open_unix_connection
+from loomllm.protocols.errors import ProtocolError
+from loomllm.protocols.messages import (
     ListWorkers,
     ManagerStatus,
     ShutdownManager,
@@ -32,14 +32,14 @@ from protocols.messages import (
     UnloadModel,
     WorkerList,
 )
-from protocols.rundir import (
+from loomllm.protocols.rundir import (
     default_socket_path,
     ensure_socket_dir,
     lock_path,
     log_path,
     open_private_file,
 )
-from protocols.worker_table import format_seconds, ps_table
+from loomllm.protocols.worker_table import format_seconds, ps_table
 
 START_TIMEOUT_S = 30.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -120,7 +120,7 @@ def _seconds_or_minus_one(text: str) -> float:
 
 
 def _cmd_serve(args: argparse.Namespace, socket_path: Path) -> int:
-    from workers.manager import ManagerServer
+    from loomllm.workers.manager.daemon import ManagerServer
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -225,7 +225,7 @@ def _spawn_daemon(args: argparse.Namespace, socket_path: Path) -> int:
         log.replace(log.with_suffix(".log.1"))
     read_end, write_end = os.pipe()
     command = [
-        sys.executable, "-m", "workers.manager", "--socket", str(socket_path), "serve",
+        sys.executable, "-m", "loomllm.workers.manager.daemon", "--socket", str(socket_path), "serve",
         "--max-workers", str(args.max_workers), "--max-keep-alive", str(args.max_keep_alive),
         "--idle-timeout", str(args.idle_timeout), "--log-level", args.log_level,
         "--ready-fd", str(write_end),

@@ -3,7 +3,7 @@
 One anyio program, single-threaded. Each client connection is a task; each worker
 rank has a watcher task; idle groups and the idle manager have expiry timers. Each loan
 of a group to an engine is a lease: a fresh secret the ranks admit and the engine shows.
-Run it as `python -m workers.manager serve` (or `engine-manager start`).
+Run it as `python -m loomllm.workers.manager.daemon serve` (or `engine-manager start`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 import anyio
 from anyio.abc import SocketStream, TaskGroup
 
-from protocols.connection import MessageStream, server_handshake
-from protocols.errors import ProtocolError, VersionMismatchError
-from protocols.messages import (
+from loomllm.protocols.connection import MessageStream, server_handshake
+from loomllm.protocols.errors import ProtocolError, VersionMismatchError
+from loomllm.protocols.messages import (
     Ack,
     AcquireWorkers,
     ErrorReply,
@@ -36,10 +36,15 @@ from protocols.messages import (
     WorkerInfo,
     WorkerList,
 )
-from protocols.rundir import ensure_private_dir, ensure_socket_dir, unlink_if_ours, workers_dir
-from workers.peer_auth import refusal
-from workers.ray_group import RayDriver, launch_ray_group
-from workers.worker_group import (
+from loomllm.protocols.peer_auth import refusal
+from loomllm.protocols.rundir import (
+    ensure_private_dir,
+    ensure_socket_dir,
+    unlink_if_ours,
+    workers_dir,
+)
+from loomllm.workers.manager.ray_group import RayDriver, launch_ray_group
+from loomllm.workers.manager.worker_group import (
     LeaseError,
     WorkerGroup,
     WorkerProcess,
@@ -49,7 +54,7 @@ from workers.worker_group import (
     spec_problem,
     stop_rank,
 )
-from workers.zygote_client import Zygote
+from loomllm.workers.manager.zygote_client import Zygote
 
 logger = logging.getLogger(__name__)
 LEASE_TOKEN_BYTES = 32
@@ -392,7 +397,7 @@ class ManagerServer:
             self.shutdown()
 
 
-if __name__ == "__main__":  # `python -m workers.manager ...` is the daemon's command line
-    from workers.manager_cli import main
+if __name__ == "__main__":  # `python -m loomllm.workers.manager.daemon ...` is the daemon's command line
+    from loomllm.workers.manager.cli import main
 
     main()

@@ -2,7 +2,7 @@
 
 The engine-manager is the Ray driver (the user's process never imports ray): it connects
 to an existing cluster (`ray start`) at the spec's address, reserves a placement group of
-one bundle per rank, and starts a RankActor (workers/ray_rank.py) in each bundle. The
+one bundle per rank, and starts a RankActor (workers/worker/ray_rank.py) in each bundle. The
 ranks rendezvous for torch.distributed at rank 0's node over TCP. Each rank's lifeline is
 a TCP connection that the manager opens with a secret given to that actor alone; engines
 attach to each rank's TCP data port with their lease token, as they do locally.
@@ -19,11 +19,16 @@ from typing import Any
 
 import anyio
 
-from protocols.connection import MessageStream
-from protocols.messages import Attach
-from workers.ray_handles import RankHandle, RayPlacement
-from workers.ray_rank import RankActor
-from workers.worker_group import WorkerGroup, WorkerProcess, WorkerStartError, wait_group_ready
+from loomllm.protocols.connection import MessageStream
+from loomllm.protocols.messages import Attach
+from loomllm.workers.manager.ray_handles import RankHandle, RayPlacement
+from loomllm.workers.manager.worker_group import (
+    WorkerGroup,
+    WorkerProcess,
+    WorkerStartError,
+    wait_group_ready,
+)
+from loomllm.workers.worker.ray_rank import RankActor
 
 logger = logging.getLogger(__name__)
 

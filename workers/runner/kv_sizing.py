@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from protocols.messages import PROFILE_WHOLE_CONTEXT
+from loomllm.protocols.messages import PROFILE_WHOLE_CONTEXT
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ def profile_activation_bytes(device: Any, tokens: int, block_size: int, vocab_si
     logits can take (prompt_logprobs)."""
     import torch
 
-    from protocols.messages import CachedRequests, NewRequestData, SchedulerOutput
-    from protocols.sampling import SamplingParams
+    from loomllm.protocols.messages import CachedRequests, NewRequestData, SchedulerOutput
+    from loomllm.protocols.sampling import SamplingParams
 
     sizes = [min(max_model_len, tokens - start) for start in range(0, tokens, max_model_len)]
     blocks = [-(-n // block_size) for n in sizes]

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from workers import attention
-from workers.attention_metadata import max_tiles, prefill_tiles
-from workers.cuda_graphs import capture_buckets, smallest_holding
-from workers.device_copy import device_tensor
+from loomllm.workers.attention import paged as attention
+from loomllm.workers.attention.metadata import max_tiles, prefill_tiles
+from loomllm.workers.device.transfer import device_tensor
+from loomllm.workers.runner.cuda_graphs import capture_buckets, smallest_holding
 
 SMALL_BUCKET, SMALL_STEPS = 64, 512  # fine buckets where padding would cost most
 LARGE_BUCKET = 256

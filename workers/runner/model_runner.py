@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from protocols.messages import (
+from loomllm.protocols.messages import (
     NewRequestData,
     PromptLogprobs,
     RequestError,
@@ -24,28 +24,28 @@ from protocols.messages import (
     StepResult,
     TopLogprobs,
 )
-from protocols.sampling import SamplingParams
-from workers import attention
-from workers.attention_metadata import context_metadata, paged_metadata
-from workers.cuda_graphs import DecodeGraphs
-from workers.device_copy import device_tensor
-from workers.device_idle import DeviceIdleProbe, DeviceTime
-from workers.kv_sizing import kv_geometry
-from workers.mixed_graphs import MAX_MIXED_TOKENS, MixedGraphs
-from workers.pending_step import PendingStep
-from workers.sampler import (
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.workers.attention import paged as attention
+from loomllm.workers.attention.metadata import context_metadata, paged_metadata
+from loomllm.workers.device.idle_probe import DeviceIdleProbe, DeviceTime
+from loomllm.workers.device.transfer import device_tensor
+from loomllm.workers.runner.cuda_graphs import DecodeGraphs
+from loomllm.workers.runner.kv_sizing import kv_geometry
+from loomllm.workers.runner.mixed_graphs import MAX_MIXED_TOKENS, MixedGraphs
+from loomllm.workers.runner.pending_step import PendingStep
+from loomllm.workers.sample.sampler import (
     SamplerOutput,
     SamplingMetadata,
     sample,
     score_prompt_chunks,
 )
-from workers.structured_output import GrammarCompiler, RequestGrammar, fill_bitmasks
-from workers.token_filters import TokenFilters, bad_word_bans
+from loomllm.workers.sample.structured_output import GrammarCompiler, RequestGrammar, fill_bitmasks
+from loomllm.workers.sample.token_filters import TokenFilters, bad_word_bans
 
 logger = logging.getLogger(__name__)
 G = TypeVar("G", DecodeGraphs, MixedGraphs)
 
-# torch: the reference, and the CPU's backend; triton: workers.triton_attention (CUDA).
+# torch: the reference, and the CPU's backend; triton: loomllm.workers.attention.triton_kernels (CUDA).
 ATTENTION_BACKENDS = ("torch", "triton")
 
 
@@ -103,7 +103,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._last: PendingStep | None = None  # the step launched last
         # CUDA's launch returns before the device is done, so the next step can be
-        # launched before this one's tokens are read (workers/worker.py DataServer). On
+        # launched before this one's tokens are read (workers/worker/main.py DataServer). On
         # the CPU a launch computes the whole step: nothing to overlap in the worker.
         self.overlap_launches = device.type == "cuda"
         self.idle_probe: DeviceIdleProbe | None = None  # set by start_idle_probe()

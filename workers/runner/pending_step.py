@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from protocols.messages import PromptLogprobs, RequestError, StepResult, TopLogprobs
+from loomllm.protocols.messages import PromptLogprobs, RequestError, StepResult, TopLogprobs
 
 NOTHING_TO_SAMPLE = ("nothing is left to sample: structured_outputs, allowed_token_ids and "
                      "min_tokens (which bans eos) together exclude every token")

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from protocols.messages import PromptLogprobs
-from protocols.sampling import SamplingParams
-from workers.device_copy import device_tensor, to_device
-from workers.structured_output import apply_bitmask
-from workers.token_filters import TokenFilters, apply_allowed, apply_bias
+from loomllm.protocols.messages import PromptLogprobs
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.workers.device.transfer import device_tensor, to_device
+from loomllm.workers.sample.structured_output import apply_bitmask
+from loomllm.workers.sample.token_filters import TokenFilters, apply_allowed, apply_bias
 
 _GREEDY_EPSILON = 1e-5  # same threshold as SamplingParams.is_greedy
 _F32_MAX = torch.finfo(torch.float32).max

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from protocols.sampling import StructuredOutputsParams
-from workers.device_copy import device_tensor, to_device
+from loomllm.protocols.sampling import StructuredOutputsParams
+from loomllm.workers.device.transfer import device_tensor, to_device
 
 logger = logging.getLogger(__name__)
 

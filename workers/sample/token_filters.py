@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from protocols.sampling import SamplingParams
-from workers.device_copy import device_tensor
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.workers.device.transfer import device_tensor
 
 F32_MAX = torch.finfo(torch.float32).max
 

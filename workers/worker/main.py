@@ -1,6 +1,6 @@
 """Worker process main: load the model, report READY to the manager, serve one engine at a time.
 
-Started only by the manager (`python -m workers.worker ...`). It dies with the manager:
+Started only by the manager (`python -m loomllm.workers.worker.main ...`). It dies with the manager:
 EOF on its lifeline socket ends it cleanly, PR_SET_PDEATHSIG is the backstop. The data
 socket serves only the engine the manager lent the worker to: the one that presents the
 current lease's token. When that engine disconnects (closed, crashed or killed) the worker
@@ -31,10 +31,10 @@ import cloudpickle
 from anyio.abc import Listener, SocketStream, UNIXSocketStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from protocols.connection import MessageStream, receive_request, server_handshake
-from protocols.errors import ProtocolError, VersionMismatchError
-from protocols.framing import DEFAULT_MAX_FRAME_SIZE, OPENING_MAX_FRAME_SIZE
-from protocols.messages import (
+from loomllm.protocols.connection import MessageStream, receive_request, server_handshake
+from loomllm.protocols.errors import ProtocolError, VersionMismatchError
+from loomllm.protocols.framing import DEFAULT_MAX_FRAME_SIZE, OPENING_MAX_FRAME_SIZE
+from loomllm.protocols.messages import (
     Ack,
     Attach,
     CallFailed,
@@ -47,9 +47,9 @@ from protocols.messages import (
     WorkerFailed,
     WorkerReady,
 )
-from workers.peer_auth import describe_peer, refusal
-from workers.pending_step import PendingStep
-from workers.worker_state import Worker
+from loomllm.protocols.peer_auth import describe_peer, refusal
+from loomllm.workers.runner.pending_step import PendingStep
+from loomllm.workers.worker.state import Worker
 
 logger = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -57,7 +57,7 @@ ATTACH_WAIT_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m workers.worker")
+    p = argparse.ArgumentParser(prog="python -m loomllm.workers.worker.main")
     p.add_argument("--model", required=True)
     p.add_argument("--options", default="{}", help="JSON: dtype, device, ...")
     p.add_argument("--rank", type=int, default=0)

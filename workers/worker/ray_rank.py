@@ -1,6 +1,6 @@
-"""A worker rank inside a Ray actor: the life of a local rank (workers/worker.py), over TCP.
+"""A worker rank inside a Ray actor: the life of a local rank (workers/worker/main.py), over TCP.
 
-The manager (workers/ray_group.py) places one RankActor per rank and calls `bind()`, then
+The manager (workers/manager/ray_group.py) places one RankActor per rank and calls `bind()`, then
 `serve()`, which runs until the manager closes the lifeline. The lifeline and the data
 listener are TCP sockets on the actor's node: the manager opens the lifeline with a
 secret only it was given; engines attach to the data port with their lease token.
@@ -19,9 +19,9 @@ from typing import Any
 import anyio
 from anyio.abc import Listener, SocketAttribute, SocketListener, SocketStream, TaskGroup
 
-from protocols.connection import MessageStream, tcp_address
-from protocols.framing import DEFAULT_MAX_FRAME_SIZE, OPENING_MAX_FRAME_SIZE
-from protocols.messages import Attach
+from loomllm.protocols.connection import MessageStream, tcp_address
+from loomllm.protocols.framing import DEFAULT_MAX_FRAME_SIZE, OPENING_MAX_FRAME_SIZE
+from loomllm.protocols.messages import Attach
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ async def _serve(
     lifeline: socket.socket, host: str, secret: bytes, model: str, options_json: str,
     rank: int, world_size: int, dist_init_method: str,
 ) -> int:  # fmt: skip
-    from workers.worker import serve_rank
-    from workers.worker_state import Worker
+    from loomllm.workers.worker.main import serve_rank
+    from loomllm.workers.worker.state import Worker
 
     control = await accept_lifeline(await SocketListener.from_socket(lifeline), secret)
 

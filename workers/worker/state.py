@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocols.messages import ModelInfo
+from loomllm.protocols.messages import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +22,8 @@ class Worker:
     rank: int
     world_size: int
     device: str
-    loaded: Any  # workers.model_loader.LoadedModel
-    runner: Any  # workers.model_runner.ModelRunner
+    loaded: Any  # loomllm.workers.models.loader.LoadedModel
+    runner: Any  # loomllm.workers.runner.model_runner.ModelRunner
     model_info: ModelInfo
     loaded_at: float  # time.time() when the weights finished loading
     # Per-engine state (requests, their KV blocks, user RPC scratch): dropped whenever
@@ -41,7 +41,7 @@ class Worker:
         cache."""
         import torch
 
-        from workers.model_loader import load_model
+        from loomllm.workers.models.loader import load_model
 
         device = options.get("device", "auto")
         if device == "auto":
@@ -91,7 +91,7 @@ class Worker:
             info.load_seconds, runner.num_blocks, runner.block_size,
         )  # fmt: skip
         # The model, its runner and the imports live as long as the worker: out of gc's full
-        # collections, which would otherwise stall a step now and then (runtime/engine.py's
+        # collections, which would otherwise stall a step now and then (runtime/engine/engine.py's
         # _freeze_heap says what that costs in the engine's process). Collected first, so
         # the loading's garbage cycles are not frozen with them.
         gc.collect()
@@ -159,9 +159,9 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     """Size the paged KV cache from the options and build the model runner."""
     import torch
 
-    from workers.kv_sizing import kv_cache_budget, largest_step_tokens
-    from workers.model_runner import ModelRunner
-    from workers.structured_output import GrammarCompiler
+    from loomllm.workers.runner.kv_sizing import kv_cache_budget, largest_step_tokens
+    from loomllm.workers.runner.model_runner import ModelRunner
+    from loomllm.workers.sample.structured_output import GrammarCompiler
 
     block_size = int(options.get("block_size") or DEFAULT_BLOCK_SIZE)
     dtype = getattr(torch, loaded.dtype)  # the model's: weight_dtype leaves it as it is
@@ -173,7 +173,7 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     fast_path = (device.type == "cuda" and backend == "triton" and loaded.tp_size == 1
                  and not options.get("enforce_eager"))  # fmt: skip
     if fast_path:
-        from workers.fused_layers import install_fused_ops
+        from loomllm.workers.models.fused_layers import install_fused_ops
 
         install_fused_ops(loaded.model)  # before the profiling pass: the model as it runs
 
@@ -187,7 +187,7 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     per_block = ModelRunner.bytes_per_block(loaded.config, block_size, dtype, loaded.tp_size)
     budget = kv_cache_budget(loaded, options, block_size, per_block, make_runner)
     # With the Triton backend the runner allocates one block more than this, scratch for
-    # decode graphs (workers/cuda_graphs.py): the budget's bytes plus one block at most.
+    # decode graphs (workers/runner/cuda_graphs.py): the budget's bytes plus one block at most.
     num_blocks = int(budget // per_block)
     if num_blocks < 1:
         where = "kv_cache_memory" if options.get("kv_cache_memory") is not None else (

@@ -1,13 +1,13 @@
 """The zygote: an interpreter with a worker's imports already done, that forks workers.
 
-Importing torch (and transformers' modeling code, for models outside workers.llama_family)
+Importing torch (and transformers' modeling code, for models outside loomllm.workers.models.llama.model)
 takes most of a worker's start (seconds, against well under a second for a tiny model's
 weights), so the manager keeps one of these and asks it for each rank: the fork inherits
-the imports and goes straight to `workers.worker.main`. The zygote never touches CUDA and
+the imports and goes straight to `loomllm.workers.worker.main.main`. The zygote never touches CUDA and
 never runs a torch op, so the fork is safe (no CUDA context, no OpenMP pool, no other
 thread).
 
-Started only by the manager (workers/zygote_client.py), with one end of a SOCK_SEQPACKET
+Started only by the manager (workers/manager/zygote_client.py), with one end of a SOCK_SEQPACKET
 socketpair. Each message from the manager is a JSON list of worker arguments with two
 file descriptors attached (the rank's lifeline socket and its log file); the zygote
 answers {"spawned": pid}, and later {"exited": pid, "code": returncode} for every child
@@ -38,15 +38,15 @@ MAX_MESSAGE = 64 * 1024
 PRELOAD = (
     "torch",
     "safetensors.torch",
-    "workers.worker",
-    "workers.model_loader",
-    "workers.llama_family",
-    "workers.model_runner",
-    "workers.attention",
-    "workers.sampler",
-    "workers.fused_layers",  # the CUDA path's kernels (and triton), where triton is installed
+    "loomllm.workers.worker.main",
+    "loomllm.workers.models.loader",
+    "loomllm.workers.models.llama.model",
+    "loomllm.workers.runner.model_runner",
+    "loomllm.workers.attention.paged",
+    "loomllm.workers.sample.sampler",
+    "loomllm.workers.models.fused_layers",  # the CUDA path's kernels (and triton), where triton is installed
 )
-# What only a model outside workers.llama_family needs (transformers' modeling code: 2.6 of a
+# What only a model outside loomllm.workers.models.llama.model needs (transformers' modeling code: 2.6 of a
 # worker's 4.2 s of imports here, 8-10 of 14.5-18 s on an H100 host) or a GGUF conversion:
 # imported after the zygote is ready, one module at a time while no request waits, from
 # shortly after its first fork on (or LATER_AFTER_S after it is ready), so that a cold
@@ -73,7 +73,7 @@ LATER_AFTER_FORK_S = 0.5
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m workers.zygote")
+    p = argparse.ArgumentParser(prog="python -m loomllm.workers.worker.zygote")
     # The manager's directory is only named so that the zygote and every worker forked
     # from it show it in their command line (ps, and the tests' leak checks).
     p.add_argument("--workdir", required=True)
@@ -186,7 +186,7 @@ class Zygote:
                 os.close(fd)
             self.channel.close()
             logging.root.handlers.clear()  # the worker sets up its own
-            from workers import worker
+            from loomllm.workers.worker import main as worker
 
             parent = ["--control-fd", str(lifeline), "--parent-pid", str(os.getppid())]
             worker.main([*worker_args, *parent])

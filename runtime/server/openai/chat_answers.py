@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.server.reasoning import ReasoningDeltas, split_reasoning
-from runtime.server.schemas import ChatRequest
-from runtime.server.tool_calls import ToolCallDeltas
-from runtime.server.tool_parsers import AutoToolDeltas, finish_reason, split_answer
+from loomllm.server.openai.schemas import ChatRequest
+from loomllm.server.openai.tool_calls import ToolCallDeltas
+from loomllm.server.parsers.reasoning import ReasoningDeltas, split_reasoning
+from loomllm.server.parsers.tool_parsers import AutoToolDeltas, finish_reason, split_answer
 
 Delta = dict[str, Any]
 

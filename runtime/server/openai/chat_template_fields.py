@@ -9,7 +9,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.server.api_error import bad
+from loomllm.server.openai.api_error import bad
 
 FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template",
           "chat_template_kwargs", "documents")  # fmt: skip

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from runtime.server.openapi_requests import Schema, object_of, ref, request_schemas
+from loomllm.server.openai.openapi_requests import Schema, object_of, ref, request_schemas
 
 # "abort": the server shut down mid-request; "tool_calls": tool_choice "required"
 FINISH_REASONS = ["stop", "length", "abort", "tool_calls"]

@@ -11,9 +11,9 @@ import sys
 from collections.abc import Collection
 from typing import Any
 
-from protocols.sampling import MAX_LOGPROBS
-from runtime.server.chat_template_fields import RESERVED_VARIABLES
-from runtime.server.schemas import (
+from loomllm.protocols.sampling import MAX_LOGPROBS
+from loomllm.server.openai.chat_template_fields import RESERVED_VARIABLES
+from loomllm.server.openai.schemas import (
     GUIDED_FIELDS,
     MAX_BAD_WORD_CHARS,
     MAX_BAD_WORDS,
@@ -127,7 +127,7 @@ def _sampling(vocab_size: int, priority: bool, max_model_len: int) -> dict[str, 
 
 
 def _tools(auto: bool) -> dict[str, Schema]:
-    """Chat's tool fields (runtime/server/tool_calls.py): names unique, and (without `auto`)
+    """Chat's tool fields (runtime/server/openai/tool_calls.py): names unique, and (without `auto`)
     tool_choice "auto", the default with tools, is a 400, which a schema cannot say."""
     function = object_of({
         "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
@@ -185,7 +185,7 @@ _STREAM_OPTIONS_RULE = {
 
 
 def _template_fields(template_names: Collection[str], trust_templates: bool) -> dict[str, Schema]:
-    """The chat-template fields (runtime/server/chat_template_fields.py)."""
+    """The chat-template fields (runtime/server/openai/chat_template_fields.py)."""
     if trust_templates:
         template = {"type": ["string", "null"], "minLength": 1,
                     "description": "a template's name, or a template's text"}  # fmt: skip

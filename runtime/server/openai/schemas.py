@@ -12,15 +12,19 @@ from dataclasses import dataclass
 from dataclasses import field as field_of
 from typing import Any
 
-from protocols.sampling import (
+from loomllm.protocols.sampling import (
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
     replace_checked,
 )
-from runtime.server.api_error import ApiError, bad
-from runtime.server.chat_template_fields import TemplateFields, echoed_text, parse_template_fields
-from runtime.server.tool_calls import ToolCalls, parse_tools
+from loomllm.server.openai.api_error import ApiError, bad
+from loomllm.server.openai.chat_template_fields import (
+    TemplateFields,
+    echoed_text,
+    parse_template_fields,
+)
+from loomllm.server.openai.tool_calls import ToolCalls, parse_tools
 
 # Body fields passed to SamplingParams as they are (vLLM's extras included).
 _SAMPLING_FIELDS = {

@@ -14,14 +14,14 @@ from typing import Any
 
 import anyio
 
-from runtime.engine import Engine
-from runtime.errors import EngineClosedError, EngineDeadError, RequestRefusedError
-from runtime.outputs import CompletionOutput, Logprob, RequestOutput
-from runtime.request_stream import RequestStream
-from runtime.server import sse
-from runtime.server.chat_answers import ChatDeltas, chat_message
-from runtime.server.chat_template_fields import TEMPLATE_ERRORS
-from runtime.server.schemas import (
+from loomllm.engine.engine import Engine
+from loomllm.engine.request_stream import RequestStream
+from loomllm.errors import EngineClosedError, EngineDeadError, RequestRefusedError
+from loomllm.outputs import CompletionOutput, Logprob, RequestOutput
+from loomllm.server import sse
+from loomllm.server.openai.chat_answers import ChatDeltas, chat_message
+from loomllm.server.openai.chat_template_fields import TEMPLATE_ERRORS
+from loomllm.server.openai.schemas import (
     MAX_MESSAGE_CHARS,
     ApiError,
     ChatRequest,

@@ -15,8 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from protocols.sampling import StructuredOutputsParams
-from runtime.server.api_error import bad
+from loomllm.protocols.sampling import StructuredOutputsParams
+from loomllm.server.openai.api_error import bad
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function name
 NO_PARAMETERS = {"type": "object", "properties": {}}

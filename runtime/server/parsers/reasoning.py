@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.server.held_text import tag_prefix_length
+from loomllm.server.parsers.held_text import tag_prefix_length
 
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")

@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.server.held_text import tag_prefix_length
-from runtime.server.tool_calls import call_id
+from loomllm.server.openai.tool_calls import call_id
+from loomllm.server.parsers.held_text import tag_prefix_length
 
 START, END = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes",)

@@ -1,4 +1,4 @@
-"""What workers.llama_family runs, read from a config.json without transformers (whose config
+"""What loomllm.workers.models.llama.model runs, read from a config.json without transformers (whose config
 classes import its modeling code): the model's shape, or why it is left to transformers;
 and RoPE's inverse frequencies, computed as transformers computes them.
 
@@ -36,7 +36,7 @@ REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers
 @dataclass(frozen=True, slots=True)
 class DecoderShape:
     """What the model is made of, from config.json; field names as in transformers' configs
-    (workers.kv_sizing.kv_geometry reads them)."""
+    (loomllm.workers.runner.kv_sizing.kv_geometry reads them)."""
 
     architecture: str
     vocab_size: int

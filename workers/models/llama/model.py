@@ -3,15 +3,15 @@
 Why: importing transformers' modeling code (torch._dynamo, torch.distributed.tensor and sympy
 come with it) was most of a cold start's imports: 2.6 of 4.2 s here, 8-10 of 14.5-18 s on
 the H100 host. The model also packs q|k|v and gate|up into one matmul each from the start,
-and on the CUDA path runs the fused kernels of workers.fused_ops, the residual add of each
+and on the CUDA path runs the fused kernels of loomllm.workers.kernels.fused_ops, the residual add of each
 layer inside the next layer's norm, the write of K and V into the cache inside the rotary
 embedding's kernel (in a decode-only step, both inside the decode attention's kernel), and
 (where a worker measured it faster than cuBLAS) the matmuls of steps of a few rows
-through workers.skinny_matmul.
+through loomllm.workers.kernels.skinny_matmul.
 
 The arithmetic is transformers' eager one, rounding for rounding, so greedy tokens match
 HF `generate` (tests/test_llama_family.py, and the parity tests through the engine). Its
-shape comes from workers.llama_config, its weights from workers.llama_weights.
+shape comes from loomllm.workers.models.llama.config, its weights from loomllm.workers.models.llama.weights.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from workers import attention
-from workers.llama_config import DecoderShape
+from loomllm.workers.attention import paged as attention
+from loomllm.workers.models.llama.config import DecoderShape
 
 
 class Linear(torch.nn.Linear):
     """nn.Linear with no initialization: `build` fills the weights (no time spent drawing
     random values that the checkpoint's replace). `skinny`: a few rows run
-    workers.skinny_matmul's kernel (set where it measured faster than cuBLAS). `gated`:
+    loomllm.workers.kernels.skinny_matmul's kernel (set where it measured faster than cuBLAS). `gated`:
     a gate|up projection, whose kernel computes SiLU times up too (what `skinny` was timed
     on)."""
 
@@ -40,7 +40,7 @@ class Linear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_skinny(x):
-            from workers.skinny_matmul import skinny_linear
+            from loomllm.workers.kernels.skinny_matmul import skinny_linear
 
             return skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -49,7 +49,7 @@ class Linear(torch.nn.Linear):
         """Whether `x` goes through the skinny kernel: few enough dense rows, and `skinny`."""
         if not self.skinny:
             return False
-        from workers.skinny_matmul import MAX_ROWS
+        from loomllm.workers.kernels.skinny_matmul import MAX_ROWS
 
         return x.numel() <= MAX_ROWS * x.shape[-1] and x.stride(-1) == 1
 
@@ -77,7 +77,7 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            from workers.fused_ops import rms_norm
+            from loomllm.workers.kernels.fused_ops import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
@@ -89,7 +89,7 @@ class RMSNorm(torch.nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(norm(residual + x), residual + x): a residual add and the norm after it."""
         if self.fused:
-            from workers.fused_ops import add_rms_norm
+            from loomllm.workers.kernels.fused_ops import add_rms_norm
 
             return add_rms_norm(x, residual, self.weight, self.eps)
         total = residual + x
@@ -118,7 +118,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 class Attention(torch.nn.Module):
     def __init__(self, shape: DecoderShape, layer_idx: int) -> None:
         super().__init__()
-        self.layer_idx = layer_idx  # workers.attention finds the layer's KV cache by it
+        self.layer_idx = layer_idx  # loomllm.workers.attention.paged finds the layer's KV cache by it
         self.shape = shape
         size = shape.q_size + 2 * shape.kv_size
         self.qkv_proj = Linear(shape.hidden_size, size, bias=shape.qkv_bias)
@@ -143,7 +143,7 @@ class Attention(torch.nn.Module):
                 return self.o_proj(out.reshape(*tokens, -1))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, D]
         if self.fused_rotary:
-            from workers.fused_ops import rotary
+            from loomllm.workers.kernels.fused_ops import rotary
 
             q, k = rotary(q, k, cos, sin)
         else:
@@ -164,7 +164,7 @@ class Attention(torch.nn.Module):
         embedding and the write of K and V into the cache in one kernel (in a decode-only
         step, the attention's own); None where that kernel does not take them (the caller
         runs the two)."""
-        from workers import fused_ops
+        from loomllm.workers.kernels import fused_ops
 
         k_cache, v_cache = meta.kv_caches[self.layer_idx]
         if not fused_ops.rotary_into_cache_fits(q, k, v, cos, sin, k_cache, v_cache):
@@ -189,13 +189,13 @@ class MLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and self.gate_up_proj.runs_skinny(x):  # the activation in its epilogue
-            from workers.skinny_matmul import skinny_silu_linear
+            from loomllm.workers.kernels.skinny_matmul import skinny_silu_linear
 
             weight, bias = self.gate_up_proj.weight, self.gate_up_proj.bias
             return self.down_proj(skinny_silu_linear(x, weight, bias))
         gate_up = self.gate_up_proj(x)
         if self.fused:
-            from workers.fused_ops import silu_mul
+            from loomllm.workers.kernels.fused_ops import silu_mul
 
             return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, -1)
@@ -278,7 +278,7 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         return CausalLMOutput(self.lm_head(hidden))
 
     def use_fused_kernels(self) -> tuple[int, int]:
-        """Run workers.fused_ops' kernels from now on: (RMSNorm modules, decoder layers)."""
+        """Run loomllm.workers.kernels.fused_ops' kernels from now on: (RMSNorm modules, decoder layers)."""
         norms = [m for m in self.modules() if isinstance(m, RMSNorm)]
         for norm in norms:
             norm.fused = True

@@ -1,4 +1,4 @@
-"""workers.llama_family's model built on a device: its weights from a safetensors checkpoint
+"""loomllm.workers.models.llama.model's model built on a device: its weights from a safetensors checkpoint
 (q|k|v and gate|up packed as they are copied) or drawn at random ("dummy")."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from workers.llama_config import DecoderShape, inverse_frequencies
-from workers.llama_family import LlamaFamilyForCausalLM, RMSNorm
+from loomllm.workers.models.llama.config import DecoderShape, inverse_frequencies
+from loomllm.workers.models.llama.model import LlamaFamilyForCausalLM, RMSNorm
 
 # Checkpoint tensors that are packed here: (our parameter, which part of it).
 _PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -1,0 +1,1 @@
+"""The `loom` command line."""

@@ -1,0 +1,1 @@
+"""The engine: the user's Engine, its replicas, its step loop and its output streams."""

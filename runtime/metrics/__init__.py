@@ -1,0 +1,1 @@
+"""The engine's counters, stats snapshots and step timings."""

@@ -1,0 +1,1 @@
+"""The OpenAI API: request bodies, responses, chat answers, errors and the OpenAPI document."""

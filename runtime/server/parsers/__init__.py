@@ -1,0 +1,1 @@
+"""Readers of a model's own text: tool calls and reasoning, whole or streamed."""

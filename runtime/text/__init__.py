@@ -1,0 +1,1 @@
+"""Text: the tokenizer and chat template, and incremental detokenization."""

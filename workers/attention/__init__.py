@@ -1,0 +1,1 @@
+"""Paged attention: the step's metadata, the torch backend, and the Triton kernels."""

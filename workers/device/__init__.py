@@ -1,0 +1,1 @@
+"""The device a worker runs on: its dtype, host-to-device copies, idle time, CPU features."""

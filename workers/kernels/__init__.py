@@ -1,0 +1,1 @@
+"""Triton kernels for the CUDA path, and the interpreter shim that runs them on a CPU."""

@@ -1,0 +1,1 @@
+"""The engine-manager daemon: launches, watches, lends and reuses worker groups."""
