@@ -147,7 +147,7 @@ def start_sequence(args: argparse.Namespace, model_impl: str) -> float:
             runs += [(f"warm {i + 1}", run_child(model, args, env, model_impl))
                      for i in range(args.warm)]  # fmt: skip
         finally:
-            subprocess.run([sys.executable, "-m", "loomllm.workers.manager.daemon", "stop"], env=env,
+            subprocess.run([sys.executable, "-m", "loomllm.workers.manager", "stop"], env=env,
                            capture_output=True, timeout=120)  # fmt: skip
             if args.logs:  # the worker's log says what the KV profiling pass and capture did
                 socket = Path(env["LOOM_MANAGER_SOCKET"])

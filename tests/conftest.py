@@ -56,7 +56,7 @@ class ManagerHandle:
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "loomllm.workers.manager.daemon", *args],
+            [sys.executable, "-m", "loomllm.workers.manager", *args],
             env=self.env, capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
 

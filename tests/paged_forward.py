@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from loomllm.workers.attention import paged as attention
-from loomllm.workers.attention.metadata import context_metadata, paged_metadata
+from loomllm.workers.attention.metadata import (
+    AttentionMetadata,
+    PrefillRow,
+    context_metadata,
+    paged_metadata,
+)
 
 BLOCK = 16
 
@@ -22,9 +26,9 @@ def paged_logits(model: torch.nn.Module, shape: object, tokens: list[int], backe
               for _ in range(shape.num_hidden_layers)]  # fmt: skip
     blocks = list(range(num_blocks - 1))
     n = len(tokens) - 1
-    prompt_row = attention.PrefillRow(0, n, torch.arange(n))
+    prompt_row = PrefillRow(0, n, torch.arange(n))
 
-    def run(ids: list[int], start: int, meta: attention.AttentionMetadata) -> torch.Tensor:
+    def run(ids: list[int], start: int, meta: AttentionMetadata) -> torch.Tensor:
         with torch.inference_mode():
             return model(input_ids=torch.tensor([ids]),
                          position_ids=torch.arange(start, start + len(ids))[None],

@@ -26,7 +26,7 @@ STARTUP_TIMEOUT_S = 30
 
 
 def _daemon_pids(manager) -> list[int]:
-    """pids of `loomllm.workers.manager.daemon` processes (not workers, not CLI calls) on this socket."""
+    """pids of `loomllm.workers.manager` processes (not workers, not CLI calls) on this socket."""
     pids = []
     for pid in pids_mentioning(str(manager.socket)):
         try:
@@ -34,7 +34,7 @@ def _daemon_pids(manager) -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"loomllm.workers.manager.daemon" in argv:
+        if b"loomllm.workers.manager" in argv:
             pids.append(pid)
     return pids
 
@@ -141,7 +141,7 @@ def test_running_daemon_status_logs_and_permissions(manager):
 
 
 def test_two_starts_at_once_make_one_daemon(manager):
-    command = [sys.executable, "-m", "loomllm.workers.manager.daemon", "start"]
+    command = [sys.executable, "-m", "loomllm.workers.manager", "start"]
     starters = [
         subprocess.Popen(command, env=manager.env, stdout=subprocess.PIPE, text=True)
         for _ in range(2)
@@ -254,7 +254,7 @@ async def test_max_workers_refuses_then_evicts_idle_and_stop_stops_workers(tiny_
 
 def test_sigterm_stops_workers_and_exits_zero(tiny_model, manager, tmp_path):
     read_end, write_end = os.pipe()
-    command = [sys.executable, "-m", "loomllm.workers.manager.daemon", "--socket", str(manager.socket), "serve",
+    command = [sys.executable, "-m", "loomllm.workers.manager", "--socket", str(manager.socket), "serve",
                "--idle-timeout", "-1", "--ready-fd", str(write_end)]  # fmt: skip
     with open(tmp_path / "serve.log", "wb") as log:
         daemon = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,

@@ -55,7 +55,7 @@ GOING_AWAY_PAUSE_S = 0.1
 
 
 def manager_command(socket_path: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "loomllm.workers.manager.daemon", "--socket", str(socket_path), *args]
+    return [sys.executable, "-m", "loomllm.workers.manager", "--socket", str(socket_path), *args]
 
 
 class _ManagerGoingAway(ManagerError):

@@ -10,62 +10,14 @@ loomllm.workers.attention.triton_kernels when the metadata carries their block t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from loomllm.workers.attention.metadata import AttentionMetadata
+
 ATTENTION_NAME = "loom_paged"
-
-
-@dataclass(slots=True)
-class PrefillRow:
-    """A request computing several tokens this step (prompt or chunk of it)."""
-
-    token_start: int  # first of its tokens in the packed batch
-    num_tokens: int
-    context_slots: torch.Tensor  # [seq_len] cache slot of every token of its context
-
-
-@dataclass(slots=True)
-class PagedBatch:
-    """The Triton backend's view of a step: block tables and lengths, int32 on the device.
-
-    Decode rows are the requests computing one token, in decode_token_idx order; prefill
-    rows the others, with where their queries start in the packed batch."""
-
-    block_size: int
-    decode_tables: torch.Tensor  # [Bd, max_blocks]
-    decode_lens: torch.Tensor  # [Bd] context length, this step's token included
-    max_decode_len: int
-    prefill_tables: torch.Tensor  # [P, max_blocks]
-    prefill_q_starts: torch.Tensor  # [P]
-    prefill_q_lens: torch.Tensor  # [P]
-    prefill_lens: torch.Tensor  # [P]
-    prefill_tile_reqs: torch.Tensor  # [N]: the prefill row of each query tile (-1: none)
-    prefill_tile_firsts: torch.Tensor  # [N]: the tile's first query within its row
-    # [>= Bd * KVH] int32 zeros: the decode kernel's split counters, which every layer's
-    # launch leaves zero (triton_attention.decode_attention)
-    decode_split_counts: torch.Tensor
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Everything attention needs for one step, built once per step by the model runner."""
-
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [num_slots, KVH, D]
-    slot_mapping: torch.Tensor  # [T] where each packed token's K/V is written
-    # Requests computing exactly one token, batched: their token index in the packed batch,
-    # their context slots padded to the longest, and which padded entries are real.
-    decode_token_idx: torch.Tensor  # [Bd]
-    decode_slots: torch.Tensor  # [Bd, L]
-    decode_valid: torch.Tensor  # [Bd, L] bool
-    # The same as an additive mask (0 or -inf) in the cache's dtype, built once per step:
-    # SDPA's CPU kernel takes a float mask ~1.5x faster than a bool one.
-    decode_bias: torch.Tensor  # [Bd, 1, 1, L]
-    prefills: list[PrefillRow]
-    paged: PagedBatch | None = None  # set: the Triton kernels attend (the fields above unused)
 
 
 def paged_attention(

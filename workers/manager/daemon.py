@@ -3,7 +3,7 @@
 One anyio program, single-threaded. Each client connection is a task; each worker
 rank has a watcher task; idle groups and the idle manager have expiry timers. Each loan
 of a group to an engine is a lease: a fresh secret the ranks admit and the engine shows.
-Run it as `python -m loomllm.workers.manager.daemon serve` (or `engine-manager start`).
+Run it as `python -m loomllm.workers.manager serve` (or `engine-manager start`).
 """
 
 from __future__ import annotations
@@ -396,8 +396,3 @@ class ManagerServer:
             logger.info("no clients and no workers for %gs: exiting", self.idle_timeout)
             self.shutdown()
 
-
-if __name__ == "__main__":  # `python -m loomllm.workers.manager.daemon ...` is the daemon's command line
-    from loomllm.workers.manager.cli import main
-
-    main()

@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from loomllm.workers.attention import paged as attention
-from loomllm.workers.attention.metadata import split_counters
+from loomllm.workers.attention.metadata import AttentionMetadata, PagedBatch, split_counters
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +144,7 @@ class DecodeGraphs:
         self.lens[n:].fill_(1)
 
     def _forward(self, size: int) -> torch.Tensor:
-        paged = attention.PagedBatch(
+        paged = PagedBatch(
             block_size=self.block_size, decode_tables=self.tables[:size],
             decode_lens=self.lens[:size], max_decode_len=self.max_blocks * self.block_size,
             prefill_tables=self.tables[:0], prefill_q_starts=self.lens[:0],
@@ -154,7 +153,7 @@ class DecodeGraphs:
             decode_split_counts=self.split_counts,
         )  # fmt: skip
         none = self.rows[:0]
-        meta = attention.AttentionMetadata(
+        meta = AttentionMetadata(
             kv_caches=self.kv_caches, slot_mapping=self.slots[:size],
             decode_token_idx=self.rows[:size], decode_slots=none, decode_valid=none.bool(),
             decode_bias=none, prefills=[], paged=paged,

@@ -25,8 +25,12 @@ from typing import Any
 
 import torch
 
-from loomllm.workers.attention import paged as attention
-from loomllm.workers.attention.metadata import max_tiles, prefill_tiles
+from loomllm.workers.attention.metadata import (
+    AttentionMetadata,
+    PagedBatch,
+    max_tiles,
+    prefill_tiles,
+)
 from loomllm.workers.device.transfer import device_tensor
 from loomllm.workers.runner.cuda_graphs import capture_buckets, smallest_holding
 
@@ -159,7 +163,7 @@ class MixedGraphs:
         rows = self._rows(size)
         tiles = max_tiles(size, rows)
         none = self.q_lens[:0]
-        paged = attention.PagedBatch(
+        paged = PagedBatch(
             block_size=self.block_size, decode_tables=self.tables[:0], decode_lens=none,
             max_decode_len=0, prefill_tables=self.tables[:rows],
             prefill_q_starts=self.q_starts[:rows], prefill_q_lens=self.q_lens[:rows],
@@ -167,7 +171,7 @@ class MixedGraphs:
             prefill_tile_firsts=self.tile_firsts[:tiles], decode_split_counts=none,
         )  # fmt: skip
         empty = self.sample_rows[:0]
-        meta = attention.AttentionMetadata(
+        meta = AttentionMetadata(
             kv_caches=self.kv_caches, slot_mapping=self.slots[:size], decode_token_idx=empty,
             decode_slots=empty, decode_valid=empty.bool(), decode_bias=empty, prefills=[],
             paged=paged,

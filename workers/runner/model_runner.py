@@ -26,7 +26,7 @@ from loomllm.protocols.messages import (
 )
 from loomllm.protocols.sampling import SamplingParams
 from loomllm.workers.attention import paged as attention
-from loomllm.workers.attention.metadata import context_metadata, paged_metadata
+from loomllm.workers.attention.metadata import PrefillRow, context_metadata, paged_metadata
 from loomllm.workers.device.idle_probe import DeviceIdleProbe, DeviceTime
 from loomllm.workers.device.transfer import device_tensor
 from loomllm.workers.runner.cuda_graphs import DecodeGraphs
@@ -219,7 +219,7 @@ class ModelRunner:
         decode_idx: list[int] = []
         decode_ctx: list[list[int]] = []
         decode_states: list[CachedRequestState] = []
-        prefills: list[attention.PrefillRow] = []
+        prefills: list[PrefillRow] = []
         prefill_states: list[CachedRequestState] = []
         triton = self.attention_backend == "triton"
         bs = self.block_size
@@ -252,7 +252,7 @@ class ModelRunner:
                     decode_ctx.append(state.slots[:end])
             else:
                 ctx = torch.tensor([] if triton else state.slots[:end], dtype=torch.long)
-                prefills.append(attention.PrefillRow(token_start, num_new, ctx))
+                prefills.append(PrefillRow(token_start, num_new, ctx))
                 prefill_states.append(state)
             if state.sampling_params.prompt_logprobs is not None and not state.output_token_ids:
                 # Position p predicts prompt token p + 1: the last prompt position samples.

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from loomllm.workers.attention import paged as attention
+from loomllm.workers.attention.metadata import AttentionMetadata
 from loomllm.workers.models.llama.config import DecoderShape
 
 
@@ -130,7 +131,7 @@ class Attention(torch.nn.Module):
         self.fused_rotary = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: attention.AttentionMetadata | None) -> torch.Tensor:  # fmt: skip
+                meta: AttentionMetadata | None) -> torch.Tensor:  # fmt: skip
         shape = self.shape
         tokens = x.shape[:-1]
         q, k, v = self.qkv_proj(x).split([shape.q_size, shape.kv_size, shape.kv_size], -1)
@@ -158,7 +159,7 @@ class Attention(torch.nn.Module):
         return self.o_proj(out.reshape(*tokens, -1))
 
     def _rotary_into_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           cos: torch.Tensor, sin: torch.Tensor, meta: attention.AttentionMetadata
+                           cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
                            ) -> torch.Tensor | None:  # fmt: skip
         """The Triton backend's attention [T, H, D] of q, k, v [T, heads, D], the rotary
         embedding and the write of K and V into the cache in one kernel (in a decode-only
@@ -211,7 +212,7 @@ class DecoderLayer(torch.nn.Module):
         self.mlp = MLP(shape)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, meta: attention.AttentionMetadata | None
+                sin: torch.Tensor, meta: AttentionMetadata | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(this layer's MLP output, the residual stream before it): the add of the two is
         left to the next norm, which computes it with its own (one kernel when fused)."""
@@ -258,7 +259,7 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attn_metadata: attention.AttentionMetadata | None = None,
+                attn_metadata: AttentionMetadata | None = None,
                 logits_to_keep: torch.Tensor | None = None, use_cache: bool = False,
                 ) -> CausalLMOutput:  # fmt: skip
         hidden = self.model.embed_tokens(input_ids)

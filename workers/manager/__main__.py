@@ -1,0 +1,5 @@
+"""`python -m loomllm.workers.manager ...`: the daemon's command line (engine-manager)."""
+
+from loomllm.workers.manager.cli import main
+
+main()
