@@ -37,9 +37,9 @@ from loomllm.server.openai.schemas import (
     parse_chat,
     parse_completion,
 )
+from loomllm.server.openai.sse import EventStreamResponse
 from loomllm.server.parsers.reasoning import PARSERS as REASONING_PARSERS
 from loomllm.server.parsers.tool_parsers import PARSERS as TOOL_PARSERS
-from loomllm.server.sse import EventStreamResponse
 from loomllm.server.supervisor import EngineSlot
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from loomllm.engine.engine import Engine
 from loomllm.engine.request_stream import RequestStream
 from loomllm.errors import EngineClosedError, EngineDeadError, RequestRefusedError
 from loomllm.outputs import CompletionOutput, Logprob, RequestOutput
-from loomllm.server import sse
+from loomllm.server.openai import sse
 from loomllm.server.openai.chat_answers import ChatDeltas, chat_message
 from loomllm.server.openai.chat_template_fields import TEMPLATE_ERRORS
 from loomllm.server.openai.schemas import (

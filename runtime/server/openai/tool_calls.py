@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from loomllm.protocols.sampling import StructuredOutputsParams
 from loomllm.server.openai.api_error import bad
+from loomllm.server.parsers.tool_parsers import call_id
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function name
 NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -52,10 +52,6 @@ class ToolCalls:
                 return None  # not the whole array (RecursionError: nested past json's depth)
         return [{"id": call_id(), "type": "function", "function": {"name": name, "arguments": a}}
                 for name, a in pairs]  # fmt: skip
-
-
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def parse_tools(

@@ -13,14 +13,19 @@ by max_tokens, say), is text like any other.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from loomllm.server.openai.tool_calls import call_id
 from loomllm.server.parsers.held_text import tag_prefix_length
 
 START, END = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes",)
+
+
+def call_id() -> str:
+    """A fresh tool call id, in OpenAI's form."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def parse_call(body: str) -> dict[str, Any] | None:
