@@ -55,7 +55,9 @@ GOING_AWAY_PAUSE_S = 0.1
 
 
 def manager_command(socket_path: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "loomllm.workers.manager", "--socket", str(socket_path), *args]
+    # -P keeps the caller's working directory off the daemon's sys.path (and its workers'),
+    # so an app's own protocols.py or workers/ package never shadows loomllm's modules.
+    return [sys.executable, "-P", "-m", "loomllm.workers.manager", "--socket", str(socket_path), *args]
 
 
 class _ManagerGoingAway(ManagerError):

@@ -225,7 +225,7 @@ def _spawn_daemon(args: argparse.Namespace, socket_path: Path) -> int:
         log.replace(log.with_suffix(".log.1"))
     read_end, write_end = os.pipe()
     command = [
-        sys.executable, "-m", "loomllm.workers.manager", "--socket", str(socket_path), "serve",
+        sys.executable, "-P", "-m", "loomllm.workers.manager", "--socket", str(socket_path), "serve",
         "--max-workers", str(args.max_workers), "--max-keep-alive", str(args.max_keep_alive),
         "--idle-timeout", str(args.idle_timeout), "--log-level", args.log_level,
         "--ready-fd", str(write_end),

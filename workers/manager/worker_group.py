@@ -175,7 +175,7 @@ async def launch_rank(
             if process is None:
                 lifeline = ["--control-fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
                 process = await anyio.open_process(
-                    [sys.executable, "-m", "loomllm.workers.worker.main", *args, *lifeline],
+                    [sys.executable, "-P", "-m", "loomllm.workers.worker.main", *args, *lifeline],
                     stdin=DEVNULL,
                     stdout=log,
                     stderr=log,

@@ -108,7 +108,7 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
         command = [
-            sys.executable, "-m", "loomllm.workers.worker.zygote", "--workdir", str(self.workdir),
+            sys.executable, "-P", "-m", "loomllm.workers.worker.zygote", "--workdir", str(self.workdir),
             "--control-fd", str(theirs.fileno()), "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
         try:
