@@ -25,10 +25,16 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "w1", "eos_token": "w2", "unk_token": "w0",
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }))  # fmt: skip
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "w1",
+                "eos_token": "w2",
+                "unk_token": "w0",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -41,8 +47,11 @@ def run_manager() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="loom-bench-", dir="/tmp") as tmp:
         socket = Path(tmp) / "manager.sock"  # /tmp: a Unix socket path is 108 bytes at most
         try:  # `stop` with no daemon running is a no-op
-            subprocess.run(manager_command(socket, "start", "--idle-timeout", "3600"),
-                           check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+            subprocess.run(
+                manager_command(socket, "start", "--idle-timeout", "3600"),
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             yield socket
         finally:
             subprocess.run(manager_command(socket, "stop"), check=False, stdout=subprocess.DEVNULL)

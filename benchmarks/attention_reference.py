@@ -49,8 +49,9 @@ def make_batch(rng, *, num_heads, group, head_dim, block_size, dtype, requests, 
         tables.append(blocks[taken : taken + n])
         taken += n
     width = max(pages)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                device=device)  # fmt: skip
+    block_tables = torch.tensor(
+        [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
+    )
     total = sum(q for _, q in requests)
     q = torch.randn((total, num_heads, head_dim), generator=gen).to(device, dtype)
     return q, k_cache, v_cache, tables, block_tables
@@ -64,9 +65,22 @@ def relative_error(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def mixed_errors(requests, *, num_heads, group, head_dim, block_size, dtype, window, seed,
-                 num_splits=None, decode_max_len=None, one_kernel=False, split_counts=None,
-                 device="cpu"):  # fmt: skip
+def mixed_errors(
+    requests,
+    *,
+    num_heads,
+    group,
+    head_dim,
+    block_size,
+    dtype,
+    window,
+    seed,
+    num_splits=None,
+    decode_max_len=None,
+    one_kernel=False,
+    split_counts=None,
+    device="cpu",
+):
     """Requests computing one token go to the decode kernel, the others to the prefill
     kernel, into one packed output, as the model runner does; each request's relative
     error against the reference: [(index, context length, tokens computed, error)].
@@ -80,9 +94,15 @@ def mixed_errors(requests, *, num_heads, group, head_dim, block_size, dtype, win
 
     rng = random.Random(seed)
     q, k_cache, v_cache, tables, block_tables = make_batch(
-        rng, num_heads=num_heads, group=group, head_dim=head_dim, block_size=block_size,
-        dtype=dtype, requests=requests, device=device,
-    )  # fmt: skip
+        rng,
+        num_heads=num_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        requests=requests,
+        device=device,
+    )
     scale = head_dim**-0.5
     starts = [sum(n for _, n in requests[:i]) for i in range(len(requests))]
     decode = [i for i, (_, n) in enumerate(requests) if n == 1 and not one_kernel]
@@ -98,23 +118,42 @@ def mixed_errors(requests, *, num_heads, group, head_dim, block_size, dtype, win
         q_lens = [requests[i][1] for i in prefill]
         tile_reqs, tile_firsts = prefill_tiles(q_lens, max_tiles(len(q), len(prefill)))
         ta.prefill_attention(
-            q, k_cache, v_cache, block_tables[pick], ints([starts[i] for i in prefill]),
-            ints(q_lens), lens[pick], ints(tile_reqs), ints(tile_firsts), block_size, scale,
-            window, out=out,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            block_tables[pick],
+            ints([starts[i] for i in prefill]),
+            ints(q_lens),
+            lens[pick],
+            ints(tile_reqs),
+            ints(tile_firsts),
+            block_size,
+            scale,
+            window,
+            out=out,
+        )
     if decode:
         pick = torch.tensor(decode, device=device)
         rows = torch.tensor([starts[i] for i in decode], device=device)
         out[rows] = ta.decode_attention(
-            q[rows], k_cache, v_cache, block_tables[pick], lens[pick],
-            decode_max_len or max(requests[i][0] for i in decode), block_size, scale, window,
-            num_splits, split_counts,
-        )  # fmt: skip
+            q[rows],
+            k_cache,
+            v_cache,
+            block_tables[pick],
+            lens[pick],
+            decode_max_len or max(requests[i][0] for i in decode),
+            block_size,
+            scale,
+            window,
+            num_splits,
+            split_counts,
+        )
     out, q, k_cache, v_cache = (t.cpu() for t in (out, q, k_cache, v_cache))
     errors = []
     for i, (seq_len, n) in enumerate(requests):
         rows = slice(starts[i], starts[i] + n)
-        ref = reference(q[rows], k_cache, v_cache, slots_of(tables[i], seq_len, block_size), n,
-                        scale, window)  # fmt: skip
+        ref = reference(
+            q[rows], k_cache, v_cache, slots_of(tables[i], seq_len, block_size), n, scale, window
+        )
         errors.append((i, seq_len, n, relative_error(out[rows], ref)))
     return errors

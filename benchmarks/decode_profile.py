@@ -41,8 +41,10 @@ PROG = "loom bench decode-profile"
 MAX_STEP_TOKENS = 8192  # one step's token budget: the prompts' steps are few
 # The skinny kernel's tilings timed by default: its two defaults first, then wider and
 # narrower programs, longer and shorter loads, more and fewer of them in flight, and warps.
-TILINGS = ("16x256x4x4,16x256x3x4,32x256x4x4,32x128x4x4,16x512x3x4,16x128x6x4,64x128x3x4,"
-           "16x256x4x2,16x256x4x8")
+TILINGS = (
+    "16x256x4x4,16x256x3x4,32x256x4x4,32x128x4x4,16x512x3x4,16x128x6x4,64x128x3x4,"
+    "16x256x4x2,16x256x4x8"
+)
 
 
 def tiling_list(text: str) -> list[Any]:
@@ -52,12 +54,22 @@ def tiling_list(text: str) -> list[Any]:
     try:
         return [Tiling.parse(item) for item in text.split(",") if item]
     except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(f"tilings are block_n x block_k x stages [x warps], "
-                                         f"comma-separated: {exc}") from None  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"tilings are block_n x block_k x stages [x warps], comma-separated: {exc}"
+        ) from None
 
 
-def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, warmup: int, top: int,
-                   device: str, graphs: bool, what: str, prompt_len: int) -> None:  # fmt: skip
+def profile_decode(
+    loaded: Any,
+    batch_sizes: list[int],
+    steps: int,
+    warmup: int,
+    top: int,
+    device: str,
+    graphs: bool,
+    what: str,
+    prompt_len: int,
+) -> None:
     """Profile `steps` decode steps of `loaded` at each batch size, after the prompts' steps
     and `warmup` decode steps; print the wall time a step, the kernels' device time a step
     and the `top` kernels."""
@@ -73,26 +85,38 @@ def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, warmup: int,
 
     cuda = device.startswith("cuda")
     most = max(batch_sizes)
-    runner = ModelRunner(loaded.model, loaded.config, device=torch.device(device),
-                         dtype=torch.bfloat16, block_size=16, num_blocks=most * 40,
-                         attention_backend="triton")  # fmt: skip
+    runner = ModelRunner(
+        loaded.model,
+        loaded.config,
+        device=torch.device(device),
+        dtype=torch.bfloat16,
+        block_size=16,
+        num_blocks=most * 40,
+        attention_backend="triton",
+    )
     if graphs:  # else plain eager steps
         runner.enable_graphs(max_num_seqs=most, max_model_len=600, capture=cuda)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
     for batch in batch_sizes:
-        scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=batch, max_num_batched_tokens=MAX_STEP_TOKENS, max_model_len=600,
-            block_size=16, num_blocks=most * 40))  # fmt: skip
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=batch,
+                max_num_batched_tokens=MAX_STEP_TOKENS,
+                max_model_len=600,
+                block_size=16,
+                num_blocks=most * 40,
+            )
+        )
         # The prompts take several steps when they pass one step's token budget; the first
         # ones done decode meanwhile: a token more each, so every request lasts to the end.
         prompt_steps = -(-batch * prompt_len // MAX_STEP_TOKENS)
-        params = SamplingParams(temperature=0.0, max_tokens=prompt_steps + warmup + steps,
-                                ignore_eos=True)  # fmt: skip
+        params = SamplingParams(
+            temperature=0.0, max_tokens=prompt_steps + warmup + steps, ignore_eos=True
+        )
         for i in range(batch):
             prompt = [3 + (i + j) % 500 for j in range(prompt_len)]
-            scheduler.add_request(Request(f"b{batch}-{i}", prompt, params, frozenset(), 600,
-                                          0.0))  # fmt: skip
+            scheduler.add_request(Request(f"b{batch}-{i}", prompt, params, frozenset(), 600, 0.0))
         step = functools.partial(_step, scheduler, runner, itertools.count())
 
         requests = list(scheduler.requests.values())
@@ -113,16 +137,18 @@ def profile_decode(loaded: Any, batch_sizes: list[int], steps: int, warmup: int,
                 kernels[event.name][0] += event.time_range.elapsed_us() / 1e3 / steps
                 kernels[event.name][1] += 1 / steps
         busy = sum(ms for ms, _ in kernels.values())
-        print(f"\nbatch {batch}, {what}, {'graphs' if graphs else 'eager'}: {wall_ms:.2f} ms a "
-              f"step ({steps} steps, profiled)", end="")  # fmt: skip
+        print(
+            f"\nbatch {batch}, {what}, {'graphs' if graphs else 'eager'}: {wall_ms:.2f} ms a "
+            f"step ({steps} steps, profiled)",
+            end="",
+        )
         if not cuda:  # no device kernels to list
             print(flush=True)
         else:
             print(f", device kernels {busy:.2f} ms a step, {len(kernels)} distinct kernels")
             print("| kernel | ms/step | launches/step | share |\n|---|---|---|---|")
         for name, (ms, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
-            print(f"| {name[:90]} | {ms:.3f} | {count:.0f} | {100 * ms / busy:.1f}% |",
-                  flush=True)  # fmt: skip
+            print(f"| {name[:90]} | {ms:.3f} | {count:.0f} | {100 * ms / busy:.1f}% |", flush=True)
         while scheduler.has_unfinished_requests():  # free the slots for the next size
             step()
 
@@ -137,10 +163,16 @@ def weight_shapes(shape: str) -> dict[str, tuple[int, int]]:
     s = SHAPES[shape]
     hidden, inter = s["hidden_size"], s["intermediate_size"]
     kv = s["num_key_value_heads"] * (hidden // s["num_attention_heads"])
-    return {"q": (hidden, hidden), "k or v": (kv, hidden), "o": (hidden, hidden),
-            "gate or up": (inter, hidden), "down": (hidden, inter),
-            "q|k|v fused": (hidden + 2 * kv, hidden), "gate|up fused": (2 * inter, hidden),
-            "lm_head": (s["vocab_size"], hidden)}  # fmt: skip
+    return {
+        "q": (hidden, hidden),
+        "k or v": (kv, hidden),
+        "o": (hidden, hidden),
+        "gate or up": (inter, hidden),
+        "down": (hidden, inter),
+        "q|k|v fused": (hidden + 2 * kv, hidden),
+        "gate|up fused": (2 * inter, hidden),
+        "lm_head": (s["vocab_size"], hidden),
+    }
 
 
 def timer(device: str, reps: int) -> Any:
@@ -177,13 +209,19 @@ def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int, device: str)
     ops["gate|up, SiLU * up"] = (skinny.linear_silu_mul, skinny.skinny_silu_linear)
     seconds = timer(device, reps)
     copy = copy_bandwidth(device)
-    print(f"\ncopy bandwidth {copy / 1e9:.0f} GB/s (read + write); each matmul alone, GB/s "
-          f"of weights read from memory (copies of a weight, in turn, overflow the L2 cache), "
-          f"cuBLAS (and up to {skinny.MAX_ROWS} rows: Triton's skinny kernel, and cuBLAS's time / "
-          "its); the gate|up projection's row with its activation (cuBLAS then silu_mul's "
-          "kernel, and the skinny kernel with it in its epilogue):")  # fmt: skip
-    print("| weight | [out, in] | " + " | ".join(f"batch {b}" for b in batch_sizes)
-          + " |\n|---|---|" + "---|" * len(batch_sizes))  # fmt: skip
+    print(
+        f"\ncopy bandwidth {copy / 1e9:.0f} GB/s (read + write); each matmul alone, GB/s "
+        f"of weights read from memory (copies of a weight, in turn, overflow the L2 cache), "
+        f"cuBLAS (and up to {skinny.MAX_ROWS} rows: Triton's skinny kernel, and cuBLAS's time / "
+        "its); the gate|up projection's row with its activation (cuBLAS then silu_mul's "
+        "kernel, and the skinny kernel with it in its epilogue):"
+    )
+    print(
+        "| weight | [out, in] | "
+        + " | ".join(f"batch {b}" for b in batch_sizes)
+        + " |\n|---|---|"
+        + "---|" * len(batch_sizes)
+    )
     for name, (out, inp) in weights.items():
         w = torch.randn(out, inp, device=device, dtype=torch.bfloat16)
         theirs, kernel = ops[name]
@@ -209,15 +247,23 @@ def skinny_tilings(shape: str, tilings: list[Any], reps: int, device: str) -> No
     from loomllm.workers.kernels import skinny_matmul as skinny
 
     shapes = weight_shapes(shape)
-    weights = {name: (shapes[name], skinny.skinny_linear) for name in
-               ("q|k|v fused", "o", "down", "lm_head")}  # fmt: skip
+    weights = {
+        name: (shapes[name], skinny.skinny_linear)
+        for name in ("q|k|v fused", "o", "down", "lm_head")
+    }
     weights["gate|up, SiLU * up"] = (shapes["gate|up fused"], skinny.skinny_silu_linear)
     seconds = timer(device, reps)
-    print(f"\nthe skinny kernel's tilings (block_n x block_k x stages x warps; defaults "
-          f"{skinny.PLAIN}, gated {skinny.GATED}): GB/s of weights read at 1 / "
-          f"{skinny.MAX_ROWS} rows")  # fmt: skip
-    print("| weight | [out, in] | " + " | ".join(map(str, tilings)) + " |\n|---|---|"
-          + "---|" * len(tilings))  # fmt: skip
+    print(
+        f"\nthe skinny kernel's tilings (block_n x block_k x stages x warps; defaults "
+        f"{skinny.PLAIN}, gated {skinny.GATED}): GB/s of weights read at 1 / "
+        f"{skinny.MAX_ROWS} rows"
+    )
+    print(
+        "| weight | [out, in] | "
+        + " | ".join(map(str, tilings))
+        + " |\n|---|---|"
+        + "---|" * len(tilings)
+    )
     for name, ((out, inp), kernel) in weights.items():
         w = torch.randn(out, inp, device=device, dtype=torch.bfloat16)
         cells = []
@@ -239,39 +285,60 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 64])
     p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=8,
-                   help="decode steps between the prompts' and the profiled ones")  # fmt: skip
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=8,
+        help="decode steps between the prompts' and the profiled ones",
+    )
     p.add_argument("--prompt-len", type=int, default=200, help="each request's (max 500)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per batch size")
     p.add_argument("--reps", type=int, default=50, help="matmuls per timed graph")
-    p.add_argument("--device", default="cuda",
-                   help="cpu: a smoke test (Triton's interpreter, no graphs, no kernel table)")
-    p.add_argument("--tilings", type=tiling_list, default=TILINGS,
-                   help="the skinny kernel's tilings to time, comma-separated "
-                        "block_n x block_k x stages x warps (none: '')")  # fmt: skip
+    p.add_argument(
+        "--device",
+        default="cuda",
+        help="cpu: a smoke test (Triton's interpreter, no graphs, no kernel table)",
+    )
+    p.add_argument(
+        "--tilings",
+        type=tiling_list,
+        default=TILINGS,
+        help="the skinny kernel's tilings to time, comma-separated "
+        "block_n x block_k x stages x warps (none: '')",
+    )
     args = p.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
         p.error("--warmup must be >= 0 and --steps >= 1")
     import torch
 
     cuda = args.device.startswith("cuda")
-    print(f"{PROG}: {args.shape} on "
-          f"{torch.cuda.get_device_name() if cuda else 'cpu'}, bfloat16")  # fmt: skip
+    print(f"{PROG}: {args.shape} on {torch.cuda.get_device_name() if cuda else 'cpu'}, bfloat16")
     linear_bandwidth(args.shape, args.batch_sizes, args.reps, args.device)
     if args.tilings:
         skinny_tilings(args.shape, args.tilings, args.reps, args.device)
     from loomllm.workers.models.fused_layers import install_fused_ops
     from loomllm.workers.models.loader import load_model
 
-    profile = functools.partial(profile_decode, batch_sizes=args.batch_sizes, steps=args.steps,
-                                warmup=args.warmup, top=args.top, device=args.device,
-                                prompt_len=args.prompt_len)  # fmt: skip
+    profile = functools.partial(
+        profile_decode,
+        batch_sizes=args.batch_sizes,
+        steps=args.steps,
+        warmup=args.warmup,
+        top=args.top,
+        device=args.device,
+        prompt_len=args.prompt_len,
+    )
     with tempfile.TemporaryDirectory(prefix="loom-decode-profile-") as tmp:
         model_dir = write_model_dir(args.shape, Path(tmp))
         # transformers' ops first: the swap cannot be undone. (On the CPU the kernels run
         # in Triton's interpreter, as the Triton attention backend does: TRITON_INTERPRET=1.)
-        loaded = load_model(model_dir, dtype="bfloat16", device=args.device,
-                            load_format="dummy", model_impl="transformers")  # fmt: skip
+        loaded = load_model(
+            model_dir,
+            dtype="bfloat16",
+            device=args.device,
+            load_format="dummy",
+            model_impl="transformers",
+        )
         profile(loaded, graphs=True, what="transformers' ops")
         install_fused_ops(loaded.model)
         profile(loaded, graphs=True, what="fused ops")
@@ -279,8 +346,9 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-        loaded = load_model(model_dir, dtype="bfloat16", device=args.device,
-                            load_format="dummy", model_impl="loom")  # fmt: skip
+        loaded = load_model(
+            model_dir, dtype="bfloat16", device=args.device, load_format="dummy", model_impl="loom"
+        )
     install_fused_ops(loaded.model)
     for graphs in (True, False):
         profile(loaded, graphs=graphs, what="loomllm's model")

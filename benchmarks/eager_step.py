@@ -36,8 +36,14 @@ def step_times(model_dir: str, model_impl: str, batch: int, steps: int) -> float
 
     loaded = load_model(model_dir, dtype="float32", device="cpu", model_impl=model_impl)
     blocks = max(512 // 16, batch * (-(-(steps + 16) // 16)))  # and a whole context
-    runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
-                         dtype=torch.float32, block_size=16, num_blocks=blocks)  # fmt: skip
+    runner = ModelRunner(
+        loaded.model,
+        loaded.config,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        block_size=16,
+        num_blocks=blocks,
+    )
     # Every prompt (3 tokens) in the first step, whatever the batch.
     scheduler = Scheduler(SchedulerConfig(batch, max(1024, 3 * batch), 512, 16, blocks))
     params = SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)
@@ -67,8 +73,14 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)  # the host's own time, not how well the math spreads
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
     with tempfile.TemporaryDirectory(prefix="loom-eager-step-") as tmp:
         torch.manual_seed(0)
@@ -76,11 +88,13 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.rounds):
             for impl in IMPLS:
                 times[impl].append(step_times(str(Path(tmp)), impl, args.batch, args.steps))
-    print(f"{PROG}: {args.layers} layers, batch {args.batch}, CPU, one thread, "
-          f"{args.rounds} rounds")  # fmt: skip
+    print(
+        f"{PROG}: {args.layers} layers, batch {args.batch}, CPU, one thread, {args.rounds} rounds"
+    )
     for impl in IMPLS:
-        print(f"model_impl={impl}: " + ", ".join(f"{t * 1e3:.2f}" for t in times[impl])
-              + " ms a step")  # fmt: skip
+        print(
+            f"model_impl={impl}: " + ", ".join(f"{t * 1e3:.2f}" for t in times[impl]) + " ms a step"
+        )
     ratio = statistics.median(times["transformers"]) / statistics.median(times["loom"])
     print(f"transformers / loom, median step: {ratio:.2f}")
 

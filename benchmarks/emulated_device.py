@@ -44,8 +44,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 PROG = "loom bench emulated"
 
 
-def install(worker: Any, vocab_size: int, base_ms: float, row_ms: float, token_ms: float
-            ) -> None:  # fmt: skip
+def install(worker: Any, vocab_size: int, base_ms: float, row_ms: float, token_ms: float) -> None:
     """Give the worker's runner the emulated device (run on the worker: collective_rpc)."""
     import types
 
@@ -90,8 +89,9 @@ def device_time(worker: Any) -> Any:
     return worker.runner.emulated_probe.result()
 
 
-def run(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace,
-        async_scheduling: bool) -> tuple[float, int, Any, float]:  # fmt: skip
+def run(
+    model: str, work: list[tuple[list[int], int]], args: argparse.Namespace, async_scheduling: bool
+) -> tuple[float, int, Any, float]:
     """(seconds, output tokens, the device's time (`device_time`), turnaround ms) of one
     engine."""
     import anyio
@@ -99,17 +99,24 @@ def run(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace,
     from loomllm import Engine, SamplingParams
 
     async def main() -> tuple[float, int, Any, float]:
-        async with Engine(model, load_format="dummy", dtype="float32", device="cpu",
-                          attention_backend="triton", max_num_seqs=args.max_num_seqs,
-                          keep_alive=0,
-                          kv_cache_memory=args.kv_cache_memory << 20,
-                          manager_socket=args.manager_socket,
-                          async_scheduling=async_scheduling) as engine:  # fmt: skip
+        async with Engine(
+            model,
+            load_format="dummy",
+            dtype="float32",
+            device="cpu",
+            attention_backend="triton",
+            max_num_seqs=args.max_num_seqs,
+            keep_alive=0,
+            kv_cache_memory=args.kv_cache_memory << 20,
+            manager_socket=args.manager_socket,
+            async_scheduling=async_scheduling,
+        ) as engine:
             warm = SamplingParams(max_tokens=2, ignore_eos=True)  # Triton's interpreter
             async for _ in engine.generate({"prompt_token_ids": [5, 6, 7, 8]}, warm):
                 pass
-            await engine.collective_rpc(install, SHAPES["tiny"]["vocab_size"], args.base_ms,
-                                        args.row_ms, args.token_ms)  # fmt: skip
+            await engine.collective_rpc(
+                install, SHAPES["tiny"]["vocab_size"], args.base_ms, args.row_ms, args.token_ms
+            )
             before = engine.stats().step_timings
             elapsed, tokens = await submit_all(engine, work)
             (device,) = await engine.collective_rpc(device_time)
@@ -123,8 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--num-requests", type=int, default=500)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--kv-cache-memory", type=int, default=256, help="MiB of KV cache (the "
-                   "default holds all 256 sequences, as the H100's 26,506 blocks did)")  # fmt: skip
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=256,
+        help="MiB of KV cache (the "
+        "default holds all 256 sequences, as the H100's 26,506 blocks did)",
+    )
     p.add_argument("--async-scheduling", choices=["on", "off", "both"], default="on")
     p.add_argument("--rounds", type=int, default=1, help="engines of each mode, alternated")
     p.add_argument("--base-ms", type=float, default=6.76, help="a step's device time at batch 0")
@@ -147,26 +159,39 @@ def main(argv: list[str] | None = None) -> None:
         # The 8B shape's workload, lengths and all (drawing ids from another vocabulary
         # draws other lengths), its ids folded into the tiny model's vocabulary.
         vocab = SHAPES["tiny"]["vocab_size"]
-        work = [([3 + t % (vocab - 3) for t in prompt], n) for prompt, n in sharegpt_like(
-            args.num_requests, SHAPES["llama-8b"]["vocab_size"], args.seed, args.prompt_mean,
-            args.output_mean)]  # fmt: skip
-        print(f"{len(work)} requests, {sum(len(p) for p, _ in work)} prompt and "
-              f"{sum(n for _, n in work)} output tokens; device step {args.base_ms} ms + "
-              f"{args.row_ms} ms a decode row + {args.token_ms} ms a prompt token")  # fmt: skip
-        print("\n| async scheduling | round | seconds | output tok/s | device steps | with "
-              "prompts | device busy s | ms a decode-only step | ms a step with prompts | "
-              "device idle % | turnaround ms |\n" + "|---" * 11 + "|")  # fmt: skip
+        work = [
+            ([3 + t % (vocab - 3) for t in prompt], n)
+            for prompt, n in sharegpt_like(
+                args.num_requests,
+                SHAPES["llama-8b"]["vocab_size"],
+                args.seed,
+                args.prompt_mean,
+                args.output_mean,
+            )
+        ]
+        print(
+            f"{len(work)} requests, {sum(len(p) for p, _ in work)} prompt and "
+            f"{sum(n for _, n in work)} output tokens; device step {args.base_ms} ms + "
+            f"{args.row_ms} ms a decode row + {args.token_ms} ms a prompt token"
+        )
+        print(
+            "\n| async scheduling | round | seconds | output tok/s | device steps | with "
+            "prompts | device busy s | ms a decode-only step | ms a step with prompts | "
+            "device idle % | turnaround ms |\n" + "|---" * 11 + "|"
+        )
         for round_ in range(1, args.rounds + 1):
             for on in modes:
                 wait_for_no_workers(socket)
                 seconds, tokens, device, turnaround = run(model, work, args, on)
-                print(f"| {'on' if on else 'off'} | {round_} | {seconds:.2f} | "
-                      f"{tokens / seconds:.0f} | {device.steps} | {device.prompt_steps} | "
-                      f"{device.busy_s:.2f} | "
-                      f"{device.decode_only_busy_s * 1e3 / max(device.decode_only_steps, 1):.2f} | "
-                      f"{device.prompt_busy_s * 1e3 / max(device.prompt_steps, 1):.2f} | "
-                      f"{100 * device.idle_fraction:.1f} | {turnaround:.2f} |",
-                      flush=True)  # fmt: skip
+                print(
+                    f"| {'on' if on else 'off'} | {round_} | {seconds:.2f} | "
+                    f"{tokens / seconds:.0f} | {device.steps} | {device.prompt_steps} | "
+                    f"{device.busy_s:.2f} | "
+                    f"{device.decode_only_busy_s * 1e3 / max(device.decode_only_steps, 1):.2f} | "
+                    f"{device.prompt_busy_s * 1e3 / max(device.prompt_steps, 1):.2f} | "
+                    f"{100 * device.idle_fraction:.1f} | {turnaround:.2f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

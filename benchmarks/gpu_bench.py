@@ -41,16 +41,39 @@ from loomllm.benchmarks import run_manager, save_word_tokenizer, wait_for_no_wor
 
 PROG = "loom bench gpu"
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                     rope_theta=500000.0, max_position_embeddings=8192),  # fmt: skip
-    "qwen-0.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                      num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                      rope_theta=1000000.0, max_position_embeddings=8192,
-                      tie_word_embeddings=True),  # fmt: skip
-    "tiny": dict(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 max_position_embeddings=2048),  # fmt: skip
+    "llama-8b": dict(
+        arch="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    ),
+    "qwen-0.5b": dict(
+        arch="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        rope_theta=1000000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        arch="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    ),
 }
 
 
@@ -72,8 +95,14 @@ def write_model_dir(shape: str, path: Path) -> str:
     return str(path)
 
 
-def sharegpt_like(num: int, vocab: int, seed: int, prompt_mean: float = 200,
-                  output_mean: float = 180, longest: int = 2048) -> list[tuple[list[int], int]]:
+def sharegpt_like(
+    num: int,
+    vocab: int,
+    seed: int,
+    prompt_mean: float = 200,
+    output_mean: float = 180,
+    longest: int = 2048,
+) -> list[tuple[list[int], int]]:
     """(prompt token ids, output length) pairs: log-normal lengths (sigma 0.8) with these
     means, as ShareGPT's are long-tailed; prompt + output within `longest`."""
     rng = random.Random(seed)
@@ -85,15 +114,21 @@ def sharegpt_like(num: int, vocab: int, seed: int, prompt_mean: float = 200,
     pairs = []
     for _ in range(num):
         prompt_len = draw(prompt_mean, longest // 2)
-        pairs.append(([rng.randrange(3, vocab) for _ in range(prompt_len)],
-                      draw(output_mean, longest - prompt_len)))  # fmt: skip
+        pairs.append(
+            (
+                [rng.randrange(3, vocab) for _ in range(prompt_len)],
+                draw(output_mean, longest - prompt_len),
+            )
+        )
     return pairs
 
 
 def run_loomllm(
-    model: str, work: list[tuple[list[int], int]], args: argparse.Namespace,
+    model: str,
+    work: list[tuple[list[int], int]],
+    args: argparse.Namespace,
     async_scheduling: bool,
-):  # fmt: skip
+):
     """(seconds, output tokens, the engine's step timings over the run, the device's busy
     and idle time between steps from the worker's DeviceIdleProbe)."""
     import anyio
@@ -101,10 +136,16 @@ def run_loomllm(
     from loomllm import Engine, SamplingParams
 
     async def run() -> tuple[float, int, Any, Any]:
-        async with Engine(model, load_format="dummy", dtype=args.dtype, device=args.device,
-                          max_num_seqs=args.max_num_seqs, keep_alive=0,
-                          manager_socket=args.manager_socket,
-                          async_scheduling=async_scheduling) as engine:  # fmt: skip
+        async with Engine(
+            model,
+            load_format="dummy",
+            dtype=args.dtype,
+            device=args.device,
+            max_num_seqs=args.max_num_seqs,
+            keep_alive=0,
+            manager_socket=args.manager_socket,
+            async_scheduling=async_scheduling,
+        ) as engine:
             warm = SamplingParams(max_tokens=4, ignore_eos=True)
             async with engine.generate({"prompt_token_ids": work[0][0]}, warm) as stream:
                 async for _ in stream:
@@ -158,10 +199,29 @@ def run_served(model: str, work: list[tuple[list[int], int]], args: argparse.Nam
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "loomllm.cli.main", "serve", model, "--port", str(port),
-           "--served-model-name", "m", "--load-format", "dummy", "--dtype", args.dtype,
-           "--device", args.device, "--max-num-seqs", str(args.max_num_seqs),
-           "--keep-alive", "0", "--manager-socket", str(args.manager_socket)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "loomllm.cli.main",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "m",
+        "--load-format",
+        "dummy",
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--keep-alive",
+        "0",
+        "--manager-socket",
+        str(args.manager_socket),
+    ]
     log_path = Path(model) / "serve.log"  # a file, not a pipe: nobody reads it meanwhile
     base = f"http://127.0.0.1:{port}"
     server: subprocess.Popen | None = None
@@ -183,8 +243,13 @@ def run_served(model: str, work: list[tuple[list[int], int]], args: argparse.Nam
 
             async def one(prompt: list[int], n: int) -> None:
                 nonlocal tokens
-                body = {"model": "m", "prompt": prompt, "max_tokens": n, "ignore_eos": True,
-                        "temperature": 0.0}  # fmt: skip
+                body = {
+                    "model": "m",
+                    "prompt": prompt,
+                    "max_tokens": n,
+                    "ignore_eos": True,
+                    "temperature": 0.0,
+                }
                 response = await client.post("/v1/completions", json=body)
                 response.raise_for_status()
                 tokens += response.json()["usage"]["completion_tokens"]
@@ -206,20 +271,27 @@ def run_served(model: str, work: list[tuple[list[int], int]], args: argparse.Nam
 
 def single_stream_loomllm(
     model: str, prompt: list[int], n: int, args: argparse.Namespace, enforce_eager: bool
-):  # fmt: skip
+):
     """(decode seconds per token of one request alone, after its first token; the device's
     busy and idle time between the steps of that request, from the worker's probe)."""
     import anyio
 
     from loomllm import Engine, RequestOutputKind, SamplingParams
 
-    params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0,
-                            output_kind=RequestOutputKind.DELTA)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=n, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA
+    )
 
     async def run() -> tuple[float, Any]:
-        async with Engine(model, load_format="dummy", dtype=args.dtype, device=args.device,
-                          keep_alive=0, manager_socket=args.manager_socket,
-                          enforce_eager=enforce_eager) as engine:  # fmt: skip
+        async with Engine(
+            model,
+            load_format="dummy",
+            dtype=args.dtype,
+            device=args.device,
+            keep_alive=0,
+            manager_socket=args.manager_socket,
+            enforce_eager=enforce_eager,
+        ) as engine:
             for warm_up in (True, False):
                 if not warm_up:
                     await engine.collective_rpc(lambda worker: worker.runner.start_idle_probe())
@@ -241,10 +313,12 @@ def workload_ceiling(work: list[tuple[list[int], int]], per_token: float) -> str
     longest = max(n for _, n in work)
     seconds = (longest - 1) * per_token
     tokens = sum(n for _, n in work)
-    return (f"the workload's longest request decodes {longest} tokens, one step after another: "
-            f"at this stream's {per_token * 1e3:.2f} ms a step that is {seconds:.2f} s at "
-            f"least, so at most {tokens / seconds:.0f} output tok/s for the {len(work)} "
-            f"requests, however they are batched")  # fmt: skip
+    return (
+        f"the workload's longest request decodes {longest} tokens, one step after another: "
+        f"at this stream's {per_token * 1e3:.2f} ms a step that is {seconds:.2f} s at "
+        f"least, so at most {tokens / seconds:.0f} output tok/s for the {len(work)} "
+        f"requests, however they are batched"
+    )
 
 
 def load_hf(model: str, args: argparse.Namespace):
@@ -268,11 +342,18 @@ def run_hf_generate(hf, work: list[tuple[list[int], int]], batch: int) -> tuple[
             chunk = work[i : i + batch]
             longest = max(len(p) for p, _ in chunk)
             ids = torch.tensor([[0] * (longest - len(p)) + p for p, _ in chunk], device=hf.device)
-            mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in chunk],
-                                device=hf.device)  # fmt: skip
+            mask = torch.tensor(
+                [[0] * (longest - len(p)) + [1] * len(p) for p, _ in chunk], device=hf.device
+            )
             most = max(n for _, n in chunk)
-            hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=most,
-                        min_new_tokens=most, pad_token_id=0)  # fmt: skip
+            hf.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=most,
+                min_new_tokens=most,
+                pad_token_id=0,
+            )
     _sync(hf.device)
     return time.perf_counter() - start, sum(n for _, n in work)
 
@@ -281,8 +362,9 @@ def run_hf_continuous(hf, work: list[tuple[list[int], int]]) -> tuple[float, int
     """transformers' continuous batching, each request with its own max_new_tokens."""
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
-                              max_new_tokens=max(n for _, n in work))  # fmt: skip
+    config = GenerationConfig(
+        do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(n for _, n in work)
+    )
     options = {}
     if hf.device.type == "cpu":
         # transformers sizes its cache by the device's free memory: on a CPU, the host's RAM,
@@ -350,30 +432,35 @@ def _sync(device: Any) -> None:
 
 def print_steps(async_on: bool, timings: Any, device: Any) -> None:
     ms = timings.per_step_ms()
-    print(f"async scheduling {'on' if async_on else 'off'}: {timings.num_steps} engine steps, "
-          f"{ms['total']:.2f} ms each, {ms['outside_forward']:.2f} ms of it in the engine "
-          f"(schedule, IPC, output; overlapped with the forward when on), "
-          f"{ms['turnaround']:.2f} ms from a reply in to the next step out; the device idled "
-          f"{100 * device.idle_fraction:.1f}% between steps "
-          f"({device.idle_s * 1e3 / max(device.steps - 1, 1):.3f} ms a gap, "
-          f"{device.busy_s * 1e3 / max(device.steps, 1):.2f} ms busy a step); "
-          f"{device.eager_steps} of {device.steps} steps ran eager, "
-          f"{device.eager_busy_s * 1e3 / max(device.eager_steps, 1):.2f} ms each, "
-          f"{100 * device.eager_busy_s / max(device.busy_s, 1e-12):.0f}% of the busy time; "
-          f"{device.prompt_steps} steps computed prompt tokens, "
-          f"{device.prompt_busy_s * 1e3 / max(device.prompt_steps, 1):.2f} ms each, the "
-          f"{device.decode_only_steps} decode-only ones "
-          f"{device.decode_only_busy_s * 1e3 / max(device.decode_only_steps, 1):.2f} ms each; "
-          f"{device.stalls} gaps of 1 ms or more, "
-          f"{100 * device.stall_s / max(device.idle_s, 1e-12):.0f}% of the idle time "
-          f"(longest {device.longest_gap_s * 1e3:.1f} ms)",
-          flush=True)  # fmt: skip
+    print(
+        f"async scheduling {'on' if async_on else 'off'}: {timings.num_steps} engine steps, "
+        f"{ms['total']:.2f} ms each, {ms['outside_forward']:.2f} ms of it in the engine "
+        f"(schedule, IPC, output; overlapped with the forward when on), "
+        f"{ms['turnaround']:.2f} ms from a reply in to the next step out; the device idled "
+        f"{100 * device.idle_fraction:.1f}% between steps "
+        f"({device.idle_s * 1e3 / max(device.steps - 1, 1):.3f} ms a gap, "
+        f"{device.busy_s * 1e3 / max(device.steps, 1):.2f} ms busy a step); "
+        f"{device.eager_steps} of {device.steps} steps ran eager, "
+        f"{device.eager_busy_s * 1e3 / max(device.eager_steps, 1):.2f} ms each, "
+        f"{100 * device.eager_busy_s / max(device.busy_s, 1e-12):.0f}% of the busy time; "
+        f"{device.prompt_steps} steps computed prompt tokens, "
+        f"{device.prompt_busy_s * 1e3 / max(device.prompt_steps, 1):.2f} ms each, the "
+        f"{device.decode_only_steps} decode-only ones "
+        f"{device.decode_only_busy_s * 1e3 / max(device.decode_only_steps, 1):.2f} ms each; "
+        f"{device.stalls} gaps of 1 ms or more, "
+        f"{100 * device.stall_s / max(device.idle_s, 1e-12):.0f}% of the idle time "
+        f"(longest {device.longest_gap_s * 1e3:.1f} ms)",
+        flush=True,
+    )
 
 
 def row(name: str, seconds: float, tokens: int, ours: float) -> None:
     """One row of the results table."""
-    print(f"| {name} | {seconds:.1f} | {tokens} | {tokens / seconds:.0f} | "
-          f"{ours / (tokens / seconds):.2f} |", flush=True)  # fmt: skip
+    print(
+        f"| {name} | {seconds:.1f} | {tokens} | {tokens / seconds:.0f} | "
+        f"{ours / (tokens / seconds):.2f} |",
+        flush=True,
+    )
 
 
 # stream: one stream with graphs and with enforce_eager; eager: the enforce_eager one alone.
@@ -400,23 +487,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-mean", type=float, default=180)
     p.add_argument("--stream-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip", type=parts, default=set(),
-                   help=f"parts not to run, of {','.join(PARTS)} (serve needs starlette and "
-                        "hypercorn: make gpu-wheels); loomllm with async on always runs: "
-                        "the ratios' base")  # fmt: skip
+    p.add_argument(
+        "--skip",
+        type=parts,
+        default=set(),
+        help=f"parts not to run, of {','.join(PARTS)} (serve needs starlette and "
+        "hypercorn: make gpu-wheels); loomllm with async on always runs: "
+        "the ratios' base",
+    )
     args = p.parse_args(argv)
     import torch
 
-    device_name = (torch.cuda.get_device_name() if args.device.startswith("cuda")
-                   else "cpu")  # fmt: skip
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     with tempfile.TemporaryDirectory(prefix="loom-gpu-bench-") as tmp, run_manager() as socket:
         args.manager_socket = socket  # every engine of the run, and loom serve's
         model = write_model_dir(args.shape, Path(tmp))
-        work = sharegpt_like(args.num_requests, SHAPES[args.shape]["vocab_size"], args.seed,
-                             args.prompt_mean, args.output_mean)  # fmt: skip
+        work = sharegpt_like(
+            args.num_requests,
+            SHAPES[args.shape]["vocab_size"],
+            args.seed,
+            args.prompt_mean,
+            args.output_mean,
+        )
         prompt_tokens = sum(len(p) for p, _ in work)
-        print(f"{args.shape} on {device_name}, {args.dtype}: {len(work)} requests, "
-              f"{prompt_tokens} prompt and {sum(n for _, n in work)} output tokens")  # fmt: skip
+        print(
+            f"{args.shape} on {device_name}, {args.dtype}: {len(work)} requests, "
+            f"{prompt_tokens} prompt and {sum(n for _, n in work)} output tokens"
+        )
         ours_rows = []
         # Before each part: the last engine's worker gone, and its GPU memory with it.
         settle = functools.partial(wait_for_no_workers, socket)
@@ -439,8 +536,11 @@ def main(argv: list[str] | None = None) -> None:
             settle()
             hf = load_hf(model, args)
             if "generate" not in args.skip:
-                row(f"transformers generate (padded, {args.hf_batch} a batch)",
-                    *run_hf_generate(hf, work, args.hf_batch), ours)  # fmt: skip
+                row(
+                    f"transformers generate (padded, {args.hf_batch} a batch)",
+                    *run_hf_generate(hf, work, args.hf_batch),
+                    ours,
+                )
             if "continuous" not in args.skip:
                 row("transformers continuous batching", *run_hf_continuous(hf, work), ours)
             del hf  # and its cached blocks: the next engine's worker sizes its KV cache
@@ -456,16 +556,19 @@ def main(argv: list[str] | None = None) -> None:
         streams = [] if "stream" in args.skip else [False] + [True] * ("eager" not in args.skip)
         for eager in streams:
             settle()
-            per_token, device = single_stream_loomllm(model, work[0][0], args.stream_tokens,
-                                                      args, eager)  # fmt: skip
-            print(f"\none stream{', enforce_eager' if eager else ''}: {1 / per_token:.1f} "
-                  f"tok/s ({per_token * 1e3:.2f} ms/token); bandwidth limit {limit:.1f} tok/s; "
-                  f"{100 / per_token / limit:.0f}% of it; the device busy "
-                  f"{device.busy_s * 1e3 / max(device.steps, 1):.2f} ms a step (the "
-                  f"prompt's among {device.steps}), idle "
-                  f"{100 * device.idle_fraction:.1f}% between steps "
-                  f"({device.idle_s * 1e3 / max(device.steps - 1, 1):.3f} ms a gap, "
-                  f"{device.stalls} of 1 ms or more)")  # fmt: skip
+            per_token, device = single_stream_loomllm(
+                model, work[0][0], args.stream_tokens, args, eager
+            )
+            print(
+                f"\none stream{', enforce_eager' if eager else ''}: {1 / per_token:.1f} "
+                f"tok/s ({per_token * 1e3:.2f} ms/token); bandwidth limit {limit:.1f} tok/s; "
+                f"{100 / per_token / limit:.0f}% of it; the device busy "
+                f"{device.busy_s * 1e3 / max(device.steps, 1):.2f} ms a step (the "
+                f"prompt's among {device.steps}), idle "
+                f"{100 * device.idle_fraction:.1f}% between steps "
+                f"({device.idle_s * 1e3 / max(device.steps - 1, 1):.3f} ms a gap, "
+                f"{device.stalls} of 1 ms or more)"
+            )
             if not eager:
                 print(workload_ceiling(work, per_token), flush=True)
 

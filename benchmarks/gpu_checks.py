@@ -67,19 +67,27 @@ def check_kernels(device: str, num_batches: int, longest: int) -> tuple[bool | N
             requests.append((seq_len, rng.choice([1, 1, 1, rng.randint(1, min(seq_len, 512))])))
         for dtype in worst:
             errors = mixed_errors(
-                requests, num_heads=group * rng.choice([2, 4, 8]), group=group,
-                head_dim=rng.choice([64, 128]), block_size=rng.choice([16, 32]), dtype=dtype,
-                window=rng.choice([None, None, 256]), seed=seed, device=device,
+                requests,
+                num_heads=group * rng.choice([2, 4, 8]),
+                group=group,
+                head_dim=rng.choice([64, 128]),
+                block_size=rng.choice([16, 32]),
+                dtype=dtype,
+                window=rng.choice([None, None, 256]),
+                seed=seed,
+                device=device,
                 one_kernel=seed % 2 == 1,  # every other batch as a mixed-step graph runs it
                 num_splits=1 if seed % 3 == 0 else None,  # the decodes' output, unmerged
                 split_counts=counts,
-            )  # fmt: skip
+            )
             worst[dtype] = max(worst[dtype], *(err for *_, err in errors))
     zeroed = not counts.any().item()
     ok = zeroed and all(worst[dtype] < TOLERANCE[dtype] for dtype in worst)
-    return ok, (f"{num_batches} random batches: worst relative error fp32 "
-                f"{worst[torch.float32]:.2e} (< 1e-4), bf16 {worst[torch.bfloat16]:.2e} "
-                f"(< 1e-2); the decodes' split counters left zero: {zeroed}")  # fmt: skip
+    return ok, (
+        f"{num_batches} random batches: worst relative error fp32 "
+        f"{worst[torch.float32]:.2e} (< 1e-4), bf16 {worst[torch.bfloat16]:.2e} "
+        f"(< 1e-2); the decodes' split counters left zero: {zeroed}"
+    )
 
 
 def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]:
@@ -100,9 +108,15 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
     loaded = load_model(model, dtype="bfloat16", device=device, load_format="dummy")
     runs = []
     for capture in (True, False):
-        runner = ModelRunner(loaded.model, loaded.config, device=torch.device(device),
-                             dtype=torch.bfloat16, block_size=16, num_blocks=1024,
-                             attention_backend="triton")  # fmt: skip
+        runner = ModelRunner(
+            loaded.model,
+            loaded.config,
+            device=torch.device(device),
+            dtype=torch.bfloat16,
+            block_size=16,
+            num_blocks=1024,
+            attention_backend="triton",
+        )
         install_fused_ops(loaded.model)  # as a worker runs it (worker_state.py)
         runner.enable_graphs(max_num_seqs=64, max_model_len=4096, capture=capture)
         graphs = (runner.decode_graphs, runner.mixed_graphs)
@@ -133,10 +147,12 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
     same = runs[0] == runs[1]
     steps = len(runs[0])
     replayed = device_time.steps - device_time.eager_steps
-    return same and zeroed, (f"{steps} steps ({replayed} replayed decode or mixed-step "
-                             f"graphs), captured vs padded eager: "
-                             f"{'identical' if same else 'DIFFER'}; the decode graphs' split "
-                             f"counters left zero: {zeroed}")  # fmt: skip
+    return same and zeroed, (
+        f"{steps} steps ({replayed} replayed decode or mixed-step "
+        f"graphs), captured vs padded eager: "
+        f"{'identical' if same else 'DIFFER'}; the decode graphs' split "
+        f"counters left zero: {zeroed}"
+    )
 
 
 def check_fused(model: str, device: str, vocab: int, longest: int) -> tuple[bool | None, str]:
@@ -183,29 +199,36 @@ def check_fused(model: str, device: str, vocab: int, longest: int) -> tuple[bool
     norm = modeling_llama.LlamaRMSNorm(hidden, eps=1e-6).to(device).bfloat16()
     norm.weight.data.normal_()
     norm_ulps, norm_share = ulps([fused_ops.rms_norm(x, norm.weight, 1e-6)], [norm(x)])
-    add_ulps, add_share = ulps(fused_ops.add_rms_norm(x, residual, norm.weight, 1e-6),
-                               [norm(residual + x), residual + x])  # fmt: skip
+    add_ulps, add_share = ulps(
+        fused_ops.add_rms_norm(x, residual, norm.weight, 1e-6), [norm(residual + x), residual + x]
+    )
     gate_up = randn(tokens, 2 * config.intermediate_size) * 4
     gate, up = gate_up.chunk(2, -1)
-    silu_ulps, silu_share = ulps([fused_ops.silu_mul(gate_up)],
-                                 [torch.nn.functional.silu(gate) * up])  # fmt: skip
+    silu_ulps, silu_share = ulps(
+        [fused_ops.silu_mul(gate_up)], [torch.nn.functional.silu(gate) * up]
+    )
     q = randn(1, tokens, heads, dim).transpose(1, 2)
     k = randn(1, tokens, kv_heads, dim).transpose(1, 2)
     rope = modeling_llama.LlamaRotaryEmbedding(config).to(device)
     cos, sin = rope(q, torch.arange(tokens, device=device)[None] * 7)
     # transformers' own function, should an earlier check have swapped the kernel in.
-    reference = getattr(modeling_llama.apply_rotary_pos_emb, "__wrapped__",
-                        modeling_llama.apply_rotary_pos_emb)  # fmt: skip
-    rope_ulps, rope_share = ulps(fused_ops.rotary(q, k, cos, sin),
-                                 reference(q, k, cos, sin))  # fmt: skip
+    reference = getattr(
+        modeling_llama.apply_rotary_pos_emb, "__wrapped__", modeling_llama.apply_rotary_pos_emb
+    )
+    rope_ulps, rope_share = ulps(fused_ops.rotary(q, k, cos, sin), reference(q, k, cos, sin))
     into_cache_same = _rotary_into_cache_is_the_pair(randn, cos[0], sin[0], heads, kv_heads, dim)
     rotating_same = _rotating_decode_is_the_pair(randn, heads, kv_heads, dim, longest)
     gated_same = _gated_is_the_pair(randn, config.intermediate_size, hidden)
-    skinny = _skinny_error_ratio(randn, {
-        "q|k|v": (heads * dim + 2 * kv_heads * dim, hidden), "o": (hidden, heads * dim),
-        "gate|up": (2 * config.intermediate_size, hidden),
-        "down": (hidden, config.intermediate_size), "lm_head": (config.vocab_size, hidden),
-    })  # fmt: skip
+    skinny = _skinny_error_ratio(
+        randn,
+        {
+            "q|k|v": (heads * dim + 2 * kv_heads * dim, hidden),
+            "o": (hidden, heads * dim),
+            "gate|up": (2 * config.intermediate_size, hidden),
+            "down": (hidden, config.intermediate_size),
+            "lm_head": (config.vocab_size, hidden),
+        },
+    )
     with torch.device(device):
         exact = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     half = copy.deepcopy(exact).bfloat16()
@@ -219,8 +242,9 @@ def check_fused(model: str, device: str, vocab: int, longest: int) -> tuple[bool
         return ((out - reference).norm() / reference.norm()).item()
 
     with torch.no_grad():
-        references = {x.shape[1]: exact.eval()(x, use_cache=False).logits.float()
-                      for x in (ids, few)}  # fmt: skip
+        references = {
+            x.shape[1]: exact.eval()(x, use_cache=False).logits.float() for x in (ids, few)
+        }
         stock, stock_few = error(), error(few)
         fused_model = install_fused_ops(half)
         fused = error()
@@ -228,8 +252,9 @@ def check_fused(model: str, device: str, vocab: int, longest: int) -> tuple[bool
         shape, why_not = llama_config.read_shape(Path(model) / "config.json")
         if shape is None:
             return False, f"loomllm.workers.models.llama.model does not run {model}: {why_not}"
-        half = llama_weights.build(shape, torch.bfloat16, torch.device(device), Path(model),
-                                  "dummy")  # fmt: skip
+        half = llama_weights.build(
+            shape, torch.bfloat16, torch.device(device), Path(model), "dummy"
+        )
         llama_weights.copy_weights(half, exact.state_dict().items())
         own_fused = install_fused_ops(half)
         own = error()
@@ -239,26 +264,37 @@ def check_fused(model: str, device: str, vocab: int, longest: int) -> tuple[bool
         own_few = error(few)
     if not all(fused_model):
         return False, f"not all fused in {type(exact).__name__}: {fused_model}"
-    ok = (norm_ulps <= 1 and add_ulps <= 1 and rope_share == 0 and silu_ulps <= 1
-          and into_cache_same and rotating_same and skinny <= 1.5 and gated_same
-          and fused <= 1.5 * stock
-          and all(own_fused)
-          and own <= 1.5 * stock and own_few <= 1.5 * stock_few)  # fmt: skip
-    return ok, (f"RMSNorm within {norm_ulps:.2f} units in the last place ({norm_share:.2%} of "
-                f"elements differ), add + RMSNorm {add_ulps:.2f} ({add_share:.2%}), rotary "
-                f"{rope_ulps:.2f} ({rope_share:.2%}), rotary into the KV cache against rotary "
-                f"then write_kv: {'identical' if into_cache_same else 'DIFFER'}, the decode "
-                f"kernel rotating q and writing K/V itself against it then the decode: "
-                f"{'identical' if rotating_same else 'DIFFER'}, the skinny "
-                f"matmul's error against float64 at most x{skinny:.2f} cuBLAS's, with SiLU * "
-                f"up in its epilogue against it then silu_mul: "
-                f"{'identical' if gated_same else 'DIFFER'}, "
-                f"SiLU * up {silu_ulps:.2f} "
-                f"({silu_share:.2%}); {fused_model.layers} layers packed; bf16 logits against "
-                f"float32: relative error {fused:.2e} fused, {stock:.2e} with transformers' "
-                f"ops, {own:.2e} in loomllm.workers.models.llama.model's model with the kernels "
-                f"({own_fused.layers} layers); at 8 rows {own_few:.2e} in it with every matmul "
-                f"through the skinny kernel, {stock_few:.2e} with transformers' ops")  # fmt: skip
+    ok = (
+        norm_ulps <= 1
+        and add_ulps <= 1
+        and rope_share == 0
+        and silu_ulps <= 1
+        and into_cache_same
+        and rotating_same
+        and skinny <= 1.5
+        and gated_same
+        and fused <= 1.5 * stock
+        and all(own_fused)
+        and own <= 1.5 * stock
+        and own_few <= 1.5 * stock_few
+    )
+    return ok, (
+        f"RMSNorm within {norm_ulps:.2f} units in the last place ({norm_share:.2%} of "
+        f"elements differ), add + RMSNorm {add_ulps:.2f} ({add_share:.2%}), rotary "
+        f"{rope_ulps:.2f} ({rope_share:.2%}), rotary into the KV cache against rotary "
+        f"then write_kv: {'identical' if into_cache_same else 'DIFFER'}, the decode "
+        f"kernel rotating q and writing K/V itself against it then the decode: "
+        f"{'identical' if rotating_same else 'DIFFER'}, the skinny "
+        f"matmul's error against float64 at most x{skinny:.2f} cuBLAS's, with SiLU * "
+        f"up in its epilogue against it then silu_mul: "
+        f"{'identical' if gated_same else 'DIFFER'}, "
+        f"SiLU * up {silu_ulps:.2f} "
+        f"({silu_share:.2%}); {fused_model.layers} layers packed; bf16 logits against "
+        f"float32: relative error {fused:.2e} fused, {stock:.2e} with transformers' "
+        f"ops, {own:.2e} in loomllm.workers.models.llama.model's model with the kernels "
+        f"({own_fused.layers} layers); at 8 rows {own_few:.2e} in it with every matmul "
+        f"through the skinny kernel, {stock_few:.2e} with transformers' ops"
+    )
 
 
 def _skinny_error_ratio(randn: Any, shapes: dict[str, tuple[int, int]]) -> float:
@@ -275,9 +311,13 @@ def _skinny_error_ratio(randn: Any, shapes: dict[str, tuple[int, int]]) -> float
         for rows in (1, MAX_ROWS):
             x = randn(rows, in_features)
             ref = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
-            errors = [((out.double() - ref).norm() / ref.norm()).item()
-                      for out in (skinny_linear(x, weight, bias),
-                                  torch.nn.functional.linear(x, weight, bias))]  # fmt: skip
+            errors = [
+                ((out.double() - ref).norm() / ref.norm()).item()
+                for out in (
+                    skinny_linear(x, weight, bias),
+                    torch.nn.functional.linear(x, weight, bias),
+                )
+            ]
             worst = max(worst, errors[0] / max(errors[1], 1e-12))
             del ref
     return worst
@@ -293,12 +333,14 @@ def _gated_is_the_pair(randn: Any, inter: int, hidden: int) -> bool:
 
     weight = randn(2 * inter, hidden) * hidden**-0.5  # gate values around 1: SiLU's bend
     xs = [randn(rows, hidden) for rows in (1, MAX_ROWS)]
-    return all(torch.equal(skinny_silu_linear(x, weight), silu_mul(skinny_linear(x, weight)))
-               for x in xs)  # fmt: skip
+    return all(
+        torch.equal(skinny_silu_linear(x, weight), silu_mul(skinny_linear(x, weight))) for x in xs
+    )
 
 
-def _rotating_decode_is_the_pair(randn: Any, heads: int, kv_heads: int, dim: int,
-                                 longest: int) -> bool:  # fmt: skip
+def _rotating_decode_is_the_pair(
+    randn: Any, heads: int, kv_heads: int, dim: int, longest: int
+) -> bool:
     """Whether the decode kernel given q and the new K/V unrotated (it rotates them and
     writes K and V into their slots) leaves the output and both caches as
     fused_ops.rotary_into_cache then the decode kernel do: 8 requests of 1 to 2,047 tokens
@@ -312,31 +354,42 @@ def _rotating_decode_is_the_pair(randn: Any, heads: int, kv_heads: int, dim: int
     bs, device = 16, randn(1).device
     pages = [-(-n // bs) for n in lens]
     order = torch.randperm(sum(pages) + 2).tolist()
-    tables = [order[sum(pages[:i]): sum(pages[: i + 1])] for i in range(len(lens))]
+    tables = [order[sum(pages[:i]) : sum(pages[: i + 1])] for i in range(len(lens))]
     width = max(pages)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                device=device)  # fmt: skip
+    block_tables = torch.tensor(
+        [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
+    )
     caches = [randn((sum(pages) + 2) * bs, kv_heads, dim) for _ in range(2)]
     qkv = randn(len(lens), (heads + 2 * kv_heads) * dim)
-    q, k, v = (t.view(len(lens), -1, dim)
-               for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))  # fmt: skip
+    q, k, v = (
+        t.view(len(lens), -1, dim)
+        for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    )
     pos = torch.tensor(lens, device=device) - 1
     angles = pos[:, None] * 500000.0 ** (-torch.arange(0, dim, 2, device=device) / dim)
     cos, sin = (f(torch.cat([angles, angles], -1)).bfloat16() for f in (torch.cos, torch.sin))
-    slots = torch.tensor([t[p // bs] * bs + p % bs
-                          for t, p in zip(tables, pos.tolist(), strict=True)], device=device)
-    args = (block_tables, torch.tensor(lens, dtype=torch.int32, device=device), max(lens), bs,
-            dim**-0.5)  # fmt: skip
+    slots = torch.tensor(
+        [t[p // bs] * bs + p % bs for t, p in zip(tables, pos.tolist(), strict=True)], device=device
+    )
+    args = (
+        block_tables,
+        torch.tensor(lens, dtype=torch.int32, device=device),
+        max(lens),
+        bs,
+        dim**-0.5,
+    )
     pair = [c.clone() for c in caches]
     q_rot = fused_ops.rotary_into_cache(q, k, v, cos, sin, *pair, slots)
     expected = triton_attention.decode_attention(q_rot, *pair, *args)
     out = triton_attention.decode_attention(q, *caches, *args, new_kv=(k, v, cos, sin, slots))
     return torch.equal(out, expected) and all(
-        torch.equal(c, p) for c, p in zip(caches, pair, strict=True))
+        torch.equal(c, p) for c, p in zip(caches, pair, strict=True)
+    )
 
 
-def _rotary_into_cache_is_the_pair(randn: Any, cos: Any, sin: Any, heads: int, kv_heads: int,
-                                   dim: int) -> bool:  # fmt: skip
+def _rotary_into_cache_is_the_pair(
+    randn: Any, cos: Any, sin: Any, heads: int, kv_heads: int, dim: int
+) -> bool:
     """Whether fused_ops.rotary_into_cache leaves q and a large cache (slots near its end
     too) exactly as the rotary kernel then triton_attention.write_kv do, on q, k, v views of
     one packed projection as loomllm's model makes them."""
@@ -347,19 +400,25 @@ def _rotary_into_cache_is_the_pair(randn: Any, cos: Any, sin: Any, heads: int, k
 
     tokens = cos.shape[0]
     qkv = randn(tokens, (heads + 2 * kv_heads) * dim)
-    q, k, v = (t.view(tokens, -1, dim)
-               for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))  # fmt: skip
+    q, k, v = (
+        t.view(tokens, -1, dim)
+        for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    )
     num_slots = 2**16 if qkv.is_cuda else 2 * tokens
     slots = torch.randperm(num_slots, device=qkv.device)[:tokens]
     slots[-1] = num_slots - 1
     caches = [randn(num_slots, kv_heads, dim) for _ in range(2)]
     caches += [c.clone() for c in caches]
     out_q = fused_ops.rotary_into_cache(q, k, v, cos, sin, caches[0], caches[1], slots)
-    ref_q, ref_k = fused_ops.rotary(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None],
-                                    sin[None])  # fmt: skip
+    ref_q, ref_k = fused_ops.rotary(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None]
+    )
     triton_attention.write_kv(ref_k[0].transpose(0, 1), v, caches[2], caches[3], slots)
-    return (torch.equal(out_q, ref_q[0].transpose(0, 1)) and torch.equal(caches[0], caches[2])
-            and torch.equal(caches[1], caches[3]))  # fmt: skip
+    return (
+        torch.equal(out_q, ref_q[0].transpose(0, 1))
+        and torch.equal(caches[0], caches[2])
+        and torch.equal(caches[1], caches[3])
+    )
 
 
 def check_engines(
@@ -372,12 +431,21 @@ def check_engines(
     from loomllm import Engine, SamplingParams
 
     rng = random.Random(2)
-    work = [([rng.randrange(3, vocab) for _ in range(rng.randint(4, 400))], rng.randint(8, 96))
-            for _ in range(num_requests)]  # fmt: skip
+    work = [
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(4, 400))], rng.randint(8, 96))
+        for _ in range(num_requests)
+    ]
 
     async def run(**options: Any) -> list[list[int]]:
-        async with Engine(model, load_format="dummy", dtype="float32", device=device,
-                          keep_alive=0, manager_socket=socket, **options) as engine:  # fmt: skip
+        async with Engine(
+            model,
+            load_format="dummy",
+            dtype="float32",
+            device=device,
+            keep_alive=0,
+            manager_socket=socket,
+            **options,
+        ) as engine:
             tokens: list[list[int]] = [[] for _ in work]
 
             async def one(i: int) -> None:
@@ -403,9 +471,14 @@ def check_engines(
             results[name] = anyio.run(lambda o=options: run(**o))
     reference = results["async off, eager"]
     differ = [name for name, tokens in results.items() if tokens != reference]
-    return not differ, (f"{num_requests} requests, {len(variants)} engines: "
-                        + (f"{', '.join(differ)} differ from async off, eager" if differ
-                           else "identical greedy tokens"))  # fmt: skip
+    return not differ, (
+        f"{num_requests} requests, {len(variants)} engines: "
+        + (
+            f"{', '.join(differ)} differ from async off, eager"
+            if differ
+            else "identical greedy tokens"
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -425,13 +498,17 @@ def main(argv: list[str] | None = None) -> None:
         model = write_model_dir(args.shape, Path(tmp))
         vocab = SHAPES[args.shape]["vocab_size"]
         checks = [
-            ("Triton kernels", lambda: check_kernels(args.device, args.kernel_batches,
-                                                     args.longest)),
+            (
+                "Triton kernels",
+                lambda: check_kernels(args.device, args.kernel_batches, args.longest),
+            ),
             ("fused kernels", lambda: check_fused(model, args.device, vocab, args.longest)),
             ("decode CUDA graphs", lambda: check_graphs(model, args.device, vocab)),
-            ("engines, async scheduling and graphs on/off",
-             lambda: check_engines(model, args.device, vocab, args.requests)),
-        ]  # fmt: skip
+            (
+                "engines, async scheduling and graphs on/off",
+                lambda: check_engines(model, args.device, vocab, args.requests),
+            ),
+        ]
         for title, check in checks:
             started = time.monotonic()
             try:
@@ -442,8 +519,7 @@ def main(argv: list[str] | None = None) -> None:
                 ok, detail = False, f"{type(exc).__name__}: {exc}"
             failed |= ok is False
             word = "SKIP" if ok is None else "PASS" if ok else "FAIL"
-            print(f"{word}  {title}: {detail} ({time.monotonic() - started:.0f} s)",
-                  flush=True)  # fmt: skip
+            print(f"{word}  {title}: {detail} ({time.monotonic() - started:.0f} s)", flush=True)
     sys.exit(1 if failed else 0)
 
 

@@ -56,31 +56,76 @@ def plan(device: str, big: str, small: str, logs: Path, kernel_cache: Path) -> l
     figures, then what explains them, then what was measured before."""
     on = ["--device", device]
     return [
-        Step("check", "kernels, graphs and engines against their references",
-             bench("gpu-check", *on, "--shape", small), 120),
+        Step(
+            "check",
+            "kernels, graphs and engines against their references",
+            bench("gpu-check", *on, "--shape", small),
+            120,
+        ),
         # Without the async-off run and the enforce_eager stream (~60 s): neither is a target,
         # and both were measured before (RESULTS.md).
-        Step("throughput", "workload (a) with async scheduling; one stream with graphs",
-             bench("gpu", *on, "--shape", big,
-                   "--skip", "async-off,serve,continuous,generate,eager"), 120),  # fmt: skip
+        Step(
+            "throughput",
+            "workload (a) with async scheduling; one stream with graphs",
+            bench(
+                "gpu", *on, "--shape", big, "--skip", "async-off,serve,continuous,generate,eager"
+            ),
+            120,
+        ),
         # An empty Triton cache: the cold start compiles every kernel, as a machine's first
         # start does (the steps before would otherwise have compiled them).
-        Step("start", "cold start and warm attaches, the imports timed",
-             bench("start", *on, "--shape", big, "--import-times", "--warm", "2",
-                   "--logs", str(logs / "start")),
-             90, env={"TRITON_CACHE_DIR": str(kernel_cache)}),  # fmt: skip
-        Step("profile", "a decode step's kernels, each matmul's bandwidth, the skinny "
-             "kernel's tilings",
-             bench("decode-profile", *on, "--shape", big, "--batch-sizes", "1,8,64,256"), 120),
-        Step("small", "workload (a) at the small shape, where the host may bound it",
-             bench("gpu", *on, "--shape", small,
-                   "--skip", "async-off,serve,generate,continuous,stream"), 60),  # fmt: skip
-        Step("baseline", "loomllm against transformers' continuous batching, 128 requests",
-             bench("gpu", *on, "--shape", big, "--num-requests", "128",
-                   "--skip", "async-off,serve,generate,stream"), 240),  # fmt: skip
-        Step("serve", "workload (a) through loom serve",
-             bench("gpu", *on, "--shape", big, "--skip", "async-off,generate,continuous,stream"),
-             120),  # fmt: skip
+        Step(
+            "start",
+            "cold start and warm attaches, the imports timed",
+            bench(
+                "start",
+                *on,
+                "--shape",
+                big,
+                "--import-times",
+                "--warm",
+                "2",
+                "--logs",
+                str(logs / "start"),
+            ),
+            90,
+            env={"TRITON_CACHE_DIR": str(kernel_cache)},
+        ),
+        Step(
+            "profile",
+            "a decode step's kernels, each matmul's bandwidth, the skinny kernel's tilings",
+            bench("decode-profile", *on, "--shape", big, "--batch-sizes", "1,8,64,256"),
+            120,
+        ),
+        Step(
+            "small",
+            "workload (a) at the small shape, where the host may bound it",
+            bench(
+                "gpu", *on, "--shape", small, "--skip", "async-off,serve,generate,continuous,stream"
+            ),
+            60,
+        ),
+        Step(
+            "baseline",
+            "loomllm against transformers' continuous batching, 128 requests",
+            bench(
+                "gpu",
+                *on,
+                "--shape",
+                big,
+                "--num-requests",
+                "128",
+                "--skip",
+                "async-off,serve,generate,stream",
+            ),
+            240,
+        ),
+        Step(
+            "serve",
+            "workload (a) through loom serve",
+            bench("gpu", *on, "--shape", big, "--skip", "async-off,generate,continuous,stream"),
+            120,
+        ),
     ]
 
 
@@ -94,9 +139,15 @@ def run_step(step: Step, log: Path, limit_s: float, env: dict[str, str]) -> None
     with log.open("w") as out:
         # SIGINT back to its default in the step: a session started in the background
         # inherits it ignored, and Python then never raises KeyboardInterrupt for it.
-        proc = subprocess.Popen(step.argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**env, **step.env}, start_new_session=True,
-                                preexec_fn=_default_sigint)  # fmt: skip
+        proc = subprocess.Popen(
+            step.argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**env, **step.env},
+            start_new_session=True,
+            preexec_fn=_default_sigint,
+        )
         try:
             rc = proc.wait(timeout=limit_s)
             step.status = "ok" if rc == 0 else f"failed (exit {rc})"
@@ -113,9 +164,14 @@ def run_step(step: Step, log: Path, limit_s: float, env: dict[str, str]) -> None
     step.output = log.read_text(errors="replace")
 
 
-def run_steps(steps: Sequence[Step], logs: Path, budget_s: float, env: dict[str, str],
-              after: Callable[[Step], None] = lambda step: None,
-              clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+def run_steps(
+    steps: Sequence[Step],
+    logs: Path,
+    budget_s: float,
+    env: dict[str, str],
+    after: Callable[[Step], None] = lambda step: None,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
     """Each step in turn while the budget lasts, `after` called once each has run: one that
     needs more than is left is skipped; once one is interrupted, so are the rest (the budget
     is spent)."""
@@ -132,15 +188,26 @@ def run_steps(steps: Sequence[Step], logs: Path, budget_s: float, env: dict[str,
 def machine_lines(env: dict[str, str]) -> list[str]:
     """What the figures were measured on: the device, the driver, the packages."""
     lines = []
-    for argv in (["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                  "--format=csv,noheader"],  # fmt: skip
-                 [sys.executable, "-c", "import sys, torch, triton, transformers; "
-                  "print('python', sys.version.split()[0], '| torch', torch.__version__, "
-                  "'| triton', triton.__version__, '| transformers', transformers.__version__)"],
-                 ["nproc"], ["git", "rev-parse", "--short", "HEAD"]):  # fmt: skip
+    for argv in (
+        [
+            "nvidia-smi",
+            "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+            "--format=csv,noheader",
+        ],
+        [
+            sys.executable,
+            "-c",
+            "import sys, torch, triton, transformers; "
+            "print('python', sys.version.split()[0], '| torch', torch.__version__, "
+            "'| triton', triton.__version__, '| transformers', transformers.__version__)",
+        ],
+        ["nproc"],
+        ["git", "rev-parse", "--short", "HEAD"],
+    ):
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                                  env=env)  # fmt: skip
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
+            )
             text = (done.stdout or done.stderr).strip() or f"exit {done.returncode}"
         except (OSError, subprocess.TimeoutExpired) as exc:
             text = f"unavailable ({type(exc).__name__})"
@@ -154,26 +221,48 @@ def install_wheels(wheels: Path, site: Path, env: dict[str, str]) -> str:
     found = sorted(wheels.glob("*.whl"))
     if not found:
         return f"no wheels in {wheels}: the packages there are used as they are"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                    "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site),
-                    *map(str, found)], check=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            str(site),
+            *map(str, found),
+        ],
+        check=True,
+        timeout=300,
+    )
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     return f"{len(found)} wheels installed from {wheels}"
 
 
 def table(steps: Sequence[Step]) -> str:
-    return "\n".join(["| step | what | status | seconds |", "|---|---|---|---|"]
-                     + [f"| {s.name} | {s.what} | {s.status} | {s.seconds:.0f} |"
-                        for s in steps])  # fmt: skip
+    return "\n".join(
+        ["| step | what | status | seconds |", "|---|---|---|---|"]
+        + [f"| {s.name} | {s.what} | {s.status} | {s.seconds:.0f} |" for s in steps]
+    )
 
 
 def write_results(out: Path, steps: Sequence[Step], header: list[str], logs: Path) -> None:
     """summary.md and logs.tar.gz as they stand: rewritten after each step, so that a call
     cut off by its own time limit still brings back the steps it finished."""
-    outputs = [f"## {s.name}: {s.status}\n\n`{' '.join(s.argv[3:])}`\n\n```\n"
-               f"{s.output.strip()[-8000:]}\n```" for s in steps if s.output]  # fmt: skip
-    (out / "summary.md").write_text("\n\n".join(["# GPU session", "\n".join(header),
-                                                 table(steps), *outputs]) + "\n")  # fmt: skip
+    outputs = [
+        f"## {s.name}: {s.status}\n\n`{' '.join(s.argv[3:])}`\n\n```\n"
+        f"{s.output.strip()[-8000:]}\n```"
+        for s in steps
+        if s.output
+    ]
+    (out / "summary.md").write_text(
+        "\n\n".join(["# GPU session", "\n".join(header), table(steps), *outputs]) + "\n"
+    )
     with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
         tar.add(logs, arcname="logs")
 
@@ -181,8 +270,12 @@ def write_results(out: Path, steps: Sequence[Step], header: list[str], logs: Pat
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-session"))
-    p.add_argument("--budget", type=float, default=540,
-                   help="seconds for all the steps; a step is started only while its need fits")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=540,
+        help="seconds for all the steps; a step is started only while its need fits",
+    )
     p.add_argument("--steps", help="comma-separated names: run only these, in plan order")
     p.add_argument("--device", default="cuda")
     p.add_argument("--big", default="llama-8b", help="the shape of the headline figures")
@@ -207,9 +300,11 @@ def main(argv: list[str] | None = None) -> None:
         logs.mkdir()
         args.out.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        header = [f"- budget: {args.budget:.0f} s",
-                  f"- wheels: {install_wheels(args.wheels, work / 'site', env)}",
-                  *machine_lines(env)]  # fmt: skip
+        header = [
+            f"- budget: {args.budget:.0f} s",
+            f"- wheels: {install_wheels(args.wheels, work / 'site', env)}",
+            *machine_lines(env),
+        ]
         print("\n".join(header), flush=True)
 
         def after(step: Step) -> None:
@@ -220,8 +315,10 @@ def main(argv: list[str] | None = None) -> None:
 
         run_steps(steps, logs, args.budget, env, after)
         write_results(args.out, steps, header, logs)
-    print(f"\n{table(steps)}\n{args.out / 'summary.md'}: each step's output; "
-          f"logs.tar.gz: the whole logs")  # fmt: skip
+    print(
+        f"\n{table(steps)}\n{args.out / 'summary.md'}: each step's output; "
+        f"logs.tar.gz: the whole logs"
+    )
     # Skipped steps (the budget) are in the table; a failed or interrupted one is an error.
     sys.exit(1 if any(s.status.startswith(("failed", "interrupted")) for s in steps) else 0)
 

@@ -75,10 +75,17 @@ class Census:
         limit = SHARED_LIMIT.get(self.arch)
         out = [f"{v.kernel} ({v.step}): {v.error}" for v in self.variants if v.error]
         if limit is not None:
-            out += [f"{v.kernel} ({v.step}): {v.shared} bytes of shared memory, sm_{self.arch} "
-                    f"has {limit}" for v in self.variants if v.shared > limit]  # fmt: skip
-        out += [f"{v.kernel} ({v.step}): {v.stack} bytes of stack, spilled registers"
-                for v in self.variants if v.stack]  # fmt: skip
+            out += [
+                f"{v.kernel} ({v.step}): {v.shared} bytes of shared memory, sm_{self.arch} "
+                f"has {limit}"
+                for v in self.variants
+                if v.shared > limit
+            ]
+        out += [
+            f"{v.kernel} ({v.step}): {v.stack} bytes of stack, spilled registers"
+            for v in self.variants
+            if v.stack
+        ]
         return out
 
 
@@ -117,22 +124,26 @@ def compile_only(arch: int) -> Iterator[Census]:
             compiled = compile_launch(kernel, *args, grid=grid, warmup=True, **kwargs)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"[:2000]
-            census.variants.append(Variant(census.step, kernel.fn.__name__,
-                                           time.perf_counter() - started, error=error))  # fmt: skip
+            census.variants.append(
+                Variant(census.step, kernel.fn.__name__, time.perf_counter() - started, error=error)
+            )
             raise
         if len(kernel.device_caches[0][0]) > cached:  # a new variant, not a cache hit
             seen.append(kernel)
-            census.variants.append(_described(compiled, census, kernel.fn.__name__,
-                                              time.perf_counter() - started))  # fmt: skip
+            census.variants.append(
+                _described(compiled, census, kernel.fn.__name__, time.perf_counter() - started)
+            )
         return compiled
 
     previous = driver._active  # reset_active() would look for a GPU driver, and find none
     driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
     try:
         # An empty cache of compiled kernels: each variant compiles here, and is timed.
-        with tempfile.TemporaryDirectory(prefix="loom-triton-") as cache, \
-                mock.patch.dict(os.environ, {"TRITON_CACHE_DIR": cache}), \
-                mock.patch.object(JITFunction, "run", run):  # fmt: skip
+        with (
+            tempfile.TemporaryDirectory(prefix="loom-triton-") as cache,
+            mock.patch.dict(os.environ, {"TRITON_CACHE_DIR": cache}),
+            mock.patch.object(JITFunction, "run", run),
+        ):
             yield census
     finally:
         driver._active = previous
@@ -150,8 +161,7 @@ def _described(compiled: Any, census: Census, name: str, seconds: float) -> Vari
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        done = subprocess.run([str(tool), "-res-usage", cubin.name], capture_output=True,
-                              text=True)  # fmt: skip
+        done = subprocess.run([str(tool), "-res-usage", cubin.name], capture_output=True, text=True)
     usage = re.search(r"REG:(\d+) STACK:(\d+)", done.stdout)
     if usage:
         variant.registers, variant.stack = int(usage[1]), int(usage[2])
@@ -226,8 +236,7 @@ def worker_start(shape: str, model_impl: str, census: Census) -> None:
         config.layer_types = config.layer_types[:1]
     with tempfile.TemporaryDirectory(prefix="loom-compile-") as model_dir:
         config.save_pretrained(model_dir)
-        loaded = load_model(model_dir, dtype="bfloat16", load_format="dummy",
-                            model_impl=model_impl)  # fmt: skip
+        loaded = load_model(model_dir, dtype="bfloat16", load_format="dummy", model_impl=model_impl)
     with cpu_as_cuda_start(census):
         install_fused_ops(loaded.model)
         for module in loaded.model.modules():
@@ -235,41 +244,58 @@ def worker_start(shape: str, model_impl: str, census: Census) -> None:
                 module.skinny = True
 
         def make_runner(num_blocks: int) -> ModelRunner:
-            return ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
-                               dtype=torch.bfloat16, block_size=BLOCK_SIZE,
-                               num_blocks=num_blocks, attention_backend="triton")  # fmt: skip
+            return ModelRunner(
+                loaded.model,
+                loaded.config,
+                device=torch.device("cpu"),
+                dtype=torch.bfloat16,
+                block_size=BLOCK_SIZE,
+                num_blocks=num_blocks,
+                attention_backend="triton",
+            )
 
         step_tokens = kv_sizing.largest_step_tokens({}, loaded.max_model_len)
         census.step = "profile"
-        kv_sizing.profile_activation_bytes(torch.device("cpu"), step_tokens, BLOCK_SIZE, VOCAB,
-                                           loaded.max_model_len, make_runner)  # fmt: skip
+        kv_sizing.profile_activation_bytes(
+            torch.device("cpu"), step_tokens, BLOCK_SIZE, VOCAB, loaded.max_model_len, make_runner
+        )
         # Room for the longest context: decode graphs size their split-K for it.
         runner = make_runner(-(-loaded.max_model_len // BLOCK_SIZE) + 1)
-        runner.enable_graphs(MAX_NUM_SEQS, loaded.max_model_len, capture=True,
-                             max_step_tokens=step_tokens)  # fmt: skip
+        runner.enable_graphs(
+            MAX_NUM_SEQS, loaded.max_model_len, capture=True, max_step_tokens=step_tokens
+        )
 
 
 def print_census(label: str, census: Census) -> None:
     limit = SHARED_LIMIT.get(census.arch, "?")
-    print(f"\n{label}, sm_{census.arch}: {len(census.variants)} variants, "
-          f"{sum(v.seconds for v in census.variants):.2f} s of compiling here")  # fmt: skip
-    print(f"| first launched by | kernel | compile s | shared bytes (of {limit}) | registers "
-          "| stack bytes |")  # fmt: skip
+    print(
+        f"\n{label}, sm_{census.arch}: {len(census.variants)} variants, "
+        f"{sum(v.seconds for v in census.variants):.2f} s of compiling here"
+    )
+    print(
+        f"| first launched by | kernel | compile s | shared bytes (of {limit}) | registers "
+        "| stack bytes |"
+    )
     print("|---|---|---|---|---|---|")
     for v in census.variants:
         if v.error:
             print(f"| {v.step} | {v.kernel} | FAILED | | | |")
         else:
-            print(f"| {v.step} | {v.kernel} | {v.seconds:.2f} | {v.shared} | {v.registers} "
-                  f"| {v.stack} |")  # fmt: skip
+            print(
+                f"| {v.step} | {v.kernel} | {v.seconds:.2f} | {v.shared} | {v.registers} "
+                f"| {v.stack} |"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama-8b", help="comma-separated: llama-8b, qwen-0.5b, tiny")
     p.add_argument("--model-impl", default="auto", help="comma-separated: auto, transformers")
-    p.add_argument("--arch", default="90", help="comma-separated compute capabilities: 90 "
-                   "(H100), 89, 86, 80 (A100)")  # fmt: skip
+    p.add_argument(
+        "--arch",
+        default="90",
+        help="comma-separated compute capabilities: 90 (H100), 89, 86, 80 (A100)",
+    )
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("Triton's interpreter compiles nothing: run without TRITON_INTERPRET=1")

@@ -33,17 +33,22 @@ def make_prompts(num: int, mean_len: int, vocab: int, seed: int) -> list[list[in
 
 
 def run_loomllm(
-    prompts: list[list[int]], output_len: int, dtype: str, weight_dtype: str | None = None,
+    prompts: list[list[int]],
+    output_len: int,
+    dtype: str,
+    weight_dtype: str | None = None,
     model_impl: str = "auto",
 ) -> tuple[float, int]:
     from loomllm import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
-    options = dict(dtype=dtype, weight_dtype=weight_dtype, max_num_seqs=len(prompts),
-                   model_impl=model_impl)  # fmt: skip
+    options = dict(
+        dtype=dtype, weight_dtype=weight_dtype, max_num_seqs=len(prompts), model_impl=model_impl
+    )
     with LLM("smollm2", **options) as llm:
-        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4),
-                     use_tqdm=False)  # warm-up  # fmt: skip
+        llm.generate(
+            [{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False
+        )  # warm-up
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         elapsed = time.perf_counter() - start
@@ -62,8 +67,7 @@ def weight_dtype_accuracy(
     runs = []
     for wd in (None, weight_dtype):
         with LLM("smollm2", dtype="float32", weight_dtype=wd) as llm:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                use_tqdm=False)  # fmt: skip
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs.append([o.outputs[0] for o in outs])
     identical, shares, drifts = 0, [], []
     for a, b in zip(*runs, strict=True):
@@ -71,8 +75,10 @@ def weight_dtype_accuracy(
         same = next((i for i, (x, y) in pairs if x != y), len(a.token_ids))
         identical += same == len(a.token_ids)
         shares.append(same / len(a.token_ids))
-        drifts += [abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob)
-                   for i, t in enumerate(a.token_ids[:same])]  # fmt: skip
+        drifts += [
+            abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob)
+            for i, t in enumerate(a.token_ids[:same])
+        ]
     return identical, sum(shares) / len(shares), sum(drifts) / max(len(drifts), 1)
 
 
@@ -93,8 +99,13 @@ def run_hf(model, prompts: list[list[int]], output_len: int) -> tuple[float, int
     longest = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=output_len,
-                  min_new_tokens=output_len, pad_token_id=pad)  # fmt: skip
+    kwargs = dict(
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=output_len,
+        min_new_tokens=output_len,
+        pad_token_id=pad,
+    )
     with torch.inference_mode():
         model.generate(input_ids[:1], attention_mask=mask[:1], max_new_tokens=4, pad_token_id=pad)
         start = time.perf_counter()
@@ -106,10 +117,15 @@ def run_hf(model, prompts: list[list[int]], output_len: int) -> tuple[float, int
 def run_hf_generate_batch(model, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
     from transformers import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1,
-                              pad_token_id=0)  # fmt: skip
-    model.generate_batch([prompts[0]], generation_config=GenerationConfig(
-        max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0))  # warm-up
+    config = GenerationConfig(
+        max_new_tokens=output_len, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    model.generate_batch(
+        [prompts[0]],
+        generation_config=GenerationConfig(
+            max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0
+        ),
+    )  # warm-up
     start = time.perf_counter()
     out = model.generate_batch(prompts, generation_config=config)
     elapsed = time.perf_counter() - start
@@ -117,7 +133,10 @@ def run_hf_generate_batch(model, prompts: list[list[int]], output_len: int) -> t
 
 
 def single_stream_loomllm(
-    prompt: list[int], output_len: int, dtype: str, weight_dtype: str | None = None,
+    prompt: list[int],
+    output_len: int,
+    dtype: str,
+    weight_dtype: str | None = None,
     model_impl: str = "auto",
 ) -> tuple[float, float]:
     """(time to first token, decode seconds per token) for one request alone."""
@@ -125,12 +144,14 @@ def single_stream_loomllm(
 
     from loomllm import Engine, RequestOutputKind, SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0,
-                            output_kind=RequestOutputKind.DELTA)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=output_len, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA
+    )
 
     async def run() -> tuple[float, float]:
-        async with Engine("smollm2", dtype=dtype, weight_dtype=weight_dtype,
-                          model_impl=model_impl) as engine:
+        async with Engine(
+            "smollm2", dtype=dtype, weight_dtype=weight_dtype, model_impl=model_impl
+        ) as engine:
             async with engine.generate({"prompt_token_ids": prompt[:8]}, params) as s:
                 async for _ in s:  # warm-up
                     pass
@@ -170,39 +191,65 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-generate-batch", action="store_true", help="slow on CPU")
-    p.add_argument("--weight-dtype", choices=["bfloat16", "float16"], default=None,
-                   help="also run loomllm with float32 math and 16-bit linear weights, and "
-                   "measure its greedy agreement and logprob drift against float32")
-    p.add_argument("--transformers-model", action="store_true",
-                   help="also run loomllm on transformers' modeling code (model_impl)")
+    p.add_argument(
+        "--weight-dtype",
+        choices=["bfloat16", "float16"],
+        default=None,
+        help="also run loomllm with float32 math and 16-bit linear weights, and "
+        "measure its greedy agreement and logprob drift against float32",
+    )
+    p.add_argument(
+        "--transformers-model",
+        action="store_true",
+        help="also run loomllm on transformers' modeling code (model_impl)",
+    )
     args = p.parse_args(argv)
     prompts = make_prompts(args.num_prompts, args.prompt_len, 49152, args.seed)
     rows = [("loomllm", *run_loomllm(prompts, args.output_len, args.dtype))]
     streams = [("loomllm", *single_stream_loomllm(prompts[0], args.output_len, args.dtype))]
     if args.transformers_model:
         name = "loomllm, transformers' modeling code"
-        rows.append((name, *run_loomllm(prompts, args.output_len, args.dtype,
-                                        model_impl="transformers")))  # fmt: skip
-        streams.append((name, *single_stream_loomllm(prompts[0], args.output_len, args.dtype,
-                                                     model_impl="transformers")))  # fmt: skip
+        rows.append(
+            (name, *run_loomllm(prompts, args.output_len, args.dtype, model_impl="transformers"))
+        )
+        streams.append(
+            (
+                name,
+                *single_stream_loomllm(
+                    prompts[0], args.output_len, args.dtype, model_impl="transformers"
+                ),
+            )
+        )
     accuracy = None
     if args.weight_dtype:
         name = f"loomllm, {args.weight_dtype} weights"
         rows.append((name, *run_loomllm(prompts, args.output_len, "float32", args.weight_dtype)))
-        streams.append((name, *single_stream_loomllm(prompts[0], args.output_len, "float32",
-                                                     args.weight_dtype)))  # fmt: skip
+        streams.append(
+            (
+                name,
+                *single_stream_loomllm(prompts[0], args.output_len, "float32", args.weight_dtype),
+            )
+        )
         accuracy = weight_dtype_accuracy(prompts[:16], 64, args.weight_dtype)
     if not args.skip_hf:
         model = load_hf(args.dtype)
-        rows.append(("transformers generate (padded batch)",
-                     *run_hf(model, prompts, args.output_len)))  # fmt: skip
+        rows.append(
+            ("transformers generate (padded batch)", *run_hf(model, prompts, args.output_len))
+        )
         if not args.skip_generate_batch:
-            rows.append(("transformers generate_batch",
-                         *run_hf_generate_batch(model, prompts, args.output_len)))  # fmt: skip
-        streams.append(("transformers generate", *single_stream_hf(model, prompts[0],
-                                                                   args.output_len)))
-    print(f"\n{args.num_prompts} prompts x ~{args.prompt_len} tokens, {args.output_len} output "
-          f"tokens each, {args.dtype}, SmolLM2-135M, CPU")  # fmt: skip
+            rows.append(
+                (
+                    "transformers generate_batch",
+                    *run_hf_generate_batch(model, prompts, args.output_len),
+                )
+            )
+        streams.append(
+            ("transformers generate", *single_stream_hf(model, prompts[0], args.output_len))
+        )
+    print(
+        f"\n{args.num_prompts} prompts x ~{args.prompt_len} tokens, {args.output_len} output "
+        f"tokens each, {args.dtype}, SmolLM2-135M, CPU"
+    )
     base = rows[0][2] / rows[0][1]
     print(f"{'engine':40} {'seconds':>8} {'tokens':>7} {'tok/s':>8} {'loomllm/x':>10}")
     for name, seconds, tokens in rows:
@@ -211,14 +258,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\none stream, {len(prompts[0])}-token prompt, {args.output_len} output tokens")
     print(f"{'engine':40} {'TTFT ms':>8} {'ms/tok':>7} {'tok/s':>8} {'loomllm/x':>10}")
     for name, ttft, per_token in streams:
-        print(f"{name:40} {ttft * 1e3:8.1f} {per_token * 1e3:7.1f} {1 / per_token:8.1f} "
-              f"{per_token / streams[0][2]:10.2f}")
+        print(
+            f"{name:40} {ttft * 1e3:8.1f} {per_token * 1e3:7.1f} {1 / per_token:8.1f} "
+            f"{per_token / streams[0][2]:10.2f}"
+        )
 
     if accuracy is not None:
         identical, share, drift = accuracy
-        print(f"\n{args.weight_dtype} weights vs float32, 16 prompts x 64 greedy tokens: "
-              f"{identical}/16 identical, {share:.1%} of tokens before the first difference, "
-              f"mean |logprob drift| {drift:.4f} on the common prefixes")  # fmt: skip
+        print(
+            f"\n{args.weight_dtype} weights vs float32, 16 prompts x 64 greedy tokens: "
+            f"{identical}/16 identical, {share:.1%} of tokens before the first difference, "
+            f"mean |logprob drift| {drift:.4f} on the common prefixes"
+        )
 
 
 if __name__ == "__main__":

@@ -91,38 +91,60 @@ def scenario(url: str, model: str, args: argparse.Namespace, level: int) -> dict
     return {
         "spec": {
             "backend": {
-                "kind": "openai_http", "target": url, "model": model,
-                "request_format": "/v1/completions", "http2": False,
+                "kind": "openai_http",
+                "target": url,
+                "model": model,
+                "request_format": "/v1/completions",
+                "http2": False,
             },
             "profile": {"kind": "concurrent", "streams": level},
-            "data": [{
-                "kind": "synthetic_text", "prompt_tokens": args.prompt_tokens,
-                "output_tokens": args.output_tokens,
-            }],
+            "data": [
+                {
+                    "kind": "synthetic_text",
+                    "prompt_tokens": args.prompt_tokens,
+                    "output_tokens": args.output_tokens,
+                }
+            ],
             "seed": {"kind": "static", "value": args.seed},
             "constraints": [{"kind": "max_requests", "count": max(8, args.requests * level)}],
         },
-    }  # fmt: skip
+    }
 
 
 def run_guidellm(
-    guidellm: Path, tokenizer_dir: Path, url: str, model: str, args: argparse.Namespace,
-    levels: list[int], workdir: Path, name: str,
-) -> list[Level]:  # fmt: skip
+    guidellm: Path,
+    tokenizer_dir: Path,
+    url: str,
+    model: str,
+    args: argparse.Namespace,
+    levels: list[int],
+    workdir: Path,
+    name: str,
+) -> list[Level]:
     """guidellm once per level (each with its own request count), parsed into Levels."""
     results = []
     for level in levels:
         config = workdir / f"{name}-{level}.json"
         config.write_text(json.dumps(scenario(url, model, args, level)))
         report = workdir / f"{name}-{level}-report.json"
-        cmd = [str(guidellm), "run", "--config", str(config),
-               "--tokenizer", f"kind=huggingface_auto,model={tokenizer_dir}",
-               "--output", f"kind=json,path={report}", "--disable-console-interactive"]  # fmt: skip
+        cmd = [
+            str(guidellm),
+            "run",
+            "--config",
+            str(config),
+            "--tokenizer",
+            f"kind=huggingface_auto,model={tokenizer_dir}",
+            "--output",
+            f"kind=json,path={report}",
+            "--disable-console-interactive",
+        ]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"guidellm failed ({done.returncode}):\n{done.stdout[-3000:]}"
-                               f"\n{done.stderr[-3000:]}")  # fmt: skip
+            raise RuntimeError(
+                f"guidellm failed ({done.returncode}):\n{done.stdout[-3000:]}"
+                f"\n{done.stderr[-3000:]}"
+            )
         results.append(parse_report(json.loads(report.read_text()), level))
     return results
 
@@ -139,18 +161,32 @@ def parse_report(report: dict, level: int) -> Level:
 
     totals = metrics["request_totals"]
     return Level(
-        level, totals["successful"], totals["errored"],
+        level,
+        totals["successful"],
+        totals["errored"],
         metrics["output_tokens_per_second"]["successful"]["mean"],
-        stat("time_to_first_token_ms", "p50"), stat("inter_token_latency_ms", "p50"),
-        stat("time_to_first_token_ms", "p99"), stat("inter_token_latency_ms", "p99"),
-    )  # fmt: skip
+        stat("time_to_first_token_ms", "p50"),
+        stat("inter_token_latency_ms", "p50"),
+        stat("time_to_first_token_ms", "p99"),
+        stat("inter_token_latency_ms", "p99"),
+    )
 
 
 def serve_loom(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     log = workdir / "loom-serve.log"
-    cmd = [str(Path(sys.executable).parent / "loom"), "serve", "smollm2", "--port", str(port),
-           "--served-model-name", "smollm2", "--dtype", args.dtype, *args.loom_args]  # fmt: skip
+    cmd = [
+        str(Path(sys.executable).parent / "loom"),
+        "serve",
+        "smollm2",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "smollm2",
+        "--dtype",
+        args.dtype,
+        *args.loom_args,
+    ]
     with log.open("w") as out:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}", log
@@ -162,8 +198,23 @@ def serve_llama_cpp(
     port = free_port()
     log = workdir / "llama-server.log"
     ctx = slots * (args.prompt_tokens + args.output_tokens + 64)  # each slot gets ctx / slots
-    cmd = [str(args.llama_server), "-m", str(gguf), "-t", "2", "-np", str(slots), "-c", str(ctx),
-           "--host", "127.0.0.1", "--port", str(port), "--alias", "smollm2"]  # fmt: skip
+    cmd = [
+        str(args.llama_server),
+        "-m",
+        str(gguf),
+        "-t",
+        "2",
+        "-np",
+        str(slots),
+        "-c",
+        str(ctx),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--alias",
+        "smollm2",
+    ]
     with log.open("w") as out:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}", log
@@ -171,23 +222,29 @@ def serve_llama_cpp(
 
 def print_table(levels: list[int], results: dict[str, list[Level]]) -> None:
     names = list(results)
-    print("\n| server | concurrency | requests (errors) | output tok/s | TTFT p50 ms | "
-          "ITL p50 ms | TTFT p99 ms | ITL p99 ms |")  # fmt: skip
+    print(
+        "\n| server | concurrency | requests (errors) | output tok/s | TTFT p50 ms | "
+        "ITL p50 ms | TTFT p99 ms | ITL p99 ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for i, level in enumerate(levels):
         for name in names:
             r = results[name][i]
-            print(f"| {name} | {level} | {r.requests} ({r.errors}) | {r.output_tok_s:.1f} | "
-                  f"{r.ttft_p50_ms:.0f} | {r.itl_p50_ms:.1f} | {r.ttft_p99_ms:.0f} | "
-                  f"{r.itl_p99_ms:.1f} |")  # fmt: skip
+            print(
+                f"| {name} | {level} | {r.requests} ({r.errors}) | {r.output_tok_s:.1f} | "
+                f"{r.ttft_p50_ms:.0f} | {r.itl_p50_ms:.1f} | {r.ttft_p99_ms:.0f} | "
+                f"{r.itl_p99_ms:.1f} |"
+            )
     if len(names) == 2:
         a, b = names
         print(f"\n| concurrency | {a} / {b} output tok/s | {a} / {b} ITL p50 (lower is better) |")
         print("|---|---|---|")
         for i, level in enumerate(levels):
             ra, rb = results[a][i], results[b][i]
-            print(f"| {level} | {ra.output_tok_s / rb.output_tok_s:.2f} | "
-                  f"{ra.itl_p50_ms / rb.itl_p50_ms:.2f} |")  # fmt: skip
+            print(
+                f"| {level} | {ra.output_tok_s / rb.output_tok_s:.2f} | "
+                f"{ra.itl_p50_ms / rb.itl_p50_ms:.2f} |"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -198,8 +255,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=2, help="requests per level = this x level")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--loom-args", nargs=argparse.REMAINDER, default=[],
-                   help="more `loom serve` flags (last on the line)")  # fmt: skip
+    p.add_argument(
+        "--loom-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="more `loom serve` flags (last on the line)",
+    )
     p.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER)
     p.add_argument("--guidellm", type=Path, default=DEFAULT_GUIDELLM)
     p.add_argument("--skip-llama-cpp", action="store_true")
@@ -207,8 +268,10 @@ def main(argv: list[str] | None = None) -> None:
     if not args.guidellm.exists():
         sys.exit(f"no guidellm at {args.guidellm}: run `make bench-peers` (or pass --guidellm)")
     if not args.skip_llama_cpp and not args.llama_server.exists():
-        sys.exit(f"no llama-server at {args.llama_server}: run `make bench-peers` "
-                 "(or pass --llama-server, or --skip-llama-cpp)")  # fmt: skip
+        sys.exit(
+            f"no llama-server at {args.llama_server}: run `make bench-peers` "
+            "(or pass --llama-server, or --skip-llama-cpp)"
+        )
 
     from loomllm.workers.models.loader import prepare_model_dir, resolve_model
 
@@ -219,15 +282,19 @@ def main(argv: list[str] | None = None) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="loom-bench-serving-"))
     servers = [("loomllm", lambda: serve_loom(args, workdir))]
     if not args.skip_llama_cpp:
-        servers.append(("llama.cpp", lambda: serve_llama_cpp(
-            args, Path(source.path), max(levels), workdir)))  # fmt: skip
+        servers.append(
+            ("llama.cpp", lambda: serve_llama_cpp(args, Path(source.path), max(levels), workdir))
+        )
     try:
         for name, start in servers:
             proc, url, log = start()
             try:
                 wait_healthy(url, proc, log)
-                print(f"{name}: serving at {url}; guidellm at concurrency {levels}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"{name}: serving at {url}; guidellm at concurrency {levels}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 results[name] = run_guidellm(
                     args.guidellm, tokenizer_dir, url, "smollm2", args, levels, workdir, name
                 )
@@ -235,8 +302,10 @@ def main(argv: list[str] | None = None) -> None:
                 stop(proc)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print(f"prompt {args.prompt_tokens} tokens, output {args.output_tokens} tokens (ignore_eos), "
-          f"streaming /v1/completions, guidellm concurrent profile")  # fmt: skip
+    print(
+        f"prompt {args.prompt_tokens} tokens, output {args.output_tokens} tokens (ignore_eos), "
+        f"streaming /v1/completions, guidellm concurrent profile"
+    )
     print_table(levels, results)
 
 

@@ -78,27 +78,43 @@ def import_times() -> None:
 
     # Before the timed imports, which may write the bytecode they did not find.
     spec = importlib.util.find_spec("transformers.modeling_utils")
-    cached = spec is not None and spec.origin is not None and Path(
-        importlib.util.cache_from_source(spec.origin)).is_file()  # fmt: skip
-    print(f"bytecode: written by this interpreter: {not sys.dont_write_bytecode}; "
-          f"transformers.modeling_utils has a cached .pyc: {cached}")
-    sets = [("torch", ["torch"]), ("the zygote's list", list(PRELOAD)),
-            ("and transformers' modeling code", [*PRELOAD, *PRELOAD_LATER])]  # fmt: skip
+    cached = (
+        spec is not None
+        and spec.origin is not None
+        and Path(importlib.util.cache_from_source(spec.origin)).is_file()
+    )
+    print(
+        f"bytecode: written by this interpreter: {not sys.dont_write_bytecode}; "
+        f"transformers.modeling_utils has a cached .pyc: {cached}"
+    )
+    sets = [
+        ("torch", ["torch"]),
+        ("the zygote's list", list(PRELOAD)),
+        ("and transformers' modeling code", [*PRELOAD, *PRELOAD_LATER]),
+    ]
     for what, names in sets:
-        done = subprocess.run([sys.executable, "-c", IMPORTS, *names], capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", IMPORTS, *names], capture_output=True, text=True, timeout=300
+        )
         seconds = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
-        print(f"imports, {what}: " + (f"{seconds:.2f} s" if seconds is not None
-                                      else f"failed: {done.stderr[-300:]}"))  # fmt: skip
+        print(
+            f"imports, {what}: "
+            + (f"{seconds:.2f} s" if seconds is not None else f"failed: {done.stderr[-300:]}")
+        )
 
 
-def run_child(model: str, args: argparse.Namespace, env: dict[str, str],
-              model_impl: str) -> dict[str, float]:  # fmt: skip
+def run_child(
+    model: str, args: argparse.Namespace, env: dict[str, str], model_impl: str
+) -> dict[str, float]:
     """One new process to its first token: its own figures and the launch-to-token time."""
     launched = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", CHILD, model, args.dtype, args.device,
-                           model_impl], env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, model, args.dtype, args.device, model_impl],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the engine process failed:\n{done.stderr[-3000:]}")
     figures = json.loads(done.stdout.strip().splitlines()[-1])
@@ -114,11 +130,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--warm", type=int, default=3, help="warm attaches after the cold start")
     p.add_argument("--logs", type=Path, help="copy the manager's and workers' logs to this folder")
-    p.add_argument("--import-times", action="store_true",
-                   help="first time the workers' imports in fresh interpreters")
-    p.add_argument("--model-impl", default="auto",
-                   help="one or two model_impl values, comma-separated, each run in turn "
-                        "(auto, loom, transformers)")  # fmt: skip
+    p.add_argument(
+        "--import-times",
+        action="store_true",
+        help="first time the workers' imports in fresh interpreters",
+    )
+    p.add_argument(
+        "--model-impl",
+        default="auto",
+        help="one or two model_impl values, comma-separated, each run in turn "
+        "(auto, loom, transformers)",
+    )
     args = p.parse_args(argv)
     impls = args.model_impl.split(",")
     if not set(impls) <= set(MODEL_IMPLS) or len(impls) > 2:
@@ -126,13 +148,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.import_times:
         import_times()
     print(f"{args.shape}, {args.dtype} on {args.device}: a new process to its first token")
-    print("| start | model_impl | reused warm workers | Engine() entered to attached s | "
-          "to first token s | process launch to first token s |")
+    print(
+        "| start | model_impl | reused warm workers | Engine() entered to attached s | "
+        "to first token s | process launch to first token s |"
+    )
     print("|---|---|---|---|---|---|")
     colds = [start_sequence(args, impl) for impl in impls]
     if len(impls) == 2:
-        print(f"cold start, process launch to first token: {impls[1]} / {impls[0]} = "
-              f"{colds[1] / colds[0]:.2f}")  # fmt: skip
+        print(
+            f"cold start, process launch to first token: {impls[1]} / {impls[0]} = "
+            f"{colds[1] / colds[0]:.2f}"
+        )
 
 
 def start_sequence(args: argparse.Namespace, model_impl: str) -> float:
@@ -144,11 +170,16 @@ def start_sequence(args: argparse.Namespace, model_impl: str) -> float:
         env = {**os.environ, "LOOM_MANAGER_SOCKET": str(Path(tmp) / "m.sock")}
         try:
             runs = [("cold", run_child(model, args, env, model_impl))]
-            runs += [(f"warm {i + 1}", run_child(model, args, env, model_impl))
-                     for i in range(args.warm)]  # fmt: skip
+            runs += [
+                (f"warm {i + 1}", run_child(model, args, env, model_impl)) for i in range(args.warm)
+            ]
         finally:
-            subprocess.run([sys.executable, "-m", "loomllm.workers.manager", "stop"], env=env,
-                           capture_output=True, timeout=120)  # fmt: skip
+            subprocess.run(
+                [sys.executable, "-m", "loomllm.workers.manager", "stop"],
+                env=env,
+                capture_output=True,
+                timeout=120,
+            )
             if args.logs:  # the worker's log says what the KV profiling pass and capture did
                 socket = Path(env["LOOM_MANAGER_SOCKET"])
                 logs = args.logs / model_impl
@@ -156,8 +187,10 @@ def start_sequence(args: argparse.Namespace, model_impl: str) -> float:
                 for log in [log_path(socket), *workers_dir(socket).glob("*.log")]:
                     shutil.copy(log, logs)
     for name, f in runs:
-        print(f"| {name} | {model_impl} | {f['reused']} | {f['attach_s']:.2f} | "
-              f"{f['first_token_s']:.2f} | {f['process_s']:.2f} |")
+        print(
+            f"| {name} | {model_impl} | {f['reused']} | {f['attach_s']:.2f} | "
+            f"{f['first_token_s']:.2f} | {f['process_s']:.2f} |"
+        )
     cold_reused, *warm = (f["reused"] for _, f in runs)
     if cold_reused or not all(warm):
         raise SystemExit("the cold start found warm workers, or a warm one did not")

@@ -36,10 +36,21 @@ def decode_step(batch: int) -> SchedulerOutput:
 
 def prefill_step(batch: int, prompt_len: int) -> SchedulerOutput:
     params = SamplingParams(max_tokens=128, temperature=0.7, top_p=0.9, seed=1)
-    new = [NewRequestData(f"req-{i}", list(range(1000, 1000 + prompt_len)), [], params, [2],
-                          list(range(i * 8, i * 8 + 8)), 0) for i in range(batch)]  # fmt: skip
-    return SchedulerOutput(3, new, CachedRequests([], [], []), {n.req_id: prompt_len for n in new},
-                           [])  # fmt: skip
+    new = [
+        NewRequestData(
+            f"req-{i}",
+            list(range(1000, 1000 + prompt_len)),
+            [],
+            params,
+            [2],
+            list(range(i * 8, i * 8 + 8)),
+            0,
+        )
+        for i in range(batch)
+    ]
+    return SchedulerOutput(
+        3, new, CachedRequests([], [], []), {n.req_id: prompt_len for n in new}, []
+    )
 
 
 async def measure(step: SchedulerOutput, ranks: int, repeats: int) -> tuple[int, float, float]:
@@ -82,8 +93,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=200)
     p.add_argument("--ranks", type=int_list, default=[1, 2, 4])
     args = p.parse_args(argv)
-    print("| step | frame bytes | encode µs | " + " | ".join(
-        f"send to {n} µs" for n in args.ranks) + " |")  # fmt: skip
+    print(
+        "| step | frame bytes | encode µs | "
+        + " | ".join(f"send to {n} µs" for n in args.ranks)
+        + " |"
+    )
     print("|---|---|---|" + "---|" * len(args.ranks))
     steps = [(f"decode, batch {b}", decode_step(b)) for b in args.batch_sizes] + [
         (f"prefill, {b} x {args.prompt_len} tokens", prefill_step(b, args.prompt_len))

@@ -17,10 +17,15 @@ import statistics
 import time
 
 PROG = "loom bench structured"
-SCHEMA = {"type": "object", "properties": {"title": {"type": "string"},
-                                           "pages": {"type": "integer"},
-                                           "notes": {"type": "string"}},
-          "required": ["title", "pages", "notes"]}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "pages": {"type": "integer"},
+        "notes": {"type": "string"},
+    },
+    "required": ["title", "pages", "notes"],
+}
 CONSTRAINTS = {"plain": None, "regex": {"regex": "([a-z]+ )+"}, "json schema": {"json": SCHEMA}}
 
 
@@ -34,19 +39,24 @@ def main(argv: list[str] | None = None) -> None:
 
     from loomllm import LLM, SamplingParams, StructuredOutputsParams
 
-    asks = [[{"role": "user", "content": f"Describe book number {i} as JSON."}]
-            for i in range(args.num_prompts)]  # fmt: skip
+    asks = [
+        [{"role": "user", "content": f"Describe book number {i} as JSON."}]
+        for i in range(args.num_prompts)
+    ]
     rates: dict[str, list[float]] = {name: [] for name in CONSTRAINTS}
     with LLM("smollm2", dtype=args.dtype, max_num_seqs=args.num_prompts) as llm:
         for spec in CONSTRAINTS.values():  # warm-up: compile every grammar once
             so = None if spec is None else StructuredOutputsParams(**spec)
-            llm.chat(asks[0], SamplingParams(max_tokens=4, structured_outputs=so),
-                     use_tqdm=False)  # fmt: skip
+            llm.chat(asks[0], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)
         for _ in range(args.rounds):
             for name, spec in CONSTRAINTS.items():
                 so = None if spec is None else StructuredOutputsParams(**spec)
-                params = SamplingParams(max_tokens=args.output_len, ignore_eos=True,
-                                        temperature=0.0, structured_outputs=so)  # fmt: skip
+                params = SamplingParams(
+                    max_tokens=args.output_len,
+                    ignore_eos=True,
+                    temperature=0.0,
+                    structured_outputs=so,
+                )
                 start = time.perf_counter()
                 outputs = llm.chat(asks, params, use_tqdm=False)
                 elapsed = time.perf_counter() - start
@@ -54,8 +64,10 @@ def main(argv: list[str] | None = None) -> None:
                 assert tokens == args.num_prompts * args.output_len, tokens
                 rates[name].append(tokens / elapsed)
     plain = statistics.median(rates["plain"])
-    print(f"{args.num_prompts} requests x {args.output_len} tokens, {args.rounds} rounds, "
-          f"SmolLM2 {args.dtype}\n")  # fmt: skip
+    print(
+        f"{args.num_prompts} requests x {args.output_len} tokens, {args.rounds} rounds, "
+        f"SmolLM2 {args.dtype}\n"
+    )
     print("| constraint | tokens/s (median) | / plain |\n|---|---|---|")
     for name, values in rates.items():
         median = statistics.median(values)

@@ -71,8 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     print("| worker start | engines | median s | min s | max s |")
     print("|---|---|---|---|---|")
     for name, times in (("fresh interpreter", fresh), ("forked by the zygote", forked)):
-        print(f"| {name} | {len(times)} | {statistics.median(times):.2f} | "
-              f"{min(times):.2f} | {max(times):.2f} |")  # fmt: skip
+        print(
+            f"| {name} | {len(times)} | {statistics.median(times):.2f} | "
+            f"{min(times):.2f} | {max(times):.2f} |"
+        )
     speedup = statistics.median(fresh) / statistics.median(forked)
     print(f"\nzygote speed-up (median): {speedup:.1f}x")
 

@@ -19,8 +19,10 @@ asks = {
 
 with LLM("smollm2") as llm:
     conversations = [[{"role": "user", "content": ask}] for ask in asks]
-    params = [SamplingParams(max_tokens=64, temperature=0.0, structured_outputs=constraint)
-              for constraint in asks.values()]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=64, temperature=0.0, structured_outputs=constraint)
+        for constraint in asks.values()
+    ]
     for ask, output in zip(asks, llm.chat(conversations, params), strict=True):
         answer = output.outputs[0]
         print(f"{ask}\n  -> {answer.text}")

@@ -8,8 +8,9 @@ QUESTIONS = ["Name a color.", "Name a fruit.", "Name a planet."]
 
 
 async def ask(engine: Engine, question: str) -> None:
-    params = SamplingParams(max_tokens=24, temperature=0.7, seed=1,
-                            output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=24, temperature=0.7, seed=1, output_kind=RequestOutputKind.FINAL_ONLY
+    )
     async for output in engine.chat([{"role": "user", "content": question}], params):
         print(f"{question} -> {output.outputs[0].text.strip()!r}")
 

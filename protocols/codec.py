@@ -131,8 +131,7 @@ def _decode_dataclass(cls: type, fields: Any, where: Where) -> Any:
     specs = _field_specs(cls)
     if type(fields) is not list or len(fields) != len(specs):
         raise MalformedMessageError(
-            f"{_where_text(where)}: expected a list of {len(specs)} fields, "
-            f"got {_describe(fields)}"
+            f"{_where_text(where)}: expected a list of {len(specs)} fields, got {_describe(fields)}"
         )
     kwargs = {
         name: dec(value, (where, step))
@@ -305,12 +304,18 @@ def _shown(value: Any, depth: int = 0) -> str:
     if isinstance(value, bytes | bytearray):
         return f"<{len(value)} bytes>"
     if depth < 3 and isinstance(value, list | tuple):
-        return "[" + ", ".join(_shown(v, depth + 1) for v in value[:8]) + (
-            ", ...]" if len(value) > 8 else "]")  # fmt: skip
+        return (
+            "["
+            + ", ".join(_shown(v, depth + 1) for v in value[:8])
+            + (", ...]" if len(value) > 8 else "]")
+        )
     if depth < 3 and isinstance(value, dict):
         items = list(value.items())[:8]
-        return "{" + ", ".join(f"{_shown(k, depth + 1)}: {_shown(v, depth + 1)}"
-                               for k, v in items) + "}"  # fmt: skip
+        return (
+            "{"
+            + ", ".join(f"{_shown(k, depth + 1)}: {_shown(v, depth + 1)}" for k, v in items)
+            + "}"
+        )
     return repr(value)
 
 

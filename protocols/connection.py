@@ -94,9 +94,7 @@ class MessageStream:
             return msg
         if isinstance(msg, ErrorReply):
             raise RemoteError(msg.kind, msg.message)
-        raise UnexpectedMessageError(
-            f"expected {expected.__name__}, got {type(msg).__name__}"
-        )
+        raise UnexpectedMessageError(f"expected {expected.__name__}, got {type(msg).__name__}")
 
     def shutdown(self) -> None:
         """Shut the socket both ways: a task blocked in receive() sees EOF and ends itself.

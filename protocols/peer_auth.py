@@ -29,7 +29,7 @@ def is_unix(stream: SocketStream) -> bool:
 
 
 def describe_peer(stream: SocketStream) -> str:
-    """"pid N" on a Unix socket, "host:port" over TCP: for the logs."""
+    """ "pid N" on a Unix socket, "host:port" over TCP: for the logs."""
     if is_unix(stream):
         return f"pid {peer_credentials(stream)[0]}"
     host, port = stream.extra(SocketAttribute.remote_address)[:2]

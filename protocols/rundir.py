@@ -63,16 +63,24 @@ def ensure_socket_dir(path: Path) -> None:
     plant or swap the socket). It is never chmodded: it may be a project directory, or
     /tmp. Others may list it: the socket (0600, and SO_PEERCRED in protocols/peer_auth.py),
     the log and the lock (open_private_file) keep them out."""
-    _ensure_dir(path, 0o022, "is writable by other users, who could replace the "
-                "engine-manager's socket; put the socket (--socket or LOOM_MANAGER_SOCKET) "
-                f"in a directory only you can write to, or `chmod go-w {path}`")  # fmt: skip
+    _ensure_dir(
+        path,
+        0o022,
+        "is writable by other users, who could replace the "
+        "engine-manager's socket; put the socket (--socket or LOOM_MANAGER_SOCKET) "
+        f"in a directory only you can write to, or `chmod go-w {path}`",
+    )
 
 
 def ensure_private_dir(path: Path) -> None:
     """Create `path` (and parents) with mode 0700, or check that the existing one is ours
     and closed to others: for directories only a manager makes (worker sockets, logs)."""
-    _ensure_dir(path, 0o077, "is open to other users; it holds the engine-manager's worker "
-                f"sockets and logs: `chmod 700 {path}` or remove it")  # fmt: skip
+    _ensure_dir(
+        path,
+        0o077,
+        "is open to other users; it holds the engine-manager's worker "
+        f"sockets and logs: `chmod 700 {path}` or remove it",
+    )
 
 
 def _ensure_dir(path: Path, forbidden: int, why: str) -> None:

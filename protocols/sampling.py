@@ -34,11 +34,16 @@ class StructuredOutputsParams:
             object.__setattr__(self, "json", _json.dumps(self.json))
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
-        given = [name for name in ("json", "regex", "choice", "grammar")
-                 if getattr(self, name) is not None] + ["json_object"] * (self.json_object is True)
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + ["json_object"] * (self.json_object is True)
         if len(given) != 1:
-            raise ValueError(f"structured_outputs must set exactly one of json, json_object, "
-                             f"regex, choice, grammar; got {given or 'none'}")  # fmt: skip
+            raise ValueError(
+                f"structured_outputs must set exactly one of json, json_object, "
+                f"regex, choice, grammar; got {given or 'none'}"
+            )
         _bool("structured_outputs.json_object", self.json_object)
         for name in ("json", "regex", "grammar"):
             value = getattr(self, name)
@@ -52,10 +57,14 @@ class StructuredOutputsParams:
             if not isinstance(schema, dict | bool):
                 raise ValueError("structured_outputs.json must be a JSON schema (an object)")
         choice = self.choice
-        if choice is not None and (not isinstance(choice, tuple) or not choice
-                                   or not all(isinstance(c, str) and c for c in choice)):
-            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
-                             "strings")  # fmt: skip
+        if choice is not None and (
+            not isinstance(choice, tuple)
+            or not choice
+            or not all(isinstance(c, str) and c for c in choice)
+        ):
+            raise ValueError(
+                "structured_outputs.choice must be a non-empty list of non-empty strings"
+            )
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -129,8 +138,9 @@ class SamplingParams:
             _int("seed", self.seed)
             # Sequence i of n samples with seed + i (vLLM's rule): each must fit too.
             if self.seed + self.n - 1 > _INT64[1]:
-                raise ValueError(f"seed + n - 1 must fit in 64 bits, got seed {self.seed} "
-                                 f"with n {self.n}")  # fmt: skip
+                raise ValueError(
+                    f"seed + n - 1 must fit in 64 bits, got seed {self.seed} with n {self.n}"
+                )
         _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
@@ -138,8 +148,9 @@ class SamplingParams:
         if not isinstance(stop, tuple) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         if not isinstance(self.stop_token_ids, tuple):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got "
-                             f"{self.stop_token_ids!r}")  # fmt: skip
+            raise ValueError(
+                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
+            )
         for token_id in self.stop_token_ids:
             _int("stop_token_ids", token_id, low=0)
         _bool("ignore_eos", self.ignore_eos)
@@ -176,8 +187,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
             for token_id, value in bias.items():
                 if type(token_id) is not int or not 0 <= token_id <= _INT64[1]:
-                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), "
-                                     f"got {token_id!r}")  # fmt: skip
+                    raise ValueError(
+                        f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}"
+                    )
                 try:
                     _number("logit_bias", value)
                 except ValueError as exc:
@@ -187,25 +199,29 @@ class SamplingParams:
         allowed = self.allowed_token_ids
         if allowed is not None:
             if not isinstance(allowed, tuple | list) or not allowed:
-                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
-                                 f"got {allowed!r}")  # fmt: skip
+                raise ValueError(
+                    f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}"
+                )
             for token_id in allowed:
                 _int("allowed_token_ids", token_id, low=0)
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
 
     def _validate_bad_words(self) -> None:
         words = self.bad_words
-        if not isinstance(words, tuple) or not all(isinstance(w, str) and w.strip()
-                                                   for w in words):  # fmt: skip
-            raise ValueError(f"bad_words must be a list of words (non-blank strings), "
-                             f"got {words!r}"[:300])  # fmt: skip
+        if not isinstance(words, tuple) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError(
+                f"bad_words must be a list of words (non-blank strings), got {words!r}"[:300]
+            )
         sequences = self.bad_words_token_ids
         if sequences is None or isinstance(sequences, list):
             sequences = tuple(sequences or ())
         if not isinstance(sequences, tuple) or not all(
-                isinstance(seq, tuple | list) and seq for seq in sequences):  # fmt: skip
-            raise ValueError(f"bad_words_token_ids must be a list of non-empty token id "
-                             f"lists, got {sequences!r}"[:300])  # fmt: skip
+            isinstance(seq, tuple | list) and seq for seq in sequences
+        ):
+            raise ValueError(
+                f"bad_words_token_ids must be a list of non-empty token id "
+                f"lists, got {sequences!r}"[:300]
+            )
         for seq in sequences:
             for token_id in seq:
                 _int("bad_words_token_ids", token_id, low=0)
@@ -249,21 +265,23 @@ def _int(name: str, value: object, low: int | None = None, high: int | None = No
 
 
 def _number(
-    name: str, value: object, low: float | None = None, high: float | None = None,
+    name: str,
+    value: object,
+    low: float | None = None,
+    high: float | None = None,
     low_open: bool = False,
-) -> None:  # fmt: skip
+) -> None:
     # An int beyond 64 bits could not cross the wire (and may overflow a float).
     if type(value) is int and not -(2**63) <= value < 2**63:  # type: ignore[operator]
-        raise ValueError(f"{name} must be a finite number, got an integer of "
-                         f"{value.bit_length()} bits")  # fmt: skip
+        raise ValueError(
+            f"{name} must be a finite number, got an integer of {value.bit_length()} bits"
+        )
     if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     _range(name, value, low, high, low_open)  # type: ignore[arg-type]
 
 
-def _range(
-    name: str, value: float, low: float | None, high: float | None, low_open: bool
-) -> None:
+def _range(name: str, value: float, low: float | None, high: float | None, low_open: bool) -> None:
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and value > high
     if too_low or too_high:

@@ -22,10 +22,19 @@ def format_seconds(value: float) -> str:
 def ps_table(workers: Sequence[WorkerInfo]) -> str:
     """One row per worker process, in the manager's order."""
     rows = [
-        (w.group_id, str(w.rank), str(w.pid), w.model, w.state, _mib(w.rss_bytes),
-         f"{w.age_s:.0f}s", format_seconds(w.keep_alive), _expires(w.expires_in_s))
+        (
+            w.group_id,
+            str(w.rank),
+            str(w.pid),
+            w.model,
+            w.state,
+            _mib(w.rss_bytes),
+            f"{w.age_s:.0f}s",
+            format_seconds(w.keep_alive),
+            _expires(w.expires_in_s),
+        )
         for w in workers
-    ]  # fmt: skip
+    ]
     return _table(PS_COLUMNS, rows)
 
 
@@ -42,11 +51,18 @@ def models_table(workers: Sequence[WorkerInfo]) -> str:
     for ranks in groups.values():
         ranks.sort(key=lambda w: w.rank)
         w = ranks[0]
-        rows.append((
-            w.model, w.dtype, str(w.world_size), ",".join(str(r.pid) for r in ranks), w.state,
-            _mib(sum(r.rss_bytes for r in ranks)), format_seconds(w.keep_alive),
-            _expires(w.expires_in_s),
-        ))  # fmt: skip
+        rows.append(
+            (
+                w.model,
+                w.dtype,
+                str(w.world_size),
+                ",".join(str(r.pid) for r in ranks),
+                w.state,
+                _mib(sum(r.rss_bytes for r in ranks)),
+                format_seconds(w.keep_alive),
+                _expires(w.expires_in_s),
+            )
+        )
     return _table(MODELS_COLUMNS, rows)
 
 

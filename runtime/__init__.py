@@ -30,32 +30,54 @@ if TYPE_CHECKING:
     )
 
 _MODULES = {
-    "LLM": "loomllm.llm",
-    "CompletionOutput": "loomllm.outputs",
-    "Engine": "loomllm.engine.engine",
-    "EngineClosedError": "loomllm.errors",
-    "EngineConfig": "loomllm.config",
-    "EngineDeadError": "loomllm.errors",
-    "EngineStats": "loomllm.metrics.stats",
-    "EngineStepError": "loomllm.errors",
-    "Logprob": "loomllm.outputs",
-    "LoomError": "loomllm.errors",
-    "ManagerError": "loomllm.errors",
-    "RemoteCallError": "loomllm.errors",
-    "RequestMetrics": "loomllm.outputs",
-    "RequestOutput": "loomllm.outputs",
-    "RequestOutputKind": "loomllm.protocols.sampling",
-    "RequestRefusedError": "loomllm.errors",
-    "SamplingParams": "loomllm.protocols.sampling",
-    "StructuredOutputsParams": "loomllm.protocols.sampling",
-    "WorkerStartError": "loomllm.errors",
+    "loomllm.config": ["EngineConfig"],
+    "loomllm.engine.engine": ["Engine"],
+    "loomllm.errors": [
+        "EngineClosedError",
+        "EngineDeadError",
+        "EngineStepError",
+        "LoomError",
+        "ManagerError",
+        "RemoteCallError",
+        "RequestRefusedError",
+        "WorkerStartError",
+    ],
+    "loomllm.llm": ["LLM"],
+    "loomllm.metrics.stats": ["EngineStats"],
+    "loomllm.outputs": ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"],
+    "loomllm.protocols.sampling": [
+        "RequestOutputKind",
+        "SamplingParams",
+        "StructuredOutputsParams",
+    ],
 }
+_MODULE_OF = {name: module for module, names in _MODULES.items() for name in names}
 
-__all__ = sorted(_MODULES)
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Engine",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineStats",
+    "EngineStepError",
+    "Logprob",
+    "LoomError",
+    "ManagerError",
+    "RemoteCallError",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestOutputKind",
+    "RequestRefusedError",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "WorkerStartError",
+]
 
 
 def __getattr__(name: str) -> Any:
-    module = _MODULES.get(name)
+    module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'loomllm' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

@@ -93,16 +93,21 @@ class EngineConfig:
         _one_of("manager", self.manager, MANAGER_MODES)
         _one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if not isinstance(self.generation_config, str) or not self.generation_config:
-            raise ValueError(f"generation_config must be auto, vllm or a directory, got "
-                             f"{self.generation_config!r}")  # fmt: skip
+            raise ValueError(
+                f"generation_config must be auto, vllm or a directory, got "
+                f"{self.generation_config!r}"
+            )
         if self.generation_config not in ("auto", "vllm"):
             folder = Path(self.generation_config).expanduser()
             if not folder.is_dir():
-                raise ValueError(f"generation_config must be auto, vllm or a directory, got "
-                                 f"{self.generation_config!r} (no such directory)")  # fmt: skip
+                raise ValueError(
+                    f"generation_config must be auto, vllm or a directory, got "
+                    f"{self.generation_config!r} (no such directory)"
+                )
             object.__setattr__(self, "generation_config", os.path.abspath(folder))
-        _one_of("distributed_executor_backend", self.distributed_executor_backend,
-                EXECUTOR_BACKENDS)  # fmt: skip
+        _one_of(
+            "distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS
+        )
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _positive_int("data_parallel_size", self.data_parallel_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
@@ -122,8 +127,10 @@ class EngineConfig:
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not (self.async_scheduling is None or type(self.async_scheduling) is bool):
-            raise ValueError(f"async_scheduling must be true, false or None (auto), got "
-                             f"{self.async_scheduling!r}")  # fmt: skip
+            raise ValueError(
+                f"async_scheduling must be true, false or None (auto), got "
+                f"{self.async_scheduling!r}"
+            )
         if not _is_number(self.keep_alive) or not (self.keep_alive >= 0 or self.keep_alive == -1):
             raise ValueError(
                 f"keep_alive must be seconds >= 0, or -1 to pin, got {self.keep_alive!r}"
@@ -149,8 +156,9 @@ class EngineConfig:
             # before the KV cache takes the rest (None: 2048 tokens, the chunked default;
             # PROFILE_WHOLE_CONTEXT: the model's whole context, a step holding a prompt).
             "profile_tokens": self.max_num_batched_tokens
-            or (None if self.enable_chunked_prefill
-                else self.max_model_len or PROFILE_WHOLE_CONTEXT),
+            or (
+                None if self.enable_chunked_prefill else self.max_model_len or PROFILE_WHOLE_CONTEXT
+            ),
             "seed": self.seed,
             # Decode graphs are captured for batch sizes up to this, unless enforce_eager.
             "max_num_seqs": self.max_num_seqs,
@@ -191,8 +199,10 @@ def _socket_path(value: object) -> Path:
         raise ValueError(f"manager_socket must be a path, got {value!r}")
     path = os.fsencode(value)
     if b"\0" in path or len(path) > MAX_SOCKET_PATH_BYTES:
-        raise ValueError(f"manager_socket must be a Unix socket path of at most "
-                         f"{MAX_SOCKET_PATH_BYTES} bytes with no NUL, got {value!r}"[:400])
+        raise ValueError(
+            f"manager_socket must be a Unix socket path of at most "
+            f"{MAX_SOCKET_PATH_BYTES} bytes with no NUL, got {value!r}"[:400]
+        )
     return Path(os.fsdecode(path))
 
 

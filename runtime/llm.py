@@ -50,8 +50,9 @@ class LLM:
         except BaseException:
             self._stop_portal()
             raise
-        self._closer = weakref.finalize(self, LLM._close_parts, self._engine_cm, self._portal,
-                                        self._thread)  # fmt: skip
+        self._closer = weakref.finalize(
+            self, LLM._close_parts, self._engine_cm, self._portal, self._thread
+        )
         atexit.register(self._closer)
 
     def _serve(self, ready: threading.Event) -> None:
@@ -79,8 +80,12 @@ class LLM:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts), self.engine)
-        calls = [(partial(self.engine.generate, priority=rank), p, sp) for p, sp, rank in
-                 zip(prompts, params, _priorities(priority, len(prompts)), strict=True)]
+        calls = [
+            (partial(self.engine.generate, priority=rank), p, sp)
+            for p, sp, rank in zip(
+                prompts, params, _priorities(priority, len(prompts)), strict=True
+            )
+        ]
         return self._run(calls, use_tqdm)
 
     def chat(
@@ -100,13 +105,19 @@ class LLM:
         The keyword arguments are Engine.chat's; `priority` as in generate()."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = _per_prompt(sampling_params, len(conversations), self.engine)
-        chat = partial(self.engine.chat, chat_template=chat_template,
-                       chat_template_kwargs=chat_template_kwargs,
-                       add_generation_prompt=add_generation_prompt,
-                       continue_final_message=continue_final_message)  # fmt: skip
-        calls = [(partial(chat, priority=rank), m, sp) for m, sp, rank in
-                 zip(conversations, params, _priorities(priority, len(conversations)),
-                     strict=True)]  # fmt: skip
+        chat = partial(
+            self.engine.chat,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        calls = [
+            (partial(chat, priority=rank), m, sp)
+            for m, sp, rank in zip(
+                conversations, params, _priorities(priority, len(conversations)), strict=True
+            )
+        ]
         return self._run(calls, use_tqdm)
 
     def collective_rpc(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:

@@ -57,8 +57,11 @@ class ManagerHandle:
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "loomllm.workers.manager", *args],
-            env=self.env, capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def start(self, *args: str) -> None:
         result = self.cli("start", *args)
@@ -145,10 +148,16 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0) -> str:
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -172,8 +181,12 @@ def save_tiny_tokenizer(path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.save(str(path / "tokenizer.json"))
-    config = {"bos_token": "w1", "eos_token": "w2", "unk_token": "w0",
-              "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    config = {
+        "bos_token": "w1",
+        "eos_token": "w2",
+        "unk_token": "w0",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
@@ -205,16 +218,22 @@ def chat_model(tiny_model, tmp_path_factory) -> str:
 SMOLLM2_BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4
 
 
-def preempting_smollm2(manager: ManagerHandle, num_blocks: int, max_num_batched_tokens: int,
-                       async_scheduling: bool) -> Any:  # fmt: skip
+def preempting_smollm2(
+    manager: ManagerHandle, num_blocks: int, max_num_batched_tokens: int, async_scheduling: bool
+) -> Any:
     """A blocking LLM on SmolLM2 (float32) whose KV cache holds `num_blocks` blocks of 16
     tokens: a batch of a few prompts is preempted and recomputed, its prompts chunked."""
     from loomllm import LLM
 
-    return LLM("smollm2", manager_socket=manager.socket, dtype="float32",
-               max_num_batched_tokens=max_num_batched_tokens,
-               kv_cache_memory=num_blocks * SMOLLM2_BLOCK_BYTES, max_model_len=160,
-               async_scheduling=async_scheduling)  # fmt: skip
+    return LLM(
+        "smollm2",
+        manager_socket=manager.socket,
+        dtype="float32",
+        max_num_batched_tokens=max_num_batched_tokens,
+        kv_cache_memory=num_blocks * SMOLLM2_BLOCK_BYTES,
+        max_model_len=160,
+        async_scheduling=async_scheduling,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -230,10 +249,16 @@ def char_model(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("char") / "m"
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     specials = ["<unk>", "<s>", "</s>"]
     vocab = {**{t: i for i, t in enumerate(specials)}, **{chr(i): i for i in range(3, 128)}}
@@ -242,11 +267,21 @@ def char_model(tmp_path_factory) -> str:
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(specials)
     tok.save(str(path / "tokenizer.json"))
-    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}assistant: {% endif %}")  # fmt: skip
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": template,
-        "tokenizer_class": "PreTrainedTokenizerFast"}))  # fmt: skip
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "chat_template": template,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
     return str(path)
 
 

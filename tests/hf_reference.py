@@ -6,9 +6,13 @@ from typing import Any
 
 
 def hf_greedy(
-    model_dir: str, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True,
+    model_dir: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    ignore_eos: bool = True,
     **generate_kwargs: Any,
-) -> list[list[int]]:  # fmt: skip
+) -> list[list[int]]:
     """Each prompt's greedy continuation by transformers' model in float32. `ignore_eos`:
     generate through EOS (min_new_tokens would instead ban it); `generate_kwargs` go to
     `generate` as they are (a logits processor, a sequence bias)."""
@@ -23,8 +27,12 @@ def hf_greedy(
         for prompt in prompts:
             ids = torch.tensor([prompt])
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                max_new_tokens=max_new_tokens, pad_token_id=0, **generate_kwargs,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=0,
+                **generate_kwargs,
+            )
             outputs.append(out[0, len(prompt) :].tolist())
     return outputs

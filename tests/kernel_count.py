@@ -16,10 +16,31 @@ from loomllm.workers.kernels import fused_ops
 from loomllm.workers.runner.model_runner import ModelRunner
 
 # aten ops that launch no kernel: views, allocations, dtype arithmetic.
-NO_LAUNCH = {"view", "transpose", "t", "unsqueeze", "squeeze", "expand", "slice", "select",
-             "split", "split_with_sizes", "alias", "_unsafe_view", "as_strided", "permute",
-             "detach", "unbind", "reshape", "empty", "empty_like", "empty_strided",
-             "new_empty", "promote_types", "is_same_size"}  # fmt: skip
+NO_LAUNCH = {
+    "view",
+    "transpose",
+    "t",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "slice",
+    "select",
+    "split",
+    "split_with_sizes",
+    "alias",
+    "_unsafe_view",
+    "as_strided",
+    "permute",
+    "detach",
+    "unbind",
+    "reshape",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "promote_types",
+    "is_same_size",
+}
 
 
 class CountLaunches(TorchDispatchMode):
@@ -61,13 +82,21 @@ class CountLaunches(TorchDispatchMode):
         return out
 
 
-def decode_layer_launches(monkeypatch, model: torch.nn.Module, config: Any, requests: int = 2,
-                          prompt_len: int = 3) -> collections.Counter:  # fmt: skip
+def decode_layer_launches(
+    monkeypatch, model: torch.nn.Module, config: Any, requests: int = 2, prompt_len: int = 3
+) -> collections.Counter:
     """The launches of `model`'s second layer in a decode-only step of `requests` requests
     (contexts of one page by default: one split), run by a bf16 Triton-backend model
     runner."""
-    runner = ModelRunner(model, config, device=torch.device("cpu"), dtype=torch.bfloat16,
-                         block_size=16, num_blocks=8, attention_backend="triton")  # fmt: skip
+    runner = ModelRunner(
+        model,
+        config,
+        device=torch.device("cpu"),
+        dtype=torch.bfloat16,
+        block_size=16,
+        num_blocks=8,
+        attention_backend="triton",
+    )
     scheduler = Scheduler(SchedulerConfig(4, 64, 64, 16, 8))
     for i in range(requests):
         params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

@@ -15,33 +15,54 @@ from loomllm.workers.attention.metadata import (
 BLOCK = 16
 
 
-def paged_logits(model: torch.nn.Module, shape: object, tokens: list[int], backend: str,
-                 cache_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+def paged_logits(
+    model: torch.nn.Module,
+    shape: object,
+    tokens: list[int],
+    backend: str,
+    cache_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """`model` over `tokens` as a worker runs it: all but the last as one prompt, then the
     last as a decode step, over a paged KV cache. [T, V]."""
     num_blocks = -(-len(tokens) // BLOCK) + 1
     cache_shape = (num_blocks * BLOCK, shape.num_key_value_heads, shape.head_dim)
-    caches = [(torch.zeros(cache_shape, dtype=cache_dtype),
-               torch.zeros(cache_shape, dtype=cache_dtype))
-              for _ in range(shape.num_hidden_layers)]  # fmt: skip
+    caches = [
+        (torch.zeros(cache_shape, dtype=cache_dtype), torch.zeros(cache_shape, dtype=cache_dtype))
+        for _ in range(shape.num_hidden_layers)
+    ]
     blocks = list(range(num_blocks - 1))
     n = len(tokens) - 1
     prompt_row = PrefillRow(0, n, torch.arange(n))
 
     def run(ids: list[int], start: int, meta: AttentionMetadata) -> torch.Tensor:
         with torch.inference_mode():
-            return model(input_ids=torch.tensor([ids]),
-                         position_ids=torch.arange(start, start + len(ids))[None],
-                         attn_metadata=meta).logits[0]  # fmt: skip
+            return model(
+                input_ids=torch.tensor([ids]),
+                position_ids=torch.arange(start, start + len(ids))[None],
+                attn_metadata=meta,
+            ).logits[0]
 
     if backend == "triton":
-        prompt_meta = paged_metadata(caches, torch.device("cpu"), BLOCK, list(range(n)), [], [],
-                                     [], [prompt_row], [blocks], [n])  # fmt: skip
-        decode_meta = paged_metadata(caches, torch.device("cpu"), BLOCK, [n], [0], [blocks],
-                                     [n + 1], [], [], [])  # fmt: skip
+        prompt_meta = paged_metadata(
+            caches,
+            torch.device("cpu"),
+            BLOCK,
+            list(range(n)),
+            [],
+            [],
+            [],
+            [prompt_row],
+            [blocks],
+            [n],
+        )
+        decode_meta = paged_metadata(
+            caches, torch.device("cpu"), BLOCK, [n], [0], [blocks], [n + 1], [], [], []
+        )
     else:
-        prompt_meta = context_metadata(caches, torch.device("cpu"), list(range(n)), [], [],
-                                       [prompt_row])  # fmt: skip
-        decode_meta = context_metadata(caches, torch.device("cpu"), [n], [0],
-                                       [list(range(n + 1))], [])  # fmt: skip
+        prompt_meta = context_metadata(
+            caches, torch.device("cpu"), list(range(n)), [], [], [prompt_row]
+        )
+        decode_meta = context_metadata(
+            caches, torch.device("cpu"), [n], [0], [list(range(n + 1))], []
+        )
     return torch.cat([run(tokens[:n], 0, prompt_meta), run(tokens[n:], n, decode_meta)])

@@ -15,9 +15,12 @@ from loomllm.workers.runner.model_runner import ModelRunner
 
 
 def drive(
-    scheduler: Scheduler, runner: ModelRunner, ahead: bool,
-    on_schedule: Callable[[SchedulerOutput], None] | None = None, max_steps: int = 300,
-) -> dict[str, list[EngineCoreOutput]]:  # fmt: skip
+    scheduler: Scheduler,
+    runner: ModelRunner,
+    ahead: bool,
+    on_schedule: Callable[[SchedulerOutput], None] | None = None,
+    max_steps: int = 300,
+) -> dict[str, list[EngineCoreOutput]]:
     outputs: dict[str, list[EngineCoreOutput]] = {r: [] for r in scheduler.requests}
 
     def apply(so, step) -> None:

@@ -24,9 +24,10 @@ import schemathesis
 from loomllm.server.openai.chat_template_fields import FIELDS as TEMPLATE_FIELDS
 
 CLIENT = httpx.Client(  # one client: a new one per call costs a TLS context (~40 ms)
-    base_url=os.environ["LOOM_TEST_BASE_URL"], timeout=30,
+    base_url=os.environ["LOOM_TEST_BASE_URL"],
+    timeout=30,
     headers={"Authorization": f"Bearer {os.environ['LOOM_TEST_API_KEY']}"},
-)  # fmt: skip
+)
 EOS_IDS = {int(t) for t in os.environ["LOOM_TEST_EOS_IDS"].split(",")}
 DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": None}
 
@@ -91,6 +92,12 @@ def grammar_may_not_compile(body: dict[str, Any]) -> bool:
     if body.get("tools") or body.get("tool_choice") not in (None, "none"):
         return True  # tools: "auto" is a 400, a demanded call is a grammar
     return response_format.get("type") not in (None, "text") or any(
-        body.get(name) is not None for name in ("structured_outputs", "guided_json",
-                                                "guided_regex", "guided_choice",
-                                                "guided_grammar"))  # fmt: skip
+        body.get(name) is not None
+        for name in (
+            "structured_outputs",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+        )
+    )

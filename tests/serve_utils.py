@@ -43,16 +43,35 @@ def rss_bytes(pid: int) -> int:
 
 @contextmanager
 def loom_serve(
-    model: str, manager_socket: Path, name: str, loop: str = "asyncio", *args: str,
+    model: str,
+    manager_socket: Path,
+    name: str,
+    loop: str = "asyncio",
+    *args: str,
     start_timeout: float = 60,
-) -> Iterator[LoomServer]:  # fmt: skip
+) -> Iterator[LoomServer]:
     """Start `loom serve` (more flags in `args`), wait for /health, yield; then, unless it
     has exited already (the test checks that itself), SIGTERM it and check it exits 0.
     """
     port = free_port()
-    cmd = [sys.executable, "-m", "loomllm.cli.main", "serve", model, "--port", str(port),
-           "--served-model-name", name, "--dtype", "float32", "--loop", loop,
-           "--manager-socket", str(manager_socket), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "loomllm.cli.main",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        name,
+        "--dtype",
+        "float32",
+        "--loop",
+        loop,
+        "--manager-socket",
+        str(manager_socket),
+        *args,
+    ]
     # Output goes to a file, not a pipe: a long test could fill a pipe nobody reads.
     log_path = Path(manager_socket).parent / f"serve-{port}.log"
     with open(log_path, "w+") as log:

@@ -28,20 +28,37 @@ EOS = 2
 RUNNER_REQUESTS = {
     "greedy": ([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
     "seeded": ([10, 11, 12], SamplingParams(temperature=1.0, seed=7, max_tokens=12)),
-    "penalized": ([13, 14, 15, 16], SamplingParams(
-        temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, max_tokens=12)),
+    "penalized": (
+        [13, 14, 15, 16],
+        SamplingParams(
+            temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, max_tokens=12
+        ),
+    ),
     # Nearly every token stops it, but only from the 5th on (4 come first): min_tokens
     # must count the token still on the device, or the ban would last a step longer.
-    "min_tokens": ([17, 18], SamplingParams(
-        temperature=0.0, min_tokens=4, max_tokens=10, stop_token_ids=list(range(3, 250)))),
-    "logprobs": ([19, 20, 21], SamplingParams(temperature=0.0, max_tokens=9, logprobs=3,
-                                             prompt_logprobs=2)),
+    "min_tokens": (
+        [17, 18],
+        SamplingParams(
+            temperature=0.0, min_tokens=4, max_tokens=10, stop_token_ids=list(range(3, 250))
+        ),
+    ),
+    "logprobs": (
+        [19, 20, 21],
+        SamplingParams(temperature=0.0, max_tokens=9, logprobs=3, prompt_logprobs=2),
+    ),
     "chunked": (list(range(30, 70)), SamplingParams(temperature=0.0, max_tokens=6)),
     # Most low ids banned, and any id from 120 on banned right after itself: the bans read
     # the output ids, the one still on the device included.
-    "bad_words": ([22, 23, 24], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
-        bad_words_token_ids=[[t] for t in range(3, 120)] + [[t, t] for t in range(120, 250)])),
-}  # fmt: skip
+    "bad_words": (
+        [22, 23, 24],
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=10,
+            ignore_eos=True,
+            bad_words_token_ids=[[t] for t in range(3, 120)] + [[t, t] for t in range(120, 250)],
+        ),
+    ),
+}
 
 
 def drive_runner(
@@ -49,16 +66,23 @@ def drive_runner(
 ) -> dict[str, list[tuple]]:
     """`requests` (RUNNER_REQUESTS) through a real Scheduler: each one's (tokens, logprobs,
     top logprobs, finish reason) per step."""
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24,
-                                          max_model_len=64, block_size=16,
-                                          num_blocks=runner.num_blocks))  # fmt: skip
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=24,
+            max_model_len=64,
+            block_size=16,
+            num_blocks=runner.num_blocks,
+        )
+    )
     for req_id, (prompt, params) in requests.items():
         scheduler.add_request(Request(req_id, prompt, params, frozenset({EOS}), 64, 0.0))
     return {
-        req_id: [(o.new_token_ids, o.new_logprobs, o.new_top_logprobs, o.finish_reason)
-                 for o in outs]
+        req_id: [
+            (o.new_token_ids, o.new_logprobs, o.new_top_logprobs, o.finish_reason) for o in outs
+        ]
         for req_id, outs in drive(scheduler, runner, ahead).items()
-    }  # fmt: skip
+    }
 
 
 def tokens_and_ends(outputs: dict[str, list[tuple]]) -> dict[str, list]:
@@ -67,8 +91,14 @@ def tokens_and_ends(outputs: dict[str, list[tuple]]) -> dict[str, list]:
 
 def make_runner(model_dir: str, num_blocks: int = 24) -> ModelRunner:
     loaded = load_model(model_dir, dtype="float32")
-    return ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
-                       dtype=torch.float32, block_size=16, num_blocks=num_blocks)  # fmt: skip
+    return ModelRunner(
+        loaded.model,
+        loaded.config,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        block_size=16,
+        num_blocks=num_blocks,
+    )
 
 
 def test_bad_words_of_several_tokens_read_the_token_still_on_the_device(tiny_model):
@@ -88,13 +118,21 @@ def test_runner_launched_ahead_samples_what_it_samples_step_by_step(tiny_model):
     assert tokens_and_ends(ahead) == tokens_and_ends(step_by_step)
     # Batches differ (a finished request may be computed once more): the last float bits too.
     for req_id, outs in ahead.items():
-        for (_, lps, top, _), (_, ref_lps, ref_top, _) in zip(outs, step_by_step[req_id],
-                                                              strict=True):  # fmt: skip
+        for (_, lps, top, _), (_, ref_lps, ref_top, _) in zip(
+            outs, step_by_step[req_id], strict=True
+        ):
             assert lps == pytest.approx(ref_lps, abs=1e-5)
             assert [t and t.token_ids for t in top] == [t and t.token_ids for t in ref_top]
     lengths = {req_id: sum(len(o[0]) for o in outs) for req_id, outs in ahead.items()}
-    assert lengths == {"greedy": 12, "seeded": lengths["seeded"], "penalized": 12,
-                       "min_tokens": 5, "logprobs": 9, "chunked": 6, "bad_words": 10}  # fmt: skip
+    assert lengths == {
+        "greedy": 12,
+        "seeded": lengths["seeded"],
+        "penalized": 12,
+        "min_tokens": 5,
+        "logprobs": 9,
+        "chunked": 6,
+        "bad_words": 10,
+    }
     banned_tokens = [t for o in ahead["bad_words"] for t in o[0]]
     assert all(t >= 120 for t in banned_tokens)
     assert all(a != b for a, b in zip(banned_tokens, banned_tokens[1:], strict=False))
@@ -110,8 +148,12 @@ def test_runner_launched_ahead_through_preemptions(tiny_model):
     for ahead, blocks in ((False, 64), (False, 6), (True, 6)):
         scheduler = Scheduler(SchedulerConfig(8, 32, 64, 16, blocks))
         for i in range(6):
-            params = SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=None if i % 2 else i,
-                                    max_tokens=16 + 4 * i, ignore_eos=True)  # fmt: skip
+            params = SamplingParams(
+                temperature=0.0 if i % 2 else 1.0,
+                seed=None if i % 2 else i,
+                max_tokens=16 + 4 * i,
+                ignore_eos=True,
+            )
             prompt = [3 + i + j for j in range(6 + 3 * i)]
             scheduler.add_request(Request(f"r{i}", prompt, params, frozenset({EOS}), 64, 0.0))
         outputs = drive(scheduler, make_runner(tiny_model, blocks), ahead)
@@ -166,12 +208,16 @@ PROMPTS = ["w5 w7 w9", "w11 w12", "w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14"]
 ENGINE_PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
     SamplingParams(temperature=0.9, seed=3, max_tokens=16, n=2, logprobs=2),
-    SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=0.7, min_tokens=3,
-                   stop_token_ids=[40, 41, 42, 43]),
+    SamplingParams(
+        temperature=0.0,
+        max_tokens=24,
+        frequency_penalty=0.7,
+        min_tokens=3,
+        stop_token_ids=[40, 41, 42, 43],
+    ),
     SamplingParams(temperature=0.0, max_tokens=30, stop=["w1"], ignore_eos=True),
     SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=1, ignore_eos=True),
-]  # fmt: skip
-
+]
 
 
 async def all_outputs(engine: Engine) -> list:
@@ -186,10 +232,13 @@ async def all_outputs(engine: Engine) -> list:
             for j in range(len(ENGINE_PARAMS)):
                 tg.start_soon(one, i, j)
     return [
-        (key, [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs],
-         logprob_values(out))
+        (
+            key,
+            [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs],
+            logprob_values(out),
+        )
         for key, out in sorted(results.items())
-    ]  # fmt: skip
+    ]
 
 
 def logprob_values(out) -> list[tuple[int, float]]:
@@ -213,8 +262,13 @@ async def test_engine_outputs_are_identical_with_async_scheduling_on_and_off(
 ):
     runs = {}
     for mode in ("off", "on", "on, launch ahead"):
-        async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-                          async_scheduling=mode != "off", seed=11) as engine:  # fmt: skip
+        async with Engine(
+            tiny_model,
+            manager_socket=shared_manager.socket,
+            dtype="float32",
+            async_scheduling=mode != "off",
+            seed=11,
+        ) as engine:
             if mode == "on, launch ahead":
                 await engine.collective_rpc(launch_ahead)
             runs[mode] = await all_outputs(engine)
@@ -236,10 +290,14 @@ def async_engine(model: str, manager) -> Engine:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize(("fault", "where"), [
-    (fail_next_launch, "in the forward pass"),
-    (fail_next_result, "reading the step's tokens"),
-], ids=["launch", "result"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fault", "where"),
+    [
+        (fail_next_launch, "in the forward pass"),
+        (fail_next_result, "reading the step's tokens"),
+    ],
+    ids=["launch", "result"],
+)
 async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(
     tiny_model, shared_manager, anyio_backend, fault, where
 ):
@@ -326,6 +384,7 @@ def test_cli_flags_become_engine_options():
 
     assert options() == {}
     assert options("--async-scheduling", "--enforce-eager") == {
-        "async_scheduling": True, "enforce_eager": True,
-    }  # fmt: skip
+        "async_scheduling": True,
+        "enforce_eager": True,
+    }
     assert options("--no-async-scheduling") == {"async_scheduling": False}

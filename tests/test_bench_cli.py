@@ -14,15 +14,29 @@ pytestmark = pytest.mark.compute
 def loom(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "loomllm.cli.main", *args],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_overhead_benchmark_phases_add_up_and_it_compares_gc_freeze() -> None:
     """One run, both checks: each table's phases add up, and `--gc-freeze both` prints a
     table for each mode and their ratio."""
-    done = loom("bench", "overhead", "--batch-sizes", "1,3", "--max-tokens", "4",
-                "--backends", "asyncio", "--gc-freeze", "both", "--rounds", "1")  # fmt: skip
+    done = loom(
+        "bench",
+        "overhead",
+        "--batch-sizes",
+        "1,3",
+        "--max-tokens",
+        "4",
+        "--backends",
+        "asyncio",
+        "--gc-freeze",
+        "both",
+        "--rounds",
+        "1",
+    )
     assert done.returncode == 0, done.stderr
     assert "gc freeze off, round 1" in done.stdout and "gc freeze on, round 1" in done.stdout
     rows = [line for line in done.stdout.splitlines() if re.match(r"\| \d+ \|", line)]
@@ -38,8 +52,9 @@ def test_overhead_benchmark_phases_add_up_and_it_compares_gc_freeze() -> None:
         # recomputed from the printed times it may differ by their rounding's effect.
         slack = 0.05 + 100 * 0.005 * (step + outside) / step**2
         assert share == pytest.approx(100 * outside / step, abs=slack)
-    assert re.search(r"tokens/s with gc freeze on / off.*\n  batch   1: x\d.*\n  batch   3: x\d",
-                     done.stdout)  # fmt: skip
+    assert re.search(
+        r"tokens/s with gc freeze on / off.*\n  batch   1: x\d.*\n  batch   3: x\d", done.stdout
+    )
 
 
 def test_overhead_benchmark_compares_one_thing_at_a_time() -> None:
@@ -48,11 +63,26 @@ def test_overhead_benchmark_compares_one_thing_at_a_time() -> None:
 
 
 def test_emulated_device_holds_each_step_and_idles_only_without_async_scheduling() -> None:
-    done = loom("bench", "emulated", "--num-requests", "6", "--prompt-mean", "12",
-                "--output-mean", "8", "--base-ms", "20", "--async-scheduling", "both")  # fmt: skip
+    done = loom(
+        "bench",
+        "emulated",
+        "--num-requests",
+        "6",
+        "--prompt-mean",
+        "12",
+        "--output-mean",
+        "8",
+        "--base-ms",
+        "20",
+        "--async-scheduling",
+        "both",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
-            if re.match(r"\| (on|off) \|", line)]  # fmt: skip
+    rows = [
+        line.split("|")[1:-1]
+        for line in done.stdout.splitlines()
+        if re.match(r"\| (on|off) \|", line)
+    ]
     assert [row[0].strip() for row in rows] == ["on", "off"], done.stdout
     idle = {}
     for row in rows:
@@ -71,47 +101,94 @@ def test_emulated_device_holds_each_step_and_idles_only_without_async_scheduling
 
 def test_gpu_benchmark_runs_on_the_cpu_at_the_tiny_shape() -> None:
     """The GPU benchmark's every part, on the CPU: what a GPU session runs at full shapes."""
-    done = loom("bench", "gpu", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
-                "--num-requests", "6", "--prompt-mean", "12", "--output-mean", "8",
-                "--stream-tokens", "8", "--hf-batch", "4", timeout=300)  # fmt: skip
+    done = loom(
+        "bench",
+        "gpu",
+        "--shape",
+        "tiny",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--num-requests",
+        "6",
+        "--prompt-mean",
+        "12",
+        "--output-mean",
+        "8",
+        "--stream-tokens",
+        "8",
+        "--hf-batch",
+        "4",
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in done.stdout.splitlines()
-            if line.startswith("| ") and not line.startswith("| engine")}  # fmt: skip
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:5]
+        for line in done.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| engine")
+    }
     asked = int(re.search(r"(\d+) output tokens", done.stdout).group(1))
     assert len(rows) == 5 and all(int(cells[1]) == asked for cells in rows.values()), rows
-    idle = re.findall(r"async scheduling (on|off): (\d+) engine steps.* the device idled "
-                      r"(\d+\.\d)% between steps.*; (\d+) of (\d+) steps ran eager.*; "
-                      r"(\d+) gaps of 1 ms or more, (\d+)% of the idle time \(longest",
-                      done.stdout)  # fmt: skip
+    idle = re.findall(
+        r"async scheduling (on|off): (\d+) engine steps.* the device idled "
+        r"(\d+\.\d)% between steps.*; (\d+) of (\d+) steps ran eager.*; "
+        r"(\d+) gaps of 1 ms or more, (\d+)% of the idle time \(longest",
+        done.stdout,
+    )
     assert [mode for mode, *_ in idle] == ["on", "off"], done.stdout
     assert all(int(steps) >= 8 and 0 <= float(share) <= 100 for _, steps, share, *_ in idle)
     # No graphs on the CPU: every step the worker marked ran eager.
     assert all(eager == marked and int(marked) > 0 for *_, eager, marked, _, _ in idle), idle
-    assert all(int(stalls) <= int(marked) and 0 <= int(share) <= 100
-               for *_, marked, stalls, share in idle), idle  # fmt: skip
+    assert all(
+        int(stalls) <= int(marked) and 0 <= int(share) <= 100 for *_, marked, stalls, share in idle
+    ), idle
     # Every step the worker marked either computed prompt tokens (each prompt needs one) or
     # only decoded.
-    split = re.findall(r"of (\d+) steps ran eager.*; (\d+) steps computed prompt tokens, "
-                       r"[\d.]+ ms each, the (\d+) decode-only ones [\d.]+ ms each",
-                       done.stdout)  # fmt: skip
+    split = re.findall(
+        r"of (\d+) steps ran eager.*; (\d+) steps computed prompt tokens, "
+        r"[\d.]+ ms each, the (\d+) decode-only ones [\d.]+ ms each",
+        done.stdout,
+    )
     assert len(split) == 2 and all(
         int(prompts) >= 1 and int(prompts) + int(decodes) == int(marked)
         for marked, prompts, decodes in split
     ), split
-    streams = re.findall(r"one stream(, enforce_eager)?: [\d.]+ tok/s .* bandwidth limit "
-                         r"[\d.]+ tok/s.* idle (\d+\.\d)% between steps", done.stdout)  # fmt: skip
+    streams = re.findall(
+        r"one stream(, enforce_eager)?: [\d.]+ tok/s .* bandwidth limit "
+        r"[\d.]+ tok/s.* idle (\d+\.\d)% between steps",
+        done.stdout,
+    )
     assert [eager for eager, _ in streams] == ["", ", enforce_eager"], done.stdout
     assert all(0 <= float(share) <= 100 for _, share in streams), streams
-    ceiling = re.search(r"longest request decodes (\d+) tokens.* at most (\d+) output tok/s",
-                        done.stdout)  # fmt: skip
+    ceiling = re.search(
+        r"longest request decodes (\d+) tokens.* at most (\d+) output tok/s", done.stdout
+    )
     assert ceiling and int(ceiling.group(1)) <= asked, done.stdout
 
 
 def test_gpu_benchmark_skips_parts_and_refuses_unknown_ones() -> None:
-    done = loom("bench", "gpu", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
-                "--num-requests", "3", "--prompt-mean", "8", "--output-mean", "4",
-                "--stream-tokens", "4", "--skip", "async-off,serve,generate,continuous,eager",
-                timeout=300)  # fmt: skip
+    done = loom(
+        "bench",
+        "gpu",
+        "--shape",
+        "tiny",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--num-requests",
+        "3",
+        "--prompt-mean",
+        "8",
+        "--output-mean",
+        "4",
+        "--stream-tokens",
+        "4",
+        "--skip",
+        "async-off,serve,generate,continuous,eager",
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| loomllm")]
     assert [r.split("|")[1].strip() for r in rows] == ["loomllm, async scheduling on"]
@@ -123,68 +200,141 @@ def test_gpu_benchmark_skips_parts_and_refuses_unknown_ones() -> None:
 
 def test_start_benchmark_times_a_cold_start_and_warm_attaches() -> None:
     """A new process each: the first finds no manager (cold), the next reuse its worker."""
-    done = loom("bench", "start", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
-                "--warm", "1", "--model-impl", "auto,transformers", "--import-times",
-                timeout=300)  # fmt: skip
+    done = loom(
+        "bench",
+        "start",
+        "--shape",
+        "tiny",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--warm",
+        "1",
+        "--model-impl",
+        "auto,transformers",
+        "--import-times",
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     imports = re.findall(r"^imports, (.+): ([\d.]+) s$", done.stdout, re.M)
     assert [what for what, _ in imports] == [
-        "torch", "the zygote's list", "and transformers' modeling code"], done.stdout
+        "torch",
+        "the zygote's list",
+        "and transformers' modeling code",
+    ], done.stdout
     assert re.search(r"^bytecode: written by this interpreter: (True|False); ", done.stdout, re.M)
-    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
-            if line.startswith("| cold") or line.startswith("| warm")]  # fmt: skip
+    rows = [
+        line.split("|")[1:-1]
+        for line in done.stdout.splitlines()
+        if line.startswith("| cold") or line.startswith("| warm")
+    ]
     assert [tuple(c.strip() for c in r[:3]) for r in rows] == [
-        ("cold", "auto", "False"), ("warm 1", "auto", "True"),
-        ("cold", "transformers", "False"), ("warm 1", "transformers", "True")]  # fmt: skip
+        ("cold", "auto", "False"),
+        ("warm 1", "auto", "True"),
+        ("cold", "transformers", "False"),
+        ("warm 1", "transformers", "True"),
+    ]
     for _, _, _, attached, first, launched in rows:
         assert 0 <= float(attached) <= float(first) <= float(launched)
     for cold, warm in (rows[:2], rows[2:]):
         assert float(warm[4]) < float(cold[4]), rows  # attaching skips the worker's start
-    assert re.search(r"^cold start, process launch to first token: transformers / auto = "
-                     r"\d+\.\d\d$", done.stdout, re.M), done.stdout
+    assert re.search(
+        r"^cold start, process launch to first token: transformers / auto = "
+        r"\d+\.\d\d$",
+        done.stdout,
+        re.M,
+    ), done.stdout
 
 
 def test_gpu_checks_run_on_the_cpu_as_a_smoke_test() -> None:
     """Every part of what a GPU session checks, at tiny shapes (the kernels in Triton's
     interpreter: TRITON_INTERPRET=1 is inherited from conftest.py)."""
-    done = loom("bench", "gpu-check", "--device", "cpu", "--shape", "tiny",
-                "--kernel-batches", "2", "--longest", "64", "--requests", "4", timeout=300)
+    done = loom(
+        "bench",
+        "gpu-check",
+        "--device",
+        "cpu",
+        "--shape",
+        "tiny",
+        "--kernel-batches",
+        "2",
+        "--longest",
+        "64",
+        "--requests",
+        "4",
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     words = re.findall(r"^(PASS|FAIL|SKIP)  ([^:]+):", done.stdout, re.M)
-    assert words == [("PASS", "Triton kernels"), ("PASS", "fused kernels"),
-                     ("SKIP", "decode CUDA graphs"),
-                     ("PASS", "engines, async scheduling and graphs on/off")], done.stdout
+    assert words == [
+        ("PASS", "Triton kernels"),
+        ("PASS", "fused kernels"),
+        ("SKIP", "decode CUDA graphs"),
+        ("PASS", "engines, async scheduling and graphs on/off"),
+    ], done.stdout
 
 
 def test_decode_profile_runs_on_the_cpu_as_a_smoke_test() -> None:
     """Its four runs (transformers' model with its ops and with the fused kernels, with
     graphs; loomllm's own with and without), the kernels in Triton's interpreter; the
     kernel tables need a GPU's profiler."""
-    done = loom("bench", "decode-profile", "--device", "cpu", "--shape", "tiny",
-                "--batch-sizes", "1", "--steps", "1", "--warmup", "0", "--prompt-len", "8",
-                "--tilings", "16x256x4x4,32x128x2", timeout=300)  # fmt: skip
+    done = loom(
+        "bench",
+        "decode-profile",
+        "--device",
+        "cpu",
+        "--shape",
+        "tiny",
+        "--batch-sizes",
+        "1",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--prompt-len",
+        "8",
+        "--tilings",
+        "16x256x4x4,32x128x2",
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     # The skinny kernel's tilings, at 1 and 8 rows, on five weights (no GB/s to speak of
     # here: the interpreter).
     assert "| weight | [out, in] | 16x256x4x4 | 32x128x2x4 |" in done.stdout, done.stdout
-    assert len(re.findall(r"^\| .+ \| \[\d+, \d+\] \| \d+ / \d+ \| \d+ / \d+ \|$",
-                          done.stdout, re.M)) == 5, done.stdout  # fmt: skip
+    assert (
+        len(re.findall(r"^\| .+ \| \[\d+, \d+\] \| \d+ / \d+ \| \d+ / \d+ \|$", done.stdout, re.M))
+        == 5
+    ), done.stdout
     # The matmul table, cuBLAS (here F.linear on the CPU) and the skinny kernel at batch 1,
     # for the eight weights and for gate|up with its activation.
-    assert len(re.findall(r"^\| .+ \| \[\d+, \d+\] \| \d+ / \d+ \(x[\d.]+\) \|$",
-                          done.stdout, re.M)) == 9, done.stdout  # fmt: skip
+    assert (
+        len(re.findall(r"^\| .+ \| \[\d+, \d+\] \| \d+ / \d+ \(x[\d.]+\) \|$", done.stdout, re.M))
+        == 9
+    ), done.stdout
     runs = re.findall(r"^batch 1, (.+), (graphs|eager): [\d.]+ ms a step", done.stdout, re.M)
-    assert runs == [("transformers' ops", "graphs"), ("fused ops", "graphs"),
-                    ("loomllm's model", "graphs"), ("loomllm's model", "eager")], done.stdout
+    assert runs == [
+        ("transformers' ops", "graphs"),
+        ("fused ops", "graphs"),
+        ("loomllm's model", "graphs"),
+        ("loomllm's model", "eager"),
+    ], done.stdout
 
 
 def test_broadcast_benchmark_measures_every_step_and_rank_count() -> None:
     done = loom("bench", "broadcast", "--batch-sizes", "1,8", "--repeats", "3", "--ranks", "1,2")
     assert done.returncode == 0, done.stderr
-    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
-            if line.startswith("| decode") or line.startswith("| prefill")]  # fmt: skip
-    assert [r[0].strip() for r in rows] == ["decode, batch 1", "decode, batch 8",
-                                            "prefill, 1 x 100 tokens", "prefill, 8 x 100 tokens"]
+    rows = [
+        line.split("|")[1:-1]
+        for line in done.stdout.splitlines()
+        if line.startswith("| decode") or line.startswith("| prefill")
+    ]
+    assert [r[0].strip() for r in rows] == [
+        "decode, batch 1",
+        "decode, batch 8",
+        "prefill, 1 x 100 tokens",
+        "prefill, 8 x 100 tokens",
+    ]
     sizes = [int(r[1]) for r in rows]
     assert sizes[0] < sizes[1] < sizes[3] and sizes[2] < sizes[3]
     assert all(float(c) > 0 for r in rows for c in r[2:])
@@ -202,8 +352,9 @@ def test_unknown_benchmark_is_refused() -> None:
 
 
 def test_eager_step_benchmark_prints_both_models_and_the_ratio() -> None:
-    done = loom("bench", "eager-step", "--layers", "2", "--steps", "3", "--rounds", "1",
-                timeout=300)  # fmt: skip
+    done = loom(
+        "bench", "eager-step", "--layers", "2", "--steps", "3", "--rounds", "1", timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert re.search(r"^model_impl=loom: [\d.]+ ms a step$", done.stdout, re.M), done.stdout
     assert re.search(r"^model_impl=transformers: [\d.]+ ms a step$", done.stdout, re.M)

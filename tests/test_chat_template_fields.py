@@ -23,15 +23,17 @@ GREEDY = {"model": NAME, "max_completion_tokens": 4, "temperature": 0, "ignore_e
 def reference_ids(model: str, messages: list, **kwargs) -> list[int]:
     """The prompt as transformers renders it, encoded by the model's tokenizer.json (the
     tiny model's whole-word vocabulary: transformers' own wrapper splits w11 apart)."""
-    text = AutoTokenizer.from_pretrained(model).apply_chat_template(messages, tokenize=False,
-                                                                    **kwargs)  # fmt: skip
+    text = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        messages, tokenize=False, **kwargs
+    )
     raw = tokenizers.Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
     return raw.encode(text, add_special_tokens=False).ids
 
 
 async def test_continue_final_message_with_echo(chat_model, shared_manager):
-    expected = reference_ids(chat_model, PREFILLED, add_generation_prompt=False,
-                             continue_final_message=True)  # fmt: skip
+    expected = reference_ids(
+        chat_model, PREFILLED, add_generation_prompt=False, continue_final_message=True
+    )
     body = {**GREEDY, "messages": PREFILLED, **CONTINUE, "echo": True}
     async with running(chat_model, shared_manager) as (_, client):
         counted = (await client.post("/tokenize", json={"messages": PREFILLED, **CONTINUE})).json()
@@ -39,9 +41,16 @@ async def test_continue_final_message_with_echo(chat_model, shared_manager):
         whole = (await client.post(CHAT, json=body)).json()
         assert whole["usage"]["prompt_tokens"] == len(expected)
         # The same greedy tokens as the reference prompt's own completion.
-        plain = await client.post("/v1/completions", json={
-            "model": NAME, "prompt": expected, "max_tokens": 4, "temperature": 0,
-            "ignore_eos": True})  # fmt: skip
+        plain = await client.post(
+            "/v1/completions",
+            json={
+                "model": NAME,
+                "prompt": expected,
+                "max_tokens": 4,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         answer = plain.json()["choices"][0]["text"]
         assert whole["choices"][0]["message"]["content"] == "w6 w7 " + answer
         async with client.stream("POST", CHAT, json={**body, "stream": True}) as response:
@@ -53,16 +62,19 @@ async def test_continue_final_message_with_echo(chat_model, shared_manager):
         unechoed = (await client.post(CHAT, json={**body, "echo": False})).json()
         assert unechoed["choices"][0]["message"]["content"] == answer
         user_last = {**GREEDY, "messages": PREFILLED[:1]}
-        answers = [(await client.post(CHAT, json={**user_last, "echo": echo})).json()
-                   for echo in (True, False)]  # fmt: skip
+        answers = [
+            (await client.post(CHAT, json={**user_last, "echo": echo})).json()
+            for echo in (True, False)
+        ]
         echoed, plain = (a["choices"][0]["message"]["content"] for a in answers)
         assert echoed == plain
 
 
 async def test_continuing_an_empty_prefill_starts_the_answer(chat_model, shared_manager):
     empty = [PREFILLED[0], {"role": "assistant", "content": ""}]
-    expected = reference_ids(chat_model, empty, add_generation_prompt=False,
-                             continue_final_message=True)  # fmt: skip
+    expected = reference_ids(
+        chat_model, empty, add_generation_prompt=False, continue_final_message=True
+    )
     async with running(chat_model, shared_manager) as (_, client):
         counted = await client.post("/tokenize", json={"messages": empty, **CONTINUE})
         assert counted.json()["tokens"] == expected
@@ -105,18 +117,25 @@ async def test_bad_template_fields_are_400_and_the_server_goes_on(chat_model, sh
         assert named.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
         doc = (await client.get("/openapi.json")).json()["components"]["schemas"]
         assert doc["ChatCompletionRequest"]["properties"]["chat_template"]["enum"] == [
-            "default", None]
+            "default",
+            None,
+        ]
 
 
 async def test_a_trusted_template_its_variables_and_documents(chat_model, shared_manager):
-    template = ("{{ greeting }} {% for d in documents or [] %}{{ d.text }} {% endfor %}"
-                "{{ messages[-1].content }}")  # fmt: skip
-    kwargs = {"chat_template": template, "chat_template_kwargs": {"greeting": "w3"},
-              "documents": [{"text": "w4"}]}  # fmt: skip
-    expected = reference_ids(chat_model, PREFILLED[:1], chat_template=template, greeting="w3",
-                             documents=[{"text": "w4"}])  # fmt: skip
-    async with running(chat_model, shared_manager, trust_request_chat_template=True) as (
-            _, client):  # fmt: skip
+    template = (
+        "{{ greeting }} {% for d in documents or [] %}{{ d.text }} {% endfor %}"
+        "{{ messages[-1].content }}"
+    )
+    kwargs = {
+        "chat_template": template,
+        "chat_template_kwargs": {"greeting": "w3"},
+        "documents": [{"text": "w4"}],
+    }
+    expected = reference_ids(
+        chat_model, PREFILLED[:1], chat_template=template, greeting="w3", documents=[{"text": "w4"}]
+    )
+    async with running(chat_model, shared_manager, trust_request_chat_template=True) as (_, client):
         counted = await client.post("/tokenize", json={"messages": PREFILLED[:1], **kwargs})
         assert counted.json()["tokens"] == expected
         whole = await client.post(CHAT, json={**GREEDY, "messages": PREFILLED[:1], **kwargs})
@@ -127,4 +146,6 @@ async def test_a_trusted_template_its_variables_and_documents(chat_model, shared
         assert (await client.post(CHAT, json={**GREEDY, "messages": PREFILLED})).status_code == 200
         doc = (await client.get("/openapi.json")).json()["components"]["schemas"]
         assert doc["ChatCompletionRequest"]["properties"]["chat_template"]["type"] == [
-            "string", "null"]
+            "string",
+            "null",
+        ]

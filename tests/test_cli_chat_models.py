@@ -19,8 +19,9 @@ from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.anyio
 
-GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
-                        output_kind=RequestOutputKind.DELTA)  # fmt: skip
+GREEDY = SamplingParams(
+    max_tokens=4, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+)
 
 
 def lines(*texts: str):
@@ -44,8 +45,18 @@ async def chat_once(engine: Engine, messages: list[dict]) -> str:
 
 
 def loom_chat(model: str, manager, *args: str) -> list[str]:
-    cmd = [sys.executable, "-m", "loomllm.cli.main", "chat", model, "--dtype", "float32",
-           "--manager-socket", str(manager.socket), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "loomllm.cli.main",
+        "chat",
+        model,
+        "--dtype",
+        "float32",
+        "--manager-socket",
+        str(manager.socket),
+        *args,
+    ]
     return cmd
 
 
@@ -81,8 +92,11 @@ async def test_chat_system_prompt_survives_reset_and_bad_turns_leave_history(
         notices: list[str] = []
         too_long = " ".join(["w5"] * (engine.max_model_len + 1)) + "\n"
         with anyio.fail_after(30):
-            await session.run(lines("w5\n", too_long, "/nope\n", "/reset\n", "w6\n"),
-                              out.append, notify=notices.append)  # fmt: skip
+            await session.run(
+                lines("w5\n", too_long, "/nope\n", "/reset\n", "w6\n"),
+                out.append,
+                notify=notices.append,
+            )
         assert [m["role"] for m in session.messages] == ["system", "user", "assistant"]
         assert session.messages[1]["content"] == "w6"
         assert "prompt has" in notices[0] and "/reset starts over" in notices[0], notices
@@ -92,8 +106,9 @@ async def test_chat_system_prompt_survives_reset_and_bad_turns_leave_history(
 
 async def test_interrupt_stops_the_reply_and_aborts_the_request(chat_model, shared_manager):
     async with Engine(chat_model, manager_socket=shared_manager.socket, dtype="float32") as engine:
-        params = SamplingParams(max_tokens=400, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
         session = ChatSession(engine, params)
         assert not session.interrupt()  # no reply in progress
         chunks: list[str] = []
@@ -114,8 +129,9 @@ async def test_interrupt_stops_the_reply_and_aborts_the_request(chat_model, shar
 
 
 def test_loom_chat_refuses_a_model_without_chat_template(tiny_model, shared_manager, capsys):
-    code = main(["chat", tiny_model, "--dtype", "float32",
-                 "--manager-socket", str(shared_manager.socket)])  # fmt: skip
+    code = main(
+        ["chat", tiny_model, "--dtype", "float32", "--manager-socket", str(shared_manager.socket)]
+    )
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("loom: cannot chat with") and "no chat template" in err
@@ -124,8 +140,9 @@ def test_loom_chat_refuses_a_model_without_chat_template(tiny_model, shared_mana
 
 def test_loom_chat_on_a_pipe(chat_model, shared_manager):
     cmd = loom_chat(chat_model, shared_manager, "--temperature", "0", "--max-tokens", "3")
-    result = subprocess.run(cmd, input="hello\nmore\n/exit\nnever read\n",
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        cmd, input="hello\nmore\n/exit\nnever read\n", capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     replies = result.stdout.split("\n")
     assert len(replies) == 3 and replies[2] == "", result.stdout  # two lines, no prompt
@@ -135,10 +152,17 @@ def test_loom_chat_on_a_pipe(chat_model, shared_manager):
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])
 def test_loom_chat_ctrl_c_stops_a_reply_then_quits_at_the_prompt(chat_model, shared_manager, loop):
     # Greedy: this model's reply to "w5" does not end (EOS) before max_tokens.
-    cmd = loom_chat(chat_model, shared_manager, "--temperature", "0", "--max-tokens", "400",
-                    "--loop", loop)  # fmt: skip
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, bufsize=1)  # fmt: skip
+    cmd = loom_chat(
+        chat_model, shared_manager, "--temperature", "0", "--max-tokens", "400", "--loop", loop
+    )
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
     try:
         proc.stdin.write("w5\n")
         proc.stdin.flush()
@@ -162,17 +186,31 @@ def test_loom_chat_ctrl_c_stops_a_reply_then_quits_at_the_prompt(chat_model, sha
 
 def test_loom_models_lists_warm_workers(tiny_model, shared_manager):
     async def attach() -> list[int]:
-        async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-                          keep_alive=300) as engine:  # fmt: skip
+        async with Engine(
+            tiny_model, manager_socket=shared_manager.socket, dtype="float32", keep_alive=300
+        ) as engine:
             return await engine.collective_rpc(lambda worker: os.getpid())
 
     [pid] = anyio.run(attach)
-    result = subprocess.run([sys.executable, "-m", "loomllm.cli.main", "models"], env=shared_manager.env,
-                            capture_output=True, text=True, timeout=30)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "loomllm.cli.main", "models"],
+        env=shared_manager.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.splitlines()
-    assert header.split() == ["MODEL", "DTYPE", "TP", "PIDS", "STATE", "MEMORY", "KEEP_ALIVE",
-                              "EXPIRES"]  # fmt: skip
+    assert header.split() == [
+        "MODEL",
+        "DTYPE",
+        "TP",
+        "PIDS",
+        "STATE",
+        "MEMORY",
+        "KEEP_ALIVE",
+        "EXPIRES",
+    ]
     [row] = [r.split() for r in rows if str(pid) in r.split()]
     assert row[:5] == [tiny_model, "float32", "1", str(pid), "idle"], rows
     assert row[7] == "300s" and row[8].endswith("s"), row  # MEMORY is "<n> MiB": two words

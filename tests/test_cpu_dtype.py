@@ -88,9 +88,14 @@ def test_float16_checkpoint_gets_bf16_or_fp32_on_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32,
-    )  # fmt: skip
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
     LlamaForCausalLM(config).to(torch.float16).save_pretrained(tmp_path)
     assert '"float16"' in (tmp_path / "config.json").read_text()
     for env, expected in [("1", "bfloat16"), ("0", "float32")]:

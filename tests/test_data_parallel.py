@@ -34,8 +34,13 @@ LONG = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
 
 def engine(tiny_model, shared_manager, **options) -> Engine:
     # max_num_seqs=17: options of our own, so other tests' warm workers stay theirs.
-    return Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-                  max_num_seqs=17, **options)  # fmt: skip
+    return Engine(
+        tiny_model,
+        manager_socket=shared_manager.socket,
+        dtype="float32",
+        max_num_seqs=17,
+        **options,
+    )
 
 
 async def final(stream) -> list[int]:
@@ -147,14 +152,27 @@ async def test_the_engine_dies_with_its_last_replica(tiny_model, shared_manager)
 def test_loom_serve_with_two_replicas(tiny_model, shared_manager):
     """200 completions at concurrency 50, each answered once; /metrics adds up and breaks
     down by replica; after one replica's worker is killed the server serves on."""
-    with loom_serve(tiny_model, shared_manager.socket, "tiny", "asyncio",
-                    "--data-parallel-size", "2", "--max-num-seqs", "19") as server:  # fmt: skip
+    with loom_serve(
+        tiny_model,
+        shared_manager.socket,
+        "tiny",
+        "asyncio",
+        "--data-parallel-size",
+        "2",
+        "--max-num-seqs",
+        "19",
+    ) as server:
         base = server.base_url
         before = replica_counts(base, "replica_requests_finished")
 
         def complete(k: int) -> str:
-            body = {"model": "tiny", "prompt": PROMPTS[k % len(PROMPTS)], "max_tokens": 5,
-                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            body = {
+                "model": "tiny",
+                "prompt": PROMPTS[k % len(PROMPTS)],
+                "max_tokens": 5,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
             assert reply.status_code == 200, reply.text
             assert reply.json()["usage"]["completion_tokens"] == 5
@@ -194,8 +212,23 @@ def replica_counts(base: str, family: str) -> dict[str, float]:
 def test_merged_stats_add_up_and_keep_the_breakdown():
     def part(running: int, queries: int, rate: float, alive: bool = True) -> EngineStats:
         hist = HistogramSnapshot((1.0,), (running, 1), 2.5, running + 1)
-        return EngineStats(running, 1, 10, 20, rate, 5, 0, 7, 9, {"stop": running}, hist, hist,
-                           hist, num_prefix_cache_queries=queries, is_alive=alive)  # fmt: skip
+        return EngineStats(
+            running,
+            1,
+            10,
+            20,
+            rate,
+            5,
+            0,
+            7,
+            9,
+            {"stop": running},
+            hist,
+            hist,
+            hist,
+            num_prefix_cache_queries=queries,
+            is_alive=alive,
+        )
 
     a, b, c = part(2, 300, 0.5), part(4, 100, 0.1), part(8, 0, 0.0, alive=False)
     merged = merge_stats([a, b, c])
@@ -217,6 +250,9 @@ def test_each_cuda_rank_gets_a_gpu_of_its_own():
     assert [cuda_device_index(dp2_tp2, rank, 2, 4) for rank in (0, 1)] == [2, 3]
     assert cuda_device_index({}, 1, 2, 2) == 1
     assert cuda_device_index({"distributed_executor_backend": "ray"}, 1, 2, 1) == 0
-    with pytest.raises(ValueError, match=r"2 x 2 ranks need 4 GPUs, one each; this machine "
-                       "has 3"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"2 x 2 ranks need 4 GPUs, one each; this machine "
+        "has 3",
+    ):
         cuda_device_index(dp2_tp2, 0, 2, 3)

@@ -43,17 +43,24 @@ def test_bucket_sizes_double_up_to_max_num_seqs():
     assert bucket_sizes(5000)[-2:] == [256, 512]  # larger decode batches run eager
 
 
-def make_runner(model_dir: str, graphs: bool, fused: bool = False,
-                backend: str = "triton") -> ModelRunner:  # fmt: skip
+def make_runner(
+    model_dir: str, graphs: bool, fused: bool = False, backend: str = "triton"
+) -> ModelRunner:
     loaded = load_model(model_dir, dtype="float32")
     if fused:  # as a CUDA worker runs: rotary and K/V write inside the decode kernel, padded
         assert install_fused_ops(loaded.model).layers  # rows too; steps of up to 8 rows with
         for linear in loaded.model.modules():  # the skinny matmul (a worker times it first)
             if isinstance(linear, Linear):
                 linear.skinny = True
-    runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
-                         dtype=torch.float32, block_size=16, num_blocks=24,
-                         attention_backend=backend)  # fmt: skip
+    runner = ModelRunner(
+        loaded.model,
+        loaded.config,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        block_size=16,
+        num_blocks=24,
+        attention_backend=backend,
+    )
     if graphs:
         runner.enable_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=False)
     return runner
@@ -61,7 +68,7 @@ def make_runner(model_dir: str, graphs: bool, fused: bool = False,
 
 def drive_requests(
     runner: ModelRunner, ahead: bool, budget: int = 5, long_prompt: int = 10
-) -> tuple[dict[str, list], int]:  # fmt: skip
+) -> tuple[dict[str, list], int]:
     """Seven requests under a 5-token budget: four short prompts decode while the three
     long ones come in one-token chunks beside them (a decode-only step with a row that does
     not sample), then the batch shrinks to 1 as they finish one by one. Returns each
@@ -81,8 +88,9 @@ def drive_requests(
             silent_rows += any(r.num_computed_tokens < r.num_prompt_tokens for r in requests)
 
     outputs = drive(scheduler, runner, ahead, count_silent_rows)
-    return {r: [(o.new_token_ids, o.new_logprobs) for o in outs]
-            for r, outs in outputs.items()}, silent_rows  # fmt: skip
+    return {
+        r: [(o.new_token_ids, o.new_logprobs) for o in outs] for r, outs in outputs.items()
+    }, silent_rows
 
 
 @functools.cache
@@ -97,8 +105,9 @@ def eager_reference(model_dir: str, budget: int, long_prompt: int) -> Mapping[st
 
 # Each way of driving and each path once, not every pair: each case runs for 20-60 s in the
 # interpreter. Launched ahead, the fused kernels run: what a CUDA worker runs.
-@pytest.mark.parametrize("ahead, fused", [(False, False), (True, True)],
-                         ids=["step by step", "launched ahead, fused"])
+@pytest.mark.parametrize(
+    "ahead, fused", [(False, False), (True, True)], ids=["step by step", "launched ahead, fused"]
+)
 def test_padded_decode_steps_sample_the_eager_tokens(tiny_model, ahead, fused):
     eager = eager_reference(tiny_model, 5, 10)
     runner = make_runner(tiny_model, graphs=True, fused=fused)
@@ -108,8 +117,10 @@ def test_padded_decode_steps_sample_the_eager_tokens(tiny_model, ahead, fused):
     graphs.forward = lambda *args: (batches.append(args[3].shape[0]), forward(*args))[1]
     mixed_rows: list[int] = []  # of each mixed step
     mixed_forward = runner.mixed_graphs.forward
-    runner.mixed_graphs.forward = lambda *args: (mixed_rows.append(len(args[3])),
-                                                 mixed_forward(*args))[1]  # fmt: skip
+    runner.mixed_graphs.forward = lambda *args: (
+        mixed_rows.append(len(args[3])),
+        mixed_forward(*args),
+    )[1]
     padded, silent_rows = drive_requests(runner, ahead)
     assert {r: [t for t, _ in o] for r, o in padded.items()} == {
         r: [t for t, _ in o] for r, o in eager.items()
@@ -136,8 +147,7 @@ def test_padded_mixed_steps_sample_the_eager_tokens(tiny_model, ahead, budget, l
     mixed = runner.mixed_graphs
     steps: list[tuple[int, int]] = []  # (tokens, rows) of each mixed step
     forward = mixed.forward
-    mixed.forward = lambda *args: (steps.append((len(args[1]), len(args[3]))),
-                                   forward(*args))[1]  # fmt: skip
+    mixed.forward = lambda *args: (steps.append((len(args[1]), len(args[3]))), forward(*args))[1]
     padded, _ = drive_requests(runner, ahead, budget, long_prompt)
     assert {r: [t for t, _ in o] for r, o in padded.items()} == {
         r: [t for t, _ in o] for r, o in eager.items()
@@ -167,8 +177,9 @@ def test_mixed_graphs_fit_what_their_buckets_hold(tiny_model):
     assert not mixed.fits(2049, 1, 1)
     assert not mixed.fits(64, 9, 1)  # more rows than max_num_seqs
     assert not mixed.fits(64, 1, mixed.max_blocks + 1)
-    runner.enable_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=False,
-                         max_step_tokens=100)  # fmt: skip
+    runner.enable_graphs(
+        max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=False, max_step_tokens=100
+    )
     assert runner.mixed_graphs.sizes == [64, 128]
 
 
@@ -193,9 +204,7 @@ def test_a_failed_mixed_capture_keeps_the_decode_graphs(tiny_model, monkeypatch,
     }
 
 
-def test_capture_makes_one_graph_a_bucket_and_mixed_logits_share_a_buffer(
-    tiny_model, monkeypatch
-):  # fmt: skip
+def test_capture_makes_one_graph_a_bucket_and_mixed_logits_share_a_buffer(tiny_model, monkeypatch):
     """The capture code, with CUDA's graph calls faked (the captured region runs once,
     eagerly; a replay is recorded): every bucket has its graph, each mixed graph's output
     is a view of one logits buffer, and a step replays its bucket's graph."""
@@ -210,8 +219,9 @@ def test_capture_makes_one_graph_a_bucket_and_mixed_logits_share_a_buffer(
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool: contextlib.nullcontext())
     runner = make_runner(tiny_model, graphs=False)
-    runner.enable_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=True,
-                         max_step_tokens=128)  # fmt: skip
+    runner.enable_graphs(
+        max_num_seqs=8, max_model_len=MAX_MODEL_LEN, capture=True, max_step_tokens=128
+    )
     mixed, decode = runner.mixed_graphs, runner.decode_graphs
     assert mixed.captured and decode.captured
     assert sorted(mixed._graphs) == [64, 128] and sorted(decode._graphs) == [1, 2, 4, 8]
@@ -219,16 +229,30 @@ def test_capture_makes_one_graph_a_bucket_and_mixed_logits_share_a_buffer(
     assert len({out.untyped_storage().data_ptr() for out in outputs}) == 1
     assert [out.shape[0] for out in outputs] == [8, 8]  # rows: max_num_seqs
     ids = torch.tensor([5, 6, 7, 8, 9])
-    logits = mixed.forward(ids, [0, 1, 2, 0, 1], torch.tensor([16, 17, 18, 32, 33]),
-                           [[1], [2]], [0, 3], [3, 2], [3, 2], [2, 4])  # fmt: skip
+    logits = mixed.forward(
+        ids,
+        [0, 1, 2, 0, 1],
+        torch.tensor([16, 17, 18, 32, 33]),
+        [[1], [2]],
+        [0, 3],
+        [3, 2],
+        [3, 2],
+        [2, 4],
+    )
     assert replays == [mixed._graphs[64][0]] and logits.shape[0] == 2
     assert logits.untyped_storage().data_ptr() == outputs[0].untyped_storage().data_ptr()
 
 
 def test_decode_graphs_need_the_triton_backend(tiny_model):
     loaded = load_model(tiny_model, dtype="float32")
-    runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
-                         dtype=torch.float32, block_size=16, num_blocks=4)  # fmt: skip
+    runner = ModelRunner(
+        loaded.model,
+        loaded.config,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        block_size=16,
+        num_blocks=4,
+    )
     with pytest.raises(ValueError, match="Triton attention backend"):
         runner.enable_graphs(max_num_seqs=4, max_model_len=64, capture=False)
 
@@ -243,13 +267,21 @@ async def test_an_engine_with_padded_decode_steps_matches_eager(
     tiny_model, shared_manager, anyio_backend
 ):
     prompts = ["w5 w6 w7", "w9 " * 9, "w11", "w3 w4"]
-    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True)
-              for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     outputs = {}
     for graphs in (False, True):
-        async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-                          attention_backend="triton", max_num_seqs=8, enforce_eager=True,
-                          keep_alive=0) as engine:  # fmt: skip
+        async with Engine(
+            tiny_model,
+            manager_socket=shared_manager.socket,
+            dtype="float32",
+            attention_backend="triton",
+            max_num_seqs=8,
+            enforce_eager=True,
+            keep_alive=0,
+        ) as engine:
             if graphs:  # what a CUDA worker captures at start, here without the capture
                 await engine.collective_rpc(lambda w: w.runner.enable_graphs(8, 64, False))
             outputs[graphs] = {}

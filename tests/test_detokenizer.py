@@ -40,8 +40,12 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return request.param
 
 
-def feed(d: IncrementalDetokenizer, ids: list[int], rng: random.Random | None = None,
-         stop_terminated: bool = False) -> tuple[list[str], list[str], str | None]:  # fmt: skip
+def feed(
+    d: IncrementalDetokenizer,
+    ids: list[int],
+    rng: random.Random | None = None,
+    stop_terminated: bool = False,
+) -> tuple[list[str], list[str], str | None]:
     """Feed `ids` in chunks of 1-3 (1 without rng); returns deltas, cumulative texts, stop."""
     deltas, shown, stop, i = [], [], None, 0
     while i < len(ids) and stop is None:
@@ -136,8 +140,12 @@ def test_stop_strings_count_only_after_min_tokens(tok):
     words = [tok.decode(out[: i + 1]) for i in range(len(out))]
     ends = [i for i, text in enumerate(words) if text.endswith("one")]  # tokens ending "one"
     assert len(ends) == 3, words
-    for min_tokens, expected in [(0, ""), (ends[0], ""), (ends[0] + 1, words[ends[1]][:-3]),
-                                 (ends[1] + 1, words[ends[2]][:-3])]:  # fmt: skip
+    for min_tokens, expected in [
+        (0, ""),
+        (ends[0], ""),
+        (ends[0] + 1, words[ends[1]][:-3]),
+        (ends[1] + 1, words[ends[2]][:-3]),
+    ]:
         d = IncrementalDetokenizer(tok, [], stop=["one"], min_tokens=min_tokens)
         deltas, _, stop = feed(d, out)
         assert stop == "one" and d.output_text == "".join(deltas) == expected, min_tokens
@@ -161,11 +169,13 @@ def test_stop_text_after_it_in_the_same_token_is_dropped(tok):
 
 @pytest.mark.parametrize(
     "stops, expected",
-    [(["qux", "baz", "bar b"], ("bar b", "foo ")),
-     # The one completed first wins (as a char-by-char stream would see it), not the first listed
-     # or the one that starts first: the result must not depend on how tokens are batched.
-     (["bar baz", "r b"], ("r b", "foo ba"))],
-)  # fmt: skip
+    [
+        (["qux", "baz", "bar b"], ("bar b", "foo ")),
+        # The one completed first wins (as a char-by-char stream would see it), not the first listed
+        # or the one that starts first: the result must not depend on how tokens are batched.
+        (["bar baz", "r b"], ("r b", "foo ba")),
+    ],
+)
 def test_earliest_stop_wins(tok, stops, expected):
     out = tok.encode("foo bar baz qux")
     for chunked in (False, True):

@@ -70,11 +70,23 @@ async def test_each_engine_with_a_seed_samples_as_on_new_workers(tiny_model, sha
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     runs = []
     for _ in range(2):
-        async with Engine(tiny_model, manager_socket=shared_manager.socket, seed=1234,
-                          max_num_seqs=43) as engine:  # max_num_seqs: workers of its own
-            runs.append((engine.reused_warm_workers, [
-                [out async for out in engine.generate({"prompt_token_ids": [5, 6]}, params)]
-                [-1].outputs[0].token_ids for _ in range(2)]))  # fmt: skip
+        async with Engine(
+            tiny_model, manager_socket=shared_manager.socket, seed=1234, max_num_seqs=43
+        ) as engine:  # max_num_seqs: workers of its own
+            runs.append(
+                (
+                    engine.reused_warm_workers,
+                    [
+                        [
+                            out
+                            async for out in engine.generate({"prompt_token_ids": [5, 6]}, params)
+                        ][-1]
+                        .outputs[0]
+                        .token_ids
+                        for _ in range(2)
+                    ],
+                )
+            )
     (first_reused, first), (second_reused, second) = runs
     assert second_reused and first == second, runs
     assert first[0] != first[1]  # the generator moved on between requests: not re-seeded
@@ -189,8 +201,12 @@ def test_leaving_right_after_the_last_output_is_clean(tiny_model, backend):
     the finished request: that step must be cancelled, not sent on a closing socket and
     reported as a dead worker out of `__aexit__`. A plain script, not a test task: the
     race needs the ordinary event loop's scheduling (seen in a script on both backends)."""
-    done = subprocess.run([sys.executable, "-c", LEAVE_MID_STEP, tiny_model, backend],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", LEAVE_MID_STEP, tiny_model, backend],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and "left cleanly" in done.stdout, done.stderr[-3000:]
     assert "could not release" not in done.stderr
 

@@ -45,9 +45,16 @@ def restore_rotary(monkeypatch):
 
 
 def tiny(arch: str, **overrides) -> torch.nn.Module:
-    config = ARCHS[arch][0](vocab_size=97, hidden_size=64, intermediate_size=96,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            max_position_embeddings=128, **overrides)  # fmt: skip
+    config = ARCHS[arch][0](
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        **overrides,
+    )
     torch.manual_seed(3)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
@@ -59,8 +66,12 @@ def count_calls(monkeypatch, module, name: str) -> list:
     return calls
 
 
-VARIANTS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "mistral": ("mistral", {}),
-            "llama with biases": ("llama", {"attention_bias": True, "mlp_bias": True})}
+VARIANTS = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "mistral": ("mistral", {}),
+    "llama with biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
+}
 MASK = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])  # the second prompt padded on the right
 
 
@@ -74,8 +85,11 @@ def prompt_and_step(model: torch.nn.Module) -> list[torch.Tensor]:
         prompt = model(IDS, attention_mask=MASK)
         cache = getattr(prompt, name)
         assert cache.get_seq_length() == IDS.shape[1]
-        step = model(torch.tensor([[17], [23]]), attention_mask=torch.cat([MASK, MASK[:, :1]], 1),
-                     **{name: cache}).logits  # fmt: skip
+        step = model(
+            torch.tensor([[17], [23]]),
+            attention_mask=torch.cat([MASK, MASK[:, :1]], 1),
+            **{name: cache},
+        ).logits
     return [plain, prompt.logits, step]
 
 
@@ -88,14 +102,24 @@ def test_fused_model_keeps_transformers_logits(monkeypatch, variant, dtype):
     assert install_fused_ops(model) == FusedModel(norms=2 * 2 + 1, rotary_modules=1, layers=2)
     # Idempotent: nothing left to swap (the rotary function is counted, not swapped again).
     assert install_fused_ops(model) == FusedModel(0, 1, 0)
-    calls = {name: count_calls(monkeypatch, module, name) for module, name in
-             [(fused_layers, "silu_mul"), (fused_layers, "add_rms_norm"), (fused_ops, "rotary"),
-              (fused_layers, "_attention_function")]}  # fmt: skip
+    calls = {
+        name: count_calls(monkeypatch, module, name)
+        for module, name in [
+            (fused_layers, "silu_mul"),
+            (fused_layers, "add_rms_norm"),
+            (fused_ops, "rotary"),
+            (fused_layers, "_attention_function"),
+        ]
+    }
     got = prompt_and_step(model)
     # Three forwards of two layers; the packed attention in the first only, the two with a
     # transformers cache handed to transformers' own.
     assert {name: len(c) for name, c in calls.items()} == {
-        "silu_mul": 6, "add_rms_norm": 6, "rotary": 6, "_attention_function": 2}
+        "silu_mul": 6,
+        "add_rms_norm": 6,
+        "rotary": 6,
+        "_attention_function": 2,
+    }
     for out, ref in zip(got, expected, strict=True):
         if dtype == torch.bfloat16:  # every kernel rounds where torch's ops round
             assert torch.equal(out, ref)
@@ -113,8 +137,10 @@ def test_projections_are_packed_not_copied():
     gc.collect()
     assert all(ref() is None for ref in unpacked)  # let go: one copy of the weights
     assert attn.loom_qkv.sizes == (64, 32, 32) and mlp.loom_gate_up.sizes == (96, 96)
-    packed = {p.untyped_storage().data_ptr() for p in
-              (attn.loom_qkv.weight, attn.loom_qkv.bias, mlp.loom_gate_up.weight)}  # fmt: skip
+    packed = {
+        p.untyped_storage().data_ptr()
+        for p in (attn.loom_qkv.weight, attn.loom_qkv.bias, mlp.loom_gate_up.weight)
+    }
     for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
         assert m.weight.untyped_storage().data_ptr() in packed  # a view, not a copy
     stock_attn, stock_mlp = stock.model.layers[0].self_attn, stock.model.layers[0].mlp
@@ -130,8 +156,9 @@ def test_models_the_kernels_cannot_run_keep_their_ops(monkeypatch):
     assert install_fused_ops(model) == FusedModel(0, 0, 0)
     assert not hasattr(model.model.layers[0], "loom_fused")
     # Not the Llama family's layer: its parts are left alone.
-    gpt2 = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(
-        vocab_size=97, n_embd=32, n_layer=1, n_head=2))  # fmt: skip
+    gpt2 = transformers.AutoModelForCausalLM.from_config(
+        transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2)
+    )
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert install_fused_ops(gpt2) == FusedModel(0, 0, 0)
 
@@ -142,23 +169,33 @@ def drive_runner(model: torch.nn.Module, fused: bool) -> dict[str, list]:
     padded paths (capture needs CUDA). Else the reference: transformers' ops over the
     torch backend, eager (nothing in the interpreter)."""
     backend = "triton" if fused else "torch"
-    runner = ModelRunner(model, model.config, device=torch.device("cpu"), dtype=torch.float32,
-                         block_size=16, num_blocks=24, attention_backend=backend)  # fmt: skip
+    runner = ModelRunner(
+        model,
+        model.config,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        block_size=16,
+        num_blocks=24,
+        attention_backend=backend,
+    )
     if fused:
         assert install_fused_ops(model).layers == 2
-        runner.enable_graphs(max_num_seqs=8, max_model_len=64, capture=False,
-                             max_step_tokens=64)  # fmt: skip
+        runner.enable_graphs(max_num_seqs=8, max_model_len=64, capture=False, max_step_tokens=64)
     scheduler = Scheduler(SchedulerConfig(8, 12, 64, 16, runner.num_blocks))
     for i in range(4):
         prompt = [5 + 3 * i + j for j in range(2 + 4 * i)]
         params = SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True, logprobs=2)
         scheduler.add_request(Request(f"r{i}", prompt, params, frozenset({2}), 64, 0.0))
-    return {r: [(o.new_token_ids, o.new_logprobs) for o in outs]
-            for r, outs in drive(scheduler, runner, ahead=True).items()}  # fmt: skip
+    return {
+        r: [(o.new_token_ids, o.new_logprobs) for o in outs]
+        for r, outs in drive(scheduler, runner, ahead=True).items()
+    }
 
 
-WINDOWED = {"mistral": {"sliding_window": 5},  # every layer, from the config
-            "qwen2": {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}}
+WINDOWED = {
+    "mistral": {"sliding_window": 5},  # every layer, from the config
+    "qwen2": {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+}
 
 
 @pytest.mark.parametrize("arch", WINDOWED)

@@ -58,8 +58,12 @@ def test_rms_norm_in_bfloat16():
 
 def _projected(batch: int, heads: int, tokens: int, dim: int, dtype: torch.dtype):
     """[B, heads, T, D] as transformers makes it: a transposed view of a projection."""
-    return torch.randn(batch, tokens, heads * dim).to(dtype).view(
-        batch, tokens, heads, dim).transpose(1, 2)  # fmt: skip
+    return (
+        torch.randn(batch, tokens, heads * dim)
+        .to(dtype)
+        .view(batch, tokens, heads, dim)
+        .transpose(1, 2)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -68,8 +72,12 @@ def test_rotary_matches_transformers(dtype, heads, kv_heads, dim):
     torch.manual_seed(2)
     q = _projected(2, heads, 5, dim, dtype)
     k = _projected(2, kv_heads, 5, dim, dtype)
-    config = transformers.LlamaConfig(hidden_size=heads * dim, num_attention_heads=heads,
-                                      num_key_value_heads=kv_heads, head_dim=dim)  # fmt: skip
+    config = transformers.LlamaConfig(
+        hidden_size=heads * dim,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=dim,
+    )
     rope = modeling_llama.LlamaRotaryEmbedding(config)
     cos, sin = rope(q, torch.tensor([[0, 1, 2, 7, 300], [3, 4, 5, 6, 9]]))
     out_q, out_k = fused_ops.rotary(q, k, cos, sin)
@@ -84,7 +92,7 @@ def test_rotary_matches_transformers(dtype, heads, kv_heads, dim):
         torch.testing.assert_close(out_k, ref_k, rtol=1e-6, atol=1e-6)
     x = torch.cat([q, k], 1).double()  # the float64 reference, from the formula
     c, s = cos.double()[:, None], sin.double()[:, None]
-    rotated = torch.cat([-x[..., dim // 2:], x[..., : dim // 2]], -1)
+    rotated = torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1)
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-6
     assert _rel(torch.cat([out_q, out_k], 1), x * c + rotated * s) < tolerance
 
@@ -97,8 +105,7 @@ def test_other_dtypes_are_refused():
     with pytest.raises(ValueError, match="gate and up side by side"):
         fused_ops.silu_mul(torch.randn(2, 7))
     with pytest.raises(ValueError, match="one shape and dtype"):
-        fused_ops.add_rms_norm(torch.randn(2, 8), torch.randn(2, 8).bfloat16(), torch.ones(8),
-                               1e-6)  # fmt: skip
+        fused_ops.add_rms_norm(torch.randn(2, 8), torch.randn(2, 8).bfloat16(), torch.ones(8), 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -111,8 +118,9 @@ def test_add_rms_norm_is_the_add_then_the_norm(dtype):
     assert torch.equal(total, residual + x)  # the sum rounded as torch rounds it
     assert out.shape == x.shape and out.dtype == dtype
     # Up to the float32 sum's order, as rms_norm: a unit in the last place at most.
-    torch.testing.assert_close(out, norm(residual + x),
-                               rtol=2**-7 if dtype == torch.bfloat16 else 1e-6, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        out, norm(residual + x), rtol=2**-7 if dtype == torch.bfloat16 else 1e-6, atol=0
+    )
     # A residual read through strides (every other row of a larger tensor).
     wide = torch.randn(3, 8, 96).to(dtype)
     out, total = fused_ops.add_rms_norm(x, wide[:, ::2], norm.weight, 1e-5)
@@ -141,8 +149,7 @@ def test_rms_norm_reads_strided_rows():
     weight = torch.randn(32)
     for x in (torch.randn(6, 64)[:, ::2], torch.randn(32, 6).t()):  # column stride 2 and 6
         ref = weight * x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
-        torch.testing.assert_close(fused_ops.rms_norm(x, weight, 1e-6), ref, rtol=1e-5,
-                                   atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(fused_ops.rms_norm(x, weight, 1e-6), ref, rtol=1e-5, atol=1e-6)
 
 
 @triton.jit
@@ -155,10 +162,23 @@ def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 def test_bfloat16_rounding_is_torchs():
     """Ties to even, either sign, overflow to inf, subnormals, and NaN kept NaN (adding the
     rounding carry to 0x7FFFFFFF, a GPU's NaN, would wrap it to -0.0)."""
-    bits = [0x3F808000, 0x3F818000, 0xBF818000, 0x3F80C000, 0x7F7FFFFF, 0x00012345,
-            0x80008000, 0x7F800000, 0xFF800000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000]
-    x = torch.tensor([b - 2**32 if b >= 2**31 else b for b in bits],
-                     dtype=torch.int32).view(torch.float32)  # fmt: skip
+    bits = [
+        0x3F808000,
+        0x3F818000,
+        0xBF818000,
+        0x3F80C000,
+        0x7F7FFFFF,
+        0x00012345,
+        0x80008000,
+        0x7F800000,
+        0xFF800000,
+        0x7FFFFFFF,
+        0xFFFFFFFF,
+        0x7FC00000,
+    ]
+    x = torch.tensor([b - 2**32 if b >= 2**31 else b for b in bits], dtype=torch.int32).view(
+        torch.float32
+    )
     x = torch.cat([x, torch.randn(500) * torch.logspace(-30, 30, 500)])
     out = torch.empty_like(x)
     _round_kernel[(1,)](x, out, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
@@ -180,9 +200,12 @@ def test_rotary_falls_back_where_the_kernel_does_not_fit(monkeypatch):
     assert fused.__wrapped__ is original
 
     def qkcs(heads=2, kv_heads=2, tokens=3, dim=8, kv_tokens=3, cos_dtype=torch.float32):
-        return (torch.randn(1, heads, tokens, dim), torch.randn(1, kv_heads, kv_tokens, dim),
-                torch.randn(1, tokens, dim, dtype=cos_dtype),
-                torch.randn(1, tokens, dim, dtype=cos_dtype))  # fmt: skip
+        return (
+            torch.randn(1, heads, tokens, dim),
+            torch.randn(1, kv_heads, kv_tokens, dim),
+            torch.randn(1, tokens, dim, dtype=cos_dtype),
+            torch.randn(1, tokens, dim, dtype=cos_dtype),
+        )
 
     fused(*qkcs(), unsqueeze_dim=2)  # [B, T, H, D] layout
     fused(*qkcs(dim=6))  # D not a power of two
@@ -219,8 +242,9 @@ def test_rotary_into_cache_is_rotary_then_write_kv(dtype, heads, kv_heads, dim):
     caches = [torch.full((16, kv_heads, dim), 7.0, dtype=dtype) for _ in range(4)]
     assert fused_ops.rotary_into_cache_fits(q, k, v, cos, sin, caches[0], caches[1])
     out_q = fused_ops.rotary_into_cache(q, k, v, cos, sin, caches[0], caches[1], slots)
-    ref_q, ref_k = fused_ops.rotary(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None],
-                                    sin[None])  # fmt: skip
+    ref_q, ref_k = fused_ops.rotary(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None]
+    )
     triton_attention.write_kv(ref_k[0].transpose(0, 1), v, caches[2], caches[3], slots)
     assert torch.equal(out_q, ref_q[0].transpose(0, 1))
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

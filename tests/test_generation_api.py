@@ -50,8 +50,9 @@ async def test_seeded_request_ignores_batch_companions(engine):
         for i in range(3):
             tg.start_soon(run, f"other{i}", OTHER, SamplingParams(temperature=1.0, max_tokens=20))
     assert results["seeded"].outputs[0].token_ids == alone.outputs[0].token_ids
-    different = await final(engine, PROMPT, SamplingParams(temperature=1.0, seed=99,
-                                                          max_tokens=16, ignore_eos=True))
+    different = await final(
+        engine, PROMPT, SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
+    )
     assert different.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
@@ -59,8 +60,9 @@ async def test_logprobs_match_hf_log_softmax(engine, tiny_model):
     import torch
     from transformers import AutoModelForCausalLM
 
-    out = await final(engine, PROMPT, SamplingParams(temperature=0, max_tokens=6, logprobs=3,
-                                                     ignore_eos=True))  # fmt: skip
+    out = await final(
+        engine, PROMPT, SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    )
     completion = out.outputs[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     ids = torch.tensor([PROMPT["prompt_token_ids"] + completion.token_ids])
@@ -90,11 +92,15 @@ async def test_logit_bias_and_allowed_token_ids_match_hf_generate(engine, tiny_m
     greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
     cases = {
         "plain": (SamplingParams(**greedy), {}),
-        "bias": (SamplingParams(**greedy, logit_bias=bias),
-                 {"sequence_bias": {(t,): b for t, b in bias.items()}}),
-        "allowed": (SamplingParams(**greedy, allowed_token_ids=allowed),
-                    {"prefix_allowed_tokens_fn": lambda batch, ids: allowed}),
-    }  # fmt: skip
+        "bias": (
+            SamplingParams(**greedy, logit_bias=bias),
+            {"sequence_bias": {(t,): b for t, b in bias.items()}},
+        ),
+        "allowed": (
+            SamplingParams(**greedy, allowed_token_ids=allowed),
+            {"prefix_allowed_tokens_fn": lambda batch, ids: allowed},
+        ),
+    }
     got = {}
 
     async def run(name, params):
@@ -120,7 +126,7 @@ async def test_bad_words_match_hf_generate(engine, tiny_model):
         "word": ([f"w{picked[2]}"], (), [[picked[2]]]),
         "two tokens": ([f" w{picked[3]} w{picked[4]}"], (), [[picked[3], picked[4]]]),
         "ids": ((), [[picked[1]], [picked[5], picked[6]]], [[picked[1]], [picked[5], picked[6]]]),
-    }  # fmt: skip
+    }
     for name, (words, ids, hf_ids) in cases.items():
         params = SamplingParams(**greedy, bad_words=words, bad_words_token_ids=ids)
         got = (await final(engine, PROMPT, params)).outputs[0].token_ids
@@ -131,12 +137,14 @@ async def test_bad_words_match_hf_generate(engine, tiny_model):
 async def test_truncate_prompt_tokens_keeps_the_prompts_end(tiny_model, shared_manager):
     long = [5 + i % 90 for i in range(40)]
     greedy = dict(temperature=0, max_tokens=3, ignore_eos=True)
-    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-                      max_model_len=32) as e:  # fmt: skip
+    async with Engine(
+        tiny_model, manager_socket=shared_manager.socket, dtype="float32", max_model_len=32
+    ) as e:
         with pytest.raises(ValueError, match="max_model_len"):
             e.generate({"prompt_token_ids": long}, SamplingParams(**greedy))
-        cut = await final(e, {"prompt_token_ids": long},
-                          SamplingParams(**greedy, truncate_prompt_tokens=10))  # fmt: skip
+        cut = await final(
+            e, {"prompt_token_ids": long}, SamplingParams(**greedy, truncate_prompt_tokens=10)
+        )
         same = await final(e, {"prompt_token_ids": long[-10:]}, SamplingParams(**greedy))
         assert cut.prompt_token_ids == long[-10:]
         assert cut.outputs[0].token_ids == same.outputs[0].token_ids
@@ -147,8 +155,9 @@ async def test_truncate_prompt_tokens_keeps_the_prompts_end(tiny_model, shared_m
         assert len(most.outputs[0].token_ids) == 3
         with pytest.raises(ValueError, match="^truncate_prompt_tokens .32. must be below"):
             e.generate(text, SamplingParams(**greedy, truncate_prompt_tokens=32))
-        short = await final(e, {"prompt_token_ids": long[:4]},
-                            SamplingParams(**greedy, truncate_prompt_tokens=10))  # fmt: skip
+        short = await final(
+            e, {"prompt_token_ids": long[:4]}, SamplingParams(**greedy, truncate_prompt_tokens=10)
+        )
         assert short.prompt_token_ids == long[:4]
 
 
@@ -180,13 +189,15 @@ async def test_output_kinds_agree(engine):
 
 
 async def test_n_samples_share_a_prompt(engine):
-    out = await final(engine, PROMPT, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8,
-                                                     ignore_eos=True))  # fmt: skip
+    out = await final(
+        engine, PROMPT, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    )
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # independent samples
-    again = await final(engine, PROMPT, SamplingParams(n=3, temperature=1.0, seed=7,
-                                                       max_tokens=8, ignore_eos=True))
+    again = await final(
+        engine, PROMPT, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    )
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
 
@@ -201,37 +212,63 @@ async def test_num_cached_tokens_counts_prefix_cache_hits(engine):
 
 
 async def test_stop_string_across_tokens_never_leaks(engine):
-    greedy = await final(engine, PROMPT, SamplingParams(temperature=0, max_tokens=12,
-                                                        ignore_eos=True))  # fmt: skip
+    greedy = await final(
+        engine, PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
     text = greedy.outputs[0].text  # words like " w124 w61 ..."
     words = text.split()
     # A stop string that starts inside one token and ends inside the next.
     stop = words[3][1:] + " " + words[4][:2]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
-                            output_kind=RequestOutputKind.DELTA)  # fmt: skip
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=12,
+        ignore_eos=True,
+        stop=[stop],
+        output_kind=RequestOutputKind.DELTA,
+    )
     deltas = [o async for o in engine.generate(PROMPT, params)]
     streamed = "".join(d.outputs[0].text for d in deltas)
     assert stop not in streamed and streamed == text[: text.index(stop)]
     assert deltas[-1].outputs[0].finish_reason == "stop"
     assert deltas[-1].outputs[0].stop_reason == stop
-    included = await final(engine, PROMPT, SamplingParams(
-        temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
-        include_stop_str_in_output=True))  # fmt: skip
+    included = await final(
+        engine,
+        PROMPT,
+        SamplingParams(
+            temperature=0,
+            max_tokens=12,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+        ),
+    )
     assert included.outputs[0].text == text[: text.index(stop) + len(stop)]
 
 
 async def test_stop_token_ids_and_min_tokens(engine):
-    greedy = await final(engine, PROMPT, SamplingParams(temperature=0, max_tokens=12,
-                                                        ignore_eos=True))  # fmt: skip
+    greedy = await final(
+        engine, PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
     third = greedy.outputs[0].token_ids[2]
-    out = await final(engine, PROMPT, SamplingParams(temperature=0, max_tokens=12,
-                                                     stop_token_ids=[third], ignore_eos=True))
+    out = await final(
+        engine,
+        PROMPT,
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[third], ignore_eos=True),
+    )
     first_at = greedy.outputs[0].token_ids.index(third)
     assert out.outputs[0].token_ids == greedy.outputs[0].token_ids[: first_at + 1]
     assert out.outputs[0].stop_reason == third and out.outputs[0].finish_reason == "stop"
-    held = await final(engine, PROMPT, SamplingParams(
-        temperature=0, max_tokens=12, stop_token_ids=[third], min_tokens=first_at + 2,
-        ignore_eos=True))  # fmt: skip
+    held = await final(
+        engine,
+        PROMPT,
+        SamplingParams(
+            temperature=0,
+            max_tokens=12,
+            stop_token_ids=[third],
+            min_tokens=first_at + 2,
+            ignore_eos=True,
+        ),
+    )
     assert third not in held.outputs[0].token_ids[: first_at + 2]  # banned until min_tokens
 
 
@@ -295,21 +332,31 @@ async def test_consumer_leaving_aborts_the_request(engine):
         (42, SamplingParams(), "prompt must be"),
         ("w5 \ud800", SamplingParams(), "lone surrogate '\\\\ud800' at index 3"),
         # Out of the vocabulary, banned until min_tokens: it failed the whole step once.
-        (PROMPT, SamplingParams(min_tokens=2, stop_token_ids=[100000]),
-         r"^stop_token_ids must be token ids in \[0, "),
+        (
+            PROMPT,
+            SamplingParams(min_tokens=2, stop_token_ids=[100000]),
+            r"^stop_token_ids must be token ids in \[0, ",
+        ),
         (PROMPT, SamplingParams(logit_bias={100000: 1.0}), r"^logit_bias must be token ids"),
         (PROMPT, SamplingParams(allowed_token_ids=[5, 100000]), r"^allowed_token_ids must be"),
         # eos (2) and the stop ids are banned until min_tokens: nothing would be left.
-        (PROMPT, SamplingParams(allowed_token_ids=[2, 7], stop_token_ids=[7], min_tokens=1),
-         "nothing is left to sample"),
-        (PROMPT, SamplingParams(stop_token_ids=list(range(256)), min_tokens=1),
-         "stop_token_ids and eos cover the vocabulary"),
+        (
+            PROMPT,
+            SamplingParams(allowed_token_ids=[2, 7], stop_token_ids=[7], min_tokens=1),
+            "nothing is left to sample",
+        ),
+        (
+            PROMPT,
+            SamplingParams(stop_token_ids=list(range(256)), min_tokens=1),
+            "stop_token_ids and eos cover the vocabulary",
+        ),
     ],
 )
 async def test_bad_prompts_fail_clearly_and_others_continue(engine, prompt, params, match):
     async def good():
-        return await final(engine, PROMPT, SamplingParams(temperature=0, max_tokens=20,
-                                                          ignore_eos=True))  # fmt: skip
+        return await final(
+            engine, PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        )
 
     async with anyio.create_task_group() as tg:
         results = []
@@ -335,8 +382,9 @@ async def test_bad_request_ids_fail_clearly_and_others_continue(engine, request_
 async def test_stop_strings_stay_in_this_process(engine):
     """Stop strings are the output processor's: the workers never get them, so none can
     fail a step's frame (a lone surrogate could not be encoded; one of 70 MB outgrew it)."""
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                            stop=["\ud800", "x" * 100_000])  # fmt: skip
+    params = SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, stop=["\ud800", "x" * 100_000]
+    )
     stream = engine.generate(PROMPT, params, request_id="stops")
     first = await stream.__anext__()
     (replica,) = engine._replicas
@@ -346,7 +394,8 @@ async def test_stop_strings_stay_in_this_process(engine):
 
 
 async def test_generate_while_the_engine_closes_is_refused_not_left_waiting(
-        tiny_model, shared_manager):  # fmt: skip
+    tiny_model, shared_manager
+):
     """Another task's generate() once the owner is leaving `async with`: EngineClosedError,
     or a stream that ends; never one added to a step loop that has ended (it waited forever)."""
     from loomllm.errors import EngineClosedError
@@ -375,8 +424,9 @@ async def test_generate_while_the_engine_closes_is_refused_not_left_waiting(
                 await anyio.lowlevel.checkpoint()
 
     async with anyio.create_task_group() as tg:
-        async with Engine(tiny_model, manager_socket=shared_manager.socket,
-                          dtype="float32") as engine:  # fmt: skip
+        async with Engine(
+            tiny_model, manager_socket=shared_manager.socket, dtype="float32"
+        ) as engine:
             tg.start_soon(caller, engine)
             await anyio.sleep(0.05)
             leaving.set()
@@ -389,30 +439,40 @@ async def _append(results, coro):
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [(dict(n=0), "n"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
-     (dict(max_tokens=0), "max_tokens"), (dict(top_k=-3), "top_k"),
-     (dict(presence_penalty=float("nan")), "presence_penalty"),
-     (dict(logit_bias={"5": 1.0}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
-     (dict(logit_bias={5: float("inf")}), "logit_bias"),
-     (dict(logit_bias=[5]), "logit_bias"), (dict(logit_bias={5: 10**400}), "logit_bias"),
-     (dict(allowed_token_ids=[]), "allowed_token_ids"),
-     (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
-     (dict(bad_words=["ok", " "]), "bad_words"), (dict(bad_words=[3]), "bad_words"),
-     (dict(bad_words_token_ids=[[]]), "bad_words_token_ids"),
-     (dict(bad_words_token_ids=[[1, -1]]), "bad_words_token_ids"),
-     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
-     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens")],
-)  # fmt: skip
+    [
+        (dict(n=0), "n"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_k=-3), "top_k"),
+        (dict(presence_penalty=float("nan")), "presence_penalty"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={5: float("inf")}), "logit_bias"),
+        (dict(logit_bias=[5]), "logit_bias"),
+        (dict(logit_bias={5: 10**400}), "logit_bias"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+        (dict(bad_words=["ok", " "]), "bad_words"),
+        (dict(bad_words=[3]), "bad_words"),
+        (dict(bad_words_token_ids=[[]]), "bad_words_token_ids"),
+        (dict(bad_words_token_ids=[[1, -1]]), "bad_words_token_ids"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field} "):
         SamplingParams(**kwargs)
 
 
 async def test_max_tokens_beyond_context_stops_at_max_model_len(tiny_model, shared_manager):
-    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-                      max_model_len=20) as e:  # fmt: skip
-        out = await final(e, PROMPT, SamplingParams(temperature=0, max_tokens=1000,
-                                                    ignore_eos=True))  # fmt: skip
+    async with Engine(
+        tiny_model, manager_socket=shared_manager.socket, dtype="float32", max_model_len=20
+    ) as e:
+        out = await final(
+            e, PROMPT, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+        )
     assert out.outputs[0].finish_reason == "length"
     assert len(PROMPT["prompt_token_ids"]) + len(out.outputs[0].token_ids) == 20
 
@@ -427,8 +487,7 @@ async def test_a_stream_left_after_its_end_never_aborts_the_next_request_of_its_
     # The id is free: this "x" is new, and starts before the queued abort applies.
     second = [out async for out in engine.generate(PROMPT, params, request_id="x")][-1]
     assert second.outputs[0].finish_reason == "length"
-    assert second.outputs[0].token_ids == (await final(engine, PROMPT, params)).outputs[
-        0].token_ids
+    assert second.outputs[0].token_ids == (await final(engine, PROMPT, params)).outputs[0].token_ids
 
 
 async def test_duplicate_request_id_is_refused(engine):

@@ -16,8 +16,15 @@ from loomllm import LLM, Engine, SamplingParams
 from loomllm.engine.generation_defaults import sampling_defaults
 from loomllm.server.openai.schemas import parse_chat, parse_completion
 
-RECOMMENDED = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": True,
-               "max_new_tokens": 5, "bos_token_id": 0, "min_p": None}  # fmt: skip
+RECOMMENDED = {
+    "temperature": 0.6,
+    "top_p": 0.9,
+    "top_k": 20,
+    "do_sample": True,
+    "max_new_tokens": 5,
+    "bos_token_id": 0,
+    "min_p": None,
+}
 
 
 def write_config(folder: Path, config: dict) -> Path:
@@ -28,8 +35,12 @@ def write_config(folder: Path, config: dict) -> Path:
 
 def test_the_sampling_keys_are_read_and_bad_ones_left_out(tmp_path, caplog):
     model = write_config(tmp_path / "m", RECOMMENDED)
-    assert sampling_defaults("auto", str(model)) == {"temperature": 0.6, "top_p": 0.9,
-                                                     "top_k": 20, "max_tokens": 5}  # fmt: skip
+    assert sampling_defaults("auto", str(model)) == {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+        "max_tokens": 5,
+    }
     assert sampling_defaults("vllm", str(model)) == {}
     other = write_config(tmp_path / "other", {"repetition_penalty": 1.1})
     assert sampling_defaults(str(other), str(model)) == {"repetition_penalty": 1.1}
@@ -80,8 +91,12 @@ async def test_engine_and_server_use_the_models_defaults(greedy_model, shared_ma
         answers = [(await client.post("/v1/completions", json=body)).json() for _ in range(2)]
         texts = {a["choices"][0]["text"] for a in answers}
         assert texts == {explicit[-1].outputs[0].text}  # greedy, so the same each time
-    async with Engine(greedy_model, manager_socket=shared_manager.socket, dtype="float32",
-                      generation_config="vllm") as plain:  # fmt: skip
+    async with Engine(
+        greedy_model,
+        manager_socket=shared_manager.socket,
+        dtype="float32",
+        generation_config="vllm",
+    ) as plain:
         assert plain.default_sampling_params() == SamplingParams()
 
 

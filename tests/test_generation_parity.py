@@ -65,8 +65,12 @@ async def generate_all(engine: Engine, prompts: list[list[int]], staggered: bool
 
 async def test_together_staggered_and_cached(arch_case, shared_manager, async_scheduling):
     model_dir, prompts, expected = arch_case
-    async with Engine(model_dir, manager_socket=shared_manager.socket, dtype="float32",
-                      async_scheduling=async_scheduling) as e:  # fmt: skip
+    async with Engine(
+        model_dir,
+        manager_socket=shared_manager.socket,
+        dtype="float32",
+        async_scheduling=async_scheduling,
+    ) as e:
         assert await generate_all(e, prompts) == expected
         assert await generate_all(e, prompts, staggered=True) == expected
         # The second and third rounds hit the prefix cache for every full block.
@@ -76,9 +80,14 @@ async def test_together_staggered_and_cached(arch_case, shared_manager, async_sc
 
 async def test_chunked_prefill(arch_case, shared_manager, async_scheduling):
     model_dir, prompts, expected = arch_case
-    async with Engine(model_dir, manager_socket=shared_manager.socket, dtype="float32",
-                      max_num_batched_tokens=7, enable_prefix_caching=False,
-                      async_scheduling=async_scheduling) as e:  # fmt: skip
+    async with Engine(
+        model_dir,
+        manager_socket=shared_manager.socket,
+        dtype="float32",
+        max_num_batched_tokens=7,
+        enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
+    ) as e:
         assert await generate_all(e, prompts) == expected
 
 
@@ -86,9 +95,14 @@ async def test_preemption_under_a_tiny_kv_cache(arch_case, shared_manager, async
     model_dir, prompts, expected = arch_case
     # 8 blocks of 16 tokens: the longest request needs 102 tokens (7 blocks), so the
     # batch cannot all be resident and requests are preempted and recomputed.
-    async with Engine(model_dir, manager_socket=shared_manager.socket, dtype="float32",
-                      kv_cache_memory=8 * 8192, max_model_len=128,
-                      async_scheduling=async_scheduling) as e:  # fmt: skip
+    async with Engine(
+        model_dir,
+        manager_socket=shared_manager.socket,
+        dtype="float32",
+        kv_cache_memory=8 * 8192,
+        max_model_len=128,
+        async_scheduling=async_scheduling,
+    ) as e:
         assert e.stats().num_total_blocks == 8
         assert await generate_all(e, prompts) == expected
         assert e.stats().num_preemptions > 0
@@ -133,16 +147,16 @@ async def test_smollm2_greedy_parity(smollm2_case, shared_manager):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_smollm2_greedy_parity_chunked_and_preempted(smollm2_case, shared_manager,
-                                                     async_scheduling):  # fmt: skip
+def test_smollm2_greedy_parity_chunked_and_preempted(
+    smollm2_case, shared_manager, async_scheduling
+):
     """Chunked prefill under a KV cache so small that requests are preempted and recomputed,
     with async scheduling off and on: HF's greedy tokens. Through the blocking LLM, whose
     event loop is its own: once, not again under each anyio backend (the model's most
     expensive runs here; the tiny models' cases run under both)."""
     prompts, expected = smollm2_case
     with preempting_smollm2(shared_manager, 10, 24, async_scheduling) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
-                               use_tqdm=False)  # fmt: skip
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         assert [out.outputs[0].token_ids for out in outputs] == expected
         stats = llm.engine.stats()
         assert stats.num_total_blocks == 10 and stats.num_preemptions > 0

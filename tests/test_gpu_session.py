@@ -47,7 +47,10 @@ def test_steps_run_in_turn_until_the_budget_is_spent(tmp_path: Path) -> None:
     assert late.status == "skipped: 0 s left, needs 0"
     assert seen == [fine, broken, slow]  # `after` once a step has run, not once skipped
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "01-fine.log", "02-broken.log", "04-slow.log"]  # fmt: skip
+        "01-fine.log",
+        "02-broken.log",
+        "04-slow.log",
+    ]
 
 
 def test_results_hold_each_step_and_every_log(tmp_path: Path) -> None:
@@ -55,9 +58,18 @@ def test_results_hold_each_step_and_every_log(tmp_path: Path) -> None:
     (logs / "start").mkdir(parents=True)
     out.mkdir()
     (logs / "start" / "worker.log").write_text("kv blocks")
-    steps = [Step("a", "the first", ["python", "-m", "x", "bench", "a", "--flag"], 0,
-                  status="ok", seconds=12.4, output="| row |\n"),
-             Step("b", "the second", ["python"], 9, status="skipped: 1 s left, needs 9")]
+    steps = [
+        Step(
+            "a",
+            "the first",
+            ["python", "-m", "x", "bench", "a", "--flag"],
+            0,
+            status="ok",
+            seconds=12.4,
+            output="| row |\n",
+        ),
+        Step("b", "the second", ["python"], 9, status="skipped: 1 s left, needs 9"),
+    ]
     write_results(out, steps, ["- nproc: 16"], logs)
     text = (out / "summary.md").read_text()
     assert "- nproc: 16" in text and "| a | the first | ok | 12 |" in text
@@ -70,16 +82,30 @@ def test_results_hold_each_step_and_every_log(tmp_path: Path) -> None:
 @pytest.mark.compute
 def test_session_runs_a_real_step_and_refuses_unknown_ones(tmp_path: Path) -> None:
     """End to end on the CPU at the tiny shape: the start step, its worker logs kept."""
-    cmd = [sys.executable, "benchmarks/gpu_session.py", "--device", "cpu", "--big", "tiny",
-           "--small", "tiny", "--out", str(tmp_path), "--wheels", str(tmp_path / "none")]
+    cmd = [
+        sys.executable,
+        "benchmarks/gpu_session.py",
+        "--device",
+        "cpu",
+        "--big",
+        "tiny",
+        "--small",
+        "tiny",
+        "--out",
+        str(tmp_path),
+        "--wheels",
+        str(tmp_path / "none"),
+    ]
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([*cmd, "--steps", "start"], capture_output=True, text=True,
-                          timeout=300, cwd=root)  # fmt: skip
+    done = subprocess.run(
+        [*cmd, "--steps", "start"], capture_output=True, text=True, timeout=300, cwd=root
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert re.search(r"^\| start \| .* \| ok \| \d+ \|$", done.stdout, re.M), done.stdout
     assert "| cold | auto | False |" in (tmp_path / "summary.md").read_text()
     with tarfile.open(tmp_path / "logs.tar.gz") as tar:
         assert any(n.startswith("logs/start/auto/") for n in tar.getnames()), tar.getnames()
-    done = subprocess.run([*cmd, "--steps", "start,bogus"], capture_output=True, text=True,
-                          timeout=60, cwd=root)  # fmt: skip
+    done = subprocess.run(
+        [*cmd, "--steps", "start,bogus"], capture_output=True, text=True, timeout=60, cwd=root
+    )
     assert done.returncode == 2 and "unknown steps ['bogus']" in done.stderr

@@ -22,11 +22,19 @@ pytestmark = pytest.mark.compute
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a start compiles: the kernels a step of the model launches on the CUDA path.
-OWN_MODEL = {"_rms_norm_kernel", "_add_rms_norm_kernel", "_rope_cache_kernel",
-             "_silu_mul_kernel", "_prefill_kernel", "_decode_split_kernel",
-             "_skinny_kernel"}  # fmt: skip
+OWN_MODEL = {
+    "_rms_norm_kernel",
+    "_add_rms_norm_kernel",
+    "_rope_cache_kernel",
+    "_silu_mul_kernel",
+    "_prefill_kernel",
+    "_decode_split_kernel",
+    "_skinny_kernel",
+}
 TRANSFORMERS_MODEL = OWN_MODEL - {"_rope_cache_kernel", "_skinny_kernel"} | {
-    "_rope_kernel", "_write_kv_kernel"}  # fmt: skip
+    "_rope_kernel",
+    "_write_kv_kernel",
+}
 
 
 def compiler_env() -> dict[str, str]:
@@ -35,24 +43,43 @@ def compiler_env() -> dict[str, str]:
 
 def test_every_kernel_a_cuda_start_launches_compiles_for_h100_and_a100() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "loomllm.cli.main", "bench", "compile", "--shape",
-         "llama-8b,qwen-0.5b", "--model-impl", "auto,transformers", "--arch", "90,80"],
-        capture_output=True, text=True, timeout=600, env=compiler_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "loomllm.cli.main",
+            "bench",
+            "compile",
+            "--shape",
+            "llama-8b,qwen-0.5b",
+            "--model-impl",
+            "auto,transformers",
+            "--arch",
+            "90,80",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=compiler_env(),
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.rstrip().endswith(
-        "PASS  every variant compiled, within the GPU's shared memory, spilling nothing")
+        "PASS  every variant compiled, within the GPU's shared memory, spilling nothing"
+    )
     censuses = re.split(r"^\n", done.stdout, flags=re.M)
-    heads = [re.match(r"(\S+), model_impl=(\w+), sm_(\d+): (\d+) variants", c)
-             for c in censuses]  # fmt: skip
+    heads = [re.match(r"(\S+), model_impl=(\w+), sm_(\d+): (\d+) variants", c) for c in censuses]
     seen = {(m[1], m[2], m[3]) for m in heads if m}
-    assert seen == {(shape, impl, arch) for shape in ("llama-8b", "qwen-0.5b")
-                    for impl in ("auto", "transformers") for arch in ("90", "80")}  # fmt: skip
+    assert seen == {
+        (shape, impl, arch)
+        for shape in ("llama-8b", "qwen-0.5b")
+        for impl in ("auto", "transformers")
+        for arch in ("90", "80")
+    }
     for census, head in zip(censuses, heads, strict=True):
         if not head:
             continue
-        rows = re.findall(r"^\| ([^|]+) \| (\w+) \| ([\d.]+) \| (\d+) \| (\d+) \| (\d+) \|$",
-                          census, re.M)  # fmt: skip
+        rows = re.findall(
+            r"^\| ([^|]+) \| (\w+) \| ([\d.]+) \| (\d+) \| (\d+) \| (\d+) \|$", census, re.M
+        )
         assert len(rows) == int(head[4]), census
         kernels = {kernel for _, kernel, *_ in rows}
         assert kernels == (OWN_MODEL if head[2] == "auto" else TRANSFORMERS_MODEL), census
@@ -85,8 +112,9 @@ with compile_only(90) as census:
 print(json.dumps([raised, census.problems()]))
 """)
     env = {**compiler_env(), "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120, env=env)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     raised, problems = json.loads(done.stdout.strip().splitlines()[-1])
     assert raised == "CompilationError"
@@ -96,9 +124,15 @@ print(json.dumps([raised, census.problems()]))
 
 
 def test_more_shared_memory_than_the_gpu_has_or_a_spill_is_a_problem() -> None:
-    census = Census(90, [Variant("decode 8", "k", 0.1, shared=232448, stack=0),
-                         Variant("decode 8", "big", 0.1, shared=232449, stack=0),
-                         Variant("profile", "spills", 0.1, shared=0, stack=8)])  # fmt: skip
+    census = Census(
+        90,
+        [
+            Variant("decode 8", "k", 0.1, shared=232448, stack=0),
+            Variant("decode 8", "big", 0.1, shared=232449, stack=0),
+            Variant("profile", "spills", 0.1, shared=0, stack=8),
+        ],
+    )
     assert census.problems() == [
         "big (decode 8): 232449 bytes of shared memory, sm_90 has 232448",
-        "spills (profile): 8 bytes of stack, spilled registers"]  # fmt: skip
+        "spills (profile): 8 bytes of stack, spilled registers",
+    ]

@@ -54,10 +54,16 @@ def test_the_profiling_step_runs_and_splits_past_the_context(tiny_model, monkeyp
     runners, steps = [], []
 
     def make_runner(num_blocks: int) -> ModelRunner:
-        runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
-                             dtype=torch.float32, block_size=16, num_blocks=num_blocks)
+        runner = ModelRunner(
+            loaded.model,
+            loaded.config,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            block_size=16,
+            num_blocks=num_blocks,
+        )
         execute = runner.execute
-        runner.execute = lambda so, call_id: steps.append(execute(so, call_id))  # fmt: skip
+        runner.execute = lambda so, call_id: steps.append(execute(so, call_id))
         runners.append(num_blocks)
         return runner
 

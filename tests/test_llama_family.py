@@ -33,25 +33,40 @@ from loomllm.workers.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.compute
 
-COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=256)  # fmt: skip
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 # A small theta and original length, so that the prompt's positions turn every one of its
 # three bands of wavelengths (kept, blended, slowed) by a visible angle.
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}  # fmt: skip
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 100.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 VARIANTS = {
     "llama": (transformers.LlamaConfig, {}),
     "llama-llama3-rope": (transformers.LlamaConfig, {"rope_parameters": LLAMA3_ROPE}),
-    "llama-linear-rope": (transformers.LlamaConfig, {"rope_parameters": {
-        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
-    "llama-biases-tied": (transformers.LlamaConfig, {"attention_bias": True, "mlp_bias": True,
-                                                     "tie_word_embeddings": True}),
+    "llama-linear-rope": (
+        transformers.LlamaConfig,
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+    ),
+    "llama-biases-tied": (
+        transformers.LlamaConfig,
+        {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
+    ),
     "qwen2": (transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3Config, {"head_dim": 16}),
     "mistral": (transformers.MistralConfig, {"sliding_window": 8}),
-}  # fmt: skip
+}
 PROMPT = [5, 9, 2, 40, 7, 7, 13, 3, 61, 30, 11, 4, 50, 22, 8, 1, 33, 4, 90, 12]
 
 
@@ -76,7 +91,8 @@ def variant_dir(request, tmp_path_factory) -> Path:
 def hf_logits(model_dir: Path, tokens: list[int]) -> torch.Tensor:
     """transformers' own forward over `tokens`, eager attention: [T, V] float32."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager").eval()  # fmt: skip
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.inference_mode():
         return model(torch.tensor([tokens])).logits[0]
 
@@ -92,7 +108,8 @@ def test_a_plain_batched_forward_matches_transformers(variant_dir):
     """No KV cache, two rows (the checks' forward), on a model built from transformers'
     state dict in memory."""
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
-        variant_dir, dtype=torch.float32, attn_implementation="eager").eval()  # fmt: skip
+        variant_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     shape, _ = llama_config.read_shape(variant_dir / "config.json")
     ours = llama_weights.build(shape, torch.float32, torch.device("cpu"), variant_dir, "dummy")
     llama_weights.copy_weights(ours, theirs.state_dict().items())
@@ -108,8 +125,11 @@ def test_fused_kernels_and_triton_attention_match_transformers(variant, tmp_path
     model_dir = save_variant(tmp_path, variant)
     loaded = load_model(str(model_dir), dtype="float32", model_impl="loom")
     fused = install_fused_ops(loaded.model)
-    norms = 2 * COMMON["num_hidden_layers"] + 1 + (2 * COMMON["num_hidden_layers"]
-                                                    if variant == "qwen3" else 0)  # fmt: skip
+    norms = (
+        2 * COMMON["num_hidden_layers"]
+        + 1
+        + (2 * COMMON["num_hidden_layers"] if variant == "qwen3" else 0)
+    )
     assert fused == (norms, 1, COMMON["num_hidden_layers"])
     ours = paged_logits(loaded.model, loaded.config, PROMPT[:12], "triton")
     torch.testing.assert_close(ours, hf_logits(model_dir, PROMPT[:12]), rtol=1e-4, atol=1e-5)
@@ -138,8 +158,9 @@ def test_rotary_into_the_cache_is_bit_for_bit_the_two_kernels(variant, tmp_path,
     layers = COMMON["num_hidden_layers"]
     assert sorted(calls) == ["attend_rotating"] * layers + ["rotary_into_cache"] * layers
     monkeypatch.setattr(fused_ops, "rotary_into_cache_fits", lambda *args: False)
-    assert torch.equal(fused, paged_logits(loaded.model, loaded.config, PROMPT, "triton",
-                                           torch.bfloat16))  # fmt: skip
+    assert torch.equal(
+        fused, paged_logits(loaded.model, loaded.config, PROMPT, "triton", torch.bfloat16)
+    )
     assert len(calls) == 2 * layers
 
 
@@ -159,13 +180,18 @@ def test_bfloat16_logits_are_transformers_bit_for_bit(variant, tmp_path):
 
 def test_auto_picks_it_for_the_llama_family_and_transformers_otherwise(tmp_path):
     model_dir = save_variant(tmp_path / "llama", "llama")
-    assert isinstance(load_model(str(model_dir), dtype="float32").model,
-                      llama_family.LlamaFamilyForCausalLM)  # fmt: skip
+    assert isinstance(
+        load_model(str(model_dir), dtype="float32").model, llama_family.LlamaFamilyForCausalLM
+    )
     hf = load_model(str(model_dir), dtype="float32", model_impl="transformers")
     assert type(hf.model).__name__ == "LlamaForCausalLM"
     config = json.loads((model_dir / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
-                                 "original_max_position_embeddings": 128}  # fmt: skip
+    config["rope_parameters"] = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 2.0,
+        "original_max_position_embeddings": 128,
+    }
     (model_dir / "config.json").write_text(json.dumps(config))
     assert type(load_model(str(model_dir), dtype="float32").model).__name__ == "LlamaForCausalLM"
     with pytest.raises(ValueError, match="model_impl='loom' cannot run .*RoPE type 'yarn'"):
@@ -174,23 +200,40 @@ def test_auto_picks_it_for_the_llama_family_and_transformers_otherwise(tmp_path)
         load_model(str(model_dir), model_impl="vllm")
 
 
-@pytest.mark.parametrize(("change", "reason"), [
-    ({"architectures": ["GPT2LMHeadModel"]}, "architecture"),
-    ({"quantization_config": {"quant_method": "gptq"}}, "quantized"),
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
-     "RoPE type 'dynamic'"),
-    ({"hidden_size": None}, "does not give hidden_size"),
-    ({"num_attention_heads": 3}, "3 attention heads over 2 KV heads"),
-    ({"model_type": "mistral"}, "model_type 'mistral' with architectures ['LlamaForCausalLM']"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0},
-      "rope_parameters": {"rope_type": "linear", "factor": 4.0}}, "differ"),
-    ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
-    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
-     "llama3 RoPE without low_freq_factor, high_freq_factor"),
-    ({"rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": 64},
-      "original_max_position_embeddings": 32}, "two original_max_position_embeddings"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architecture"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantized"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+            "RoPE type 'dynamic'",
+        ),
+        ({"hidden_size": None}, "does not give hidden_size"),
+        ({"num_attention_heads": 3}, "3 attention heads over 2 KV heads"),
+        ({"model_type": "mistral"}, "model_type 'mistral' with architectures ['LlamaForCausalLM']"),
+        (
+            {
+                "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                "rope_parameters": {"rope_type": "linear", "factor": 4.0},
+            },
+            "differ",
+        ),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+            "llama3 RoPE without low_freq_factor, high_freq_factor",
+        ),
+        (
+            {
+                "rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": 64},
+                "original_max_position_embeddings": 32,
+            },
+            "two original_max_position_embeddings",
+        ),
+    ],
+)
 def test_read_shape_says_why_it_declines(tmp_path, change, reason):
     config = {"architectures": ["LlamaForCausalLM"], **COMMON, **change}
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -208,8 +251,9 @@ def test_read_shape_takes_the_model_type_of_a_config_saved_alone(tmp_path):
 
 def test_read_shape_defaults_and_the_qwen_fields(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **COMMON,
-                                "num_key_value_heads": None}))  # fmt: skip
+    path.write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], **COMMON, "num_key_value_heads": None})
+    )
     shape, _ = llama_config.read_shape(path)
     assert (shape.num_key_value_heads, shape.head_dim, shape.rms_norm_eps) == (4, 16, 1e-6)
     assert not shape.tie_word_embeddings and shape.rope_theta == 10000.0
@@ -226,20 +270,26 @@ def test_checkpoints_that_do_not_fit_are_clear_errors(tmp_path):
     model_dir = save_variant(tmp_path, "llama")
     weights = load_file(model_dir / "model.safetensors")
     # Another .safetensors file beside the checkpoint (an adapter's) is not read.
-    save_file({"base_model.lora_A.weight": torch.zeros(2)},
-              model_dir / "adapter_model.safetensors")  # fmt: skip
+    save_file({"base_model.lora_A.weight": torch.zeros(2)}, model_dir / "adapter_model.safetensors")
     assert load_model(str(model_dir), dtype="float32").num_layers == 2
     loaded = load_model(str(model_dir), dtype="float32")
     twice = list(weights.items()) + [("model.norm.weight", weights["model.norm.weight"])]
     with pytest.raises(ValueError, match="'model.norm.weight' is there twice"):
         llama_weights.copy_weights(loaded.model, twice)
-    save_file({k: v for k, v in weights.items() if "layers.1.mlp.up_proj" not in k},
-              model_dir / "model.safetensors")  # fmt: skip
-    with pytest.raises(ModelLoadError, match=r"lack model\.layers\.1\.mlp\.gate_up_proj.*"
-                                             r"model_impl='transformers' loads it"):
+    save_file(
+        {k: v for k, v in weights.items() if "layers.1.mlp.up_proj" not in k},
+        model_dir / "model.safetensors",
+    )
+    with pytest.raises(
+        ModelLoadError,
+        match=r"lack model\.layers\.1\.mlp\.gate_up_proj.*"
+        r"model_impl='transformers' loads it",
+    ):
         load_model(str(model_dir), dtype="float32")
-    save_file({**weights, "model.layers.0.self_attn.extra.weight": torch.zeros(2)},
-              model_dir / "model.safetensors")  # fmt: skip
+    save_file(
+        {**weights, "model.layers.0.self_attn.extra.weight": torch.zeros(2)},
+        model_dir / "model.safetensors",
+    )
     with pytest.raises(ModelLoadError, match="'model.layers.0.self_attn.extra.weight' has no"):
         load_model(str(model_dir), dtype="float32")
     save_file({**weights, "model.norm.weight": torch.ones(7)}, model_dir / "model.safetensors")
@@ -256,8 +306,9 @@ def test_dummy_weights_are_drawn_as_transformers_draws_them(tmp_path):
     model = load_model(str(model_dir), dtype="float32", load_format="dummy").model
     torch.manual_seed(5)
     again = load_model(str(model_dir), dtype="float32", load_format="dummy").model
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(),
-                                                 strict=True))  # seeded  # fmt: skip
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True)
+    )  # seeded
     assert model.lm_head.weight is model.model.embed_tokens.weight
     layer = model.model.layers[0]
     assert torch.equal(layer.input_layernorm.weight, torch.ones(COMMON["hidden_size"]))
@@ -278,8 +329,9 @@ def test_a_worker_on_it_never_imports_transformers_modeling_code(tiny_model):
         "print(sorted(m for m in ('transformers', 'torch._dynamo', 'sympy',\n"
         "             'torch.distributed.tensor') if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True, timeout=120).stdout.split("\n")  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split("\n")
     assert out[:2] == ["LlamaFamilyForCausalLM", "[]"]
 
 
@@ -297,8 +349,7 @@ def test_a_decode_step_launches_eight_kernels_a_layer(monkeypatch, tmp_path):
     assert not {"add", "_write_kv_kernel", "_rope_cache_kernel"} & set(launches), launches
 
 
-def test_with_the_skinny_matmul_a_decode_step_launches_seven_kernels_a_layer(monkeypatch,
-                                                                             tmp_path):  # fmt: skip
+def test_with_the_skinny_matmul_a_decode_step_launches_seven_kernels_a_layer(monkeypatch, tmp_path):
     """One stream's step where the worker's timing chose the skinny matmul for every
     weight: its four matmuls are Triton kernels, the gate|up one computes SiLU times up
     too, and the attention over 3 pages in 3 splits is one kernel, its last split merging."""
@@ -316,8 +367,9 @@ def test_with_the_skinny_matmul_a_decode_step_launches_seven_kernels_a_layer(mon
             return split_kernel[grid]
 
     monkeypatch.setattr(ta, "_decode_split_kernel", Recorded())
-    launches = decode_layer_launches(monkeypatch, loaded.model, loaded.config, requests=1,
-                                     prompt_len=40)  # fmt: skip
+    launches = decode_layer_launches(
+        monkeypatch, loaded.model, loaded.config, requests=1, prompt_len=40
+    )
     assert splits[-1] == 3, splits
     assert sum(launches.values()) == 7, launches
     assert launches["_skinny_kernel"] == 3 + 1 and "linear" not in launches, launches
@@ -332,17 +384,26 @@ def test_a_new_requests_one_token_row_is_a_prompt_chunk(monkeypatch, tmp_path):
     writes a decode's K/V as it attends) does not run it. The next step is decode-only."""
     loaded = load_model(str(save_variant(tmp_path, "llama")), dtype="bfloat16")
     install_fused_ops(loaded.model)
-    runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
-                         dtype=torch.bfloat16, block_size=16, num_blocks=16,
-                         attention_backend="triton")  # fmt: skip
+    runner = ModelRunner(
+        loaded.model,
+        loaded.config,
+        device=torch.device("cpu"),
+        dtype=torch.bfloat16,
+        block_size=16,
+        num_blocks=16,
+        attention_backend="triton",
+    )
     scheduler = Scheduler(SchedulerConfig(4, 256, 64, 16, 16))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompt = [5 + j % 50 for j in range(32)]
     scheduler.add_request(Request("a", prompt, params, frozenset(), 64, 0.0))
     rotated = []
     attend_rotating = attention.attend_rotating
-    monkeypatch.setattr(attention, "attend_rotating", lambda *args: rotated.append(
-        attend_rotating(*args)) or rotated[-1])  # fmt: skip
+    monkeypatch.setattr(
+        attention,
+        "attend_rotating",
+        lambda *args: rotated.append(attend_rotating(*args)) or rotated[-1],
+    )
 
     def step(call_id: int) -> dict[str, int]:
         rotated.clear()

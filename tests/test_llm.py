@@ -71,8 +71,13 @@ def test_chat_takes_a_template_and_its_variables(llm):
     chat = [{"role": "user", "content": "w5"}]
     with pytest.raises(ValueError, match="pass chat_template="):
         llm.chat(chat, GREEDY, use_tqdm=False)
-    (out,) = llm.chat(chat, GREEDY, use_tqdm=False, chat_template_kwargs={"more": "w6"},
-                      chat_template="{{ messages[0].content }} {{ more }}")  # fmt: skip
+    (out,) = llm.chat(
+        chat,
+        GREEDY,
+        use_tqdm=False,
+        chat_template_kwargs={"more": "w6"},
+        chat_template="{{ messages[0].content }} {{ more }}",
+    )
     assert out.prompt == "w5 w6" and len(out.outputs[0].token_ids) == 6
 
 
@@ -81,20 +86,32 @@ def test_chat_continues_a_prefilled_answer(llm, tiny_model):
     ends it, and the model goes on from there; asking for a new message too is refused."""
     from transformers import AutoTokenizer
 
-    template = ("{% for m in messages %}{{ m.content }} w3 {% endfor %}"
-                "{% if add_generation_prompt %}w9{% endif %}")
+    template = (
+        "{% for m in messages %}{{ m.content }} w3 {% endfor %}"
+        "{% if add_generation_prompt %}w9{% endif %}"
+    )
     chat = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6 w7"}]
     expected = AutoTokenizer.from_pretrained(tiny_model).apply_chat_template(
-        chat, chat_template=template, add_generation_prompt=False, continue_final_message=True,
-        tokenize=True, return_dict=False)  # fmt: skip
-    (out,) = llm.chat(chat, GREEDY, use_tqdm=False, chat_template=template,
-                      add_generation_prompt=False, continue_final_message=True)  # fmt: skip
+        chat,
+        chat_template=template,
+        add_generation_prompt=False,
+        continue_final_message=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    (out,) = llm.chat(
+        chat,
+        GREEDY,
+        use_tqdm=False,
+        chat_template=template,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
     assert out.prompt == "w5 w3 w6 w7" and out.prompt_token_ids == list(expected)
     (same,) = llm.generate({"prompt_token_ids": list(expected)}, GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == same.outputs[0].token_ids
     with pytest.raises(ValueError, match="set one of them at most"):
-        llm.chat(chat, GREEDY, use_tqdm=False, chat_template=template,
-                 continue_final_message=True)  # fmt: skip
+        llm.chat(chat, GREEDY, use_tqdm=False, chat_template=template, continue_final_message=True)
 
 
 def test_ctrl_c_during_generate_aborts_the_batch(llm):
@@ -146,16 +163,23 @@ def test_ctrl_c_during_generate_aborts_the_batch(llm):
 
 def test_plain_script_without_main_guard(tiny_model, shared_manager, tmp_path):
     script = tmp_path / "batch.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         from loomllm import LLM, SamplingParams
         llm = LLM({tiny_model!r}, dtype="float32")
         outs = llm.generate([{{"prompt_token_ids": [7, 8, 9]}}] * 3,
                             SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         print("tokens", [len(o.outputs[0].token_ids) for o in outs])
         # no close(): the program must still exit, and the worker go back warm
-    """))
-    out = subprocess.run([sys.executable, str(script)], env=shared_manager.env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=shared_manager.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "tokens [4, 4, 4]" in out.stdout
 
@@ -167,8 +191,9 @@ def test_after_its_worker_died_calls_say_so(tiny_model, shared_manager):
 
     from loomllm import EngineDeadError
 
-    llm = LLM(tiny_model, manager_socket=shared_manager.socket, keep_alive=0,
-              max_num_seqs=47)  # max_num_seqs: a worker of its own
+    llm = LLM(
+        tiny_model, manager_socket=shared_manager.socket, keep_alive=0, max_num_seqs=47
+    )  # max_num_seqs: a worker of its own
     [pid] = llm.collective_rpc(lambda worker: os.getpid())
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
@@ -179,8 +204,10 @@ def test_after_its_worker_died_calls_say_so(tiny_model, shared_manager):
             break
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    for call in (lambda: llm.generate("w5", SamplingParams(max_tokens=2), use_tqdm=False),
-                 lambda: llm.collective_rpc(lambda worker: None)):  # fmt: skip
+    for call in (
+        lambda: llm.generate("w5", SamplingParams(max_tokens=2), use_tqdm=False),
+        lambda: llm.collective_rpc(lambda worker: None),
+    ):
         with pytest.raises(EngineDeadError, match="killed by signal SIGKILL"):
             call()
     with pytest.raises(EngineDeadError):  # closing reports it too, once more

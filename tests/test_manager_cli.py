@@ -45,8 +45,17 @@ def _ps(manager) -> list[dict[str, str]]:
     assert result.returncode == 0, result.stderr + result.stdout
     header, *lines = result.stdout.splitlines()
     names = header.split()
-    assert names == ["GROUP", "RANK", "PID", "MODEL", "STATE", "MEMORY", "AGE", "KEEP_ALIVE",
-                     "EXPIRES"]  # fmt: skip
+    assert names == [
+        "GROUP",
+        "RANK",
+        "PID",
+        "MODEL",
+        "STATE",
+        "MEMORY",
+        "AGE",
+        "KEEP_ALIVE",
+        "EXPIRES",
+    ]
     rows = []
     for line in lines:
         cells = line.split()
@@ -82,16 +91,22 @@ SECONDS_OR_MINUS_ONE = "must be seconds >= 0 (finite), or -1"
 
 
 @pytest.mark.parametrize("command", ["start", "serve"])
-@pytest.mark.parametrize(("flag", "value", "message"), [
-    ("--max-workers", "0", "must be an integer >= 1, got 0"),
-    ("--max-workers", "-1", "must be an integer >= 1, got -1"),
-    ("--idle-timeout", "nan", f"{SECONDS_OR_MINUS_ONE}; got nan"),
-    ("--idle-timeout", "-7", f"{SECONDS_OR_MINUS_ONE}; got -7"),
-    ("--max-keep-alive", "-5", f"{SECONDS_OR_MINUS_ONE}; got -5"),
-    ("--max-keep-alive", "inf", f"{SECONDS_OR_MINUS_ONE}; got inf"),
-    ("--log-level", "foo", "invalid choice: 'FOO' (choose from 'DEBUG', 'INFO', 'WARNING', "
-     "'ERROR', 'CRITICAL')"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--max-workers", "0", "must be an integer >= 1, got 0"),
+        ("--max-workers", "-1", "must be an integer >= 1, got -1"),
+        ("--idle-timeout", "nan", f"{SECONDS_OR_MINUS_ONE}; got nan"),
+        ("--idle-timeout", "-7", f"{SECONDS_OR_MINUS_ONE}; got -7"),
+        ("--max-keep-alive", "-5", f"{SECONDS_OR_MINUS_ONE}; got -5"),
+        ("--max-keep-alive", "inf", f"{SECONDS_OR_MINUS_ONE}; got inf"),
+        (
+            "--log-level",
+            "foo",
+            "invalid choice: 'FOO' (choose from 'DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')",
+        ),
+    ],
+)
 def test_bad_values_are_refused_naming_the_flag(command, flag, value, message, capsys):
     # The parser, not main(): were a value accepted, `serve` would run the daemon here.
     with pytest.raises(SystemExit) as exited:
@@ -111,12 +126,25 @@ def test_start_with_a_bad_value_spawns_no_daemon(manager):
 
 
 def test_documented_values_are_accepted():
-    args = manager_cli._parser().parse_args(["start", "--max-workers", "1", "--idle-timeout",
-                                             "-1", "--max-keep-alive", "0", "--log-level",
-                                             "debug"])  # fmt: skip
+    args = manager_cli._parser().parse_args(
+        [
+            "start",
+            "--max-workers",
+            "1",
+            "--idle-timeout",
+            "-1",
+            "--max-keep-alive",
+            "0",
+            "--log-level",
+            "debug",
+        ]
+    )
     assert (args.max_workers, args.idle_timeout, args.max_keep_alive, args.log_level) == (
-        1, -1.0, 0.0, "DEBUG",
-    )  # fmt: skip
+        1,
+        -1.0,
+        0.0,
+        "DEBUG",
+    )
 
 
 def test_running_daemon_status_logs_and_permissions(manager):
@@ -254,11 +282,22 @@ async def test_max_workers_refuses_then_evicts_idle_and_stop_stops_workers(tiny_
 
 def test_sigterm_stops_workers_and_exits_zero(tiny_model, manager, tmp_path):
     read_end, write_end = os.pipe()
-    command = [sys.executable, "-m", "loomllm.workers.manager", "--socket", str(manager.socket), "serve",
-               "--idle-timeout", "-1", "--ready-fd", str(write_end)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "loomllm.workers.manager",
+        "--socket",
+        str(manager.socket),
+        "serve",
+        "--idle-timeout",
+        "-1",
+        "--ready-fd",
+        str(write_end),
+    ]
     with open(tmp_path / "serve.log", "wb") as log:
-        daemon = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                  pass_fds=(write_end,))  # fmt: skip
+        daemon = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(write_end,)
+        )
     os.close(write_end)
     try:
         with os.fdopen(read_end, "rb") as ready:

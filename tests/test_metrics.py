@@ -65,8 +65,9 @@ def test_histogram_matches_a_direct_count():
 
 
 def out(request_id: str, num_tokens: int, finish_reason: str | None = None) -> EngineCoreOutput:
-    return EngineCoreOutput(request_id, [5] * num_tokens, [0.0] * num_tokens,
-                            [None] * num_tokens, finish_reason, None)  # fmt: skip
+    return EngineCoreOutput(
+        request_id, [5] * num_tokens, [0.0] * num_tokens, [None] * num_tokens, finish_reason, None
+    )
 
 
 def test_output_processor_records_per_sequence(tiny_model):
@@ -75,9 +76,14 @@ def test_output_processor_records_per_sequence(tiny_model):
 
     def add(request_id: str, n: int) -> ParentRequest:
         params = SamplingParams(n=n, max_tokens=10)
-        parent = ParentRequest(request_id, None, [1, 2, 3], params,
-                               RequestOutputCollector(params.output_kind),
-                               RequestMetrics(arrival_time=time.time()))  # fmt: skip
+        parent = ParentRequest(
+            request_id,
+            None,
+            [1, 2, 3],
+            params,
+            RequestOutputCollector(params.output_kind),
+            RequestMetrics(arrival_time=time.time()),
+        )
         processor.add(parent)
         return parent
 
@@ -114,10 +120,20 @@ def fixed_stats() -> EngineStats:
     m.record_finished("length", 0.0, 0.2)
     m.record_finished("abort", 0.0, 5000.0)
     return EngineStats(
-        3, 2, 6, 8, 0.25, 99, 4, m.num_prompt_tokens, m.num_generation_tokens,
-        dict(m.num_finished), m.time_to_first_token.snapshot(), m.inter_token_latency.snapshot(),
+        3,
+        2,
+        6,
+        8,
+        0.25,
+        99,
+        4,
+        m.num_prompt_tokens,
+        m.num_generation_tokens,
+        dict(m.num_finished),
+        m.time_to_first_token.snapshot(),
+        m.inter_token_latency.snapshot(),
         m.e2e_request_latency.snapshot(),
-    )  # fmt: skip
+    )
 
 
 def parse(text: str) -> dict[tuple[str, frozenset], float]:
@@ -162,8 +178,10 @@ async def test_collector_renders_the_stats():
     assert value(s, "kv_cache_usage_perc") == 0.25 and value(s, "prefix_cache_hit_rate") == 0.25
     assert value(s, "prompt_tokens_total") == 11 and value(s, "generation_tokens_total") == 4
     assert value(s, "num_preemptions_total") == 4
-    assert {r: value(s, "request_success_total", finished_reason=r)
-            for r in ("stop", "length", "abort", "error")} == stats.num_finished  # fmt: skip
+    assert {
+        r: value(s, "request_success_total", finished_reason=r)
+        for r in ("stop", "length", "abort", "error")
+    } == stats.num_finished
     for name, snap, bounds in [
         ("time_to_first_token_seconds", stats.time_to_first_token, TTFT_BUCKETS),
         ("inter_token_latency_seconds", stats.inter_token_latency, ITL_BUCKETS),
@@ -204,16 +222,26 @@ async def scrape(client: httpx.AsyncClient) -> dict:
 
 
 def body(prompt: str, max_tokens: int, **extra) -> dict:
-    return {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 1.0, "seed": 7, **extra}  # fmt: skip
+    return {
+        "model": NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "seed": 7,
+        **extra,
+    }
 
 
 async def streamed_usage(client: httpx.AsyncClient, payload: dict) -> dict:
     payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
     async with client.stream("POST", "/v1/completions", json=payload) as response:
         assert response.status_code == 200
-        chunks = [json.loads(line[6:]) async for line in response.aiter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]  # fmt: skip
+        chunks = [
+            json.loads(line[6:])
+            async for line in response.aiter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     return chunks[-1]["usage"]
 
 
@@ -226,8 +254,12 @@ async def test_served_counters_match_the_usage(tiny_model, shared_manager):
         assert value(s, "e2e_request_latency_seconds_count") == 0
 
         # (prompt, max_tokens, n, stream): every sequence runs to max_tokens (ignore_eos).
-        plan = [("w1 w2 w3", 5, 1, False), ("w4 w5 w6 w7 w8", 3, 2, False),
-                ("w9 w10", 4, 2, True), ("w11 w12 w13 w14", 6, 1, True)]  # fmt: skip
+        plan = [
+            ("w1 w2 w3", 5, 1, False),
+            ("w4 w5 w6 w7 w8", 3, 2, False),
+            ("w9 w10", 4, 2, True),
+            ("w11 w12 w13 w14", 6, 1, True),
+        ]
         usages = []
         for prompt, max_tokens, n, stream in plan:
             payload = body(prompt, max_tokens, n=n)
@@ -259,9 +291,10 @@ async def test_served_counters_match_the_usage(tiny_model, shared_manager):
 
         # A long stream in flight is running and holds KV; hanging up aborts it.
         payload = json.dumps(body("w20 w21", engine.max_model_len - 2, stream=True)).encode()
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                f"\r\nAuthorization: Bearer secret\r\nContent-Length: {len(payload)}\r\n\r\n"
-                ).encode()  # fmt: skip
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            f"\r\nAuthorization: Bearer secret\r\nContent-Length: {len(payload)}\r\n\r\n"
+        ).encode()
         # A raw socket: an httpx stream left early leaks an async generator under trio.
         async with await anyio.connect_tcp("127.0.0.1", client.base_url.port) as conn:
             await conn.send(head + payload)

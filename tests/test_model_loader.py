@@ -130,11 +130,13 @@ def test_dummy_format_builds_the_shapes_with_random_weights(
 ) -> None:
     model_dir, original = tiny_llama_dir
     torch.manual_seed(3)
-    dummy = load_model(str(model_dir), dtype="float32", load_format="dummy",
-                       model_impl="transformers").model  # fmt: skip
+    dummy = load_model(
+        str(model_dir), dtype="float32", load_format="dummy", model_impl="transformers"
+    ).model
     torch.manual_seed(3)
-    again = load_model(str(model_dir), dtype="float32", load_format="dummy",
-                       model_impl="transformers").model  # fmt: skip
+    again = load_model(
+        str(model_dir), dtype="float32", load_format="dummy", model_impl="transformers"
+    ).model
     real = dict(original.named_parameters())
     for name, param in dummy.named_parameters():
         assert param.shape == real[name].shape, name

@@ -18,8 +18,11 @@ from serve_utils import LoomServer, loom_serve, rss_bytes
 
 NAME = "tiny"
 PROMPT = "w5 w6 w7"
-MESSAGES = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7"},
-            {"role": "user", "content": "w8"}]  # fmt: skip
+MESSAGES = [
+    {"role": "user", "content": "w5 w6"},
+    {"role": "assistant", "content": "w7"},
+    {"role": "user", "content": "w8"},
+]
 # The tiny tokenizer has no special tokens: with the eos word ignored, every sampled word,
 # "w2" included, is in the text (an eos that ends a request is not).
 IGNORE_EOS = {"ignore_eos": True}
@@ -46,8 +49,9 @@ def num_prompt_tokens(server: LoomServer, **body: Any) -> int:
 
 
 def greedy_text(client: openai.OpenAI, max_tokens: int = 8) -> str:
-    done = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=max_tokens,
-                                     temperature=0, extra_body=IGNORE_EOS)  # fmt: skip
+    done = client.completions.create(
+        model=NAME, prompt=PROMPT, max_tokens=max_tokens, temperature=0, extra_body=IGNORE_EOS
+    )
     return done.choices[0].text
 
 
@@ -59,8 +63,9 @@ def stop_word(text: str) -> str:
 
 
 def test_completions_n2_logprobs_usage(server, client):
-    done = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, n=2, logprobs=2,
-                                     extra_body=IGNORE_EOS)  # fmt: skip
+    done = client.completions.create(
+        model=NAME, prompt=PROMPT, max_tokens=5, n=2, logprobs=2, extra_body=IGNORE_EOS
+    )
     assert [c.index for c in done.choices] == [0, 1]
     for choice in done.choices:
         assert choice.finish_reason == "length"
@@ -70,8 +75,9 @@ def test_completions_n2_logprobs_usage(server, client):
         assert all(x <= 0 for x in lp.token_logprobs)
         assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)  # top 2 (+ the sampled one)
     assert done.usage.prompt_tokens == num_prompt_tokens(server, prompt=PROMPT)
-    assert done.usage.completion_tokens == 2 * 5 == sum(len(c.logprobs.tokens)
-                                                        for c in done.choices)  # fmt: skip
+    assert (
+        done.usage.completion_tokens == 2 * 5 == sum(len(c.logprobs.tokens) for c in done.choices)
+    )
     assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
 
 
@@ -83,9 +89,15 @@ def test_completions_without_ignore_eos_count_generated_tokens(server, client):
 def test_completions_stop_string(server, client):
     full = greedy_text(client)
     word = stop_word(full)
-    done = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0,
-                                     stop=[word, "never-seen"], logprobs=0,
-                                     extra_body=IGNORE_EOS)  # fmt: skip
+    done = client.completions.create(
+        model=NAME,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        stop=[word, "never-seen"],
+        logprobs=0,
+        extra_body=IGNORE_EOS,
+    )
     choice = done.choices[0]
     assert choice.finish_reason == "stop"
     assert choice.text == full[: full.index(word)]
@@ -99,9 +111,15 @@ def test_completions_stop_string(server, client):
 def test_completions_stream_matches_non_stream(server, client):
     full = greedy_text(client, max_tokens=6)
     stream = client.completions.create(
-        model=NAME, prompt=PROMPT, max_tokens=6, n=2, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body=IGNORE_EOS,
-    )  # fmt: skip
+        model=NAME,
+        prompt=PROMPT,
+        max_tokens=6,
+        n=2,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=IGNORE_EOS,
+    )
     texts: dict[int, str] = defaultdict(str)
     finish: dict[int, str] = {}
     usage = None
@@ -124,9 +142,14 @@ def test_completions_stream_matches_non_stream(server, client):
 
 def test_chat_n2_logprobs_usage(server, client):
     done = client.chat.completions.create(
-        model=NAME, messages=MESSAGES, max_tokens=4, n=2, logprobs=True, top_logprobs=2,
+        model=NAME,
+        messages=MESSAGES,
+        max_tokens=4,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
         extra_body=IGNORE_EOS,
-    )  # fmt: skip
+    )
     assert done.object == "chat.completion"
     assert [c.index for c in done.choices] == [0, 1]
     for choice in done.choices:
@@ -138,22 +161,35 @@ def test_chat_n2_logprobs_usage(server, client):
         assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
         assert all(t.bytes == list(t.token.encode()) for t in content)
     assert done.usage.prompt_tokens == num_prompt_tokens(server, messages=MESSAGES)
-    assert done.usage.completion_tokens == 4 * 2 == sum(len(c.logprobs.content)
-                                                        for c in done.choices)  # fmt: skip
+    assert (
+        done.usage.completion_tokens == 4 * 2 == sum(len(c.logprobs.content) for c in done.choices)
+    )
 
 
 def test_chat_stream_stop_string(server, client):
-    full = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8,
-                                          temperature=0, extra_body=IGNORE_EOS)  # fmt: skip
+    full = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=8, temperature=0, extra_body=IGNORE_EOS
+    )
     text = full.choices[0].message.content
     word = stop_word(text)
     stream = client.chat.completions.create(
-        model=NAME, messages=MESSAGES, max_tokens=8, temperature=0, stop=word, stream=True,
-        logprobs=True, stream_options={"include_usage": True}, extra_body=IGNORE_EOS,
-    )  # fmt: skip
+        model=NAME,
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0,
+        stop=word,
+        stream=True,
+        logprobs=True,
+        stream_options={"include_usage": True},
+        extra_body=IGNORE_EOS,
+    )
     chunks = list(stream)
-    tokens = [t.token for c in chunks if c.choices and c.choices[0].logprobs
-              for t in c.choices[0].logprobs.content]  # fmt: skip
+    tokens = [
+        t.token
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -174,9 +210,16 @@ async def test_async_client_chat_stream_and_completions(server, anyio_backend):
     base = server.base_url + "/v1"
     async with openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0) as aclient:
         stream = await aclient.chat.completions.create(
-            model=NAME, messages=MESSAGES, max_tokens=5, n=2, logprobs=True, top_logprobs=2,
-            stream=True, stream_options={"include_usage": True}, extra_body=IGNORE_EOS,
-        )  # fmt: skip
+            model=NAME,
+            messages=MESSAGES,
+            max_tokens=5,
+            n=2,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=IGNORE_EOS,
+        )
         roles: dict[int, str] = {}
         tokens: dict[int, int] = defaultdict(int)
         finish: dict[int, str] = {}
@@ -198,11 +241,14 @@ async def test_async_client_chat_stream_and_completions(server, anyio_backend):
         async with httpx.AsyncClient(base_url=server.base_url) as http:
             tokenized = await http.post("/tokenize", json={"messages": MESSAGES})
             assert usage.prompt_tokens == tokenized.json()["count"]
-            counts = [(await http.post("/tokenize", json={"prompt": p})).json()["count"]
-                      for p in (PROMPT, "w9")]  # fmt: skip
+            counts = [
+                (await http.post("/tokenize", json={"prompt": p})).json()["count"]
+                for p in (PROMPT, "w9")
+            ]
 
-        done = await aclient.completions.create(model=NAME, prompt=[PROMPT, "w9"], max_tokens=3,
-                                                n=2, extra_body=IGNORE_EOS)  # fmt: skip
+        done = await aclient.completions.create(
+            model=NAME, prompt=[PROMPT, "w9"], max_tokens=3, n=2, extra_body=IGNORE_EOS
+        )
         assert [c.index for c in done.choices] == [0, 1, 2, 3]
         assert done.usage.completion_tokens == 3 * 2 * 2
         assert done.usage.prompt_tokens == sum(counts)
@@ -219,7 +265,7 @@ def check_raw_sse(body: str) -> None:
     events = body[:-2].split("\n\n")
     assert all(e.startswith("data: ") and "\n" not in e for e in events), body
     assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1, body[-200:]
-    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert len({c["id"] for c in chunks}) == 1
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     choices = [c["choices"][0] for c in chunks]
@@ -238,7 +284,7 @@ async def one_round(aclient: openai.AsyncOpenAI, num: int) -> None:
         try:
             async with aclient.chat.completions.with_streaming_response.create(
                 model=NAME, messages=messages, max_tokens=8, stream=True, extra_body=IGNORE_EOS
-            ) as response:  # fmt: skip
+            ) as response:
                 assert response.status_code == 200
                 check_raw_sse("".join([text async for text in response.iter_text()]))
         except Exception as exc:  # collected: one failure should not hide the rest
@@ -256,8 +302,7 @@ async def one_round(aclient: openai.AsyncOpenAI, num: int) -> None:
 @pytest.mark.anyio
 async def test_200_concurrent_streams_and_flat_rss(server, anyio_backend):
     base = server.base_url + "/v1"
-    async with openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0,
-                                  timeout=60) as aclient:  # fmt: skip
+    async with openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0, timeout=60) as aclient:
         await one_round(aclient, 20)  # warm-up: allocator arenas, connection pool, caches
         await one_round(aclient, NUM_STREAMS)
         first = rss_bytes(server.pid)

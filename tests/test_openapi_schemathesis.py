@@ -28,11 +28,18 @@ KEY = "test-key"
 MAX_MODEL_LEN = 8
 V1 = {"GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions"}
 CHECKS = [
-    "not_a_server_error", "status_code_conformance", "content_type_conformance",
-    "response_headers_conformance", "response_schema_conformance", "negative_data_rejection",
-    "positive_data_acceptance", "unsupported_method", "allow_header_conformance",
-    "ignored_auth", "missing_required_header",
-]  # fmt: skip
+    "not_a_server_error",
+    "status_code_conformance",
+    "content_type_conformance",
+    "response_headers_conformance",
+    "response_schema_conformance",
+    "negative_data_rejection",
+    "positive_data_acceptance",
+    "unsupported_method",
+    "allow_header_conformance",
+    "ignored_auth",
+    "missing_required_header",
+]
 
 
 def labels(doc: dict) -> set[str]:
@@ -45,8 +52,16 @@ def labels(doc: dict) -> set[str]:
 @pytest.fixture(scope="module")
 def server(chat_model, shared_manager) -> Iterator[str]:
     """The base URL of a `loom serve` on a free loopback port; SIGTERM at the end (exit 0)."""
-    with loom_serve(chat_model, shared_manager.socket, NAME, "asyncio", "--api-key", KEY,
-                    "--max-model-len", str(MAX_MODEL_LEN)) as running:  # fmt: skip
+    with loom_serve(
+        chat_model,
+        shared_manager.socket,
+        NAME,
+        "asyncio",
+        "--api-key",
+        KEY,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+    ) as running:
         yield running.base_url
 
 
@@ -58,8 +73,14 @@ def test_built_document_is_valid_openapi_with_the_servers_limits():
     untruncated = schemas["CompletionRequest"]["allOf"][1]["else"]  # no truncate_prompt_tokens
     prompt = untruncated["properties"]["prompt"]["anyOf"]
     ids = [p for p in prompt if p.get("items", {}).get("type") == "integer"]
-    assert ids == [{"type": "array", "minItems": 1, "maxItems": 15,
-                    "items": {"type": "integer", "minimum": 0, "maximum": 99}}]  # fmt: skip
+    assert ids == [
+        {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 15,
+            "items": {"type": "integer", "minimum": 0, "maximum": 99},
+        }
+    ]
     assert schemas["ChatCompletionRequest"]["properties"]["model"]["enum"] == ["m", None]
     assert "401" not in doc["paths"]["/v1/completions"]["post"]["responses"]
 
@@ -77,8 +98,7 @@ def test_served_document_needs_no_key_and_names_the_key_elsewhere(server):
     response = httpx.get(f"{server}/openapi.json")  # an open path, as /health
     assert response.status_code == 200
     doc = response.json()
-    assert labels(doc) == V1 | {"POST /tokenize", "POST /detokenize", "GET /health",
-                                "GET /version"}  # fmt: skip
+    assert labels(doc) == V1 | {"POST /tokenize", "POST /detokenize", "GET /health", "GET /version"}
     assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
     for path in ("/v1/models", "/v1/completions", "/v1/chat/completions"):
         (operation,) = doc["paths"][path].values()
@@ -86,7 +106,8 @@ def test_served_document_needs_no_key_and_names_the_key_elsewhere(server):
     assert "security" not in doc["paths"]["/health"]["get"]
     card = doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]
     assert card["schema"]["properties"]["data"]["items"]["properties"]["max_model_len"] == {
-        "const": MAX_MODEL_LEN}
+        "const": MAX_MODEL_LEN
+    }
 
 
 def test_what_fuzzing_found_stays_fixed(server):
@@ -114,21 +135,44 @@ def test_what_fuzzing_found_stays_fixed(server):
         assert response.status_code == 405 and response.headers["allow"] == "POST"
 
 
-def test_schemathesis_finds_no_server_error_and_no_schema_violation(server, chat_model,
-                                                                   tmp_path):  # fmt: skip
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(server, chat_model, tmp_path):
     # Every operation: the /v1 routes the issue names and the four small ones beside them.
-    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{server}/openapi.json",
-           "--checks", ",".join(CHECKS), "--phases", "examples,coverage,fuzzing",
-           "--max-examples", "20", "--seed", "1", "--generation-database", "none",
-           "--workers", "1", "--request-timeout", "30", "--no-color",
-           "--header", f"Authorization: Bearer {KEY}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "run",
+        f"{server}/openapi.json",
+        "--checks",
+        ",".join(CHECKS),
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--max-examples",
+        "20",
+        "--seed",
+        "1",
+        "--generation-database",
+        "none",
+        "--workers",
+        "1",
+        "--request-timeout",
+        "30",
+        "--no-color",
+        "--header",
+        f"Authorization: Bearer {KEY}",
+    ]
     eos = json.loads((Path(chat_model) / "config.json").read_text())["eos_token_id"]
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks", "LOOM_TEST_BASE_URL": server,
-           "LOOM_TEST_API_KEY": KEY, "LOOM_TEST_EOS_IDS": str(eos),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get(
-               "PYTHONPATH", "")])}  # fmt: skip
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=240)  # fmt: skip
+    env = {
+        **os.environ,
+        "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
+        "LOOM_TEST_BASE_URL": server,
+        "LOOM_TEST_API_KEY": KEY,
+        "LOOM_TEST_EOS_IDS": str(eos),
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     print(result.stdout)  # the report, for -s or a failure
     assert result.returncode == 0, result.stdout[-30000:] + result.stderr[-5000:]
     assert "7 selected / 7 total" in result.stdout

@@ -29,15 +29,22 @@ def run(tokenizer: Tokenizer, kind: RequestOutputKind, steps: int) -> list[Reque
     processor = OutputProcessor(tokenizer)
     params = SamplingParams(n=2, max_tokens=5, output_kind=kind, logprobs=0)
     collector = RequestOutputCollector(kind)
-    processor.add(ParentRequest("r", None, [1, 3], params, collector,
-                                RequestMetrics(time.time())))  # fmt: skip
+    processor.add(ParentRequest("r", None, [1, 3], params, collector, RequestMetrics(time.time())))
     seen = []
     for step in STEPS[:steps]:
-        processor.process([
-            EngineCoreOutput(child, ids, [-0.5] * len(ids), [None] * len(ids), reason,
-                             2 if reason == "stop" else None)
-            for child, (ids, reason) in step.items()
-        ])  # fmt: skip
+        processor.process(
+            [
+                EngineCoreOutput(
+                    child,
+                    ids,
+                    [-0.5] * len(ids),
+                    [None] * len(ids),
+                    reason,
+                    2 if reason == "stop" else None,
+                )
+                for child, (ids, reason) in step.items()
+            ]
+        )
         if collector._pending is not None:
             seen.append(collector._pending)
             collector._pending = None
@@ -50,8 +57,18 @@ def run(tokenizer: Tokenizer, kind: RequestOutputKind, steps: int) -> list[Reque
 
 
 def completions(output: RequestOutput) -> list[tuple]:
-    return [(c.index, c.text, c.token_ids, c.cumulative_logprob, len(c.logprobs or ()),
-             c.finish_reason, c.stop_reason) for c in output.outputs]  # fmt: skip
+    return [
+        (
+            c.index,
+            c.text,
+            c.token_ids,
+            c.cumulative_logprob,
+            len(c.logprobs or ()),
+            c.finish_reason,
+            c.stop_reason,
+        )
+        for c in output.outputs
+    ]
 
 
 @pytest.mark.parametrize("steps", [len(STEPS), 3], ids=["finished", "aborted"])

@@ -17,8 +17,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
 async def test_lower_priority_runs_first(tiny_model, shared_manager):
-    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-                      scheduling_policy="priority", max_num_seqs=1) as engine:  # fmt: skip
+    async with Engine(
+        tiny_model,
+        manager_socket=shared_manager.socket,
+        dtype="float32",
+        scheduling_policy="priority",
+        max_num_seqs=1,
+    ) as engine:
         finished: list[str] = []
         tokens: dict[str, list[int]] = {}
 
@@ -61,16 +66,21 @@ async def test_the_server_takes_a_priority_under_the_priority_policy(chat_model,
         chat = {"messages": [{"role": "user", "content": "w5"}], "max_tokens": 2, "priority": 4}
         response = await client.post("/v1/chat/completions", json=chat)
         assert response.status_code == 200, response.text
-        assert_error(await client.post("/v1/completions", json={**body, "priority": "high"}),
-                     400, "priority")  # fmt: skip
+        assert_error(
+            await client.post("/v1/completions", json={**body, "priority": "high"}), 400, "priority"
+        )
         doc = (await client.get("/openapi.json")).json()["components"]["schemas"]
         assert doc["CompletionRequest"]["properties"]["priority"]["type"] == ["integer", "null"]
 
 
 def test_llm_takes_one_priority_or_one_each(tiny_model, shared_manager):
     prompts = [{"prompt_token_ids": [5 + i, 6]} for i in range(3)]
-    with LLM(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-             scheduling_policy="priority") as llm:  # fmt: skip
+    with LLM(
+        tiny_model,
+        manager_socket=shared_manager.socket,
+        dtype="float32",
+        scheduling_policy="priority",
+    ) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=[2, 0, 1])
         assert [o.prompt_token_ids for o in outputs] == [p["prompt_token_ids"] for p in prompts]
         assert len(llm.generate(prompts, GREEDY, use_tqdm=False, priority=3)) == 3

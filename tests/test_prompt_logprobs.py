@@ -33,8 +33,12 @@ def reference(tiny_model):
 
 @pytest.fixture
 async def engine(tiny_model, shared_manager):
-    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-                      max_num_batched_tokens=BUDGET) as e:  # fmt: skip
+    async with Engine(
+        tiny_model,
+        manager_socket=shared_manager.socket,
+        dtype="float32",
+        max_num_batched_tokens=BUDGET,
+    ) as e:
         yield e
 
 
@@ -64,24 +68,33 @@ def check_against_reference(prompt_logprobs, reference, k: int) -> None:
 async def test_match_hf_across_prefill_chunks_and_skip_prefix_cache(engine, reference):
     plain = SamplingParams(temperature=0, max_tokens=2)
     steps_before = engine.stats().num_steps
-    out = await final(engine, PROMPT, SamplingParams(temperature=0, max_tokens=1,
-                                                     prompt_logprobs=3))  # fmt: skip
+    out = await final(
+        engine, PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
+    )
     assert engine.stats().num_steps - steps_before >= len(PROMPT_IDS) // BUDGET + 1  # chunked
     check_against_reference(out.prompt_logprobs, reference, 3)
     # The prompt's blocks are cached now: a request without prompt logprobs reads them; one
     # asking for them must not (had it skipped positions, its entries would never complete).
     cached = await final(engine, PROMPT, plain)
     assert engine.stats().prefix_cache_hit_rate > 0 and cached.prompt_logprobs is None
-    again = await final(engine, PROMPT, SamplingParams(temperature=0, max_tokens=2,
-                                                       prompt_logprobs=0))  # fmt: skip
+    again = await final(
+        engine, PROMPT, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)
+    )
     check_against_reference(again.prompt_logprobs, reference, 0)
     assert again.outputs[0].token_ids == cached.outputs[0].token_ids
 
 
 async def test_batched_with_others_n2_and_delta(engine, reference):
     """n = 2 children share one scoring; DELTA delivers it in the first output only."""
-    delta = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True,
-                           prompt_logprobs=2, output_kind=RequestOutputKind.DELTA)  # fmt: skip
+    delta = SamplingParams(
+        n=2,
+        temperature=1.0,
+        seed=7,
+        max_tokens=5,
+        ignore_eos=True,
+        prompt_logprobs=2,
+        output_kind=RequestOutputKind.DELTA,
+    )
     outputs: dict[str, list] = {}
 
     async def collect(name, prompt, params):
@@ -90,8 +103,12 @@ async def test_batched_with_others_n2_and_delta(engine, reference):
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(collect, "delta", PROMPT, delta)
-        tg.start_soon(collect, "other", {"prompt_token_ids": [9] * 30},
-                      SamplingParams(max_tokens=8, prompt_logprobs=1))  # fmt: skip
+        tg.start_soon(
+            collect,
+            "other",
+            {"prompt_token_ids": [9] * 30},
+            SamplingParams(max_tokens=8, prompt_logprobs=1),
+        )
     carrying = [o for o in outputs["delta"] if o.prompt_logprobs is not None]
     assert len(carrying) == 1 and carrying[0] is outputs["delta"][0]
     check_against_reference(carrying[0].prompt_logprobs, reference, 2)
@@ -103,14 +120,27 @@ async def test_batched_with_others_n2_and_delta(engine, reference):
 
 async def test_server_echo_with_logprobs(tiny_model, shared_manager):
     prompt_ids = PROMPT_IDS[:20]
-    body = {"model": NAME, "prompt": prompt_ids, "echo": True, "logprobs": 2,
-            "max_tokens": 3, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": NAME,
+        "prompt": prompt_ids,
+        "echo": True,
+        "logprobs": 2,
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     async with running(tiny_model, shared_manager) as (engine, client):
-        expected = await final(engine, {"prompt_token_ids": prompt_ids}, SamplingParams(
-            temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=2))
+        expected = await final(
+            engine,
+            {"prompt_token_ids": prompt_ids},
+            SamplingParams(
+                temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=2
+            ),
+        )
         whole = (await client.post("/v1/completions", json=body)).json()
-        async with client.stream("POST", "/v1/completions",
-                                 json={**body, "stream": True}) as response:  # fmt: skip
+        async with client.stream(
+            "POST", "/v1/completions", json={**body, "stream": True}
+        ) as response:
             events = await sse_events(response)
     tokens = prompt_ids + expected.outputs[0].token_ids
     rows = expected.prompt_logprobs + expected.outputs[0].logprobs
@@ -127,8 +157,9 @@ async def test_server_echo_with_logprobs(tiny_model, shared_manager):
     assert lps["text_offset"] == offsets
     chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
     assert chunks[0]["text"] == whole["choices"][0]["text"][: len(chunks[0]["text"])]
-    streamed = {key: [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
-                for key in lps}  # fmt: skip
+    streamed = {
+        key: [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]] for key in lps
+    }
     assert streamed == lps
     assert len(chunks[0]["logprobs"]["tokens"]) == len(prompt_ids)  # the echo carries them
 

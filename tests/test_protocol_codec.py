@@ -89,42 +89,61 @@ def test_int_keyed_maps_cross_as_pairs_and_bad_pairs_are_named() -> None:
 # -- values built from annotations ----------------------------------------------------
 
 ANY_VALUE = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
-    | st.floats(allow_nan=False) | st.text() | st.binary(),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text()
+    | st.binary(),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
     max_leaves=8,
-)  # fmt: skip
+)
 ARRAYS = hnp.arrays(
     st.sampled_from(DTYPES), hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)
 )
 SIMPLE = {
-    int: st.integers(-(2**63), 2**63 - 1), float: st.floats(allow_nan=False), str: st.text(),
-    bytes: st.binary(), bool: st.booleans(), type(None): st.none(), Any: ANY_VALUE,
+    int: st.integers(-(2**63), 2**63 - 1),
+    float: st.floats(allow_nan=False),
+    str: st.text(),
+    bytes: st.binary(),
+    bool: st.booleans(),
+    type(None): st.none(),
+    Any: ANY_VALUE,
     np.ndarray: ARRAYS,
-}  # fmt: skip
+}
 
 
 # SamplingParams validates itself: draw only values it accepts.
 VALID_SAMPLING_PARAMS = st.builds(
     SamplingParams,
-    n=st.integers(1, 4), temperature=st.floats(0, 2), top_p=st.floats(0.01, 1),
-    top_k=st.integers(-1, 50), seed=st.none() | st.integers(0, 2**31),
+    n=st.integers(1, 4),
+    temperature=st.floats(0, 2),
+    top_p=st.floats(0.01, 1),
+    top_k=st.integers(-1, 50),
+    seed=st.none() | st.integers(0, 2**31),
     stop=st.lists(st.text(min_size=1), max_size=2).map(tuple),
     stop_token_ids=st.lists(st.integers(0, 1000), max_size=2).map(tuple),
-    max_tokens=st.none() | st.integers(1, 100), logprobs=st.none() | st.integers(0, 5),
+    max_tokens=st.none() | st.integers(1, 100),
+    logprobs=st.none() | st.integers(0, 5),
     prompt_logprobs=st.none() | st.integers(0, 5),
     output_kind=st.sampled_from(list(RequestOutputKind)),
-    logit_bias=st.none() | st.dictionaries(st.integers(0, 2**63 - 1),
-                                           st.floats(allow_nan=False, allow_infinity=False),
-                                           max_size=3),
+    logit_bias=st.none()
+    | st.dictionaries(
+        st.integers(0, 2**63 - 1), st.floats(allow_nan=False, allow_infinity=False), max_size=3
+    ),
     allowed_token_ids=st.none() | st.lists(st.integers(0, 1000), min_size=1, max_size=3),
-)  # fmt: skip
+)
 # CachedRequests' columns have one length.
 VALID_CACHED_REQUESTS = st.lists(
     st.tuples(st.text(), st.lists(st.integers(0, 2**31), max_size=3), st.integers(0, 2**31)),
     max_size=4,
-).map(lambda rows: CachedRequests(*(list(column) for column in zip(*rows, strict=True)))
-      if rows else CachedRequests([], [], []))  # fmt: skip
+).map(
+    lambda rows: (
+        CachedRequests(*(list(column) for column in zip(*rows, strict=True)))
+        if rows
+        else CachedRequests([], [], [])
+    )
+)
 
 
 def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
@@ -237,22 +256,34 @@ def test_errors_name_nested_fields() -> None:
     spec = ["model", "two", None]  # AcquireWorkers(spec: WorkerSpec, keep_alive, engine_id)
     expect_malformed([10, [spec, 0.0, "e"]], match=r"^AcquireWorkers\.spec\.world_size: ")
     model_info = ["m", "d", 1, 2, 3, 4, 5, "float32", "cpu", 0.5]
-    expect_malformed([11, ["g1", ["a", None], [1, 2], model_info, False, b"token"]],
-                     match=r"^WorkersAcquired\.sockets\[1\]: expected str")  # fmt: skip
+    expect_malformed(
+        [11, ["g1", ["a", None], [1, 2], model_info, False, b"token"]],
+        match=r"^WorkersAcquired\.sockets\[1\]: expected str",
+    )
     # Deep paths, built only when a check fails: a list of lists, a map value, columns.
     cached = [["a", "b"], [[], [7, "8"]], [3, 4]]
     step = [0, [], cached, {"a": 1, "b": 1}, []]
-    expect_malformed([43, [1, step]], match=(
-        r"^ExecuteStep\.scheduler_output\.cached\.new_block_ids\[1\]\[1\]: expected int, "
-        "got str"))  # fmt: skip
+    expect_malformed(
+        [43, [1, step]],
+        match=(
+            r"^ExecuteStep\.scheduler_output\.cached\.new_block_ids\[1\]\[1\]: expected int, "
+            "got str"
+        ),
+    )
     step = [0, [], [["a"], [[]], [3]], {"a": 1, "b": True}, []]
-    expect_malformed([43, [1, step]], match=(
-        r"^ExecuteStep\.scheduler_output\.num_scheduled_tokens\['b'\]: expected int"))
+    expect_malformed(
+        [43, [1, step]],
+        match=(r"^ExecuteStep\.scheduler_output\.num_scheduled_tokens\['b'\]: expected int"),
+    )
     step = [0, [], [["a", "b"], [[]], [3]], {}, []]
-    expect_malformed([43, [1, step]], match=(
-        r"^ExecuteStep\.scheduler_output\.cached: CachedRequests columns differ in length"))
-    expect_malformed([44, [1, ["a"], [5], [0.5, "x"], [None], [], 0.0, []]],
-                     match=r"^StepResult\.logprobs\[1\]: expected a number")  # fmt: skip
+    expect_malformed(
+        [43, [1, step]],
+        match=(r"^ExecuteStep\.scheduler_output\.cached: CachedRequests columns differ in length"),
+    )
+    expect_malformed(
+        [44, [1, ["a"], [5], [0.5, "x"], [None], [], 0.0, []]],
+        match=r"^StepResult\.logprobs\[1\]: expected a number",
+    )
 
 
 @pytest.mark.parametrize(
@@ -454,8 +485,10 @@ async def test_server_refuses_other_version_and_says_why() -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize(
     "answer",
-    [Welcome(999, "manager", 1),
-     ErrorReply("version_mismatch", f"version 999 vs version {PROTOCOL_VERSION}")],
+    [
+        Welcome(999, "manager", 1),
+        ErrorReply("version_mismatch", f"version 999 vs version {PROTOCOL_VERSION}"),
+    ],
 )
 async def test_client_refuses_other_version(answer: Any) -> None:
     async with stream_pair() as (client, raw):

@@ -111,9 +111,10 @@ async def test_version_mismatch_names_both_versions(shared_manager) -> None:
 
 
 @pytest.mark.parametrize(
-    "spec", [WorkerSpec("tiny\x00model"), WorkerSpec("tiny", 1, {"dtype": b"bytes"})],
+    "spec",
+    [WorkerSpec("tiny\x00model"), WorkerSpec("tiny", 1, {"dtype": b"bytes"})],
     ids=["nul_in_model", "bytes_in_options"],
-)  # fmt: skip
+)
 async def test_manager_survives_unlaunchable_acquire(manager, tiny_model, spec) -> None:
     await anyio.to_thread.run_sync(manager.start)
     with anyio.fail_after(REPLY_S):

@@ -52,19 +52,37 @@ def ray_cluster() -> Iterator[str]:
     if importlib.util.find_spec("ray") is None:
         pytest.skip("Ray is not installed: pip install 'loomllm[ray]'")
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray puts sockets there
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-           "GLOO_SOCKET_IFNAME": "lo"}  # gloo's rendezvous between the "nodes" stays on lo
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "GLOO_SOCKET_IFNAME": "lo",
+    }  # gloo's rendezvous between the "nodes" stays on lo
     port = free_port()
     # Each node's object store would take a share of all memory (/dev/shm) by default.
-    common = ["--num-cpus=1", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-              "--object-store-memory=100000000"]
+    common = [
+        "--num-cpus=1",
+        "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
+        "--object-store-memory=100000000",
+    ]
     started = []
     try:
-        for args in (["--head", f"--node-ip-address={HEAD_IP}", f"--port={port}",
-                      "--include-dashboard=false"],
-                     [f"--address={HEAD_IP}:{port}", f"--node-ip-address={NODE_IP}"]):
-            result = subprocess.run([ray_cli(), "start", *args, *common], env=env,
-                                    capture_output=True, text=True, timeout=120)  # fmt: skip
+        for args in (
+            [
+                "--head",
+                f"--node-ip-address={HEAD_IP}",
+                f"--port={port}",
+                "--include-dashboard=false",
+            ],
+            [f"--address={HEAD_IP}:{port}", f"--node-ip-address={NODE_IP}"],
+        ):
+            result = subprocess.run(
+                [ray_cli(), "start", *args, *common],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             started.append(result)
             if result.returncode != 0:
                 pytest.skip(f"Ray could not start a node: {result.stderr[-1500:]}")
@@ -111,13 +129,13 @@ def ray_env(ray_cluster, monkeypatch):
 
 def test_tp2_across_two_ray_nodes_gives_one_local_ranks_tokens(tmp_path, ray_env):
     model = make_tiny_model(tmp_path, "llama")
-    options = dict(keep_alive=0, dtype="float32", max_num_batched_tokens=32,
-                   manager_socket=ray_env.socket)  # fmt: skip
+    options = dict(
+        keep_alive=0, dtype="float32", max_num_batched_tokens=32, manager_socket=ray_env.socket
+    )
     with LLM(model, **options) as llm:
         expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     started = time.monotonic()
-    with LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray",
-             **options) as llm:  # fmt: skip
+    with LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", **options) as llm:
         startup = time.monotonic() - started
         sockets = llm.engine._replicas[0].acquired.sockets
         assert all(s.startswith("tcp://127.0.0.") for s in sockets), sockets
@@ -131,8 +149,14 @@ def test_tp2_across_two_ray_nodes_gives_one_local_ranks_tokens(tmp_path, ray_env
 def test_a_killed_ray_rank_is_an_engine_death(tmp_path, ray_env):
     model = make_tiny_model(tmp_path, "llama")
     with pytest.raises(EngineDeadError, match="rank 1"):
-        with LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", keep_alive=0,
-                 dtype="float32", manager_socket=ray_env.socket) as llm:  # fmt: skip
+        with LLM(
+            model,
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            keep_alive=0,
+            dtype="float32",
+            manager_socket=ray_env.socket,
+        ) as llm:
             os.kill(llm.engine.worker_pids[1], signal.SIGKILL)
             llm.generate(["w5 w6"], SamplingParams(max_tokens=200), use_tqdm=False)
 
@@ -169,16 +193,22 @@ async def test_a_ray_ranks_lifeline_admits_only_the_managers_secret():
         await lifeline.send(Ack())
         assert isinstance(await manager.receive(), Ack)
         for stream in strangers:  # each was dropped (closed, or reset if it had sent more)
-            with anyio.fail_after(10), pytest.raises((anyio.EndOfStream,
-                                                      anyio.BrokenResourceError)):  # fmt: skip
+            with (
+                anyio.fail_after(10),
+                pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)),
+            ):
                 await stream.receive()
 
 
 def test_no_ray_cluster_is_a_clear_error(tiny_model, monkeypatch, manager):
     monkeypatch.setenv("RAY_ADDRESS", f"{HEAD_IP}:{free_port()}")  # nobody there
     with pytest.raises(WorkerStartError, match="no Ray cluster answers at address="):
-        LLM(tiny_model, distributed_executor_backend="ray", keep_alive=0,
-            manager_socket=manager.socket)  # fmt: skip
+        LLM(
+            tiny_model,
+            distributed_executor_backend="ray",
+            keep_alive=0,
+            manager_socket=manager.socket,
+        )
 
 
 def test_no_ray_installed_is_a_clear_error(tiny_model, tmp_path, monkeypatch, manager):
@@ -188,5 +218,9 @@ def test_no_ray_installed_is_a_clear_error(tiny_model, tmp_path, monkeypatch, ma
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     manager.start()
     with pytest.raises(WorkerStartError, match=r"needs Ray .*pip install 'loomllm\[ray\]'"):
-        LLM(tiny_model, distributed_executor_backend="ray", keep_alive=0,
-            manager_socket=manager.socket)  # fmt: skip
+        LLM(
+            tiny_model,
+            distributed_executor_backend="ray",
+            keep_alive=0,
+            manager_socket=manager.socket,
+        )

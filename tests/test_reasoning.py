@@ -28,24 +28,43 @@ CASES = [
     ("qwen3", "It is 4.", None, "It is 4."),  # enable_thinking: false
     ("qwen3", "<think>cut while thinking", "cut while thinking", None),
     ("qwen3", "<thi", None, "<thi"),  # cut inside a tag that never was one
-    ("qwen3", "4 </think> is text without an opening", None, "4 </think> is text without an "
-     "opening"),
+    (
+        "qwen3",
+        "4 </think> is text without an opening",
+        None,
+        "4 </think> is text without an opening",
+    ),
     ("deepseek_r1", "The prompt opened it.</think>It is 4.", "The prompt opened it.", "It is 4."),
     ("deepseek_r1", "<think>x < y </thin</think>\n", "x < y </thin", None),
     ("deepseek_r1", "still thinking when cut", "still thinking when cut", None),
     # only the newlines after </think> go: code keeps its indentation
     ("qwen3", "<think>ok</think>\n\n    x = 1\n    y = 2", "ok", "    x = 1\n    y = 2"),
-]  # fmt: skip
+]
 # (prompt's end, parser, answer, reasoning, content): the prompt says where the answer starts
 AFTER_PROMPTS = [
-    ("<|im_start|>assistant\n<think>\n", "qwen3", "Let me think.\n</think>\n\nIt is 4.",
-     "Let me think.\n", "It is 4."),  # Qwen3-2507 thinking: the template opens it
-    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "deepseek_r1", "It is 4.", None,
-     "It is 4."),  # enable_thinking: false closes an empty block
-    ("<think>old</think> earlier turn\nassistant:", "deepseek_r1", "Hm.</think>4", "Hm.",
-     "4"),  # a closed block earlier: the parser's own rule
+    (
+        "<|im_start|>assistant\n<think>\n",
+        "qwen3",
+        "Let me think.\n</think>\n\nIt is 4.",
+        "Let me think.\n",
+        "It is 4.",
+    ),  # Qwen3-2507 thinking: the template opens it
+    (
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        "deepseek_r1",
+        "It is 4.",
+        None,
+        "It is 4.",
+    ),  # enable_thinking: false closes an empty block
+    (
+        "<think>old</think> earlier turn\nassistant:",
+        "deepseek_r1",
+        "Hm.</think>4",
+        "Hm.",
+        "4",
+    ),  # a closed block earlier: the parser's own rule
     (None, "qwen3", "Let me think.</think>4", None, "Let me think.</think>4"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("parser, answer, reasoning, content", CASES)
@@ -53,8 +72,10 @@ def test_whole_and_streamed_answers_split_alike(parser, answer, reasoning, conte
     assert split_reasoning(parser, answer) == (reasoning, content)
     rng = random.Random(0)
     cuttings = [list(range(1, len(answer) + 1))]  # character by character
-    cuttings += [sorted({*rng.sample(range(1, len(answer)), min(4, len(answer) - 1)),
-                         len(answer)}) for _ in range(20)]  # fmt: skip
+    cuttings += [
+        sorted({*rng.sample(range(1, len(answer)), min(4, len(answer) - 1)), len(answer)})
+        for _ in range(20)
+    ]
     for cuts in cuttings:
         deltas, got_reasoning, got_content, start = ReasoningDeltas(parser), "", "", 0
         for end in cuts:
@@ -78,8 +99,12 @@ def test_an_unknown_parser_is_refused():
         ReasoningDeltas("r2")
 
 
-ASK = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 300,
-       "temperature": 0.8, "logprobs": True}  # fmt: skip
+ASK = {
+    "messages": [{"role": "user", "content": "2+2?"}],
+    "max_tokens": 300,
+    "temperature": 0.8,
+    "logprobs": True,
+}
 
 
 @asynccontextmanager
@@ -90,8 +115,7 @@ async def scripted_server(char_model, manager, answers: list[tuple[dict, str]], 
         scripts = {}
         for body, text in answers:
             fields = {k: body[k] for k in TEMPLATE_FIELDS if k in body}
-            counted = await client.post("/tokenize", json={"messages": body["messages"],
-                                                           **fields})  # fmt: skip
+            counted = await client.post("/tokenize", json={"messages": body["messages"], **fields})
             prompt = counted.json()["tokens"]
             ids = engine.tokenizer.encode(text, add_special_tokens=False)
             assert engine.tokenizer.decode(ids) == text
@@ -109,8 +133,9 @@ async def chat_both_ways(client, body: dict) -> tuple[dict, list[dict]]:
     assert response.status_code == 200, response.text
     whole = response.json()
     ChatCompletion.model_validate(whole)
-    async with client.stream("POST", "/v1/chat/completions",
-                             json={**body, "stream": True}) as response:  # fmt: skip
+    async with client.stream(
+        "POST", "/v1/chat/completions", json={**body, "stream": True}
+    ) as response:
         events = await sse_events(response)
     for event in events[:-1]:
         ChatCompletionChunk.model_validate(event)
@@ -122,8 +147,13 @@ async def test_reasoning_then_tool_calls_through_the_server(char_model, shared_m
     thinking = "\nThe user wants the weather.\n"
     answer = f"<think>{thinking}</think>\n\nChecking.\n{WEATHER_CALL}"
     body = {**ASK, "tools": TOOLS}
-    async with scripted_server(char_model, shared_manager, [(body, answer)],
-                               tool_call_parser="hermes", reasoning_parser="qwen3") as client:
+    async with scripted_server(
+        char_model,
+        shared_manager,
+        [(body, answer)],
+        tool_call_parser="hermes",
+        reasoning_parser="qwen3",
+    ) as client:
         whole, chunks = await chat_both_ways(client, body)
         (choice,) = whole["choices"]
         message = choice["message"]
@@ -139,18 +169,21 @@ async def test_reasoning_then_tool_calls_through_the_server(char_model, shared_m
         assert chunks[-1]["finish_reason"] == "tool_calls"
         # Every token's logprob arrives once, held text's too, in order.
         streamed = [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]]
-        assert [e["token"] for e in streamed] == [
-            e["token"] for e in choice["logprobs"]["content"]]
+        assert [e["token"] for e in streamed] == [e["token"] for e in choice["logprobs"]["content"]]
         assert len(streamed) == whole["usage"]["completion_tokens"]
 
 
 @pytest.mark.anyio
 async def test_deepseek_r1_and_what_skips_the_parser(char_model, shared_manager):
     body = {**ASK, "max_tokens": 100}
-    grammar = {**body, "messages": [{"role": "user", "content": "Again?"}],  # not scripted
-               "structured_outputs": {"choice": ["4</think>4"]}}  # fmt: skip
-    async with scripted_server(char_model, shared_manager, [(body, "Sum.</think>\n4")],
-                               reasoning_parser="deepseek_r1") as client:
+    grammar = {
+        **body,
+        "messages": [{"role": "user", "content": "Again?"}],  # not scripted
+        "structured_outputs": {"choice": ["4</think>4"]},
+    }
+    async with scripted_server(
+        char_model, shared_manager, [(body, "Sum.</think>\n4")], reasoning_parser="deepseek_r1"
+    ) as client:
         whole, chunks = await chat_both_ways(client, body)
         message = whole["choices"][0]["message"]
         assert (message["reasoning"], message["content"]) == ("Sum.", "4")

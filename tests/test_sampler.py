@@ -220,13 +220,18 @@ def test_values_float32_rounds_to_zero_or_inf_still_sample_sensibly() -> None:
     # largest), the negative ones shrink to ~0; greedy takes a positive one seen.
     seen = order[-3:] + order[5:7]  # three negative logits, two positive ones (seed 9)
     assert (row[order[-3:]] < 0).all() and (row[order[5:7]] > 0).all()
-    meta = _meta([SamplingParams(temperature=0.0, repetition_penalty=1e-300),
-                  SamplingParams(temperature=1.0, repetition_penalty=1e-300)],
-                 outputs=[seen, seen])  # fmt: skip
+    meta = _meta(
+        [
+            SamplingParams(temperature=0.0, repetition_penalty=1e-300),
+            SamplingParams(temperature=1.0, repetition_penalty=1e-300),
+        ],
+        outputs=[seen, seen],
+    )
     x = apply_penalties(row[None, :].expand(2, -1), meta)
     assert not x.isnan().any() and not x.isinf().any()
     assert set(sample(row[None, :].expand(2, -1), meta).sampled_token_ids.tolist()) <= set(
-        order[5:7])
+        order[5:7]
+    )
 
 
 def test_seeded_rows_ignore_batch_companions() -> None:
@@ -327,8 +332,11 @@ def test_bfloat16_logits() -> None:
 
 def test_draw_seeds_are_the_seed_and_index_s_alone_and_use_all_64_bits() -> None:
     assert draw_seed(5, 3) == draw_seed(5, 3) and 0 <= draw_seed(-(2**63), 0) < 2**64
-    seeds = {draw_seed(seed, index) for seed in (-2, -1, 0, 1, 2**32 + 1, 2**63 - 1)
-             for index in range(50)}  # fmt: skip
+    seeds = {
+        draw_seed(seed, index)
+        for seed in (-2, -1, 0, 1, 2**32 + 1, 2**63 - 1)
+        for index in range(50)
+    }
     assert len(seeds) == 300
     # A CPU generator keeps the low 32 bits of its seed: these differ too (there, -1 and
     # 2**63 - 1, or 1 and 2**32 + 1, would have drawn alike).
@@ -348,10 +356,15 @@ def test_logit_bias_adds_to_the_logits_before_sampling() -> None:
     counts = torch.bincount(_draws(row, SamplingParams(logit_bias=bias), n), minlength=10)
     assert (counts / n - torch.softmax(shifted, dim=-1)).abs().max() < 0.02
     # OpenAI's extremes: +100 forces a token, -100 all but bans it; logprobs stay raw.
-    out = sample(row[None, :].expand(2, -1), _meta([
-        SamplingParams(logit_bias={8: 100}, logprobs=1),
-        SamplingParams(logit_bias={4: -100, 7: -100, 0: -100}, temperature=0.0),
-    ]))  # fmt: skip
+    out = sample(
+        row[None, :].expand(2, -1),
+        _meta(
+            [
+                SamplingParams(logit_bias={8: 100}, logprobs=1),
+                SamplingParams(logit_bias={4: -100, 7: -100, 0: -100}, temperature=0.0),
+            ]
+        ),
+    )
     assert out.sampled_token_ids.tolist() == [8, 9]
     torch.testing.assert_close(out.logprobs[0], torch.log_softmax(row, -1)[8])
 
@@ -359,11 +372,16 @@ def test_logit_bias_adds_to_the_logits_before_sampling() -> None:
 def test_allowed_token_ids_limit_every_row_that_has_them() -> None:
     row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.2, 1.3, -2.0, 0.7])
     assert _reachable(row, SamplingParams(allowed_token_ids=[3, 5, 8])) == {3, 5, 8}
-    out = sample(row[None, :].expand(3, -1), _meta([
-        SamplingParams(temperature=0.0, allowed_token_ids=[1, 3]),
-        SamplingParams(temperature=0.0),  # a row without the list is untouched
-        SamplingParams(temperature=0.0, allowed_token_ids=[1, 3], logit_bias={3: 1.5}),
-    ]))  # fmt: skip
+    out = sample(
+        row[None, :].expand(3, -1),
+        _meta(
+            [
+                SamplingParams(temperature=0.0, allowed_token_ids=[1, 3]),
+                SamplingParams(temperature=0.0),  # a row without the list is untouched
+                SamplingParams(temperature=0.0, allowed_token_ids=[1, 3], logit_bias={3: 1.5}),
+            ]
+        ),
+    )
     assert out.sampled_token_ids.tolist() == [1, 4, 3]
 
 
@@ -401,8 +419,7 @@ def test_token_filters_are_built_once_in_their_normal_form() -> None:
     assert filters.bias_values.item() == torch.finfo(torch.float32).max
     assert TokenFilters.of(SamplingParams(), V, torch.device("cpu")) is None
     both = [dataclasses.replace(params, temperature=0.0), SamplingParams(temperature=0.0)]
-    meta = SamplingMetadata.from_params(both, [0, 0], [[], []], [[], []], [[], []],
-                                        vocab_size=V)  # fmt: skip
+    meta = SamplingMetadata.from_params(both, [0, 0], [[], []], [[], []], [[], []], vocab_size=V)
     out = sample(torch.zeros(2, V), meta)
     assert out.sampled_token_ids.tolist() == [3, 0]  # 5 is not allowed: its bias is moot
     # (greedy over equal logits takes the lowest allowed id)

@@ -96,8 +96,9 @@ class FakeWorker:
 
 
 def make_config(**overrides: object) -> SchedulerConfig:
-    fields = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4,
-                  num_blocks=64)  # fmt: skip
+    fields = dict(
+        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=64
+    )
     return SchedulerConfig(**{**fields, **overrides})  # type: ignore[arg-type]
 
 
@@ -109,9 +110,11 @@ def make_request(
 
 
 def reference(
-    prompt: list[int], params: SamplingParams, max_model_len: int,
+    prompt: list[int],
+    params: SamplingParams,
+    max_model_len: int,
     next_token: NextToken = by_position,
-) -> tuple[list[int], str, int | None]:  # fmt: skip
+) -> tuple[list[int], str, int | None]:
     """What the request must produce, computed without any scheduler."""
     room = max_model_len - len(prompt)
     max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -136,9 +139,11 @@ class Driver:
     """
 
     def __init__(
-        self, config: SchedulerConfig, next_token: NextToken = by_position,
+        self,
+        config: SchedulerConfig,
+        next_token: NextToken = by_position,
         async_scheduling: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.config = config
         self.scheduler = Scheduler(config)
         self.worker = FakeWorker(config.block_size, config.num_blocks, next_token)
@@ -340,8 +345,9 @@ def test_a_steps_new_requests_carry_a_bounded_number_of_ids(monkeypatch) -> None
         carried.append([len(new.prompt_token_ids) for new in so.new_requests])
     assert carried[:4] == [[18, 18], [18, 18], [18], [60]], carried
     for request in requests:
-        assert driver.tokens(request.request_id) == reference(prompt, request.sampling_params,
-                                                              128)[0]  # fmt: skip
+        assert (
+            driver.tokens(request.request_id) == reference(prompt, request.sampling_params, 128)[0]
+        )
 
 
 def test_allowed_ids_and_logit_bias_count_toward_a_steps_ids(monkeypatch) -> None:
@@ -368,10 +374,11 @@ def test_the_most_ids_a_step_carries_fit_a_frame() -> None:
     from loomllm.protocols.messages import CachedRequests, ExecuteStep, NewRequestData
 
     each = MAX_NEW_REQUEST_TOKENS // 256
-    new = [NewRequestData(f"r{i}", [2**32 - 1] * each, [], SamplingParams(), [2], [], 0)
-           for i in range(256)]  # fmt: skip
-    so = SchedulerOutput(0, new, CachedRequests([], [], []), {f"r{i}": 1 for i in range(256)},
-                         [])  # fmt: skip
+    new = [
+        NewRequestData(f"r{i}", [2**32 - 1] * each, [], SamplingParams(), [2], [], 0)
+        for i in range(256)
+    ]
+    so = SchedulerOutput(0, new, CachedRequests([], [], []), {f"r{i}": 1 for i in range(256)}, [])
     assert len(encode(ExecuteStep(1, so))) < DEFAULT_MAX_FRAME_SIZE / 2
 
 
@@ -380,8 +387,9 @@ def test_the_most_ids_a_step_carries_fit_a_frame() -> None:
 
 @pytest.mark.parametrize("enable_prefix_caching", [False, True])
 def test_preemption_recomputes_and_gives_the_same_tokens(enable_prefix_caching: bool) -> None:
-    config = make_config(num_blocks=8, block_size=4, max_model_len=32,
-                         enable_prefix_caching=enable_prefix_caching)  # fmt: skip
+    config = make_config(
+        num_blocks=8, block_size=4, max_model_len=32, enable_prefix_caching=enable_prefix_caching
+    )
     driver = Driver(config)
     prompts = {f"r{i}": [i + 1, i + 2, i + 3, i + 4, i + 5, i + 6] for i in range(3)}
     for req_id, prompt in prompts.items():
@@ -419,10 +427,22 @@ def test_preempted_requests_go_back_first_in_line() -> None:
 def test_priority_orders_admission_then_arrival() -> None:
     """Lower priority first; equal ones by arrival, then intake (a request's n children)."""
     driver = Driver(make_config(max_num_seqs=1, scheduling_policy="priority"))
-    for name, priority, arrival in [("late-low", 5, 0.0), ("urgent", -1, 3.0), ("a", 0, 1.0),
-                                    ("b", 0, 1.0), ("early", 0, 0.5)]:  # fmt: skip
-        request = Request(name, [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True),
-                          frozenset({EOS}), 128, arrival, priority)  # fmt: skip
+    for name, priority, arrival in [
+        ("late-low", 5, 0.0),
+        ("urgent", -1, 3.0),
+        ("a", 0, 1.0),
+        ("b", 0, 1.0),
+        ("early", 0, 0.5),
+    ]:
+        request = Request(
+            name,
+            [1, 2, 3],
+            SamplingParams(max_tokens=2, ignore_eos=True),
+            frozenset({EOS}),
+            128,
+            arrival,
+            priority,
+        )
         driver.add(request)
     order = [r.request_id for r in driver.scheduler.waiting]
     assert order == ["urgent", "early", "a", "b", "late-low"]
@@ -466,8 +486,13 @@ def test_an_undone_victim_leaves_no_cache_entry_for_kv_never_written() -> None:
     """Its allocation this step hashed the block its decode was to fill; undone, that block
     must not be found by a prompt that starts with its tokens (found by fuzzing)."""
     params = SamplingParams(max_tokens=13, ignore_eos=True)
-    config = make_config(block_size=3, num_blocks=11, max_model_len=33,
-                         max_num_batched_tokens=13, scheduling_policy="priority")  # fmt: skip
+    config = make_config(
+        block_size=3,
+        num_blocks=11,
+        max_model_len=33,
+        max_num_batched_tokens=13,
+        scheduling_policy="priority",
+    )
     driver = Driver(config)
 
     def request(name: str, prompt: list[int], priority: int, arrival: float) -> Request:
@@ -523,8 +548,9 @@ def scripted(script: list[int]) -> NextToken:
         ({"max_tokens": None}, [5, 6, 7, 8, 9, 10, 11], ([5, 6, 7, 8, 9, 10], "length", None)),
     ],
 )
-def test_stop_conditions(params: dict[str, object], script: list[int],
-                         expected: tuple[list[int], str, int | None]) -> None:  # fmt: skip
+def test_stop_conditions(
+    params: dict[str, object], script: list[int], expected: tuple[list[int], str, int | None]
+) -> None:
     driver = Driver(make_config(max_model_len=16), scripted(script))
     # 10 prompt tokens: max_model_len=16 leaves room for 6.
     request = driver.add(make_request("a", list(range(1, 11)), max_model_len=16, **params))
@@ -599,25 +625,30 @@ def scheduler_configs(draw: st.DrawFn) -> SchedulerConfig:
     return SchedulerConfig(
         max_num_seqs=draw(st.integers(1, 8)),
         max_num_batched_tokens=budget if chunked else max(budget, max_model_len),
-        max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
-        enable_prefix_caching=draw(st.booleans()), enable_chunked_prefill=chunked,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        enable_prefix_caching=draw(st.booleans()),
+        enable_chunked_prefill=chunked,
         scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
-    )  # fmt: skip
+    )
 
 
-request_specs = st.fixed_dictionaries({
-    "arrival": st.integers(0, 20),
-    "base": st.integers(0, 2),
-    "shared": st.integers(0, 24),  # tokens taken from a base prompt: shared prefixes
-    "own": st.integers(1, 10),
-    "max_tokens": st.one_of(st.none(), st.integers(1, 32)),
-    "min_tokens": st.integers(0, 3),
-    "ignore_eos": st.booleans(),
-    "stop_token": st.one_of(st.none(), st.integers(1, 19)),
-    "abort_at": st.one_of(st.none(), st.integers(0, 40)),
-    "abort_mid_flight": st.booleans(),
-    "priority": st.integers(-2, 2),  # used under the "priority" policy
-})  # fmt: skip
+request_specs = st.fixed_dictionaries(
+    {
+        "arrival": st.integers(0, 20),
+        "base": st.integers(0, 2),
+        "shared": st.integers(0, 24),  # tokens taken from a base prompt: shared prefixes
+        "own": st.integers(1, 10),
+        "max_tokens": st.one_of(st.none(), st.integers(1, 32)),
+        "min_tokens": st.integers(0, 3),
+        "ignore_eos": st.booleans(),
+        "stop_token": st.one_of(st.none(), st.integers(1, 19)),
+        "abort_at": st.one_of(st.none(), st.integers(0, 40)),
+        "abort_mid_flight": st.booleans(),
+        "priority": st.integers(-2, 2),  # used under the "priority" policy
+    }
+)
 
 
 def check_blocks(scheduler: Scheduler) -> None:
@@ -640,12 +671,18 @@ def check_blocks(scheduler: Scheduler) -> None:
     for block_hash, block_id in pool.cached_block_hash_to_block.items():
         assert pool.block_hashes[block_id] == block_hash
     assert kv.num_free_blocks + len(+holders) == kv.num_total_blocks
-    assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-               for r in scheduler.waiting)  # fmt: skip
+    assert all(
+        r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in scheduler.waiting
+    )
 
 
-@settings(max_examples=400, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+@settings(
+    max_examples=400,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(config=scheduler_configs(), specs=st.lists(request_specs, min_size=1, max_size=10))
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_random_traffic_keeps_blocks_consistent_and_finishes_everything(
@@ -665,13 +702,21 @@ def test_random_traffic_keeps_blocks_consistent_and_finishes_everything(
                 prompt = prompt[: config.max_model_len]
                 max_tokens = spec["max_tokens"]
                 params = SamplingParams(
-                    max_tokens=max_tokens, ignore_eos=spec["ignore_eos"],
+                    max_tokens=max_tokens,
+                    ignore_eos=spec["ignore_eos"],
                     min_tokens=min(spec["min_tokens"], max_tokens or 3),
                     stop_token_ids=() if spec["stop_token"] is None else (spec["stop_token"],),
-                )  # fmt: skip
+                )
                 priority = spec["priority"] if config.scheduling_policy == "priority" else 0
-                request = Request(f"r{k}", prompt, params, frozenset({EOS}),
-                                  config.max_model_len, float(step), priority)  # fmt: skip
+                request = Request(
+                    f"r{k}",
+                    prompt,
+                    params,
+                    frozenset({EOS}),
+                    config.max_model_len,
+                    float(step),
+                    priority,
+                )
                 requests[request.request_id] = driver.add(request)
         to_abort: dict[bool, list[str]] = {True: [], False: []}
         for k, spec in enumerate(specs):

@@ -29,7 +29,8 @@ for _ in range(3):
 
 
 def user_script(model: str, counter: Path, backend: str, prelude: str = "") -> str:
-    return textwrap.dedent(f"""
+    return (
+        textwrap.dedent(f"""
         import os
         with open({str(counter)!r}, "a") as f:
             f.write("x")
@@ -40,7 +41,10 @@ def user_script(model: str, counter: Path, backend: str, prelude: str = "") -> s
             async with Engine({model!r}) as engine:
                 pids = await engine.collective_rpc(lambda worker: os.getpid())
             print("worker pids", pids)
-    """) + RUNNERS[backend] + "\n"
+    """)
+        + RUNNERS[backend]
+        + "\n"
+    )
 
 
 def run_user_program(how: str, script: str, tmp_path: Path, env: dict[str, str]):

@@ -24,8 +24,9 @@ NAME = "tiny"
 @asynccontextmanager
 async def running(model: str, manager, engine_options: dict | None = None, **app_options):
     """(engine, client) with the app served by hypercorn on a free port in this task group."""
-    async with Engine(model, manager_socket=manager.socket, dtype="float32",
-                      **(engine_options or {})) as engine:  # fmt: skip
+    async with Engine(
+        model, manager_socket=manager.socket, dtype="float32", **(engine_options or {})
+    ) as engine:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -56,7 +57,7 @@ async def sse_events(response: httpx.Response) -> list:
     events = []
     async for line in response.aiter_lines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -82,8 +83,13 @@ async def test_models_health_version(server):
 
 async def test_completion_streaming_matches_non_streaming(server):
     engine, client = server
-    body = {"model": NAME, "prompt": "w5 w17 w42", "max_tokens": 8, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": NAME,
+        "prompt": "w5 w17 w42",
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     whole = (await client.post("/v1/completions", json=body)).json()
     assert whole["object"] == "text_completion" and whole["model"] == NAME
     choice = whole["choices"][0]
@@ -101,16 +107,22 @@ async def test_completion_streaming_matches_non_streaming(server):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all("usage" not in c for c in chunks)
     # vLLM's continuous_usage_stats: every chunk counts the tokens so far.
-    continuous = {**stream_body, "n": 2, "stream_options": {"include_usage": True,
-                                                           "continuous_usage_stats": True}}
+    continuous = {
+        **stream_body,
+        "n": 2,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     async with client.stream("POST", "/v1/completions", json=continuous) as response:
         events = await sse_events(response)
     seen = {0: 0, 1: 0}
     for event in events[:-2]:
         (c,) = event["choices"]
         seen[c["index"]] += 1
-        assert event["usage"] == {"prompt_tokens": 3, "completion_tokens": seen[c["index"]],
-                                  "total_tokens": 3 + seen[c["index"]]}  # fmt: skip
+        assert event["usage"] == {
+            "prompt_tokens": 3,
+            "completion_tokens": seen[c["index"]],
+            "total_tokens": 3 + seen[c["index"]],
+        }
     assert seen == {0: 8, 1: 8} and events[-2]["usage"]["completion_tokens"] == 16
     tokens = await client.post("/tokenize", json={"prompt": "w5 w17 w42"})
     assert tokens.json()["tokens"] == [5, 17, 42]
@@ -120,8 +132,14 @@ async def test_completion_streaming_matches_non_streaming(server):
 
 async def test_completion_n_lists_logprobs_echo(server):
     _, client = server
-    body = {"prompt": [[5, 6, 7], [8, 9]], "n": 2, "max_tokens": 3, "seed": 1,
-            "ignore_eos": True, "logprobs": 2}  # fmt: skip
+    body = {
+        "prompt": [[5, 6, 7], [8, 9]],
+        "n": 2,
+        "max_tokens": 3,
+        "seed": 1,
+        "ignore_eos": True,
+        "logprobs": 2,
+    }
     out = (await client.post("/v1/completions", json=body)).json()
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
     assert out["usage"]["prompt_tokens"] == 5 and out["usage"]["completion_tokens"] == 12
@@ -129,14 +147,20 @@ async def test_completion_n_lists_logprobs_echo(server):
     assert len(lp["tokens"]) == 3 and len(lp["top_logprobs"][0]) == 2
     # vLLM's return_tokens_as_token_ids: the same logprobs, each token as its id (the tiny
     # vocabulary's token i is the word w<i>).
-    as_ids = (await client.post("/v1/completions", json={
-        **body, "return_tokens_as_token_ids": True})).json()["choices"][0]["logprobs"]  # fmt: skip
+    as_ids = (
+        await client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True})
+    ).json()["choices"][0]["logprobs"]
     assert as_ids["tokens"] == [f"token_id:{t[1:]}" for t in lp["tokens"]]
     assert as_ids["token_logprobs"] == lp["token_logprobs"]
     assert [list(top) for top in as_ids["top_logprobs"]] == [
-        [f"token_id:{t[1:]}" for t in top] for top in lp["top_logprobs"]]
-    echoed = (await client.post("/v1/completions", json={
-        "prompt": "w5 w6", "echo": True, "max_tokens": 2, "temperature": 0})).json()  # fmt: skip
+        [f"token_id:{t[1:]}" for t in top] for top in lp["top_logprobs"]
+    ]
+    echoed = (
+        await client.post(
+            "/v1/completions",
+            json={"prompt": "w5 w6", "echo": True, "max_tokens": 2, "temperature": 0},
+        )
+    ).json()
     assert echoed["choices"][0]["text"].startswith("w5 w6")
 
 
@@ -158,8 +182,9 @@ async def test_logit_bias_and_allowed_token_ids_steer_the_tokens(server):
     cut = await client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 1})
     assert cut.json()["usage"]["prompt_tokens"] == 1
     for value in (0, -2, "1"):
-        response = await client.post("/v1/completions",
-                                     json={**body, "truncate_prompt_tokens": value})  # fmt: skip
+        response = await client.post(
+            "/v1/completions", json={**body, "truncate_prompt_tokens": value}
+        )
         assert_error(response, 400, "truncate_prompt_tokens")
     unknown = await client.post("/v1/completions", json={**body, "bad_words": ["w9999999"]})
     assert unknown.status_code == 200  # not a word of this vocabulary: <unk>, banned alone
@@ -169,22 +194,33 @@ async def test_structured_outputs_and_a_grammar_that_does_not_compile(server):
     engine, client = server
     body = {"prompt": "w5 w6", "max_tokens": 4, "temperature": 1.0, "seed": 5, "n": 4}
     # The tiny tokenizer's tokens are words, which a grammar reads concatenated.
-    for fields in ({"structured_outputs": {"choice": ["w7", "w9w11"]}},
-                   {"guided_choice": ["w7", "w9w11"]}, {"guided_regex": "(w7|w9w11)"}):
+    for fields in (
+        {"structured_outputs": {"choice": ["w7", "w9w11"]}},
+        {"guided_choice": ["w7", "w9w11"]},
+        {"guided_regex": "(w7|w9w11)"},
+    ):
         out = (await client.post("/v1/completions", json={**body, **fields})).json()
         assert {c["text"].replace(" ", "") for c in out["choices"]} <= {"w7", "w9w11"}, out
-    error = assert_error(await client.post("/v1/completions", json={**body, "guided_json": "x"}),
-                         400, "guided_json")  # fmt: skip
+    error = assert_error(
+        await client.post("/v1/completions", json={**body, "guided_json": "x"}), 400, "guided_json"
+    )
     assert error["message"].startswith("guided_json is not JSON")
     # Any JSON value: the tiny vocabulary ("w0" to "w255") cannot spell one.
-    error = assert_error(await client.post("/v1/completions", json={**body, "guided_json": True}),
-                         400, "guided_json")  # fmt: skip
-    assert error["message"] == ("guided_json: no token of this model's vocabulary can continue "
-                                "the grammar")  # fmt: skip
-    bad = {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "frob"}}}}  # fmt: skip
-    error = assert_error(await client.post("/v1/completions", json={**body, **bad}), 400,
-                         "response_format")  # fmt: skip
+    error = assert_error(
+        await client.post("/v1/completions", json={**body, "guided_json": True}), 400, "guided_json"
+    )
+    assert error["message"] == (
+        "guided_json: no token of this model's vocabulary can continue the grammar"
+    )
+    bad = {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "frob"}},
+        }
+    }
+    error = assert_error(
+        await client.post("/v1/completions", json={**body, **bad}), 400, "response_format"
+    )
     assert "does not compile" in error["message"] and "frob" in error["message"]
     # Streamed too: a 400 before the stream starts (its first output is awaited), as vLLM.
     streamed = await client.post("/v1/completions", json={**body, **bad, "stream": True})
@@ -224,44 +260,79 @@ async def test_bad_input_is_400_naming_the_field(server):
         ({"prompt": "w5", "allowed_token_ids": [2], "min_tokens": 1}, "allowed_token_ids"),
         # Not implemented: a 400, not an answer that ignores them.
         ({"prompt": "w5", "response_format": {"type": "xml"}}, "response_format"),
-        ({"prompt": "w5", "response_format": {"type": "json_schema", "json_schema": {}}},
-         "response_format"),
-        ({"prompt": "w5", "response_format": {"type": "json_object"}, "guided_regex": "w5"},
-         "guided_regex"),
+        (
+            {"prompt": "w5", "response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format",
+        ),
+        (
+            {"prompt": "w5", "response_format": {"type": "json_object"}, "guided_regex": "w5"},
+            "guided_regex",
+        ),
         ({"prompt": "w5", "structured_outputs": {}}, "structured_outputs"),
-        ({"prompt": "w5", "structured_outputs": {"regex": "w5", "choice": ["w6"]}},
-         "structured_outputs"),
+        (
+            {"prompt": "w5", "structured_outputs": {"regex": "w5", "choice": ["w6"]}},
+            "structured_outputs",
+        ),
         ({"prompt": "w5", "structured_outputs": {"xml": "w5"}}, "structured_outputs"),
         ({"prompt": "w5", "guided_choice": []}, "guided_choice"),
         ({"prompt": "w5", "guided_json": "{oops"}, "guided_json"),
-        ({"prompt": "w5", "structured_outputs": {"regex": "w5", "json_object": False}},
-         "structured_outputs"),
+        (
+            {"prompt": "w5", "structured_outputs": {"regex": "w5", "json_object": False}},
+            "structured_outputs",
+        ),
         ({"prompt": "w5", "structured_outputs": {"json_object": False}}, "structured_outputs"),
-        ({"prompt": "w5", "response_format": {"type": "json_schema", "json_schema": {
-            "name": 5, "schema": {}}}}, "response_format"),
-        ({"prompt": "w5", "response_format": {"type": "json_schema", "json_schema": {
-            "strict": 1, "schema": {}}}}, "response_format"),
-        ({"prompt": "w5", "tools": [{"type": "function", "function": {"name": "f"}}]},
-         "tools"),
+        (
+            {
+                "prompt": "w5",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": 5, "schema": {}},
+                },
+            },
+            "response_format",
+        ),
+        (
+            {
+                "prompt": "w5",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"strict": 1, "schema": {}},
+                },
+            },
+            "response_format",
+        ),
+        ({"prompt": "w5", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"prompt": "w5", "tool_choice": "auto"}, "tool_choice"),
     ]
     for body, param in cases:
         assert_error(await client.post("/v1/completions", json=body), 400, param)
     # The same fields with values that ask for nothing, as SDKs may send them: answered.
-    no_ops = {"logit_bias": {}, "tools": [], "tool_choice": "none",
-              "response_format": {"type": "text"}, "max_tokens": 2}  # fmt: skip
-    assert (await client.post("/v1/completions", json={"prompt": "w5", **no_ops})).json()[
-        "usage"]["completion_tokens"] <= 2
+    no_ops = {
+        "logit_bias": {},
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "max_tokens": 2,
+    }
+    assert (await client.post("/v1/completions", json={"prompt": "w5", **no_ops})).json()["usage"][
+        "completion_tokens"
+    ] <= 2
     # null is absent, here as everywhere: no usage chunk.
-    body = {"prompt": "w5", "max_tokens": 2, "stream": True,
-            "stream_options": {"include_usage": None}}  # fmt: skip
+    body = {
+        "prompt": "w5",
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": None},
+    }
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         events = await sse_events(response)
-    assert events[-1] == "[DONE]" and all("usage" not in e or e["usage"] is None
-                                          for e in events[:-1])  # fmt: skip
-    assert_error(await client.post("/v1/completions", json={"model": "gpt-9", "prompt": "w5"}),
-                 404, "model")  # fmt: skip
+    assert events[-1] == "[DONE]" and all(
+        "usage" not in e or e["usage"] is None for e in events[:-1]
+    )
+    assert_error(
+        await client.post("/v1/completions", json={"model": "gpt-9", "prompt": "w5"}), 404, "model"
+    )
     assert_error(await client.post("/v1/completions", content=b"{not json"), 400, None)
     assert_error(await client.post("/v1/completions", json=[1, 2]), 400, None)
     assert_error(await client.post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
@@ -270,8 +341,7 @@ async def test_bad_input_is_400_naming_the_field(server):
     chat = {"messages": [{"role": "user", "content": "w5"}]}
     error = assert_error(await client.post("/v1/chat/completions", json=chat), 400, "messages")
     assert "chat template" in error["message"]
-    assert_error(await client.post("/v1/chat/completions", json={"messages": []}), 400,
-                 "messages")  # fmt: skip
+    assert_error(await client.post("/v1/chat/completions", json={"messages": []}), 400, "messages")
     await engine.wait_until_idle()
     assert engine.stats().num_running == 0
 
@@ -295,9 +365,15 @@ async def test_oversized_and_undecodable_bodies_are_4xx(tiny_model, shared_manag
 
 async def test_chat_happy_path_and_stream(chat_model, shared_manager):
     async with running(chat_model, shared_manager) as (_, client):
-        body = {"model": NAME, "messages": [{"role": "user", "content": "w5 w6"}],
-                "max_completion_tokens": 5, "temperature": 0, "ignore_eos": True,
-                "logprobs": True, "top_logprobs": 2}  # fmt: skip
+        body = {
+            "model": NAME,
+            "messages": [{"role": "user", "content": "w5 w6"}],
+            "max_completion_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
         whole = (await client.post("/v1/chat/completions", json=body)).json()
         assert whole["object"] == "chat.completion"
         message = whole["choices"][0]["message"]
@@ -305,8 +381,11 @@ async def test_chat_happy_path_and_stream(chat_model, shared_manager):
         assert whole["usage"]["completion_tokens"] == 5
         content_lps = whole["choices"][0]["logprobs"]["content"]
         assert len(content_lps) == 5 and len(content_lps[0]["top_logprobs"]) == 2
-        assert_error(await client.post("/v1/chat/completions", json={**body, "top_logprobs": 99}),
-                     400, "top_logprobs")  # fmt: skip
+        assert_error(
+            await client.post("/v1/chat/completions", json={**body, "top_logprobs": 99}),
+            400,
+            "top_logprobs",
+        )
         stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         async with client.stream("POST", "/v1/chat/completions", json=stream_body) as response:
             events = await sse_events(response)
@@ -331,8 +410,10 @@ async def test_api_key(tiny_model, shared_manager):
 async def post_then_hang_up(port: int, body: dict, engine: Engine, until_data: bool) -> None:
     """POST over a raw socket; close it once the request runs (first SSE event, or running)."""
     data = json.dumps(body).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
     async with await anyio.connect_tcp("127.0.0.1", port) as conn:
         await conn.send(head + data)
         if until_data:
@@ -359,6 +440,7 @@ async def test_disconnect_aborts_the_request(server, stream):
     again = await client.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2})
     assert again.status_code == 200
 
+
 def test_chat_template_file_exists(chat_model):
     assert "chat_template" in json.loads((Path(chat_model) / "tokenizer_config.json").read_text())
 
@@ -373,9 +455,23 @@ def test_loom_serve_cli_stops_cleanly_on_sigterm(tiny_model, shared_manager, loo
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "loomllm.cli.main", "serve", tiny_model, "--port", str(port),
-           "--served-model-name", NAME, "--dtype", "float32", "--loop", loop,
-           "--manager-socket", str(shared_manager.socket)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "loomllm.cli.main",
+        "serve",
+        tiny_model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        NAME,
+        "--dtype",
+        "float32",
+        "--loop",
+        loop,
+        "--manager-socket",
+        str(shared_manager.socket),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -403,8 +499,20 @@ def test_loom_generate_streams_to_stdout(tiny_model, shared_manager):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "loomllm.cli.main", "generate", tiny_model, "w5 w6", "--max-tokens",
-           "4", "--dtype", "float32", "--manager-socket", str(shared_manager.socket)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "loomllm.cli.main",
+        "generate",
+        tiny_model,
+        "w5 w6",
+        "--max-tokens",
+        "4",
+        "--dtype",
+        "float32",
+        "--manager-socket",
+        str(shared_manager.socket),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.split()) >= 1 and result.stdout.endswith("\n")

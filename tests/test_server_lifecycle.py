@@ -102,28 +102,41 @@ async def test_drain_lets_requests_finish_within_grace_then_aborts(
 
 
 def stream_completion(base: str, max_tokens: int, events: list) -> None:
-    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": "w5 w6",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 events.append(data if data == "[DONE]" else json.loads(data))
 
 
 def finish_reasons(events: list) -> list:
-    return [c["finish_reason"] for e in events if e != "[DONE]" and "choices" in e
-            for c in e["choices"] if c["finish_reason"] is not None]  # fmt: skip
+    return [
+        c["finish_reason"]
+        for e in events
+        if e != "[DONE]" and "choices" in e
+        for c in e["choices"]
+        if c["finish_reason"] is not None
+    ]
 
 
 def test_sigterm_under_load_drains_then_exits_0(tiny_model, shared_manager):
     """In-flight streams run to their end within the grace period; new connections fail."""
-    with loom_serve(tiny_model, shared_manager.socket, "tiny", "asyncio",
-                    "--shutdown-grace", "60") as server:  # fmt: skip
+    with loom_serve(
+        tiny_model, shared_manager.socket, "tiny", "asyncio", "--shutdown-grace", "60"
+    ) as server:
         streams: list[list] = [[] for _ in range(5)]
-        threads = [threading.Thread(target=stream_completion, args=(server.base_url, 200, s))
-                   for s in streams]  # fmt: skip
+        threads = [
+            threading.Thread(target=stream_completion, args=(server.base_url, 200, s))
+            for s in streams
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
@@ -145,13 +158,16 @@ def test_sigterm_under_load_drains_then_exits_0(tiny_model, shared_manager):
         assert server.proc.wait(timeout=30) == 0, server.output()
     for events in streams:
         assert finish_reasons(events) == ["length"] and events[-1] == "[DONE]"
-        assert sum(len(c["text"].split()) for e in events if e != "[DONE]"
-                   for c in e["choices"]) == 200  # fmt: skip
+        assert (
+            sum(len(c["text"].split()) for e in events if e != "[DONE]" for c in e["choices"])
+            == 200
+        )
 
 
 def test_engine_death_without_restart_exits_1(tiny_model, manager):
-    with loom_serve(tiny_model, manager.socket, "tiny", "asyncio",
-                    "--no-restart-on-failure") as server:  # fmt: skip
+    with loom_serve(
+        tiny_model, manager.socket, "tiny", "asyncio", "--no-restart-on-failure"
+    ) as server:
         events: list = []
         t = threading.Thread(target=stream_completion, args=(server.base_url, 450, events))
         t.start()

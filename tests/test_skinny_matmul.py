@@ -24,11 +24,14 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, n_out, k_in, bias", [
-    (1, 40, 512, False),  # whole loads of BLOCK_K; outputs past a block's end masked
-    (3, 33, 300, True),  # a ragged last load along K
-    (8, 64, 256, True),  # MAX_ROWS
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "rows, n_out, k_in, bias",
+    [
+        (1, 40, 512, False),  # whole loads of BLOCK_K; outputs past a block's end masked
+        (3, 33, 300, True),  # a ragged last load along K
+        (8, 64, 256, True),  # MAX_ROWS
+    ],
+)
 def test_matches_float64_as_closely_as_f_linear(dtype, rows, n_out, k_in, bias):
     torch.manual_seed(rows)
     # x as a model hands it over: [1, T, K], a view of a wider tensor's rows.
@@ -44,8 +47,7 @@ def test_matches_float64_as_closely_as_f_linear(dtype, rows, n_out, k_in, bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, half, k_in, bias", [(1, 40, 512, False), (5, 24, 300, True)])
-def test_the_gated_kernel_is_the_kernel_then_silu_mul_bit_for_bit(dtype, rows, half, k_in,
-                                                                  bias):  # fmt: skip
+def test_the_gated_kernel_is_the_kernel_then_silu_mul_bit_for_bit(dtype, rows, half, k_in, bias):
     """A packed gate|up projection with silu(gate) * up in its epilogue: the bits of the
     plain kernel's [.., 2I] output through fused_ops.silu_mul, never written."""
     torch.manual_seed(rows)
@@ -55,8 +57,9 @@ def test_the_gated_kernel_is_the_kernel_then_silu_mul_bit_for_bit(dtype, rows, h
     out = skinny_matmul.skinny_silu_linear(x, weight, b)
     assert out.shape == (1, rows, half) and out.dtype == dtype
     assert torch.equal(out, fused_ops.silu_mul(skinny_matmul.skinny_linear(x, weight, b)))
-    gate_up = torch.nn.functional.linear(x.double(), weight.double(),
-                                         None if b is None else b.double())  # fmt: skip
+    gate_up = torch.nn.functional.linear(
+        x.double(), weight.double(), None if b is None else b.double()
+    )
     ref = torch.nn.functional.silu(gate_up[..., :half]) * gate_up[..., half:]
     torch_ops = fused_ops.silu_mul(torch.nn.functional.linear(x, weight, b))
     assert _rel(out, ref) <= 1.5 * _rel(torch_ops, ref) + 1e-7
@@ -101,8 +104,14 @@ def test_pick_takes_the_kernel_where_it_wins_at_one_row_and_at_max_rows():
     [16, 32] only at one row (cuBLAS stays), slower for [32, 32] biased ones (not timed at
     8 rows then). A gate|up weight of the [48, 32] shape is timed apart, as its kernel with
     SiLU * up against cuBLAS then silu_mul: slower here."""
-    kernel_times = {(48, 1): 1.0, (48, 8): 1.0, (16, 1): 1.0, (16, 8): 3.0, (32, 1): 3.0,
-                    (32, 8): 3.0}  # fmt: skip
+    kernel_times = {
+        (48, 1): 1.0,
+        (48, 8): 1.0,
+        (16, 1): 1.0,
+        (16, 8): 3.0,
+        (32, 1): 3.0,
+        (32, 8): 3.0,
+    }
     timed = []
 
     def seconds(fn: functools.partial) -> float:
@@ -112,8 +121,14 @@ def test_pick_takes_the_kernel_where_it_wins_at_one_row_and_at_max_rows():
             return kernel_times[(weight.shape[0], x.shape[0])]
         return 5.0 if matmul is skinny_matmul.skinny_silu_linear else 2.0
 
-    linears = [Linear(32, 48, bias=False), Linear(32, 48, bias=False), Linear(32, 16, bias=False),
-               Linear(32, 32, bias=True), Linear(32, 48, bias=False), Linear(32, 48, bias=False)]
+    linears = [
+        Linear(32, 48, bias=False),
+        Linear(32, 48, bias=False),
+        Linear(32, 16, bias=False),
+        Linear(32, 32, bias=True),
+        Linear(32, 48, bias=False),
+        Linear(32, 48, bias=False),
+    ]
     linears[5].gated = True
     for linear in linears:
         torch.nn.init.normal_(linear.weight)
@@ -122,9 +137,12 @@ def test_pick_takes_the_kernel_where_it_wins_at_one_row_and_at_max_rows():
     for i in (0, 1, 2, 3, 5):
         linears[i].bfloat16()  # linears[4] stays float32: cuBLAS, untimed
     speedups = skinny_matmul.pick(linears, seconds)
-    assert speedups == {(48, 32, False, False): (2.0, 2.0), (16, 32, False, False): (2.0, 2 / 3),
-                        (32, 32, True, False): (2 / 3, 0.0),
-                        (48, 32, False, True): (0.4, 0.0)}  # fmt: skip
+    assert speedups == {
+        (48, 32, False, False): (2.0, 2.0),
+        (16, 32, False, False): (2.0, 2 / 3),
+        (32, 32, True, False): (2 / 3, 0.0),
+        (48, 32, False, True): (0.4, 0.0),
+    }
     assert [linear.skinny for linear in linears] == [True, True, False, False, False, False]
     assert timed[-2:] == ["linear_silu_mul", "skinny_silu_linear"], timed
 
@@ -150,8 +168,9 @@ def test_loomllms_model_runs_it_for_a_decode_step(dtype, tolerance, tmp_path, mo
     """Every matmul of the decode step (q|k|v, o, down, lm_head; gate|up with its activation)
     through the kernel, none of the prompt's (more rows than MAX_ROWS); the logits as with
     cuBLAS's, to the rounding of another summation order."""
-    loaded = load_model(str(save_variant(tmp_path, "llama-biases-tied")), dtype=str(dtype)[6:],
-                        model_impl="loom")  # fmt: skip
+    loaded = load_model(
+        str(save_variant(tmp_path, "llama-biases-tied")), dtype=str(dtype)[6:], model_impl="loom"
+    )
     install_fused_ops(loaded.model)
     expected = paged_logits(loaded.model, loaded.config, PROMPT, "triton", dtype)
     linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
@@ -160,10 +179,16 @@ def test_loomllms_model_runs_it_for_a_decode_step(dtype, tolerance, tmp_path, mo
     calls = []
     for name in ("skinny_linear", "skinny_silu_linear"):
         kernel = getattr(skinny_matmul, name)
-        monkeypatch.setattr(skinny_matmul, name, lambda x, *args, name=name, kernel=kernel:
-                            calls.append((name, x.shape[:-1])) or kernel(x, *args))  # fmt: skip
+        monkeypatch.setattr(
+            skinny_matmul,
+            name,
+            lambda x, *args, name=name, kernel=kernel: (
+                calls.append((name, x.shape[:-1])) or kernel(x, *args)
+            ),
+        )
     logits = paged_logits(loaded.model, loaded.config, PROMPT, "triton", dtype)
     assert len(linears) == 4 * 2 + 1 and sorted(calls) == sorted(
-        [("skinny_linear", (1, 1))] * (3 * 2 + 1) + [("skinny_silu_linear", (1, 1))] * 2)
+        [("skinny_linear", (1, 1))] * (3 * 2 + 1) + [("skinny_silu_linear", (1, 1))] * 2
+    )
     torch.testing.assert_close(logits.float(), expected.float(), rtol=tolerance, atol=tolerance)
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))

@@ -71,19 +71,30 @@ class InProcessWorkers:
 def make_core(tmp_path, async_scheduling: bool) -> tuple[EngineCore, InProcessWorkers]:
     save_tiny_tokenizer(tmp_path)
     (tmp_path / "config.json").write_text("{}")
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
-                             max_model_len=MAX_MODEL_LEN, block_size=4, num_blocks=32)  # fmt: skip
+    config = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=4,
+        num_blocks=32,
+    )
     workers = InProcessWorkers(config)
-    core = EngineCore(Scheduler(config), workers,
-                      OutputProcessor(Tokenizer.from_model_dir(tmp_path)), frozenset(),
-                      MAX_MODEL_LEN, async_scheduling=async_scheduling)  # fmt: skip
+    core = EngineCore(
+        Scheduler(config),
+        workers,
+        OutputProcessor(Tokenizer.from_model_dir(tmp_path)),
+        frozenset(),
+        MAX_MODEL_LEN,
+        async_scheduling=async_scheduling,
+    )
     return core, workers
 
 
 def add(core: EngineCore, prompt: list[int], params: SamplingParams) -> RequestOutputCollector:
     collector = RequestOutputCollector(params.output_kind)
-    core.add_request(ParentRequest("r", None, prompt, params, collector,
-                                   RequestMetrics(time.time())))  # fmt: skip
+    core.add_request(
+        ParentRequest("r", None, prompt, params, collector, RequestMetrics(time.time()))
+    )
     return collector
 
 
@@ -122,8 +133,9 @@ async def run_one(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-async def test_outputs_stream_after_the_next_step_is_sent(tmp_path, anyio_backend,
-                                                          async_scheduling):  # fmt: skip
+async def test_outputs_stream_after_the_next_step_is_sent(
+    tmp_path, anyio_backend, async_scheduling
+):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     seen, last, workers, _ = await run_one(tmp_path, params, async_scheduling)
     # One prefill step samples the first token; step k samples token k + 1.
@@ -140,8 +152,9 @@ async def test_outputs_stream_after_the_next_step_is_sent(tmp_path, anyio_backen
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-async def test_a_stop_string_seen_late_costs_two_dropped_tokens(tmp_path, anyio_backend,
-                                                                async_scheduling):  # fmt: skip
+async def test_a_stop_string_seen_late_costs_two_dropped_tokens(
+    tmp_path, anyio_backend, async_scheduling
+):
     free = SamplingParams(max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
     _, reference, _, _ = await run_one(tmp_path, free, async_scheduling=False)
     tokens = reference.outputs[0].token_ids

@@ -44,11 +44,15 @@ def test_specs_are_validated_where_they_are_made():
     assert StructuredOutputsParams(json={"type": "object"}).json == '{"type": "object"}'
     assert StructuredOutputsParams(choice=["a", "b"]).choice == ("a", "b")
     for kwargs, match in [
-        ({}, "exactly one"), ({"regex": "a", "grammar": "root ::= \"a\""}, "exactly one"),
-        ({"json": "{not json"}, "not JSON"), ({"json": "[1]"}, "a JSON schema"),
-        ({"choice": []}, "non-empty list"), ({"choice": ["a", ""]}, "non-empty list"),
-        ({"regex": ""}, "non-empty string"), ({"json_object": 1}, "exactly one"),
-    ]:  # fmt: skip
+        ({}, "exactly one"),
+        ({"regex": "a", "grammar": 'root ::= "a"'}, "exactly one"),
+        ({"json": "{not json"}, "not JSON"),
+        ({"json": "[1]"}, "a JSON schema"),
+        ({"choice": []}, "non-empty list"),
+        ({"choice": ["a", ""]}, "non-empty list"),
+        ({"regex": ""}, "non-empty string"),
+        ({"json_object": 1}, "exactly one"),
+    ]:
         with pytest.raises(ValueError, match=match):
             StructuredOutputsParams(**kwargs)
     with pytest.raises(ValueError, match="structured_outputs must be"):
@@ -66,17 +70,27 @@ def test_grammars_compile_for_the_model_and_refusals_are_value_errors(tiny_model
     assert not xgrammar.GrammarMatcher(grammar).accept_string("say hi")
     assert choice_grammar(("a",)) == 'root ::= "a"'
     any_object = compiler.compile(StructuredOutputsParams(json_object=True), TINY_EOS)
-    for text, ok in [('{"a": [1, 2], "b": {"c": null}}', True), ("[1, 2]", False),
-                     ("{ }", False), ('{"a":1}', False)]:  # an object, json.dumps' spacing
+    for text, ok in [
+        ('{"a": [1, 2], "b": {"c": null}}', True),
+        ("[1, 2]", False),
+        ("{ }", False),
+        ('{"a":1}', False),
+    ]:  # an object, json.dumps' spacing
         matcher = xgrammar.GrammarMatcher(any_object)
         assert (matcher.accept_string(text) and matcher.is_completed()) == ok, text
     for spec, match in [
-        (StructuredOutputsParams(regex="(?=a)b"), r"^structured_outputs\.regex does not "
-                                                  r"compile: Regex parsing error"),
-        (StructuredOutputsParams(grammar="root ::= "), r"^structured_outputs\.grammar does "
-                                                      r"not compile: EBNF parser error"),
+        (
+            StructuredOutputsParams(regex="(?=a)b"),
+            r"^structured_outputs\.regex does not "
+            r"compile: Regex parsing error",
+        ),
+        (
+            StructuredOutputsParams(grammar="root ::= "),
+            r"^structured_outputs\.grammar does "
+            r"not compile: EBNF parser error",
+        ),
         (StructuredOutputsParams(json='{"type": "frob"}'), "Unsupported type"),
-    ]:  # fmt: skip
+    ]:
         grammar = compiler.request_grammar(spec, TINY_EOS)  # compiled on its own thread
         with pytest.raises(ValueError, match=match):  # the first fill waits for it
             grammar.fill_bitmask([], allocate_bitmask(1, 256), 0)
@@ -99,11 +113,11 @@ def test_a_finished_grammar_allows_only_its_stop_tokens(tiny_model):
         unspellable.fill_bitmask([], bitmask, 0)  # the tiny vocabulary is "w0" to "w255"
 
 
-
 @pytest.mark.anyio
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-async def test_constrained_requests_beside_plain_and_failing_ones(tiny_model, shared_manager,
-                                                                  async_scheduling):  # fmt: skip
+async def test_constrained_requests_beside_plain_and_failing_ones(
+    tiny_model, shared_manager, async_scheduling
+):
     """Grammars, batched with a plain request and one whose grammar does not compile: that
     one fails alone with a ValueError, the plain one's tokens are what they are alone."""
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -117,11 +131,20 @@ async def test_constrained_requests_beside_plain_and_failing_ones(tiny_model, sh
             results[name] = exc
 
     def constrained(**so):
-        return SamplingParams(temperature=1.0, seed=3, max_tokens=6, n=3,
-                              structured_outputs=StructuredOutputsParams(**so))  # fmt: skip
+        return SamplingParams(
+            temperature=1.0,
+            seed=3,
+            max_tokens=6,
+            n=3,
+            structured_outputs=StructuredOutputsParams(**so),
+        )
 
-    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-                      async_scheduling=async_scheduling) as engine:  # fmt: skip
+    async with Engine(
+        tiny_model,
+        manager_socket=shared_manager.socket,
+        dtype="float32",
+        async_scheduling=async_scheduling,
+    ) as engine:
         await run(engine, "alone", greedy)
         async with anyio.create_task_group() as tg:
             tg.start_soon(run, engine, "plain", greedy)
@@ -147,21 +170,30 @@ async def test_constrained_requests_beside_plain_and_failing_ones(tiny_model, sh
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-async def test_requests_left_nothing_to_sample_fail_alone(tiny_model, shared_manager,
-                                                          async_scheduling):  # fmt: skip
+async def test_requests_left_nothing_to_sample_fail_alone(
+    tiny_model, shared_manager, async_scheduling
+):
     """Token 0 was drawn from an all -inf row and the grammar then silently let go."""
     from loomllm import RequestRefusedError
 
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     cases = {
         # The grammar ends after w7 (eos only) while min_tokens bans eos.
-        "min_tokens": (dict(min_tokens=4, structured_outputs=StructuredOutputsParams(
-            choice=["w7"])), "nothing is left to sample"),
-        "disjoint": (dict(allowed_token_ids=[9, 10], structured_outputs=StructuredOutputsParams(
-            choice=["w7"])), "nothing is left to sample"),
-        "unspellable": (dict(structured_outputs=StructuredOutputsParams(regex="[a-z]{3}")),
-                        "no token of this model's vocabulary"),
-    }  # fmt: skip
+        "min_tokens": (
+            dict(min_tokens=4, structured_outputs=StructuredOutputsParams(choice=["w7"])),
+            "nothing is left to sample",
+        ),
+        "disjoint": (
+            dict(
+                allowed_token_ids=[9, 10], structured_outputs=StructuredOutputsParams(choice=["w7"])
+            ),
+            "nothing is left to sample",
+        ),
+        "unspellable": (
+            dict(structured_outputs=StructuredOutputsParams(regex="[a-z]{3}")),
+            "no token of this model's vocabulary",
+        ),
+    }
     results: dict[str, object] = {}
 
     async def run(engine, name, params):
@@ -170,14 +202,19 @@ async def test_requests_left_nothing_to_sample_fail_alone(tiny_model, shared_man
         except RequestRefusedError as exc:
             results[name] = exc
 
-    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-                      async_scheduling=async_scheduling) as engine:  # fmt: skip
+    async with Engine(
+        tiny_model,
+        manager_socket=shared_manager.socket,
+        dtype="float32",
+        async_scheduling=async_scheduling,
+    ) as engine:
         await run(engine, "alone", greedy)
         async with anyio.create_task_group() as tg:
             tg.start_soon(run, engine, "plain", greedy)
             for name, (kwargs, _) in cases.items():
-                tg.start_soon(run, engine, name, SamplingParams(temperature=0, max_tokens=6,
-                                                                **kwargs))  # fmt: skip
+                tg.start_soon(
+                    run, engine, name, SamplingParams(temperature=0, max_tokens=6, **kwargs)
+                )
         for name, (_, match) in cases.items():
             assert isinstance(results[name], RequestRefusedError), (name, results[name])
             assert match in str(results[name]) and isinstance(results[name], ValueError)
@@ -186,8 +223,9 @@ async def test_requests_left_nothing_to_sample_fail_alone(tiny_model, shared_man
         assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
-def hf_constrained_greedy(model_dir: str, prompts: list[list[int]], schema: str,
-                          max_new_tokens: int) -> list[list[int]]:  # fmt: skip
+def hf_constrained_greedy(
+    model_dir: str, prompts: list[list[int]], schema: str, max_new_tokens: int
+) -> list[list[int]]:
     """HF generate with xgrammar's own logits processor, one prompt at a time."""
     import xgrammar
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -196,18 +234,31 @@ def hf_constrained_greedy(model_dir: str, prompts: list[list[int]], schema: str,
     info = xgrammar.TokenizerInfo.from_huggingface(
         AutoTokenizer.from_pretrained(model_dir),
         vocab_size=AutoConfig.from_pretrained(model_dir).vocab_size,
-        stop_token_ids=eos if isinstance(eos, list) else [eos])  # fmt: skip
+        stop_token_ids=eos if isinstance(eos, list) else [eos],
+    )
     compiled = xgrammar.GrammarCompiler(info).compile_json_schema(schema, any_whitespace=False)
     # A processor holds one generation's matcher: a new one for each prompt.
-    return [hf_greedy(model_dir, [prompt], max_new_tokens, ignore_eos=False,
-                      logits_processor=[xgrammar.contrib.hf.LogitsProcessor(compiled)])[0]
-            for prompt in prompts]  # fmt: skip
+    return [
+        hf_greedy(
+            model_dir,
+            [prompt],
+            max_new_tokens,
+            ignore_eos=False,
+            logits_processor=[xgrammar.contrib.hf.LogitsProcessor(compiled)],
+        )[0]
+        for prompt in prompts
+    ]
 
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
-    "likes": {"type": "array", "items": {"enum": ["tea", "coffee", "rain"]}, "maxItems": 2}},
-    "required": ["name", "age", "likes"]}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer"},
+        "likes": {"type": "array", "items": {"enum": ["tea", "coffee", "rain"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "likes"],
+}
 
 
 @pytest.mark.slow
@@ -222,16 +273,26 @@ def test_smollm2_json_schema_matches_hf_with_xgrammar(shared_manager, async_sche
 
     model_dir = str(prepare_model_dir(resolve_model("smollm2")))
     tok = Tokenizer.from_model_dir(model_dir)
-    asks = ["Describe a pirate", "Who is your favourite author?", "Invent a person.",
-            "A cat that likes rain"]  # fmt: skip
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"{a} as JSON"}],
-                                                  add_generation_prompt=True)) for a in asks]
+    asks = [
+        "Describe a pirate",
+        "Who is your favourite author?",
+        "Invent a person.",
+        "A cat that likes rain",
+    ]
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": f"{a} as JSON"}], add_generation_prompt=True
+            )
+        )
+        for a in asks
+    ]
     expected = hf_constrained_greedy(model_dir, prompts, json.dumps(SCHEMA), 48)
-    params = SamplingParams(temperature=0, max_tokens=48,
-                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    params = SamplingParams(
+        temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
     with preempting_smollm2(shared_manager, 12, 32, async_scheduling) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                               use_tqdm=False)  # fmt: skip
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert [out.outputs[0].token_ids for out in outputs] == expected
         assert llm.engine.stats().num_preemptions > 0
     assert sum(out.outputs[0].finish_reason == "stop" for out in outputs) >= 2
@@ -250,11 +311,17 @@ def test_the_example_answers_parse(shared_manager):
     from pathlib import Path
 
     example = Path(__file__).parent.parent / "examples" / "json_output.py"
-    out = subprocess.run([sys.executable, str(example)], env=shared_manager.env,
-                         capture_output=True, text=True, timeout=240)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(example)],
+        env=shared_manager.env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    answers = [line.removeprefix("  -> ") for line in out.stdout.splitlines()
-               if line.startswith("  -> ")]  # fmt: skip
+    answers = [
+        line.removeprefix("  -> ") for line in out.stdout.splitlines() if line.startswith("  -> ")
+    ]
     assert len(answers) == 3, out.stdout
     person = json.loads(answers[0])
     assert set(person) == {"name", "age"} and type(person["age"]) is int

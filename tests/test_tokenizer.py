@@ -119,14 +119,20 @@ def test_text_parts_are_joined(ours):
         ([{"content": "a"}], r"messages\[0\]\.role"),
         ([{"role": "user", "content": "a"}, {"role": "user"}], r"messages\[1\]\.content"),
         ([{"role": "user", "content": 5}], r"messages\[0\]\.content"),
-        ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}],
-         r"messages\[0\]\.content\[1\]"),
-        ([{"role": "user", "content": [{"type": "text", "text": 3}]}],
-         r"messages\[0\]\.content\[0\]\.text"),
-        ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}],
-         r"messages\[0\]\.tool_calls\[0\]\.function\.arguments must be JSON"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}],
+            r"messages\[0\]\.content\[1\]",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": 3}]}],
+            r"messages\[0\]\.content\[0\]\.text",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}],
+            r"messages\[0\]\.tool_calls\[0\]\.function\.arguments must be JSON",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_messages_name_the_field(ours, messages, field):
     with pytest.raises(ValueError, match=field):
         ours.apply_chat_template(messages)
@@ -172,8 +178,12 @@ def make_dir(
     raw.add_special_tokens(["<s>", "</s>", "<unk>"])
     raw.save(str(tmp_path / "tokenizer.json"))
     eos = {"__type": "AddedToken", "content": "</s>", "special": True}  # the older config form
-    config: dict = {"bos_token": "<s>", "eos_token": eos, "unk_token": "<unk>",
-                    "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    config: dict = {
+        "bos_token": "<s>",
+        "eos_token": eos,
+        "unk_token": "<unk>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     if template is not None:
         config["chat_template"] = template
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
@@ -198,8 +208,10 @@ def test_rich_template_matches_transformers(tmp_path):
 
 
 def test_named_templates_and_template_files(tmp_path):
-    named = [{"name": "default", "template": "D{{ messages | length }}"},
-             {"name": "tool_use", "template": "T{{ messages | length }}"}]  # fmt: skip
+    named = [
+        {"name": "default", "template": "D{{ messages | length }}"},
+        {"name": "tool_use", "template": "T{{ messages | length }}"},
+    ]
     tok = Tokenizer.from_model_dir(make_dir(tmp_path, named))
     chat = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(chat) == "D1"
@@ -227,13 +239,17 @@ def test_template_errors_are_value_errors(tmp_path):
         Tokenizer.from_model_dir(sandboxed).apply_chat_template(chat)
     # The template's own code failing on a message's values (Llama 3.1's takes
     # `message.tool_calls|length`): a ValueError too, not whatever Python raised.
-    counting = Tokenizer.from_model_dir(make_dir(
-        tmp_path / "c", "{% for m in messages %}{{ m.content | length / m.n }}{% endfor %}"))
+    counting = Tokenizer.from_model_dir(
+        make_dir(
+            tmp_path / "c", "{% for m in messages %}{{ m.content | length / m.n }}{% endfor %}"
+        )
+    )
     with pytest.raises(ValueError, match="failed on these messages: ZeroDivisionError"):
         counting.apply_chat_template([{"role": "user", "content": "hi", "n": 0}])
     assert counting.apply_chat_template([{"role": "user", "content": "hi", "n": 2}]) == "1.0"
-    calls = Tokenizer.from_model_dir(make_dir(
-        tmp_path / "t", "{% for m in messages %}{{ m.tool_calls | length }}{% endfor %}"))
+    calls = Tokenizer.from_model_dir(
+        make_dir(tmp_path / "t", "{% for m in messages %}{{ m.tool_calls | length }}{% endfor %}")
+    )
     assert calls.apply_chat_template([{"role": "assistant", "tool_calls": [{}, {}]}]) == "2"
     for bad in (5, "call", [1]):
         with pytest.raises(ValueError, match=r"messages\[0\]\.tool_calls must be a list of tool"):
@@ -247,8 +263,10 @@ def test_template_helpers(tmp_path):
 
 
 def test_eos_ids_come_from_every_config(tmp_path):
-    configs = {"generation_config.json": {"eos_token_id": [3, 4]},
-               "config.json": {"eos_token_id": 0}}  # fmt: skip
+    configs = {
+        "generation_config.json": {"eos_token_id": [3, 4]},
+        "config.json": {"eos_token_id": 0},
+    }
     model_dir = make_dir(tmp_path, files=configs)
     tok = Tokenizer.from_model_dir(model_dir)
     assert tok.eos_token_ids == {0, 1, 3, 4}  # 1 is </s>, the tokenizer's eos_token
@@ -263,10 +281,14 @@ def test_missing_tokenizer_json(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "content"),
-    [("tokenizer.json", "garbage"), ("tokenizer.json", '{"model": 3}'),
-     ("tokenizer.json", b"\xff\xfe"), ("tokenizer_config.json", "{not json"),
-     ("tokenizer_config.json", b"\xff\xfe")],
-)  # fmt: skip
+    [
+        ("tokenizer.json", "garbage"),
+        ("tokenizer.json", '{"model": 3}'),
+        ("tokenizer.json", b"\xff\xfe"),
+        ("tokenizer_config.json", "{not json"),
+        ("tokenizer_config.json", b"\xff\xfe"),
+    ],
+)
 def test_corrupt_tokenizer_files_are_value_errors_naming_the_file(tmp_path, name, content):
     model_dir = make_dir(tmp_path)
     file = model_dir / name
@@ -278,43 +300,66 @@ def test_corrupt_tokenizer_files_are_value_errors_naming_the_file(tmp_path, name
 def test_tool_call_arguments_reach_the_template_as_objects(ours):
     """OpenAI sends a call's arguments as a JSON string; templates (Qwen2.5's, Llama 3.1's)
     render `arguments | tojson` or iterate them: they get the object, as vLLM gives them."""
-    template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
-                "{{ c.function.name }}{{ c.function.arguments | tojson }};"
-                "{% endfor %}{% endfor %}")  # fmt: skip
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "weather", "arguments": '{"unit": "c"}'}}  # fmt: skip
-    messages = [{"role": "user", "content": "?"},
-                {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+    template = (
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{{ c.function.name }}{{ c.function.arguments | tojson }};"
+        "{% endfor %}{% endfor %}"
+    )
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"unit": "c"}'},
+    }
+    messages = [
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     text = ours.apply_chat_template(messages, chat_template=template)
     assert text == 'weather{"unit": "c"};'
     assert call["function"]["arguments"] == '{"unit": "c"}'  # the caller's copy untouched
     empty = {**call, "function": {"name": "ping", "arguments": ""}}
-    assert ours.apply_chat_template([{"role": "assistant", "tool_calls": [empty]}],
-                                    chat_template=template) == "ping{};"  # fmt: skip
+    assert (
+        ours.apply_chat_template(
+            [{"role": "assistant", "tool_calls": [empty]}], chat_template=template
+        )
+        == "ping{};"
+    )
 
 
 PREFILLED = [
     [*SYSTEM_USER, {"role": "assistant", "content": "The answer is"}],
     [*SYSTEM_USER, {"role": "assistant", "content": "  Four, since  "}],  # spaces both ends
-    [*MULTI_TURN, {"role": "assistant", "content": [{"type": "text", "text": "Sure."},
-                                                    {"type": "text", "text": "<b>bold"}]}],
+    [
+        *MULTI_TURN,
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "Sure."}, {"type": "text", "text": "<b>bold"}],
+        },
+    ],
     # the final text appears earlier too: the prompt is cut after its last occurrence
     [{"role": "user", "content": "Say ok"}, {"role": "assistant", "content": "ok"}],
     # the final text is also part of the end-of-turn markup after it (<|im_end|>)
     [*SYSTEM_USER, {"role": "assistant", "content": "e"}],
     [*SYSTEM_USER, {"role": "assistant", "content": "<"}],
     [*SYSTEM_USER, {"role": "assistant", "content": ""}],  # prefill nothing: the header
-]  # fmt: skip
+]
 
 
 def joined_parts(messages: list[dict]) -> list[dict]:
-    return [{**m, "content": "\n".join(p["text"] for p in m["content"])}
-            if isinstance(m["content"], list) else m for m in messages]  # fmt: skip
+    return [
+        {**m, "content": "\n".join(p["text"] for p in m["content"])}
+        if isinstance(m["content"], list)
+        else m
+        for m in messages
+    ]
 
 
-@pytest.mark.parametrize("messages", PREFILLED, ids=["plain", "spaces", "parts", "repeated",
-                                                     "in-markup", "tag-start", "empty"])
+@pytest.mark.parametrize(
+    "messages",
+    PREFILLED,
+    ids=["plain", "spaces", "parts", "repeated", "in-markup", "tag-start", "empty"],
+)
 def test_continue_final_message_matches_transformers(ours, theirs, messages, tmp_path):
     """The prompt ends inside the final message, exactly where transformers ends it: with
     SmolLM2's template, and with one that trims the message (RICH_TEMPLATE keeps it)."""
@@ -325,11 +370,15 @@ def test_continue_final_message_matches_transformers(ours, theirs, messages, tmp
         reference = AutoTokenizer.from_pretrained(model_dir)
         pairs.append((Tokenizer.from_model_dir(model_dir), reference))
     for mine, reference in pairs:
-        text = mine.apply_chat_template(messages, add_generation_prompt=False,
-                                        continue_final_message=True)  # fmt: skip
+        text = mine.apply_chat_template(
+            messages, add_generation_prompt=False, continue_final_message=True
+        )
         expected = reference.apply_chat_template(  # text parts joined, as vLLM joins them
-            joined_parts(messages), tokenize=False, add_generation_prompt=False,
-            continue_final_message=True)  # fmt: skip
+            joined_parts(messages),
+            tokenize=False,
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
         assert text == expected
         assert not text.endswith("\n") or not messages[-1]["content"]
 
@@ -338,13 +387,22 @@ def test_continue_final_message_matches_transformers(ours, theirs, messages, tmp
     "kwargs, messages, match",
     [
         ({"continue_final_message": True}, PREFILLED[0], "set one of them at most"),
-        ({"continue_final_message": True, "add_generation_prompt": False},
-         [*SYSTEM_USER, {"role": "assistant", "tool_calls": []}], "needs the final message's"),
-        ({"continue_final_message": True, "add_generation_prompt": False,
-          "chat_template": "{% for m in messages[:-1] %}{{ m.content }}{% endfor %}"},
-         PREFILLED[0], "does not render the final message's text as it is"),
+        (
+            {"continue_final_message": True, "add_generation_prompt": False},
+            [*SYSTEM_USER, {"role": "assistant", "tool_calls": []}],
+            "needs the final message's",
+        ),
+        (
+            {
+                "continue_final_message": True,
+                "add_generation_prompt": False,
+                "chat_template": "{% for m in messages[:-1] %}{{ m.content }}{% endfor %}",
+            },
+            PREFILLED[0],
+            "does not render the final message's text as it is",
+        ),
     ],
-)  # fmt: skip
+)
 def test_continue_final_message_errors(ours, kwargs, messages, match):
     with pytest.raises(ValueError, match=match):
         ours.apply_chat_template(messages, **kwargs)

@@ -13,15 +13,23 @@ from test_server import assert_error, running, sse_events
 
 pytestmark = pytest.mark.anyio
 
-WEATHER = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]},
-                                            "rain": {"type": "boolean"}},
-           "required": ["unit", "rain"]}  # fmt: skip
+WEATHER = {
+    "type": "object",
+    "properties": {"unit": {"enum": ["c", "f"]}, "rain": {"type": "boolean"}},
+    "required": ["unit", "rain"],
+}
 TOOLS = [
     {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "ping", "description": "no parameters"}},
 ]
-ASK = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
-       "max_tokens": 96, "temperature": 1.0, "seed": 3, "n": 3}  # fmt: skip
+ASK = {
+    "messages": [{"role": "user", "content": "Weather?"}],
+    "tools": TOOLS,
+    "max_tokens": 96,
+    "temperature": 1.0,
+    "seed": 3,
+    "n": 3,
+}
 
 
 @pytest.fixture
@@ -51,8 +59,9 @@ async def test_a_named_function_is_called_with_arguments_that_fit_its_schema(ser
         assert call["function"]["name"] == "weather"
         assert_weather(call["function"]["arguments"])
     # Streamed: the call's name first, then its arguments as they come.
-    async with client.stream("POST", "/v1/chat/completions",
-                             json={**body, "n": 1, "stream": True}) as response:  # fmt: skip
+    async with client.stream(
+        "POST", "/v1/chat/completions", json={**body, "n": 1, "stream": True}
+    ) as response:
         events = await sse_events(response)
     for event in events[:-1]:
         ChatCompletionChunk.model_validate(event)
@@ -91,8 +100,12 @@ async def test_references_in_a_tools_schema_hold_among_many_and_cut_calls_stay_c
     """A pydantic-style schema ($defs, "$ref") under "required", where each tool's schema
     sits inside the array of calls; a named call cut by max_tokens is still a tool call."""
     _, client = server
-    unit = {"type": "object", "$defs": {"Unit": {"enum": ["c", "f"]}},
-            "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"]}  # fmt: skip
+    unit = {
+        "type": "object",
+        "$defs": {"Unit": {"enum": ["c", "f"]}},
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["unit"],
+    }
     tools = [{"type": "function", "function": {"name": "unit", "parameters": unit}}, TOOLS[1]]
     body = {**ASK, "tools": tools, "tool_choice": "required", "logprobs": True, "n": 2}
     answer = (await client.post("/v1/chat/completions", json=body)).json()
@@ -101,15 +114,20 @@ async def test_references_in_a_tools_schema_hold_among_many_and_cut_calls_stay_c
         if call["function"]["name"] == "unit":
             assert json.loads(call["function"]["arguments"])["unit"] in ("c", "f")
     # Streamed, the held calls' logprobs come whole with them.
-    async with client.stream("POST", "/v1/chat/completions",
-                             json={**body, "n": 1, "stream": True}) as response:  # fmt: skip
+    async with client.stream(
+        "POST", "/v1/chat/completions", json={**body, "n": 1, "stream": True}
+    ) as response:
         events = await sse_events(response)
     end = next(e["choices"][0] for e in events[:-1] if e["choices"][0]["finish_reason"])
     usage_free = [e for e in events[:-1] if e["choices"][0]["logprobs"]]
     assert usage_free == [e for e in events[:-1] if e["choices"][0] is end]
     assert len(end["logprobs"]["content"]) > 3
-    named = {**ASK, "n": 1, "max_tokens": 5,
-             "tool_choice": {"type": "function", "function": {"name": "weather"}}}
+    named = {
+        **ASK,
+        "n": 1,
+        "max_tokens": 5,
+        "tool_choice": {"type": "function", "function": {"name": "weather"}},
+    }
     cut = (await client.post("/v1/chat/completions", json=named)).json()["choices"][0]
     assert cut["finish_reason"] == "length"
     assert cut["message"]["tool_calls"][0]["function"]["arguments"].startswith('{"')
@@ -126,9 +144,16 @@ def test_an_answer_nested_past_jsons_depth_is_no_call():
 
 async def test_a_json_schema_answer_parses(server):
     _, client = server
-    body = {"messages": [{"role": "user", "content": "?"}], "max_tokens": 64, "n": 3,
-            "seed": 1, "response_format": {"type": "json_schema", "json_schema": {
-                "name": "weather", "schema": WEATHER}}}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": "?"}],
+        "max_tokens": 64,
+        "n": 3,
+        "seed": 1,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "weather", "schema": WEATHER},
+        },
+    }
     answer = (await client.post("/v1/chat/completions", json=body)).json()
     for choice in answer["choices"]:
         assert choice["finish_reason"] == "stop"
@@ -141,24 +166,50 @@ async def test_tools_that_cannot_be_served_are_400s_and_the_engine_goes_on(serve
     cases = [
         ({**ASK}, "tool_choice"),  # "auto", the default with tools: no parser here
         ({**ASK, "tool_choice": "auto"}, "tool_choice"),
-        ({**ASK, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-         "tool_choice"),
+        ({**ASK, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({**ASK, "tools": [], "tool_choice": "required"}, "tool_choice"),
-        ({**ASK, "tools": [{"type": "function", "function": {"name": "a b"}}],
-          "tool_choice": "required"}, "tools"),
+        (
+            {
+                **ASK,
+                "tools": [{"type": "function", "function": {"name": "a b"}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
         ({**ASK, "tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools"),
         ({**ASK, "tools": [{"type": "code"}], "tool_choice": "required"}, "tools"),
-        ({**ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}],
-          "tool_choice": "required"}, "tools"),
+        (
+            {
+                **ASK,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
         ({**ASK, "tool_choice": named, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-        ({**ASK, "tools": [{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "array"}}}], "tool_choice": "required"},
-         "tools"),  # a call's arguments are an object
-        ({**ASK, "tools": [{"type": "function", "function": {"name": f"f{i}"}}
-                           for i in range(129)], "tool_choice": "required"}, "tools"),
-        ({**ASK, "tool_choice": named, "response_format": {"type": "json_object"}},
-         "response_format"),
-    ]  # fmt: skip
+        (
+            {
+                **ASK,
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),  # a call's arguments are an object
+        (
+            {
+                **ASK,
+                "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        (
+            {**ASK, "tool_choice": named, "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+    ]
     for body, param in cases:
         assert_error(await client.post("/v1/chat/completions", json=body), 400, param)
     completion = {"prompt": "a", "max_tokens": 2, "tools": TOOLS}

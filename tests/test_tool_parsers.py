@@ -18,8 +18,9 @@ from test_tool_calls import TOOLS
 
 from loomllm.server.parsers.tool_parsers import AutoToolDeltas, split_answer
 
-WEATHER_CALL = ('<tool_call>\n{"name": "weather", "arguments": {"unit": "c", "rain": true}}\n'
-                '</tool_call>')
+WEATHER_CALL = (
+    '<tool_call>\n{"name": "weather", "arguments": {"unit": "c", "rain": true}}\n</tool_call>'
+)
 PING_CALL = '<tool_call>\n{"name": "ping", "arguments": "{}"}\n</tool_call>'
 # (answer, content, [(name, arguments)])
 CASES = [
@@ -27,23 +28,38 @@ CASES = [
     ("Trailing blanks stay  \n", "Trailing blanks stay  \n", []),
     ("a < b and <tool is not a tag", "a < b and <tool is not a tag", []),
     (WEATHER_CALL, None, [("weather", {"unit": "c", "rain": True})]),
-    ("Let me look.\n\n" + WEATHER_CALL + "\n" + PING_CALL, "Let me look.",
-     [("weather", {"unit": "c", "rain": True}), ("ping", {})]),
+    (
+        "Let me look.\n\n" + WEATHER_CALL + "\n" + PING_CALL,
+        "Let me look.",
+        [("weather", {"unit": "c", "rain": True}), ("ping", {})],
+    ),
     # cut short (max_tokens) after the JSON: the unclosed call still counts
     ('<tool_call>{"name": "ping", "arguments": {}}', None, [("ping", {})]),
-    ("ok " + WEATHER_CALL + " and text after a call is dropped", "ok",
-     [("weather", {"unit": "c", "rain": True})]),
+    (
+        "ok " + WEATHER_CALL + " and text after a call is dropped",
+        "ok",
+        [("weather", {"unit": "c", "rain": True})],
+    ),
     # a block that is no call is text, its blanks before it kept; after a call, dropped
     ('Let me check. <tool_call>{"nam', 'Let me check. <tool_call>{"nam', []),
-    (WEATHER_CALL + '\n<tool_call>{"name": "ping", "arg', None,
-     [("weather", {"unit": "c", "rain": True})]),
+    (
+        WEATHER_CALL + '\n<tool_call>{"name": "ping", "arg',
+        None,
+        [("weather", {"unit": "c", "rain": True})],
+    ),
     ("<tool_call>[1]</tool_call>\n" + PING_CALL, "<tool_call>[1]</tool_call>", [("ping", {})]),
     ("Use <tool_call> tags, then JSON.", "Use <tool_call> tags, then JSON.", []),
-    ('<tool_call>{"name": "f", "arguments": {"x": "\\ud83d"}}</tool_call>',
-     '<tool_call>{"name": "f", "arguments": {"x": "\\ud83d"}}</tool_call>', []),
-]  # fmt: skip
-NOT_CALLS = ['<tool_call>{"name": "weather", "argu', "<tool_call>[1, 2]</tool_call>",
-             '<tool_call>{"arguments": {}}</tool_call>']  # fmt: skip
+    (
+        '<tool_call>{"name": "f", "arguments": {"x": "\\ud83d"}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {"x": "\\ud83d"}}</tool_call>',
+        [],
+    ),
+]
+NOT_CALLS = [
+    '<tool_call>{"name": "weather", "argu',
+    "<tool_call>[1, 2]</tool_call>",
+    '<tool_call>{"arguments": {}}</tool_call>',
+]
 
 
 def calls_of(calls: list[dict], streamed: bool = False) -> list[tuple[str, dict]]:
@@ -62,8 +78,9 @@ def test_whole_answers_split_into_content_and_calls(answer, content, calls):
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
     answer = WEATHER_CALL + PING_CALL
-    assert calls_of(split_answer(answer, parallel=False)[1]) == [("weather", {"unit": "c",
-                                                                              "rain": True})]
+    assert calls_of(split_answer(answer, parallel=False)[1]) == [
+        ("weather", {"unit": "c", "rain": True})
+    ]
     deltas = AutoToolDeltas(parallel=False)
     first, _ = deltas.next(0, answer[:-5], None)
     last, reason = deltas.next(0, answer[-5:], "stop")
@@ -99,8 +116,10 @@ def streamed(answer: str, cuts: list[int]) -> tuple[str | None, list]:
 def test_streamed_deltas_add_up_to_the_whole_answer_however_cut(answer, content, calls):
     rng = random.Random(0)
     cuttings = [list(range(1, len(answer) + 1)), [len(answer)]]  # char by char, whole
-    cuttings += [sorted({*rng.sample(range(1, len(answer)), min(5, len(answer) - 1)),
-                         len(answer)}) for _ in range(20)]  # fmt: skip
+    cuttings += [
+        sorted({*rng.sample(range(1, len(answer)), min(5, len(answer) - 1)), len(answer)})
+        for _ in range(20)
+    ]
     for cuts in cuttings:
         got_content, got_calls = streamed(answer, cuts)
         assert got_content == content and calls_of(got_calls, streamed=True) == calls, cuts
@@ -116,8 +135,12 @@ def test_held_text_is_sent_once_it_cannot_be_a_tag_or_a_call():
     assert delta == {} and reason == "length"
 
 
-FORCED = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
-          "max_tokens": 200, "temperature": 0}  # fmt: skip
+FORCED = {
+    "messages": [{"role": "user", "content": "Weather?"}],
+    "tools": TOOLS,
+    "max_tokens": 200,
+    "temperature": 0,
+}
 
 
 @pytest.mark.anyio
@@ -130,10 +153,12 @@ async def test_auto_reads_the_calls_the_model_made(char_model, shared_manager):
         (choice,) = whole["choices"]
         assert choice["finish_reason"] == "tool_calls"
         assert choice["message"]["content"] == "Checking."
-        assert calls_of(choice["message"]["tool_calls"]) == [("weather", {"unit": "c",
-                                                                         "rain": True})]
-        async with client.stream("POST", "/v1/chat/completions",
-                                 json={**body, "stream": True}) as response:  # fmt: skip
+        assert calls_of(choice["message"]["tool_calls"]) == [
+            ("weather", {"unit": "c", "rain": True})
+        ]
+        async with client.stream(
+            "POST", "/v1/chat/completions", json={**body, "stream": True}
+        ) as response:
             events = await sse_events(response)
         for event in events[:-1]:
             ChatCompletionChunk.model_validate(event)
@@ -154,14 +179,19 @@ async def test_auto_reads_the_calls_the_model_made(char_model, shared_manager):
         # echo is read for calls too, whole and streamed.
         opened = '<tool_call>\n{"name": "weather", '
         rest = '"arguments": {"unit": "c", "rain": true}}\n</tool_call>'
-        prefilled = {**FORCED, "messages": [*FORCED["messages"],
-                                            {"role": "assistant", "content": opened}],
-                     "add_generation_prompt": False, "continue_final_message": True,
-                     "echo": True, "structured_outputs": {"choice": [rest]}}  # fmt: skip
+        prefilled = {
+            **FORCED,
+            "messages": [*FORCED["messages"], {"role": "assistant", "content": opened}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "echo": True,
+            "structured_outputs": {"choice": [rest]},
+        }
         whole, chunks = await both_ways(client, prefilled)
         assert whole["message"]["content"] is None and whole["finish_reason"] == "tool_calls"
-        assert calls_of(whole["message"]["tool_calls"]) == [("weather", {"unit": "c",
-                                                                         "rain": True})]
+        assert calls_of(whole["message"]["tool_calls"]) == [
+            ("weather", {"unit": "c", "rain": True})
+        ]
         deltas = [c["delta"] for c in chunks]
         assert not "".join(d.get("content") or "" for d in deltas)
         streamed_calls = [c for d in deltas for c in d.get("tool_calls", [])]
@@ -172,8 +202,9 @@ async def both_ways(client, body: dict) -> tuple[dict, list[dict]]:
     """A chat's one choice, whole, and its streamed chunks' choices."""
     response = await client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
-    async with client.stream("POST", "/v1/chat/completions",
-                             json={**body, "stream": True}) as streamed:  # fmt: skip
+    async with client.stream(
+        "POST", "/v1/chat/completions", json={**body, "stream": True}
+    ) as streamed:
         events = await sse_events(streamed)
     return response.json()["choices"][0], [e["choices"][0] for e in events[:-1]]
 
@@ -191,8 +222,11 @@ async def test_auto_without_a_parser_is_a_400_naming_the_flags(char_model, share
 
 
 def test_the_cli_wants_a_parser_with_auto_tool_choice():
-    result = subprocess.run([sys.executable, "-m", "loomllm.cli.main", "serve", "smollm2",
-                             "--enable-auto-tool-choice"], capture_output=True, text=True,
-                            timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "loomllm.cli.main", "serve", "smollm2", "--enable-auto-tool-choice"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "--enable-auto-tool-choice needs --tool-call-parser" in result.stderr

@@ -33,8 +33,16 @@ def test_mixed_batch_matches_float64(head_dim, group, block_size, dtype):
     # A decode at 1 token, decodes across several pages, a whole prompt, a chunk of a
     # prompt whose start is already cached, and one longer than BLOCK_M queries.
     requests = [(1, 1), (37, 1), (70, 1), (9, 9), (50, 20), (45, 40)]
-    run_mixed(requests, num_heads=group * 2, group=group, head_dim=head_dim,
-              block_size=block_size, dtype=dtype, window=None, seed=head_dim + group)  # fmt: skip
+    run_mixed(
+        requests,
+        num_heads=group * 2,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        window=None,
+        seed=head_dim + group,
+    )
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -45,9 +53,16 @@ def test_random_shapes_with_and_without_a_window(seed):
         seq_len = rng.randint(1, 150)
         requests.append((seq_len, rng.choice([1, 1, rng.randint(1, seq_len)])))
     group = rng.choice([1, 4, 8])
-    run_mixed(requests, num_heads=group * rng.choice([1, 2]), group=group,
-              head_dim=rng.choice([64, 128]), block_size=rng.choice([16, 32]),
-              dtype=torch.float32, window=rng.choice([None, 7, 40]), seed=seed)  # fmt: skip
+    run_mixed(
+        requests,
+        num_heads=group * rng.choice([1, 2]),
+        group=group,
+        head_dim=rng.choice([64, 128]),
+        block_size=rng.choice([16, 32]),
+        dtype=torch.float32,
+        window=rng.choice([None, 7, 40]),
+        seed=seed,
+    )
 
 
 @pytest.mark.parametrize("window", [None, 7])
@@ -56,8 +71,17 @@ def test_one_kernel_for_every_row_with_padded_tiles(group, block_size, window):
     """As a mixed-step graph runs them: decodes are one-query tiles of the prefill kernel,
     and the tile list is padded to the most the batch could take (tiles of request -1)."""
     requests = [(1, 1), (37, 1), (70, 1), (9, 9), (50, 20), (45, 40), (130, 1)]
-    run_mixed(requests, num_heads=group * 2, group=group, head_dim=64, block_size=block_size,
-              dtype=torch.float32, window=window, seed=group, one_kernel=True)  # fmt: skip
+    run_mixed(
+        requests,
+        num_heads=group * 2,
+        group=group,
+        head_dim=64,
+        block_size=block_size,
+        dtype=torch.float32,
+        window=window,
+        seed=group,
+        one_kernel=True,
+    )
 
 
 def test_prefill_tiles_cover_each_query_once():
@@ -76,8 +100,20 @@ def test_tiles_of_no_request_write_nothing():
     cache = torch.randn(64, 2, 64)
     ints = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     out = torch.full_like(q, float("nan"))
-    ta.prefill_attention(q, cache, cache, ints([0, 1, 2, 3]), ints(0), ints(32), ints(32),
-                         ints(-1, -1, -1), ints(0, 0, 0), 16, 0.125, out=out)  # fmt: skip
+    ta.prefill_attention(
+        q,
+        cache,
+        cache,
+        ints([0, 1, 2, 3]),
+        ints(0),
+        ints(32),
+        ints(32),
+        ints(-1, -1, -1),
+        ints(0, 0, 0),
+        16,
+        0.125,
+        out=out,
+    )
     assert out.isnan().all()
 
 
@@ -99,8 +135,17 @@ def test_max_tiles_bounds_every_step_a_bucket_holds(seed):
 def test_decode_splits_agree(num_splits):
     """However the context is split, the merged result is the same attention."""
     requests = [(130, 1), (17, 1), (64, 1)]
-    run_mixed(requests, num_heads=8, group=4, head_dim=64, block_size=16,
-              dtype=torch.float32, window=None, seed=5, num_splits=num_splits)  # fmt: skip
+    run_mixed(
+        requests,
+        num_heads=8,
+        group=4,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        window=None,
+        seed=5,
+        num_splits=num_splits,
+    )
 
 
 def test_the_split_counters_are_left_zero_for_the_next_launch():
@@ -108,40 +153,62 @@ def test_the_split_counters_are_left_zero_for_the_next_launch():
     serves a step's layers and a graph's replays, launch after launch."""
     counts = torch.zeros(3 * 2, dtype=torch.int32)
     for seed in range(3):
-        run_mixed([(130, 1), (1, 1), (40, 1)], num_heads=8, group=4, head_dim=64,
-                  block_size=16, dtype=torch.bfloat16, window=None, seed=seed, num_splits=3,
-                  split_counts=counts)  # fmt: skip
+        run_mixed(
+            [(130, 1), (1, 1), (40, 1)],
+            num_heads=8,
+            group=4,
+            head_dim=64,
+            block_size=16,
+            dtype=torch.bfloat16,
+            window=None,
+            seed=seed,
+            num_splits=3,
+            split_counts=counts,
+        )
         assert not counts.any()
     q = torch.zeros(3, 8, 64)
     cache = torch.zeros(64, 2, 64)
     tables, lens = torch.zeros(3, 4, dtype=torch.int32), torch.ones(3, dtype=torch.int32)
     with pytest.raises(ValueError, match="split_counts needs 6 int32 zeros, got 5 of"):
-        ta.decode_attention(q, cache, cache, tables, lens, 64, 16, 1.0,
-                            split_counts=torch.zeros(5, dtype=torch.int32))  # fmt: skip
+        ta.decode_attention(
+            q,
+            cache,
+            cache,
+            tables,
+            lens,
+            64,
+            16,
+            1.0,
+            split_counts=torch.zeros(5, dtype=torch.int32),
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits, window", [(None, None), (1, None), (4, 7)])
-def test_a_rotating_decode_is_rotary_into_cache_then_the_decode_bit_for_bit(dtype, num_splits,
-                                                                           window):  # fmt: skip
+def test_a_rotating_decode_is_rotary_into_cache_then_the_decode_bit_for_bit(
+    dtype, num_splits, window
+):
     """q and the new k unrotated: the kernel rotates q, and the split holding each request's
     last position writes its rotated k and its v into the slot before reading the cache."""
     torch.manual_seed(3)
     lens, kv_heads, heads, dim, bs = [1, 17, 40, 33], 2, 8, 64, 16
     pages = [-(-n // bs) for n in lens]
     order = torch.randperm(sum(pages) + 2).tolist()
-    tables = [order[sum(pages[:i]): sum(pages[: i + 1])] for i in range(len(lens))]
+    tables = [order[sum(pages[:i]) : sum(pages[: i + 1])] for i in range(len(lens))]
     width = max(pages)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     caches = [torch.randn((sum(pages) + 2) * bs, kv_heads, dim).to(dtype) for _ in range(2)]
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * dim).to(dtype)
-    q, k, v = (t.view(len(lens), -1, dim)
-               for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))  # fmt: skip
+    q, k, v = (
+        t.view(len(lens), -1, dim)
+        for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    )
     pos = torch.tensor(lens) - 1
     angles = pos[:, None] * 10000.0 ** (-torch.arange(0, dim, 2) / dim)
     cos, sin = (f(torch.cat([angles, angles], -1)).to(dtype) for f in (torch.cos, torch.sin))
-    slots = torch.tensor([t[p // bs] * bs + p % bs
-                          for t, p in zip(tables, pos.tolist(), strict=True)])
+    slots = torch.tensor(
+        [t[p // bs] * bs + p % bs for t, p in zip(tables, pos.tolist(), strict=True)]
+    )
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     args = (block_tables, seq_lens, max(lens), bs, dim**-0.5, window, num_splits)
     ref_caches = [c.clone() for c in caches]
@@ -157,9 +224,17 @@ def test_a_rotating_decode_is_rotary_into_cache_then_the_decode_bit_for_bit(dtyp
 @pytest.mark.parametrize("window", [None, 40])
 def test_decode_sized_for_the_longest_context_the_cache_holds(window):
     """As a decode graph runs it: splits for 4096 tokens over contexts of 1 to 130."""
-    run_mixed([(130, 1), (1, 1), (17, 1), (64, 1)], num_heads=8, group=4, head_dim=64,
-              block_size=16, dtype=torch.float32, window=window, seed=6,
-              decode_max_len=4096)  # fmt: skip
+    run_mixed(
+        [(130, 1), (1, 1), (17, 1), (64, 1)],
+        num_heads=8,
+        group=4,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        window=window,
+        seed=6,
+        decode_max_len=4096,
+    )
 
 
 def test_bad_layouts_are_refused():
@@ -169,11 +244,13 @@ def test_bad_layouts_are_refused():
     with pytest.raises(ValueError, match="block_size must be a power of two >= 16"):
         ta.decode_attention(q, cache, cache, tables, lens, 1, 8, 1.0)
     with pytest.raises(ValueError, match="4 query heads do not share 3 KV heads"):
-        ta.decode_attention(q, torch.zeros(64, 3, 64), torch.zeros(64, 3, 64), tables, lens, 1,
-                            16, 1.0)  # fmt: skip
+        ta.decode_attention(
+            q, torch.zeros(64, 3, 64), torch.zeros(64, 3, 64), tables, lens, 1, 16, 1.0
+        )
     with pytest.raises(ValueError, match="contiguous last dimension"):
-        ta.decode_attention(q.transpose(1, 2).contiguous().transpose(1, 2), cache, cache,
-                            tables, lens, 1, 16, 1.0)  # fmt: skip
+        ta.decode_attention(
+            q.transpose(1, 2).contiguous().transpose(1, 2), cache, cache, tables, lens, 1, 16, 1.0
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -192,8 +269,13 @@ def test_write_kv_is_index_copy(dtype, heads, head_dim):
     v_ref.index_copy_(0, slots, value)
     ta.write_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-    ta.write_kv(key.transpose(0, 1).contiguous().transpose(0, 1),  # heads outermost
-                value.mT.contiguous().mT, k_cache, v_cache, slots.flip(0))  # a column stride
+    ta.write_kv(
+        key.transpose(0, 1).contiguous().transpose(0, 1),  # heads outermost
+        value.mT.contiguous().mT,
+        k_cache,
+        v_cache,
+        slots.flip(0),
+    )  # a column stride
     k_ref.index_copy_(0, slots.flip(0), key)
     v_ref.index_copy_(0, slots.flip(0), value)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)

@@ -34,14 +34,27 @@ def run(runner: ModelRunner) -> list[tuple[list[str], list[int], list[float]]]:
     computed: dict[str, int] = {}
     steps = []
     for step, planned in enumerate(SCHEDULE):
-        new = [NewRequestData(r, PROMPTS[r], [], params, [2],
-                              list(range(i * BLOCKS_EACH, (i + 1) * BLOCKS_EACH)), 0)
-               for i, r in enumerate(PROMPTS) if r in planned and r not in computed]  # fmt: skip
+        new = [
+            NewRequestData(
+                r,
+                PROMPTS[r],
+                [],
+                params,
+                [2],
+                list(range(i * BLOCKS_EACH, (i + 1) * BLOCKS_EACH)),
+                0,
+            )
+            for i, r in enumerate(PROMPTS)
+            if r in planned and r not in computed
+        ]
         cached = [r for r in planned if r in computed]
         output = SchedulerOutput(
-            step, new, CachedRequests(cached, [[] for _ in cached], [computed[r] for r in cached]),
-            dict(planned), [],
-        )  # fmt: skip
+            step,
+            new,
+            CachedRequests(cached, [[] for _ in cached], [computed[r] for r in cached]),
+            dict(planned),
+            [],
+        )
         result = runner.execute(output, step)
         steps.append((result.req_ids, result.sampled_token_ids, result.logprobs))
         for r, n in planned.items():
@@ -54,14 +67,21 @@ def test_triton_backend_matches_torch(arch, tmp_path):
     loaded = load_model(make_tiny_model(tmp_path, arch), dtype="float32")
     runs = {}
     for backend in ("torch", "triton"):
-        runner = ModelRunner(loaded.model, loaded.config, device=torch.device("cpu"),
-                             dtype=torch.float32, block_size=BLOCK_SIZE,
-                             num_blocks=BLOCKS_EACH * len(PROMPTS), attention_backend=backend)
-        runs[backend] = run(runner)  # fmt: skip
+        runner = ModelRunner(
+            loaded.model,
+            loaded.config,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            block_size=BLOCK_SIZE,
+            num_blocks=BLOCKS_EACH * len(PROMPTS),
+            attention_backend=backend,
+        )
+        runs[backend] = run(runner)
     assert len(runs["torch"]) == len(SCHEDULE)
     assert sum(len(ids) for ids, _, _ in runs["torch"]) == 1 + 2 + 3 * 7  # b waits for its chunk
-    for (ids, tokens, lps), (t_ids, t_tokens, t_lps) in zip(runs["torch"], runs["triton"],
-                                                           strict=True):  # fmt: skip
+    for (ids, tokens, lps), (t_ids, t_tokens, t_lps) in zip(
+        runs["torch"], runs["triton"], strict=True
+    ):
         assert (t_ids, t_tokens) == (ids, tokens)
         assert t_lps == pytest.approx(lps, abs=1e-4)
 
@@ -70,13 +90,26 @@ def test_unknown_backend_and_odd_block_sizes_are_refused(tiny_model):
     loaded = load_model(tiny_model, dtype="float32")
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="attention_backend must be one of torch, triton"):
-        ModelRunner(loaded.model, loaded.config, device=cpu, dtype=torch.float32,
-                    block_size=16, num_blocks=4, attention_backend="flash")  # fmt: skip
+        ModelRunner(
+            loaded.model,
+            loaded.config,
+            device=cpu,
+            dtype=torch.float32,
+            block_size=16,
+            num_blocks=4,
+            attention_backend="flash",
+        )
     for block_size in (8, 24):
         with pytest.raises(ValueError, match="power of two >= 16 for the Triton"):
-            ModelRunner(loaded.model, loaded.config, device=cpu, dtype=torch.float32,
-                        block_size=block_size, num_blocks=4,
-                        attention_backend="triton")  # fmt: skip
+            ModelRunner(
+                loaded.model,
+                loaded.config,
+                device=cpu,
+                dtype=torch.float32,
+                block_size=block_size,
+                num_blocks=4,
+                attention_backend="triton",
+            )
 
 
 def test_auto_picks_triton_on_cuda_only(monkeypatch):
@@ -95,7 +128,12 @@ def test_an_engine_on_the_triton_backend_matches_torch(tiny_model, shared_manage
     outputs = {}
     for backend in ("torch", "triton"):
         # The manager inherited TRITON_INTERPRET=1 from this process (conftest.py).
-        with LLM(tiny_model, attention_backend=backend, keep_alive=0, max_num_batched_tokens=32,
-                 manager_socket=shared_manager.socket) as llm:  # fmt: skip
+        with LLM(
+            tiny_model,
+            attention_backend=backend,
+            keep_alive=0,
+            max_num_batched_tokens=32,
+            manager_socket=shared_manager.socket,
+        ) as llm:
             outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outputs["triton"] == outputs["torch"]

@@ -105,12 +105,29 @@ def test_dtype_lookups_answer_as_the_interpreters_own():
     assert cache_dtype_lookups()  # in place already, and asking again keeps it
     cached = interpreter._get_np_dtype
     shipped = cached.__wrapped__
-    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64,
-               tl.uint64, tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5,
-               tl.float8e4nv]  # fmt: skip
-    every = [*scalars, *(tl.block_type(t, [4, 2]) for t in scalars),
-             *(tl.pointer_type(t) for t in scalars),
-             tl.block_type(tl.pointer_type(tl.float32), [8])]  # fmt: skip
+    scalars = [
+        tl.int1,
+        tl.int8,
+        tl.uint8,
+        tl.int16,
+        tl.uint16,
+        tl.int32,
+        tl.uint32,
+        tl.int64,
+        tl.uint64,
+        tl.float16,
+        tl.bfloat16,
+        tl.float32,
+        tl.float64,
+        tl.float8e5,
+        tl.float8e4nv,
+    ]
+    every = [
+        *scalars,
+        *(tl.block_type(t, [4, 2]) for t in scalars),
+        *(tl.pointer_type(t) for t in scalars),
+        tl.block_type(tl.pointer_type(tl.float32), [8]),
+    ]
     for _ in range(2):  # the table fills, then answers
         assert [cached(t) for t in every] == [shipped(t) for t in every]
     # A dtype's equal but separate object gets its answer; one without a numpy type, none.

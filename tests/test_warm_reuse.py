@@ -36,8 +36,13 @@ PROGRAM = textwrap.dedent("""
 
 
 def run_program(backend: str, env: dict[str, str]) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROGRAM, backend], env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", PROGRAM, backend],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 

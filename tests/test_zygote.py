@@ -78,8 +78,12 @@ def test_a_later_import_that_fails_leaves_the_zygote_serving(tmp_path):
     """The later imports run while the zygote already serves: one that raises (not only
     ImportError) is logged and the next follows, the zygote, and its workers, live on."""
     (tmp_path / "broken_on_import.py").write_text("raise RuntimeError('a broken dependency')")
-    done = subprocess.run([sys.executable, "-c", LATER_SCRIPT, str(tmp_path), "0"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", LATER_SCRIPT, str(tmp_path), "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "after: True []" in done.stdout
     assert "not preloaded: broken_on_import (RuntimeError: a broken dependency)" in done.stderr
@@ -89,8 +93,12 @@ def test_later_imports_wait_for_a_first_fork_or_their_delay(tmp_path):
     """No fork, and the delay (30 s) not over when the manager goes after 2 s: none of them
     ran, and the zygote did not spin meanwhile (its CPU time stays far below the wait)."""
     script = LATER_SCRIPT + "import resource\nprint('cpu:', resource.getrusage(0).ru_utime)\n"
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path), "30"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path), "30"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "after: False ['broken_on_import', 'colorsys']" in done.stdout
     cpu = float(done.stdout.split("cpu:")[1])

@@ -36,8 +36,12 @@ def _on_off(name: str) -> str:
 ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--dtype", str, "auto | float32 | bfloat16 | float16"),
     ("--load-format", str, "auto | dummy (random weights from the config, for benchmarks)"),
-    ("--model-impl", str, "auto | loom | transformers (auto: loomllm's own Llama-family "
-     "model where it runs the checkpoint, else transformers')"),
+    (
+        "--model-impl",
+        str,
+        "auto | loom | transformers (auto: loomllm's own Llama-family "
+        "model where it runs the checkpoint, else transformers')",
+    ),
     ("--weight-dtype", str, "bfloat16 | float16: a float32 model's linear weights in 16 bits"),
     ("--device", str, "auto | cpu | cuda"),
     ("--attention-backend", str, "auto | torch | triton (auto: triton on CUDA, torch on CPU)"),
@@ -47,29 +51,55 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--kv-cache-memory", int, "KV cache size in bytes"),
     ("--block-size", int, "tokens per KV block"),
     ("--seed", int, "engine seed"),
-    ("--generation-config", str, "sampling defaults for fields a request leaves out: auto "
-     "(the model's generation_config.json) | vllm (none) | a directory holding one"),
-    ("--scheduling-policy", str, "fcfs | priority (a request's priority: lower runs first; "
-     f"default {_default('scheduling_policy')})"),
+    (
+        "--generation-config",
+        str,
+        "sampling defaults for fields a request leaves out: auto "
+        "(the model's generation_config.json) | vllm (none) | a directory holding one",
+    ),
+    (
+        "--scheduling-policy",
+        str,
+        "fcfs | priority (a request's priority: lower runs first; "
+        f"default {_default('scheduling_policy')})",
+    ),
     ("--tensor-parallel-size", int, "ranks each layer's weights and KV heads are split over"),
     ("--data-parallel-size", int, "independent replicas, each request to the least loaded"),
-    ("--distributed-executor-backend", str, "local | ray (ranks as actors of a Ray cluster "
-     "at $RAY_ADDRESS; pip install 'loomllm[ray]')"),
+    (
+        "--distributed-executor-backend",
+        str,
+        "local | ray (ranks as actors of a Ray cluster "
+        "at $RAY_ADDRESS; pip install 'loomllm[ray]')",
+    ),
     ("--keep-alive", float, "seconds the workers stay warm after exit (-1: pinned)"),
-    ("--gpu-memory-utilization", float, "CUDA: share of the GPU's memory the worker may "
-     f"fill, in (0, 1] (default {_default('gpu_memory_utilization')})"),
+    (
+        "--gpu-memory-utilization",
+        float,
+        "CUDA: share of the GPU's memory the worker may "
+        f"fill, in (0, 1] (default {_default('gpu_memory_utilization')})",
+    ),
     ("--manager-socket", Path, "engine-manager socket (default: the per-user one)"),
 ]
 # On/off engine options: --NAME and --no-NAME (None when neither: EngineConfig's default).
 ENGINE_SWITCHES: list[tuple[str, str]] = [
-    ("--enable-prefix-caching", "reuse the KV blocks of a shared prompt prefix "
-     f"(default: {_on_off('enable_prefix_caching')})"),
-    ("--enable-chunked-prefill", "split long prompts over steps, with decodes alongside "
-     f"(default: {_on_off('enable_chunked_prefill')})"),
-    ("--async-scheduling", "send step N+1 while step N runs (default: on with CUDA workers, "
-     "off on the CPU)"),
-    ("--enforce-eager", "CUDA: run every step eager, no decode CUDA graphs "
-     f"(default: {_on_off('enforce_eager')})"),
+    (
+        "--enable-prefix-caching",
+        "reuse the KV blocks of a shared prompt prefix "
+        f"(default: {_on_off('enable_prefix_caching')})",
+    ),
+    (
+        "--enable-chunked-prefill",
+        "split long prompts over steps, with decodes alongside "
+        f"(default: {_on_off('enable_chunked_prefill')})",
+    ),
+    (
+        "--async-scheduling",
+        "send step N+1 while step N runs (default: on with CUDA workers, off on the CPU)",
+    ),
+    (
+        "--enforce-eager",
+        f"CUDA: run every step eager, no decode CUDA graphs (default: {_on_off('enforce_eager')})",
+    ),
 ]
 
 
@@ -100,10 +130,13 @@ def _parser() -> argparse.ArgumentParser:
         for flag, kind, help_ in ENGINE_FLAGS:
             p.add_argument(flag, type=kind, default=None, help=help_)
         for flag, help_ in ENGINE_SWITCHES:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                           help=help_)  # fmt: skip
-        p.add_argument("--manager", choices=["auto", "private"], default=None,
-                       help="auto: the shared daemon; private: one that dies with us")  # fmt: skip
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        p.add_argument(
+            "--manager",
+            choices=["auto", "private"],
+            default=None,
+            help="auto: the shared daemon; private: one that dies with us",
+        )
         p.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio")
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -111,33 +144,65 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000, help="0: any free port")
     # From the environment by default: a key on the command line shows in `ps`.
-    serve.add_argument("--api-key", default=os.environ.get("LOOM_API_KEY") or None,
-                       help="require Authorization: Bearer KEY on every route but /health, "
-                       "/metrics, /version and /openapi.json (default: $LOOM_API_KEY)")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("LOOM_API_KEY") or None,
+        help="require Authorization: Bearer KEY on every route but /health, "
+        "/metrics, /version and /openapi.json (default: $LOOM_API_KEY)",
+    )
     serve.add_argument("--served-model-name", default=None, help="the name clients send")
-    serve.add_argument("--restart-on-failure", action=argparse.BooleanOptionalAction,
-                       default=True, help="start a new engine when a worker dies (else exit 1)")
-    serve.add_argument("--max-restarts", type=_non_negative_int, default=5,
-                       help="exit 1 after more worker deaths than this within 10 minutes")
-    serve.add_argument("--shutdown-grace", type=_seconds, default=10.0,
-                       help="seconds in-flight requests get on SIGTERM before they are aborted")
-    serve.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='tool_choice "auto" (the default with tools): calls are read out '
-                       "of the model's text with --tool-call-parser")
+    serve.add_argument(
+        "--restart-on-failure",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start a new engine when a worker dies (else exit 1)",
+    )
+    serve.add_argument(
+        "--max-restarts",
+        type=_non_negative_int,
+        default=5,
+        help="exit 1 after more worker deaths than this within 10 minutes",
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=_seconds,
+        default=10.0,
+        help="seconds in-flight requests get on SIGTERM before they are aborted",
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default with tools): calls are read out '
+        "of the model's text with --tool-call-parser",
+    )
     # loomllm.server.parsers.tool_parsers.PARSERS (loomllm.server is not imported here: it loads
     # starlette)
-    serve.add_argument("--tool-call-parser", choices=["hermes"], default=None,
-                       help="the model family's tool-call syntax (hermes: Qwen2.5, Qwen3, "
-                       "Hermes)")
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=["hermes"],
+        default=None,
+        help="the model family's tool-call syntax (hermes: Qwen2.5, Qwen3, Hermes)",
+    )
     # loomllm.server.parsers.reasoning.PARSERS
-    serve.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
-                       help="split a thinking model's <think>...</think> out of chat answers "
-                       "into the message's reasoning")
-    serve.add_argument("--trust-request-chat-template", action="store_true",
-                       help="let a chat body's chat_template be a template's text (code that "
-                       "runs here), not only the name of one of the model's templates")
-    serve.add_argument("--max-request-body", type=_positive_int, default=None,
-                       help="largest request body in bytes (default 8 MiB; larger: 413)")
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        default=None,
+        help="split a thinking model's <think>...</think> out of chat answers "
+        "into the message's reasoning",
+    )
+    serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a chat body's chat_template be a template's text (code that "
+        "runs here), not only the name of one of the model's templates",
+    )
+    serve.add_argument(
+        "--max-request-body",
+        type=_positive_int,
+        default=None,
+        help="largest request body in bytes (default 8 MiB; larger: 413)",
+    )
     engine_args(serve)
 
     gen = sub.add_parser("generate", help="stream one completion to stdout")
@@ -157,15 +222,20 @@ def _parser() -> argparse.ArgumentParser:
     engine_args(chat)
 
     models = sub.add_parser("models", help="list the models the engine-manager keeps warm")
-    models.add_argument("--manager-socket", type=Path, default=None,
-                        help="engine-manager socket (default: the per-user one)")  # fmt: skip
+    models.add_argument(
+        "--manager-socket",
+        type=Path,
+        default=None,
+        help="engine-manager socket (default: the per-user one)",
+    )
     models.set_defaults(loop="asyncio")
 
     bench = sub.add_parser(
-        "bench", help="run a benchmark: loomllm and its peers in one run, a table of ratios",
+        "bench",
+        help="run a benchmark: loomllm and its peers in one run, a table of ratios",
         description="Benchmarks in one run, same prompts for every engine. Flags after the "
         "name go to the benchmark: `loom bench offline --help`.",
-    )  # fmt: skip
+    )
     bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     return parser
@@ -250,18 +320,28 @@ async def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
     serving: list[bool] = []
     slot = EngineSlot()
     options = engine_options(args)
-    app_options = {} if args.max_request_body is None else {
-        "max_body_bytes": args.max_request_body}  # fmt: skip
+    app_options = {} if args.max_request_body is None else {"max_body_bytes": args.max_request_body}
     async with anyio.create_task_group() as tg:
         tg.start_soon(_watch_signals, stop, tg.cancel_scope, serving)
-        await tg.start(partial(supervise, lambda: Engine(args.model, **options), slot,
-                               restart_on_failure=args.restart_on_failure,
-                               max_restarts=args.max_restarts))  # fmt: skip
+        await tg.start(
+            partial(
+                supervise,
+                lambda: Engine(args.model, **options),
+                slot,
+                restart_on_failure=args.restart_on_failure,
+                max_restarts=args.max_restarts,
+            )
+        )
         auto_tools = args.tool_call_parser if args.enable_auto_tool_choice else None
-        app = build_app(slot, args.served_model_name or args.model, api_key=args.api_key,
-                        trust_request_chat_template=args.trust_request_chat_template,
-                        tool_call_parser=auto_tools, reasoning_parser=args.reasoning_parser,
-                        **app_options)  # fmt: skip
+        app = build_app(
+            slot,
+            args.served_model_name or args.model,
+            api_key=args.api_key,
+            trust_request_chat_template=args.trust_request_chat_template,
+            tool_call_parser=auto_tools,
+            reasoning_parser=args.reasoning_parser,
+            **app_options,
+        )
 
         async def shutdown_trigger() -> None:
             async with anyio.create_task_group() as first:
@@ -272,8 +352,12 @@ async def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
 
         serving.append(True)
         # hypercorn owns the socket from here: it listens on it and closes it.
-        await serve(app, f"fd://{listener.detach()}", shutdown_trigger,
-                    graceful_timeout=args.shutdown_grace + 5)  # fmt: skip
+        await serve(
+            app,
+            f"fd://{listener.detach()}",
+            shutdown_trigger,
+            graceful_timeout=args.shutdown_grace + 5,
+        )
         tg.cancel_scope.cancel()
     if slot.failure is not None:
         print(f"loom: {slot.failure}", file=sys.stderr)
@@ -291,9 +375,11 @@ def _streaming_params(args: argparse.Namespace) -> Any:
     from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.sampling_seed,
         output_kind=RequestOutputKind.DELTA,
-    )  # fmt: skip
+    )
 
 
 async def _generate(args: argparse.Namespace) -> None:

@@ -57,7 +57,15 @@ GOING_AWAY_PAUSE_S = 0.1
 def manager_command(socket_path: Path, *args: str) -> list[str]:
     # -P keeps the caller's working directory off the daemon's sys.path (and its workers'),
     # so an app's own protocols.py or workers/ package never shadows loomllm's modules.
-    return [sys.executable, "-P", "-m", "loomllm.workers.manager", "--socket", str(socket_path), *args]
+    return [
+        sys.executable,
+        "-P",
+        "-m",
+        "loomllm.workers.manager",
+        "--socket",
+        str(socket_path),
+        *args,
+    ]
 
 
 class _ManagerGoingAway(ManagerError):
@@ -155,9 +163,14 @@ class PrivateManager:
 
     async def __aenter__(self) -> PrivateManager:
         command = manager_command(
-            self.socket_path, "serve", "--exit-with-client", "--idle-timeout", "-1",
-            "--ready-fd", "1",
-        )  # fmt: skip
+            self.socket_path,
+            "serve",
+            "--exit-with-client",
+            "--idle-timeout",
+            "-1",
+            "--ready-fd",
+            "1",
+        )
         # A local log file: opening it does not block in any way that matters.
         with open(log_path(self.socket_path), "wb") as log:  # noqa: ASYNC230
             self._process = await anyio.open_process(
@@ -249,9 +262,7 @@ class ManagerClient:
             raise RemoteError(reply.kind, reply.message)
         return reply
 
-    async def acquire(
-        self, spec: WorkerSpec, keep_alive: float, engine_id: str
-    ) -> WorkersAcquired:
+    async def acquire(self, spec: WorkerSpec, keep_alive: float, engine_id: str) -> WorkersAcquired:
         """Get workers for `spec`: warm ones if the manager has them, else new ones.
 
         Cancellation: if cancelled while the manager loads, the manager stops the new

@@ -28,9 +28,13 @@ DEATH_REPORT_WAIT_S = 1.0
 Reply = CallResult | CallFailed | StepResult
 # What a rank that refuses us, is gone, or dies while we attach raises from the handshake.
 _ATTACH_ERRORS = (
-    OSError, RemoteError, TimeoutError, ProtocolError,
-    anyio.EndOfStream, anyio.BrokenResourceError,
-)  # fmt: skip
+    OSError,
+    RemoteError,
+    TimeoutError,
+    ProtocolError,
+    anyio.EndOfStream,
+    anyio.BrokenResourceError,
+)
 
 
 @dataclass(eq=False)
@@ -85,9 +89,12 @@ class WorkerClient:
             tg.start_soon(self._read, rank, ms, on_lost, done)
 
     async def _read(
-        self, rank: int, ms: MessageStream, on_lost: Callable[[int, str], None],
+        self,
+        rank: int,
+        ms: MessageStream,
+        on_lost: Callable[[int, str], None],
         done: anyio.Event,
-    ) -> None:  # fmt: skip
+    ) -> None:
         try:
             await self._read_until_closed(rank, ms, on_lost)
         finally:

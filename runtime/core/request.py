@@ -40,17 +40,33 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
-        "output_token_ids", "num_computed_tokens", "num_cached_tokens", "status",
-        "stop_reason", "max_tokens", "num_output_placeholders", "_all_token_ids", "priority",
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_ids",
+        "arrival_time",
+        "output_token_ids",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "status",
+        "stop_reason",
+        "max_tokens",
+        "num_output_placeholders",
+        "_all_token_ids",
+        "priority",
         "queue_order",
-    )  # fmt: skip
+    )
 
     def __init__(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-        eos_token_ids: frozenset[int], max_model_len: int, arrival_time: float,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        arrival_time: float,
         priority: int = 0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.request_id = request_id
         self.priority = priority  # lower first, under the "priority" scheduling policy
         self.queue_order: int | None = None  # its first place in a priority queue (ties)
@@ -81,9 +97,12 @@ class Request:
         """About how many ids its NewRequestData carries: its tokens, its allowed ids, its
         logit bias (an id and a float, as much as three ids) and its bad words' ids."""
         params = self.sampling_params
-        return (len(self._all_token_ids) + len(params.allowed_token_ids or ())
-                + 3 * len(params.logit_bias or ())
-                + sum(len(seq) + 1 for seq in params.bad_words_token_ids))  # fmt: skip
+        return (
+            len(self._all_token_ids)
+            + len(params.allowed_token_ids or ())
+            + 3 * len(params.logit_bias or ())
+            + sum(len(seq) + 1 for seq in params.bad_words_token_ids)
+        )
 
     @property
     def num_output_tokens(self) -> int:

@@ -55,10 +55,17 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of "
-                             f"{', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "num_blocks"):  # fmt: skip
+            raise ValueError(
+                f"scheduling_policy must be one of "
+                f"{', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}"
+            )
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "block_size",
+            "num_blocks",
+        ):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -226,9 +233,11 @@ class Scheduler:
         # Waiting requests, in the policy's order; none if this step had to preempt (memory
         # is short).
         while (
-            not preempted and self.waiting and token_budget > 0
+            not preempted
+            and self.waiting
+            and token_budget > 0
             and len(self.running) < config.max_num_seqs
-        ):  # fmt: skip
+        ):
             request = self.waiting.peek()
             new_request_tokens += request.num_wire_ids
             if new_requests and new_request_tokens > MAX_NEW_REQUEST_TOKENS:
@@ -282,9 +291,12 @@ class Scheduler:
             )
         outputs: list[EngineCoreOutput] = []
         for req_id, token_id, logprob, top in zip(
-            result.req_ids, result.sampled_token_ids, result.logprobs, result.top_logprobs,
+            result.req_ids,
+            result.sampled_token_ids,
+            result.logprobs,
+            result.top_logprobs,
             strict=True,
-        ):  # fmt: skip
+        ):
             request = samplers[req_id]
             if request.status is not RequestStatus.RUNNING or self.requests.get(req_id) is not (
                 request
@@ -298,8 +310,15 @@ class Scheduler:
                 self._free_request(request)
             finish_reason, stop_reason = request.finish_reason, request.stop_reason
             outputs.append(
-                EngineCoreOutput(req_id, [token_id], [logprob], [top], finish_reason, stop_reason,
-                                 request.num_cached_tokens)  # fmt: skip
+                EngineCoreOutput(
+                    req_id,
+                    [token_id],
+                    [logprob],
+                    [top],
+                    finish_reason,
+                    stop_reason,
+                    request.num_cached_tokens,
+                )
             )
         return outputs
 

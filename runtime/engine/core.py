@@ -36,9 +36,15 @@ class EngineCore:
     """Owns the scheduler and the live requests; `run()` is the step loop."""
 
     def __init__(
-        self, scheduler: Scheduler, workers: WorkerClient, output_processor: OutputProcessor,
-        eos_token_ids: frozenset[int], max_model_len: int, *, async_scheduling: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        scheduler: Scheduler,
+        workers: WorkerClient,
+        output_processor: OutputProcessor,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        *,
+        async_scheduling: bool = False,
+    ) -> None:
         self.scheduler = scheduler
         self.workers = workers
         self.output_processor = output_processor
@@ -65,32 +71,54 @@ class EngineCore:
         if self._stopped:  # no loop would ever step it: its stream would wait forever
             raise EngineClosedError("the engine's step loop has ended")
         params = parent.params
-        if (params.stop or params.bad_words or params.bad_words_token_ids
-                or params.truncate_prompt_tokens is not None):  # fmt: skip
+        if (
+            params.stop
+            or params.bad_words
+            or params.bad_words_token_ids
+            or params.truncate_prompt_tokens is not None
+        ):
             # Stop strings are this process's (the output processor's), bad words are
             # encoded and prompts truncated here: never sent to the workers, where one huge
             # or unencodable string would fail every step's frame. Bad-word sequences
             # longer than the context can never complete.
             longest = self.max_model_len
             params = replace_checked(
-                params, stop=(), bad_words=(), truncate_prompt_tokens=None,
-                bad_words_token_ids=tuple(s for s in params.bad_words_token_ids
-                                          if len(s) <= longest))  # fmt: skip
+                params,
+                stop=(),
+                bad_words=(),
+                truncate_prompt_tokens=None,
+                bad_words_token_ids=tuple(
+                    s for s in params.bad_words_token_ids if len(s) <= longest
+                ),
+            )
         # Every child's params before any is registered: one that fails leaves nothing behind.
         # (SamplingParams checked seed + n - 1.)
-        children = [params] if params.n == 1 else [
-            # Children sample independently; seeded ones stay reproducible (vLLM's rule).
-            # The prompt is the same for all: child 0 alone scores it (prompt_logprobs).
-            replace_checked(params, n=1, seed=None if params.seed is None else params.seed + i,
-                            prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            for i in range(params.n)
-        ]  # fmt: skip
+        children = (
+            [params]
+            if params.n == 1
+            else [
+                # Children sample independently; seeded ones stay reproducible (vLLM's rule).
+                # The prompt is the same for all: child 0 alone scores it (prompt_logprobs).
+                replace_checked(
+                    params,
+                    n=1,
+                    seed=None if params.seed is None else params.seed + i,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                )
+                for i in range(params.n)
+            ]
+        )
         for child_id, child_params in zip(self.output_processor.add(parent), children, strict=True):
             self.scheduler.add_request(
                 Request(
-                    child_id, parent.prompt_token_ids, child_params, self.eos_token_ids,
-                    self.max_model_len, parent.metrics.arrival_time, parent.priority,
-                )  # fmt: skip
+                    child_id,
+                    parent.prompt_token_ids,
+                    child_params,
+                    self.eos_token_ids,
+                    self.max_model_len,
+                    parent.metrics.arrival_time,
+                    parent.priority,
+                )
             )
         self._work.set()
 
@@ -135,13 +163,22 @@ class EngineCore:
         kv = self.scheduler.kv_cache_manager
         m = self.output_processor.metrics
         return EngineStats(
-            self.scheduler.num_running, self.scheduler.num_waiting, kv.num_free_blocks,
-            kv.num_total_blocks, kv.prefix_cache_hit_rate, self.num_steps,
-            self.scheduler.num_preemptions, m.num_prompt_tokens, m.num_generation_tokens,
-            dict(m.num_finished), m.time_to_first_token.snapshot(),
-            m.inter_token_latency.snapshot(), m.e2e_request_latency.snapshot(),
-            self._clock.snapshot(), kv.prefix_cache_queries,
-        )  # fmt: skip
+            self.scheduler.num_running,
+            self.scheduler.num_waiting,
+            kv.num_free_blocks,
+            kv.num_total_blocks,
+            kv.prefix_cache_hit_rate,
+            self.num_steps,
+            self.scheduler.num_preemptions,
+            m.num_prompt_tokens,
+            m.num_generation_tokens,
+            dict(m.num_finished),
+            m.time_to_first_token.snapshot(),
+            m.inter_token_latency.snapshot(),
+            m.e2e_request_latency.snapshot(),
+            self._clock.snapshot(),
+            kv.prefix_cache_queries,
+        )
 
     # -- the step loop ---------------------------------------------------------------------
 
@@ -270,10 +307,11 @@ class EngineCore:
         """Remember the step's requests that the workers may refuse (see `_fail_requests`)."""
         requests = self.scheduler.requests
         fallible = {
-            req_id: request for req_id in step.num_scheduled_tokens
+            req_id: request
+            for req_id in step.num_scheduled_tokens
             if (params := (request := requests[req_id]).sampling_params).structured_outputs
             or params.allowed_token_ids is not None
-        }  # fmt: skip
+        }
         if fallible:
             self._fallible[step.step_id] = fallible
 

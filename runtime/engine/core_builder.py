@@ -34,8 +34,9 @@ def resolve_max_model_len(cfg: EngineConfig, info: ModelInfo) -> int:
     if capacity < info.max_model_len:
         logger.warning(
             "max_model_len lowered from %d to %d: that is what the KV cache holds",
-            info.max_model_len, capacity,
-        )  # fmt: skip
+            info.max_model_len,
+            capacity,
+        )
     return min(info.max_model_len, capacity)
 
 
@@ -70,6 +71,10 @@ def build_engine_core(
     if async_scheduling is None:
         async_scheduling = info.device.startswith("cuda")
     return EngineCore(
-        scheduler, workers, OutputProcessor(tokenizer), tokenizer.eos_token_ids, max_model_len,
+        scheduler,
+        workers,
+        OutputProcessor(tokenizer),
+        tokenizer.eos_token_ids,
+        max_model_len,
         async_scheduling=async_scheduling,
     )

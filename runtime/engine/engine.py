@@ -135,12 +135,16 @@ class Engine:
             assert replica.core is not None and replica.acquired is not None
             self.tokenizer = replica.core.output_processor.tokenizer
             if index == 0:
-                self.sampling_defaults = sampling_defaults(cfg.generation_config,
-                                                           replica.acquired.model_info.model_dir)
+                self.sampling_defaults = sampling_defaults(
+                    cfg.generation_config, replica.acquired.model_info.model_dir
+                )
             logger.info(
-                "engine %s attached to %s workers %s (%s)", engine_id,
-                "warm" if replica.acquired.reused else "new", replica.acquired.pids, cfg.model,
-            )  # fmt: skip
+                "engine %s attached to %s workers %s (%s)",
+                engine_id,
+                "warm" if replica.acquired.reused else "new",
+                replica.acquired.pids,
+                cfg.model,
+            )
         _freeze_heap()
         stack.callback(_thaw_heap)
 
@@ -155,8 +159,13 @@ class Engine:
         """A replica lost a rank: the engine goes on while another one lives."""
         live = [r for r in self._replicas if r.is_alive]
         if live:
-            logger.error("data-parallel replica %d died (%s); %d of %d replicas go on",
-                         replica.index, replica.dead, len(live), len(self._replicas))  # fmt: skip
+            logger.error(
+                "data-parallel replica %d died (%s); %d of %d replicas go on",
+                replica.index,
+                replica.dead,
+                len(live),
+                len(self._replicas),
+            )
         return bool(live)
 
     # -- calls ------------------------------------------------------------------------
@@ -197,8 +206,9 @@ class Engine:
             replies = await replica.workers.call(lambda call_id: RunCallable(call_id, payload))
             for reply in replies:
                 if isinstance(reply, CallFailed):  # the rank: its place in the results
-                    raise RemoteCallError(len(results), reply.error_type, reply.message,
-                                          reply.traceback)  # fmt: skip
+                    raise RemoteCallError(
+                        len(results), reply.error_type, reply.message, reply.traceback
+                    )
                 results.append(cloudpickle.loads(reply.payload))
         return results
 
@@ -222,8 +232,9 @@ class Engine:
         """
         self._require_running()
         check_priority(priority, self.config.scheduling_policy)
-        params = sampling_params if sampling_params is not None else (
-            self.default_sampling_params())
+        params = (
+            sampling_params if sampling_params is not None else (self.default_sampling_params())
+        )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
         tokenizer = self.tokenizer
@@ -231,26 +242,32 @@ class Engine:
         vocab = self.model_info.vocab_size
         params = with_bad_words_encoded(params, tokenizer)
         check_token_ids(params, vocab, tokenizer.eos_token_ids)
-        text, token_ids = prompt_token_ids(prompt, tokenizer, vocab, self.max_model_len,
-                                           params)  # fmt: skip
+        text, token_ids = prompt_token_ids(prompt, tokenizer, vocab, self.max_model_len, params)
         request_id = check_request_id(uuid.uuid4().hex if request_id is None else request_id)
         if self.replica_index(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already running")
         live = self._live_replicas()
         if not live:  # the engine is on its way out: its task group has the error
             dead = [str(r.dead or "its worker's connection broke") for r in self._replicas]
-            raise EngineDeadError(dead[0] if len(dead) == 1 else
-                                  f"every replica's worker died: {'; '.join(dead)}")  # fmt: skip
+            raise EngineDeadError(
+                dead[0] if len(dead) == 1 else f"every replica's worker died: {'; '.join(dead)}"
+            )
         core = least_loaded(live, next(self._turn)).core
         assert core is not None
         parent = ParentRequest(
-            request_id, text, token_ids, params, RequestOutputCollector(params.output_kind),
-            RequestMetrics(arrival_time=time.time()), priority=priority,
-        )  # fmt: skip
+            request_id,
+            text,
+            token_ids,
+            params,
+            RequestOutputCollector(params.output_kind),
+            RequestMetrics(arrival_time=time.time()),
+            priority=priority,
+        )
         core.add_request(parent)
         # The stream aborts its own request only: never a later one that reuses the id.
-        return RequestStream(request_id, parent.collector,
-                             functools.partial(core.abort, parent=parent))  # fmt: skip
+        return RequestStream(
+            request_id, parent.collector, functools.partial(core.abort, parent=parent)
+        )
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's defaults (generation_config, as vLLM's LLM
@@ -282,12 +299,18 @@ class Engine:
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **kwargs,
-        )  # fmt: skip
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self.generate({"prompt_token_ids": ids, "prompt": text}, sampling_params,
-                             request_id=request_id, priority=priority)  # fmt: skip
+        return self.generate(
+            {"prompt_token_ids": ids, "prompt": text},
+            sampling_params,
+            request_id=request_id,
+            priority=priority,
+        )
 
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op if it already finished)."""

@@ -13,9 +13,14 @@ from loomllm.protocols.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 # generation_config's name -> SamplingParams' (vLLM reads the same keys).
-SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                 "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                 "max_new_tokens": "max_tokens"}  # fmt: skip
+SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def sampling_defaults(choice: str, model_dir: str) -> dict[str, Any]:
@@ -32,14 +37,16 @@ def sampling_defaults(choice: str, model_dir: str) -> dict[str, Any]:
         return {}
     if not isinstance(config, dict):
         return {}
-    defaults = {ours: config[key] for key, ours in SAMPLING_KEYS.items()
-                if config.get(key) is not None}  # fmt: skip
+    defaults = {
+        ours: config[key] for key, ours in SAMPLING_KEYS.items() if config.get(key) is not None
+    }
     try:
         SamplingParams(**defaults)
     except ValueError as exc:
         logger.warning("%s: sampling defaults left out: %s", path, exc)
         return {}
     if defaults:
-        logger.info("sampling defaults from %s: %s (--generation-config vllm: none)", path,
-                    defaults)  # fmt: skip
+        logger.info(
+            "sampling defaults from %s: %s (--generation-config vllm: none)", path, defaults
+        )
     return defaults

@@ -10,9 +10,12 @@ from loomllm.text.tokenizer import Tokenizer
 
 
 def prompt_token_ids(
-    prompt: str | dict[str, Any], tokenizer: Tokenizer, vocab: int, max_model_len: int,
+    prompt: str | dict[str, Any],
+    tokenizer: Tokenizer,
+    vocab: int,
+    max_model_len: int,
     params: SamplingParams | None = None,
-) -> tuple[str | None, list[int]]:  # fmt: skip
+) -> tuple[str | None, list[int]]:
     """The prompt's text (None when given as ids) and token ids, truncated as
     `params.truncate_prompt_tokens` says (the text then being the kept tokens')."""
     if isinstance(prompt, str):
@@ -26,8 +29,9 @@ def prompt_token_ids(
     if not ids:
         raise ValueError("prompt must not be empty")
     if params is not None and params.truncate_prompt_tokens is not None:
-        ids = truncated(ids, params, max_model_len, tokenizer.bos_token_id
-                        if isinstance(prompt, str) else None)  # fmt: skip
+        ids = truncated(
+            ids, params, max_model_len, tokenizer.bos_token_id if isinstance(prompt, str) else None
+        )
         text = None if text is None else tokenizer.decode(ids, skip_special_tokens=False)
     if len(ids) >= max_model_len:
         raise ValueError(
@@ -37,8 +41,9 @@ def prompt_token_ids(
     return text, list(ids)
 
 
-def truncated(ids: list[int], params: SamplingParams, max_model_len: int,
-              bos: int | None) -> list[int]:  # fmt: skip
+def truncated(
+    ids: list[int], params: SamplingParams, max_model_len: int, bos: int | None
+) -> list[int]:
     """The last truncate_prompt_tokens of `ids` (-1: all that leave room for max_tokens), a
     leading `bos` kept first: the tokenizer put it there, and models need it."""
     k = params.truncate_prompt_tokens
@@ -46,22 +51,26 @@ def truncated(ids: list[int], params: SamplingParams, max_model_len: int,
     if k == -1:
         k = max(max_model_len - (params.max_tokens or 1), 1)
     elif k >= max_model_len:
-        raise ValueError(f"truncate_prompt_tokens ({k}) must be below max_model_len "
-                         f"({max_model_len}), to leave room for output")  # fmt: skip
+        raise ValueError(
+            f"truncate_prompt_tokens ({k}) must be below max_model_len "
+            f"({max_model_len}), to leave room for output"
+        )
     if len(ids) <= k:
         return list(ids)
     if bos is not None and ids[0] == bos and k > 1:
-        return [bos, *ids[len(ids) - k + 1:]]
-    return list(ids[len(ids) - k:])
+        return [bos, *ids[len(ids) - k + 1 :]]
+    return list(ids[len(ids) - k :])
 
 
 def check_token_ids(params: SamplingParams, vocab: int, eos_token_ids: frozenset[int]) -> None:
     """The params' token ids against the vocabulary (>= 0: SamplingParams checks that)."""
     bad_ids = [t for seq in params.bad_words_token_ids for t in seq]
-    for name, ids in (("stop_token_ids", params.stop_token_ids),
-                      ("logit_bias", params.logit_bias or ()),
-                      ("allowed_token_ids", params.allowed_token_ids or ()),
-                      ("bad_words_token_ids", bad_ids)):  # fmt: skip
+    for name, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", params.logit_bias or ()),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("bad_words_token_ids", bad_ids),
+    ):
         if any(t >= vocab for t in ids):
             raise ValueError(f"{name} must be token ids in [0, {vocab})")
     # Before min_tokens the workers ban eos and the stop ids: something must be left.
@@ -69,11 +78,15 @@ def check_token_ids(params: SamplingParams, vocab: int, eos_token_ids: frozenset
         banned = eos_token_ids | set(params.stop_token_ids)
         allowed = params.allowed_token_ids
         if allowed is not None and banned.issuperset(allowed):
-            raise ValueError("allowed_token_ids holds only eos and stop ids, which min_tokens "
-                             "bans: nothing is left to sample")  # fmt: skip
+            raise ValueError(
+                "allowed_token_ids holds only eos and stop ids, which min_tokens "
+                "bans: nothing is left to sample"
+            )
         if len(banned) >= vocab and sum(t < vocab for t in banned) >= vocab:
-            raise ValueError("stop_token_ids and eos cover the vocabulary, and min_tokens "
-                             "bans them: nothing is left to sample")  # fmt: skip
+            raise ValueError(
+                "stop_token_ids and eos cover the vocabulary, and min_tokens "
+                "bans them: nothing is left to sample"
+            )
 
 
 def check_request_id(request_id: object) -> str:
@@ -84,8 +97,7 @@ def check_request_id(request_id: object) -> str:
             return request_id
         except UnicodeEncodeError:  # a lone surrogate
             pass
-    raise ValueError(f"request_id must be a string (of whole UTF-8 characters), got "
-                     f"{request_id!r}")  # fmt: skip
+    raise ValueError(f"request_id must be a string (of whole UTF-8 characters), got {request_id!r}")
 
 
 def check_priority(priority: object, policy: str) -> None:
@@ -94,8 +106,10 @@ def check_priority(priority: object, policy: str) -> None:
     if type(priority) is not int:
         raise ValueError(f"priority must be an integer, got {priority!r}")
     if priority and policy != "priority":
-        raise ValueError(f"priority {priority} needs scheduling_policy='priority' (this engine "
-                         f"schedules {policy})")  # fmt: skip
+        raise ValueError(
+            f"priority {priority} needs scheduling_policy='priority' (this engine "
+            f"schedules {policy})"
+        )
 
 
 def with_bad_words_encoded(params: SamplingParams, tokenizer: Tokenizer) -> SamplingParams:
@@ -108,7 +122,10 @@ def with_bad_words_encoded(params: SamplingParams, tokenizer: Tokenizer) -> Samp
     for word in params.bad_words:  # (the server bounds their length: this runs in the loop)
         alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        sequences.update(dict.fromkeys([alone] if len(spaced) != len(alone)
-                                       or spaced[:1] == alone[:1] else [alone, spaced]))
+        sequences.update(
+            dict.fromkeys(
+                [alone] if len(spaced) != len(alone) or spaced[:1] == alone[:1] else [alone, spaced]
+            )
+        )
     sequences.pop((), None)  # a word that encodes to nothing bans nothing
     return replace_checked(params, bad_words_token_ids=tuple(sequences))

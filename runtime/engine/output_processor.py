@@ -81,9 +81,15 @@ class ParentRequest:
             outputs = [self.children[i] for i in sorted(self.children)]
         self.collector.put(
             RequestOutput(
-                self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
-                self.metrics, self.num_cached_tokens, self._prompt_logprobs_to_send(),
-            )  # fmt: skip
+                self.request_id,
+                self.prompt,
+                self.prompt_token_ids,
+                outputs,
+                finished,
+                self.metrics,
+                self.num_cached_tokens,
+                self._prompt_logprobs_to_send(),
+            )
         )
 
 
@@ -122,15 +128,18 @@ class OutputProcessor:
         for index, child_id in enumerate(child_ids):
             params = parent.params
             self.states[child_id] = RequestState(
-                parent, index,
+                parent,
+                index,
                 IncrementalDetokenizer(
-                    self.tokenizer, parent.prompt_token_ids,
-                    skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                    self.tokenizer,
+                    parent.prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
                     include_stop_str_in_output=params.include_stop_str_in_output,
                     min_tokens=params.min_tokens,
                 ),
                 logprobs=[] if params.logprobs is not None else None,
-            )  # fmt: skip
+            )
         return child_ids
 
     def remove(self, request_id: str, finish_reason: str = "abort") -> list[str]:
@@ -172,9 +181,12 @@ class OutputProcessor:
             assert entries is not None and 1 <= chunk.start
             assert chunk.start + len(chunk.token_logprobs) <= len(entries)
             rows = zip(
-                chunk.token_logprobs.tolist(), chunk.ranks.tolist(),
-                chunk.top_token_ids.tolist(), chunk.top_logprobs.tolist(), strict=True,
-            )  # fmt: skip
+                chunk.token_logprobs.tolist(),
+                chunk.ranks.tolist(),
+                chunk.top_token_ids.tolist(),
+                chunk.top_logprobs.tolist(),
+                strict=True,
+            )
             for position, (logprob, rank, top_ids, top_lps) in enumerate(rows, chunk.start):
                 token_id = parent.prompt_token_ids[position]
                 entry = {token_id: Logprob(logprob, rank, decode(token_id))}
@@ -278,8 +290,13 @@ class OutputProcessor:
             token_ids = list(state.token_ids)
             logprobs = None if state.logprobs is None else list(state.logprobs)
         completion = CompletionOutput(
-            state.index, text, token_ids, state.cumulative_logprob, logprobs,
-            state.finish_reason, state.stop_reason,
-        )  # fmt: skip
+            state.index,
+            text,
+            token_ids,
+            state.cumulative_logprob,
+            logprobs,
+            state.finish_reason,
+            state.stop_reason,
+        )
         state.parent.children[state.index] = completion
         return completion

@@ -37,9 +37,12 @@ class Replica:
     """One worker group and the EngineCore that drives it; `dead` once a rank is lost."""
 
     def __init__(
-        self, index: int, config: EngineConfig, engine_id: str,
+        self,
+        index: int,
+        config: EngineConfig,
+        engine_id: str,
         on_death: Callable[[Replica], bool],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.index = index
         self.config = config
         self.engine_id = engine_id
@@ -56,9 +59,12 @@ class Replica:
         self._death_reported = anyio.Event()
 
     async def start(
-        self, stack: AsyncExitStack, tg: TaskGroup, manager: ManagerClient,
+        self,
+        stack: AsyncExitStack,
+        tg: TaskGroup,
+        manager: ManagerClient,
         tokenizer: Tokenizer | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Acquire and attach the workers, start the step loop; `stack` undoes it all.
 
         `tokenizer`: one an earlier replica loaded (same model), else None to load it.

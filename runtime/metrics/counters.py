@@ -12,17 +12,73 @@ from dataclasses import dataclass
 # Upper bounds in seconds, as vLLM's: the first token from 1 ms to ~40 min, the gap between
 # tokens from 10 ms to 80 s, a whole request from 0.3 s to ~2 h.
 TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 ITL_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0,
-)  # fmt: skip
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 E2E_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 # "error": the worker failed the step that held the sequence, or the engine died.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -42,8 +98,9 @@ class HistogramSnapshot:
         if other.bounds != self.bounds:
             raise ValueError("histograms with different bounds do not add")
         counts = tuple(a + b for a, b in zip(self.counts, other.counts, strict=True))
-        return HistogramSnapshot(self.bounds, counts, self.sum + other.sum,
-                                 self.count + other.count)  # fmt: skip
+        return HistogramSnapshot(
+            self.bounds, counts, self.sum + other.sum, self.count + other.count
+        )
 
     def cumulative_buckets(self) -> list[tuple[float, int]]:
         """(upper bound, values <= it) pairs, ending with (inf, count): Prometheus' `le`."""
@@ -88,9 +145,13 @@ class EngineMetrics:
     """
 
     __slots__ = (
-        "num_prompt_tokens", "num_generation_tokens", "num_finished", "time_to_first_token",
-        "inter_token_latency", "e2e_request_latency",
-    )  # fmt: skip
+        "num_prompt_tokens",
+        "num_generation_tokens",
+        "num_finished",
+        "time_to_first_token",
+        "inter_token_latency",
+        "e2e_request_latency",
+    )
 
     def __init__(self) -> None:
         self.num_prompt_tokens = 0

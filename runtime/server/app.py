@@ -53,8 +53,13 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # may decode to a lone su
 
 
 def too_large(max_bytes: int) -> ApiError:
-    return ApiError(413, f"the request body is larger than {max_bytes} bytes", None,
-                    "invalid_request_error", "request_too_large")  # fmt: skip
+    return ApiError(
+        413,
+        f"the request body is larger than {max_bytes} bytes",
+        None,
+        "invalid_request_error",
+        "request_too_large",
+    )
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -80,8 +85,13 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
         raise too_large(max_bytes)
     content_type = request.headers.get("content-type")
     if content_type and not _is_json_media_type(content_type):
-        raise ApiError(415, f"Content-Type must be application/json, got {content_type!r}"[:300],
-                       None, "invalid_request_error", "unsupported_media_type")  # fmt: skip
+        raise ApiError(
+            415,
+            f"Content-Type must be application/json, got {content_type!r}"[:300],
+            None,
+            "invalid_request_error",
+            "unsupported_media_type",
+        )
     raw = b"".join(chunks)
     try:
         # UTF-8 only (RFC 8259), a byte order mark tolerated; json.loads(bytes) would also
@@ -99,8 +109,9 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
 
 def _is_json_media_type(content_type: str) -> bool:
     media = content_type.split(";", 1)[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/")
-                                           and media.endswith("+json"))  # fmt: skip
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
 
 
 def _check_json_values(raw: bytes, body: Any) -> None:
@@ -122,8 +133,11 @@ def _check_json_values(raw: bytes, body: Any) -> None:
             try:
                 value.encode()
             except UnicodeEncodeError:
-                raise bad("the request body holds a string with an unpaired UTF-16 surrogate "
-                          "escape (\\ud800-\\udfff): not text", None) from None  # fmt: skip
+                raise bad(
+                    "the request body holds a string with an unpaired UTF-16 surrogate "
+                    "escape (\\ud800-\\udfff): not text",
+                    None,
+                ) from None
             continue
         if depth > MAX_JSON_DEPTH:
             raise bad(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", None)
@@ -169,11 +183,16 @@ async def answer(engine: Engine, request: Request, req: Any, model: str) -> Resp
 
 
 def build_app(
-    engine: Engine | EngineSlot, served_model_name: str | None = None, *,
-    api_key: str | None = None, health_timeout: float = 10.0,
-    max_body_bytes: int = MAX_BODY_BYTES, trust_request_chat_template: bool = False,
-    tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-) -> Starlette:  # fmt: skip
+    engine: Engine | EngineSlot,
+    served_model_name: str | None = None,
+    *,
+    api_key: str | None = None,
+    health_timeout: float = 10.0,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    trust_request_chat_template: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+) -> Starlette:
     """An ASGI app serving `engine` under the model name `served_model_name`.
 
     `engine` may be an EngineSlot whose engine is replaced while the app runs (restarts);
@@ -186,11 +205,14 @@ def build_app(
     chat answers' reasoning is split out into the message's `reasoning`.
     """
     if tool_call_parser not in (None, *TOOL_PARSERS):
-        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
-                         f"got {tool_call_parser!r}")  # fmt: skip
+        raise ValueError(
+            f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {tool_call_parser!r}"
+        )
     if reasoning_parser not in (None, *REASONING_PARSERS):
-        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
-                         f"got {reasoning_parser!r}")  # fmt: skip
+        raise ValueError(
+            f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+            f"got {reasoning_parser!r}"
+        )
     slot = engine if isinstance(engine, EngineSlot) else EngineSlot(engine)
     first = slot.require()
     root, max_model_len = first.config.model, first.max_model_len
@@ -201,8 +223,14 @@ def build_app(
         return await read_json(request, max_body_bytes)
 
     async def models(request: Request) -> Response:
-        card = {"id": model, "object": "model", "created": created, "owned_by": "loomllm",
-                "root": root, "max_model_len": max_model_len}  # fmt: skip
+        card = {
+            "id": model,
+            "object": "model",
+            "created": created,
+            "owned_by": "loomllm",
+            "root": root,
+            "max_model_len": max_model_len,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(request: Request) -> Response:
@@ -217,10 +245,14 @@ def build_app(
         check_model(body, model)
         engine = slot.require()
         assert engine.tokenizer is not None
-        req = parse_chat(body, engine.tokenizer.chat_templates, trust_request_chat_template,
-                         auto_tools=tool_call_parser is not None,
-                         reasoning_parser=reasoning_parser,
-                         defaults=engine.sampling_defaults)  # fmt: skip
+        req = parse_chat(
+            body,
+            engine.tokenizer.chat_templates,
+            trust_request_chat_template,
+            auto_tools=tool_call_parser is not None,
+            reasoning_parser=reasoning_parser,
+            defaults=engine.sampling_defaults,
+        )
         return await answer(engine, request, req, model)
 
     async def tokenize(request: Request) -> Response:
@@ -231,12 +263,14 @@ def build_app(
         add_special = field(body, "add_special_tokens", "bool", True)
         text = field(body, "prompt", "str")  # checked even when messages win
         # Checked even when a prompt is tokenized: the schema states them for every body.
-        template = parse_template_fields(body, tokenizer.chat_templates,
-                                         trust_request_chat_template)  # fmt: skip
+        template = parse_template_fields(
+            body, tokenizer.chat_templates, trust_request_chat_template
+        )
         if body.get("messages") is not None:
             try:
-                text = tokenizer.apply_chat_template(field(body, "messages", "list"),
-                                                     **template.render_kwargs())  # fmt: skip
+                text = tokenizer.apply_chat_template(
+                    field(body, "messages", "list"), **template.render_kwargs()
+                )
             except ValueError as exc:
                 raise from_value_error(exc, "messages", TEMPLATE_ERRORS) from None
             ids = tokenizer.encode(text, add_special_tokens=False)
@@ -274,13 +308,18 @@ def build_app(
         return JSONResponse({"status": "ok"})
 
     assert first.tokenizer is not None
-    schema = build_openapi(model, max_model_len, first.model_info.vocab_size,
-                           needs_api_key=api_key is not None, open_paths=OPEN_PATHS,
-                           template_names=first.tokenizer.chat_templates,
-                           trust_request_chat_template=trust_request_chat_template,
-                           auto_tools=tool_call_parser is not None,
-                           reasoning=reasoning_parser is not None,
-                           priority=first.config.scheduling_policy == "priority")  # fmt: skip
+    schema = build_openapi(
+        model,
+        max_model_len,
+        first.model_info.vocab_size,
+        needs_api_key=api_key is not None,
+        open_paths=OPEN_PATHS,
+        template_names=first.tokenizer.chat_templates,
+        trust_request_chat_template=trust_request_chat_template,
+        auto_tools=tool_call_parser is not None,
+        reasoning=reasoning_parser is not None,
+        priority=first.config.scheduling_policy == "priority",
+    )
 
     async def openapi(request: Request) -> Response:
         return JSONResponse(schema)
@@ -312,8 +351,9 @@ def build_app(
 def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-    response = error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
-                                       f"{exc.detail}", None, kind))  # fmt: skip
+    response = error_response(
+        ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", None, kind)
+    )
     response.headers.update(exc.headers or {})  # 405's Allow (RFC 9110)
     return response
 
@@ -331,8 +371,7 @@ def _guard(handler: Callable[[Request], Awaitable[Response]]) -> Callable[..., A
             return Response(status_code=499)
         except Exception as exc:
             logger.exception("internal error on %s", request.url.path)
-            return error_response(ApiError(500, f"internal error: {exc!r}", None,
-                                           "internal_error"))  # fmt: skip
+            return error_response(ApiError(500, f"internal error: {exc!r}", None, "internal_error"))
 
     return guarded
 
@@ -359,8 +398,13 @@ def _with_api_key(app: Starlette, api_key: str) -> Any:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, expected):
-                error = ApiError(401, "missing or wrong API key: send Authorization: Bearer "
-                                 "<key>", None, "authentication_error", "invalid_api_key")
+                error = ApiError(
+                    401,
+                    "missing or wrong API key: send Authorization: Bearer <key>",
+                    None,
+                    "authentication_error",
+                    "invalid_api_key",
+                )
                 await _drain_body(receive, MAX_BODY_BYTES)
                 await error_response(error)(scope, receive, send)
                 return

@@ -39,9 +39,11 @@ class LoopTasksCollector:
     """The server process' event-loop task count: flat when idle, or something leaks."""
 
     def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily(PREFIX + "event_loop_tasks", "Tasks alive in the server's "
-                                "event loop (all of them, this scrape's included).",
-                                value=count_loop_tasks())  # fmt: skip
+        yield GaugeMetricFamily(
+            PREFIX + "event_loop_tasks",
+            "Tasks alive in the server's event loop (all of them, this scrape's included).",
+            value=count_loop_tasks(),
+        )
 
 
 class EngineCollector:
@@ -62,53 +64,112 @@ class EngineCollector:
         except EngineClosedError:
             return
         labels = [self.model_name]
-        yield _gauge("num_requests_running", "Requests holding KV blocks, in the batch.",
-                     labels, stats.num_running)  # fmt: skip
-        yield _gauge("num_requests_waiting", "Requests queued (new or preempted).",
-                     labels, stats.num_waiting)  # fmt: skip
-        yield _gauge("kv_cache_usage_perc", "Share of KV cache blocks in use, 0 to 1.",
-                     labels, stats.kv_cache_usage)  # fmt: skip
-        yield _gauge("prefix_cache_hit_rate", "Share of queried prompt tokens found in the "
-                     "prefix cache, since start.", labels, stats.prefix_cache_hit_rate)  # fmt: skip
-        yield _counter("prompt_tokens", "Prompt tokens processed (once per request).",
-                       labels, stats.num_prompt_tokens)  # fmt: skip
-        yield _counter("generation_tokens", "Tokens generated.", labels,
-                       stats.num_generation_tokens)  # fmt: skip
-        yield _counter("num_preemptions", "Requests preempted (KV freed, to be recomputed).",
-                       labels, stats.num_preemptions)  # fmt: skip
+        yield _gauge(
+            "num_requests_running",
+            "Requests holding KV blocks, in the batch.",
+            labels,
+            stats.num_running,
+        )
+        yield _gauge(
+            "num_requests_waiting", "Requests queued (new or preempted).", labels, stats.num_waiting
+        )
+        yield _gauge(
+            "kv_cache_usage_perc",
+            "Share of KV cache blocks in use, 0 to 1.",
+            labels,
+            stats.kv_cache_usage,
+        )
+        yield _gauge(
+            "prefix_cache_hit_rate",
+            "Share of queried prompt tokens found in the prefix cache, since start.",
+            labels,
+            stats.prefix_cache_hit_rate,
+        )
+        yield _counter(
+            "prompt_tokens",
+            "Prompt tokens processed (once per request).",
+            labels,
+            stats.num_prompt_tokens,
+        )
+        yield _counter(
+            "generation_tokens", "Tokens generated.", labels, stats.num_generation_tokens
+        )
+        yield _counter(
+            "num_preemptions",
+            "Requests preempted (KV freed, to be recomputed).",
+            labels,
+            stats.num_preemptions,
+        )
         success = CounterMetricFamily(
-            PREFIX + "request_success", "Finished sequences by finish reason.",
+            PREFIX + "request_success",
+            "Finished sequences by finish reason.",
             labels=["model_name", "finished_reason"],
-        )  # fmt: skip
+        )
         reasons = list(FINISH_REASONS) + sorted(set(stats.num_finished) - set(FINISH_REASONS))
         for reason in reasons:
             success.add_metric([self.model_name, reason], stats.num_finished.get(reason, 0))
         yield success
-        yield _histogram("time_to_first_token_seconds", "Arrival to a sequence's first token.",
-                         labels, stats.time_to_first_token)  # fmt: skip
-        yield _histogram("inter_token_latency_seconds", "Gap between consecutive tokens of "
-                         "one sequence.", labels, stats.inter_token_latency)  # fmt: skip
-        yield _histogram("e2e_request_latency_seconds", "Arrival to a sequence's end.",
-                         labels, stats.e2e_request_latency)  # fmt: skip
+        yield _histogram(
+            "time_to_first_token_seconds",
+            "Arrival to a sequence's first token.",
+            labels,
+            stats.time_to_first_token,
+        )
+        yield _histogram(
+            "inter_token_latency_seconds",
+            "Gap between consecutive tokens of one sequence.",
+            labels,
+            stats.inter_token_latency,
+        )
+        yield _histogram(
+            "e2e_request_latency_seconds",
+            "Arrival to a sequence's end.",
+            labels,
+            stats.e2e_request_latency,
+        )
         if stats.replicas:
             yield from self._per_replica(stats.replicas)
 
     def _per_replica(self, replicas: tuple[EngineStats, ...]) -> Iterator[Metric]:
         """Data parallel: the main figures again, one sample per replica (label `replica`)."""
         rows: list[tuple[Any, str, str, Callable[[EngineStats], float]]] = [
-            (GaugeMetricFamily, "replica_up", "1 while the replica serves, 0 once its worker "
-             "died.", lambda s: float(s.is_alive)),
-            (GaugeMetricFamily, "replica_num_requests_running", "Requests in the replica's "
-             "batch.", lambda s: s.num_running),
-            (GaugeMetricFamily, "replica_num_requests_waiting", "Requests queued at the "
-             "replica.", lambda s: s.num_waiting),
-            (GaugeMetricFamily, "replica_kv_cache_usage_perc", "Share of the replica's KV "
-             "blocks in use, 0 to 1.", lambda s: s.kv_cache_usage),
-            (CounterMetricFamily, "replica_generation_tokens", "Tokens the replica generated.",
-             lambda s: s.num_generation_tokens),
-            (CounterMetricFamily, "replica_requests_finished", "Sequences the replica "
-             "finished, for any reason.", lambda s: sum(s.num_finished.values())),
-        ]  # fmt: skip
+            (
+                GaugeMetricFamily,
+                "replica_up",
+                "1 while the replica serves, 0 once its worker died.",
+                lambda s: float(s.is_alive),
+            ),
+            (
+                GaugeMetricFamily,
+                "replica_num_requests_running",
+                "Requests in the replica's batch.",
+                lambda s: s.num_running,
+            ),
+            (
+                GaugeMetricFamily,
+                "replica_num_requests_waiting",
+                "Requests queued at the replica.",
+                lambda s: s.num_waiting,
+            ),
+            (
+                GaugeMetricFamily,
+                "replica_kv_cache_usage_perc",
+                "Share of the replica's KV blocks in use, 0 to 1.",
+                lambda s: s.kv_cache_usage,
+            ),
+            (
+                CounterMetricFamily,
+                "replica_generation_tokens",
+                "Tokens the replica generated.",
+                lambda s: s.num_generation_tokens,
+            ),
+            (
+                CounterMetricFamily,
+                "replica_requests_finished",
+                "Sequences the replica finished, for any reason.",
+                lambda s: sum(s.num_finished.values()),
+            ),
+        ]
         for family_type, name, doc, value in rows:
             family = family_type(PREFIX + name, doc, labels=["model_name", "replica"])
             for index, replica in enumerate(replicas):

@@ -45,9 +45,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def serve(
-    app: Any, bind: str, shutdown_trigger: Callable[[], Awaitable[Any]],
+    app: Any,
+    bind: str,
+    shutdown_trigger: Callable[[], Awaitable[Any]],
     graceful_timeout: float = 5.0,
-) -> None:  # fmt: skip
+) -> None:
     """Serve `app` until `shutdown_trigger()` returns, then stop listening and give
     in-flight requests `graceful_timeout` seconds before their connections are dropped.
 

@@ -48,10 +48,14 @@ class EngineSlot:
 
 
 async def supervise(
-    open_engine: Callable[[], Engine], slot: EngineSlot, *, restart_on_failure: bool = True,
-    max_restarts: int = 5, restart_window_s: float = 600.0,
+    open_engine: Callable[[], Engine],
+    slot: EngineSlot,
+    *,
+    restart_on_failure: bool = True,
+    max_restarts: int = 5,
+    restart_window_s: float = 600.0,
     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-) -> None:  # fmt: skip
+) -> None:
     """Run engines from `open_engine()` into `slot` until cancelled.
 
     Reports started once the first engine runs (its start errors are raised to the caller).
@@ -89,8 +93,10 @@ async def supervise(
                 slot.fail(f"the engine died and restarts are off: {exc}")
                 return
             if len(deaths) > max_restarts:
-                slot.fail(f"the engine died {len(deaths)} times within {restart_window_s:.0f} s;"
-                          f" giving up. Last: {exc}")  # fmt: skip
+                slot.fail(
+                    f"the engine died {len(deaths)} times within {restart_window_s:.0f} s;"
+                    f" giving up. Last: {exc}"
+                )
                 return
             slot.restarts += 1
         finally:
@@ -110,7 +116,9 @@ async def drain(slot: EngineSlot, grace_s: float) -> None:
         await engine.wait_until_idle()
     if scope.cancelled_caught:
         stats = engine.stats()
-        logger.warning("grace period over: aborting %d running and %d waiting requests",
-                       stats.num_running, stats.num_waiting)  # fmt: skip
+        logger.warning(
+            "grace period over: aborting %d running and %d waiting requests",
+            stats.num_running,
+            stats.num_waiting,
+        )
         engine.abort_all()
-

@@ -17,8 +17,15 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # The special-token variables transformers hands every chat template (its special_tokens_map).
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                       "cls_token", "mask_token")  # fmt: skip
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class Tokenizer:
@@ -57,9 +64,10 @@ class Tokenizer:
         inner.no_truncation()
         config = _read_json(path / "tokenizer_config.json")
         special = {
-            name: content for name in SPECIAL_TOKEN_NAMES
+            name: content
+            for name in SPECIAL_TOKEN_NAMES
             if (content := _token_content(config.get(name))) is not None
-        }  # fmt: skip
+        }
         model_config = _read_json(path / "config.json")
         text_config = model_config.get("text_config")  # multimodal models nest the LM's config
         sources = [_read_json(path / "generation_config.json"), model_config, text_config or {}]
@@ -69,9 +77,12 @@ class Tokenizer:
         if bos_id is None and isinstance(model_config.get("bos_token_id"), int):
             bos_id = model_config["bos_token_id"]
         return cls(
-            inner, eos_token_ids=frozenset(eos), bos_token_id=bos_id,
-            special_tokens=special, chat_templates=_load_chat_templates(path, config),
-        )  # fmt: skip
+            inner,
+            eos_token_ids=frozenset(eos),
+            bos_token_id=bos_id,
+            special_tokens=special,
+            chat_templates=_load_chat_templates(path, config),
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; add_special_tokens=False for text that already has them (chats)."""
@@ -83,8 +94,9 @@ class Tokenizer:
             bad = next((i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF), None)
             if bad is None:
                 raise
-            raise ValueError(f"text is not valid Unicode: a lone surrogate "
-                             f"{text[bad]!r} at index {bad}") from None  # fmt: skip
+            raise ValueError(
+                f"text is not valid Unicode: a lone surrogate {text[bad]!r} at index {bad}"
+            ) from None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (whole-sequence decode; see IncrementalDetokenizer for streaming)."""
@@ -95,9 +107,13 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], /, add_generation_prompt: bool = True,
-        continue_final_message: bool = False, **kwargs: Any,
-    ) -> str:  # fmt: skip
+        self,
+        messages: list[dict[str, Any]],
+        /,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str:
         """Render `messages` as the model's prompt text; encode it with add_special_tokens=False.
 
         `tools` and `documents` reach the template as in transformers; other keyword arguments
@@ -107,8 +123,10 @@ class Tokenizer:
         Bad messages or a template that rejects them: ValueError.
         """
         if add_generation_prompt and continue_final_message:
-            raise ValueError("continue_final_message goes on with the final message, "
-                             "add_generation_prompt starts a new one: set one of them at most")
+            raise ValueError(
+                "continue_final_message goes on with the final message, "
+                "add_generation_prompt starts a new one: set one of them at most"
+            )
         chat = _prepare_messages(messages)
         if continue_final_message:
             chat[-1] = _marked_final_message(chat[-1])
@@ -122,15 +140,19 @@ class Tokenizer:
         variables = _plain({**self.special_tokens, **kwargs})  # kwargs win, as in transformers
         try:
             text = template.render(
-                variables, messages=chat, tools=_plain(tools), documents=_plain(documents),
+                variables,
+                messages=chat,
+                tools=_plain(tools),
+                documents=_plain(documents),
                 add_generation_prompt=add_generation_prompt,
-            )  # fmt: skip
+            )
         except jinja2.TemplateError as exc:
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc
         except Exception as exc:  # the template's own code failed on these messages' values
             # (Llama 3.1's takes `message.tool_calls|length`: a TypeError on a number)
-            raise ValueError(f"the chat template failed on these messages: "
-                             f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+            raise ValueError(
+                f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
+            ) from exc
         return _cut_at_marker(text) if continue_final_message else text
 
     def _template(self, choice: str | None, has_tools: bool) -> jinja2.Template:
@@ -179,8 +201,10 @@ def _cut_at_marker(text: str) -> str:
     """The rendered prompt up to the final message's end (its end-of-turn tokens dropped)."""
     at = text.rfind(_CONTINUE_MARKER)
     if at < 0:
-        raise ValueError("continue_final_message: the chat template does not render the final "
-                         "message's text as it is, so there is no place to go on from")
+        raise ValueError(
+            "continue_final_message: the chat template does not render the final "
+            "message's text as it is, so there is no place to go on from"
+        )
     kept_blanks = text.startswith(" ", at + len(_CONTINUE_MARKER))
     return text[:at] if kept_blanks else text[:at].rstrip()
 
@@ -199,11 +223,17 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # As transformers: no HTML escaping (jinja's own tojson escapes <, >, &, ').
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -247,8 +277,9 @@ def _prepare_messages(messages: Any) -> list[dict[str, Any]]:
         ):
             raise ValueError(f"{where}.tool_calls must be a list of tool call objects")
         if calls is not None:
-            message["tool_calls"] = [_with_parsed_arguments(c, f"{where}.tool_calls[{j}]")
-                                     for j, c in enumerate(calls)]  # fmt: skip
+            message["tool_calls"] = [
+                _with_parsed_arguments(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
+            ]
         chat.append(_plain(message))
     return chat
 
@@ -264,8 +295,9 @@ def _with_parsed_arguments(call: Mapping[str, Any], where: str) -> Mapping[str, 
     try:
         parsed = json.loads(arguments) if arguments.strip() else {}
     except (ValueError, RecursionError):
-        raise ValueError(f"{where}.function.arguments must be JSON, got "
-                         f"{arguments[:80]!r}") from None
+        raise ValueError(
+            f"{where}.function.arguments must be JSON, got {arguments[:80]!r}"
+        ) from None
     return {**call, "function": {**function, "arguments": parsed}}
 
 

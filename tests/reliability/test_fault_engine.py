@@ -24,8 +24,9 @@ from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 
 TRIALS = 10
 DETECT_S = 1.0  # every in-flight stream ends within this after the fault
-LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True,
-                      output_kind=RequestOutputKind.DELTA)  # fmt: skip
+LONG = SamplingParams(
+    max_tokens=400, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+)
 SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
@@ -63,8 +64,9 @@ async def stream_until_flowing(tg, engine: Engine, prompts: list[str]):
 async def test_worker_killed_mid_stream_fails_every_stream_within_1s(
     tiny_model, shared_manager, fault_report, anyio_backend
 ):
-    open_engine = partial(Engine, tiny_model, manager_socket=shared_manager.socket,
-                          dtype="float32", max_num_seqs=13)  # fmt: skip
+    open_engine = partial(
+        Engine, tiny_model, manager_socket=shared_manager.socket, dtype="float32", max_num_seqs=13
+    )
 
     async def own_engine(*, task_status) -> None:
         # The engine's owner, as a server's supervisor holds it: the streams are read by
@@ -87,16 +89,18 @@ async def test_worker_killed_mid_stream_fails_every_stream_within_1s(
         assert worst < DETECT_S, worst
         return worst
 
-    await fault_report.run_async(f"kill -9 worker mid-stream, Python ({anyio_backend})",
-                                 TRIALS, trial)  # fmt: skip
+    await fault_report.run_async(
+        f"kill -9 worker mid-stream, Python ({anyio_backend})", TRIALS, trial
+    )
 
 
 @pytest.mark.anyio
 async def test_step_that_raises_fails_its_requests_and_the_engine_serves_on(
     tiny_model, shared_manager, fault_report, anyio_backend
 ):
-    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-                      max_num_seqs=14) as engine:  # fmt: skip
+    async with Engine(
+        tiny_model, manager_socket=shared_manager.socket, dtype="float32", max_num_seqs=14
+    ) as engine:
 
         async def trial(_: int) -> float:
             async with anyio.create_task_group() as tg:
@@ -117,8 +121,9 @@ async def test_step_that_raises_fails_its_requests_and_the_engine_serves_on(
             assert stats.num_free_blocks == stats.num_total_blocks
             return worst
 
-        await fault_report.run_async(f"worker raises in the forward pass ({anyio_backend})",
-                                     TRIALS, trial)  # fmt: skip
+        await fault_report.run_async(
+            f"worker raises in the forward pass ({anyio_backend})", TRIALS, trial
+        )
 
 
 @pytest.mark.anyio
@@ -128,8 +133,13 @@ async def test_out_of_kv_blocks_preempts_and_every_request_finishes(
     # 8 blocks of 16 tokens. Four 20-token prompts fill them all (2 blocks each); each
     # request then grows to 4 blocks, so the scheduler must preempt (and recompute) to
     # finish them all.
-    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32",
-                      kv_cache_memory=8 * 8192, max_model_len=112) as engine:  # fmt: skip
+    async with Engine(
+        tiny_model,
+        manager_socket=shared_manager.socket,
+        dtype="float32",
+        kv_cache_memory=8 * 8192,
+        max_model_len=112,
+    ) as engine:
         assert engine.stats().num_total_blocks == 8
 
         async def run(prompt: str, max_tokens: int, done: list[int]) -> None:
@@ -180,8 +190,9 @@ async def test_worker_killed_inside_a_call_names_the_signal_and_the_next_engine_
 ):
     fifo = str(tmp_path / "fifo")
     os.mkfifo(fifo)
-    open_engine = partial(Engine, tiny_model, manager_socket=shared_manager.socket,
-                          dtype="float32", max_num_seqs=11)  # fmt: skip
+    open_engine = partial(
+        Engine, tiny_model, manager_socket=shared_manager.socket, dtype="float32", max_num_seqs=11
+    )
     with pytest.raises(EngineDeadError) as info:
         async with open_engine() as engine:
             pid = engine.worker_pids[0]
@@ -204,7 +215,8 @@ async def test_worker_killed_inside_a_call_names_the_signal_and_the_next_engine_
 async def test_worker_death_while_idle_ends_the_block(tiny_model, shared_manager):
     with pytest.raises(EngineDeadError, match="exited with code 3"):
         with anyio.fail_after(10):
-            async with Engine(tiny_model, manager_socket=shared_manager.socket,
-                              dtype="float32", max_num_seqs=10) as engine:  # fmt: skip
+            async with Engine(
+                tiny_model, manager_socket=shared_manager.socket, dtype="float32", max_num_seqs=10
+            ) as engine:
                 # Exits the worker from inside; the call itself never answers.
                 await engine.collective_rpc(lambda w: os._exit(3))

@@ -38,19 +38,25 @@ class Stream:
         self.status: int | None = None
         self.ended_at: float | None = None
         self.error: BaseException | None = None
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+        }
         self._thread = threading.Thread(target=self._run, args=(base_url, body), daemon=True)
         self._thread.start()
 
     def _run(self, base_url: str, body: dict) -> None:
         try:
-            with httpx.stream("POST", f"{base_url}/v1/completions", json=body,
-                              timeout=60) as response:  # fmt: skip
+            with httpx.stream(
+                "POST", f"{base_url}/v1/completions", json=body, timeout=60
+            ) as response:
                 self.status = response.status_code
                 for line in response.iter_lines():
                     if line.startswith("data: "):
-                        data = line[len("data: "):]
+                        data = line[len("data: ") :]
                         self.events.append(data if data == "[DONE]" else json.loads(data))
         except BaseException as exc:  # the test asserts on it
             self.error = exc
@@ -67,8 +73,13 @@ class Stream:
 
     @property
     def finish_reasons(self) -> list:
-        return [c["finish_reason"] for e in self.events if e != "[DONE]" and "choices" in e
-                for c in e["choices"] if c["finish_reason"] is not None]  # fmt: skip
+        return [
+            c["finish_reason"]
+            for e in self.events
+            if e != "[DONE]" and "choices" in e
+            for c in e["choices"]
+            if c["finish_reason"] is not None
+        ]
 
 
 def wait_until(predicate, timeout: float = 30, what: str = "condition") -> None:
@@ -87,8 +98,16 @@ def test_worker_killed_under_loom_serve(tiny_model, shared_manager, fault_report
     """Streams end with an SSE error within 1 s, /health turns 503, the server restarts
     the engine (default restart_on_failure) and the next request succeeds."""
     # More restarts than the default crash-loop limit (5 in 10 minutes) allows.
-    with loom_serve(tiny_model, shared_manager.socket, "tiny", "asyncio", "--max-num-seqs",
-                    "15", "--max-restarts", str(TRIALS)) as server:  # fmt: skip
+    with loom_serve(
+        tiny_model,
+        shared_manager.socket,
+        "tiny",
+        "asyncio",
+        "--max-num-seqs",
+        "15",
+        "--max-restarts",
+        str(TRIALS),
+    ) as server:
         base = server.base_url
 
         def trial(_: int) -> float:
@@ -125,8 +144,7 @@ def test_worker_killed_under_loom_serve(tiny_model, shared_manager, fault_report
             assert worst < DETECT_S, worst
             return worst
 
-        fault_report.run("kill -9 worker under loom serve (SSE error, 503, restart)",
-                         TRIALS, trial)  # fmt: skip
+        fault_report.run("kill -9 worker under loom serve (SSE error, 503, restart)", TRIALS, trial)
 
 
 def _parent(pid: int) -> int:
@@ -160,8 +178,12 @@ def test_manager_killed(tiny_model, manager, other_manager, fault_report):
             llm.generate(["w5"], GREEDY, use_tqdm=False)  # this engine is dead
         return gone_after
 
-    fault_report.run("kill -9 manager (workers gone; next engine starts a new one)",
-                     TRIALS, trial, lanes=len(lanes))  # fmt: skip
+    fault_report.run(
+        "kill -9 manager (workers gone; next engine starts a new one)",
+        TRIALS,
+        trial,
+        lanes=len(lanes),
+    )
     for lane in lanes:  # the 11th engine of each lane: after its last kill
         with LLM(tiny_model, manager_socket=lane.socket) as llm:
             [after] = llm.generate(["w5 w6 w7"], GREEDY, use_tqdm=False)
@@ -194,8 +216,10 @@ def test_user_process_killed_mid_stream(tiny_model, shared_manager, fault_report
     def trial(_: int) -> float:
         user = subprocess.Popen(
             [sys.executable, "-c", USER_SCRIPT.format(model=tiny_model)],
-            env=shared_manager.env, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            env=shared_manager.env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             worker = int(user.stdout.readline())  # three requests are streaming now
             killed_at = time.monotonic()
@@ -216,8 +240,7 @@ def test_user_process_killed_mid_stream(tiny_model, shared_manager, fault_report
         assert dropped_after < DETECT_S, dropped_after
         return dropped_after
 
-    fault_report.run("kill -9 user process mid-stream (worker drops, stays warm)",
-                     TRIALS, trial)  # fmt: skip
+    fault_report.run("kill -9 user process mid-stream (worker drops, stays warm)", TRIALS, trial)
 
 
 def test_sigterm_under_load(tiny_model, shared_manager, fault_report):
@@ -228,8 +251,9 @@ def test_sigterm_under_load(tiny_model, shared_manager, fault_report):
         # Even trials: a long grace, every stream runs to its end; odd: a short one that
         # ends streams far longer than it.
         grace, max_tokens = ("60", 60) if i % 2 == 0 else ("0.3", 500)
-        with loom_serve(tiny_model, shared_manager.socket, "tiny", "asyncio",
-                        "--shutdown-grace", grace) as server:  # fmt: skip
+        with loom_serve(
+            tiny_model, shared_manager.socket, "tiny", "asyncio", "--shutdown-grace", grace
+        ) as server:
             streams = [Stream(server.base_url, max_tokens, f"w{5 + k} w6") for k in range(4)]
             wait_until(lambda: all(s.events for s in streams), what="every stream to begin")
             signalled_at = time.monotonic()

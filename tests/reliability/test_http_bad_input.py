@@ -86,8 +86,14 @@ def wrong_types(prop: dict[str, Any]) -> list[Any]:
     kinds = types_of(prop)
     if "number" in kinds:
         kinds.add("integer")
-    candidates = {"integer": 7, "number": 1.5, "string": "7", "boolean": True, "array": [1],
-                  "object": {"a": 1}}  # fmt: skip
+    candidates = {
+        "integer": 7,
+        "number": 1.5,
+        "string": "7",
+        "boolean": True,
+        "array": [1],
+        "object": {"a": 1},
+    }
     return [value for kind, value in candidates.items() if kind not in kinds]
 
 
@@ -115,8 +121,15 @@ def field_cases(schema: dict[str, Any]) -> list[Case]:
                 continue
             if "enum" in prop:  # another model name is a 404; another value of an
                 # unsupported field (only its no-op values are listed) a 400
-                cases.append(Case(f"{path} {name}=other", path, with_field(path, name, "gpt-9"),
-                                  404 if name == "model" else 400, name))  # fmt: skip
+                cases.append(
+                    Case(
+                        f"{path} {name}=other",
+                        path,
+                        with_field(path, name, "gpt-9"),
+                        404 if name == "model" else 400,
+                        name,
+                    )
+                )
             for value in bad_values(prop):
                 label = f"{path} {name}={json.dumps(value)[:24]}"
                 cases.append(Case(label, path, with_field(path, name, value), 400, name))
@@ -140,37 +153,82 @@ def body_cases() -> list[Case]:
     for path in SCHEMA_NAME:
         base = json.dumps(BASE[path])
         raw = {
-            "empty": b"", "spaces": b"   ", "null": b"null", "list": b"[]", "number": b"7",
-            "string": b'"w5"', "truncated": base[:-1].encode(), "trailing": base.encode() + b"x",
-            "two objects": base.encode() * 2, "single quotes": base.replace('"', "'").encode(),
+            "empty": b"",
+            "spaces": b"   ",
+            "null": b"null",
+            "list": b"[]",
+            "number": b"7",
+            "string": b'"w5"',
+            "truncated": base[:-1].encode(),
+            "trailing": base.encode() + b"x",
+            "two objects": base.encode() * 2,
+            "single quotes": base.replace('"', "'").encode(),
             "invalid utf-8": b"\xff\xfe" + base.encode(),
             "invalid utf-8 in a string": base.replace("w5", "w5 \udcff").encode(
-                "utf-8", "surrogateescape"),
+                "utf-8", "surrogateescape"
+            ),
             "lone surrogate escape": base.replace("w5", "w5 \\ud800").encode(),
             "utf-16 body": base.encode("utf-16"),
             "100k nested lists": nested(100_000).encode(),
             "100k nested objects": ('{"a":' * 100_000 + "1" + "}" * 100_000).encode(),
-            "nested list field": base.replace('"max_tokens"', f'"x": {nested(100_000)}, '
-                                              '"max_tokens"').encode(),
+            "nested list field": base.replace(
+                '"max_tokens"', f'"x": {nested(100_000)}, "max_tokens"'
+            ).encode(),
             "one level too deep": with_field(path, "x", deep_list(MAX_JSON_DEPTH)),
-        }  # fmt: skip
+        }
         for label, body in raw.items():
             cases.append(Case(f"{path} {label}", path, body, 400, ANY_PARAM))
         padding = b" " * (TEN_MB - len(base))
         cases.append(Case(f"{path} 10 MB", path, base.encode()[:-1] + padding + b"}", 413, None))
-        for content_type in ("text/plain", "application/x-www-form-urlencoded",
-                             "multipart/form-data; boundary=x"):  # fmt: skip
-            cases.append(Case(f"{path} content-type {content_type}", path, base.encode(), 415,
-                              None, content_type))  # fmt: skip
+        for content_type in (
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=x",
+        ):
+            cases.append(
+                Case(
+                    f"{path} content-type {content_type}",
+                    path,
+                    base.encode(),
+                    415,
+                    None,
+                    content_type,
+                )
+            )
     return cases
 
 
 def prompt_cases() -> list[Case]:
-    prompts = [None, "", 5, True, {"text": "w5"}, [], [[]], [None], [-1], [256], [1.5],
-               [2**64], ["w5", 5], [[5], "w5"], [[5, "w5"]], [[5, [6]]], " ".join(["w5"] * 600),
-               NAN]  # fmt: skip
-    cases = [Case(f"prompt={json.dumps(p)[:24]}", COMPLETIONS,
-                  with_field(COMPLETIONS, "prompt", p), 400, "prompt") for p in prompts]
+    prompts = [
+        None,
+        "",
+        5,
+        True,
+        {"text": "w5"},
+        [],
+        [[]],
+        [None],
+        [-1],
+        [256],
+        [1.5],
+        [2**64],
+        ["w5", 5],
+        [[5], "w5"],
+        [[5, "w5"]],
+        [[5, [6]]],
+        " ".join(["w5"] * 600),
+        NAN,
+    ]
+    cases = [
+        Case(
+            f"prompt={json.dumps(p)[:24]}",
+            COMPLETIONS,
+            with_field(COMPLETIONS, "prompt", p),
+            400,
+            "prompt",
+        )
+        for p in prompts
+    ]
     for depth, param in ((50, "prompt"), (500, None)):  # past MAX_JSON_DEPTH: the whole body
         deep = with_field(COMPLETIONS, "prompt", "DEEP").replace(b'"DEEP"', nested(depth).encode())
         cases.append(Case(f"prompt {depth} lists deep", COMPLETIONS, deep, 400, param))
@@ -182,18 +240,38 @@ def message_cases() -> list[Case]:
         return {"role": "user", "content": "w5", **extra}
 
     messages = [
-        None, [], {}, "w5", 5, [None], [5], ["w5"], [[]], [{}], [{"role": "user"}],
-        [{"content": "w5"}], [{"role": None, "content": "w5"}], [{"role": "", "content": "w5"}],
-        [{"role": 5, "content": "w5"}], [{"role": ["user"], "content": "w5"}],
-        [{"role": "user", "content": None}], [{"role": "user", "content": 5}],
-        [{"role": "user", "content": {"text": "w5"}}], [{"role": "user", "content": [5]}],
+        None,
+        [],
+        {},
+        "w5",
+        5,
+        [None],
+        [5],
+        ["w5"],
+        [[]],
+        [{}],
+        [{"role": "user"}],
+        [{"content": "w5"}],
+        [{"role": None, "content": "w5"}],
+        [{"role": "", "content": "w5"}],
+        [{"role": 5, "content": "w5"}],
+        [{"role": ["user"], "content": "w5"}],
+        [{"role": "user", "content": None}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": {"text": "w5"}}],
+        [{"role": "user", "content": [5]}],
         [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
         [{"role": "user", "content": [{"type": "text"}]}],
         [{"role": "user", "content": [{"type": "text", "text": 5}]}],
-        [user(), None], [{"role": "user", "content": " ".join(["w5"] * 600)}],
-    ]  # fmt: skip
-    cases = [Case(f"messages={json.dumps(m)[:40]}", CHAT, with_field(CHAT, "messages", m), 400,
-                  "messages") for m in messages]  # fmt: skip
+        [user(), None],
+        [{"role": "user", "content": " ".join(["w5"] * 600)}],
+    ]
+    cases = [
+        Case(
+            f"messages={json.dumps(m)[:40]}", CHAT, with_field(CHAT, "messages", m), 400, "messages"
+        )
+        for m in messages
+    ]
     # Deep enough to break recursive code after parsing (the template's copy of the
     # messages), not the parser: refused for its depth.
     deep = with_field(CHAT, "messages", [user(x="DEEP")]).replace(b'"DEEP"', nested(900).encode())
@@ -205,17 +283,29 @@ def message_cases() -> list[Case]:
 # positions of max_model_len (512) where a huge max_tokens would otherwise run long.
 LONG_PROMPT = " ".join(["w5"] * 505)
 EXTREME = [
-    {"prompt": LONG_PROMPT, "max_tokens": 10**9}, {"prompt": LONG_PROMPT, "max_tokens": INT64_MAX},
-    {"top_k": INT64_MAX}, {"top_k": -1}, {"seed": INT64_MAX}, {"seed": INT64_MIN},
-    {"temperature": FLOAT_MAX}, {"temperature": 1e-300}, {"top_p": 1e-300}, {"min_p": 1.0},
-    {"repetition_penalty": FLOAT_MAX}, {"repetition_penalty": 1e-300},
+    {"prompt": LONG_PROMPT, "max_tokens": 10**9},
+    {"prompt": LONG_PROMPT, "max_tokens": INT64_MAX},
+    {"top_k": INT64_MAX},
+    {"top_k": -1},
+    {"seed": INT64_MAX},
+    {"seed": INT64_MIN},
+    {"temperature": FLOAT_MAX},
+    {"temperature": 1e-300},
+    {"top_p": 1e-300},
+    {"min_p": 1.0},
+    {"repetition_penalty": FLOAT_MAX},
+    {"repetition_penalty": 1e-300},
     {"presence_penalty": 2, "frequency_penalty": -2},
     {"stop_token_ids": [TINY_VOCAB - 1, 0], "min_tokens": 2},
-    {"logprobs": 20, "n": 3}, {"n": 128, "max_tokens": 1}, {"prompt": "w5 \u0000 \U0001f600"},
-    {"stop": ["x" * 100_000]}, {"stop": [f"s{i}" for i in range(1000)]},
-    {"min_tokens": 2, "max_tokens": 2, "ignore_eos": False}, {"unknown_field": {"a": [1]}},
+    {"logprobs": 20, "n": 3},
+    {"n": 128, "max_tokens": 1},
+    {"prompt": "w5 \u0000 \U0001f600"},
+    {"stop": ["x" * 100_000]},
+    {"stop": [f"s{i}" for i in range(1000)]},
+    {"min_tokens": 2, "max_tokens": 2, "ignore_eos": False},
+    {"unknown_field": {"a": [1]}},
     {"x": deep_list(MAX_JSON_DEPTH - 1)},  # the body is one level more: at the limit
-]  # fmt: skip
+]
 
 
 def check_error(response: httpx.Response, case: Case) -> str | None:
@@ -244,8 +334,7 @@ async def post(client: httpx.AsyncClient, case: Case) -> httpx.Response:
     return await client.post(case.path, content=case.body, headers=headers)
 
 
-async def test_every_bad_body_is_a_4xx_in_openai_shape(chat_model, shared_manager,
-                                                       record_property):  # fmt: skip
+async def test_every_bad_body_is_a_4xx_in_openai_shape(chat_model, shared_manager, record_property):
     async with running(chat_model, shared_manager) as (engine, client):
         schema = (await client.get("/openapi.json")).json()["components"]["schemas"]
         cases = field_cases(schema) + body_cases() + prompt_cases() + message_cases()
@@ -258,15 +347,18 @@ async def test_every_bad_body_is_a_4xx_in_openai_shape(chat_model, shared_manage
         for extra in EXTREME:
             response = await client.post(COMPLETIONS, json={**BASE[COMPLETIONS], **extra})
             if response.status_code != 200 or not response.json()["choices"]:
-                extreme_failures.append(f"{extra!r:.80}: {response.status_code} "
-                                        f"{response.text[:300]}")  # fmt: skip
+                extreme_failures.append(
+                    f"{extra!r:.80}: {response.status_code} {response.text[:300]}"
+                )
         with anyio.fail_after(10):
             await engine.wait_until_idle()
         stats = engine.stats()
         ok = await client.post(CHAT, json={**BASE[CHAT], "ignore_eos": True})
     num_5xx = sum(" status 5" in f for f in failures)
-    print(f"\nbad HTTP input: {len(cases)} cases, {len(failures)} failures ({num_5xx} 5xx); "
-          f"{len(EXTREME)} extreme valid bodies, {len(extreme_failures)} failures")
+    print(
+        f"\nbad HTTP input: {len(cases)} cases, {len(failures)} failures ({num_5xx} 5xx); "
+        f"{len(EXTREME)} extreme valid bodies, {len(extreme_failures)} failures"
+    )
     record_property("bad_input_cases", len(cases))
     record_property("bad_input_failures", len(failures))
     assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures)

@@ -36,8 +36,13 @@ class Spec:
 
     def body(self, i: int) -> dict[str, Any]:
         text = " ".join(f"w{(i + k) % 200 + 20}" for k in range(self.words))
-        body: dict[str, Any] = {"model": NAME, "max_tokens": self.max_tokens, "n": self.n,
-                                "ignore_eos": True, "stream": self.stream}  # fmt: skip
+        body: dict[str, Any] = {
+            "model": NAME,
+            "max_tokens": self.max_tokens,
+            "n": self.n,
+            "ignore_eos": True,
+            "stream": self.stream,
+        }
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         if self.chat:
@@ -51,9 +56,16 @@ class Spec:
 
 def specs(seed: int) -> list[Spec]:
     rng = random.Random(seed)
-    return [Spec(chat=rng.random() < 0.1, stream=rng.random() < 0.5, words=rng.randint(1, 8),
-                 max_tokens=rng.randint(1, 8), n=2 if rng.random() < 0.1 else 1)
-            for _ in range(NUM_REQUESTS)]  # fmt: skip
+    return [
+        Spec(
+            chat=rng.random() < 0.1,
+            stream=rng.random() < 0.5,
+            words=rng.randint(1, 8),
+            max_tokens=rng.randint(1, 8),
+            n=2 if rng.random() < 0.1 else 1,
+        )
+        for _ in range(NUM_REQUESTS)
+    ]
 
 
 def check_whole(spec: Spec, body: dict[str, Any]) -> str:
@@ -65,9 +77,11 @@ def check_whole(spec: Spec, body: dict[str, Any]) -> str:
     for c in choices:
         text = c["message"]["content"] if spec.chat else c["text"]
         assert len(text.split()) == spec.max_tokens, body  # one word per token, none special
-    assert body["usage"] == {"prompt_tokens": spec.prompt_tokens,
-                             "completion_tokens": spec.max_tokens * spec.n,
-                             "total_tokens": spec.prompt_tokens + spec.max_tokens * spec.n}
+    assert body["usage"] == {
+        "prompt_tokens": spec.prompt_tokens,
+        "completion_tokens": spec.max_tokens * spec.n,
+        "total_tokens": spec.prompt_tokens + spec.max_tokens * spec.n,
+    }
     return body["id"]
 
 
@@ -77,10 +91,13 @@ def check_stream(spec: Spec, raw: str) -> str:
     events = raw[:-2].split("\n\n")
     assert all(e.startswith("data: ") for e in events), raw[-400:]
     assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1, raw[-400:]
-    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     *deltas, last = chunks
-    assert last["choices"] == [] and last["usage"]["completion_tokens"] == spec.max_tokens * (
-        spec.n) and last["usage"]["prompt_tokens"] == spec.prompt_tokens, last  # fmt: skip
+    assert (
+        last["choices"] == []
+        and last["usage"]["completion_tokens"] == spec.max_tokens * (spec.n)
+        and last["usage"]["prompt_tokens"] == spec.prompt_tokens
+    ), last
     assert len({c["id"] for c in chunks}) == 1
     kind = "chat.completion.chunk" if spec.chat else "text_completion"
     assert all(c["object"] == kind for c in chunks)
@@ -89,8 +106,9 @@ def check_stream(spec: Spec, raw: str) -> str:
     for c in deltas:
         (choice,) = c["choices"]
         assert choice["index"] not in finish, "nothing after a choice's finish_reason"
-        texts[choice["index"]] += (choice["delta"].get("content") or "") if spec.chat else (
-            choice["text"])  # fmt: skip
+        texts[choice["index"]] += (
+            (choice["delta"].get("content") or "") if spec.chat else (choice["text"])
+        )
         if choice["finish_reason"] is not None:
             finish[choice["index"]] = choice["finish_reason"]
     assert finish == {i: "length" for i in range(spec.n)}, finish
@@ -111,8 +129,9 @@ async def one_round(lanes: list[httpx.AsyncClient], seed: int, num: int = NUM_RE
             async with client.stream("POST", path, json=spec.body(i)) as response:
                 raw = (await response.aread()).decode()
             assert response.status_code == 200, raw[:300]
-            ids.append(check_stream(spec, raw) if spec.stream else check_whole(spec,
-                                                                               json.loads(raw)))
+            ids.append(
+                check_stream(spec, raw) if spec.stream else check_whole(spec, json.loads(raw))
+            )
         except Exception as exc:  # collected: one failure must not hide the others
             failures.append(f"request {i} {spec}: {exc!r}"[:600])
 
@@ -125,8 +144,15 @@ async def one_round(lanes: list[httpx.AsyncClient], seed: int, num: int = NUM_RE
         async with anyio.create_task_group() as tg:
             for client in lanes:
                 tg.start_soon(lane, client)
-    return {"sent": num, "ok": len(ids), "unique_ids": len(set(ids)), "failed": len(failures),
-            "wall_s": round(time.monotonic() - start, 1), "ids": ids, "failures": failures}
+    return {
+        "sent": num,
+        "ok": len(ids),
+        "unique_ids": len(set(ids)),
+        "failed": len(failures),
+        "wall_s": round(time.monotonic() - start, 1),
+        "ids": ids,
+        "failures": failures,
+    }
 
 
 @asynccontextmanager
@@ -141,9 +167,12 @@ async def lane_clients(
     tls = ssl.create_default_context()  # never used (http://), but costly to make per client
     limits = httpx.Limits(max_connections=1, keepalive_expiry=2)
     async with AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(httpx.AsyncClient(
-            base_url=base_url, limits=limits, timeout=request_s, verify=tls))
-            for _ in range(num)]  # fmt: skip
+        yield [
+            await stack.enter_async_context(
+                httpx.AsyncClient(base_url=base_url, limits=limits, timeout=request_s, verify=tls)
+            )
+            for _ in range(num)
+        ]
 
 
 def mib(n: int) -> float:
@@ -157,8 +186,9 @@ async def test_1000_requests_at_concurrency_200_none_lost_rss_flat(
 ):
     busy_before = {p for p, s in shared_manager.worker_states().items() if s == "busy"}
     with loom_serve(chat_model, shared_manager.socket, NAME) as server:
-        (worker,) = {p for p, s in shared_manager.worker_states().items()
-                     if s == "busy"} - busy_before  # fmt: skip
+        (worker,) = {
+            p for p, s in shared_manager.worker_states().items() if s == "busy"
+        } - busy_before
         rss: dict[str, list[float]] = {"server_rss_mib": [], "worker_rss_mib": []}
         rounds = []
         async with lane_clients(server.base_url, CONCURRENCY, ROUND_S) as lanes:

@@ -37,13 +37,36 @@ BAD_SAMPLING = {
     "skip_special_tokens": [1, "yes", None],
     "include_stop_str_in_output": [0, "no", None],
     "output_kind": [5, -1, "DELTA", 1.0, None, True],
-    "logit_bias": [{"1": 1.0}, {-1: 1.0}, {1.5: 1.0}, {True: 1.0}, {HUGE: 1.0}, {1: NAN},
-                   {1: INF}, {1: "1"}, {1: None}, {1: 10**400}, [1], "{}"],
+    "logit_bias": [
+        {"1": 1.0},
+        {-1: 1.0},
+        {1.5: 1.0},
+        {True: 1.0},
+        {HUGE: 1.0},
+        {1: NAN},
+        {1: INF},
+        {1: "1"},
+        {1: None},
+        {1: 10**400},
+        [1],
+        "{}",
+    ],
     "allowed_token_ids": [[], [-1], [1.5], ["1"], [True], [HUGE], 5, "12", {1: 2}],
     "structured_outputs": [{"regex": "a"}, "json", 5, True],
     "bad_words": ["", [""], ["  "], [5], [None], ("a", 5), 5, {"a": 1}, b"a"],
-    "bad_words_token_ids": [[[]], [[-1]], [[1.5]], [["1"]], [[True]], [[HUGE]], [5], [None],
-                            5, "12", {1: 2}],
+    "bad_words_token_ids": [
+        [[]],
+        [[-1]],
+        [[1.5]],
+        [["1"]],
+        [[True]],
+        [[HUGE]],
+        [5],
+        [None],
+        5,
+        "12",
+        {1: 2},
+    ],
     "truncate_prompt_tokens": [0, -2, 1.5, -1.0, "1", True, HUGE],
 }
 
@@ -106,12 +129,32 @@ def test_bad_engine_option_fails_in_the_constructor(name, tmp_path):
 
 def test_good_values_pass():
     """The edges of each range are accepted (the bad lists above are not too strict)."""
-    SamplingParams(n=1, temperature=0, top_p=1, top_k=-1, min_p=1, seed=-(2**63),
-                   presence_penalty=-2, frequency_penalty=2, repetition_penalty=1e-9,
-                   stop=None, stop_token_ids=None, max_tokens=None, min_tokens=0, logprobs=20,
-                   prompt_logprobs=0, output_kind=2)  # fmt: skip
+    SamplingParams(
+        n=1,
+        temperature=0,
+        top_p=1,
+        top_k=-1,
+        min_p=1,
+        seed=-(2**63),
+        presence_penalty=-2,
+        frequency_penalty=2,
+        repetition_penalty=1e-9,
+        stop=None,
+        stop_token_ids=None,
+        max_tokens=None,
+        min_tokens=0,
+        logprobs=20,
+        prompt_logprobs=0,
+        output_kind=2,
+    )
     SamplingParams(stop="x", stop_token_ids=[0, 2**63 - 1], seed=2**63 - 1, max_tokens=1)
-    config = EngineConfig(model="m", max_model_len=2**63 - 1, gpu_memory_utilization=1,
-                          keep_alive=-1, seed=-(2**63), manager_socket="/tmp/m.sock")  # fmt: skip
+    config = EngineConfig(
+        model="m",
+        max_model_len=2**63 - 1,
+        gpu_memory_utilization=1,
+        keep_alive=-1,
+        seed=-(2**63),
+        manager_socket="/tmp/m.sock",
+    )
     assert config.manager_socket == Path("/tmp/m.sock")
     EngineConfig(keep_alive=INF, weight_dtype=None, kv_cache_memory=1)

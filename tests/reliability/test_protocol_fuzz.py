@@ -56,12 +56,17 @@ MANAGER_CASES = 1200
 WORKER_CASES = 1000
 CHECK_EVERY = 250  # cases between two checks that the legitimate peer is still served
 REPLY_S = 10.0  # each connection ends within this
-FUZZ = dict(deadline=None, derandomize=True, database=None,
-            suppress_health_check=list(HealthCheck))  # fmt: skip
+FUZZ = dict(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 # Requests the manager would carry out (ShutdownManager would stop the shared daemon):
 # the fuzzer sends everything but these.
-MANAGER_REQUESTS = (AcquireWorkers, ReleaseWorkers, StatusRequest, ListWorkers, UnloadModel,
-                    ShutdownManager)  # fmt: skip
+MANAGER_REQUESTS = (
+    AcquireWorkers,
+    ReleaseWorkers,
+    StatusRequest,
+    ListWorkers,
+    UnloadModel,
+    ShutdownManager,
+)
 REQUEST_CODES = {c for c, cls in registered_messages().items() if cls in MANAGER_REQUESTS}
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
@@ -75,15 +80,24 @@ def frame(body: bytes) -> bytes:
 
 # Two levels deep at most: hypothesis draws deeply recursive values several times slower,
 # and a field's checks fail on its own type before they look inside it.
-LEAVES = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
-          | st.text(max_size=12) | st.binary(max_size=12))  # fmt: skip
-MSGPACK_VALUES = (LEAVES | st.lists(LEAVES, max_size=4)
-                  | st.dictionaries(st.text(max_size=6), LEAVES, max_size=3))  # fmt: skip
+LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=12)
+    | st.binary(max_size=12)
+)
+MSGPACK_VALUES = (
+    LEAVES | st.lists(LEAVES, max_size=4) | st.dictionaries(st.text(max_size=6), LEAVES, max_size=3)
+)
 INTS = st.integers(-(2**31), 2**31)
 # Registered type codes and unknown ones, none of them a manager request's.
-TYPE_CODES = (st.sampled_from(sorted(registered_messages().keys() - REQUEST_CODES))
-              | st.integers(-300, min(REQUEST_CODES) - 1)
-              | st.integers(max(REQUEST_CODES) + 1, 2**16))  # fmt: skip
+TYPE_CODES = (
+    st.sampled_from(sorted(registered_messages().keys() - REQUEST_CODES))
+    | st.integers(-300, min(REQUEST_CODES) - 1)
+    | st.integers(max(REQUEST_CODES) + 1, 2**16)
+)
 
 
 def wrong_messages(touch_payload: bytes) -> st.SearchStrategy[Any]:
@@ -254,8 +268,12 @@ class Tally:
             fuzz()
             failed = False
         finally:
-            report.record(f"protocol fuzz: {self.server} socket, cases",
-                          self.run - failed, self.run, self.worst_s)  # fmt: skip
+            report.record(
+                f"protocol fuzz: {self.server} socket, cases",
+                self.run - failed,
+                self.run,
+                self.worst_s,
+            )
             print(self)  # the figures, for `pytest -s`
 
 

@@ -71,9 +71,13 @@ def logs_of(manager_socket: Path) -> str:
 def test_sockets_are_private(shared_manager, tiny_model) -> None:
     with LLM(tiny_model, manager_socket=shared_manager.socket, dtype="float32") as llm:
         worker_socket = Path(llm.engine._replicas[0].acquired.sockets[0])
-    for path, mode in [(shared_manager.socket, 0o600), (worker_socket, 0o600),
-                       (shared_manager.socket.parent, 0o700), (worker_socket.parent, 0o700)]:
-        assert stat.S_IMODE(os.stat(path).st_mode) == mode, path  # fmt: skip
+    for path, mode in [
+        (shared_manager.socket, 0o600),
+        (worker_socket, 0o600),
+        (shared_manager.socket.parent, 0o700),
+        (worker_socket.parent, 0o700),
+    ]:
+        assert stat.S_IMODE(os.stat(path).st_mode) == mode, path
     assert stat.S_ISSOCK(os.stat(worker_socket).st_mode)
 
 
@@ -117,7 +121,10 @@ async def test_worker_refuses_another_uid_and_logs_it(caplog) -> None:
     server = DataServer(worker=None, allowed_uid=os.getuid() + 1)  # type: ignore[arg-type]
     a, b = socket.socketpair()
     async with await UNIXSocketStream.from_socket(b) as client:
-        with caplog.at_level(logging.WARNING, logger="loomllm.workers.worker.main"), anyio.fail_after(5):
+        with (
+            caplog.at_level(logging.WARNING, logger="loomllm.workers.worker.main"),
+            anyio.fail_after(5),
+        ):
             await server.handle(await UNIXSocketStream.from_socket(a))
             reply = await MessageStream(client).receive()
     assert reply.kind == "permission_denied" and f"serves uid {os.getuid() + 1}" in reply.message
@@ -145,8 +152,10 @@ async def test_a_silent_client_is_dropped() -> None:
     """Connected, and says nothing: the server gives up on it instead of holding a task and
     an fd forever (the manager and the worker open every conversation this way)."""
     a, b = socket.socketpair()
-    async with await UNIXSocketStream.from_socket(a) as server, \
-            await UNIXSocketStream.from_socket(b):  # fmt: skip
+    async with (
+        await UNIXSocketStream.from_socket(a) as server,
+        await UNIXSocketStream.from_socket(b),
+    ):
         with anyio.fail_after(5), pytest.raises(SilentPeerError, match="no Hello within 0.2 s"):
             await receive_request(MessageStream(server), Hello, within=0.2)
 
@@ -193,8 +202,7 @@ async def intrude(path: str, attach: Attach | None, call: RunCallable) -> list[A
     """A same-user client: handshake, `attach` (None: none), `call`; every answer until
     the worker hangs up."""
     msgs = [attach, call] if attach is not None else [call]
-    return await answers_to(path, b"".join(encode_frame(encode(m)) for m in msgs),
-                            hello_first=True)  # fmt: skip
+    return await answers_to(path, b"".join(encode_frame(encode(m)) for m in msgs), hello_first=True)
 
 
 async def assert_refused(path: str, token: bytes | None, call: RunCallable) -> None:
@@ -211,8 +219,7 @@ async def test_only_the_lease_holder_runs_callables(shared_manager, tiny_model, 
         ran.touch()
 
     call = RunCallable(1, cloudpickle.dumps((touch, (), {})))
-    open_engine = partial(Engine, tiny_model, manager_socket=shared_manager.socket,
-                          dtype="float32")  # fmt: skip
+    open_engine = partial(Engine, tiny_model, manager_socket=shared_manager.socket, dtype="float32")
     with anyio.fail_after(ENGINE_START_S):
         async with open_engine() as engine:
             path, pids = engine._replicas[0].acquired.sockets[0], engine.worker_pids
@@ -290,9 +297,14 @@ KEYED = {  # every route outside the open ones, with a body it answers 200 to
     ("POST", "/detokenize"): {"model": "tiny", "tokens": [5, 6]},
 }
 OPEN = ["/health", "/metrics", "/version", "/openapi.json"]
-WRONG_KEYS = [{}, {"Authorization": "Bearer nope"}, {"Authorization": f"Bearer {API_KEY}x"},
-              {"Authorization": f"Bearer {API_KEY[:-1]}"}, {"Authorization": API_KEY},
-              {"Authorization": f"Basic {API_KEY}"}]  # fmt: skip
+WRONG_KEYS = [
+    {},
+    {"Authorization": "Bearer nope"},
+    {"Authorization": f"Bearer {API_KEY}x"},
+    {"Authorization": f"Bearer {API_KEY[:-1]}"},
+    {"Authorization": API_KEY},
+    {"Authorization": f"Basic {API_KEY}"},
+]
 RIGHT_KEY = {"Authorization": f"Bearer {API_KEY}"}
 
 
@@ -332,10 +344,14 @@ def test_a_refused_body_leaves_the_connection_usable(keyed_server) -> None:
     answered. Were the 401 sent before the body was read, the server would close the
     connection as the answer ends and the second request would be lost."""
     body = json.dumps({"model": "tiny", "prompt": "w5 " * 300_000}).encode()  # ~1 MB
-    refused = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-               f"\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
-    good = (f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
-            f"Connection: close\r\n\r\n")  # fmt: skip
+    refused = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    good = (
+        f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Connection: close\r\n\r\n"
+    )
     port = httpx.URL(keyed_server.base_url).port
     for _ in range(3):
         with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
@@ -358,12 +374,15 @@ def test_no_key_and_no_request_body_in_any_log(keyed_server, shared_manager) -> 
         for path, body in bodies:
             assert_unauthorized(client.post(path, json=body, headers=WRONG_KEYS[2]))
             assert client.post(path, json=body, headers=RIGHT_KEY).status_code in (200, 400, 404)
-        not_json = client.post("/v1/completions", content=f'{{"prompt": "{MARKER}',
-                               headers=RIGHT_KEY)  # fmt: skip
+        not_json = client.post(
+            "/v1/completions", content=f'{{"prompt": "{MARKER}', headers=RIGHT_KEY
+        )
         assert not_json.status_code == 400
     with open(f"/proc/{keyed_server.pid}/cmdline", "rb") as f:
         assert API_KEY.encode() not in f.read()  # the environment kept it out of `ps`
-    for name, text in [("loom serve", keyed_server.output()),
-                       ("manager and workers", logs_of(shared_manager.socket))]:  # fmt: skip
+    for name, text in [
+        ("loom serve", keyed_server.output()),
+        ("manager and workers", logs_of(shared_manager.socket)),
+    ]:
         assert API_KEY not in text, name
         assert MARKER not in text, name

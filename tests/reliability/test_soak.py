@@ -35,13 +35,24 @@ TASK_SLACK = 4  # likewise: a connection's tasks
 
 def long_body(rng: random.Random, stream: bool) -> dict[str, Any]:
     """A request that runs for a while (hundreds of tokens): there is time to leave it."""
-    return {"model": NAME, "prompt": f"w{rng.randint(5, 250)} w7", "n": rng.randint(1, 2),
-            "max_tokens": rng.randint(100, 400), "ignore_eos": True, "stream": stream}
+    return {
+        "model": NAME,
+        "prompt": f"w{rng.randint(5, 250)} w7",
+        "n": rng.randint(1, 2),
+        "max_tokens": rng.randint(100, 400),
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
 
 async def finish(client: httpx.AsyncClient, rng: random.Random, i: int) -> str:
-    spec = Spec(chat=rng.random() < 0.2, stream=rng.random() < 0.5, words=rng.randint(1, 8),
-                max_tokens=rng.randint(1, 16), n=rng.randint(1, 3))  # fmt: skip
+    spec = Spec(
+        chat=rng.random() < 0.2,
+        stream=rng.random() < 0.5,
+        words=rng.randint(1, 8),
+        max_tokens=rng.randint(1, 16),
+        n=rng.randint(1, 3),
+    )
     path = "/v1/chat/completions" if spec.chat else "/v1/completions"
     response = await client.post(path, json=spec.body(i))
     assert response.status_code == 200, response.text[:300]
@@ -79,8 +90,10 @@ async def hang_up(client: httpx.AsyncClient, rng: random.Random, i: int) -> str:
     """Over a raw socket: send the whole request, wait a moment (maybe for the first bytes of
     the answer), close."""
     data = json.dumps(long_body(rng, rng.random() < 0.5)).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
     async with await anyio.connect_tcp("127.0.0.1", client.base_url.port) as conn:
         await conn.send(head + data)
         with anyio.move_on_after(rng.uniform(0, 0.2)):
@@ -91,16 +104,25 @@ async def hang_up(client: httpx.AsyncClient, rng: random.Random, i: int) -> str:
 async def cut_body(client: httpx.AsyncClient, rng: random.Random, i: int) -> str:
     """Over a raw socket: promise a body, send part of it, close."""
     data = json.dumps(long_body(rng, False)).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
     async with await anyio.connect_tcp("127.0.0.1", client.base_url.port) as conn:
         await conn.send(head + data[: rng.randint(0, len(data) - 1)])
     return "cut body"
 
 
 async def bad_body(client: httpx.AsyncClient, rng: random.Random, i: int) -> str:
-    body = rng.choice([{"prompt": "w5", "temperature": -1}, {"prompt": []}, {"messages": []},
-                       {"prompt": "w5", "n": 0}, {"model": "other", "prompt": "w5"}])
+    body = rng.choice(
+        [
+            {"prompt": "w5", "temperature": -1},
+            {"prompt": []},
+            {"messages": []},
+            {"prompt": "w5", "n": 0},
+            {"model": "other", "prompt": "w5"},
+        ]
+    )
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     response = await client.post(path, json=body)
     assert response.status_code in (400, 404), response.text[:300]
@@ -109,8 +131,14 @@ async def bad_body(client: httpx.AsyncClient, rng: random.Random, i: int) -> str
 
 
 Action = Callable[[httpx.AsyncClient, random.Random, int], Awaitable[str]]
-ACTIONS: list[tuple[float, Action]] = [(0.4, finish), (0.2, leave_stream), (0.1, cancel_waiting),
-                                       (0.15, hang_up), (0.05, cut_body), (0.1, bad_body)]
+ACTIONS: list[tuple[float, Action]] = [
+    (0.4, finish),
+    (0.2, leave_stream),
+    (0.1, cancel_waiting),
+    (0.15, hang_up),
+    (0.05, cut_body),
+    (0.1, bad_body),
+]
 
 
 def metrics(scrape: httpx.Client) -> dict[str, float]:
@@ -147,10 +175,15 @@ async def settle(check: Callable[[], bool], within: float) -> bool:
 
 
 def resources(server: LoomServer, scrape: httpx.Client, worker: int) -> dict[str, float]:
-    return {"server_tasks": metrics(scrape)["event_loop_tasks"],
-            "server_fds": num_fds(server.pid), "worker_fds": num_fds(worker),
-            "server_threads": num_threads(server.pid), "worker_threads": num_threads(worker),
-            "server_rss_mib": mib(rss_bytes(server.pid)), "worker_rss_mib": mib(rss_bytes(worker))}
+    return {
+        "server_tasks": metrics(scrape)["event_loop_tasks"],
+        "server_fds": num_fds(server.pid),
+        "worker_fds": num_fds(worker),
+        "server_threads": num_threads(server.pid),
+        "worker_threads": num_threads(worker),
+        "server_rss_mib": mib(rss_bytes(server.pid)),
+        "worker_rss_mib": mib(rss_bytes(worker)),
+    }
 
 
 async def traffic(server: LoomServer, seconds: float) -> Counter:
@@ -182,14 +215,18 @@ async def traffic(server: LoomServer, seconds: float) -> Counter:
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
-async def test_soak_random_cancellations_leak_nothing(chat_model, shared_manager, anyio_backend,
-                                                      record_property):  # fmt: skip
+async def test_soak_random_cancellations_leak_nothing(
+    chat_model, shared_manager, anyio_backend, record_property
+):
     busy_before = {p for p, s in shared_manager.worker_states().items() if s == "busy"}
-    with loom_serve(chat_model, shared_manager.socket, NAME) as server, httpx.Client(
-            base_url=server.base_url) as scrape:  # fmt: skip
+    with (
+        loom_serve(chat_model, shared_manager.socket, NAME) as server,
+        httpx.Client(base_url=server.base_url) as scrape,
+    ):
         fresh_tasks = metrics(scrape)["event_loop_tasks"]  # before any request
-        (worker,) = {p for p, s in shared_manager.worker_states().items()
-                     if s == "busy"} - busy_before  # fmt: skip
+        (worker,) = {
+            p for p, s in shared_manager.worker_states().items() if s == "busy"
+        } - busy_before
         await traffic(server, min(SECONDS, 1.0))  # warm-up: pools, caches, lazy imports
         assert await settle(lambda: metrics(scrape)["num_requests_running"] == 0, IDLE_S)
         before, start_metrics = resources(server, scrape, worker), metrics(scrape)
@@ -199,21 +236,32 @@ async def test_soak_random_cancellations_leak_nothing(chat_model, shared_manager
         def idle() -> bool:
             m = metrics(scrape)
             return m["num_requests_running"] == m["num_requests_waiting"] == 0 and (
-                m["kv_cache_usage_perc"] == 0)  # fmt: skip
+                m["kv_cache_usage_perc"] == 0
+            )
 
         is_idle = await settle(idle, IDLE_S)
-        fds_back = await settle(lambda: resources(server, scrape, worker)["server_fds"] <= before[
-            "server_fds"] + FD_SLACK, IDLE_S)  # fmt: skip
+        fds_back = await settle(
+            lambda: (
+                resources(server, scrape, worker)["server_fds"] <= before["server_fds"] + FD_SLACK
+            ),
+            IDLE_S,
+        )
         # Against the fresh server's count: `before` may still hold the warm-up's connections.
-        tasks_back = await settle(lambda: metrics(scrape)["event_loop_tasks"] <= fresh_tasks
-                                  + TASK_SLACK, IDLE_S)  # fmt: skip
+        tasks_back = await settle(
+            lambda: metrics(scrape)["event_loop_tasks"] <= fresh_tasks + TASK_SLACK, IDLE_S
+        )
         after, end_metrics = resources(server, scrape, worker), metrics(scrape)
         processes_after = set(shared_manager.processes())
         log = server.output()
-    finished = {k: end_metrics[k] - start_metrics.get(k, 0) for k in end_metrics
-                if k.startswith("request_success_total:")}  # fmt: skip
-    print(f"\nsoak {SECONDS:g} s, seed {SEED}: {dict(outcomes)}; sequences ended by reason "
-          f"{finished}; tasks of the fresh server {fresh_tasks}; before {before}, after {after}")
+    finished = {
+        k: end_metrics[k] - start_metrics.get(k, 0)
+        for k in end_metrics
+        if k.startswith("request_success_total:")
+    }
+    print(
+        f"\nsoak {SECONDS:g} s, seed {SEED}: {dict(outcomes)}; sequences ended by reason "
+        f"{finished}; tasks of the fresh server {fresh_tasks}; before {before}, after {after}"
+    )
     record_property("soak_outcomes", dict(outcomes))
     record_property("soak_resources", {"before": before, "after": after})
     assert is_idle, f"the engine did not drain: {end_metrics}"

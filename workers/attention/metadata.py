@@ -82,9 +82,13 @@ def max_tiles(num_tokens: int, num_requests: int) -> int:
 
 
 def context_metadata(
-    kv_caches: KVCaches, device: torch.device, slots: list[int], decode_idx: list[int],
-    decode_ctx: list[list[int]], prefills: list[PrefillRow],
-) -> AttentionMetadata:  # fmt: skip
+    kv_caches: KVCaches,
+    device: torch.device,
+    slots: list[int],
+    decode_idx: list[int],
+    decode_ctx: list[list[int]],
+    prefills: list[PrefillRow],
+) -> AttentionMetadata:
     """The torch backend's: each decode's context slots, padded, with a mask and a bias."""
     longest = max((len(c) for c in decode_ctx), default=0)
     padded = torch.zeros((len(decode_ctx), longest), dtype=torch.long)
@@ -107,18 +111,24 @@ def context_metadata(
 
 
 def paged_metadata(
-    kv_caches: KVCaches, device: torch.device, block_size: int, slots: list[int],
-    decode_idx: list[int], decode_blocks: list[list[int]], decode_lens: list[int],
-    prefills: list[PrefillRow], prefill_blocks: list[list[int]], prefill_lens: list[int],
-) -> AttentionMetadata:  # fmt: skip
+    kv_caches: KVCaches,
+    device: torch.device,
+    block_size: int,
+    slots: list[int],
+    decode_idx: list[int],
+    decode_blocks: list[list[int]],
+    decode_lens: list[int],
+    prefills: list[PrefillRow],
+    prefill_blocks: list[list[int]],
+    prefill_lens: list[int],
+) -> AttentionMetadata:
     """The Triton backend's: block tables and context lengths (this step's tokens
     included), no per-slot context."""
 
     def tables(rows: list[list[int]]) -> torch.Tensor:
         width = max((len(r) for r in rows), default=0)
         padded = [r + [0] * (width - len(r)) for r in rows]
-        return to_device(torch.tensor(padded, dtype=torch.int32).reshape(len(rows), width),
-                         device)  # fmt: skip
+        return to_device(torch.tensor(padded, dtype=torch.int32).reshape(len(rows), width), device)
 
     def ints(values: list[int]) -> torch.Tensor:
         return device_tensor(values, torch.int32, device)
@@ -126,22 +136,28 @@ def paged_metadata(
     tile_reqs, tile_firsts = prefill_tiles([p.num_tokens for p in prefills])
     paged = PagedBatch(
         block_size=block_size,
-        decode_tables=tables(decode_blocks), decode_lens=ints(decode_lens),
+        decode_tables=tables(decode_blocks),
+        decode_lens=ints(decode_lens),
         max_decode_len=max(decode_lens, default=0),
         prefill_tables=tables(prefill_blocks),
         prefill_q_starts=ints([p.token_start for p in prefills]),
-        prefill_q_lens=ints([p.num_tokens for p in prefills]), prefill_lens=ints(prefill_lens),
-        prefill_tile_reqs=ints(tile_reqs), prefill_tile_firsts=ints(tile_firsts),
+        prefill_q_lens=ints([p.num_tokens for p in prefills]),
+        prefill_lens=ints(prefill_lens),
+        prefill_tile_reqs=ints(tile_reqs),
+        prefill_tile_firsts=ints(tile_firsts),
         decode_split_counts=split_counters(kv_caches, len(decode_lens), device),
-    )  # fmt: skip
+    )
     none = torch.empty((0, 0), dtype=torch.long, device=device)
     return AttentionMetadata(
         kv_caches=kv_caches,
         slot_mapping=device_tensor(slots, torch.long, device),
         decode_token_idx=device_tensor(decode_idx, torch.long, device),
-        decode_slots=none, decode_valid=none.bool(), decode_bias=none, prefills=prefills,
+        decode_slots=none,
+        decode_valid=none.bool(),
+        decode_bias=none,
+        prefills=prefills,
         paged=paged,
-    )  # fmt: skip
+    )
 
 
 def split_counters(kv_caches: KVCaches, decode_rows: int, device: torch.device) -> torch.Tensor:

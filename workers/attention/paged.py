@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from loomllm.workers.attention.metadata import AttentionMetadata
+from loomllm.workers.attention.metadata import AttentionMetadata, PrefillRow
 
 ATTENTION_NAME = "loom_paged"
 
@@ -45,8 +45,9 @@ def paged_attention(
             triton_kernels as triton_attention,  # only where Triton is the backend
         )
 
-        triton_attention.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache,
-                                  v_cache, meta.slot_mapping)  # fmt: skip
+        triton_attention.write_kv(
+            key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping
+        )
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         return attend_written(module, q, meta, scale, sliding_window).unsqueeze(0), None
     k_cache.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
@@ -90,15 +91,32 @@ def attend_written(
     out = torch.zeros_like(q)
     if num_decodes:
         out[meta.decode_token_idx] = triton_attention.decode_attention(
-            q[meta.decode_token_idx], k_cache, v_cache, paged.decode_tables, paged.decode_lens,
-            paged.max_decode_len, bs, scaling, sliding_window,
+            q[meta.decode_token_idx],
+            k_cache,
+            v_cache,
+            paged.decode_tables,
+            paged.decode_lens,
+            paged.max_decode_len,
+            bs,
+            scaling,
+            sliding_window,
             split_counts=paged.decode_split_counts,
-        )  # fmt: skip
+        )
     triton_attention.prefill_attention(
-        q, k_cache, v_cache, paged.prefill_tables, paged.prefill_q_starts, paged.prefill_q_lens,
-        paged.prefill_lens, paged.prefill_tile_reqs, paged.prefill_tile_firsts, bs, scaling,
-        sliding_window, out=out,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        paged.prefill_tables,
+        paged.prefill_q_starts,
+        paged.prefill_q_lens,
+        paged.prefill_lens,
+        paged.prefill_tile_reqs,
+        paged.prefill_tile_firsts,
+        bs,
+        scaling,
+        sliding_window,
+        out=out,
+    )
     return out
 
 
@@ -128,13 +146,24 @@ def attend_rotating(
     assert paged is not None
     if paged.decode_tables.shape[0] != q.shape[0]:
         return None
-    return _decode_only(module, q, attn_metadata, scaling, sliding_window,
-                        new_kv=(k, v, cos, sin, attn_metadata.slot_mapping))  # fmt: skip
+    return _decode_only(
+        module,
+        q,
+        attn_metadata,
+        scaling,
+        sliding_window,
+        new_kv=(k, v, cos, sin, attn_metadata.slot_mapping),
+    )
 
 
-def _decode_only(module: torch.nn.Module, q: torch.Tensor, meta: AttentionMetadata,
-                 scaling: float, sliding_window: int | None,
-                 new_kv: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
+def _decode_only(
+    module: torch.nn.Module,
+    q: torch.Tensor,
+    meta: AttentionMetadata,
+    scaling: float,
+    sliding_window: int | None,
+    new_kv: tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:
     """A decode-only step's attention: token i is decode row i, all through the decode
     kernel (`new_kv`: see triton_attention.decode_attention)."""
     from loomllm.workers.attention import (
@@ -144,10 +173,18 @@ def _decode_only(module: torch.nn.Module, q: torch.Tensor, meta: AttentionMetada
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
     paged = meta.paged
     return triton_attention.decode_attention(
-        q, k_cache, v_cache, paged.decode_tables, paged.decode_lens, paged.max_decode_len,
-        paged.block_size, scaling, sliding_window, split_counts=paged.decode_split_counts,
+        q,
+        k_cache,
+        v_cache,
+        paged.decode_tables,
+        paged.decode_lens,
+        paged.max_decode_len,
+        paged.block_size,
+        scaling,
+        sliding_window,
+        split_counts=paged.decode_split_counts,
         new_kv=new_kv,
-    )  # fmt: skip
+    )
 
 
 def _decode(

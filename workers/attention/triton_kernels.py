@@ -44,13 +44,32 @@ MAX_SPLITS = 32
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, q_starts_ptr, q_lens_ptr, seq_lens_ptr, tile_reqs_ptr, tile_firsts_ptr,
-    scale, window,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, EXACT: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    q_starts_ptr,
+    q_lens_ptr,
+    seq_lens_ptr,
+    tile_reqs_ptr,
+    tile_firsts_ptr,
+    scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    EXACT: tl.constexpr,
+):
     req = tl.load(tile_reqs_ptr + tl.program_id(0))
     head = tl.program_id(1)
     if req >= 0:
@@ -64,8 +83,11 @@ def _prefill_kernel(
         d = tl.arange(0, D_PAD)
         d_ok = d < HEAD_DIM
         q_pos = seq_len - q_len + rows  # each query's absolute position
-        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        q = tl.load(
+            q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         s_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -78,51 +100,108 @@ def _prefill_kernel(
             k_pos = page * BLOCK_SIZE + offs
             slots = (block * BLOCK_SIZE + offs).to(tl.int64)
             kv_ok = (k_pos < seq_len)[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh
-                        + d[None, :], mask=kv_ok, other=0.0)  # fmt: skip
+            k = tl.load(
+                k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                mask=kv_ok,
+                other=0.0,
+            )
             s = dot_f32(q, tl.trans(k), EXACT) * scale  # [BLOCK_M, BLOCK_SIZE]
             seen = k_pos[None, :] <= q_pos[:, None]
             seen &= (k_pos[None, :] > q_pos[:, None] - window) | (window <= 0)
             s = tl.where(seen, s, float("-inf"))
             m, s_sum, acc = _online_softmax_step(
-                s, m, s_sum, acc, v_cache_ptr, slots, kv_ok, kv_head, stride_ks, stride_kh, d,
+                s,
+                m,
+                s_sum,
+                acc,
+                v_cache_ptr,
+                slots,
+                kv_ok,
+                kv_head,
+                stride_ks,
+                stride_kh,
+                d,
                 EXACT,
             )
         out = acc / tl.where(s_sum > 0, s_sum, 1.0)[:, None]
         out_rows = out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh
-        tl.store(out_rows + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+        tl.store(
+            out_rows + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
 
 
 @triton.jit
 def _online_softmax_step(
-    s, m, s_sum, acc, v_cache_ptr, slots, kv_ok, kv_head, stride_ks, stride_kh, d,
+    s,
+    m,
+    s_sum,
+    acc,
+    v_cache_ptr,
+    slots,
+    kv_ok,
+    kv_head,
+    stride_ks,
+    stride_kh,
+    d,
     EXACT: tl.constexpr,
-):  # fmt: skip
+):
     """Fold one page's scores `s` [rows, keys] (masked keys at -inf) into the running max
     `m`, sum `s_sum` and weighted values `acc`."""
     m_new = tl.maximum(m, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m - m_safe)
-    v = tl.load(v_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                mask=kv_ok, other=0.0)  # fmt: skip
+    v = tl.load(
+        v_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+        mask=kv_ok,
+        other=0.0,
+    )
     acc = acc * alpha[:, None] + dot_f32(p.to(v.dtype), v, EXACT)
     return m_new, s_sum * alpha + tl.sum(p, 1), acc
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr, split_counts_ptr, out_ptr,
-    k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, slots_ptr,
-    scale, window,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
-    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SPLITS_PAD: tl.constexpr, EXACT: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    split_counts_ptr,
+    out_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    cos_ptr,
+    sin_ptr,
+    slots_ptr,
+    scale,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
+    stride_cb,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    EXACT: tl.constexpr,
     ROTARY: tl.constexpr,
-):  # fmt: skip
+):
     """ROTARY: q and the new k come unrotated; the program rotates q as it loads it, and
     the one whose split holds the last position writes the rotated k and v into their
     slot before reading the cache (what fused_ops.rotary_into_cache does, bit for bit)."""
@@ -156,10 +235,19 @@ def _decode_split_kernel(
     if ROTARY:
         if first_page < last_page and last_page <= end_page:  # its pages hold the new token
             slot = tl.load(slots_ptr + req).to(tl.int64) * stride_ks + kv_head * stride_kh
-            k_new = rotated(k_new_ptr + req * stride_knb + kv_head * stride_knh, d,
-                            d_ok[None, :], cos_row, sin_row, HEAD_DIM)  # fmt: skip
-            tl.store(k_cache_ptr + slot + d[None, :], k_new.to(k_cache_ptr.dtype.element_ty),
-                     mask=d_ok[None, :])  # fmt: skip
+            k_new = rotated(
+                k_new_ptr + req * stride_knb + kv_head * stride_knh,
+                d,
+                d_ok[None, :],
+                cos_row,
+                sin_row,
+                HEAD_DIM,
+            )
+            tl.store(
+                k_cache_ptr + slot + d[None, :],
+                k_new.to(k_cache_ptr.dtype.element_ty),
+                mask=d_ok[None, :],
+            )
             v_new = tl.load(v_new_ptr + req * stride_vnb + kv_head * stride_vnh + d, mask=d_ok)
             tl.store(v_cache_ptr + slot + d, v_new, mask=d_ok)
         tl.debug_barrier()  # every thread's stores before any thread loads that page
@@ -170,8 +258,11 @@ def _decode_split_kernel(
         slots = (block * BLOCK_SIZE + offs).to(tl.int64)
         key_ok = (k_pos < seq_len) & (k_pos >= first_key)
         kv_ok = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=kv_ok, other=0.0)  # fmt: skip
+        k = tl.load(
+            k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+            mask=kv_ok,
+            other=0.0,
+        )
         s = dot_f32(q, tl.trans(k), EXACT) * scale  # [GROUP_PAD, BLOCK_SIZE]
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m, s_sum, acc = _online_softmax_step(
@@ -182,17 +273,22 @@ def _decode_split_kernel(
     if num_splits == 1:
         # The whole context in this program: the output itself, no partials to merge (a
         # branch on the grid, not a constexpr: one compiled kernel for every split count).
-        tl.store(out_ptr + req * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 (acc / s_sum[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
+        tl.store(
+            out_ptr + req * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            (acc / s_sum[:, None]).to(out_ptr.dtype.element_ty),
+            mask=g_ok[:, None] & d_ok[None, :],
+        )
     else:
         # Partials laid out [B, H, splits] (+ [D]): contiguous, made by decode_attention.
         num_heads = tl.num_programs(1) * GROUP
         row = (req * num_heads + heads) * num_splits + split  # [GROUP_PAD]
         tl.store(part_max_ptr + row, m, mask=g_ok)
         tl.store(part_sum_ptr + row, s_sum, mask=g_ok)
-        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc,
-                 mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
+        tl.store(
+            part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
+            acc,
+            mask=g_ok[:, None] & d_ok[None, :],
+        )
         # Count this split done; the last one merges. The barrier puts every thread's
         # stores before the count (one thread adds it), the add's release publishes them
         # to the GPU, and the last adder's acquire makes them visible to its loads.
@@ -202,16 +298,36 @@ def _decode_split_kernel(
             tl.store(count, 0)  # zero again for the next launch (a graph's replay too)
             for i in range(GROUP):
                 head = kv_head * GROUP + i
-                out = _merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr,
-                                    (req * num_heads + head) * num_splits, num_splits, d, d_ok,
-                                    HEAD_DIM, SPLITS_PAD)  # fmt: skip
-                tl.store(out_ptr + req * stride_ob + head * stride_oh + d,
-                         out.to(out_ptr.dtype.element_ty), mask=d_ok)  # fmt: skip
+                out = _merge_splits(
+                    part_acc_ptr,
+                    part_max_ptr,
+                    part_sum_ptr,
+                    (req * num_heads + head) * num_splits,
+                    num_splits,
+                    d,
+                    d_ok,
+                    HEAD_DIM,
+                    SPLITS_PAD,
+                )
+                tl.store(
+                    out_ptr + req * stride_ob + head * stride_oh + d,
+                    out.to(out_ptr.dtype.element_ty),
+                    mask=d_ok,
+                )
 
 
 @triton.jit
-def _merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, first_row, num_splits, d, d_ok,
-                  HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):  # fmt: skip
+def _merge_splits(
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    first_row,
+    num_splits,
+    d,
+    d_ok,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
     """One head's output from its splits' partials (rows first_row.. of the partials),
     weighing each by exp(its max - the largest): [D_PAD] float32. Read past the L1 cache
     (.cg): other programs wrote them."""
@@ -220,9 +336,12 @@ def _merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, first_row, num_split
     row = first_row + splits
     m = tl.load(part_max_ptr + row, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
     s_sum = tl.load(part_sum_ptr + row, mask=split_ok, other=0.0, cache_modifier=".cg")
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
-                  mask=split_ok[:, None] & d_ok[None, :], other=0.0,
-                  cache_modifier=".cg")  # fmt: skip
+    acc = tl.load(
+        part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
+        mask=split_ok[:, None] & d_ok[None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
     m_all = tl.max(m, 0)
     weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # empty splits weigh 0
     return tl.sum(acc * weight[:, None], 0) / tl.sum(s_sum * weight, 0)
@@ -249,23 +368,53 @@ def prefill_attention(
     out = torch.empty_like(q) if out is None else out
     num_heads, head_dim = q.shape[1], q.shape[2]
     _prefill_kernel[(tile_reqs.shape[0], num_heads)](
-        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, seq_lens, tile_reqs,
-        tile_firsts, scale, sliding_window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-        k_cache.stride(1), block_tables.stride(0),
-        GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim,
-        D_PAD=_d_pad(head_dim), BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        q_starts,
+        q_lens,
+        seq_lens,
+        tile_reqs,
+        tile_firsts,
+        scale,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        block_tables.stride(0),
+        GROUP=num_heads // k_cache.shape[1],
+        HEAD_DIM=head_dim,
+        D_PAD=_d_pad(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=BLOCK_M,
         EXACT=_exact(q),
-    )  # fmt: skip
+    )
     return out
 
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch, num_heads,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-):  # fmt: skip
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    stride_ch,
+    num_heads,
+    HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
     """One program per token: its K and V heads into its cache slot."""
     t = tl.program_id(0).to(tl.int64)  # t * stride passes 2**31 in long prompts
     slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -289,24 +438,38 @@ def write_kv(
     """`k_cache[slot_mapping] = key` and the same for V, in one kernel (two index_copy_
     otherwise): K and V of one dtype, the caches'."""
     if not key.dtype == value.dtype == k_cache.dtype == v_cache.dtype:
-        raise ValueError(f"write_kv copies without casting: K {key.dtype}, V {value.dtype}, "
-                         f"caches {k_cache.dtype} and {v_cache.dtype}")  # fmt: skip
+        raise ValueError(
+            f"write_kv copies without casting: K {key.dtype}, V {value.dtype}, "
+            f"caches {k_cache.dtype} and {v_cache.dtype}"
+        )
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("write_kv needs caches laid out alike, a slot's heads dense")
     # A head's elements side by side, as projections leave them (else a copy first).
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     if key.shape != value.shape or key.shape[1:] != k_cache.shape[1:]:
-        raise ValueError(f"K {tuple(key.shape)} and V {tuple(value.shape)} do not fit caches "
-                         f"of {tuple(k_cache.shape[1:])} a slot")  # fmt: skip
+        raise ValueError(
+            f"K {tuple(key.shape)} and V {tuple(value.shape)} do not fit caches "
+            f"of {tuple(k_cache.shape[1:])} a slot"
+        )
     num_heads, head_dim = key.shape[1], key.shape[2]
     _write_kv_kernel[(key.shape[0],)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), num_heads,
-        HEADS=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        num_heads,
+        HEADS=triton.next_power_of_2(num_heads),
+        HEAD_DIM=head_dim,
         D_PAD=triton.next_power_of_2(head_dim),
-    )  # fmt: skip
+    )
 
 
 def decode_attention(
@@ -334,9 +497,11 @@ def decode_attention(
     k_new, v_new, cos, sin, slots = new_kv if new_kv is not None else (q, q, q, q, q)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    if new_kv is not None and not (k_new.shape == v_new.shape == (batch, num_kv_heads, head_dim)
-                                   and cos.shape == sin.shape == (batch, head_dim)
-                                   and slots.shape == (batch,)):  # fmt: skip
+    if new_kv is not None and not (
+        k_new.shape == v_new.shape == (batch, num_kv_heads, head_dim)
+        and cos.shape == sin.shape == (batch, head_dim)
+        and slots.shape == (batch,)
+    ):
         raise ValueError("new_kv: k, v [B, KVH, D], cos, sin [B, D] and slots [B] of q's B")
     group = num_heads // num_kv_heads
     pages = triton.cdiv(max_seq_len, block_size)
@@ -347,23 +512,55 @@ def decode_attention(
     if split_counts is None:
         split_counts = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
     elif split_counts.dtype != torch.int32 or split_counts.numel() < batch * num_kv_heads:
-        raise ValueError(f"split_counts needs {batch * num_kv_heads} int32 zeros, got "
-                         f"{split_counts.numel()} of {split_counts.dtype}")  # fmt: skip
-    part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
-                           device=q.device)  # fmt: skip
+        raise ValueError(
+            f"split_counts needs {batch * num_kv_heads} int32 zeros, got "
+            f"{split_counts.numel()} of {split_counts.dtype}"
+        )
+    part_acc = torch.empty(
+        (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+    )
     part_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     out = torch.empty_like(q)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum, split_counts,
-        out, k_new, v_new, cos, sin, slots, scale, sliding_window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
-        v_new.stride(1), cos.stride(0),
-        GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, D_PAD=_d_pad(head_dim), BLOCK_SIZE=block_size,
-        SPLITS_PAD=MAX_SPLITS, EXACT=_exact(q), ROTARY=new_kv is not None,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        part_acc,
+        part_max,
+        part_sum,
+        split_counts,
+        out,
+        k_new,
+        v_new,
+        cos,
+        sin,
+        slots,
+        scale,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        cos.stride(0),
+        GROUP=group,
+        GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        D_PAD=_d_pad(head_dim),
+        BLOCK_SIZE=block_size,
+        SPLITS_PAD=MAX_SPLITS,
+        EXACT=_exact(q),
+        ROTARY=new_kv is not None,
+    )
     return out
 
 

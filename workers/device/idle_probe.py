@@ -93,6 +93,14 @@ class DeviceIdleProbe:
         eager = [seconds(start, end) for start, end, replayed, _ in marks if not replayed]
         prompts = [seconds(start, end) for start, end, _, prompt in marks if prompt]
         return DeviceTime(
-            len(marks), busy, sum(gaps), len(eager), sum(eager), len(prompts), sum(prompts),
-            len(stalls), sum(stalls), max(gaps, default=0.0),
-        )  # fmt: skip
+            len(marks),
+            busy,
+            sum(gaps),
+            len(eager),
+            sum(eager),
+            len(prompts),
+            sum(prompts),
+            len(stalls),
+            sum(stalls),
+            max(gaps, default=0.0),
+        )

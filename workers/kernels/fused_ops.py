@@ -49,8 +49,10 @@ NO_FMA = {"enable_fp_fusion": False}
 
 def runs_here(*tensors: torch.Tensor) -> bool:
     """Whether the kernels take these tensors: of DTYPES, on a GPU (or Triton's interpreter)."""
-    return all((t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and t.dtype in DTYPES
-               for t in tensors)  # fmt: skip
+    return all(
+        (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and t.dtype in DTYPES
+        for t in tensors
+    )
 
 
 @triton.jit
@@ -77,8 +79,7 @@ def dot_f32(a, b, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _normalize(x, w_ptr, cols, mask, n_cols, eps, X_DTYPE: tl.constexpr,
-               OUT_DTYPE: tl.constexpr):  # fmt: skip
+def _normalize(x, w_ptr, cols, mask, n_cols, eps, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """transformers' Llama RMSNorm of the float32 row `x` (masked to `n_cols`), rounded where
     it rounds: the normalized row to the input's dtype before the weight."""
     normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
@@ -88,20 +89,32 @@ def _normalize(x, w_ptr, cols, mask, n_cols, eps, X_DTYPE: tl.constexpr,
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
-                     BLOCK: tl.constexpr):  # fmt: skip
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in long prompts
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    out = _normalize(x, w_ptr, cols, mask, n_cols, eps, x_ptr.dtype.element_ty,
-                     out_ptr.dtype.element_ty)  # fmt: skip
+    out = _normalize(
+        x, w_ptr, cols, mask, n_cols, eps, x_ptr.dtype.element_ty, out_ptr.dtype.element_ty
+    )
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o,
-                         stride_s, n_cols, eps, BLOCK: tl.constexpr):  # fmt: skip
+def _add_rms_norm_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
+    n_cols,
+    eps,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in long prompts
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -118,29 +131,52 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Llama RMSNorm of `x` over its last dimension, in one kernel."""
     _check_dtypes("rms_norm", x, weight)
     x_rows = _rows(x)
-    out = torch.empty(x_rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype),
-                      device=x.device)  # fmt: skip
-    _rms_norm_kernel[(x_rows.shape[0],)](x_rows, weight, out, x_rows.stride(0), out.stride(0),
-                                         x_rows.shape[1], eps, **_row_launch(x_rows))
+    out = torch.empty(
+        x_rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device
+    )
+    _rms_norm_kernel[(x_rows.shape[0],)](
+        x_rows,
+        weight,
+        out,
+        x_rows.stride(0),
+        out.stride(0),
+        x_rows.shape[1],
+        eps,
+        **_row_launch(x_rows),
+    )
     return out.view(x.shape)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x) in one kernel: a decoder layer's residual add
     and the RMSNorm after it, each rounded as transformers' ops round them."""
     _check_dtypes("add_rms_norm", x, weight)
     if residual.dtype != x.dtype or residual.shape != x.shape:
-        raise ValueError(f"add_rms_norm adds tensors of one shape and dtype, got {x.shape} "
-                         f"{x.dtype} and {residual.shape} {residual.dtype}")  # fmt: skip
+        raise ValueError(
+            f"add_rms_norm adds tensors of one shape and dtype, got {x.shape} "
+            f"{x.dtype} and {residual.shape} {residual.dtype}"
+        )
     x_rows, r_rows = _rows(x), _rows(residual)
     total = torch.empty(x_rows.shape, dtype=x.dtype, device=x.device)
-    out = torch.empty(x_rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype),
-                      device=x.device)  # fmt: skip
+    out = torch.empty(
+        x_rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device
+    )
     _add_rms_norm_kernel[(x_rows.shape[0],)](
-        x_rows, r_rows, weight, out, total, x_rows.stride(0), r_rows.stride(0), out.stride(0),
-        total.stride(0), x_rows.shape[1], eps, **_row_launch(x_rows),
-    )  # fmt: skip
+        x_rows,
+        r_rows,
+        weight,
+        out,
+        total,
+        x_rows.stride(0),
+        r_rows.stride(0),
+        out.stride(0),
+        total.stride(0),
+        x_rows.shape[1],
+        eps,
+        **_row_launch(x_rows),
+    )
     return out.view(x.shape), total.view(x.shape)
 
 
@@ -203,16 +239,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.dtype not in DTYPES:
         raise ValueError(f"silu_mul takes {DTYPES}, got {gate_up.dtype}")
     if gate_up.shape[-1] % 2:
-        raise ValueError(f"silu_mul takes gate and up side by side, got {gate_up.shape[-1]} "
-                         "columns")  # fmt: skip
+        raise ValueError(
+            f"silu_mul takes gate and up side by side, got {gate_up.shape[-1]} columns"
+        )
     rows = _rows(gate_up)
     width = rows.shape[1] // 2
     out = torch.empty((rows.shape[0], width), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(width))
     _silu_mul_kernel[(rows.shape[0], triton.cdiv(width, block))](
-        rows, out, rows.stride(0), out.stride(0), width, BLOCK=block,
-        num_warps=min(max(block // 256, 1), 8), **NO_FMA,
-    )  # fmt: skip
+        rows,
+        out,
+        rows.stride(0),
+        out.stride(0),
+        width,
+        BLOCK=block,
+        num_warps=min(max(block // 256, 1), 8),
+        **NO_FMA,
+    )
     return out.view(*gate_up.shape[:-1], width)
 
 
@@ -235,42 +278,88 @@ def rotated(rows, d, mask, cos_row, sin_row, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, stride_xh, stride_oh, num_heads, cos_row, sin_row,
-                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+def _rotate_heads(
+    x_ptr,
+    out_ptr,
+    stride_xh,
+    stride_oh,
+    num_heads,
+    cos_row,
+    sin_row,
+    HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     """The heads of one token, rotated (`rotated`) into out_ptr's."""
     heads = tl.arange(0, HEADS)[:, None]
     d = tl.arange(0, HEAD_DIM)
     mask = heads < num_heads
     out = rotated(x_ptr + heads * stride_xh, d, mask, cos_row, sin_row, HEAD_DIM)
-    tl.store(out_ptr + heads * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mask)  # fmt: skip
+    tl.store(out_ptr + heads * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # A step's token count varies with its batch; specialized (as Triton does an int that is 1 or
 # a multiple of 16), the decode-graph buckets would compile the kernel three times.
 @triton.jit(do_not_specialize=["num_tokens"])
 def _rope_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-    stride_cb, stride_ct, stride_qob, stride_qoh, stride_qot, stride_kob, stride_koh, stride_kot,
-    num_tokens, num_q_heads, num_k_heads,
-    HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_cb,
+    stride_ct,
+    stride_qob,
+    stride_qoh,
+    stride_qot,
+    stride_kob,
+    stride_koh,
+    stride_kot,
+    num_tokens,
+    num_q_heads,
+    num_k_heads,
+    HEAD_DIM: tl.constexpr,
+    Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr,
+):
     """One program per (batch row, token): its q and k heads rotated by its cos and sin."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // num_tokens
     t = pid % num_tokens
     cs = b * stride_cb + t * stride_ct
-    _rotate_heads(q_ptr + b * stride_qb + t * stride_qt,
-                  q_out_ptr + b * stride_qob + t * stride_qot, stride_qh, stride_qoh,
-                  num_q_heads, cos_ptr + cs, sin_ptr + cs, Q_HEADS, HEAD_DIM)  # fmt: skip
-    _rotate_heads(k_ptr + b * stride_kb + t * stride_kt,
-                  k_out_ptr + b * stride_kob + t * stride_kot, stride_kh, stride_koh,
-                  num_k_heads, cos_ptr + cs, sin_ptr + cs, K_HEADS, HEAD_DIM)  # fmt: skip
+    _rotate_heads(
+        q_ptr + b * stride_qb + t * stride_qt,
+        q_out_ptr + b * stride_qob + t * stride_qot,
+        stride_qh,
+        stride_qoh,
+        num_q_heads,
+        cos_ptr + cs,
+        sin_ptr + cs,
+        Q_HEADS,
+        HEAD_DIM,
+    )
+    _rotate_heads(
+        k_ptr + b * stride_kb + t * stride_kt,
+        k_out_ptr + b * stride_kob + t * stride_kot,
+        stride_kh,
+        stride_koh,
+        num_k_heads,
+        cos_ptr + cs,
+        sin_ptr + cs,
+        K_HEADS,
+        HEAD_DIM,
+    )
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' apply_rotary_pos_emb for q [B, H, T, D], k [B, KVH, T, D] (any strides,
     the last dimension dense; D a power of two) and cos, sin [B or 1, T, D] of their
     dtype, in one kernel."""
@@ -281,33 +370,92 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     k_out = k.new_empty(batch, num_tokens, k.shape[1], head_dim).transpose(1, 2)
     cos, sin = cos.expand(batch, num_tokens, head_dim), sin.expand(batch, num_tokens, head_dim)
     _rope_kernel[(batch * num_tokens,)](
-        q, k, cos, sin, q_out, k_out,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        cos.stride(0), cos.stride(1), q_out.stride(0), q_out.stride(1), q_out.stride(2),
-        k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        num_tokens, num_q_heads, k.shape[1],
-        HEAD_DIM=head_dim, Q_HEADS=triton.next_power_of_2(num_q_heads),
-        K_HEADS=triton.next_power_of_2(k.shape[1]), **NO_FMA,
-    )  # fmt: skip
+        q,
+        k,
+        cos,
+        sin,
+        q_out,
+        k_out,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        cos.stride(0),
+        cos.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        q_out.stride(2),
+        k_out.stride(0),
+        k_out.stride(1),
+        k_out.stride(2),
+        num_tokens,
+        num_q_heads,
+        k.shape[1],
+        HEAD_DIM=head_dim,
+        Q_HEADS=triton.next_power_of_2(num_q_heads),
+        K_HEADS=triton.next_power_of_2(k.shape[1]),
+        **NO_FMA,
+    )
     return q_out, k_out
 
 
 @triton.jit
 def _rope_cache_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
-    stride_qot, stride_qoh, stride_cs, stride_ch, num_q_heads, num_kv_heads,
-    HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ct,
+    stride_qot,
+    stride_qoh,
+    stride_cs,
+    stride_ch,
+    num_q_heads,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr,
+    Q_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+):
     """One program per token: its q heads rotated into q_out, its k heads rotated into its
     cache slot, its v heads copied there."""
     t = tl.program_id(0).to(tl.int64)  # t * stride passes 2**31 in long prompts
     slot = tl.load(slots_ptr + t).to(tl.int64)
     cos_row, sin_row = cos_ptr + t * stride_ct, sin_ptr + t * stride_ct
-    _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
-                  num_q_heads, cos_row, sin_row, Q_HEADS, HEAD_DIM)  # fmt: skip
-    _rotate_heads(k_ptr + t * stride_kt, k_cache_ptr + slot * stride_cs, stride_kh, stride_ch,
-                  num_kv_heads, cos_row, sin_row, KV_HEADS, HEAD_DIM)  # fmt: skip
+    _rotate_heads(
+        q_ptr + t * stride_qt,
+        q_out_ptr + t * stride_qot,
+        stride_qh,
+        stride_qoh,
+        num_q_heads,
+        cos_row,
+        sin_row,
+        Q_HEADS,
+        HEAD_DIM,
+    )
+    _rotate_heads(
+        k_ptr + t * stride_kt,
+        k_cache_ptr + slot * stride_cs,
+        stride_kh,
+        stride_ch,
+        num_kv_heads,
+        cos_row,
+        sin_row,
+        KV_HEADS,
+        HEAD_DIM,
+    )
     heads = tl.arange(0, KV_HEADS)[:, None]
     cols = tl.arange(0, HEAD_DIM)[None, :]
     mask = heads < num_kv_heads
@@ -316,9 +464,15 @@ def _rope_cache_kernel(
 
 
 def rotary_into_cache(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
     """`rotary` of q, k [T, heads, D] by cos, sin [T, D], and the rotated k and v written to
     their cache slots ([slots, KVH, D] caches, `slot_mapping` [T]), in one kernel instead of
     two (loomllm.workers.attention.triton_kernels.write_kv): the rotated q [T, H, D]. The same values as the
@@ -326,20 +480,45 @@ def rotary_into_cache(
     num_tokens, num_q_heads, head_dim = q.shape
     q_out = q.new_empty(q.shape)
     _rope_cache_kernel[(num_tokens,)](
-        q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0), q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        num_q_heads, k.shape[1],
-        HEAD_DIM=head_dim, Q_HEADS=triton.next_power_of_2(num_q_heads),
-        KV_HEADS=triton.next_power_of_2(k.shape[1]), **NO_FMA,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        q_out,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        num_q_heads,
+        k.shape[1],
+        HEAD_DIM=head_dim,
+        Q_HEADS=triton.next_power_of_2(num_q_heads),
+        KV_HEADS=triton.next_power_of_2(k.shape[1]),
+        **NO_FMA,
+    )
     return q_out
 
 
 def rotary_into_cache_fits(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor,
-) -> bool:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> bool:
     """Whether `rotary_into_cache` takes these: one dtype throughout (it writes K and V
     without casting), a device it runs on, dense last dimensions, a power-of-two head size."""
     if q.dim() != 3 or k.dim() != 3:
@@ -347,31 +526,41 @@ def rotary_into_cache_fits(
     num_tokens, _, head_dim = q.shape
     return (
         runs_here(q)
-        and k.shape == v.shape and k.shape[0] == num_tokens and k.shape[2] == head_dim
-        and k_cache.shape[1:] == k.shape[1:] and v_cache.shape == k_cache.shape
+        and k.shape == v.shape
+        and k.shape[0] == num_tokens
+        and k.shape[2] == head_dim
+        and k_cache.shape[1:] == k.shape[1:]
+        and v_cache.shape == k_cache.shape
         and v_cache.stride() == k_cache.stride()
-        and cos.shape == sin.shape == (num_tokens, head_dim) and sin.stride() == cos.stride()
-        and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+        and cos.shape == sin.shape == (num_tokens, head_dim)
+        and sin.stride() == cos.stride()
+        and head_dim >= 2
+        and head_dim & (head_dim - 1) == 0
         and len({t.dtype for t in (q, k, v, cos, sin, k_cache, v_cache)}) == 1
         and all(t.stride(-1) == 1 for t in (q, k, v, cos, k_cache))
-    )  # fmt: skip
+    )
 
 
-def _rotary_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 unsqueeze_dim: int) -> bool:  # fmt: skip
+def _rotary_fits(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int
+) -> bool:
     """Whether `rotary` computes this call: its layout, shapes, dtypes and a device it runs on."""
     if unsqueeze_dim != 1 or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3:
         return False
     batch, _, num_tokens, head_dim = q.shape
     return (
         runs_here(q)
-        and k.shape[0] == batch and k.shape[2:] == q.shape[2:]
-        and cos.shape[0] in (1, batch) and cos.shape[1:] == (num_tokens, head_dim)
-        and sin.shape == cos.shape and sin.stride() == cos.stride()
-        and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+        and k.shape[0] == batch
+        and k.shape[2:] == q.shape[2:]
+        and cos.shape[0] in (1, batch)
+        and cos.shape[1:] == (num_tokens, head_dim)
+        and sin.shape == cos.shape
+        and sin.stride() == cos.stride()
+        and head_dim >= 2
+        and head_dim & (head_dim - 1) == 0
         and k.dtype == cos.dtype == sin.dtype == q.dtype
         and q.stride(-1) == k.stride(-1) == cos.stride(-1) == 1
-    )  # fmt: skip
+    )
 
 
 def fused_rotary(original: Any) -> Any:

@@ -47,7 +47,7 @@ class Tiling:
 
     @classmethod
     def parse(cls, text: str) -> Tiling:
-        """"16x256x4x4" (block_n x block_k x stages x warps; the warps may be left out)."""
+        """ "16x256x4x4" (block_n x block_k x stages x warps; the warps may be left out)."""
         return cls(*map(int, text.split("x")))
 
     def __str__(self) -> str:
@@ -65,10 +65,24 @@ GATED = Tiling(16, 256, 3)
 
 @triton.jit(do_not_specialize=["rows"])
 def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, k_in, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EXACT: tl.constexpr, GATED: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    rows,
+    n_out,
+    k_in,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EXACT: tl.constexpr,
+    GATED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """out = x @ w.T (+ b). GATED: w (and b) hold gate's n_out rows then up's, and out =
     silu(x @ gate.T) * (x @ up.T), each product rounded as loomllm.workers.kernels.fused_ops.silu_mul
     rounds it: the same bits as this kernel's plain output through silu_mul."""
@@ -102,45 +116,68 @@ def _skinny_kernel(
     out = round_to(acc, dtype)  # to nearest, in the interpreter too
     if GATED:
         out = silu_times(out, round_to(acc_up, dtype), dtype)
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], out.to(dtype),
-             mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+    tl.store(
+        out_ptr + m[:, None] * stride_om + n[None, :],
+        out.to(dtype),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  tiling: Tiling = PLAIN) -> torch.Tensor:  # fmt: skip
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiling: Tiling = PLAIN
+) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [..., K] of at most MAX_ROWS rows (weight [N, K],
     bias [N], all of x's dtype; the last dimensions dense)."""
     return _launch(x, weight, bias, gated=False, tiling=tiling)
 
 
-def skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       tiling: Tiling = GATED) -> torch.Tensor:  # fmt: skip
+def skinny_silu_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiling: Tiling = GATED
+) -> torch.Tensor:
     """`fused_ops.silu_mul(skinny_linear(x, weight, bias))` in one kernel, bit for bit: a
     packed gate|up projection (weight [2I, K], gate's rows first) and its activation,
     [..., I]. The gate|up output is never written."""
     if weight.shape[0] % 2:
-        raise ValueError(f"skinny_silu_linear takes gate and up rows stacked, got "
-                         f"{weight.shape[0]} rows")  # fmt: skip
+        raise ValueError(
+            f"skinny_silu_linear takes gate and up rows stacked, got {weight.shape[0]} rows"
+        )
     return _launch(x, weight, bias, gated=True, tiling=tiling)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
-            tiling: Tiling) -> torch.Tensor:  # fmt: skip
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool, tiling: Tiling
+) -> torch.Tensor:
     k_in = x.shape[-1]
     x2 = x.reshape(-1, k_in)
     rows, n_out = x2.shape[0], weight.shape[0] // (2 if gated else 1)
     if rows > MAX_ROWS or weight.shape[1] != k_in or x2.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError(f"skinny_linear takes up to {MAX_ROWS} dense rows of the weight's "
-                         f"width: x {tuple(x.shape)}, weight {tuple(weight.shape)}")  # fmt: skip
+        raise ValueError(
+            f"skinny_linear takes up to {MAX_ROWS} dense rows of the weight's "
+            f"width: x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+        )
     out = x2.new_empty(rows, n_out)
     exact = x.dtype == torch.float32 or bool(triton.knobs.runtime.interpret)
     _skinny_kernel[(triton.cdiv(n_out, tiling.block_n),)](
-        x2, weight, weight if bias is None else bias, out, rows, n_out, k_in,
-        x2.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k_in % tiling.block_k == 0, EXACT=exact,
-        GATED=gated, ROWS=ROWS_PAD, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
-        num_stages=tiling.num_stages, num_warps=tiling.num_warps,
-    )  # fmt: skip
+        x2,
+        weight,
+        weight if bias is None else bias,
+        out,
+        rows,
+        n_out,
+        k_in,
+        x2.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k_in % tiling.block_k == 0,
+        EXACT=exact,
+        GATED=gated,
+        ROWS=ROWS_PAD,
+        BLOCK_N=tiling.block_n,
+        BLOCK_K=tiling.block_k,
+        num_stages=tiling.num_stages,
+        num_warps=tiling.num_warps,
+    )
     return out.view(*x.shape[:-1], n_out)
 
 
@@ -185,33 +222,47 @@ def pick(
         try:
             speedups[key] = _speedups(group[0].weight, group[0].bias, key[3], seconds)
         except Exception:  # a kernel this GPU or Triton cannot build: cuBLAS, as without it
-            logger.exception("the skinny matmul failed on %s weights: cuBLAS runs them",
-                             list(key[:2]))  # fmt: skip
+            logger.exception(
+                "the skinny matmul failed on %s weights: cuBLAS runs them", list(key[:2])
+            )
             continue
         faster = min(speedups[key]) > 1.0
         for linear in group:
             linear.skinny = faster
         one, most = speedups[key]
-        logger.info("matmul of %s weights%s%s: %s (cuBLAS time / Triton's: x%.2f at 1 row%s)",
-                    list(key[:2]), " with bias" * key[2], ", SiLU * up after" * key[3],
-                    "Triton" if faster else "cuBLAS", one,
-                    f", x{most:.2f} at {MAX_ROWS}" if most else "")  # fmt: skip
+        logger.info(
+            "matmul of %s weights%s%s: %s (cuBLAS time / Triton's: x%.2f at 1 row%s)",
+            list(key[:2]),
+            " with bias" * key[2],
+            ", SiLU * up after" * key[3],
+            "Triton" if faster else "cuBLAS",
+            one,
+            f", x{most:.2f} at {MAX_ROWS}" if most else "",
+        )
     return speedups
 
 
-def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                    ) -> torch.Tensor:  # fmt: skip
+def linear_silu_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """cuBLAS's gate|up projection, then fused_ops.silu_mul's kernel: what
     `skinny_silu_linear` replaces."""
     return silu_mul(torch.nn.functional.linear(x, weight, bias))
 
 
-def _speedups(weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
-              seconds: Callable[[Callable[[], Any]], float]) -> tuple[float, float]:  # fmt: skip
+def _speedups(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gated: bool,
+    seconds: Callable[[Callable[[], Any]], float],
+) -> tuple[float, float]:
     """cuBLAS's time / the skinny kernel's, at 1 row and at MAX_ROWS (0.0: not timed, as
     the kernel lost at 1 row already: a cold start spends no time on it)."""
-    theirs, ours_fn = ((linear_silu_mul, skinny_silu_linear) if gated
-                       else (torch.nn.functional.linear, skinny_linear))  # fmt: skip
+    theirs, ours_fn = (
+        (linear_silu_mul, skinny_silu_linear)
+        if gated
+        else (torch.nn.functional.linear, skinny_linear)
+    )
     ratios = []
     for rows in (1, MAX_ROWS):
         x = torch.randn(rows, weight.shape[1], device=weight.device).to(weight.dtype)
@@ -224,22 +275,31 @@ def _speedups(weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
 
 
 def matmul_seconds(
-    matmul: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+    matmul: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     seconds: Callable[[Callable[[], Any]], float] = graph_seconds,
-) -> float:  # fmt: skip
+) -> float:
     """Device seconds of `matmul(x, weight, bias)` with the weight read from memory, as a
     decode step reads it: the timed call cycles through copies of it that overflow the
     GPU's L2 cache twice (replayed alone, the 8B shape's 32 MB q weight stayed in an H100's
     50 MB L2 and read at 3.3 TB/s, against 2.5-2.9 for the weights too big for it)."""
-    l2 = (getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", H100_L2)
-          if weight.is_cuda else 0)  # fmt: skip
+    l2 = (
+        getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", H100_L2)
+        if weight.is_cuda
+        else 0
+    )
     size = weight.numel() * weight.element_size()
     weights = [weight] + [weight.clone() for _ in range(-(-2 * l2 // size) - 1)]
     return seconds(functools.partial(_each, matmul, x, weights, bias)) / len(weights)
 
 
-def _each(matmul: Callable[..., torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor],
-          bias: torch.Tensor | None) -> None:  # fmt: skip
+def _each(
+    matmul: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    bias: torch.Tensor | None,
+) -> None:
     for weight in weights:
         matmul(x, weight, bias)

@@ -66,12 +66,21 @@ def _parser() -> argparse.ArgumentParser:
         ("start", _cmd_start, "start the daemon in the background; return when ready"),
     ]:
         s = sub.add_parser(name, help=help_)
-        s.add_argument("--max-workers", type=_positive_int, default=8,
-                       help="cap on worker processes")  # fmt: skip
-        s.add_argument("--max-keep-alive", type=_seconds_or_minus_one, default=-1,
-                       help="cap on any engine's keep_alive, seconds (-1: no cap)")  # fmt: skip
-        s.add_argument("--idle-timeout", type=_seconds_or_minus_one, default=600,
-                       help="exit when idle this long, seconds (-1: never)")  # fmt: skip
+        s.add_argument(
+            "--max-workers", type=_positive_int, default=8, help="cap on worker processes"
+        )
+        s.add_argument(
+            "--max-keep-alive",
+            type=_seconds_or_minus_one,
+            default=-1,
+            help="cap on any engine's keep_alive, seconds (-1: no cap)",
+        )
+        s.add_argument(
+            "--idle-timeout",
+            type=_seconds_or_minus_one,
+            default=600,
+            help="exit when idle this long, seconds (-1: never)",
+        )
         s.add_argument("--exit-with-client", action="store_true", help=argparse.SUPPRESS)
         s.add_argument("--allowed-uid", type=int, default=None, help=argparse.SUPPRESS)
         s.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -225,20 +234,37 @@ def _spawn_daemon(args: argparse.Namespace, socket_path: Path) -> int:
         log.replace(log.with_suffix(".log.1"))
     read_end, write_end = os.pipe()
     command = [
-        sys.executable, "-P", "-m", "loomllm.workers.manager", "--socket", str(socket_path), "serve",
-        "--max-workers", str(args.max_workers), "--max-keep-alive", str(args.max_keep_alive),
-        "--idle-timeout", str(args.idle_timeout), "--log-level", args.log_level,
-        "--ready-fd", str(write_end),
-    ]  # fmt: skip
+        sys.executable,
+        "-P",
+        "-m",
+        "loomllm.workers.manager",
+        "--socket",
+        str(socket_path),
+        "serve",
+        "--max-workers",
+        str(args.max_workers),
+        "--max-keep-alive",
+        str(args.max_keep_alive),
+        "--idle-timeout",
+        str(args.idle_timeout),
+        "--log-level",
+        args.log_level,
+        "--ready-fd",
+        str(write_end),
+    ]
     if args.allowed_uid is not None:
         command += ["--allowed-uid", str(args.allowed_uid)]
     with open(open_private_file(log, os.O_WRONLY | os.O_APPEND), "ab") as log_file:
         # The daemon outlives us: its own session, no stdin, output to its log. We never
         # wait for it; when we exit it is adopted by init, so no zombie is left behind.
         subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-            pass_fds=(write_end,), start_new_session=True,
-        )  # fmt: skip
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            pass_fds=(write_end,),
+            start_new_session=True,
+        )
     os.close(write_end)
     with os.fdopen(read_end, "rb") as ready:
         answer = ready.readline()  # EOF (b"") if it died before listening

@@ -240,8 +240,11 @@ class ManagerServer:
         self._reserve(group, keep_alive)
         token = await self._lend(group, ms)
         if token is None:
-            return ErrorReply("worker_start_failed", f"the new workers of {spec.model!r} "
-                              "did not take their lease; see the manager's log")  # fmt: skip
+            return ErrorReply(
+                "worker_start_failed",
+                f"the new workers of {spec.model!r} "
+                "did not take their lease; see the manager's log",
+            )
         return group.acquired(token, reused=False)
 
     async def _lend(self, group: WorkerGroup, owner: MessageStream) -> bytes | None:
@@ -366,10 +369,15 @@ class ManagerServer:
 
     def _status(self) -> ManagerStatus:
         return ManagerStatus(
-            os.getpid(), time.monotonic() - self.started_at, str(self.socket_path),
-            len(self.clients), self._num_workers(), self.max_workers,
-            float(self.max_keep_alive), float(self.idle_timeout),
-        )  # fmt: skip
+            os.getpid(),
+            time.monotonic() - self.started_at,
+            str(self.socket_path),
+            len(self.clients),
+            self._num_workers(),
+            self.max_workers,
+            float(self.max_keep_alive),
+            float(self.idle_timeout),
+        )
 
     def _worker_infos(self) -> list[WorkerInfo]:
         now = time.monotonic()
@@ -395,4 +403,3 @@ class ManagerServer:
             await anyio.sleep(self.idle_timeout)
             logger.info("no clients and no workers for %gs: exiting", self.idle_timeout)
             self.shutdown()
-

@@ -61,9 +61,15 @@ class RayDriver:
                 await _check_reachable(address)
                 # ignore_reinit_error: an earlier init that outlived its timeout may have
                 # connected meanwhile; then this one finds it done.
-                init = partial(ray.init, address=address, namespace="loomllm",
-                               _node_ip_address=node_ip_address, log_to_driver=False,
-                               logging_level=logging.WARNING, ignore_reinit_error=True)
+                init = partial(
+                    ray.init,
+                    address=address,
+                    namespace="loomllm",
+                    _node_ip_address=node_ip_address,
+                    log_to_driver=False,
+                    logging_level=logging.WARNING,
+                    ignore_reinit_error=True,
+                )
                 try:
                     with anyio.fail_after(CONNECT_TIMEOUT_S):
                         await anyio.to_thread.run_sync(init, abandon_on_cancel=True)
@@ -105,8 +111,9 @@ async def launch_ray_group(group: WorkerGroup, driver: RayDriver) -> None:
     then stops the group, which removes its placement group and with it every actor.
     """
     options = group.spec.options or {}
-    ray = await driver.connect(str(options.get("ray_address") or "auto"),
-                               options.get("ray_node_ip_address"))  # fmt: skip
+    ray = await driver.connect(
+        str(options.get("ray_address") or "auto"), options.get("ray_node_ip_address")
+    )
     try:
         with anyio.fail_after(PLACEMENT_TIMEOUT_S + CONNECT_TIMEOUT_S):
             placed = await anyio.to_thread.run_sync(
@@ -125,8 +132,12 @@ async def launch_ray_group(group: WorkerGroup, driver: RayDriver) -> None:
             f"the Ray ranks of {group.spec.model!r} did not start: {type(exc).__name__}: {exc} "
             "(is loomllm installed on every node?)"
         ) from None
-    logger.info("group %s: %d Ray rank(s) on %s", group.group_id, group.spec.world_size,
-                sorted({host for _, _, (host, *_), _ in placed}))  # fmt: skip
+    logger.info(
+        "group %s: %d Ray rank(s) on %s",
+        group.group_id,
+        group.spec.world_size,
+        sorted({host for _, _, (host, *_), _ in placed}),
+    )
     await wait_group_ready(group)
 
 
@@ -154,20 +165,24 @@ def _place_ranks(ray: Any, group: WorkerGroup) -> list[tuple[Any, Any, tuple, by
     actor_class = ray.remote(RankActor)
     actors = [
         actor_class.options(
-            num_cpus=0 if on_gpu else 1, num_gpus=1 if on_gpu else 0,
+            num_cpus=0 if on_gpu else 1,
+            num_gpus=1 if on_gpu else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=rank),
+                placement_group=pg, placement_group_bundle_index=rank
+            ),
         ).remote()
         for rank in range(world_size)
-    ]  # fmt: skip
-    binds = ray.get([a.bind.remote(rank == 0) for rank, a in enumerate(actors)],
-                    timeout=CONNECT_TIMEOUT_S)  # fmt: skip
+    ]
+    binds = ray.get(
+        [a.bind.remote(rank == 0) for rank, a in enumerate(actors)], timeout=CONNECT_TIMEOUT_S
+    )
     rank0_host, _, dist_port, _ = binds[0]
     dist_init = f"tcp://{rank0_host}:{dist_port}"
     placed = []
     for rank, (actor, bind) in enumerate(zip(actors, binds, strict=True)):
         secret = secrets.token_bytes(32)  # this rank's alone: its lifeline's key
-        serve_ref = actor.serve.remote(group.spec.model, json.dumps(options), rank,
-                                       world_size, dist_init, secret)  # fmt: skip
+        serve_ref = actor.serve.remote(
+            group.spec.model, json.dumps(options), rank, world_size, dist_init, secret
+        )
         placed.append((actor, serve_ref, tuple(bind), secret))
     return placed

@@ -52,8 +52,9 @@ class RankHandle:
         """End the actor (and so its process) now; bounded, like every call to Ray here."""
         with anyio.move_on_after(RAY_CALL_TIMEOUT_S):
             try:
-                await anyio.to_thread.run_sync(self.ray.kill, self.actor,
-                                               abandon_on_cancel=True, limiter=self._threads)
+                await anyio.to_thread.run_sync(
+                    self.ray.kill, self.actor, abandon_on_cancel=True, limiter=self._threads
+                )
             except Exception as exc:  # already gone, or the cluster is
                 logger.info("ray.kill of rank pid %d: %s", self.pid, exc)
 
@@ -74,7 +75,8 @@ class RayPlacement:
 
         with anyio.move_on_after(RAY_CALL_TIMEOUT_S):
             try:
-                await anyio.to_thread.run_sync(remove_placement_group, self.placement_group,
-                                               abandon_on_cancel=True)  # fmt: skip
+                await anyio.to_thread.run_sync(
+                    remove_placement_group, self.placement_group, abandon_on_cancel=True
+                )
             except Exception as exc:  # the cluster may be gone: nothing left to free then
                 logger.warning("could not remove placement group: %s", exc)

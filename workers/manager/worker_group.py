@@ -118,9 +118,13 @@ class WorkerGroup:
         """The reply that hands this (ready, leased) group to an engine."""
         assert self.model_info is not None
         return WorkersAcquired(
-            self.group_id, [r.address for r in self.ranks], self.pids,
-            self.model_info, reused=reused, lease_token=lease_token,
-        )  # fmt: skip
+            self.group_id,
+            [r.address for r in self.ranks],
+            self.pids,
+            self.model_info,
+            reused=reused,
+            lease_token=lease_token,
+        )
 
     def infos(self, now: float) -> list[WorkerInfo]:
         """One row per rank for `engine-manager ps`."""
@@ -133,9 +137,18 @@ class WorkerGroup:
             dtype = str((self.spec.options or {}).get("dtype", "auto"))
         return [
             WorkerInfo(
-                self.group_id, w.rank, w.pid, self.spec.model, self.state, w.rss_bytes(),
-                now - w.started_at, float(self.keep_alive), expires, self.spec.world_size, dtype,
-            )  # fmt: skip
+                self.group_id,
+                w.rank,
+                w.pid,
+                self.spec.model,
+                self.state,
+                w.rss_bytes(),
+                now - w.started_at,
+                float(self.keep_alive),
+                expires,
+                self.spec.world_size,
+                dtype,
+            )
             for w in self.ranks
         ]
 
@@ -162,13 +175,19 @@ async def launch_rank(
     log_file = workdir / f"{group.group_id}-rank{rank}.log"
     socket_path = workdir / f"{group.group_id}-rank{rank}.sock"
     args = [
-        "--model", group.spec.model,
-        "--options", json.dumps(group.spec.options or {}),
-        "--rank", str(rank),
-        "--world-size", str(group.spec.world_size),
-        "--dist-init-file", str(dist_init_file),
-        "--socket", str(socket_path),
-    ]  # fmt: skip
+        "--model",
+        group.spec.model,
+        "--options",
+        json.dumps(group.spec.options or {}),
+        "--rank",
+        str(rank),
+        "--world-size",
+        str(group.spec.world_size),
+        "--dist-init-file",
+        str(dist_init_file),
+        "--socket",
+        str(socket_path),
+    ]
     try:
         with open(log_file, "wb") as log:  # noqa: ASYNC230 (a local file, opened once)
             process = await zygote.spawn(args, theirs.fileno(), log.fileno())
@@ -193,9 +212,9 @@ async def launch_group(group: WorkerGroup, workdir: Path, zygote: Zygote) -> Non
     dist_file = workdir / f"{group.group_id}.dist"
     dist_file.unlink(missing_ok=True)
     for rank in range(group.spec.world_size):
-        group.ranks.append(await launch_rank(
-            group, rank, workdir, dist_init_file=dist_file, zygote=zygote
-        ))
+        group.ranks.append(
+            await launch_rank(group, rank, workdir, dist_init_file=dist_file, zygote=zygote)
+        )
     try:
         await wait_group_ready(group)
     finally:
@@ -263,9 +282,14 @@ async def lease_group(group: WorkerGroup, token: bytes, *, wait: bool = True) ->
                     await worker.control.receive_type(Ack)
                     worker.leases_unanswered -= 1
     except (
-        TimeoutError, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
-        OSError, ProtocolError, RemoteError,
-    ) as exc:  # fmt: skip
+        TimeoutError,
+        anyio.EndOfStream,
+        anyio.BrokenResourceError,
+        anyio.ClosedResourceError,
+        OSError,
+        ProtocolError,
+        RemoteError,
+    ) as exc:
         raise LeaseError(f"group {group.group_id} did not take its lease: {exc!r}") from exc
 
 

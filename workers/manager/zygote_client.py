@@ -108,15 +108,27 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
         command = [
-            sys.executable, "-P", "-m", "loomllm.workers.worker.zygote", "--workdir", str(self.workdir),
-            "--control-fd", str(theirs.fileno()), "--parent-pid", str(os.getpid()),
-        ]  # fmt: skip
+            sys.executable,
+            "-P",
+            "-m",
+            "loomllm.workers.worker.zygote",
+            "--workdir",
+            str(self.workdir),
+            "--control-fd",
+            str(theirs.fileno()),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         try:
             with open(self.workdir / "zygote.log", "ab") as log:  # noqa: ASYNC230
                 self._process = await anyio.open_process(
-                    command, stdin=DEVNULL, stdout=log, stderr=log,
-                    pass_fds=(theirs.fileno(),), start_new_session=True,
-                )  # fmt: skip
+                    command,
+                    stdin=DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,
+                )
         except OSError:
             logger.exception("could not start the zygote: workers start as fresh interpreters")
             ours.close()

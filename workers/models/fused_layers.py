@@ -81,10 +81,14 @@ def pack_linears(linears: list[torch.nn.Module]) -> PackedLinear | None:
     """Stack plain nn.Linear layers of one input, dtype and device into one (None where they
     are not: quantized or sharded layers keep theirs)."""
     first = linears[0]
-    if not all(type(m) is torch.nn.Linear and m.in_features == first.in_features
-               and m.weight.dtype == first.weight.dtype
-               and m.weight.device == first.weight.device
-               and (m.bias is None) == (first.bias is None) for m in linears):  # fmt: skip
+    if not all(
+        type(m) is torch.nn.Linear
+        and m.in_features == first.in_features
+        and m.weight.dtype == first.weight.dtype
+        and m.weight.device == first.weight.device
+        and (m.bias is None) == (first.bias is None)
+        for m in linears
+    ):
         return None
     with torch.no_grad():
         weight = torch.cat([m.weight for m in linears])
@@ -99,16 +103,29 @@ def pack_linears(linears: list[torch.nn.Module]) -> PackedLinear | None:
     return PackedLinear(weight, bias, tuple(m.out_features for m in linears))
 
 
-def _attention_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
-                       position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       attention_mask: torch.Tensor | None = None, **kwargs: Any):  # fmt: skip
+def _attention_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+):
     """transformers' Llama attention forward with q, k and v from one packed matmul."""
     # The cache's name: `past_key_value` (transformers 4), `past_key_values`, `cache` (5.24).
-    caches = {name: kwargs.pop(name) for name in ("past_key_values", "past_key_value", "cache")
-              if name in kwargs}  # fmt: skip
+    caches = {
+        name: kwargs.pop(name)
+        for name in ("past_key_values", "past_key_value", "cache")
+        if name in kwargs
+    }
     if any(c is not None for c in caches.values()) or position_embeddings is None:
-        return type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
-                                  attention_mask=attention_mask, **caches, **kwargs)  # fmt: skip
+        return type(self).forward(
+            self,
+            hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            **caches,
+            **kwargs,
+        )
     input_shape = hidden_states.shape[:-1]
     shape = (*input_shape, -1, self.head_dim)
     packed = self.loom_qkv
@@ -118,10 +135,16 @@ def _attention_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     q, k = sys.modules[type(self).__module__].apply_rotary_pos_emb(q, k, cos, sin)
     window = self.loom_sliding_window
     out, weights = _attention_function(self)(
-        self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
-        scaling=self.scaling, **({"sliding_window": window} if window is not None else {}),
+        self,
+        q,
+        k,
+        v,
+        attention_mask,
+        dropout=self.attention_dropout if self.training else 0.0,
+        scaling=self.scaling,
+        **({"sliding_window": window} if window is not None else {}),
         **kwargs,
-    )  # fmt: skip
+    )
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
@@ -141,15 +164,16 @@ def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(silu_mul(self.loom_gate_up(x)))
 
 
-def _layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, **kwargs: Any
-                   ) -> torch.Tensor:  # fmt: skip
+def _layer_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, **kwargs: Any
+) -> torch.Tensor:
     """transformers' Llama decoder layer with the residual add inside the norm after it."""
     residual = hidden_states
-    hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
-                                      **kwargs)  # fmt: skip
+    hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
     norm = self.post_attention_layernorm
-    hidden_states, residual = add_rms_norm(hidden_states, residual, norm.weight,
-                                           norm.variance_epsilon)  # fmt: skip
+    hidden_states, residual = add_rms_norm(
+        hidden_states, residual, norm.weight, norm.variance_epsilon
+    )
     return residual + self.mlp(hidden_states)
 
 
@@ -157,13 +181,16 @@ def fuse_layer(layer: torch.nn.Module) -> bool:
     """Packed projections and fused forwards for one Llama-family decoder layer whose norms
     are FusedRMSNorm already; False where its parts are not what the forwards expect."""
     attn, mlp = layer.self_attn, layer.mlp
-    if (getattr(layer, "loom_fused", False) or type(attn).__name__ not in SLIDING_WINDOWS
-            or type(mlp).__name__ not in LLAMA_MLPS
-            or getattr(attn.config, "hidden_act", None) not in SILU
-            or not isinstance(layer.post_attention_layernorm, FusedRMSNorm)
-            # transformers 5 layers return the hidden states alone (4.x: a tuple)
-            or inspect.signature(type(layer).forward).return_annotation
-            not in (torch.Tensor, "torch.Tensor")):  # fmt: skip
+    if (
+        getattr(layer, "loom_fused", False)
+        or type(attn).__name__ not in SLIDING_WINDOWS
+        or type(mlp).__name__ not in LLAMA_MLPS
+        or getattr(attn.config, "hidden_act", None) not in SILU
+        or not isinstance(layer.post_attention_layernorm, FusedRMSNorm)
+        # transformers 5 layers return the hidden states alone (4.x: a tuple)
+        or inspect.signature(type(layer).forward).return_annotation
+        not in (torch.Tensor, "torch.Tensor")
+    ):
         return False
     qkv = pack_linears([attn.q_proj, attn.k_proj, attn.v_proj])
     gate_up = pack_linears([mlp.gate_proj, mlp.up_proj]) if qkv is not None else None
@@ -204,16 +231,18 @@ def install_fused_ops(model: torch.nn.Module) -> FusedModel:
     for name in norms:
         old = model.get_submodule(name)
         model.set_submodule(name, FusedRMSNorm(old.weight, old.variance_epsilon))
-    modeling = {type(m).__module__ for m in model.modules()
-                if type(m).__name__ in SLIDING_WINDOWS}  # fmt: skip
+    modeling = {type(m).__module__ for m in model.modules() if type(m).__name__ in SLIDING_WINDOWS}
     for module_name in modeling:
         module = sys.modules[module_name]
         if not getattr(module.apply_rotary_pos_emb, "loom_fused", False):
             module.apply_rotary_pos_emb = fused_rotary(module.apply_rotary_pos_emb)
-    layers = sum(fuse_layer(m) for m in list(model.modules())
-                 if type(m).__name__ in LLAMA_LAYERS)  # fmt: skip
+    layers = sum(fuse_layer(m) for m in list(model.modules()) if type(m).__name__ in LLAMA_LAYERS)
     if layers and next(model.parameters()).is_cuda:
         torch.cuda.empty_cache()  # the unpacked weights' memory, for the KV cache
-    logger.info("fused kernels: %d RMSNorm modules, rotary embedding in %s, %d decoder layers",
-                len(norms), ", ".join(sorted(modeling)) or "no module", layers)  # fmt: skip
+    logger.info(
+        "fused kernels: %d RMSNorm modules, rotary embedding in %s, %d decoder layers",
+        len(norms),
+        ", ".join(sorted(modeling)) or "no module",
+        layers,
+    )
     return FusedModel(len(norms), len(modeling), layers)

@@ -230,9 +230,15 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 
 def load_model(
-    model: str, *, dtype: str = "auto", device: str = "cpu", weight_dtype: str | None = None,
-    load_format: str = "auto", tensor_parallel_size: int = 1, model_impl: str = "auto",
-) -> LoadedModel:  # fmt: skip
+    model: str,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    weight_dtype: str | None = None,
+    load_format: str = "auto",
+    tensor_parallel_size: int = 1,
+    model_impl: str = "auto",
+) -> LoadedModel:
     """Resolve, prepare and load `model` in eval mode on `device`.
 
     dtype: "auto" (on CPU: bfloat16 where the CPU computes it natively, else float32; see
@@ -248,19 +254,18 @@ def load_model(
     model_impl: see MODEL_IMPLS; tensor parallelism runs transformers' modeling code.
     """
     if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; "
-                         f"got {load_format!r}")  # fmt: skip
+        raise ValueError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}"
+        )
     if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(
-            f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)} or None; "
-            f"got {weight_dtype!r}"
+            f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)} or None; got {weight_dtype!r}"
         )
     if dtype != "auto" and dtype not in DTYPES:
         allowed = ", ".join(map(repr, ["auto", *DTYPES]))
         raise ValueError(f"dtype must be one of {allowed}; got {dtype!r}")
     if model_impl not in MODEL_IMPLS:
-        raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}; "
-                         f"got {model_impl!r}")  # fmt: skip
+        raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}; got {model_impl!r}")
     torch_device = resolve_device(device)
     source = resolve_model(model)
     model_dir = prepare_model_dir(source)
@@ -269,14 +274,18 @@ def load_model(
         shape, why_not = llama_config.read_shape(model_dir / "config.json")
         if shape is not None and tensor_parallel_size > 1:
             shape, why_not = None, "tensor parallelism (transformers' tp_plan shards it)"
-        if shape is not None and load_format != "dummy" and not llama_weights.safetensors_files(
-                model_dir):  # fmt: skip
+        if (
+            shape is not None
+            and load_format != "dummy"
+            and not llama_weights.safetensors_files(model_dir)
+        ):
             shape, why_not = None, "no safetensors checkpoint"
         if shape is None and model_impl == "loom":
             raise ValueError(f"model_impl='loom' cannot run {model!r}: {why_not}")
     if shape is not None:
-        return _load_llama_family(model, source, model_dir, shape, dtype, torch_device,
-                                  weight_dtype, load_format)  # fmt: skip
+        return _load_llama_family(
+            model, source, model_dir, shape, dtype, torch_device, weight_dtype, load_format
+        )
     logger.info("loading %s with transformers' modeling code: %s", model, why_not)
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -321,31 +330,50 @@ def load_model(
 
 
 def _load_llama_family(
-    model: str, source: ModelSource, model_dir: Path, shape: llama_config.DecoderShape,
-    dtype: str, device: torch.device, weight_dtype: str | None, load_format: str,
-) -> LoadedModel:  # fmt: skip
+    model: str,
+    source: ModelSource,
+    model_dir: Path,
+    shape: llama_config.DecoderShape,
+    dtype: str,
+    device: torch.device,
+    weight_dtype: str | None,
+    load_format: str,
+) -> LoadedModel:
     started = time.perf_counter()
     try:
         torch_dtype = pick_dtype(dtype, shape.dtype, device)
         module = llama_weights.build(shape, torch_dtype, device, model_dir, load_format)
     except Exception as exc:
-        raise ModelLoadError(f"could not load model {model!r} from {model_dir}: {exc} "
-                             "(model_impl='transformers' loads it with transformers' modeling "
-                             "code instead)") from exc  # fmt: skip
+        raise ModelLoadError(
+            f"could not load model {model!r} from {model_dir}: {exc} "
+            "(model_impl='transformers' loads it with transformers' modeling "
+            "code instead)"
+        ) from exc
     _store_weights_in(module, weight_dtype, torch_dtype)
-    logger.info("%s built by loomllm.workers.models.llama.model (%s weights) in %.1f s", shape.architecture,
-                load_format, time.perf_counter() - started)  # fmt: skip
+    logger.info(
+        "%s built by loomllm.workers.models.llama.model (%s weights) in %.1f s",
+        shape.architecture,
+        load_format,
+        time.perf_counter() - started,
+    )
     return LoadedModel(
-        model=module, model_dir=model_dir, config=shape, source=source,
-        vocab_size=shape.vocab_size, max_model_len=shape.max_position_embeddings,
-        num_layers=shape.num_hidden_layers, num_kv_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim, dtype=str(torch_dtype).removeprefix("torch."),
+        model=module,
+        model_dir=model_dir,
+        config=shape,
+        source=source,
+        vocab_size=shape.vocab_size,
+        max_model_len=shape.max_position_embeddings,
+        num_layers=shape.num_hidden_layers,
+        num_kv_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        dtype=str(torch_dtype).removeprefix("torch."),
         device=str(next(module.parameters()).device),
-    )  # fmt: skip
+    )
 
 
-def _store_weights_in(module: torch.nn.Module, weight_dtype: str | None,
-                      torch_dtype: torch.dtype) -> None:  # fmt: skip
+def _store_weights_in(
+    module: torch.nn.Module, weight_dtype: str | None, torch_dtype: torch.dtype
+) -> None:
     if weight_dtype is None:
         return
     if torch_dtype == torch.float32:
@@ -362,13 +390,17 @@ def _check_tensor_parallel(
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if not getattr(text, "base_model_tp_plan", None):
-        raise ValueError(f"tensor_parallel_size={tp_size}: transformers has no tensor-parallel "
-                         f"plan for {type(text).__name__}")  # fmt: skip
+        raise ValueError(
+            f"tensor_parallel_size={tp_size}: transformers has no tensor-parallel "
+            f"plan for {type(text).__name__}"
+        )
     if heads % tp_size or kv_heads % tp_size:
         raise ValueError(
             f"tensor_parallel_size={tp_size} must divide the model's {heads} attention heads "
             f"and {kv_heads} KV heads (each rank holds an equal share of them)"
         )
     if weight_dtype is not None or load_format != "auto":
-        raise ValueError(f"tensor_parallel_size={tp_size} works with the default weight_dtype "
-                         "and load_format only")  # fmt: skip
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} works with the default weight_dtype "
+            "and load_format only"
+        )

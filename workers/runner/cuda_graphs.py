@@ -46,7 +46,7 @@ def smallest_holding(sizes: list[int], n: int) -> int:
 
 def capture_buckets(
     sizes: list[int], run: Callable[[int], torch.Tensor], pool: Any, what: str
-) -> dict[int, tuple[Any, torch.Tensor]]:  # fmt: skip
+) -> dict[int, tuple[Any, torch.Tensor]]:
     """A CUDA graph of `run(size)` for each size, largest first, in the memory pool `pool`:
     size -> (graph, the output tensor its replays write)."""
     started = time.monotonic()
@@ -62,8 +62,9 @@ def capture_buckets(
             out = run(size)
         graphs[size] = (graph, out)
     torch.cuda.synchronize()
-    logger.info("captured %s CUDA graphs for sizes %s in %.1fs", what, sizes,
-                time.monotonic() - started)  # fmt: skip
+    logger.info(
+        "captured %s CUDA graphs for sizes %s in %.1fs", what, sizes, time.monotonic() - started
+    )
     return graphs
 
 
@@ -71,10 +72,16 @@ class DecodeGraphs:
     """Static buffers for the largest bucket, and one captured graph per bucket."""
 
     def __init__(
-        self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        *, device: torch.device, block_size: int, scratch_block: int, max_blocks: int,
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        device: torch.device,
+        block_size: int,
+        scratch_block: int,
+        max_blocks: int,
         max_num_seqs: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -113,9 +120,13 @@ class DecodeGraphs:
         self._graphs = capture_buckets(self.sizes, self._forward, pool, "decode")
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-        tables: torch.Tensor, lens: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> torch.Tensor:
         """Logits [n, V] of n decode rows (device tensors: ids, positions, slots [n];
         tables [n, w] int32 with w <= max_blocks; lens [n] int32)."""
         n, width = tables.shape
@@ -145,21 +156,34 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         paged = PagedBatch(
-            block_size=self.block_size, decode_tables=self.tables[:size],
-            decode_lens=self.lens[:size], max_decode_len=self.max_blocks * self.block_size,
-            prefill_tables=self.tables[:0], prefill_q_starts=self.lens[:0],
-            prefill_q_lens=self.lens[:0], prefill_lens=self.lens[:0],
-            prefill_tile_reqs=self.lens[:0], prefill_tile_firsts=self.lens[:0],
+            block_size=self.block_size,
+            decode_tables=self.tables[:size],
+            decode_lens=self.lens[:size],
+            max_decode_len=self.max_blocks * self.block_size,
+            prefill_tables=self.tables[:0],
+            prefill_q_starts=self.lens[:0],
+            prefill_q_lens=self.lens[:0],
+            prefill_lens=self.lens[:0],
+            prefill_tile_reqs=self.lens[:0],
+            prefill_tile_firsts=self.lens[:0],
             decode_split_counts=self.split_counts,
-        )  # fmt: skip
+        )
         none = self.rows[:0]
         meta = AttentionMetadata(
-            kv_caches=self.kv_caches, slot_mapping=self.slots[:size],
-            decode_token_idx=self.rows[:size], decode_slots=none, decode_valid=none.bool(),
-            decode_bias=none, prefills=[], paged=paged,
-        )  # fmt: skip
+            kv_caches=self.kv_caches,
+            slot_mapping=self.slots[:size],
+            decode_token_idx=self.rows[:size],
+            decode_slots=none,
+            decode_valid=none.bool(),
+            decode_bias=none,
+            prefills=[],
+            paged=paged,
+        )
         out = self.model(
-            input_ids=self.input_ids[:, :size], position_ids=self.positions[:, :size],
-            use_cache=False, attn_metadata=meta, logits_to_keep=self.rows[:size],
+            input_ids=self.input_ids[:, :size],
+            position_ids=self.positions[:, :size],
+            use_cache=False,
+            attn_metadata=meta,
+            logits_to_keep=self.rows[:size],
         )
         return out.logits[0]  # [size, V]

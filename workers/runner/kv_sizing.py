@@ -30,8 +30,9 @@ def largest_step_tokens(options: dict[str, Any], max_model_len: int) -> int:
     return tokens
 
 
-def kv_cache_budget(loaded: Any, options: dict[str, Any], block_size: int, per_block: int,
-                    make_runner: Any) -> float:  # fmt: skip
+def kv_cache_budget(
+    loaded: Any, options: dict[str, Any], block_size: int, per_block: int, make_runner: Any
+) -> float:
     """Bytes for the KV cache. `make_runner(num_blocks)` builds a ModelRunner."""
     import torch
 
@@ -41,15 +42,21 @@ def kv_cache_budget(loaded: Any, options: dict[str, Any], block_size: int, per_b
     if device.type == "cuda":
         utilization = float(options.get("gpu_memory_utilization") or 0.9)
         tokens = largest_step_tokens(options, loaded.max_model_len)
-        peak = profile_activation_bytes(device, tokens, block_size, loaded.vocab_size,
-                                        loaded.max_model_len, make_runner)  # fmt: skip
+        peak = profile_activation_bytes(
+            device, tokens, block_size, loaded.vocab_size, loaded.max_model_len, make_runner
+        )
         free, total = torch.cuda.mem_get_info(device)
         budget = gpu_kv_budget(total, free, peak, utilization)
         logger.info(
             "KV cache: %.2f GiB (%.0f%% of %.1f GiB, less %.2f GiB in use and %.2f GiB of "
-            "activations for a %d-token step)", budget / GiB, utilization * 100, total / GiB,
-            (total - free) / GiB, peak / GiB, tokens,
-        )  # fmt: skip
+            "activations for a %d-token step)",
+            budget / GiB,
+            utilization * 100,
+            total / GiB,
+            (total - free) / GiB,
+            peak / GiB,
+            tokens,
+        )
         return budget
     # Room for 32 full-length sequences, at most 1 GiB: small models stay small.
     return min(DEFAULT_CPU_KV_CACHE_BYTES, 32 * loaded.max_model_len * per_block / block_size)
@@ -60,8 +67,9 @@ def gpu_kv_budget(total: float, free: float, activation_peak: float, utilization
     return utilization * total - (total - free) - activation_peak
 
 
-def profile_activation_bytes(device: Any, tokens: int, block_size: int, vocab_size: int,
-                             max_model_len: int, make_runner: Any) -> int:  # fmt: skip
+def profile_activation_bytes(
+    device: Any, tokens: int, block_size: int, vocab_size: int, max_model_len: int, make_runner: Any
+) -> int:
     """Peak memory of one step of `tokens` prompt tokens (as many requests as the context
     length needs), beyond the weights and its KV blocks: reserved by the allocator, so its
     fragmentation counts, and with every position's logprobs computed, the worst a step's
@@ -82,18 +90,29 @@ def profile_activation_bytes(device: Any, tokens: int, block_size: int, vocab_si
     requests, first = [], 0
     for i, (n, b) in enumerate(zip(sizes, blocks, strict=True)):
         prompt = [(first + j) % vocab_size for j in range(n)]
-        requests.append(NewRequestData(f"profile-{i}", prompt, [], params, [],
-                                       list(range(first, first + b)), 0))  # fmt: skip
+        requests.append(
+            NewRequestData(f"profile-{i}", prompt, [], params, [], list(range(first, first + b)), 0)
+        )
         first += b
-    step = SchedulerOutput(0, requests, CachedRequests([], [], []),
-                           {r.req_id: len(r.prompt_token_ids) for r in requests}, [])  # fmt: skip
+    step = SchedulerOutput(
+        0,
+        requests,
+        CachedRequests([], [], []),
+        {r.req_id: len(r.prompt_token_ids) for r in requests},
+        [],
+    )
     runner.execute(step, 0)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_reserved(device) - with_cache
     del runner
     torch.cuda.empty_cache()
-    logger.debug("profiling step: %d tokens in %d requests, %d bytes of KV blocks, peak %d "
-                 "bytes above them", tokens, len(sizes), with_cache - before, peak)  # fmt: skip
+    logger.debug(
+        "profiling step: %d tokens in %d requests, %d bytes of KV blocks, peak %d bytes above them",
+        tokens,
+        len(sizes),
+        with_cache - before,
+        peak,
+    )
     return peak
 
 

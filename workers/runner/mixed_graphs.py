@@ -52,10 +52,17 @@ class MixedGraphs:
     """Static buffers for the largest bucket, and one captured graph per token bucket."""
 
     def __init__(
-        self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        *, device: torch.device, block_size: int, scratch_block: int, max_blocks: int,
-        max_num_seqs: int, max_tokens: int = MAX_MIXED_TOKENS,
-    ) -> None:  # fmt: skip
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        device: torch.device,
+        block_size: int,
+        scratch_block: int,
+        max_blocks: int,
+        max_num_seqs: int,
+        max_tokens: int = MAX_MIXED_TOKENS,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
@@ -105,8 +112,7 @@ class MixedGraphs:
         # allocated as long as the graph, [rows, vocab] for each of 14 buckets (~1 GB for a
         # 150k vocabulary), while one step uses one at a time.
         like = self._forward(self.sizes[-1])
-        logits = torch.empty((self.max_rows, like.shape[-1]), dtype=like.dtype,
-                             device=like.device)  # fmt: skip
+        logits = torch.empty((self.max_rows, like.shape[-1]), dtype=like.dtype, device=like.device)
         del like
 
         def run(size: int) -> torch.Tensor:
@@ -115,10 +121,16 @@ class MixedGraphs:
         self._graphs = capture_buckets(self.sizes, run, pool, "mixed-step")
 
     def forward(
-        self, input_ids: torch.Tensor, positions: list[int], slots: torch.Tensor,
-        tables: list[list[int]], q_starts: list[int], q_lens: list[int], seq_lens: list[int],
+        self,
+        input_ids: torch.Tensor,
+        positions: list[int],
+        slots: torch.Tensor,
+        tables: list[list[int]],
+        q_starts: list[int],
+        q_lens: list[int],
+        seq_lens: list[int],
         sample_idx: list[int],
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """Logits [len(sample_idx), V] of a step of n packed tokens (input_ids and slots:
         device tensors [n]) whose rows (requests) have these block tables, first token in
         the batch, token counts and context lengths (this step's tokens included)."""
@@ -132,8 +144,11 @@ class MixedGraphs:
         padded = [blocks + [0] * (width - len(blocks)) for blocks in tables]
         self.tables[:rows, :width].copy_(device_tensor(padded, torch.int32, dev))
         self.tables[:rows, width:].zero_()
-        for buf, values in ((self.q_starts, q_starts), (self.q_lens, q_lens),
-                            (self.seq_lens, seq_lens)):  # fmt: skip
+        for buf, values in (
+            (self.q_starts, q_starts),
+            (self.q_lens, q_lens),
+            (self.seq_lens, seq_lens),
+        ):
             buf[:rows].copy_(device_tensor(values, torch.int32, dev))
         num_tiles = max_tiles(size, self._rows(size))
         tile_reqs, tile_firsts = prefill_tiles(q_lens, num_tiles)
@@ -164,20 +179,34 @@ class MixedGraphs:
         tiles = max_tiles(size, rows)
         none = self.q_lens[:0]
         paged = PagedBatch(
-            block_size=self.block_size, decode_tables=self.tables[:0], decode_lens=none,
-            max_decode_len=0, prefill_tables=self.tables[:rows],
-            prefill_q_starts=self.q_starts[:rows], prefill_q_lens=self.q_lens[:rows],
-            prefill_lens=self.seq_lens[:rows], prefill_tile_reqs=self.tile_reqs[:tiles],
-            prefill_tile_firsts=self.tile_firsts[:tiles], decode_split_counts=none,
-        )  # fmt: skip
+            block_size=self.block_size,
+            decode_tables=self.tables[:0],
+            decode_lens=none,
+            max_decode_len=0,
+            prefill_tables=self.tables[:rows],
+            prefill_q_starts=self.q_starts[:rows],
+            prefill_q_lens=self.q_lens[:rows],
+            prefill_lens=self.seq_lens[:rows],
+            prefill_tile_reqs=self.tile_reqs[:tiles],
+            prefill_tile_firsts=self.tile_firsts[:tiles],
+            decode_split_counts=none,
+        )
         empty = self.sample_rows[:0]
         meta = AttentionMetadata(
-            kv_caches=self.kv_caches, slot_mapping=self.slots[:size], decode_token_idx=empty,
-            decode_slots=empty, decode_valid=empty.bool(), decode_bias=empty, prefills=[],
+            kv_caches=self.kv_caches,
+            slot_mapping=self.slots[:size],
+            decode_token_idx=empty,
+            decode_slots=empty,
+            decode_valid=empty.bool(),
+            decode_bias=empty,
+            prefills=[],
             paged=paged,
-        )  # fmt: skip
+        )
         out = self.model(
-            input_ids=self.input_ids[:, :size], position_ids=self.positions[:, :size],
-            use_cache=False, attn_metadata=meta, logits_to_keep=self.sample_rows[:rows],
+            input_ids=self.input_ids[:, :size],
+            position_ids=self.positions[:, :size],
+            use_cache=False,
+            attn_metadata=meta,
+            logits_to_keep=self.sample_rows[:rows],
         )
         return out.logits[0]  # [rows, V]

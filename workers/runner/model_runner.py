@@ -73,16 +73,27 @@ class ModelRunner:
     """Runs steps for one worker rank; owns the model and the KV cache."""
 
     def __init__(
-        self, model: torch.nn.Module, config: object, *, device: torch.device,
-        dtype: torch.dtype, block_size: int, num_blocks: int, attention_backend: str = "torch",
+        self,
+        model: torch.nn.Module,
+        config: object,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        num_blocks: int,
+        attention_backend: str = "torch",
         tp_size: int = 1,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                             f"got {attention_backend!r}")  # fmt: skip
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {attention_backend!r}"
+            )
         if attention_backend == "triton" and (block_size < 16 or block_size & (block_size - 1)):
-            raise ValueError(f"block_size must be a power of two >= 16 for the Triton "
-                             f"attention backend, got {block_size}")  # fmt: skip
+            raise ValueError(
+                f"block_size must be a power of two >= 16 for the Triton "
+                f"attention backend, got {block_size}"
+            )
         attention.route_transformers_model(model)
         self.attention_backend = attention_backend
         self.model = model
@@ -96,10 +107,12 @@ class ModelRunner:
         scratch = 1 if attention_backend == "triton" else 0
         shape = ((num_blocks + scratch) * block_size, num_kv_heads, head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
             for _ in range(num_layers)
-        ]  # fmt: skip
+        ]
         self.requests: dict[str, CachedRequestState] = {}
         self._last: PendingStep | None = None  # the step launched last
         # CUDA's launch returns before the device is done, so the next step can be
@@ -122,18 +135,25 @@ class ModelRunner:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
     def enable_graphs(
-        self, max_num_seqs: int, max_model_len: int, capture: bool,
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        capture: bool,
         max_step_tokens: int = MAX_MIXED_TOKENS,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Run decode-only steps padded to bucketed batch sizes and mixed steps (of up to
         `max_step_tokens`) padded to token buckets, replaying CUDA graphs when `capture`
         (else eagerly over the same padded buffers: the CPU tests). Triton backend only:
         the torch backend's metadata has no fixed shape."""
         if self.attention_backend != "triton":
             raise ValueError("CUDA graphs need the Triton attention backend")
-        shared = dict(device=self.device, block_size=self.block_size,
-                      scratch_block=self.num_blocks, max_num_seqs=max_num_seqs,
-                      max_blocks=min(self.num_blocks, -(-max_model_len // self.block_size)))
+        shared = dict(
+            device=self.device,
+            block_size=self.block_size,
+            scratch_block=self.num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_blocks=min(self.num_blocks, -(-max_model_len // self.block_size)),
+        )
         graphs = DecodeGraphs(self.model, self.kv_caches, **shared)
         mixed = MixedGraphs(self.model, self.kv_caches, **shared, max_tokens=max_step_tokens)
         if capture:
@@ -178,16 +198,21 @@ class ModelRunner:
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         params = new.sampling_params
         state = CachedRequestState(
-            new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), params,
-            sorted(set(new.eos_token_ids) | set(params.stop_token_ids)), list(new.block_ids),
+            new.req_id,
+            list(new.prompt_token_ids),
+            list(new.output_token_ids),
+            params,
+            sorted(set(new.eos_token_ids) | set(params.stop_token_ids)),
+            list(new.block_ids),
             new.num_computed_tokens,
-        )  # fmt: skip
+        )
         state.filters = TokenFilters.of(params, self.vocab_size, self.device)
         if params.structured_outputs is not None:
             assert self.grammars is not None, "worker_state gives every runner its compiler"
             # Compiled meanwhile; one that fails fails its request at its first sample.
-            state.grammar = self.grammars.request_grammar(params.structured_outputs,
-                                                          new.eos_token_ids)  # fmt: skip
+            state.grammar = self.grammars.request_grammar(
+                params.structured_outputs, new.eos_token_ids
+            )
         return state
 
     # -- one step --------------------------------------------------------------------------
@@ -233,8 +258,10 @@ class ModelRunner:
             if end > num_known:
                 # Its last input is the token the previous step sampled: still on the device.
                 if end != num_known + 1 or id(state) not in pending:
-                    raise RuntimeError(f"step {so.step_id}: request {req_id!r} computes "
-                                       f"position {end - 1}, but holds {num_known} tokens")
+                    raise RuntimeError(
+                        f"step {so.step_id}: request {req_id!r} computes "
+                        f"position {end - 1}, but holds {num_known} tokens"
+                    )
                 fill_at.append(len(input_ids))
                 fill_from.append(pending[id(state)])
                 input_ids.append(0)
@@ -267,21 +294,30 @@ class ModelRunner:
         if not input_ids:
             return self._launched(call_id, [], None, [])
         graphs, mixed, rows = self.decode_graphs, self.mixed_graphs, decode_states + prefill_states
-        replay_mixed = (mixed is not None and bool(prefills) and not prompt_idx
-                        and mixed.fits(len(input_ids), len(rows),
-                                       max(len(st.block_ids) for st in rows)))  # fmt: skip
+        replay_mixed = (
+            mixed is not None
+            and bool(prefills)
+            and not prompt_idx
+            and mixed.fits(len(input_ids), len(rows), max(len(st.block_ids) for st in rows))
+        )
         meta = None  # a mixed-step graph takes the rows as they are
         if triton and not replay_mixed:
             meta = paged_metadata(
-                self.kv_caches, self.device, self.block_size, slots, decode_idx,
+                self.kv_caches,
+                self.device,
+                self.block_size,
+                slots,
+                decode_idx,
                 [st.block_ids for st in decode_states],
                 [st.num_computed_tokens for st in decode_states],  # already advanced
-                prefills, [st.block_ids for st in prefill_states],
+                prefills,
+                [st.block_ids for st in prefill_states],
                 [st.num_computed_tokens for st in prefill_states],
-            )  # fmt: skip
+            )
         elif not triton:
-            meta = context_metadata(self.kv_caches, self.device, slots, decode_idx, decode_ctx,
-                                    prefills)  # fmt: skip
+            meta = context_metadata(
+                self.kv_caches, self.device, slots, decode_idx, decode_ctx, prefills
+            )
         dev = self.device
         ids = device_tensor(input_ids, torch.long, dev)
         if fill_at:
@@ -291,23 +327,38 @@ class ModelRunner:
             ]
         if self.idle_probe is not None:
             self.idle_probe.step_started()
-        replay = (graphs is not None and meta is not None and meta.paged is not None
-                  and not prefills and not prompt_idx and len(decode_idx) <= graphs.max_batch
-                  and meta.paged.decode_tables.shape[1] <= graphs.max_blocks)  # fmt: skip
+        replay = (
+            graphs is not None
+            and meta is not None
+            and meta.paged is not None
+            and not prefills
+            and not prompt_idx
+            and len(decode_idx) <= graphs.max_batch
+            and meta.paged.decode_tables.shape[1] <= graphs.max_blocks
+        )
         if replay_mixed:
             # Every row through the prefill kernel, a decode as a one-token prompt chunk.
             logits = mixed.forward(
-                ids, positions, device_tensor(slots, torch.long, dev),
-                [st.block_ids for st in rows], decode_idx + [p.token_start for p in prefills],
+                ids,
+                positions,
+                device_tensor(slots, torch.long, dev),
+                [st.block_ids for st in rows],
+                decode_idx + [p.token_start for p in prefills],
                 [1] * len(decode_idx) + [p.num_tokens for p in prefills],
-                [st.num_computed_tokens for st in rows], sample_idx,
-            )  # fmt: skip
+                [st.num_computed_tokens for st in rows],
+                sample_idx,
+            )
         elif replay:
             # Decode only: packed token i is decode row i, and the rows that sample are
             # those whose prompt is complete (a 1-token prompt chunk does not).
             paged = meta.paged
-            logits = graphs.forward(ids, device_tensor(positions, torch.long, dev),
-                                    meta.slot_mapping, paged.decode_tables, paged.decode_lens)
+            logits = graphs.forward(
+                ids,
+                device_tensor(positions, torch.long, dev),
+                meta.slot_mapping,
+                paged.decode_tables,
+                paged.decode_lens,
+            )
             if len(sample_idx) < len(decode_idx):
                 logits = logits[device_tensor(sample_idx, torch.long, dev)]
         else:
@@ -331,9 +382,12 @@ class ModelRunner:
         return self._launched(call_id, samplers, sampled, prompt_lps)
 
     def _launched(
-        self, call_id: int, samplers: list[CachedRequestState], sampled: SamplerOutput | None,
+        self,
+        call_id: int,
+        samplers: list[CachedRequestState],
+        sampled: SamplerOutput | None,
         prompt_lps: list[PromptLogprobs],
-    ) -> PendingStep:  # fmt: skip
+    ) -> PendingStep:
         errors, self._request_errors = self._request_errors, []
         if sampled is None:
             none = torch.empty(0, dtype=torch.long)
@@ -343,8 +397,16 @@ class ModelRunner:
                 None if ids is None else TopLogprobs(ids, lps)
                 for ids, lps in zip(sampled.top_token_ids, sampled.top_logprobs, strict=True)
             ]
-            step = PendingStep(call_id, samplers, sampled.sampled_token_ids, sampled.logprobs,
-                               top, prompt_lps, errors, sampled.stuck)  # fmt: skip
+            step = PendingStep(
+                call_id,
+                samplers,
+                sampled.sampled_token_ids,
+                sampled.logprobs,
+                top,
+                prompt_lps,
+                errors,
+                sampled.stuck,
+            )
         self._last = step
         return step
 
@@ -359,8 +421,9 @@ class ModelRunner:
         for s, index in zip(samplers, indexes, strict=True):
             bans = s.banned_until_min_tokens if index < s.sampling_params.min_tokens else []
             if s.sampling_params.bad_words_token_ids:  # rare: most rows skip the walk
-                bans = bans + bad_word_bans(s.sampling_params.bad_words_token_ids,
-                                            s.output_token_ids)  # fmt: skip
+                bans = bans + bad_word_bans(
+                    s.sampling_params.bad_words_token_ids, s.output_token_ids
+                )
             banned.append(bans)
         meta = SamplingMetadata.from_params(
             [s.sampling_params for s in samplers],
@@ -390,6 +453,10 @@ def _captured(graphs: G, pool: object, kind: str) -> G | None:
 def _needs_output_ids(params: SamplingParams) -> bool:
     """Penalties count the output ids, a grammar's matcher advances by them, a bad word of
     several tokens ends them."""
-    return bool(params.presence_penalty or params.frequency_penalty
-                or params.repetition_penalty != 1.0 or params.structured_outputs
-                or any(len(seq) > 1 for seq in params.bad_words_token_ids))  # fmt: skip
+    return bool(
+        params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+        or params.structured_outputs
+        or any(len(seq) > 1 for seq in params.bad_words_token_ids)
+    )

@@ -15,8 +15,10 @@ import torch
 
 from loomllm.protocols.messages import PromptLogprobs, RequestError, StepResult, TopLogprobs
 
-NOTHING_TO_SAMPLE = ("nothing is left to sample: structured_outputs, allowed_token_ids and "
-                     "min_tokens (which bans eos) together exclude every token")
+NOTHING_TO_SAMPLE = (
+    "nothing is left to sample: structured_outputs, allowed_token_ids and "
+    "min_tokens (which bans eos) together exclude every token"
+)
 
 
 @dataclass(eq=False)
@@ -43,8 +45,11 @@ class PendingStep:
             # Start the copy now, on the current stream, without blocking the host: the
             # next step's kernels queue up behind it and the host waits only in result().
             stuck = None if self.stuck is None else self.stuck.to("cpu", non_blocking=True)
-            self._host = (self.sampled.to("cpu", non_blocking=True),
-                          self.logprobs.to("cpu", non_blocking=True), stuck)  # fmt: skip
+            self._host = (
+                self.sampled.to("cpu", non_blocking=True),
+                self.logprobs.to("cpu", non_blocking=True),
+                stuck,
+            )
             self._copied = torch.cuda.Event()
             self._copied.record()
         else:
@@ -72,10 +77,14 @@ class PendingStep:
                     RequestError(state.req_id, NOTHING_TO_SAMPLE)
                     for state, stuck in zip(self.samplers, self._host[2].tolist(), strict=True)
                     if stuck
-                ]  # fmt: skip
+                ]
             self._result = StepResult(
-                self.call_id, [s.req_id for s in self.samplers], token_ids,
-                self._host[1].tolist(), self.top_logprobs, self.prompt_logprobs,
+                self.call_id,
+                [s.req_id for s in self.samplers],
+                token_ids,
+                self._host[1].tolist(),
+                self.top_logprobs,
+                self.prompt_logprobs,
                 request_errors=self.request_errors,
-            )  # fmt: skip
+            )
         return self._result

@@ -94,15 +94,18 @@ class SamplingMetadata:
             presence_penalty=floats([p.presence_penalty for p in params]),
             frequency_penalty=floats([p.frequency_penalty for p in params]),
             repetition_penalty=floats([p.repetition_penalty for p in params]),
-            draw_seeds=[None if p.seed is None else draw_seed(p.seed, index)
-                        for p, index in zip(params, draw_indexes, strict=True)],  # fmt: skip
+            draw_seeds=[
+                None if p.seed is None else draw_seed(p.seed, index)
+                for p, index in zip(params, draw_indexes, strict=True)
+            ],
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
             banned_token_ids=banned_token_ids,
             num_logprobs=[p.logprobs for p in params],
-            token_filters=token_filters if token_filters is not None else [
-                TokenFilters.of(p, vocab_size, torch.device("cpu")) for p in params],
-        )  # fmt: skip
+            token_filters=token_filters
+            if token_filters is not None
+            else [TokenFilters.of(p, vocab_size, torch.device("cpu")) for p in params],
+        )
 
 
 @dataclass(slots=True)
@@ -145,7 +148,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     lse = torch.logsumexp(raw, dim=-1)  # [B]
     x = apply_token_filters(raw, meta)  # [B, V]
     narrowed = meta.token_bitmask is not None or any(
-        f is not None and f.allowed is not None for f in meta.token_filters)  # fmt: skip
+        f is not None and f.allowed is not None for f in meta.token_filters
+    )
     stuck = ~x.isfinite().any(dim=-1) if narrowed else None  # [B]
     if meta.has_penalties:
         x = apply_penalties(x, meta)
@@ -325,9 +329,15 @@ def score_prompt_chunks(
             torch.tensor(targets, dtype=torch.long, device=logits.device),
             state.sampling_params.prompt_logprobs or 0,
         )
-        chunks.append(PromptLogprobs(
-            state.req_id, start + 1, lps.numpy(), ranks.numpy(), top_ids.numpy(),
-            top_lps.numpy(),
-        ))  # fmt: skip
+        chunks.append(
+            PromptLogprobs(
+                state.req_id,
+                start + 1,
+                lps.numpy(),
+                ranks.numpy(),
+                top_ids.numpy(),
+                top_lps.numpy(),
+            )
+        )
         row += num
     return chunks

@@ -61,8 +61,9 @@ class GrammarCompiler:
             raise
         except Exception as exc:
             logger.exception("building a grammar failed")
-            raise ValueError(f"structured_outputs failed on the worker: "
-                             f"{type(exc).__name__}: {exc}") from exc
+            raise ValueError(
+                f"structured_outputs failed on the worker: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def compile(self, spec: StructuredOutputsParams, stop_token_ids: list[int]) -> Any:
         """An xgrammar CompiledGrammar; ValueError naming what is wrong with the spec."""
@@ -72,8 +73,9 @@ class GrammarCompiler:
                 # No free whitespace: a model could loop on it; json.dumps' separators.
                 return compiler.compile_json_schema(spec.json, any_whitespace=False)
             if spec.json_object:  # an object (not any JSON value), held to the same whitespace
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                    strict_mode=False)  # fmt: skip
+                return compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False, strict_mode=False
+                )
             if spec.regex is not None:
                 return compiler.compile_regex(spec.regex)
             if spec.choice is not None:
@@ -81,8 +83,11 @@ class GrammarCompiler:
             assert spec.grammar is not None
             return compiler.compile_grammar(spec.grammar)
         except RuntimeError as exc:  # xgrammar's parse and conversion errors
-            kind = next(k for k in ("json", "regex", "choice", "grammar", "json_object")
-                        if getattr(spec, k) not in (None, False))  # fmt: skip
+            kind = next(
+                k
+                for k in ("json", "regex", "choice", "grammar", "json_object")
+                if getattr(spec, k) not in (None, False)
+            )
             reason = _CPP_PREFIX.sub("", str(exc).strip())
             raise ValueError(f"structured_outputs.{kind} does not compile: {reason}") from None
 
@@ -92,8 +97,10 @@ class GrammarCompiler:
             try:
                 import xgrammar
             except ImportError as exc:  # the request fails alone, clearly
-                raise ValueError(f"structured_outputs need xgrammar in the workers' "
-                                 f"environment: pip install xgrammar ({exc})") from None
+                raise ValueError(
+                    f"structured_outputs need xgrammar in the workers' "
+                    f"environment: pip install xgrammar ({exc})"
+                ) from None
             from transformers import PreTrainedTokenizerFast
 
             tokenizer_file = Path(self.model_dir) / "tokenizer.json"
@@ -102,7 +109,8 @@ class GrammarCompiler:
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(stop_token_ids)
             )
             compiler = self._compilers[stop_token_ids] = xgrammar.GrammarCompiler(
-                info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+                info, cache_limit_bytes=GRAMMAR_CACHE_BYTES
+            )
         return compiler
 
 
@@ -148,8 +156,9 @@ class RequestGrammar:
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
         if not bool(bitmask[row].any()):
-            raise ValueError("structured_outputs: no token of this model's vocabulary can "
-                             "continue the grammar")  # fmt: skip
+            raise ValueError(
+                "structured_outputs: no token of this model's vocabulary can continue the grammar"
+            )
 
 
 def _bit(j: int) -> int:

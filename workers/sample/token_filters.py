@@ -31,12 +31,16 @@ class TokenFilters:
             return None
         allowed = None
         if params.allowed_token_ids is not None:
-            allowed = device_tensor([t for t in params.allowed_token_ids if t < vocab_size],
-                                    torch.int64, device)  # fmt: skip
+            allowed = device_tensor(
+                [t for t in params.allowed_token_ids if t < vocab_size], torch.int64, device
+            )
         bias_ids = bias_values = None
         if params.logit_bias:
-            pairs = [(t, min(max(b, -F32_MAX), F32_MAX))
-                     for t, b in params.logit_bias.items() if t < vocab_size]  # fmt: skip
+            pairs = [
+                (t, min(max(b, -F32_MAX), F32_MAX))
+                for t, b in params.logit_bias.items()
+                if t < vocab_size
+            ]
             bias_ids = device_tensor([t for t, _ in pairs], torch.int64, device)
             bias_values = device_tensor([b for _, b in pairs], torch.float32, device)
         return cls(allowed, bias_ids, bias_values)
@@ -52,9 +56,11 @@ def _rows_and(
         return None
     sizes = [len(getattr(filters[i], name)) for i in rows]
     # Host values through pinned memory, the output size given: no wait on the device.
-    row_index = torch.repeat_interleave(device_tensor(rows, torch.int64, device),
-                                        device_tensor(sizes, torch.int64, device),
-                                        output_size=sum(sizes))  # fmt: skip
+    row_index = torch.repeat_interleave(
+        device_tensor(rows, torch.int64, device),
+        device_tensor(sizes, torch.int64, device),
+        output_size=sum(sizes),
+    )
     return row_index, rows
 
 
@@ -67,8 +73,9 @@ def apply_allowed(x: torch.Tensor, filters: list[TokenFilters | None]) -> torch.
     ids = torch.cat([filters[i].allowed for i in rows])  # type: ignore[union-attr,misc]
     keep = torch.zeros_like(x, dtype=torch.bool)
     keep[row_index, ids] = True
-    limited = device_tensor([f is not None and f.allowed is not None for f in filters],
-                            torch.bool, x.device)[:, None]  # fmt: skip
+    limited = device_tensor(
+        [f is not None and f.allowed is not None for f in filters], torch.bool, x.device
+    )[:, None]
     return x.masked_fill(limited & ~keep, float("-inf"))
 
 
@@ -92,6 +99,6 @@ def bad_word_bans(sequences: tuple[tuple[int, ...], ...], output: list[int]) -> 
     bans = []
     for seq in sequences:
         rest = len(seq) - 1
-        if rest == 0 or (rest <= len(output) and tuple(output[len(output) - rest:]) == seq[:-1]):
+        if rest == 0 or (rest <= len(output) and tuple(output[len(output) - rest :]) == seq[:-1]):
             bans.append(seq[-1])
     return bans

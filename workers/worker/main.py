@@ -89,9 +89,12 @@ async def _run(args: argparse.Namespace) -> int:
 
     def start() -> Worker:
         return Worker.start(
-            args.model, json.loads(args.options), args.rank, args.world_size,
+            args.model,
+            json.loads(args.options),
+            args.rank,
+            args.world_size,
             f"file://{args.dist_init_file}",
-        )  # fmt: skip
+        )
 
     async def open_listener() -> tuple[Listener[Any], str]:
         return await anyio.create_unix_listener(args.socket, mode=0o600), args.socket
@@ -100,9 +103,11 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 async def serve_rank(
-    control: MessageStream, rank: int, start: Callable[[], Worker],
+    control: MessageStream,
+    rank: int,
+    start: Callable[[], Worker],
     open_listener: Callable[[], Awaitable[tuple[Listener[Any], str]]],
-) -> int:  # fmt: skip
+) -> int:
     """A rank's life after launch, whatever launched it (the manager, or a Ray actor):
     load (`start`), open the data listener, report READY with its address over `control`,
     serve engines until `control` closes. Returns the exit code."""
@@ -217,10 +222,16 @@ class DataServer:
         """Refuse (and log) a client without the current lease's token; True if refused."""
         if self._is_leased_to(token):
             return False
-        logger.warning("refused %s: it does not hold this worker's current lease",
-                       describe_peer(stream))  # fmt: skip
-        await ms.send(ErrorReply("lease_refused", "this worker is lent to another engine (or "
-                                 "to none): attach through the engine-manager"))  # fmt: skip
+        logger.warning(
+            "refused %s: it does not hold this worker's current lease", describe_peer(stream)
+        )
+        await ms.send(
+            ErrorReply(
+                "lease_refused",
+                "this worker is lent to another engine (or "
+                "to none): attach through the engine-manager",
+            )
+        )
         return True
 
     async def _serve(self, ms: MessageStream, token: bytes) -> None:

@@ -52,9 +52,14 @@ class RankActor:
         return self.host, self._lifeline.getsockname()[1], dist_port, os.getpid()
 
     def serve(
-        self, model: str, options_json: str, rank: int, world_size: int, dist_init_method: str,
+        self,
+        model: str,
+        options_json: str,
+        rank: int,
+        world_size: int,
+        dist_init_method: str,
         secret: bytes,
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Run the rank until the manager closes its lifeline; the exit code."""
         assert self._lifeline is not None, "bind() first"
         logging.basicConfig(
@@ -62,8 +67,18 @@ class RankActor:
             format=f"%(asctime)s rank{rank} %(process)d %(levelname)s %(name)s: %(message)s",
         )
         try:
-            return anyio.run(_serve, self._lifeline, self.host, secret, model, options_json,
-                             rank, world_size, dist_init_method, backend="trio")  # fmt: skip
+            return anyio.run(
+                _serve,
+                self._lifeline,
+                self.host,
+                secret,
+                model,
+                options_json,
+                rank,
+                world_size,
+                dist_init_method,
+                backend="trio",
+            )
         finally:
             self._lifeline.close()  # a manager still waiting to be accepted sees it at once
 
@@ -71,9 +86,15 @@ class RankActor:
 # Not a method: Ray makes an actor with any `async def` method an asyncio actor, whose
 # methods may run concurrently and inside Ray's own event loop.
 async def _serve(
-    lifeline: socket.socket, host: str, secret: bytes, model: str, options_json: str,
-    rank: int, world_size: int, dist_init_method: str,
-) -> int:  # fmt: skip
+    lifeline: socket.socket,
+    host: str,
+    secret: bytes,
+    model: str,
+    options_json: str,
+    rank: int,
+    world_size: int,
+    dist_init_method: str,
+) -> int:
     from loomllm.workers.worker.main import serve_rank
     from loomllm.workers.worker.state import Worker
 

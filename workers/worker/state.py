@@ -33,9 +33,13 @@ class Worker:
 
     @classmethod
     def start(
-        cls, model: str, options: dict[str, Any], rank: int, world_size: int,
+        cls,
+        model: str,
+        options: dict[str, Any],
+        rank: int,
+        world_size: int,
         dist_init_method: str,
-    ) -> Worker:  # fmt: skip
+    ) -> Worker:
         """Load the model (its shard, joining the torch.distributed group at
         `dist_init_method`, a file:// or tcp:// URL, when world_size > 1) and size the KV
         cache."""
@@ -57,8 +61,9 @@ class Worker:
             torch.manual_seed(options["seed"])  # unseeded requests draw from this RNG
         if world_size > 1:
             # Before the load: transformers shards the weights over this group (tp_plan).
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank),
-                              WORLD_SIZE=str(world_size))  # fmt: skip
+            os.environ.update(
+                RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size)
+            )
             torch.distributed.init_process_group(
                 backend="nccl" if device == "cuda" else "gloo",
                 init_method=dist_init_method,
@@ -66,11 +71,14 @@ class Worker:
                 world_size=world_size,
             )
         loaded = load_model(
-            model, dtype=options.get("dtype", "auto"), device=device,
+            model,
+            dtype=options.get("dtype", "auto"),
+            device=device,
             weight_dtype=options.get("weight_dtype"),
-            load_format=options.get("load_format", "auto"), tensor_parallel_size=world_size,
+            load_format=options.get("load_format", "auto"),
+            tensor_parallel_size=world_size,
             model_impl=options.get("model_impl", "auto"),
-        )  # fmt: skip
+        )
         runner = _make_runner(loaded, options)
         info = ModelInfo(
             model=model,
@@ -87,17 +95,22 @@ class Worker:
             block_size=runner.block_size,
         )
         logger.info(
-            "loaded %s on %s in %.1fs; KV cache: %d blocks of %d tokens", model, device,
-            info.load_seconds, runner.num_blocks, runner.block_size,
-        )  # fmt: skip
+            "loaded %s on %s in %.1fs; KV cache: %d blocks of %d tokens",
+            model,
+            device,
+            info.load_seconds,
+            runner.num_blocks,
+            runner.block_size,
+        )
         # The model, its runner and the imports live as long as the worker: out of gc's full
         # collections, which would otherwise stall a step now and then (runtime/engine/engine.py's
         # _freeze_heap says what that costs in the engine's process). Collected first, so
         # the loading's garbage cycles are not frozen with them.
         gc.collect()
         gc.freeze()
-        worker = cls(rank, world_size, device, loaded, runner, info, time.time(),
-                     seed=options.get("seed"))  # fmt: skip
+        worker = cls(
+            rank, world_size, device, loaded, runner, info, time.time(), seed=options.get("seed")
+        )
         worker.reseed()
         return worker
 
@@ -170,8 +183,12 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     # CUDA graphs and fused kernels: one rank only (HF's tensor-parallel collectives inside
     # a capture, and DTensor weights in the kernels, are untried), and not under
     # enforce_eager, which runs the model's plain torch ops eagerly (for debugging).
-    fast_path = (device.type == "cuda" and backend == "triton" and loaded.tp_size == 1
-                 and not options.get("enforce_eager"))  # fmt: skip
+    fast_path = (
+        device.type == "cuda"
+        and backend == "triton"
+        and loaded.tp_size == 1
+        and not options.get("enforce_eager")
+    )
     if fast_path:
         from loomllm.workers.models.fused_layers import install_fused_ops
 
@@ -179,10 +196,15 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
 
     def make_runner(num_blocks: int) -> ModelRunner:
         return ModelRunner(
-            loaded.model, loaded.config, device=device, dtype=dtype,
-            block_size=block_size, num_blocks=num_blocks, attention_backend=backend,
+            loaded.model,
+            loaded.config,
+            device=device,
+            dtype=dtype,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            attention_backend=backend,
             tp_size=loaded.tp_size,
-        )  # fmt: skip
+        )
 
     per_block = ModelRunner.bytes_per_block(loaded.config, block_size, dtype, loaded.tp_size)
     budget = kv_cache_budget(loaded, options, block_size, per_block, make_runner)
@@ -190,25 +212,34 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     # decode graphs (workers/runner/cuda_graphs.py): the budget's bytes plus one block at most.
     num_blocks = int(budget // per_block)
     if num_blocks < 1:
-        where = "kv_cache_memory" if options.get("kv_cache_memory") is not None else (
-            "the default KV cache budget (on CUDA: gpu_memory_utilization of the GPU, less "
-            "what is in use and a step's activations)")  # fmt: skip
-        raise ValueError(f"{where}, {budget:.0f} bytes, holds no KV block ({per_block} "
-                         f"bytes each)")  # fmt: skip
+        where = (
+            "kv_cache_memory"
+            if options.get("kv_cache_memory") is not None
+            else (
+                "the default KV cache budget (on CUDA: gpu_memory_utilization of the GPU, less "
+                "what is in use and a step's activations)"
+            )
+        )
+        raise ValueError(f"{where}, {budget:.0f} bytes, holds no KV block ({per_block} bytes each)")
     runner = make_runner(num_blocks)
     runner.grammars = GrammarCompiler(str(loaded.model_dir), loaded.vocab_size)
     if fast_path:
-        runner.enable_graphs(int(options.get("max_num_seqs") or 256), loaded.max_model_len,
-                             capture=True,
-                             max_step_tokens=largest_step_tokens(options, loaded.max_model_len))
+        runner.enable_graphs(
+            int(options.get("max_num_seqs") or 256),
+            loaded.max_model_len,
+            capture=True,
+            max_step_tokens=largest_step_tokens(options, loaded.max_model_len),
+        )
     return runner
 
 
 def _attention_backend(asked: str | None, device: Any) -> str:
-    """"auto": Triton's kernels on CUDA, the torch reference on the CPU (faster there)."""
+    """ "auto": Triton's kernels on CUDA, the torch reference on the CPU (faster there)."""
     if asked in (None, "auto"):
         return "triton" if device.type == "cuda" else "torch"
     if asked == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("attention_backend='triton' needs a CUDA device (on the CPU only "
-                         "Triton's interpreter runs it, with TRITON_INTERPRET=1: for tests)")
+        raise ValueError(
+            "attention_backend='triton' needs a CUDA device (on the CPU only "
+            "Triton's interpreter runs it, with TRITON_INTERPRET=1: for tests)"
+        )
     return asked

@@ -9,17 +9,29 @@ class ApiError(Exception):
     """An error answered as OpenAI's `{"error": {message, type, param, code}}`."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None,
-        type_: str = "invalid_request_error", code: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = (
-            status, message, param, type_, code,
-        )  # fmt: skip
+            status,
+            message,
+            param,
+            type_,
+            code,
+        )
 
     def body(self) -> dict[str, Any]:
-        error = {"message": self.message, "type": self.type, "param": self.param,
-                 "code": self.code if self.code is not None else self.status}  # fmt: skip
+        error = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code if self.code is not None else self.status,
+        }
         return {"error": error}
 
 

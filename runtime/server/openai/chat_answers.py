@@ -75,8 +75,9 @@ class ChatDeltas:
             delta, finish = self._demanded.next(index, text, finish)
         else:
             if self._thinking is not None:
-                reasoning, text = self._thinking.next(index, text, finish is not None,
-                                                      self._prompts.pop(index, None))  # fmt: skip
+                reasoning, text = self._thinking.next(
+                    index, text, finish is not None, self._prompts.pop(index, None)
+                )
             if self._auto is not None:
                 if index in self._unechoed:
                     self._unechoed.discard(index)

@@ -17,81 +17,147 @@ FINISH_REASONS = ["stop", "length", "abort", "tool_calls"]
 def _responses(model: str, reasoning: bool) -> dict[str, Schema]:
     """The answers' schemas; with `reasoning`, chat messages and deltas carry it (vLLM's
     `reasoning`, and `reasoning_content`, its earlier name)."""
+
     def envelope(kind: str, choice: Schema, chunk: bool) -> Schema:
-        props = {"id": {"type": "string"}, "object": {"const": kind},
-                 "created": {"type": "integer"}, "model": {"const": model},
-                 "choices": {"type": "array", "items": choice}, "usage": ref("Usage")}  # fmt: skip
+        props = {
+            "id": {"type": "string"},
+            "object": {"const": kind},
+            "created": {"type": "integer"},
+            "model": {"const": model},
+            "choices": {"type": "array", "items": choice},
+            "usage": ref("Usage"),
+        }
         # A chunk has usage only when it is the last one, with stream_options.include_usage.
         return object_of(props, [name for name in props if not (chunk and name == "usage")])
 
     count = {"type": "integer", "minimum": 0}
     finish = {"enum": FINISH_REASONS}
     maybe_finish = {"enum": [*FINISH_REASONS, None]}
-    text_logprobs = {"anyOf": [{"type": "null"}, object_of({
-        "tokens": {"type": "array", "items": {"type": "string"}},
-        # null for an echoed prompt's first token (nothing predicts it)
-        "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
-        "top_logprobs": {"type": "array", "items": {
-            "type": ["object", "null"], "additionalProperties": {"type": "number"}}},
-        "text_offset": {"type": "array", "items": count},
-    }, ["tokens", "token_logprobs", "top_logprobs", "text_offset"])]}  # fmt: skip
-    top = {"token": {"type": "string"}, "logprob": {"type": "number"},
-           "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}}}
+    text_logprobs = {
+        "anyOf": [
+            {"type": "null"},
+            object_of(
+                {
+                    "tokens": {"type": "array", "items": {"type": "string"}},
+                    # null for an echoed prompt's first token (nothing predicts it)
+                    "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+                    "top_logprobs": {
+                        "type": "array",
+                        "items": {
+                            "type": ["object", "null"],
+                            "additionalProperties": {"type": "number"},
+                        },
+                    },
+                    "text_offset": {"type": "array", "items": count},
+                },
+                ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+            ),
+        ]
+    }
+    top = {
+        "token": {"type": "string"},
+        "logprob": {"type": "number"},
+        "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}},
+    }
     tops = {"type": "array", "items": object_of(top, list(top))}
     entry = object_of({**top, "top_logprobs": tops}, [*top, "top_logprobs"])
-    chat_logprobs = {"anyOf": [{"type": "null"}, object_of(
-        {"content": {"type": "array", "items": entry}}, ["content"])]}  # fmt: skip
+    chat_logprobs = {
+        "anyOf": [
+            {"type": "null"},
+            object_of({"content": {"type": "array", "items": entry}}, ["content"]),
+        ]
+    }
 
     def choice(body: dict[str, Schema], logprobs: Schema, reason: Schema) -> Schema:
         props = {"index": count, **body, "logprobs": logprobs, "finish_reason": reason}
         return object_of(props, list(props))
 
     text = {"text": {"type": "string"}}
-    call = object_of({"id": {"type": "string"}, "type": {"const": "function"},
-                    "function": object_of({"name": {"type": "string"},
-                                         "arguments": {"type": "string"}},
-                                        ["name", "arguments"])},
-                   ["id", "type", "function"])  # fmt: skip
+    call = object_of(
+        {
+            "id": {"type": "string"},
+            "type": {"const": "function"},
+            "function": object_of(
+                {"name": {"type": "string"}, "arguments": {"type": "string"}}, ["name", "arguments"]
+            ),
+        },
+        ["id", "type", "function"],
+    )
     thought = {"type": ["string", "null"]}
     thoughts = {"reasoning": thought, "reasoning_content": thought} if reasoning else {}
-    message = {"message": object_of({"role": {"const": "assistant"},
-                                   "content": {"type": ["string", "null"]},
-                                   "tool_calls": {"type": "array", "items": call}, **thoughts},
-                                  ["role", "content"])}  # fmt: skip
-    call_delta = object_of({"index": count, "id": {"type": "string"},
-                          "type": {"const": "function"},
-                          "function": object_of({"name": {"type": "string"},
-                                               "arguments": {"type": "string"}})},
-                         ["index"])  # fmt: skip
-    delta = {"delta": object_of({"role": {"const": "assistant"},
-                               "content": {"type": ["string", "null"]},
-                               "tool_calls": {"type": "array", "items": call_delta},
-                               **thoughts})}
+    message = {
+        "message": object_of(
+            {
+                "role": {"const": "assistant"},
+                "content": {"type": ["string", "null"]},
+                "tool_calls": {"type": "array", "items": call},
+                **thoughts,
+            },
+            ["role", "content"],
+        )
+    }
+    call_delta = object_of(
+        {
+            "index": count,
+            "id": {"type": "string"},
+            "type": {"const": "function"},
+            "function": object_of({"name": {"type": "string"}, "arguments": {"type": "string"}}),
+        },
+        ["index"],
+    )
+    delta = {
+        "delta": object_of(
+            {
+                "role": {"const": "assistant"},
+                "content": {"type": ["string", "null"]},
+                "tool_calls": {"type": "array", "items": call_delta},
+                **thoughts,
+            }
+        )
+    }
     return {
-        "Usage": object_of({"prompt_tokens": count, "completion_tokens": count,
-                          "total_tokens": count}, ["prompt_tokens", "completion_tokens",
-                                                   "total_tokens"]),
+        "Usage": object_of(
+            {"prompt_tokens": count, "completion_tokens": count, "total_tokens": count},
+            ["prompt_tokens", "completion_tokens", "total_tokens"],
+        ),
         "Completion": envelope("text_completion", choice(text, text_logprobs, finish), False),
-        "CompletionChunk": envelope("text_completion",
-                                    choice(text, text_logprobs, maybe_finish), True),
-        "ChatCompletion": envelope("chat.completion", choice(message, chat_logprobs, finish),
-                                   False),
-        "ChatCompletionChunk": envelope("chat.completion.chunk",
-                                        choice(delta, chat_logprobs, maybe_finish), True),
-        "Error": object_of({"error": object_of({
-            "message": {"type": "string"}, "type": {"type": "string"},
-            "param": {"type": ["string", "null"]},
-            "code": {"type": ["string", "integer", "null"]},
-        }, ["message", "type", "param", "code"])}, ["error"]),
-    }  # fmt: skip
+        "CompletionChunk": envelope(
+            "text_completion", choice(text, text_logprobs, maybe_finish), True
+        ),
+        "ChatCompletion": envelope(
+            "chat.completion", choice(message, chat_logprobs, finish), False
+        ),
+        "ChatCompletionChunk": envelope(
+            "chat.completion.chunk", choice(delta, chat_logprobs, maybe_finish), True
+        ),
+        "Error": object_of(
+            {
+                "error": object_of(
+                    {
+                        "message": {"type": "string"},
+                        "type": {"type": "string"},
+                        "param": {"type": ["string", "null"]},
+                        "code": {"type": ["string", "integer", "null"]},
+                    },
+                    ["message", "type", "param", "code"],
+                )
+            },
+            ["error"],
+        ),
+    }
 
 
 def _event_stream(chunk: str) -> Schema:
     """SSE: each event's data is a chunk (or an error, then the stream ends) or [DONE]."""
-    data = {"anyOf": [{"const": "[DONE]"}, {
-        "contentMediaType": "application/json",
-        "contentSchema": {"anyOf": [ref(chunk), ref("Error")]},
-    }]}  # fmt: skip
+    data = {
+        "anyOf": [
+            {"const": "[DONE]"},
+            {
+                "contentMediaType": "application/json",
+                "contentSchema": {"anyOf": [ref(chunk), ref("Error")]},
+            },
+        ]
+    }
     return {"schema": object_of({"data": data}, ["data"])}
 
 
@@ -120,11 +186,18 @@ def _operation(
 
 
 def build_openapi(
-    model: str, max_model_len: int, vocab_size: int, *, needs_api_key: bool = False,
-    open_paths: Collection[str] = (), template_names: Collection[str] = (),
-    trust_request_chat_template: bool = False, auto_tools: bool = False,
-    reasoning: bool = False, priority: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+    model: str,
+    max_model_len: int,
+    vocab_size: int,
+    *,
+    needs_api_key: bool = False,
+    open_paths: Collection[str] = (),
+    template_names: Collection[str] = (),
+    trust_request_chat_template: bool = False,
+    auto_tools: bool = False,
+    reasoning: bool = False,
+    priority: bool = False,
+) -> dict[str, Any]:
     """The OpenAPI 3.1 document of build_app()'s routes, for this model and these limits.
 
     With `needs_api_key`, the routes outside `open_paths` require a Bearer token (else 401).
@@ -136,51 +209,106 @@ def build_openapi(
     def json_(schema: Schema) -> Schema:
         return {"application/json": {"schema": schema}}
 
-    card = object_of({"id": {"const": model}, "object": {"const": "model"},
-                    "created": {"type": "integer"}, "owned_by": {"type": "string"},
-                    "root": {"type": "string"}, "max_model_len": {"const": max_model_len}},
-                   ["id", "object", "created", "owned_by", "root", "max_model_len"])  # fmt: skip
-    models = object_of({"object": {"const": "list"}, "data": {"type": "array", "items": card}},
-                     ["object", "data"])  # fmt: skip
+    card = object_of(
+        {
+            "id": {"const": model},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+            "root": {"type": "string"},
+            "max_model_len": {"const": max_model_len},
+        },
+        ["id", "object", "created", "owned_by", "root", "max_model_len"],
+    )
+    models = object_of(
+        {"object": {"const": "list"}, "data": {"type": "array", "items": card}}, ["object", "data"]
+    )
     text = "Say this is a test"
-    examples = {"completion": {"model": model, "prompt": text, "max_tokens": 7, "temperature": 0},
-                "chat": {"model": model, "messages": [{"role": "user", "content": text}]}}
-    status = object_of({"status": {"enum": ["ok", "unhealthy"]}, "error": {"type": "string"}},
-                     ["status"])
+    examples = {
+        "completion": {"model": model, "prompt": text, "max_tokens": 7, "temperature": 0},
+        "chat": {"model": model, "messages": [{"role": "user", "content": text}]},
+    }
+    status = object_of(
+        {"status": {"enum": ["ok", "unhealthy"]}, "error": {"type": "string"}}, ["status"]
+    )
     paths = {
         "/v1/models": {"get": _operation("the served model", None, json_(models), get_errors)},
-        "/v1/completions": {"post": _operation(
-            "text completion", "CompletionRequest",
-            json_(ref("Completion")) | {"text/event-stream": _event_stream("CompletionChunk")},
-            body_errors, examples["completion"])},
-        "/v1/chat/completions": {"post": _operation(
-            "chat completion", "ChatCompletionRequest",
-            json_(ref("ChatCompletion"))
-            | {"text/event-stream": _event_stream("ChatCompletionChunk")}, body_errors,
-            examples["chat"])},
-        "/tokenize": {"post": _operation("text or messages to token ids", "TokenizeRequest", json_(
-            object_of({"count": {"type": "integer"}, "max_model_len": {"const": max_model_len},
-                     "tokens": {"type": "array", "items": {"type": "integer"}}},
-                    ["count", "max_model_len", "tokens"])), body_errors,
-            {"model": model, "prompt": text})},
-        "/detokenize": {"post": _operation(
-            "token ids to text", "DetokenizeRequest",
-            json_(object_of({"prompt": {"type": "string"}}, ["prompt"])), body_errors,
-            {"model": model, "tokens": [0]})},
+        "/v1/completions": {
+            "post": _operation(
+                "text completion",
+                "CompletionRequest",
+                json_(ref("Completion")) | {"text/event-stream": _event_stream("CompletionChunk")},
+                body_errors,
+                examples["completion"],
+            )
+        },
+        "/v1/chat/completions": {
+            "post": _operation(
+                "chat completion",
+                "ChatCompletionRequest",
+                json_(ref("ChatCompletion"))
+                | {"text/event-stream": _event_stream("ChatCompletionChunk")},
+                body_errors,
+                examples["chat"],
+            )
+        },
+        "/tokenize": {
+            "post": _operation(
+                "text or messages to token ids",
+                "TokenizeRequest",
+                json_(
+                    object_of(
+                        {
+                            "count": {"type": "integer"},
+                            "max_model_len": {"const": max_model_len},
+                            "tokens": {"type": "array", "items": {"type": "integer"}},
+                        },
+                        ["count", "max_model_len", "tokens"],
+                    )
+                ),
+                body_errors,
+                {"model": model, "prompt": text},
+            )
+        },
+        "/detokenize": {
+            "post": _operation(
+                "token ids to text",
+                "DetokenizeRequest",
+                json_(object_of({"prompt": {"type": "string"}}, ["prompt"])),
+                body_errors,
+                {"model": model, "tokens": [0]},
+            )
+        },
         "/health": {"get": _operation("one 1-token generation", None, json_(status), [])},
-        "/version": {"get": _operation("the loomllm version", None, json_(
-            object_of({"version": {"type": "string"}}, ["version"])), [])},
-    }  # fmt: skip
-    paths["/health"]["get"]["responses"]["503"] = {"description": "unhealthy",
-                                                  "content": json_(status)}
+        "/version": {
+            "get": _operation(
+                "the loomllm version",
+                None,
+                json_(object_of({"version": {"type": "string"}}, ["version"])),
+                [],
+            )
+        },
+    }
+    paths["/health"]["get"]["responses"]["503"] = {
+        "description": "unhealthy",
+        "content": json_(status),
+    }
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "loomllm OpenAI-compatible API", "version": "1"},
         "paths": paths,
-        "components": {"schemas": request_schemas(model, max_model_len, vocab_size, template_names,
-                                                  trust_request_chat_template, auto_tools,
-                                                  priority)
-                       | _responses(model, reasoning)},  # fmt: skip
+        "components": {
+            "schemas": request_schemas(
+                model,
+                max_model_len,
+                vocab_size,
+                template_names,
+                trust_request_chat_template,
+                auto_tools,
+                priority,
+            )
+            | _responses(model, reasoning)
+        },
     }
     if needs_api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

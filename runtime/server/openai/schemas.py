@@ -28,20 +28,34 @@ from loomllm.server.openai.tool_calls import ToolCalls, parse_tools
 
 # Body fields passed to SamplingParams as they are (vLLM's extras included).
 _SAMPLING_FIELDS = {
-    "temperature": "number", "top_p": "number", "n": "int", "seed": "int",
-    "presence_penalty": "number", "frequency_penalty": "number", "top_k": "int",
-    "min_p": "number", "repetition_penalty": "number", "ignore_eos": "bool",
-    "min_tokens": "int", "stop_token_ids": "int_list", "skip_special_tokens": "bool",
-    "include_stop_str_in_output": "bool", "allowed_token_ids": "int_list",
+    "temperature": "number",
+    "top_p": "number",
+    "n": "int",
+    "seed": "int",
+    "presence_penalty": "number",
+    "frequency_penalty": "number",
+    "top_k": "int",
+    "min_p": "number",
+    "repetition_penalty": "number",
+    "ignore_eos": "bool",
+    "min_tokens": "int",
+    "stop_token_ids": "int_list",
+    "skip_special_tokens": "bool",
+    "include_stop_str_in_output": "bool",
+    "allowed_token_ids": "int_list",
     "truncate_prompt_tokens": "int",
-}  # fmt: skip
+}
 # OpenAI fields this server does not implement, each with the values that ask for nothing
 # (accepted, as OpenAI's SDKs and frameworks may send them); any other value: 400, rather
 # than an answer that silently ignores it.
 UNSUPPORTED = {"functions": [[]], "function_call": ["none"]}  # (tools: tool_calls.py)
 # vLLM's older names for structured_outputs' fields, still sent by its clients.
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}  # fmt: skip
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # choices per prompt: more would flood the batch
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
@@ -50,9 +64,14 @@ MAX_BAD_WORD_CHARS = 200  # each is encoded in the engine's loop
 _TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: a token id, in ASCII digits
 MAX_MESSAGE_CHARS = 1000
 _KIND_WORDS = {
-    "int": "an integer", "number": "a number", "bool": "true or false", "str": "a string",
-    "int_list": "a list of integers", "dict": "an object", "list": "a list",
-}  # fmt: skip
+    "int": "an integer",
+    "number": "a number",
+    "bool": "true or false",
+    "str": "a string",
+    "int_list": "a list of integers",
+    "dict": "an object",
+    "list": "a list",
+}
 
 
 def from_value_error(exc: ValueError, default_param: str, renames: dict[str, str]) -> ApiError:
@@ -64,7 +83,7 @@ def from_value_error(exc: ValueError, default_param: str, renames: dict[str, str
     first = message.split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0]
     if first in renames or first in SamplingParams.__dataclass_fields__:
         param = renames.get(first, first)
-        message = param + message[len(first):] if param != first else message
+        message = param + message[len(first) :] if param != first else message
     else:
         param = default_param
     if not message.startswith(param):
@@ -115,8 +134,13 @@ def as_int(value: Any) -> Any:
 def check_model(body: dict[str, Any], served: str) -> None:
     model = field(body, "model", "str")
     if model is not None and model != served:
-        raise ApiError(404, f"the model {model!r} does not exist; this server has {served!r}",
-                       "model", "NotFoundError", "model_not_found")  # fmt: skip
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; this server has {served!r}",
+            "model",
+            "NotFoundError",
+            "model_not_found",
+        )
 
 
 @dataclass(slots=True)
@@ -149,23 +173,33 @@ def structured_outputs(body: dict[str, Any]) -> tuple[StructuredOutputsParams | 
             spec = response_format.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
-                raise bad("response_format.json_schema.schema must be a JSON schema (an object)",
-                          "response_format")  # fmt: skip
+                raise bad(
+                    "response_format.json_schema.schema must be a JSON schema (an object)",
+                    "response_format",
+                )
             assert isinstance(spec, dict)
             strict = spec.get("strict")
             if not isinstance(spec.get("name", ""), str) or not (
-                    strict is None or isinstance(strict, bool)):  # fmt: skip
-                raise bad("response_format.json_schema: name must be a string, strict true or "
-                          "false", "response_format")  # fmt: skip
+                strict is None or isinstance(strict, bool)
+            ):
+                raise bad(
+                    "response_format.json_schema: name must be a string, strict true or false",
+                    "response_format",
+                )
             asked.append(("response_format", {"json": schema}))
         elif kind != "text":
-            raise bad('response_format.type must be "text", "json_object" or "json_schema"',
-                      "response_format")  # fmt: skip
+            raise bad(
+                'response_format.type must be "text", "json_object" or "json_schema"',
+                "response_format",
+            )
     given = field(body, "structured_outputs", "dict")
     if given is not None:
         if len(given) != 1 or None in given.values():
-            raise bad("structured_outputs must set exactly one of json, json_object, regex, "
-                      "choice, grammar", "structured_outputs")  # fmt: skip
+            raise bad(
+                "structured_outputs must set exactly one of json, json_object, regex, "
+                "choice, grammar",
+                "structured_outputs",
+            )
         asked.append(("structured_outputs", given))
     for name, key in GUIDED_FIELDS.items():
         if body.get(name) is not None:
@@ -188,11 +222,15 @@ def structured_outputs(body: dict[str, Any]) -> tuple[StructuredOutputsParams | 
 
 
 def parse_common(
-    body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
-    renames: dict[str, str], stream_kind: RequestOutputKind = RequestOutputKind.DELTA,
-    prompt_logprobs: int | None = None, tool_calls: ToolCalls | None = None,
+    body: dict[str, Any],
+    max_tokens: int | None,
+    logprobs: int | None,
+    renames: dict[str, str],
+    stream_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    prompt_logprobs: int | None = None,
+    tool_calls: ToolCalls | None = None,
     defaults: dict[str, Any] | None = None,
-) -> Common:  # fmt: skip
+) -> Common:
     """`defaults`: sampling fields for those the body leaves out (the model's own); its
     max_tokens also caps the body's, as vLLM caps it."""
     defaults = dict(defaults or {})
@@ -210,10 +248,15 @@ def parse_common(
     continuous = options.get("continuous_usage_stats")
     continuous = False if continuous is None else continuous
     if type(include_usage) is not bool or type(continuous) is not bool:
-        raise bad("stream_options.include_usage and continuous_usage_stats must be true or "
-                  "false", "stream_options")  # fmt: skip
-    kwargs = {name: v for name, kind in _SAMPLING_FIELDS.items()
-              if (v := field(body, name, kind)) is not None}  # fmt: skip
+        raise bad(
+            "stream_options.include_usage and continuous_usage_stats must be true or false",
+            "stream_options",
+        )
+    kwargs = {
+        name: v
+        for name, kind in _SAMPLING_FIELDS.items()
+        if (v := field(body, name, kind)) is not None
+    }
     kwargs = {**defaults, **kwargs}
     stop = body.get("stop")
     if stop is not None:
@@ -224,10 +267,16 @@ def parse_common(
         kwargs["stop"] = stop
     words = body.get("bad_words")
     if words is not None:
-        if not isinstance(words, list) or len(words) > MAX_BAD_WORDS or any(
-                isinstance(w, str) and len(w) > MAX_BAD_WORD_CHARS for w in words):  # fmt: skip
-            raise bad(f"bad_words must be a list of at most {MAX_BAD_WORDS} words of at most "
-                      f"{MAX_BAD_WORD_CHARS} characters", "bad_words")  # fmt: skip
+        if (
+            not isinstance(words, list)
+            or len(words) > MAX_BAD_WORDS
+            or any(isinstance(w, str) and len(w) > MAX_BAD_WORD_CHARS for w in words)
+        ):
+            raise bad(
+                f"bad_words must be a list of at most {MAX_BAD_WORDS} words of at most "
+                f"{MAX_BAD_WORD_CHARS} characters",
+                "bad_words",
+            )
         kwargs["bad_words"] = words  # SamplingParams checks each
     bias = logit_bias(body)
     if bias:
@@ -235,21 +284,34 @@ def parse_common(
     constraint, structured_field = structured_outputs(body)
     if tool_calls is not None:  # the call tool_choice demands is generated under its schema
         if constraint is not None:
-            raise bad(f"{structured_field} cannot go with a tool call that tool_choice "
-                      f"demands", structured_field)  # fmt: skip
+            raise bad(
+                f"{structured_field} cannot go with a tool call that tool_choice demands",
+                structured_field,
+            )
         constraint, structured_field = tool_calls.constraint, "tools"
     kwargs["structured_outputs"] = constraint
     if kwargs.get("n", 1) > MAX_N:
         raise bad(f"n must be in [1, {MAX_N}], got {kwargs['n']}", "n")
     kind = stream_kind if stream else RequestOutputKind.FINAL_ONLY
     try:
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=kind,
-                                prompt_logprobs=prompt_logprobs, **kwargs)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            output_kind=kind,
+            prompt_logprobs=prompt_logprobs,
+            **kwargs,
+        )
     except ValueError as exc:
         raise from_value_error(exc, "body", renames) from None
-    return Common(params, stream, include_usage, structured_field,
-                  field(body, "priority", "int", 0), include_usage and continuous,
-                  field(body, "return_tokens_as_token_ids", "bool", False))  # fmt: skip
+    return Common(
+        params,
+        stream,
+        include_usage,
+        structured_field,
+        field(body, "priority", "int", 0),
+        include_usage and continuous,
+        field(body, "return_tokens_as_token_ids", "bool", False),
+    )
 
 
 def as_field(message: str, field: str) -> str:
@@ -268,8 +330,10 @@ def logit_bias(body: dict[str, Any]) -> dict[int, float]:
         if not _TOKEN_ID_KEY.fullmatch(key) or len(key) > 19:  # 19 digits: 64 bits' reach
             raise bad(f"logit_bias keys must be token ids, got {key!r}"[:300], "logit_bias")
         if type(value) not in (int, float) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise bad(f"logit_bias values must be numbers in [-100, 100], got {value!r} for "
-                      f"{key}"[:300], "logit_bias")  # fmt: skip
+            raise bad(
+                f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key}"[:300],
+                "logit_bias",
+            )
         bias[int(key)] = float(value)
     return bias
 
@@ -297,13 +361,16 @@ def parse_completion(
         prompts = [{"prompt_token_ids": raw}]
     elif isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
         prompts = list(raw)
-    elif isinstance(raw, list) and raw and all(
-        isinstance(p, list) and p and all(type(t) is int for t in p) for p in raw
+    elif (
+        isinstance(raw, list)
+        and raw
+        and all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in raw)
     ):
         prompts = [{"prompt_token_ids": p} for p in raw]
     else:
-        raise bad("prompt must be a string, a non-empty list of strings, or token id lists",
-                  "prompt")  # fmt: skip
+        raise bad(
+            "prompt must be a string, a non-empty list of strings, or token id lists", "prompt"
+        )
     if field(body, "suffix", "str"):
         raise bad("suffix is not supported", "suffix")
     for name, no_op in (("tools", []), ("tool_choice", "none")):
@@ -314,8 +381,9 @@ def parse_completion(
     max_tokens = field(body, "max_tokens", "int", 16)
     # echo with logprobs scores the prompt too: its tokens' logprobs come first.
     prompt_logprobs = logprobs if echo else None
-    common = parse_common(body, max_tokens, logprobs, {}, prompt_logprobs=prompt_logprobs,
-                          defaults=defaults)  # fmt: skip
+    common = parse_common(
+        body, max_tokens, logprobs, {}, prompt_logprobs=prompt_logprobs, defaults=defaults
+    )
     return CompletionRequest(prompts, echo, common)
 
 
@@ -334,18 +402,20 @@ class ChatRequest:
 
 
 def parse_chat(
-    body: dict[str, Any], template_names: Collection[str] = (), trust_templates: bool = False,
-    auto_tools: bool = False, reasoning_parser: str | None = None,
+    body: dict[str, Any],
+    template_names: Collection[str] = (),
+    trust_templates: bool = False,
+    auto_tools: bool = False,
+    reasoning_parser: str | None = None,
     defaults: dict[str, Any] | None = None,
-) -> ChatRequest:  # fmt: skip
+) -> ChatRequest:
     """A chat body; `template_names` and `trust_templates`: see parse_template_fields;
     `auto_tools`: the server has a tool-call parser (tool_choice "auto" works);
     `reasoning_parser`: the server's (reasoning.PARSERS), if it splits out reasoning;
     `defaults`: see parse_common."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise bad("messages is required: a non-empty list of {role, content} objects",
-                  "messages")  # fmt: skip
+        raise bad("messages is required: a non-empty list of {role, content} objects", "messages")
     want_logprobs = field(body, "logprobs", "bool", False)
     top = field(body, "top_logprobs", "int")
     if top is not None and not want_logprobs:
@@ -363,8 +433,9 @@ def parse_chat(
     template = parse_template_fields(body, template_names, trust_templates)
     echo = echoed_text(messages) if field(body, "echo", "bool", False) else ""
     tools, tool_calls, auto = parse_tools(body, auto_tools)
-    common = parse_common(body, max_tokens, logprobs, renames, tool_calls=tool_calls,
-                          defaults=defaults)  # fmt: skip
+    common = parse_common(
+        body, max_tokens, logprobs, renames, tool_calls=tool_calls, defaults=defaults
+    )
     if auto:  # the tags may be special tokens: they must reach the text (vLLM does the same)
         common.params = replace_checked(common.params, skip_special_tokens=False)
     if common.structured_field is not None:
@@ -372,5 +443,15 @@ def parse_chat(
         # answer is all content.
         reasoning_parser = None
     parallel = body.get("parallel_tool_calls") is not False  # parse_tools checked it
-    return ChatRequest(messages, common, want_logprobs, template, tools, tool_calls, echo,
-                       auto, parallel, reasoning_parser)  # fmt: skip
+    return ChatRequest(
+        messages,
+        common,
+        want_logprobs,
+        template,
+        tools,
+        tool_calls,
+        echo,
+        auto,
+        parallel,
+        reasoning_parser,
+    )

@@ -42,19 +42,30 @@ def start_streams(
             rid = f"{base_id}-{i}"
             priority = req.common.priority
             if isinstance(req, ChatRequest):
-                streams.append(engine.chat(req.messages, req.common.params, request_id=rid,
-                                           priority=priority,
-                                           **req.template.chat_kwargs(req.tools)))  # fmt: skip
+                streams.append(
+                    engine.chat(
+                        req.messages,
+                        req.common.params,
+                        request_id=rid,
+                        priority=priority,
+                        **req.template.chat_kwargs(req.tools),
+                    )
+                )
             else:
-                streams.append(engine.generate(prompt, req.common.params, request_id=rid,
-                                               priority=priority))  # fmt: skip
+                streams.append(
+                    engine.generate(prompt, req.common.params, request_id=rid, priority=priority)
+                )
     except ValueError as exc:
         for s in streams:
             s.close()
         # A chat's prompt is its rendered messages: a prompt error names them.
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
-        renames = {"prompt_token_ids": param, "prompt": param, "priority": "priority",
-                   **TEMPLATE_ERRORS}  # fmt: skip
+        renames = {
+            "prompt_token_ids": param,
+            "prompt": param,
+            "priority": "priority",
+            **TEMPLATE_ERRORS,
+        }
         raise from_value_error(exc, param, renames) from None
     except (EngineDeadError, EngineClosedError) as exc:  # it died since the request came in
         for s in streams:
@@ -150,14 +161,18 @@ def engine_error(exc: Exception, structured_field: str | None = None) -> ApiErro
         message = str(exc) if structured_field is None else as_field(str(exc), structured_field)
         return bad(message[:MAX_MESSAGE_CHARS], structured_field)
     if isinstance(exc, EngineDeadError | EngineClosedError):
-        return ApiError(503, f"the engine stopped during this request: {exc}", None,
-                        "service_unavailable")  # fmt: skip
+        return ApiError(
+            503, f"the engine stopped during this request: {exc}", None, "service_unavailable"
+        )
     return ApiError(500, f"the engine failed this request: {exc}", None, "internal_error")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -170,8 +185,14 @@ def joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[st
 class Formatter:
     """Turns CompletionOutputs into OpenAI choice objects (text or chat, logprobs)."""
 
-    def __init__(self, engine: Engine, model: str, chat: bool, want_logprobs: bool,
-                 as_token_ids: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Engine,
+        model: str,
+        chat: bool,
+        want_logprobs: bool,
+        as_token_ids: bool = False,
+    ) -> None:
         assert engine.tokenizer is not None
         self.tokenizer = engine.tokenizer
         self.model, self.chat, self.want_logprobs = model, chat, want_logprobs
@@ -196,13 +217,21 @@ class Formatter:
             for tid, row in entries:
                 top = sorted((lp.rank, t, lp) for t, lp in row.items() if lp.rank is not None)
                 tok = self.token_text(tid, row.get(tid))
-                content.append({
-                    "token": tok, "logprob": row[tid].logprob, "bytes": list(tok.encode()),
-                    "top_logprobs": [
-                        {"token": (s := self.token_text(t, lp)), "logprob": lp.logprob,
-                         "bytes": list(s.encode())} for _, t, lp in top
-                    ],
-                })  # fmt: skip
+                content.append(
+                    {
+                        "token": tok,
+                        "logprob": row[tid].logprob,
+                        "bytes": list(tok.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": (s := self.token_text(t, lp)),
+                                "logprob": lp.logprob,
+                                "bytes": list(s.encode()),
+                            }
+                            for _, t, lp in top
+                        ],
+                    }
+                )
             return {"content": content}
         return self._text_logprobs(index, entries)
 
@@ -233,14 +262,24 @@ class Formatter:
             ranked = sorted((lp.rank, t, lp) for t, lp in row.items() if lp.rank is not None)
             tops.append({self.token_text(t, lp): lp.logprob for _, t, lp in ranked})
         self.offsets[index] = offset
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": offsets}  # fmt: skip
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
     def envelope(self, choices: list[Any], chunk: bool, usage_: Any = None) -> dict[str, Any]:
         kind = ("chat.completion" if self.chat else "text_completion") + (
-            ".chunk" if chunk and self.chat else "")  # fmt: skip
-        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices}  # fmt: skip
+            ".chunk" if chunk and self.chat else ""
+        )
+        body = {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if not chunk or usage_ is not None:
             body["usage"] = usage_
         return body
@@ -249,8 +288,13 @@ class Formatter:
 async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: str) -> Any:
     """The whole answer as one body (stream: false)."""
     chat = isinstance(req, ChatRequest)
-    fmt = Formatter(engine, model, chat, req.want_logprobs if chat else req.common.params.logprobs
-                    is not None, req.common.tokens_as_ids)  # fmt: skip
+    fmt = Formatter(
+        engine,
+        model,
+        chat,
+        req.want_logprobs if chat else req.common.params.logprobs is not None,
+        req.common.tokens_as_ids,
+    )
     prompts = [None] if chat else req.prompts
     streams = start_streams(engine, prompts, req, fmt.id)
     finals: dict[int, RequestOutput] = {}
@@ -273,10 +317,14 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
             choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason}
             if isinstance(req, ChatRequest):
                 choice["message"], choice["finish_reason"] = chat_message(
-                    req, c.text, c.finish_reason, out.prompt)
+                    req, c.text, c.finish_reason, out.prompt
+                )
             else:
-                echo = req.echo and (out.prompt if out.prompt is not None else
-                                     fmt.tokenizer.decode(out.prompt_token_ids))  # fmt: skip
+                echo = req.echo and (
+                    out.prompt
+                    if out.prompt is not None
+                    else fmt.tokenizer.decode(out.prompt_token_ids)
+                )
                 choice["text"] = (echo or "") + c.text
             echoed = None
             if not chat and req.echo:  # before the completion's: text_offset runs on
@@ -293,8 +341,13 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
     first output first: one the workers refuse (a grammar that does not compile) is a 400,
     as vLLM answers it, not an error event inside a 200 stream."""
     chat = isinstance(req, ChatRequest)
-    fmt = Formatter(engine, model, chat, req.want_logprobs if chat else req.common.params.logprobs
-                    is not None, req.common.tokens_as_ids)  # fmt: skip
+    fmt = Formatter(
+        engine,
+        model,
+        chat,
+        req.want_logprobs if chat else req.common.params.logprobs is not None,
+        req.common.tokens_as_ids,
+    )
     prompts = [None] if chat else req.prompts
     streams: list[Any] = start_streams(engine, prompts, req, fmt.id)
     if req.common.structured_field is not None:
@@ -304,8 +357,9 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
     prompt_tokens: dict[int, int] = {}  # by prompt
     choice_tokens: dict[int, int] = {}  # by choice, so far
 
-    def chunk(index: int, piece: dict[str, Any], logprobs: Any = None,
-              finish: str | None = None) -> bytes:  # fmt: skip
+    def chunk(
+        index: int, piece: dict[str, Any], logprobs: Any = None, finish: str | None = None
+    ) -> bytes:
         choice = {"index": index, **piece, "logprobs": logprobs, "finish_reason": finish}
         used = None
         if req.common.continuous_usage:
@@ -332,10 +386,12 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
                     if deltas is not None:
                         await send(chunk(index, {"delta": deltas.first(index, out.prompt)}))
                     elif req.echo:
-                        text = out.prompt if out.prompt is not None else \
-                            fmt.tokenizer.decode(out.prompt_token_ids)
-                        echoed = fmt.prompt_logprobs(index, out.prompt_token_ids,
-                                                     prompt_lps.get(i))  # fmt: skip
+                        text = (
+                            out.prompt
+                            if out.prompt is not None
+                            else fmt.tokenizer.decode(out.prompt_token_ids)
+                        )
+                        echoed = fmt.prompt_logprobs(index, out.prompt_token_ids, prompt_lps.get(i))
                         await send(chunk(index, {"text": text}, echoed))
                 completion_tokens += len(c.token_ids)
                 choice_tokens[index] = choice_tokens.get(index, 0) + len(c.token_ids)
@@ -350,6 +406,7 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
                 else:
                     piece = {"text": c.text}
                 await send(chunk(index, piece, logprobs, finish))
+
         try:
             await drive(streams, handle)
         except Exception as exc:

@@ -28,8 +28,10 @@ class EventStreamResponse:
         self.produce = produce
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
-                   (b"cache-control", b"no-cache")]  # fmt: skip
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+        ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
 
         async def send_body(data: bytes) -> None:

@@ -46,12 +46,16 @@ class ToolCalls:
         else:
             try:
                 value = json.loads(text)
-                pairs = [(v["name"], json.dumps(v["parameters"], ensure_ascii=False,
-                                                allow_nan=False)) for v in value]  # fmt: skip
+                pairs = [
+                    (v["name"], json.dumps(v["parameters"], ensure_ascii=False, allow_nan=False))
+                    for v in value
+                ]
             except (ValueError, TypeError, KeyError, RecursionError):
                 return None  # not the whole array (RecursionError: nested past json's depth)
-        return [{"id": call_id(), "type": "function", "function": {"name": name, "arguments": a}}
-                for name, a in pairs]  # fmt: skip
+        return [
+            {"id": call_id(), "type": "function", "function": {"name": name, "arguments": a}}
+            for name, a in pairs
+        ]
 
 
 def parse_tools(
@@ -74,21 +78,38 @@ def parse_tools(
     if choice is None or choice == "auto":
         if auto:
             return tools, None, True
-        raise bad('tool_choice "auto" (the default with tools) needs a parser of the model\'s '
-                  'tool-call syntax: start the server with --enable-auto-tool-choice '
-                  '--tool-call-parser hermes, or send "required", "none" or '
-                  '{"type": "function", "function": {"name": ...}}', "tool_choice")  # fmt: skip
+        raise bad(
+            'tool_choice "auto" (the default with tools) needs a parser of the model\'s '
+            "tool-call syntax: start the server with --enable-auto-tool-choice "
+            '--tool-call-parser hermes, or send "required", "none" or '
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
     if choice == "none":
         return tools, None, False
     if choice == "required":
         # Each tool's schema sits in $defs, its own "#..." references moved along with it.
-        defs = {f"tool{i}": _rebased(schema, f"#/$defs/tool{i}")
-                for i, schema in enumerate(schemas.values())}  # fmt: skip
-        one_call = [{"type": "object", "required": ["name", "parameters"], "properties": {
-            "name": {"enum": [name]}, "parameters": {"$ref": f"#/$defs/tool{i}"}}}
-            for i, name in enumerate(schemas)]  # fmt: skip
-        calls: dict[str, Any] = {"type": "array", "minItems": 1, "$defs": defs,
-                                 "items": {"anyOf": one_call}}  # fmt: skip
+        defs = {
+            f"tool{i}": _rebased(schema, f"#/$defs/tool{i}")
+            for i, schema in enumerate(schemas.values())
+        }
+        one_call = [
+            {
+                "type": "object",
+                "required": ["name", "parameters"],
+                "properties": {
+                    "name": {"enum": [name]},
+                    "parameters": {"$ref": f"#/$defs/tool{i}"},
+                },
+            }
+            for i, name in enumerate(schemas)
+        ]
+        calls: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "$defs": defs,
+            "items": {"anyOf": one_call},
+        }
         if parallel is False:
             calls["maxItems"] = 1
         return tools, ToolCalls(None, StructuredOutputsParams(json=calls)), False
@@ -96,8 +117,11 @@ def parse_tools(
     named = choice.get("function") if is_named else None
     name = named.get("name") if isinstance(named, dict) else None
     if not isinstance(name, str) or name not in schemas:
-        raise bad('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                  '"function": {"name": <one of the tools>}}', "tool_choice")  # fmt: skip
+        raise bad(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", '
+            '"function": {"name": <one of the tools>}}',
+            "tool_choice",
+        )
     return tools, ToolCalls(name, StructuredOutputsParams(json=schemas[name])), False
 
 
@@ -107,9 +131,12 @@ def _rebased(schema: Any, root: str) -> Any:
         return [_rebased(item, root) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    return {key: root + value[1:] if key == "$ref" and isinstance(value, str)
-            and value.startswith("#") else _rebased(value, root)
-            for key, value in schema.items()}  # fmt: skip
+    return {
+        key: root + value[1:]
+        if key == "$ref" and isinstance(value, str) and value.startswith("#")
+        else _rebased(value, root)
+        for key, value in schema.items()
+    }
 
 
 def _function_schemas(tools: Any) -> dict[str, dict[str, Any]]:
@@ -121,23 +148,32 @@ def _function_schemas(tools: Any) -> dict[str, dict[str, Any]]:
     schemas: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(
-                function, dict):  # fmt: skip
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(function, dict)
+        ):
             raise bad(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', "tools")
         name, parameters = function.get("name"), function.get("parameters")
         if not isinstance(name, str) or not _NAME.fullmatch(name) or name in schemas:
-            raise bad(f"tools[{i}].function.name must be a unique name of 1 to 64 letters, "
-                      f"digits, _ or -", "tools")  # fmt: skip
+            raise bad(
+                f"tools[{i}].function.name must be a unique name of 1 to 64 letters, "
+                f"digits, _ or -",
+                "tools",
+            )
         if parameters is not None and not isinstance(parameters, dict):
-            raise bad(f"tools[{i}].function.parameters must be a JSON schema (an object)",
-                      "tools")  # fmt: skip
+            raise bad(f"tools[{i}].function.parameters must be a JSON schema (an object)", "tools")
         description, strict = function.get("description"), function.get("strict")
         if not isinstance(description, str | None) or not isinstance(strict, bool | None):
-            raise bad(f"tools[{i}].function: description must be a string, strict true or "
-                      f"false", "tools")  # fmt: skip
+            raise bad(
+                f"tools[{i}].function: description must be a string, strict true or false", "tools"
+            )
         if parameters is not None and parameters.get("type", "object") != "object":
-            raise bad(f"tools[{i}].function.parameters must describe an object (the call's "
-                      f"keyword arguments)", "tools")  # fmt: skip
+            raise bad(
+                f"tools[{i}].function.parameters must describe an object (the call's "
+                f"keyword arguments)",
+                "tools",
+            )
         schemas[name] = {"type": "object", **(parameters or NO_PARAMETERS)}
     return schemas
 
@@ -156,8 +192,14 @@ class ToolCallDeltas:
         delta: dict[str, Any] = {"role": "assistant", "content": None}
         function = self.tool_calls.function
         if function is not None:
-            delta["tool_calls"] = [{"index": 0, "id": call_id(), "type": "function",
-                                    "function": {"name": function, "arguments": ""}}]  # fmt: skip
+            delta["tool_calls"] = [
+                {
+                    "index": 0,
+                    "id": call_id(),
+                    "type": "function",
+                    "function": {"name": function, "arguments": ""},
+                }
+            ]
         return delta
 
     def next(

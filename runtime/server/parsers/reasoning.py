@@ -35,14 +35,13 @@ class ReasoningDeltas:
 
     def __init__(self, parser: str) -> None:
         if parser not in PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {', '.join(PARSERS)}, "
-                             f"got {parser!r}")  # fmt: skip
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(PARSERS)}, got {parser!r}"
+            )
         self.parser = parser
         self._choices: dict[int, _Choice] = {}
 
-    def next(
-        self, index: int, text: str, last: bool, prompt: str | None = None
-    ) -> tuple[str, str]:
+    def next(self, index: int, text: str, last: bool, prompt: str | None = None) -> tuple[str, str]:
         """The reasoning and the content in `text` (what may still be a tag is held back);
         `last`: the choice's final text, everything held is let go; `prompt`: the text the
         answer follows (read at the choice's first text)."""
@@ -54,7 +53,7 @@ class ReasoningDeltas:
         if state.mode == "opening":
             opened = text.lstrip()
             if opened.startswith(START):
-                state.mode, text = "reasoning", opened[len(START):]
+                state.mode, text = "reasoning", opened[len(START) :]
             elif START.startswith(opened) and not last:
                 state.held = text  # maybe the start tag, not whole yet
                 return "", ""
@@ -64,10 +63,10 @@ class ReasoningDeltas:
             end = text.find(END)
             if end < 0:
                 keep = 0 if last else tag_prefix_length(text, END)
-                reasoning, state.held = text[: len(text) - keep], text[len(text) - keep:]
+                reasoning, state.held = text[: len(text) - keep], text[len(text) - keep :]
                 text = ""
             else:
-                reasoning, text, state.mode = text[:end], text[end + len(END):], "after"
+                reasoning, text, state.mode = text[:end], text[end + len(END) :], "after"
         if state.mode == "after":  # newlines after the reasoning are dropped
             text = text.lstrip("\r\n")
             if text:
@@ -95,6 +94,6 @@ def _mode_after(prompt: str | None) -> str:
     start, end = prompt.rfind(START), prompt.rfind(END)
     if start > end:
         return "reasoning"
-    if end >= 0 and not prompt[end + len(END):].strip():
+    if end >= 0 and not prompt[end + len(END) :].strip():
         return "after"
     return "opening"

@@ -57,8 +57,9 @@ def split_answer(text: str, parallel: bool = True) -> tuple[str | None, list[dic
     delta, _ = AutoToolDeltas(parallel).next(0, text, "stop")
     assert delta is not None
     # A message's calls have no "index": that is a delta's, to merge streamed pieces.
-    calls = [{k: v for k, v in call.items() if k != "index"} for call in delta.get(
-        "tool_calls", [])]  # fmt: skip
+    calls = [
+        {k: v for k, v in call.items() if k != "index"} for call in delta.get("tool_calls", [])
+    ]
     return delta.get("content") or None, calls
 
 
@@ -83,8 +84,9 @@ class AutoToolDeltas:
         self.parallel = parallel
         self._choices: dict[int, _Choice] = {}
 
-    def next(self, index: int, text: str, finish: str | None) -> tuple[dict[str, Any] | None,
-                                                                       str | None]:  # fmt: skip
+    def next(
+        self, index: int, text: str, finish: str | None
+    ) -> tuple[dict[str, Any] | None, str | None]:
         """The delta for new `text` (None: nothing to send yet) and the finish reason."""
         state = self._choices.setdefault(index, _Choice())
         content, calls = self._advance(state, state.held + text, finish is not None)
@@ -125,14 +127,14 @@ class AutoToolDeltas:
                 elif state.calls == 0 or self.parallel:
                     calls.append({"index": state.calls, **call})
                     state.calls += 1
-                state.in_call, text = False, "" if end < 0 else text[end + len(END):]
+                state.in_call, text = False, "" if end < 0 else text[end + len(END) :]
                 continue
             start = text.find(START)
             if start >= 0:
                 before = text[:start]
                 as_text(before.rstrip())  # blanks before a call are dropped
-                state.blanks = before[len(before.rstrip()):]
-                state.in_call, text = True, text[start + len(START):]
+                state.blanks = before[len(before.rstrip()) :]
+                state.in_call, text = True, text[start + len(START) :]
                 continue
             if last:
                 as_text(text)
@@ -143,5 +145,5 @@ class AutoToolDeltas:
             sendable = text[: len(text) - keep]
             stripped = sendable.rstrip()
             as_text(stripped)
-            state.held = sendable[len(stripped):] + text[len(text) - keep:]
+            state.held = sendable[len(stripped) :] + text[len(text) - keep :]
             return content, calls

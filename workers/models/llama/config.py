@@ -17,20 +17,35 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM"})  # fmt: skip
+ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
 # A config.json with no `architectures` (a config saved alone) names its model_type only.
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 # Fields every one of the four config classes defaults alike (transformers 4.56 to 5.x), so
 # a config.json written without them (save_pretrained drops defaults) means these values.
 COMMON_DEFAULTS: dict[str, Any] = {
-    "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
-    "attention_bias": False, "mlp_bias": False, "rope_theta": 10000.0,
-}  # fmt: skip
-REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "max_position_embeddings")  # fmt: skip
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "rope_theta": 10000.0,
+}
+REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,26 +122,37 @@ def read_shape(config_path: Path) -> tuple[DecoderShape | None, str]:
     window = None
     if arch == "MistralForCausalLM":
         window = config.get("sliding_window", 4096)  # MistralConfig's default; null: none
-    elif config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types")
-                                                                     or ()):  # fmt: skip
+    elif config.get("use_sliding_window") or "sliding_attention" in (
+        config.get("layer_types") or ()
+    ):
         return None, "Qwen's per-layer sliding windows"
-    attention_bias = bool(get("attention_bias")) and arch in ("LlamaForCausalLM",
-                                                              "Qwen3ForCausalLM")  # fmt: skip
+    attention_bias = bool(get("attention_bias")) and arch in (
+        "LlamaForCausalLM",
+        "Qwen3ForCausalLM",
+    )
     dtype = config.get("dtype") or config.get("torch_dtype")
     shape = DecoderShape(
-        architecture=arch, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+        architecture=arch,
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
-        num_hidden_layers=config["num_hidden_layers"], num_attention_heads=heads,
-        num_key_value_heads=kv_heads or heads, head_dim=head_dim or config["hidden_size"] // heads,
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads or heads,
+        head_dim=head_dim or config["hidden_size"] // heads,
         max_position_embeddings=config["max_position_embeddings"],
-        rms_norm_eps=float(get("rms_norm_eps")), rope_theta=theta, rope_scaling=rope,
+        rms_norm_eps=float(get("rms_norm_eps")),
+        rope_theta=theta,
+        rope_scaling=rope,
         tie_word_embeddings=bool(get("tie_word_embeddings")),
-        qkv_bias=attention_bias or arch == "Qwen2ForCausalLM", o_bias=attention_bias,
+        qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
+        o_bias=attention_bias,
         mlp_bias=bool(get("mlp_bias")) and arch == "LlamaForCausalLM",
-        qk_norm=arch == "Qwen3ForCausalLM", sliding_window=window,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_window=window,
         initializer_range=float(config.get("initializer_range") or 0.02),
         dtype=dtype if isinstance(dtype, str) else None,
-    )  # fmt: skip
+    )
     if heads % shape.num_key_value_heads:
         return None, f"{heads} attention heads over {shape.num_key_value_heads} KV heads"
     return shape, ""
@@ -137,8 +163,11 @@ def _read_rope(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float, st
     # transformers 5 writes rope_parameters; 4.x rope_theta and rope_scaling (which 5 reads
     # first, where a config has both).
     scaling, parameters = config.get("rope_scaling"), config.get("rope_parameters")
-    if scaling and parameters and any(parameters.get(k, v) != v for k, v in scaling.items()
-                                      if k != "type"):  # fmt: skip
+    if (
+        scaling
+        and parameters
+        and any(parameters.get(k, v) != v for k, v in scaling.items() if k != "type")
+    ):
         return None, 0.0, "rope_scaling and rope_parameters that differ"
     rope = dict(scaling or parameters or {})
     if any(isinstance(value, dict) for value in rope.values()):
@@ -148,8 +177,12 @@ def _read_rope(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float, st
         return None, 0.0, f"RoPE type {rope_type!r} (runs: {', '.join(sorted(ROPE_TYPES))})"
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         return None, 0.0, "a partial rotary embedding"
-    theta = float(rope.get("rope_theta") or (parameters or {}).get("rope_theta")
-                  or config.get("rope_theta") or COMMON_DEFAULTS["rope_theta"])  # fmt: skip
+    theta = float(
+        rope.get("rope_theta")
+        or (parameters or {}).get("rope_theta")
+        or config.get("rope_theta")
+        or COMMON_DEFAULTS["rope_theta"]
+    )
     if rope_type == "default":
         return None, theta, ""
     needed = ["factor"]
@@ -157,11 +190,14 @@ def _read_rope(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float, st
         needed += ["low_freq_factor", "high_freq_factor"]
         # As transformers 5: the top-level value wins, else the context length.
         original = config.get("original_max_position_embeddings")
-        if original is not None and rope.get("original_max_position_embeddings",
-                                             original) != original:  # fmt: skip
+        if (
+            original is not None
+            and rope.get("original_max_position_embeddings", original) != original
+        ):
             return None, 0.0, "two original_max_position_embeddings that differ"
-        rope.setdefault("original_max_position_embeddings",
-                        original or config["max_position_embeddings"])  # fmt: skip
+        rope.setdefault(
+            "original_max_position_embeddings", original or config["max_position_embeddings"]
+        )
     missing = [key for key in needed if rope.get(key) is None]
     if missing:
         return None, 0.0, f"{rope_type} RoPE without {', '.join(missing)}"
@@ -171,8 +207,9 @@ def _read_rope(config: dict[str, Any]) -> tuple[dict[str, Any] | None, float, st
 def inverse_frequencies(shape: DecoderShape) -> torch.Tensor:
     """RoPE's inverse frequencies in float32, computed as transformers computes them."""
     dim = shape.head_dim
-    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float()
-                                           / dim))  # fmt: skip
+    inv_freq = 1.0 / (
+        shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     scaling = shape.rope_scaling
     if scaling is None:
         return inv_freq

@@ -86,8 +86,9 @@ class RMSNorm(torch.nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): a residual add and the norm after it."""
         if self.fused:
             from loomllm.workers.kernels.fused_ops import add_rms_norm
@@ -103,8 +104,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      window: int | None) -> torch.Tensor:  # fmt: skip
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
+) -> torch.Tensor:
     """Each row of q [B, H, T, D] over its own k, v [B, KVH, T, D], causal: [B, T, H, D]. A
     forward with no KV cache (checks and tests), which the worker never runs."""
     pos = torch.arange(q.shape[2], device=q.device)
@@ -119,7 +121,9 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 class Attention(torch.nn.Module):
     def __init__(self, shape: DecoderShape, layer_idx: int) -> None:
         super().__init__()
-        self.layer_idx = layer_idx  # loomllm.workers.attention.paged finds the layer's KV cache by it
+        self.layer_idx = (
+            layer_idx  # loomllm.workers.attention.paged finds the layer's KV cache by it
+        )
         self.shape = shape
         size = shape.q_size + 2 * shape.kv_size
         self.qkv_proj = Linear(shape.hidden_size, size, bias=shape.qkv_bias)
@@ -130,8 +134,9 @@ class Attention(torch.nn.Module):
         self.scaling = shape.head_dim**-0.5
         self.fused_rotary = False
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata | None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata | None
+    ) -> torch.Tensor:
         shape = self.shape
         tokens = x.shape[:-1]
         q, k, v = self.qkv_proj(x).split([shape.q_size, shape.kv_size, shape.kv_size], -1)
@@ -153,14 +158,27 @@ class Attention(torch.nn.Module):
         if meta is None:
             out = _causal_attention(q, k, v, self.scaling, shape.sliding_window)
         else:
-            out, _ = attention.paged_attention(self, q, k, v, None, scaling=self.scaling,
-                                               sliding_window=shape.sliding_window,
-                                               attn_metadata=meta)  # fmt: skip
+            out, _ = attention.paged_attention(
+                self,
+                q,
+                k,
+                v,
+                None,
+                scaling=self.scaling,
+                sliding_window=shape.sliding_window,
+                attn_metadata=meta,
+            )
         return self.o_proj(out.reshape(*tokens, -1))
 
-    def _rotary_into_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
-                           ) -> torch.Tensor | None:  # fmt: skip
+    def _rotary_into_cache(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
         """The Triton backend's attention [T, H, D] of q, k, v [T, heads, D], the rotary
         embedding and the write of K and V into the cache in one kernel (in a decode-only
         step, the attention's own); None where that kernel does not take them (the caller
@@ -182,8 +200,9 @@ class MLP(torch.nn.Module):
     def __init__(self, shape: DecoderShape) -> None:
         super().__init__()
         self.intermediate_size = shape.intermediate_size
-        self.gate_up_proj = Linear(shape.hidden_size, 2 * shape.intermediate_size,
-                                   bias=shape.mlp_bias)  # fmt: skip
+        self.gate_up_proj = Linear(
+            shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias
+        )
         self.gate_up_proj.gated = True
         self.down_proj = Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
         self.fused = False
@@ -211,9 +230,14 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = MLP(shape)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, meta: AttentionMetadata | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the add of the two is
         left to the next norm, which computes it with its own (one kernel when fused)."""
         if residual is None:
@@ -230,8 +254,9 @@ class DecoderModel(torch.nn.Module):
     def __init__(self, shape: DecoderShape) -> None:
         super().__init__()
         self.embed_tokens = Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = torch.nn.ModuleList(DecoderLayer(shape, i)
-                                          for i in range(shape.num_hidden_layers))  # fmt: skip
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(shape, i) for i in range(shape.num_hidden_layers)
+        )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
 
@@ -258,10 +283,14 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         if self.shape.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attn_metadata: AttentionMetadata | None = None,
-                logits_to_keep: torch.Tensor | None = None, use_cache: bool = False,
-                ) -> CausalLMOutput:  # fmt: skip
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attn_metadata: AttentionMetadata | None = None,
+        logits_to_keep: torch.Tensor | None = None,
+        use_cache: bool = False,
+    ) -> CausalLMOutput:
         hidden = self.model.embed_tokens(input_ids)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]

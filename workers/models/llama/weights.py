@@ -13,12 +13,18 @@ from loomllm.workers.models.llama.config import DecoderShape, inverse_frequencie
 from loomllm.workers.models.llama.model import LlamaFamilyForCausalLM, RMSNorm
 
 # Checkpoint tensors that are packed here: (our parameter, which part of it).
-_PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+_PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
-def build(shape: DecoderShape, dtype: torch.dtype, device: torch.device, model_dir: Path,
-          load_format: str) -> LlamaFamilyForCausalLM:  # fmt: skip
+def build(
+    shape: DecoderShape, dtype: torch.dtype, device: torch.device, model_dir: Path, load_format: str
+) -> LlamaFamilyForCausalLM:
     """The model on `device` in `dtype`: its weights read from model_dir's safetensors, or
     random ("dummy", drawn as transformers initializes them, on the device)."""
     # Uninitialized tensors, made where they run in the dtype they run in: every one is
@@ -79,17 +85,21 @@ def load_weights(model: LlamaFamilyForCausalLM, model_dir: Path) -> None:
     copy_weights(model, tensors(), str(model_dir))
 
 
-def copy_weights(model: LlamaFamilyForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]],
-                 where: str = "the weights") -> None:  # fmt: skip
+def copy_weights(
+    model: LlamaFamilyForCausalLM,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    where: str = "the weights",
+) -> None:
     """Copy (name, tensor) pairs named as in a transformers checkpoint (or state dict) into
     `model`, packing q|k|v and gate|up. ValueError naming the tensor on a name this model
     lacks, a shape that differs, or one missing from `tensors`."""
     params = dict(model.named_parameters(remove_duplicate=False))
     shape = model.shape
-    part_sizes = {"qkv_proj": (shape.q_size, shape.kv_size, shape.kv_size),
-                  "gate_up_proj": (shape.intermediate_size,) * 2}  # fmt: skip
-    unfilled = {name: set(range(len(part_sizes.get(name.split(".")[-2], (0,)))))
-                for name in params}  # fmt: skip
+    part_sizes = {
+        "qkv_proj": (shape.q_size, shape.kv_size, shape.kv_size),
+        "gate_up_proj": (shape.intermediate_size,) * 2,
+    }
+    unfilled = {name: set(range(len(part_sizes.get(name.split(".")[-2], (0,))))) for name in params}
     if shape.tie_word_embeddings:
         unfilled.pop("lm_head.weight")
     seen: set[str] = set()
@@ -104,21 +114,24 @@ def copy_weights(model: LlamaFamilyForCausalLM, tensors: Iterable[tuple[str, tor
         name, part = _packed_name(key)
         target = params.get(name)
         if target is None:
-            raise ValueError(f"checkpoint tensor {key!r} has no place in this "
-                             f"{shape.architecture}")  # fmt: skip
+            raise ValueError(f"checkpoint tensor {key!r} has no place in this {shape.architecture}")
         if part is not None:
             sizes = part_sizes[name.split(".")[-2]]
             start = sum(sizes[:part])
             target = target[start : start + sizes[part]]
         if tensor.shape != target.shape:
-            raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, "
-                             f"the model expects {tuple(target.shape)}")  # fmt: skip
+            raise ValueError(
+                f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(target.shape)}"
+            )
         target.copy_(tensor)
         unfilled[name].discard(part or 0)
     missing = [name for name, parts in unfilled.items() if parts]
     if missing:
-        raise ValueError(f"{where} lack {', '.join(missing[:5])}"
-                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        raise ValueError(
+            f"{where} lack {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
 
 
 def _packed_name(key: str) -> tuple[str, int | None]:
