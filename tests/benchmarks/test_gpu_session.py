@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from support.paths import REPO_ROOT
 
 from loomllm.benchmarks.gpu_session import Step, run_steps, write_results
 
@@ -96,9 +97,8 @@ def test_session_runs_a_real_step_and_refuses_unknown_ones(tmp_path: Path) -> No
         "--wheels",
         str(tmp_path / "none"),
     ]
-    root = Path(__file__).resolve().parent.parent
     done = subprocess.run(
-        [*cmd, "--steps", "start"], capture_output=True, text=True, timeout=300, cwd=root
+        [*cmd, "--steps", "start"], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert re.search(r"^\| start \| .* \| ok \| \d+ \|$", done.stdout, re.M), done.stdout
@@ -106,6 +106,6 @@ def test_session_runs_a_real_step_and_refuses_unknown_ones(tmp_path: Path) -> No
     with tarfile.open(tmp_path / "logs.tar.gz") as tar:
         assert any(n.startswith("logs/start/auto/") for n in tar.getnames()), tar.getnames()
     done = subprocess.run(
-        [*cmd, "--steps", "start,bogus"], capture_output=True, text=True, timeout=60, cwd=root
+        [*cmd, "--steps", "start,bogus"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
     )
     assert done.returncode == 2 and "unknown steps ['bogus']" in done.stderr

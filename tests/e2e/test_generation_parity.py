@@ -11,8 +11,8 @@ import random
 
 import anyio
 import pytest
-from conftest import make_tiny_model, preempting_smollm2
-from hf_reference import hf_greedy
+from support.hf_reference import hf_greedy
+from support.models import make_tiny_model, preempting_smollm2
 
 from loomllm import Engine, SamplingParams
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from support.paths import REPO_ROOT
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "notebook.ipynb"
+NOTEBOOK = REPO_ROOT / "examples" / "notebook.ipynb"
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import anyio
 import httpx
 import openai
 import pytest
-from serve_utils import LoomServer, loom_serve, rss_bytes
+from support.servers import LoomServer, loom_serve, rss_bytes
 
 NAME = "tiny"
 PROMPT = "w5 w6 w7"
@@ -29,21 +29,21 @@ IGNORE_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module", params=["asyncio", "trio"])
-def server(request, chat_model, shared_manager) -> Iterator[LoomServer]:
+def loom_server(request, chat_model, shared_manager) -> Iterator[LoomServer]:
     """`loom serve --loop <param>` for this module; SIGTERM at the end must exit with 0."""
     with loom_serve(chat_model, shared_manager.socket, NAME, loop=request.param) as running:
         yield running
 
 
 @pytest.fixture
-def client(server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0) as c:
+def client(loom_server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=loom_server.base_url + "/v1", api_key="x", max_retries=0) as c:
         yield c
 
 
-def num_prompt_tokens(server: LoomServer, **body: Any) -> int:
+def num_prompt_tokens(loom_server: LoomServer, **body: Any) -> int:
     """The server's own /tokenize count for a prompt or messages."""
-    response = httpx.post(server.base_url + "/tokenize", json={"model": NAME, **body})
+    response = httpx.post(loom_server.base_url + "/tokenize", json={"model": NAME, **body})
     assert response.status_code == 200, response.text
     return response.json()["count"]
 
@@ -62,7 +62,7 @@ def stop_word(text: str) -> str:
     return words[2]
 
 
-def test_completions_n2_logprobs_usage(server, client):
+def test_completions_n2_logprobs_usage(loom_server, client):
     done = client.completions.create(
         model=NAME, prompt=PROMPT, max_tokens=5, n=2, logprobs=2, extra_body=IGNORE_EOS
     )
@@ -74,19 +74,19 @@ def test_completions_n2_logprobs_usage(server, client):
         assert all(token in choice.text for token in lp.tokens)
         assert all(x <= 0 for x in lp.token_logprobs)
         assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)  # top 2 (+ the sampled one)
-    assert done.usage.prompt_tokens == num_prompt_tokens(server, prompt=PROMPT)
+    assert done.usage.prompt_tokens == num_prompt_tokens(loom_server, prompt=PROMPT)
     assert (
         done.usage.completion_tokens == 2 * 5 == sum(len(c.logprobs.tokens) for c in done.choices)
     )
     assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
 
 
-def test_completions_without_ignore_eos_count_generated_tokens(server, client):
+def test_completions_without_ignore_eos_count_generated_tokens(loom_server, client):
     done = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, n=2, logprobs=0)
     assert done.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in done.choices)
 
 
-def test_completions_stop_string(server, client):
+def test_completions_stop_string(loom_server, client):
     full = greedy_text(client)
     word = stop_word(full)
     done = client.completions.create(
@@ -108,7 +108,7 @@ def test_completions_stop_string(server, client):
     assert done.usage.completion_tokens == len(tokens)
 
 
-def test_completions_stream_matches_non_stream(server, client):
+def test_completions_stream_matches_non_stream(loom_server, client):
     full = greedy_text(client, max_tokens=6)
     stream = client.completions.create(
         model=NAME,
@@ -136,11 +136,11 @@ def test_completions_stream_matches_non_stream(server, client):
             finish[choice.index] = choice.finish_reason
     assert texts == {0: full, 1: full}
     assert finish == {0: "length", 1: "length"}
-    assert usage.prompt_tokens == num_prompt_tokens(server, prompt=PROMPT)
+    assert usage.prompt_tokens == num_prompt_tokens(loom_server, prompt=PROMPT)
     assert usage.completion_tokens == 6 * 2
 
 
-def test_chat_n2_logprobs_usage(server, client):
+def test_chat_n2_logprobs_usage(loom_server, client):
     done = client.chat.completions.create(
         model=NAME,
         messages=MESSAGES,
@@ -160,13 +160,13 @@ def test_chat_n2_logprobs_usage(server, client):
         assert " ".join(t.token for t in content) == choice.message.content.strip()
         assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
         assert all(t.bytes == list(t.token.encode()) for t in content)
-    assert done.usage.prompt_tokens == num_prompt_tokens(server, messages=MESSAGES)
+    assert done.usage.prompt_tokens == num_prompt_tokens(loom_server, messages=MESSAGES)
     assert (
         done.usage.completion_tokens == 4 * 2 == sum(len(c.logprobs.content) for c in done.choices)
     )
 
 
-def test_chat_stream_stop_string(server, client):
+def test_chat_stream_stop_string(loom_server, client):
     full = client.chat.completions.create(
         model=NAME, messages=MESSAGES, max_tokens=8, temperature=0, extra_body=IGNORE_EOS
     )
@@ -195,7 +195,7 @@ def test_chat_stream_stop_string(server, client):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert content == text[: text.index(word)]
     assert finishes[-1] == "stop" and set(finishes[:-1]) == {None}
-    assert chunks[-1].usage.prompt_tokens == num_prompt_tokens(server, messages=MESSAGES)
+    assert chunks[-1].usage.prompt_tokens == num_prompt_tokens(loom_server, messages=MESSAGES)
     assert tokens[-1].startswith(word) and not any(t.startswith(word) for t in tokens[:-1])
     assert chunks[-1].usage.completion_tokens == len(tokens)
 
@@ -206,8 +206,8 @@ def test_chat_stream_stop_string(server, client):
     r"ignore:Async generator '(openai|httpx2|httpcore2)\.[\w.]+' was garbage:ResourceWarning"
 )
 @pytest.mark.anyio
-async def test_async_client_chat_stream_and_completions(server, anyio_backend):
-    base = server.base_url + "/v1"
+async def test_async_client_chat_stream_and_completions(loom_server, anyio_backend):
+    base = loom_server.base_url + "/v1"
     async with openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0) as aclient:
         stream = await aclient.chat.completions.create(
             model=NAME,
@@ -238,7 +238,7 @@ async def test_async_client_chat_stream_and_completions(server, anyio_backend):
         assert roles == {0: "assistant", 1: "assistant"}
         assert tokens == {0: 5, 1: 5} and finish == {0: "length", 1: "length"}
         assert usage.completion_tokens == 10
-        async with httpx.AsyncClient(base_url=server.base_url) as http:
+        async with httpx.AsyncClient(base_url=loom_server.base_url) as http:
             tokenized = await http.post("/tokenize", json={"messages": MESSAGES})
             assert usage.prompt_tokens == tokenized.json()["count"]
             counts = [
@@ -297,15 +297,15 @@ async def one_round(aclient: openai.AsyncOpenAI, num: int) -> None:
     assert not failures, f"{len(failures)} of {num} streams failed, first: {failures[0]!r}"
 
 
-@pytest.mark.parametrize("server", ["asyncio"], indirect=True)
+@pytest.mark.parametrize("loom_server", ["asyncio"], indirect=True)
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
-async def test_200_concurrent_streams_and_flat_rss(server, anyio_backend):
-    base = server.base_url + "/v1"
+async def test_200_concurrent_streams_and_flat_rss(loom_server, anyio_backend):
+    base = loom_server.base_url + "/v1"
     async with openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0, timeout=60) as aclient:
         await one_round(aclient, 20)  # warm-up: allocator arenas, connection pool, caches
         await one_round(aclient, NUM_STREAMS)
-        first = rss_bytes(server.pid)
+        first = rss_bytes(loom_server.pid)
         await one_round(aclient, NUM_STREAMS)
-        second = rss_bytes(server.pid)
+        second = rss_bytes(loom_server.pid)
     assert second <= first * 1.10 + 8 * 2**20, (first, second)

@@ -24,8 +24,9 @@ from pathlib import Path
 import anyio
 import pytest
 from anyio.abc import SocketListener
-from conftest import make_tiny_model, new_manager_handle, pids_mentioning
-from serve_utils import free_port
+from support.managers import new_manager_handle, pids_mentioning
+from support.models import make_tiny_model
+from support.servers import free_port
 
 from loomllm import LLM, EngineDeadError, WorkerStartError
 from loomllm.protocols.connection import MessageStream

@@ -11,12 +11,12 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from serve_utils import LoomServer, loom_serve
+from support.paths import REPO_ROOT
+from support.servers import LoomServer, loom_serve
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = REPO_ROOT / "README.md"
 README_PORT = "127.0.0.1:8000"
 
 
@@ -30,20 +30,20 @@ def readme_example(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(chat_model, shared_manager) -> Iterator[LoomServer]:
+def readme_server(chat_model, shared_manager) -> Iterator[LoomServer]:
     with loom_serve(chat_model, shared_manager.socket, "smollm2") as running:
         yield running
 
 
-def run_example(server: LoomServer, cmd: list[str], code: str) -> str:
-    code = code.replace(README_PORT, f"127.0.0.1:{server.port}")
+def run_example(readme_server: LoomServer, cmd: list[str], code: str) -> str:
+    code = code.replace(README_PORT, f"127.0.0.1:{readme_server.port}")
     result = subprocess.run([*cmd, code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
 
-def test_readme_curl_example(server):
-    body = json.loads(run_example(server, ["bash", "-c"], readme_example("curl")))
+def test_readme_curl_example(readme_server):
+    body = json.loads(run_example(readme_server, ["bash", "-c"], readme_example("curl")))
     assert body["object"] == "chat.completion" and body["model"] == "smollm2"
     (choice,) = body["choices"]
     assert choice["message"]["role"] == "assistant"
@@ -52,7 +52,7 @@ def test_readme_curl_example(server):
     assert 1 <= body["usage"]["completion_tokens"] <= 32
 
 
-def test_readme_openai_example(server):
-    out = run_example(server, [sys.executable, "-c"], readme_example("openai"))
+def test_readme_openai_example(readme_server):
+    out = run_example(readme_server, [sys.executable, "-c"], readme_example("openai"))
     # The tiny model's words; none at all only if it sampled end-of-sequence first.
     assert re.fullmatch(r"( ?w\d+)*\n", out), out

@@ -5,7 +5,7 @@ three tiny architectures; a model whose heads do not split is refused with the r
 from __future__ import annotations
 
 import pytest
-from conftest import make_tiny_model
+from support.models import make_tiny_model
 
 from loomllm import LLM, ManagerError
 from loomllm.protocols.sampling import SamplingParams

@@ -13,8 +13,8 @@ from __future__ import annotations
 import anyio
 import pytest
 import torch
-from runner_driver import drive
-from worker_hooks import fail_next_launch, fail_next_result, launch_ahead
+from support.runner_driver import drive
+from support.worker_hooks import fail_next_launch, fail_next_result, launch_ahead
 
 from loomllm import Engine
 from loomllm.core.request import Request

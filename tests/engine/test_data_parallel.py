@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import anyio
 import httpx
 import pytest
-from serve_utils import loom_serve
+from support.servers import loom_serve
 
 from loomllm import Engine, EngineDeadError, SamplingParams
 from loomllm.metrics.counters import HistogramSnapshot
@@ -32,7 +32,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
 
 
-def engine(tiny_model, shared_manager, **options) -> Engine:
+def make_engine(tiny_model, shared_manager, **options) -> Engine:
     # max_num_seqs=17: options of our own, so other tests' warm workers stay theirs.
     return Engine(
         tiny_model,
@@ -43,7 +43,7 @@ def engine(tiny_model, shared_manager, **options) -> Engine:
     )
 
 
-async def final(stream) -> list[int]:
+async def final_tokens(stream) -> list[int]:
     async for out in stream:
         if out.finished:
             return out.outputs[0].token_ids
@@ -54,8 +54,8 @@ async def final(stream) -> list[int]:
 async def test_200_requests_at_concurrency_50_each_answered_once_split_within_60_40(
     tiny_model, shared_manager
 ):
-    async with engine(tiny_model, shared_manager) as one:
-        expected = [await final(one.generate(p, GREEDY)) for p in PROMPTS]
+    async with make_engine(tiny_model, shared_manager) as one:
+        expected = [await final_tokens(one.generate(p, GREEDY)) for p in PROMPTS]
     answers: Counter[str] = Counter()
     placed: Counter[int] = Counter()
     wrong: list[str] = []
@@ -72,7 +72,7 @@ async def test_200_requests_at_concurrency_50_each_answered_once_split_within_60
                     if out.outputs[0].token_ids != expected[k % len(PROMPTS)]:
                         wrong.append(request_id)
 
-    async with engine(tiny_model, shared_manager, data_parallel_size=2) as dp:
+    async with make_engine(tiny_model, shared_manager, data_parallel_size=2) as dp:
         assert len(set(dp.worker_pids)) == 2
         async with anyio.create_task_group() as tg:
             for k in range(NUM_REQUESTS):
@@ -92,7 +92,7 @@ async def test_200_requests_at_concurrency_50_each_answered_once_split_within_60
 
 @pytest.mark.anyio
 async def test_a_killed_replica_fails_only_its_requests(tiny_model, shared_manager):
-    async with engine(tiny_model, shared_manager, data_parallel_size=2) as dp:
+    async with make_engine(tiny_model, shared_manager, data_parallel_size=2) as dp:
         ends: dict[str, str] = {}
         flowing = {f"s{k}": anyio.Event() for k in range(6)}
 
@@ -127,7 +127,7 @@ async def test_a_killed_replica_fails_only_its_requests(tiny_model, shared_manag
         assert idle.is_set()
         # The survivor takes every new request.
         for prompt in PROMPTS[:4]:
-            assert len(await final(dp.generate(prompt, GREEDY))) == GREEDY.max_tokens
+            assert len(await final_tokens(dp.generate(prompt, GREEDY))) == GREEDY.max_tokens
         # Aborts by id reach the survivor (replica 1, now the only one listed as live).
         stream = dp.generate("w5 w6", LONG, request_id="late")
         assert dp.replica_index("late") == 1
@@ -143,7 +143,7 @@ async def test_a_killed_replica_fails_only_its_requests(tiny_model, shared_manag
 @pytest.mark.anyio
 async def test_the_engine_dies_with_its_last_replica(tiny_model, shared_manager):
     with pytest.raises(EngineDeadError, match="killed by signal SIGKILL"):
-        async with engine(tiny_model, shared_manager, data_parallel_size=2) as dp:
+        async with make_engine(tiny_model, shared_manager, data_parallel_size=2) as dp:
             for pid in dp.worker_pids:
                 os.kill(pid, signal.SIGKILL)
             await anyio.sleep_forever()

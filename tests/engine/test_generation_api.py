@@ -9,7 +9,8 @@ import math
 import anyio
 import anyio.lowlevel
 import pytest
-from hf_reference import hf_greedy
+from support.hf_reference import hf_greedy
+from support.streams import final
 
 from loomllm import Engine, RequestOutputKind, SamplingParams
 
@@ -17,18 +18,6 @@ pytestmark = pytest.mark.anyio
 
 PROMPT = {"prompt_token_ids": [5, 17, 42, 99, 7, 3]}
 OTHER = {"prompt_token_ids": [11, 12, 13]}
-
-
-@pytest.fixture
-async def engine(tiny_model, shared_manager):
-    async with Engine(tiny_model, manager_socket=shared_manager.socket, dtype="float32") as e:
-        yield e
-
-
-async def final(engine: Engine, prompt, params: SamplingParams):
-    outputs = [out async for out in engine.generate(prompt, params)]
-    assert outputs and outputs[-1].finished
-    return outputs[-1]
 
 
 async def test_temperature_zero_and_top_k_one_equal_greedy(engine):

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_server import running
+from support.servers import running
 
 from loomllm import LLM, Engine, SamplingParams
 from loomllm.engine.generation_defaults import sampling_defaults

@@ -14,7 +14,7 @@ import threading
 
 import anyio
 import pytest
-from proc_utils import wait_gone
+from support.processes import wait_gone
 
 from loomllm import Engine, EngineClosedError, RemoteCallError, WorkerStartError
 from loomllm.engine import engine as engine_module

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from test_server import assert_error, running
+from support.servers import assert_error, running
 
 from loomllm import LLM, Engine, SamplingParams
 

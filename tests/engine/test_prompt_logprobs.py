@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from test_server import NAME, running, sse_events
+from support.servers import NAME, running, sse_events
+from support.streams import final
 
 from loomllm import Engine, RequestOutputKind, SamplingParams
 
@@ -32,7 +33,7 @@ def reference(tiny_model):
 
 
 @pytest.fixture
-async def engine(tiny_model, shared_manager):
+async def chunked_engine(tiny_model, shared_manager):
     async with Engine(
         tiny_model,
         manager_socket=shared_manager.socket,
@@ -65,26 +66,28 @@ def check_against_reference(prompt_logprobs, reference, k: int) -> None:
         assert len(entry) in (k, k + 1)  # the prompt token joins the top-k if not among them
 
 
-async def test_match_hf_across_prefill_chunks_and_skip_prefix_cache(engine, reference):
+async def test_match_hf_across_prefill_chunks_and_skip_prefix_cache(chunked_engine, reference):
     plain = SamplingParams(temperature=0, max_tokens=2)
-    steps_before = engine.stats().num_steps
+    steps_before = chunked_engine.stats().num_steps
     out = await final(
-        engine, PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
+        chunked_engine, PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
     )
-    assert engine.stats().num_steps - steps_before >= len(PROMPT_IDS) // BUDGET + 1  # chunked
+    assert (
+        chunked_engine.stats().num_steps - steps_before >= len(PROMPT_IDS) // BUDGET + 1
+    )  # chunked
     check_against_reference(out.prompt_logprobs, reference, 3)
     # The prompt's blocks are cached now: a request without prompt logprobs reads them; one
     # asking for them must not (had it skipped positions, its entries would never complete).
-    cached = await final(engine, PROMPT, plain)
-    assert engine.stats().prefix_cache_hit_rate > 0 and cached.prompt_logprobs is None
+    cached = await final(chunked_engine, PROMPT, plain)
+    assert chunked_engine.stats().prefix_cache_hit_rate > 0 and cached.prompt_logprobs is None
     again = await final(
-        engine, PROMPT, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)
+        chunked_engine, PROMPT, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)
     )
     check_against_reference(again.prompt_logprobs, reference, 0)
     assert again.outputs[0].token_ids == cached.outputs[0].token_ids
 
 
-async def test_batched_with_others_n2_and_delta(engine, reference):
+async def test_batched_with_others_n2_and_delta(chunked_engine, reference):
     """n = 2 children share one scoring; DELTA delivers it in the first output only."""
     delta = SamplingParams(
         n=2,
@@ -98,7 +101,7 @@ async def test_batched_with_others_n2_and_delta(engine, reference):
     outputs: dict[str, list] = {}
 
     async def collect(name, prompt, params):
-        async with engine.generate(prompt, params) as stream:
+        async with chunked_engine.generate(prompt, params) as stream:
             outputs[name] = [out async for out in stream]
 
     async with anyio.create_task_group() as tg:
@@ -129,9 +132,9 @@ async def test_server_echo_with_logprobs(tiny_model, shared_manager):
         "temperature": 0,
         "ignore_eos": True,
     }
-    async with running(tiny_model, shared_manager) as (engine, client):
+    async with running(tiny_model, shared_manager) as (chunked_engine, client):
         expected = await final(
-            engine,
+            chunked_engine,
             {"prompt_token_ids": prompt_ids},
             SamplingParams(
                 temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=2
@@ -185,9 +188,3 @@ def test_scoring_more_rows_than_one_slice():
 def test_bad_prompt_logprobs_name_the_field(value):
     with pytest.raises(ValueError, match="^prompt_logprobs "):
         SamplingParams(prompt_logprobs=value)
-
-
-async def final(engine: Engine, prompt, params: SamplingParams):
-    outputs = [out async for out in engine.generate(prompt, params)]
-    assert outputs and outputs[-1].finished
-    return outputs[-1]

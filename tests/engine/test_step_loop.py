@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import anyio
 import pytest
-from conftest import save_tiny_tokenizer
-from test_scheduler import FakeWorker
+from support.fake_worker import FakeWorker
+from support.models import save_tiny_tokenizer
 
 from loomllm.core.scheduler import Scheduler, SchedulerConfig
 from loomllm.engine.core import EngineCore

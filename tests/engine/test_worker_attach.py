@@ -11,7 +11,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from proc_utils import wait_gone
+from support.processes import wait_gone
 
 from loomllm import Engine, EngineDeadError
 from loomllm.clients.workers import WorkerClient

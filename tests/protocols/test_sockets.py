@@ -10,16 +10,16 @@ One tiny worker, kept warm in the session's shared manager, serves the whole mod
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import anyio
 import msgpack
 import pytest
+from support.sockets import REPLY_S, answers_to
 
 from loomllm import Engine
 from loomllm.protocols.codec import encode
-from loomllm.protocols.connection import MessageStream, client_handshake, open_unix_connection
+from loomllm.protocols.connection import open_unix_connection
 from loomllm.protocols.framing import HEADER, encode_frame
 from loomllm.protocols.messages import (
     PROTOCOL_VERSION,
@@ -33,7 +33,6 @@ from loomllm.protocols.messages import (
 pytestmark = pytest.mark.anyio
 
 ENGINE_START_S = 120  # the first Engine of the session loads a worker
-REPLY_S = 10
 
 # Bytes that break the framing or the codec: refused at any point of a conversation.
 BROKEN = {
@@ -54,23 +53,6 @@ BEFORE_HELLO = {
     **{name: (wire, "protocol_error") for name, wire in BROKEN.items()},
     **BAD_OPENING,
 }
-
-
-async def answers_to(path: str | Path, wire: bytes, *, hello_first: bool = False) -> list[Any]:
-    """Send `wire` on a fresh connection; return all the server says until it hangs up."""
-    with anyio.fail_after(REPLY_S):
-        async with await anyio.connect_unix(os.fspath(path)) as stream:
-            ms = MessageStream(stream)
-            if hello_first:
-                await client_handshake(ms, "test")
-            await stream.send(wire)
-            await stream.send_eof()  # a truncated frame stays truncated
-            answers = []
-            while True:
-                try:
-                    answers.append(await ms.receive())
-                except (anyio.EndOfStream, anyio.BrokenResourceError):
-                    return answers
 
 
 def assert_refused(answers: list[Any], kind: str) -> None:

@@ -16,7 +16,7 @@ from functools import partial
 
 import anyio
 import pytest
-from worker_hooks import fail_next_launch
+from support.worker_hooks import fail_next_launch
 
 from loomllm import Engine, EngineDeadError
 from loomllm.errors import EngineStepError

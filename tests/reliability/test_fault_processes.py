@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from proc_utils import is_alive, wait_gone
-from serve_utils import loom_serve
+from support.processes import is_alive, wait_gone
+from support.servers import loom_serve
 
 from loomllm import LLM, EngineDeadError, SamplingParams
 

@@ -16,8 +16,8 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from conftest import TINY_VOCAB
-from test_server import NAME, running
+from support.models import TINY_VOCAB
+from support.servers import NAME, running
 
 from loomllm.server.app import MAX_JSON_DEPTH
 from loomllm.server.openai.openapi_requests import FLOAT_MAX, INT64_MAX, INT64_MIN

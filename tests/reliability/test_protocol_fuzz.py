@@ -25,7 +25,7 @@ import cloudpickle
 import msgpack
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from proc_utils import is_alive
+from support.processes import is_alive
 
 from loomllm import LLM
 from loomllm.protocols.codec import decode, encode, registered_messages

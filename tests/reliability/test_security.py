@@ -24,8 +24,8 @@ import cloudpickle
 import httpx
 import pytest
 from anyio.abc import UNIXSocketStream
-from serve_utils import loom_serve
-from test_protocol_sockets import answers_to
+from support.servers import loom_serve
+from support.sockets import answers_to
 
 from loomllm import LLM, Engine, ManagerError
 from loomllm.cli.main import _parser

@@ -20,8 +20,8 @@ import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_utils import LoomServer, loom_serve, rss_bytes
-from test_load import RSS_SLACK_MIB, Spec, check_stream, check_whole, lane_clients, mib
+from support.load import RSS_SLACK_MIB, Spec, check_stream, check_whole, lane_clients, mib
+from support.servers import LoomServer, loom_serve, rss_bytes
 
 NAME = "tiny"
 SECONDS = float(os.environ.get("LOOM_SOAK_SECONDS", "8"))

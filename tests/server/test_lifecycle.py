@@ -15,7 +15,7 @@ from functools import partial
 import anyio
 import httpx
 import pytest
-from serve_utils import loom_serve
+from support.servers import loom_serve
 
 from loomllm import Engine
 from loomllm.errors import EngineDeadError

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.routing import Route
-from test_server import running
+from support.servers import running
 
 from loomllm.core.scheduler import EngineCoreOutput
 from loomllm.engine.output_processor import OutputProcessor, ParentRequest

@@ -6,70 +6,16 @@ from __future__ import annotations
 
 import json
 import socket
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
 import httpx
 import pytest
+from support.servers import NAME, assert_error, running, sse_events
 
 from loomllm import Engine
-from loomllm.server import build_app, serve
 
 pytestmark = pytest.mark.anyio
-
-NAME = "tiny"
-
-
-@asynccontextmanager
-async def running(model: str, manager, engine_options: dict | None = None, **app_options):
-    """(engine, client) with the app served by hypercorn on a free port in this task group."""
-    async with Engine(
-        model, manager_socket=manager.socket, dtype="float32", **(engine_options or {})
-    ) as engine:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        bind = f"fd://{sock.detach()}"
-        stop = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(serve, build_app(engine, NAME, **app_options), bind, stop.wait)
-            base = f"http://127.0.0.1:{port}"
-            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-                with anyio.fail_after(10):
-                    while True:  # the server accepts as soon as it listens
-                        try:
-                            await client.get("/version")
-                            break
-                        except httpx.ConnectError:
-                            await anyio.sleep(0.02)
-                yield engine, client
-            stop.set()
-
-
-@pytest.fixture
-async def server(tiny_model, shared_manager):
-    async with running(tiny_model, shared_manager) as pair:
-        yield pair
-
-
-async def sse_events(response: httpx.Response) -> list:
-    events = []
-    async for line in response.aiter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: ") :]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["param"] == param, error
-    if param is not None:
-        assert param in error["message"]
-    return error
 
 
 async def test_models_health_version(server):

@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import save_tiny_tokenizer
+from support.models import save_tiny_tokenizer
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 

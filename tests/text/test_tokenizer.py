@@ -10,14 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.paths import REPO_ROOT
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import AutoTokenizer
 
 from loomllm.text.tokenizer import Tokenizer
 from loomllm.workers.models.loader import prepare_model_dir, resolve_model
-
-ROOT = Path(__file__).resolve().parent.parent
 
 TEXTS = [
     "Hello, world!",
@@ -141,7 +140,7 @@ def test_bad_messages_name_the_field(ours, messages, field):
 def test_import_stays_light():
     code = "import loomllm.text.tokenizer, loomllm.text.detokenizer, sys; print('torch' in sys.modules, 'transformers' in sys.modules)"  # noqa: E501
     result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "False"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import tokenizers
-from test_server import NAME, assert_error, running, sse_events
+from support.servers import NAME, assert_error, running, sse_events
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.anyio

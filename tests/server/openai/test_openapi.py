@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 import schemathesis
-from serve_utils import loom_serve
+from support.paths import TESTS_ROOT
+from support.servers import loom_serve
 
 from loomllm.server.openai.openapi import build_openapi
 
@@ -50,7 +51,7 @@ def labels(doc: dict) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def server(chat_model, shared_manager) -> Iterator[str]:
+def guarded_server(chat_model, shared_manager) -> Iterator[str]:
     """The base URL of a `loom serve` on a free loopback port; SIGTERM at the end (exit 0)."""
     with loom_serve(
         chat_model,
@@ -94,8 +95,8 @@ def test_logit_bias_keys_are_the_vocabulary_s_ids_in_decimal(vocab):
     assert not any(key.search(k) for k in ("00", "01", "-1", "", "1.0", " 1", "1a", "1\n"))
 
 
-def test_served_document_needs_no_key_and_names_the_key_elsewhere(server):
-    response = httpx.get(f"{server}/openapi.json")  # an open path, as /health
+def test_served_document_needs_no_key_and_names_the_key_elsewhere(guarded_server):
+    response = httpx.get(f"{guarded_server}/openapi.json")  # an open path, as /health
     assert response.status_code == 200
     doc = response.json()
     assert labels(doc) == V1 | {"POST /tokenize", "POST /detokenize", "GET /health", "GET /version"}
@@ -110,8 +111,10 @@ def test_served_document_needs_no_key_and_names_the_key_elsewhere(server):
     }
 
 
-def test_what_fuzzing_found_stays_fixed(server):
-    client = httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+def test_what_fuzzing_found_stays_fixed(guarded_server):
+    client = httpx.Client(
+        base_url=guarded_server, headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+    )
     with client:
         ok = {"prompt": "w5", "max_tokens": 2}
         # An integer past 64 bits in a number field once killed the engine (msgpack): now it
@@ -135,14 +138,16 @@ def test_what_fuzzing_found_stays_fixed(server):
         assert response.status_code == 405 and response.headers["allow"] == "POST"
 
 
-def test_schemathesis_finds_no_server_error_and_no_schema_violation(server, chat_model, tmp_path):
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(
+    guarded_server, chat_model, tmp_path
+):
     # Every operation: the /v1 routes the issue names and the four small ones beside them.
     cmd = [
         sys.executable,
         "-m",
         "schemathesis.cli",
         "run",
-        f"{server}/openapi.json",
+        f"{guarded_server}/openapi.json",
         "--checks",
         ",".join(CHECKS),
         "--phases",
@@ -164,13 +169,11 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(server, chat
     eos = json.loads((Path(chat_model) / "config.json").read_text())["eos_token_id"]
     env = {
         **os.environ,
-        "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
-        "LOOM_TEST_BASE_URL": server,
+        "SCHEMATHESIS_HOOKS": "support.schemathesis_hooks",
+        "LOOM_TEST_BASE_URL": guarded_server,
         "LOOM_TEST_API_KEY": KEY,
         "LOOM_TEST_EOS_IDS": str(eos),
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
-        ),
+        "PYTHONPATH": os.pathsep.join([str(TESTS_ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     print(result.stdout)  # the report, for -s or a failure

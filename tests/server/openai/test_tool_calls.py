@@ -9,19 +9,11 @@ import json
 
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from test_server import assert_error, running, sse_events
+from support.servers import assert_error, sse_events
+from support.tools import TOOLS, WEATHER
 
 pytestmark = pytest.mark.anyio
 
-WEATHER = {
-    "type": "object",
-    "properties": {"unit": {"enum": ["c", "f"]}, "rain": {"type": "boolean"}},
-    "required": ["unit", "rain"],
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "ping", "description": "no parameters"}},
-]
 ASK = {
     "messages": [{"role": "user", "content": "Weather?"}],
     "tools": TOOLS,
@@ -32,20 +24,14 @@ ASK = {
 }
 
 
-@pytest.fixture
-async def server(char_model, shared_manager):
-    async with running(char_model, shared_manager) as pair:
-        yield pair
-
-
 def assert_weather(arguments: str) -> None:
     value = json.loads(arguments)
     assert set(value) == {"unit", "rain"} and value["unit"] in ("c", "f")
     assert type(value["rain"]) is bool
 
 
-async def test_a_named_function_is_called_with_arguments_that_fit_its_schema(server):
-    _, client = server
+async def test_a_named_function_is_called_with_arguments_that_fit_its_schema(char_server):
+    _, client = char_server
     body = {**ASK, "tool_choice": {"type": "function", "function": {"name": "weather"}}}
     answer = (await client.post("/v1/chat/completions", json=body)).json()
     assert len(answer["choices"]) == 3
@@ -74,8 +60,8 @@ async def test_a_named_function_is_called_with_arguments_that_fit_its_schema(ser
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_required_calls_any_of_the_tools(server, stream):
-    _, client = server
+async def test_required_calls_any_of_the_tools(char_server, stream):
+    _, client = char_server
     body = {**ASK, "tool_choice": "required", "parallel_tool_calls": False, "stream": stream}
     if stream:
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -96,10 +82,10 @@ async def test_required_calls_any_of_the_tools(server, stream):
             assert json.loads(arguments) == {}
 
 
-async def test_references_in_a_tools_schema_hold_among_many_and_cut_calls_stay_calls(server):
+async def test_references_in_a_tools_schema_hold_among_many_and_cut_calls_stay_calls(char_server):
     """A pydantic-style schema ($defs, "$ref") under "required", where each tool's schema
     sits inside the array of calls; a named call cut by max_tokens is still a tool call."""
-    _, client = server
+    _, client = char_server
     unit = {
         "type": "object",
         "$defs": {"Unit": {"enum": ["c", "f"]}},
@@ -142,8 +128,8 @@ def test_an_answer_nested_past_jsons_depth_is_no_call():
     assert call["function"] == {"name": "f", "arguments": "[" * 5000}
 
 
-async def test_a_json_schema_answer_parses(server):
-    _, client = server
+async def test_a_json_schema_answer_parses(char_server):
+    _, client = char_server
     body = {
         "messages": [{"role": "user", "content": "?"}],
         "max_tokens": 64,
@@ -160,8 +146,8 @@ async def test_a_json_schema_answer_parses(server):
         assert_weather(choice["message"]["content"])
 
 
-async def test_tools_that_cannot_be_served_are_400s_and_the_engine_goes_on(server):
-    engine, client = server
+async def test_tools_that_cannot_be_served_are_400s_and_the_engine_goes_on(char_server):
+    engine, client = char_server
     named = {"type": "function", "function": {"name": "weather"}}
     cases = [
         ({**ASK}, "tool_choice"),  # "auto", the default with tools: no parser here

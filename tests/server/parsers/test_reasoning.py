@@ -13,10 +13,9 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from test_server import running, sse_events
-from test_tool_calls import TOOLS
-from test_tool_parsers import WEATHER_CALL, calls_of
-from worker_hooks import script_answers, unscript_answers
+from support.servers import running, sse_events
+from support.tools import TOOLS, WEATHER_CALL, calls_of
+from support.worker_hooks import script_answers, unscript_answers
 
 from loomllm.server.openai.chat_template_fields import FIELDS as TEMPLATE_FIELDS
 from loomllm.server.parsers.reasoning import ReasoningDeltas, split_reasoning

@@ -6,21 +6,17 @@ reads what the model really generated). asyncio and trio.
 
 from __future__ import annotations
 
-import json
 import random
 import subprocess
 import sys
 
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from test_server import assert_error, running, sse_events
-from test_tool_calls import TOOLS
+from support.servers import assert_error, running, sse_events
+from support.tools import TOOLS, WEATHER_CALL, calls_of, streamed
 
 from loomllm.server.parsers.tool_parsers import AutoToolDeltas, split_answer
 
-WEATHER_CALL = (
-    '<tool_call>\n{"name": "weather", "arguments": {"unit": "c", "rain": true}}\n</tool_call>'
-)
 PING_CALL = '<tool_call>\n{"name": "ping", "arguments": "{}"}\n</tool_call>'
 # (answer, content, [(name, arguments)])
 CASES = [
@@ -62,14 +58,6 @@ NOT_CALLS = [
 ]
 
 
-def calls_of(calls: list[dict], streamed: bool = False) -> list[tuple[str, dict]]:
-    """Each call's name and arguments; a message's calls have no "index", deltas' do."""
-    for k, call in enumerate(calls):
-        assert call["type"] == "function" and call["id"].startswith("call_")
-        assert call.get("index") == (k if streamed else None)
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
-
-
 @pytest.mark.parametrize("answer, content, calls", CASES)
 def test_whole_answers_split_into_content_and_calls(answer, content, calls):
     got_content, got_calls = split_answer(answer)
@@ -93,23 +81,6 @@ def test_what_does_not_parse_stays_text(answer):
     assert split_answer(answer) == (answer, [])
     content, calls = streamed(answer, [len(answer)])
     assert content == answer and calls == []
-
-
-def streamed(answer: str, cuts: list[int]) -> tuple[str | None, list]:
-    """The answer fed to AutoToolDeltas in pieces ending at `cuts`: content and calls."""
-    deltas, content, calls, start = AutoToolDeltas(), "", [], 0
-    for end in cuts:
-        finish = "stop" if end == len(answer) else None
-        delta, reason = deltas.next(0, answer[start:end], finish)
-        start = end
-        if delta is None:
-            continue
-        content += delta.get("content") or ""
-        for call in delta.get("tool_calls", []):
-            assert call["index"] == len(calls)
-            calls.append(call)
-    assert reason == ("tool_calls" if calls else "stop")
-    return content or None, calls
 
 
 @pytest.mark.parametrize("answer, content, calls", CASES)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from support.models import make_tiny_model
 
 from loomllm import LLM
 from loomllm.protocols.messages import CachedRequests, NewRequestData, SchedulerOutput

@@ -8,8 +8,8 @@ import functools
 
 import pytest
 import torch
-from paged_forward import paged_logits
-from test_llama_family import PROMPT, save_variant
+from support.models import PROMPT, save_variant
+from support.paged_forward import paged_logits
 
 from loomllm.workers.kernels import fused_ops, skinny_matmul
 from loomllm.workers.models.fused_layers import install_fused_ops

@@ -16,8 +16,8 @@ import time
 
 import anyio
 import pytest
-from conftest import pids_mentioning
-from proc_utils import is_alive, wait_gone
+from support.managers import pids_mentioning
+from support.processes import is_alive, wait_gone
 
 from loomllm import Engine, ManagerError, WorkerStartError
 from loomllm.workers.manager import cli as manager_cli

@@ -11,7 +11,7 @@ import stat
 
 import anyio
 import pytest
-from proc_utils import is_alive, wait_gone
+from support.processes import is_alive, wait_gone
 
 from loomllm import ManagerError
 from loomllm.clients.manager import (

@@ -13,8 +13,8 @@ import weakref
 import pytest
 import torch
 import transformers
-from kernel_count import decode_layer_launches
-from runner_driver import drive
+from support.kernel_count import decode_layer_launches
+from support.runner_driver import drive
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2

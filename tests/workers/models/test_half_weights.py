@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_forward import paged_logits
+from support.paged_forward import paged_logits
 
 from loomllm import Engine, SamplingParams
 from loomllm.config import EngineConfig

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from kernel_count import decode_layer_launches
-from paged_forward import paged_logits
 from safetensors.torch import load_file, save_file
+from support.kernel_count import decode_layer_launches
+from support.models import COMMON, LLAMA3_ROPE, PROMPT, VARIANTS, save_variant
+from support.paged_forward import paged_logits
 
 from loomllm.core.request import Request
 from loomllm.core.scheduler import Scheduler, SchedulerConfig
@@ -32,55 +33,6 @@ from loomllm.workers.models.loader import ModelLoadError, load_model
 from loomllm.workers.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.compute
-
-COMMON = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-# A small theta and original length, so that the prompt's positions turn every one of its
-# three bands of wavelengths (kept, blended, slowed) by a visible angle.
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 100.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
-VARIANTS = {
-    "llama": (transformers.LlamaConfig, {}),
-    "llama-llama3-rope": (transformers.LlamaConfig, {"rope_parameters": LLAMA3_ROPE}),
-    "llama-linear-rope": (
-        transformers.LlamaConfig,
-        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
-    ),
-    "llama-biases-tied": (
-        transformers.LlamaConfig,
-        {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
-    ),
-    "qwen2": (transformers.Qwen2Config, {}),
-    "qwen3": (transformers.Qwen3Config, {"head_dim": 16}),
-    "mistral": (transformers.MistralConfig, {"sliding_window": 8}),
-}
-PROMPT = [5, 9, 2, 40, 7, 7, 13, 3, 61, 30, 11, 4, 50, 22, 8, 1, 33, 4, 90, 12]
-
-
-def save_variant(path: Path, variant: str, seed: int = 3) -> Path:
-    config_cls, extra = VARIANTS[variant]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config_cls(**COMMON, **extra))
-    if extra.get("attention_bias") or extra.get("mlp_bias"):  # HF initializes biases to 0
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith(".bias"):
-                    param.normal_(0.0, 0.1)
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

@@ -17,7 +17,7 @@ from types import MappingProxyType
 import anyio
 import pytest
 import torch
-from runner_driver import drive
+from support.runner_driver import drive
 
 from loomllm import Engine
 from loomllm.core.request import Request

@@ -8,8 +8,9 @@ import json
 import anyio
 import pytest
 import torch
-from conftest import preempting_smollm2
-from hf_reference import hf_greedy
+from support.hf_reference import hf_greedy
+from support.models import preempting_smollm2
+from support.paths import REPO_ROOT
 
 from loomllm import Engine
 from loomllm.protocols.sampling import SamplingParams, StructuredOutputsParams
@@ -308,9 +309,8 @@ def test_the_example_answers_parse(shared_manager):
     import re
     import subprocess
     import sys
-    from pathlib import Path
 
-    example = Path(__file__).parent.parent / "examples" / "json_output.py"
+    example = REPO_ROOT / "examples" / "json_output.py"
     out = subprocess.run(
         [sys.executable, str(example)],
         env=shared_manager.env,

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from proc_utils import wait_gone
+from support.processes import wait_gone
 
 from loomllm import LLM, EngineDeadError, SamplingParams
 

@@ -1,0 +1,1 @@
+"""Helpers the tests share: models, managers, servers, references and worker hooks."""

@@ -1,0 +1,193 @@
+"""Tiny random-weight models built on the fly: word-level, chat and character vocabularies,
+and SmolLM2 under a KV cache small enough to preempt."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from support.managers import ManagerHandle
+
+TINY_VOCAB = 256
+
+
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0) -> str:
+    """Save a tiny random-weight decoder of architecture `arch`, with a tokenizer, to `path`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    extra = {"head_dim": 16} if arch == "qwen3" else {}
+    model_cls(config_cls(**common, **extra)).save_pretrained(path)
+    save_tiny_tokenizer(path)
+    return str(path)
+
+
+def save_tiny_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary: token i is the word "w{i}"."""
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(TINY_VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "bos_token": "w1",
+        "eos_token": "w2",
+        "unk_token": "w0",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}w{{ 10 + loop.index }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}w9{% endif %}"
+)
+
+
+# SmolLM2's KV bytes a block in float32: K and V, 30 layers, 16 tokens, 3 KV heads x 64.
+SMOLLM2_BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4
+
+
+def preempting_smollm2(
+    manager: ManagerHandle, num_blocks: int, max_num_batched_tokens: int, async_scheduling: bool
+) -> Any:
+    """A blocking LLM on SmolLM2 (float32) whose KV cache holds `num_blocks` blocks of 16
+    tokens: a batch of a few prompts is preempted and recomputed, its prompts chunked."""
+    from loomllm import LLM
+
+    return LLM(
+        "smollm2",
+        manager_socket=manager.socket,
+        dtype="float32",
+        max_num_batched_tokens=max_num_batched_tokens,
+        kv_cache_memory=num_blocks * SMOLLM2_BLOCK_BYTES,
+        max_model_len=160,
+        async_scheduling=async_scheduling,
+    )
+
+
+def make_char_model(path: Path) -> str:
+    """A tiny random llama whose tokens are single characters (ids 3 to 127: ASCII), with a
+    chat template: a vocabulary that can spell JSON, for structured outputs and tool calls."""
+
+    import torch
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {**{t: i for i, t in enumerate(specials)}, **{chr(i): i for i in range(3, 128)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    tok.save(str(path / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "chat_template": template,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
+    return str(path)
+
+
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+# A small theta and original length, so that the prompt's positions turn every one of its
+# three bands of wavelengths (kept, blended, slowed) by a visible angle.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 100.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+VARIANTS = {
+    "llama": (transformers.LlamaConfig, {}),
+    "llama-llama3-rope": (transformers.LlamaConfig, {"rope_parameters": LLAMA3_ROPE}),
+    "llama-linear-rope": (
+        transformers.LlamaConfig,
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+    ),
+    "llama-biases-tied": (
+        transformers.LlamaConfig,
+        {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
+    ),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 16}),
+    "mistral": (transformers.MistralConfig, {"sliding_window": 8}),
+}
+
+
+PROMPT = [5, 9, 2, 40, 7, 7, 13, 3, 61, 30, 11, 4, 50, 22, 8, 1, 33, 4, 90, 12]
+
+
+def save_variant(path: Path, variant: str, seed: int = 3) -> Path:
+    config_cls, extra = VARIANTS[variant]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config_cls(**COMMON, **extra))
+    if extra.get("attention_bias") or extra.get("mlp_bias"):  # HF initializes biases to 0
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return path
