@@ -1,8 +1,5 @@
-"""The house layering rules, checked on the source: who may import whom.
-
-protocols/ imports neither runtime nor workers nor torch; runtime/ never imports torch
-or workers at module level (the user's process stays light and CUDA-free); workers/
-never imports runtime.
+"""The package graph, checked on the source: which folder may import which, and no cycles
+between files or folders. Imports inside functions count too; TYPE_CHECKING blocks do not.
 """
 
 from __future__ import annotations
@@ -11,35 +8,233 @@ import ast
 from pathlib import Path
 
 import pytest
+from support.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-FORBIDDEN = {
-    "protocols": ({"runtime", "workers", "torch"}, "anywhere"),
-    "runtime": ({"torch", "workers"}, "module level"),
-    "workers": ({"runtime"}, "anywhere"),
+SOURCE_FOLDERS = {
+    "loomllm": "runtime",
+    "loomllm.workers": "workers",
+    "loomllm.protocols": "protocols",
+    "loomllm.benchmarks": "benchmarks",
 }
 
+# Each unit (a folder, or a module at the top of loomllm) and the units it may import. A new
+# edge is a design decision: add it here on purpose, never to make this test pass.
+ALLOWED: dict[str, set[str]] = {
+    # The wire format: what crosses a process boundary.
+    "loomllm.protocols": set(),
+    # The user's side.
+    "loomllm.errors": set(),
+    "loomllm.config": {"loomllm.protocols"},
+    "loomllm.outputs": {"loomllm.protocols"},
+    "loomllm.core": {"loomllm.config", "loomllm.protocols"},
+    "loomllm.text": set(),
+    "loomllm.metrics": set(),
+    "loomllm.clients": {"loomllm.errors", "loomllm.protocols"},
+    "loomllm.engine": {
+        "loomllm.clients",
+        "loomllm.config",
+        "loomllm.core",
+        "loomllm.errors",
+        "loomllm.metrics",
+        "loomllm.outputs",
+        "loomllm.protocols",
+        "loomllm.text",
+    },
+    "loomllm.llm": {"loomllm.engine", "loomllm.outputs", "loomllm.protocols"},
+    "loomllm.server.parsers": set(),
+    "loomllm.server.openai": {
+        "loomllm.engine",
+        "loomllm.errors",
+        "loomllm.outputs",
+        "loomllm.protocols",
+        "loomllm.server.parsers",
+    },
+    "loomllm.server": {
+        "loomllm.engine",
+        "loomllm.errors",
+        "loomllm.metrics",
+        "loomllm.protocols",
+        "loomllm.server.openai",
+        "loomllm.server.parsers",
+    },
+    "loomllm.cli": {
+        "loomllm.clients",
+        "loomllm.config",
+        "loomllm.engine",
+        "loomllm.errors",
+        "loomllm.protocols",
+        "loomllm.server",
+    },
+    # The device side.
+    "loomllm.workers.device": set(),
+    "loomllm.workers.kernels": set(),
+    "loomllm.workers.attention": {"loomllm.workers.device", "loomllm.workers.kernels"},
+    "loomllm.workers.sample": {"loomllm.protocols", "loomllm.workers.device"},
+    "loomllm.workers.models.llama": {"loomllm.workers.attention", "loomllm.workers.kernels"},
+    "loomllm.workers.models": {
+        "loomllm.workers.device",
+        "loomllm.workers.kernels",
+        "loomllm.workers.models.llama",
+    },
+    "loomllm.workers.runner": {
+        "loomllm.protocols",
+        "loomllm.workers.attention",
+        "loomllm.workers.device",
+        "loomllm.workers.sample",
+    },
+    "loomllm.workers.worker": {
+        "loomllm.protocols",
+        "loomllm.workers.models",
+        "loomllm.workers.runner",
+        "loomllm.workers.sample",
+    },
+    # The manager places the worker's Ray actor class (which imports no torch) on a cluster.
+    "loomllm.workers.manager": {"loomllm.protocols", "loomllm.workers.worker"},
+}
+# Benchmarks measure everything; nothing imports them (`loom bench` finds them by name).
+ANYTHING = {"loomllm.benchmarks"}
+USER_SIDE_TOP_MODULES = {"errors", "config", "outputs", "llm"}
 
-def imports(tree: ast.Module, module_level_only: bool) -> list[tuple[int, str]]:
-    nodes = tree.body if module_level_only else list(ast.walk(tree))
-    found = []
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module.split(".")[0]))
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in SOURCE_FOLDERS.items():
+        for path in (REPO_ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(REPO_ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((package, *parts))] = path
     return found
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_layering(package):
-    banned, scope = FORBIDDEN[package]
+MODULES = modules()
+
+
+def unit(module: str) -> str:
+    """The folder a module belongs to; modules at the top of loomllm are units of their own."""
+    if MODULES[module].name == "__init__.py":
+        return module
+    parent, _, name = module.rpartition(".")
+    if parent == "loomllm" and name in USER_SIDE_TOP_MODULES:
+        return module
+    return parent
+
+
+def is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imported(tree: ast.AST, module_level_only: bool = False) -> list[tuple[int, str]]:
+    """(line, module) of every import, resolving `from package import submodule`."""
+    found = []
+    nodes = list(tree.body) if module_level_only else [tree]
+    while nodes:
+        node = nodes.pop()
+        if is_type_checking(node):
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.append((node.lineno, sub if sub in MODULES else node.module))
+        if not module_level_only:
+            nodes.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        targets = imported(ast.parse(path.read_text(), str(path)))
+        edges[module] = {target for _, target in targets if target in MODULES} - {module}
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in edges.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def unit_graph() -> dict[str, set[str]]:
+    units: dict[str, set[str]] = {}
+    for module, targets in graph().items():
+        if module == "loomllm":  # the lazy public names: string lookups, not imports
+            continue
+        units.setdefault(unit(module), set()).update(unit(t) for t in targets)
+    return {name: targets - {name} for name, targets in units.items()}
+
+
+def test_no_import_cycles_between_files():
+    assert cycles(graph()) == []
+
+
+def test_no_import_cycles_between_folders():
+    assert cycles(unit_graph()) == []
+
+
+def test_every_folder_imports_only_what_the_package_graph_allows():
+    units = unit_graph()
+    unknown = sorted(set(units) - set(ALLOWED) - ANYTHING - {"loomllm.workers"})
+    assert not unknown, f"units missing from ALLOWED: {unknown}"
+    offenders = [
+        f"{name} imports {sorted(targets - ALLOWED[name])}"
+        for name, targets in sorted(units.items())
+        if name in ALLOWED and targets - ALLOWED[name]
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_nothing_imports_the_benchmarks():
+    importers = [
+        m
+        for m, targets in graph().items()
+        if unit(m) not in ANYTHING and ANYTHING & {unit(t) for t in targets}
+    ]
+    assert not importers
+
+
+@pytest.mark.parametrize(
+    ("folder", "banned", "module_level_only"),
+    [
+        ("protocols", {"torch", "loomllm"}, False),
+        ("runtime", {"torch"}, True),
+        ("workers/manager", {"torch"}, True),
+    ],
+)
+def test_third_party_rules(folder, banned, module_level_only):
+    """protocols is pure Python; the user's side and the daemon load torch only lazily."""
     offenders = []
-    for path in sorted((ROOT / package).rglob("*.py")):
-        tree = ast.parse(path.read_text(), str(path))
-        for lineno, name in imports(tree, module_level_only=scope == "module level"):
-            if name in banned:
-                offenders.append(f"{path.relative_to(ROOT)}:{lineno} imports {name}")
-    assert not offenders, f"{package}/ must not import {sorted(banned)} ({scope}):\n" + "\n".join(
-        offenders
-    )
+    for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+        for line, name in imported(ast.parse(path.read_text()), module_level_only):
+            top = name.split(".")[0]
+            if top in banned and not name.startswith("loomllm.protocols"):
+                offenders.append(f"{path.relative_to(REPO_ROOT)}:{line} imports {name}")
+    assert not offenders, "\n".join(offenders)

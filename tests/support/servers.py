@@ -55,15 +55,14 @@ def loom_serve(
     loop: str = "asyncio",
     *args: str,
     start_timeout: float = 60,
+    cwd: Path | None = None,
 ) -> Iterator[LoomServer]:
     """Start `loom serve` (more flags in `args`), wait for /health, yield; then, unless it
     has exited already (the test checks that itself), SIGTERM it and check it exits 0.
     """
     port = free_port()
     cmd = [
-        sys.executable,
-        "-m",
-        "loomllm.cli.main",
+        str(Path(sys.executable).with_name("loom")),  # the console script, as a user runs it
         "serve",
         model,
         "--port",
@@ -81,7 +80,7 @@ def loom_serve(
     # Output goes to a file, not a pipe: a long test could fill a pipe nobody reads.
     log_path = Path(manager_socket).parent / f"serve-{port}.log"
     with open(log_path, "w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=cwd)
         try:
             base = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + start_timeout
