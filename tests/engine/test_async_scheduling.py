@@ -5,7 +5,7 @@ from the device) samples what it samples step by step; engines with async schedu
 on with the worker's launch-ahead forced (the CUDA path, here on the CPU), and off give
 identical outputs for greedy, seeded, penalized, stopped, n=2 and logprob requests; a
 step that raises fails only its requests, and aborts mid-flight free everything.
-(Greedy parity with HF under async scheduling: tests/test_generation_parity.py.)
+(Greedy parity with HF under async scheduling: tests/e2e/test_generation_parity.py.)
 """
 
 from __future__ import annotations

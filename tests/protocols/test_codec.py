@@ -1,4 +1,4 @@
-"""Tests for loomllm.protocols.framing, loomllm.protocols.codec and loomllm.protocols.connection, with no processes.
+"""protocols/ framing, codec and connection, with no processes.
 
 Every registered message type gets a round trip and malformed-input checks (walked from
 the registry, so a new type is covered without touching this file); MessageStream and

@@ -1,4 +1,4 @@
-"""loomllm.text.detokenizer: streamed text equals a whole decode; stop strings end it and never show.
+"""The detokenizer: streamed text equals a whole decode; stop strings end it and never show.
 
 Every test runs twice: on tokenizers' DecodeStream and on the window-decode fallback.
 """

@@ -1,4 +1,4 @@
-"""The fused kernels (loomllm.workers.kernels.fused_ops: RMSNorm alone and after the residual add, the
+"""The fused kernels (kernels/fused_ops.py: RMSNorm alone and after the residual add, the
 rotary embedding, SiLU times up) against a float64 reference and transformers' own ops,
 under Triton's interpreter (TRITON_INTERPRET=1: conftest.py).
 
@@ -6,7 +6,7 @@ bfloat16: the kernels round each product and sum to nearest even, in integer ari
 where torch's eager ops round (the interpreter's own float-to-bfloat16 conversion
 truncates), so the rotary embedding and SiLU times up are bit-identical to transformers'
 and RMSNorm is up to its float32 sum's order; `loom bench gpu-check` checks the same on a
-GPU. loomllm.workers.models.fused_layers, which swaps them into models: tests/test_fused_layers.py."""
+GPU. models/fused_layers.py swaps them into models: tests/workers/models/test_fused_layers.py."""
 
 from __future__ import annotations
 

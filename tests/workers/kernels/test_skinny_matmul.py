@@ -1,4 +1,4 @@
-"""loomllm.workers.kernels.skinny_matmul, the Triton matmul for a few rows (Triton's interpreter, conftest.py):
+"""kernels/skinny_matmul.py, the Triton matmul for a few rows (Triton's interpreter):
 against a float64 reference and F.linear's own error, its refusals, the per-shape choice
 between it and cuBLAS, and loomllm's own model running it."""
 

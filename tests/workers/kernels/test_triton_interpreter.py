@@ -1,4 +1,4 @@
-"""Triton's interpreter with helper calls that skip re-patching (workers/kernels/triton_interpreter.py):
+"""Triton's interpreter with helper calls that skip re-patching (kernels/triton_interpreter.py):
 same results, one patching a launch however many helper calls it makes, nothing left patched;
 its dtype lookups from a table, with the answers of its own; and no overflow checks that
 nothing reads."""

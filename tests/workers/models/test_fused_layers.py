@@ -1,4 +1,4 @@
-"""loomllm.workers.models.fused_layers: Llama-family models with the fused kernels and packed projections
+"""models/fused_layers.py: Llama-family models with the fused kernels and packed projections
 compute transformers' logits (bit for bit in bf16), keep one copy of their weights, hand
 what they do not handle to transformers' forward, and sample through a model runner what
 one without them samples. The kernels run in Triton's interpreter (conftest.py)."""

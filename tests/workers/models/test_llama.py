@@ -1,4 +1,4 @@
-"""loomllm.workers.models.llama.model, loomllm's own Llama-family decoder: its logits against transformers'
+"""loomllm's own Llama-family decoder (models/llama/): its logits against transformers'
 own model on the same checkpoint (stock eager attention, no paged cache: an independent
 reference), with torch's ops and with the fused kernels and Triton attention (in Triton's
 interpreter); which configs it takes; clear errors for checkpoints that do not fit; and
@@ -289,7 +289,7 @@ def test_a_worker_on_it_never_imports_transformers_modeling_code(tiny_model):
 
 def test_a_decode_step_launches_eight_kernels_a_layer(monkeypatch, tmp_path):
     """One layer of a decode-only step through the Triton backend, fused: the eleven of
-    transformers' model with the fused kernels swapped in (tests/test_fused_layers.py),
+    transformers' model with the fused kernels swapped in (test_fused_layers.py),
     less the residual add after the MLP, which the next norm's kernel computes, and the
     rotary embedding and the K/V write, which the decode attention's kernel does."""
     loaded = load_model(str(save_variant(tmp_path, "llama")), dtype="bfloat16")

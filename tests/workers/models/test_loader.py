@@ -103,9 +103,9 @@ def test_load_tiny_llama_gives_the_same_logits(
     tiny_llama_dir: tuple[Path, LlamaForCausalLM],
 ) -> None:
     model_dir, original = tiny_llama_dir
-    # float32 explicitly: "auto" is bfloat16 on CPUs with native bf16 (tests/test_cpu_dtype.py).
-    # transformers' modeling code, called as it is: loomllm.workers.models.llama.model's model runs only
-    # over a paged KV cache (its logits: tests/test_llama_family.py).
+    # float32 explicitly: "auto" is bfloat16 on CPUs with native bf16 (device/test_dtype.py).
+    # transformers' modeling code, called as it is: loomllm's own Llama model runs only over a
+    # paged KV cache (its logits: tests/workers/models/test_llama.py).
     loaded = load_model(str(model_dir), dtype="float32", model_impl="transformers")
     assert loaded.model_dir == model_dir.resolve()
     assert not loaded.model.training
@@ -294,7 +294,7 @@ def test_smollm2_cache_matches_the_gguf(
 ) -> None:
     monkeypatch.setenv("LOOM_CACHE_DIR", str(smollm2_cache))
     # "auto" may be bfloat16 on this CPU. transformers' model, to call it as it is (the
-    # engine's greedy tokens on loomllm's own: tests/test_generation_parity.py).
+    # engine's greedy tokens on loomllm's own: tests/e2e/test_generation_parity.py).
     loaded = load_model("smollm2", dtype="float32", model_impl="transformers")
     assert (loaded.vocab_size, loaded.max_model_len, loaded.num_layers) == (49152, 8192, 30)
     assert (loaded.num_kv_heads, loaded.head_dim, loaded.dtype) == (3, 64, "float32")
