@@ -1,10 +1,6 @@
-"""msgpack encoding of message dataclasses through a registry of type codes.
+"""msgpack encoding of message dataclasses through a registry of type codes; no pickle anywhere.
 
-A message body on the wire is `[type_code, [field, ...]]`. Fields are encoded by their
-annotations: nested message dataclasses as field lists, enums by value, numpy arrays as
-msgpack ext (dtype, shape, raw bytes). Decoding checks every field against its
-annotation, so a malformed body fails here with a MalformedMessageError naming the
-field, never deeper inside the receiver. No pickle anywhere.
+A frame body is `[type_code, [field, ...]]`; decoding checks every field against its annotation.
 """
 
 from __future__ import annotations
@@ -56,7 +52,11 @@ def registered_messages() -> dict[int, type]:
 
 
 def encode(msg: Any) -> bytes:
-    """Encode a registered message to a frame body."""
+    """Encode a registered message to a frame body.
+
+    Fields go by annotation: nested messages as field lists, enums by value, numpy arrays as
+    msgpack ext (dtype, shape, raw bytes).
+    """
     cls = type(msg)
     try:
         code = _code_by_class[cls]
@@ -66,7 +66,11 @@ def encode(msg: Any) -> bytes:
 
 
 def decode(body: bytes) -> Any:
-    """Decode a frame body into its message; MalformedMessageError for anything off."""
+    """Decode a frame body into its message; MalformedMessageError for anything off.
+
+    Every field is checked here, so a malformed body fails with an error naming the field,
+    never deeper inside the receiver.
+    """
     try:
         obj = msgpack.unpackb(body, raw=False, ext_hook=_decode_ext, strict_map_key=True)
     except MalformedMessageError:
@@ -84,11 +88,11 @@ def decode(body: bytes) -> Any:
 
 # -- fields -------------------------------------------------------------------------
 #
-# Decoders take the value and `where`, the path to it for error messages. The path is only
-# formatted when a check fails: a step message holds thousands of fields, and building a
-# string per field cost more than the checks themselves. A path is a str (the message
-# name) or a tuple (parent path, step): a str step is appended as is (".field"), an int
-# step is a list index, a 1-tuple step is a map key.
+# Decoders take the value and `where`, the path to it for error messages. The path is
+# formatted only when a check fails, because a step message holds thousands of fields and a
+# string per field would cost more than the checks. A path is a str (the message name) or a
+# tuple (parent path, step): a str step is appended as is (".field"), an int step is a list
+# index, a 1-tuple step is a map key.
 
 Where = Any
 
@@ -340,7 +344,7 @@ def _decode_ext(code: int, data: bytes) -> Any:
         dtype = np.dtype(dtype_str)
         if dtype.kind not in _ALLOWED_ARRAY_KINDS:
             raise ValueError(f"dtype {dtype} is not allowed")
-        # frombuffer shares the frame's bytes; copy so receivers may write to it.
+        # frombuffer shares the frame's read-only bytes; the copy lets receivers write to it.
         return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
     except MalformedMessageError:
         raise

@@ -1,7 +1,6 @@
 """Typed messages over any anyio byte stream: framing, codec and the HELLO/WELCOME handshake.
 
-Both ends of every connection (manager, worker, engine, CLI) talk through a
-`MessageStream`; it owns no socket logic, so tests run it over in-memory streams too.
+Both ends of every connection (manager, worker, engine, CLI) talk through a MessageStream.
 """
 
 from __future__ import annotations
@@ -36,7 +35,10 @@ OPENING_TIMEOUT_S = 10.0
 
 
 class MessageStream:
-    """Send and receive whole messages; one sender at a time is enforced by a lock."""
+    """Send and receive whole messages; a lock keeps to one sender at a time.
+
+    It owns no socket logic, so tests run it over in-memory streams too.
+    """
 
     def __init__(self, stream: ByteStream, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE):
         self.stream = stream
@@ -107,7 +109,7 @@ class MessageStream:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
-                pass  # not connected any more
+                pass  # the socket is not connected any more
 
     async def aclose(self) -> None:
         await self.stream.aclose()
@@ -127,7 +129,7 @@ async def client_handshake(ms: MessageStream, role: str) -> Welcome:
     try:
         await ms.send(Hello(PROTOCOL_VERSION, role, os.getpid()))
     except (anyio.BrokenResourceError, OSError):
-        pass  # a server that refused us at once has closed; its reason is still readable
+        pass  # a server that refused us at once has closed, but its reason is still readable
     try:
         welcome = await ms.receive_type(Welcome)
     except RemoteError as exc:
@@ -159,7 +161,7 @@ async def receive_request(
     msg = None
     with anyio.move_on_after(within):  # a frame cut off here is dropped with the connection
         msg = await ms.receive()
-    if msg is None:  # only the timeout leaves it so: receive never returns None
+    if msg is None:  # only the timeout leaves msg None: receive() never returns None
         raise SilentPeerError(f"no {expected.__name__} within {within:g} s of connecting")
     if not isinstance(msg, expected):
         raise UnexpectedMessageError(f"expected {expected.__name__}, got {type(msg).__name__}")

@@ -1,7 +1,6 @@
 """Length-prefixed frames: a 4-byte big-endian length, then that many body bytes.
 
-Pure byte handling, no I/O: `encode_frame` builds one frame, `FrameReader` splits a
-byte stream that arrives in arbitrary pieces back into frame bodies.
+No I/O: `encode_frame` builds a frame, `FrameReader` splits a byte stream back into bodies.
 """
 
 from __future__ import annotations
@@ -11,10 +10,10 @@ import struct
 from loomllm.protocols.errors import FrameTooLargeError, TruncatedFrameError
 
 HEADER = struct.Struct(">I")
-# 64 MiB: far above any step message (a few KiB) or collective_rpc payload we expect,
-# far below what would let a hostile peer make us allocate the machine's memory.
+# 64 MiB is far above any step message or collective_rpc payload we expect, and far below
+# what would let a hostile peer make us allocate the machine's memory.
 DEFAULT_MAX_FRAME_SIZE = 64 * 1024 * 1024
-# A connection's opening messages (Hello, Attach) before it has shown a secret: tiny.
+# The opening messages (Hello, Attach) arrive before the peer has shown a secret: keep them tiny.
 OPENING_MAX_FRAME_SIZE = 4096
 
 

@@ -1,10 +1,6 @@
 """Every message that crosses a process boundary, as frozen dataclasses with type codes.
 
-Three conversations, each opened by Hello/Welcome:
-  engine  <-> manager   control: acquire/release workers, status, ps, unload, stop
-  manager <-> worker    lifecycle: the worker's READY (or why it failed), leases; EOF = go away
-  engine  <-> worker    data: Attach with the lease token, then calls tagged with a call_id,
-                        answered by result or failure
+Three conversations, each opened by Hello/Welcome: engine-manager, manager-worker, engine-worker.
 """
 
 from __future__ import annotations
@@ -17,13 +13,8 @@ import numpy as np
 from loomllm.protocols.codec import message
 from loomllm.protocols.sampling import SamplingParams
 
-# 2: WorkerInfo gained world_size and dtype.
-# 3: SamplingParams.prompt_logprobs; StepResult.prompt_logprobs.
-# 4: SchedulerOutput.cached (columns) replaced the list of CachedRequestData.
-# 5: worker leases: WorkersAcquired.lease_token, Lease (manager -> worker), Attach.
-# 6: SamplingParams.logit_bias, allowed_token_ids and structured_outputs;
-#    StepResult.request_errors.
-# 7: SamplingParams.bad_words, bad_words_token_ids and truncate_prompt_tokens.
+# Raise it whenever a message, a field or a type code changes: the handshake then refuses a
+# peer from another release instead of misreading its frames.
 PROTOCOL_VERSION = 7
 
 
@@ -62,6 +53,7 @@ class Ack:
 
 
 # -- engine <-> manager -----------------------------------------------------------------
+# Control: acquire and release workers, status, ps, unload, stop.
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +192,7 @@ class ShutdownManager:
 
 
 # -- manager <-> worker -----------------------------------------------------------------
+# Lifecycle: the worker's READY (or why it failed) and its leases; EOF tells the worker to exit.
 
 
 @message(30)
@@ -233,6 +226,8 @@ class Lease:
 
 
 # -- engine <-> worker ------------------------------------------------------------------
+# Data: Attach with the lease token, then calls tagged with a call_id, each answered by a
+# result or a failure.
 
 
 @message(45)
@@ -294,9 +289,8 @@ class NewRequestData:
 class CachedRequests:
     """The diff for the requests the worker already holds, as columns: one entry per request.
 
-    Columns, not a list of per-request records: at batch 64 every step carries 64 of them,
-    and flat lists encode and check in one pass each (the validating decoder costs per
-    object, not per int).
+    Columns rather than per-request records, because flat lists encode and check in one pass
+    each: the validating decoder costs per object, not per int.
     """
 
     req_ids: list[str]

@@ -1,8 +1,6 @@
-"""Who is on the other end of a Unix socket: SO_PEERCRED, and the same-user rule.
+"""Who is on the other end of a Unix socket (SO_PEERCRED), and the same-user rule.
 
-The manager and the workers serve only their own user. The allowed uid is injectable so
-tests can play a second user without creating one. A Ray rank's TCP socket has no peer
-credentials: there the lease token that Attach presents is the only key.
+The manager and the workers serve only their own user.
 """
 
 from __future__ import annotations
@@ -39,8 +37,11 @@ def describe_peer(stream: SocketStream) -> str:
 def refusal(
     stream: SocketStream, allowed_uid: int | None = None, *, allow_tcp: bool = False
 ) -> str | None:
-    """Why this peer may not talk to us, or None if it may. Over TCP (`allow_tcp`: a Ray
-    rank's data port) there is no uid to check: the caller's token check is the key."""
+    """Why this peer may not talk to us, or None if it may.
+
+    Over TCP (`allow_tcp`: a Ray rank's data port) there are no peer credentials: the lease
+    token that Attach presents is the only key. Tests pass `allowed_uid` to play another user.
+    """
     if not is_unix(stream):
         return None if allow_tcp else "this socket serves local (Unix socket) peers only"
     allowed = os.getuid() if allowed_uid is None else allowed_uid

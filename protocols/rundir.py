@@ -1,7 +1,6 @@
 """Where the per-user engine-manager lives: the rendezvous both sides compute the same way.
 
-`$LOOM_MANAGER_SOCKET`, else `$XDG_RUNTIME_DIR/loomllm/manager.sock`, else
-`~/.cache/loomllm/run/manager.sock`. The lock and log files sit beside the socket.
+The lock, the log and the workers' directory sit beside the manager's socket.
 """
 
 from __future__ import annotations
@@ -12,6 +11,8 @@ from pathlib import Path
 
 
 def default_socket_path() -> Path:
+    """`$LOOM_MANAGER_SOCKET`, else `$XDG_RUNTIME_DIR/loomllm/manager.sock`, else
+    `~/.cache/loomllm/run/manager.sock`."""
     explicit = os.environ.get("LOOM_MANAGER_SOCKET")
     if explicit:
         return Path(explicit).expanduser()
@@ -50,7 +51,7 @@ def open_private_file(path: Path, flags: int) -> int:
     fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         if os.fstat(fd).st_mode & 0o077:
-            os.fchmod(fd, 0o600)  # ours, made by an older version that left it readable
+            os.fchmod(fd, 0o600)  # an older version of ours left it readable to others
     except BaseException:
         os.close(fd)
         raise
@@ -99,8 +100,8 @@ def _make_private_dir(path: Path) -> bool:
     try:
         path.mkdir(mode=0o700, parents=True)
     except FileExistsError:
-        return False  # someone's: check it, never change it
-    os.chmod(path, 0o700)  # mkdir's mode went through the umask
+        return False  # it exists already: the caller checks it and never changes it
+    os.chmod(path, 0o700)  # the umask may have narrowed mkdir's mode
     return True
 
 

@@ -1,7 +1,6 @@
 """SamplingParams: how to pick tokens and when to stop, validated, shared by engine and worker.
 
-Names and defaults follow vLLM. Every bad value raises ValueError naming the field and
-the allowed range, before a request is scheduled.
+Names and defaults follow vLLM; a bad value raises ValueError naming the field and its range.
 """
 
 from __future__ import annotations
@@ -75,6 +74,8 @@ class RequestOutputKind(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How to pick tokens and when to stop; checked on construction, before any scheduling."""
+
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0

@@ -1,7 +1,6 @@
 """The manager's WorkerList as text tables: `engine-manager ps` and `loom models` print these.
 
-Here, beside the messages, because both sides print them and neither may import the
-other: `ps` shows one row per worker process, `models` one row per worker group.
+It sits beside the messages because both sides print them and neither may import the other.
 """
 
 from __future__ import annotations

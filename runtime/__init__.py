@@ -1,5 +1,6 @@
-"""loomllm: an LLM inference runtime. The public names load on first use, so that a
-worker importing loomllm.workers never loads the engine, and `import loomllm` stays light.
+"""loomllm: an LLM inference runtime; its public names load on first use.
+
+Lazy names keep `import loomllm` light: a worker importing loomllm.workers never loads the engine.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ class EngineConfig:
     load_format: str = "auto"
     model_impl: str = "auto"
     dtype: str = "auto"
-    # A float32 model's linear weights stored in 16 bits (workers/models/half_weights.py): ~1.4x
-    # faster single-stream decode on CPUs, at a measured accuracy cost. None: as `dtype`.
+    # A float32 model's linear weights stored in 16 bits (workers/models/half_weights.py):
+    # faster decode on CPUs, at some accuracy cost. None: as `dtype`.
     weight_dtype: str | None = None
     device: str = "auto"
     # "auto": the Triton kernels on CUDA, the torch reference on the CPU.
@@ -135,7 +135,7 @@ class EngineConfig:
             raise ValueError(
                 f"keep_alive must be seconds >= 0, or -1 to pin, got {self.keep_alive!r}"
             )
-        if self.keep_alive == math.inf:  # forever: pinned, as the manager says it (not "infs")
+        if self.keep_alive == math.inf:  # the manager spells "forever" -1 (pinned), not inf
             object.__setattr__(self, "keep_alive", -1)
         if self.manager_socket is not None:
             object.__setattr__(self, "manager_socket", _socket_path(self.manager_socket))

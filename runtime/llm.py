@@ -1,8 +1,6 @@
 """LLM: the blocking facade over Engine, for scripts, notebook cells and threads.
 
-The Engine lives in an event loop on a daemon thread of its own (an anyio
-BlockingPortal), so it works where a loop already runs (Jupyter) and where none does.
-A program that forgets close() still exits: the workers go back to the manager, warm.
+The Engine runs in an event loop on a thread of its own, so it works where a loop already runs.
 """
 
 from __future__ import annotations
@@ -50,6 +48,8 @@ class LLM:
         except BaseException:
             self._stop_portal()
             raise
+        # A program that forgets close() still exits: this finalizer (at exit at the latest)
+        # returns the workers to the manager, warm, and stops the loop thread.
         self._closer = weakref.finalize(
             self, LLM._close_parts, self._engine_cm, self._portal, self._thread
         )
@@ -184,7 +184,7 @@ class LLM:
             engine_cm.__exit__(None, None, None)
         finally:
             portal.call(portal.stop)
-            # Its loop is done once close() returns (not from a finalizer on that thread).
+            # close() returns once the loop is done; a finalizer on that thread cannot join it.
             if thread is not threading.current_thread():
                 thread.join()
 

@@ -1,8 +1,6 @@
 """What a request's stream yields: RequestOutput and CompletionOutput, named as in vLLM.
 
-Also the per-request collector between the step loop and the consumer: the step loop
-never blocks on a slow consumer; outputs that pile up are merged (DELTA) or replaced
-(CUMULATIVE), as vLLM's RequestOutputCollector does.
+Also the per-request collector that hands outputs from the step loop to the consumer.
 """
 
 from __future__ import annotations
@@ -81,7 +79,11 @@ class RequestOutput:
 
 @dataclass(eq=False)
 class RequestOutputCollector:
-    """Holds at most one pending output (or error) for a consumer; never blocks the producer."""
+    """Holds at most one pending output (or error) for a consumer; never blocks the producer.
+
+    The step loop must never wait on a slow consumer, so outputs that pile up are merged
+    (DELTA) or replaced (the other kinds), as vLLM's RequestOutputCollector does.
+    """
 
     output_kind: RequestOutputKind
     _pending: RequestOutput | BaseException | None = None

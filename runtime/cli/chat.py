@@ -1,8 +1,6 @@
 """`loom chat`: a streaming conversation with one model, its history kept across turns.
 
 Every turn sends the whole history through the model's chat template (`engine.chat`).
-ChatSession is the loop, with its input and output passed in as functions so tests drive
-it in-process; `chat_in_terminal` wires it to stdin, stdout and Ctrl-C.
 """
 
 from __future__ import annotations
@@ -28,7 +26,11 @@ Write = Callable[[str], None]
 
 
 class ChatSession:
-    """One conversation: `messages` is what the model sees, system prompt first."""
+    """One conversation: `messages` is what the model sees, system prompt first.
+
+    Its input and output are functions passed in, so tests drive it in-process;
+    `chat_in_terminal` wires it to stdin, stdout and Ctrl-C.
+    """
 
     def __init__(self, engine: Engine, params: SamplingParams, *, system: str | None = None):
         self.engine = engine

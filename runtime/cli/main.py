@@ -1,8 +1,6 @@
-"""The `loom` command: `serve` (OpenAI-compatible HTTP server), `generate`, `chat`, `models`,
-`bench` (the benchmarks in `benchmarks/`).
+"""The `loom` command: serve (the OpenAI-compatible HTTP API), generate, chat, models, bench.
 
-Engine options are vLLM's names as dashed flags. SIGINT/SIGTERM stop the server
-gracefully (in-flight requests get a few seconds), the engine closes, exit code 0.
+Engine options are vLLM's names as dashed flags; SIGINT or SIGTERM stops the server gracefully.
 """
 
 from __future__ import annotations
@@ -175,15 +173,15 @@ def _parser() -> argparse.ArgumentParser:
         help='tool_choice "auto" (the default with tools): calls are read out '
         "of the model's text with --tool-call-parser",
     )
-    # loomllm.server.parsers.tool_parsers.PARSERS (loomllm.server is not imported here: it loads
-    # starlette)
+    # The choices mirror loomllm.server.parsers.tool_parsers.PARSERS; importing that here
+    # would load starlette.
     serve.add_argument(
         "--tool-call-parser",
         choices=["hermes"],
         default=None,
         help="the model family's tool-call syntax (hermes: Qwen2.5, Qwen3, Hermes)",
     )
-    # loomllm.server.parsers.reasoning.PARSERS
+    # The choices mirror loomllm.server.parsers.reasoning.PARSERS.
     serve.add_argument(
         "--reasoning-parser",
         choices=["deepseek_r1", "qwen3"],
@@ -300,7 +298,10 @@ async def _watch_signals(stop: anyio.Event, scope: anyio.CancelScope, serving: l
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    """Serve until a signal (exit 0) or until the engine is gone for good (exit 1)."""
+    """Serve until a signal (exit 0) or until the engine is gone for good (exit 1).
+
+    After a signal, in-flight requests get --shutdown-grace seconds, then the engine closes.
+    """
     from loomllm.server.run import bind_socket
 
     # Bound before the engine starts: a port in use or an unknown host is one line, at

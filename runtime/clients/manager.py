@@ -1,8 +1,6 @@
 """Find, start and talk to the engine-manager: the engine's control connection.
 
-The shared daemon is started with `engine-manager start` (a plain command line under an
-flock, never multiprocessing); a private one runs as our child and exits with us.
-Replies and pushed WorkerDied reports share one connection, split by `run()`.
+A shared daemon serves every engine of the user; a PrivateManager is our child and exits with us.
 """
 
 from __future__ import annotations
@@ -117,6 +115,7 @@ async def connect_shared_manager(socket_path: Path) -> MessageStream:
 
 
 async def _start_shared_manager(socket_path: Path) -> None:
+    """Run `engine-manager start`: a plain command line, never multiprocessing."""
     with anyio.fail_after(MANAGER_START_TIMEOUT_S):
         # `start` takes the flock and rechecks, so racing engines start one daemon.
         result = await anyio.run_process(
@@ -213,7 +212,10 @@ class PrivateManager:
 
 
 class ManagerClient:
-    """Requests to the manager, one at a time; WorkerDied pushes go to `on_worker_died`."""
+    """Requests to the manager, one at a time; WorkerDied pushes go to `on_worker_died`.
+
+    Replies and pushed reports share one connection, which `run()` splits.
+    """
 
     def __init__(self, ms: MessageStream, on_worker_died: Callable[[WorkerDied], None]):
         self.ms = ms

@@ -1,9 +1,6 @@
 """One engine's data connections to its worker ranks: send a call to every rank, gather replies.
 
-Each connection opens with the handshake and Attach, which shows the lease token the
-manager gave us (the ranks admit only its holder). Each rank has a reader task. A rank
-whose connection ends or breaks makes the whole client dead: every pending and later call
-fails with EngineDeadError.
+Each rank has a reader task; a rank whose connection ends fails every pending and later call.
 """
 
 from __future__ import annotations
@@ -45,7 +42,11 @@ class _PendingCall:
 
 
 class WorkerClient:
-    """Calls to all ranks of one worker group, answered in rank order."""
+    """Calls to all ranks of one worker group, answered in rank order.
+
+    Once a rank's connection ends or breaks, `fail()` makes the whole client dead: every
+    pending and later call raises EngineDeadError.
+    """
 
     def __init__(self, ranks: list[MessageStream]) -> None:
         self.ranks = ranks
@@ -58,7 +59,8 @@ class WorkerClient:
 
     @classmethod
     async def connect(cls, sockets: list[str], lease_token: bytes) -> WorkerClient:
-        """Attach to every rank with the lease token from WorkersAcquired.
+        """Attach to every rank with the lease token from WorkersAcquired (they admit only
+        its holder).
 
         A refusal (no such lease, another engine still attached), or a rank that is gone or
         hangs up (it died since the manager acquired it), is ManagerError.
@@ -207,6 +209,6 @@ class WorkerClient:
 
 
 def _describe(exc: BaseException) -> str:
-    # EndOfStream and BrokenResourceError carry no message: their name is the news.
+    # EndOfStream and BrokenResourceError carry no message: their name says what happened.
     name, text = type(exc).__name__, str(exc)
     return f"{name}: {text}" if text else f"{name} (the worker closed the connection)"

@@ -1,14 +1,6 @@
 """KV block pool with automatic prefix caching: which paged-KV-cache blocks each request holds.
 
-The Scheduler asks KVCacheManager for blocks before it schedules tokens; the block ids
-travel to the worker in SchedulerOutput and index its paged KV cache.
-
-Prefix caching: every FULL block gets a hash chained over its whole prefix,
-`hash_i = sha256(hash_{i-1} || tokens of block i)`, so a block matches only after the
-same prefix. A freed block keeps its hash and stays findable until it is reused.
-sha256 rather than Python's `hash()`: the 64-bit tuple hash can be made to collide,
-and a collision would hand one request another's KV (vLLM's CVE-2025-25183); it costs
-about 2 us a block, once per block_size tokens.
+The Scheduler allocates blocks here; their ids travel in SchedulerOutput to the worker's cache.
 """
 
 from __future__ import annotations
@@ -24,7 +16,11 @@ BlockHash = bytes
 
 
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """Hash of one full block, chained to the hash of the block before it (b"" for the first)."""
+    """Hash of one full block, chained to the hash of the block before it (b"" for the first).
+
+    The chain makes a block match only after the same prefix. sha256, not Python's hash():
+    that 64-bit hash can be made to collide, handing one request another's KV (CVE-2025-25183).
+    """
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
@@ -67,7 +63,10 @@ class BlockPool:
             self.ref_cnt[block_id] += 1
 
     def free_blocks(self, ordered_block_ids: Iterable[int]) -> None:
-        """One holder less; blocks nobody holds join the free queue's tail in the given order."""
+        """One holder less; blocks nobody holds join the free queue's tail in the given order.
+
+        A freed block keeps its hash, so the prefix cache finds it until it is reused.
+        """
         for block_id in ordered_block_ids:
             assert self.ref_cnt[block_id] > 0, f"block {block_id} freed twice"
             self.ref_cnt[block_id] -= 1
@@ -186,6 +185,7 @@ class KVCacheManager:
         new_blocks = pool.get_new_blocks(num_required) if num_required else []
         req_blocks.extend(new_blocks)
         if self.enable_prefix_caching:
+            # Placeholder tokens have no id yet, so only blocks of known tokens get a hash.
             num_full = min(num_tokens, request.num_tokens) // self.block_size
             self._cache_full_blocks(request, req_blocks, num_full)
         return new_blocks
@@ -203,9 +203,10 @@ class KVCacheManager:
             self.block_pool.free_blocks(reversed(blocks))
 
     def forget_unwritten(self, request: Request) -> None:
-        """Make the request's blocks past `num_computed_tokens` unfindable: a step that
-        allocated them cached their hashes for the KV it was to write, and will not (the
-        request left the step before it was sent). Call before free()."""
+        """Make the request's blocks past `num_computed_tokens` unfindable; call before free().
+
+        Their allocation cached hashes for KV that a step was to write, but the request left
+        that step before it was sent."""
         pool = self.block_pool
         first = request.num_computed_tokens // self.block_size
         for block_id in self.req_to_blocks.get(request.request_id, ())[first:]:

@@ -1,7 +1,6 @@
 """Request: one sequence's scheduling state (tokens, computed tokens, status).
 
-The engine builds it from a tokenized prompt; the scheduler moves it between its
-waiting and running queues and appends the tokens the worker samples.
+The engine builds it from a tokenized prompt; the scheduler queues it and appends sampled tokens.
 """
 
 from __future__ import annotations
@@ -85,7 +84,7 @@ class Request:
         room = max_model_len - len(prompt_token_ids)
         requested = sampling_params.max_tokens
         self.max_tokens = room if requested is None else min(requested, room)
-        # prompt + output, kept alongside so that reading all tokens never copies.
+        # Prompt and output tokens are also kept in one list, so reading all of them never copies.
         self._all_token_ids: list[int] = list(prompt_token_ids)
 
     @property

@@ -1,20 +1,6 @@
-"""Scheduler: continuous batching under one token budget, chunked prefill, preemption by recompute.
+"""Scheduler: continuous batching in one token budget, chunked prefill, preemption by recompute.
 
-Sits between intake and the workers: `schedule()` picks the tokens of one step (a
-SchedulerOutput for the workers), `update_from_output()` takes the sampled tokens
-back, applies the stop rules and frees the blocks of finished requests.
-
-Invariant on `Request.num_computed_tokens` (as in vLLM v1): `schedule()` advances it by
-the tokens it schedules, right after building the step, so it already counts the KV the
-step in flight is writing. `update_from_output()` only appends sampled tokens; it never
-touches it. The messages carry the value from *before* the step: the worker computes
-tokens `num_computed_tokens .. num_computed_tokens + num_scheduled_tokens[req_id]`.
-
-Placeholders (async scheduling): a step that will sample a request's next token counts
-it in `num_output_placeholders` until the token comes back. The next step may then be
-scheduled before it does: it computes that token's KV, and the worker, which sampled
-it, supplies the id. Without async scheduling the count is 1 between `schedule()` and
-`update_from_output()`; with it, up to 2. Prefix-cache hashing covers known tokens only.
+Between intake and the workers: `schedule()` builds a step, `update_from_output()` applies it.
 """
 
 from __future__ import annotations
@@ -34,11 +20,10 @@ from loomllm.protocols.messages import (
     TopLogprobs,
 )
 
-# Token ids a step's newly admitted requests carry to the workers (each whole prompt, prefix
-# hits included, and its allowed ids and logit bias: Request.num_wire_ids), at most: 4 Mi
-# ids are at most 20 MiB of msgpack, well within a frame's 64 MiB. Without it, a few hundred
-# requests sharing a long cached prefix, admitted in one step, outgrew the frame and ended
-# the engine. One request is always admitted.
+# Most token ids (Request.num_wire_ids) that one step's newly admitted requests send to the
+# workers. Each sends its whole prompt, prefix hits included, so many requests sharing a long
+# cached prefix could otherwise outgrow the 64 MiB frame and end the engine; 4 Mi ids stay
+# under 20 MiB of msgpack. One request is always admitted.
 MAX_NEW_REQUEST_TOKENS = 4 * 2**20
 
 
@@ -190,7 +175,7 @@ class Scheduler:
                 request.num_output_tokens + placeholders >= request.max_tokens
                 or request.num_tokens + placeholders >= config.max_model_len
             ):
-                index += 1  # the tokens in flight end it (length): nothing more to compute
+                index += 1  # its tokens in flight reach the length limit: nothing left to compute
                 continue
             num_new = min(
                 request.num_tokens + placeholders - request.num_computed_tokens,
@@ -207,21 +192,21 @@ class Scheduler:
                 victim = self.waiting.victim(self.running)
                 at = self.running.index(victim)
                 del self.running[at]
-                if at < index:  # passed already in this step (priority)
+                if at < index:  # the loop passed the victim already (priority policy)
                     index -= 1
-                if victim.request_id in num_scheduled_tokens:  # scheduled in it: undo that
+                if victim.request_id in num_scheduled_tokens:  # it was in this step: undo
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     k = cached.req_ids.index(victim.request_id)
                     del cached.req_ids[k], cached.new_block_ids[k], cached.num_computed_tokens[k]
-                    kv.forget_unwritten(victim)  # no step writes what its allocation cached
+                    kv.forget_unwritten(victim)  # no step will write the KV it cached
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
                 new_block_ids = kv.allocate_slots(request, num_new)
             if new_block_ids is None:
-                # It gave its own blocks back; those after it (by priority, ones that rank
-                # above it) still run. Under FCFS it was the last.
+                # The request preempted itself. Under priority the requests after it rank
+                # higher and still run; under FCFS it was the last one.
                 continue
             num_scheduled_tokens[request.request_id] = num_new
             cached.req_ids.append(request.request_id)
@@ -230,8 +215,8 @@ class Scheduler:
             token_budget -= num_new
             index += 1
 
-        # Waiting requests, in the policy's order; none if this step had to preempt (memory
-        # is short).
+        # Waiting requests, in the policy's order; none once this step has preempted, because
+        # memory is short.
         while (
             not preempted
             and self.waiting
@@ -241,7 +226,7 @@ class Scheduler:
             request = self.waiting.peek()
             new_request_tokens += request.num_wire_ids
             if new_requests and new_request_tokens > MAX_NEW_REQUEST_TOKENS:
-                break  # the frame to the workers is full enough: the next step takes it
+                break  # this step's frame is full enough; a later step admits the request
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
             if not config.enable_chunked_prefill and num_new > token_budget:
@@ -259,6 +244,11 @@ class Scheduler:
             new_requests.append(self._new_request_data(request))
             token_budget -= num_new
 
+        # As in vLLM v1, num_computed_tokens now counts the KV this step will write, while the
+        # messages above carry the value from before it: where the worker starts computing.
+        # update_from_output() never touches it. A step that reaches a request's end samples its
+        # next token, counted as a placeholder until the id comes back; with async scheduling
+        # the next step may compute that token's KV first, and the worker supplies the id.
         samplers: dict[str, Request] = {}
         for request_id, num_new in num_scheduled_tokens.items():
             request = self.requests[request_id]
@@ -266,7 +256,7 @@ class Scheduler:
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # the step samples its next token
                 samplers[request_id] = request
-        if samplers:  # a step that schedules nothing is never sent, so never updated: no entry
+        if samplers:  # an empty step is never sent, so nothing would ever pop its entry
             self._samplers[self.step_id] = samplers
         output = SchedulerOutput(
             step_id=self.step_id,
@@ -301,7 +291,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or self.requests.get(req_id) is not (
                 request
             ):
-                continue  # finished (aborted, preempted) while the step ran
+                continue  # the request finished or was preempted while the step ran
             assert request.num_output_placeholders > 0, f"{req_id} sampled unasked"
             request.num_output_placeholders -= 1
             request.append_output_token_id(token_id)
@@ -323,7 +313,7 @@ class Scheduler:
         return outputs
 
     def drop_step(self, scheduler_output: SchedulerOutput) -> None:
-        """A step whose result will never be applied (it failed on the worker)."""
+        """Forget a step whose result will never be applied (it failed on the worker)."""
         self._samplers.pop(scheduler_output.step_id, None)
 
     def reset_prefix_cache(self) -> bool:
@@ -353,13 +343,13 @@ class Scheduler:
         return False
 
     def _preempt(self, request: Request) -> None:
-        """Recompute later: drop its KV, back in line (FCFS: first); workers drop its state."""
+        """Free the request's KV and queue it again (first, under FCFS) to be recomputed."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_output_placeholders = 0  # tokens in flight are dropped: recomputed
+        request.num_output_placeholders = 0  # results in flight are ignored; it samples anew
         self.waiting.push_preempted(request)
-        self.finished_req_ids[request.request_id] = None
+        self.finished_req_ids[request.request_id] = None  # the workers drop its state
         self.num_preemptions += 1
 
     def _free_request(self, request: Request) -> None:

@@ -1,7 +1,6 @@
 """EngineCore: the step loop (schedule, execute on the workers, update, stream) and intake.
 
-Runs as one task in the Engine's task group. Intake and aborts are synchronous calls
-that only touch the scheduler and wake the loop, so they work from any task.
+The loop runs as one task in the Engine's task group, one per data-parallel replica.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ class EngineCore:
         self.num_steps = 0
         self._clock = StepClock()
         self._work = anyio.Event()
-        # (id, the request it meant; None: whichever holds the id when it applies)
+        # (request id, the parent it targets, or None for whichever holds the id by then)
         self._pending_aborts: list[tuple[str, ParentRequest | None]] = []
         # Async scheduling: the last step's results, streamed once the next step is out (see
         # run), or before any abort applies, so that none reaches a request that took the id.
@@ -66,6 +65,7 @@ class EngineCore:
         self._fallible: dict[int, dict[str, Request]] = {}
 
     # -- intake (sync, any task) -----------------------------------------------------------
+    # Intake and aborts only touch the scheduler and wake the loop, so any task may call them.
 
     def add_request(self, parent: ParentRequest) -> None:
         if self._stopped:  # no loop would ever step it: its stream would wait forever
@@ -195,7 +195,7 @@ class EngineCore:
         error: BaseException | None = None
         in_flight: deque[tuple[SchedulerOutput, int]] = deque()  # (step, call id), oldest first
         depth = 2 if self.async_scheduling else 1
-        sent_ahead = False  # the last turn sent a step and went on: one turn, one timing
+        sent_ahead = False  # the last turn sent a step and went on: its timing continues
         try:
             while True:
                 if self._pending_aborts:
@@ -209,7 +209,7 @@ class EngineCore:
                     self._clock.start()
                 sent_ahead = False
                 scheduler_output = self.scheduler.schedule()
-                self._note_fallible(scheduler_output)  # before an await can end one of them
+                self._note_fallible(scheduler_output)  # before an await lets an abort in
                 has_work = bool(
                     scheduler_output.num_scheduled_tokens or scheduler_output.finished_req_ids
                 )
@@ -242,7 +242,7 @@ class EngineCore:
                 self._clock.replied(reply.worker_time_s if isinstance(reply, StepResult) else 0.0)
                 self.num_steps += 1
                 if isinstance(reply, CallFailed):
-                    self._fallible.clear()  # every running request fails, or was drained
+                    self._fallible.clear()  # every running request fails or is drained
                     self.scheduler.drop_step(step)
                     self._fail_running(reply)
                     await self._drain(in_flight)
@@ -250,12 +250,12 @@ class EngineCore:
                 else:
                     assert isinstance(reply, StepResult)
                     fallible = self._fallible.pop(step.step_id, {})
-                    if reply.request_errors:  # first: their tokens of this step are dropped
+                    if reply.request_errors:  # first, so that the update drops their tokens
                         self._fail_requests(reply.request_errors, fallible)
                     outputs = self.scheduler.update_from_output(step, reply)
                     self._clock.updated()
-                    # Only while a step is in flight: the next turn, which streams them, then
-                    # always has a reply to wait for.
+                    # Held back only while a step is in flight, so that the turn which streams
+                    # them always has a reply to wait for.
                     if in_flight:
                         self._unstreamed = (outputs, reply.prompt_logprobs)
                     else:
@@ -318,14 +318,15 @@ class EngineCore:
     def _fail_requests(self, errors: list[RequestError], fallible: dict[str, Request]) -> None:
         """Requests the workers could not serve (a grammar that does not compile, nothing
         left to sample) fail alone: RequestRefusedError on their streams."""
-        self._stream_unstreamed()  # the step before's outputs are theirs, and are sound
+        # The previous step's outputs for these requests are valid: stream them first.
+        self._stream_unstreamed()
         for error in errors:
             request = fallible.get(error.req_id)
             state = self.output_processor.states.get(error.req_id)
             if request is None or self.scheduler.requests.get(error.req_id) is not request:
-                continue  # ended meanwhile (and its id may be a new request's now)
+                continue  # it ended meanwhile, and its id may belong to a new request now
             if state is None:
-                continue  # failed with a sibling (n > 1)
+                continue  # it failed already with a sibling (n > 1)
             request_id = state.parent.request_id
             logger.info("request %s refused by the workers: %s", request_id, error.message)
             refused = RequestRefusedError(error.message)

@@ -43,7 +43,7 @@ def resolve_max_model_len(cfg: EngineConfig, info: ModelInfo) -> int:
 def build_engine_core(
     cfg: EngineConfig, info: ModelInfo, workers: WorkerClient, tokenizer: Tokenizer | None = None
 ) -> EngineCore:
-    """`tokenizer`: the model's, when another replica has it loaded already."""
+    """Build one replica's EngineCore; `tokenizer` is given when another replica loaded it."""
     max_model_len = resolve_max_model_len(cfg, info)
     budget = cfg.max_num_batched_tokens
     if budget is None:

@@ -1,10 +1,6 @@
 """Engine: the user's handle on a model, one anyio task group in the caller's event loop.
 
-`async with Engine("smollm2") as e:` connects to (or starts) the engine-manager, attaches
-to warm workers or has new ones launched, and holds its connections and reader tasks in
-one task group. Leaving the block closes them all; the workers stay warm for
-`keep_alive` seconds. A dead worker fails the engine with EngineDeadError, promptly; with
-data parallelism only its replica's requests fail while another replica lives.
+It gets workers from the engine-manager and hands each request to a replica's step loop.
 """
 
 from __future__ import annotations
@@ -65,8 +61,11 @@ T = TypeVar("T")
 class Engine:
     """An LLM engine whose model runs in worker processes owned by the engine-manager.
 
-    With `data_parallel_size=N` it runs N replicas (runtime/engine/replica.py), each with its own
-    workers, scheduler and KV cache; a request goes to the least loaded one.
+    `async with` connects to (or starts) the manager and attaches to warm workers or has new
+    ones launched; leaving the block releases them, warm for `keep_alive` seconds. A dead
+    worker fails the engine with EngineDeadError. With `data_parallel_size=N` it runs N
+    replicas (runtime/engine/replica.py), each with its own workers, scheduler and KV cache;
+    a request goes to the least loaded one, and a dead replica fails only its own requests.
     """
 
     def __init__(self, model: str = "smollm2", **options: Any) -> None:
@@ -205,7 +204,7 @@ class Engine:
             assert replica.workers is not None
             replies = await replica.workers.call(lambda call_id: RunCallable(call_id, payload))
             for reply in replies:
-                if isinstance(reply, CallFailed):  # the rank: its place in the results
+                if isinstance(reply, CallFailed):  # len(results) is the failed rank's index
                     raise RemoteCallError(
                         len(results), reply.error_type, reply.message, reply.traceback
                     )
@@ -375,14 +374,13 @@ _engines_frozen = 0  # running engines in this process, which froze its heap
 
 
 def _freeze_heap() -> None:
-    """Freeze what the process holds once an engine is attached (its imports, the tokenizer,
-    the engine): the oldest generation's collections stop scanning it, which otherwise
-    stalls a step now and then (one took 190 ms over ~380k objects at batch 256 on the CI
-    machine, a fifth of that run). vLLM's engine core freezes its heap too. Refcounting
-    still frees frozen objects; only their cycles wait, until the last engine's exit
-    unfreezes (which also ends a freeze of the caller's own, the price of sharing gc). No
-    gc.collect() first, unlike vLLM's: it would cost every start about what one stall
-    costs, and the cycles already garbage now wait only until that exit too."""
+    """Freeze the heap once an engine is attached (its imports, the tokenizer, the engine).
+
+    Full collections then stop scanning those objects, which would otherwise stall a step now
+    and then; vLLM's engine core freezes its heap too. Refcounting still frees frozen objects;
+    only their cycles wait for the last engine's exit to unfreeze (which also ends a freeze of
+    the caller's own: the price of sharing gc). Unlike vLLM, no gc.collect() first: it would
+    slow every start, and cycles that are garbage already just wait for that exit too."""
     global _engines_frozen
     with _heap_lock:
         _engines_frozen += 1

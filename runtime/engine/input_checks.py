@@ -119,7 +119,7 @@ def with_bad_words_encoded(params: SamplingParams, tokenizer: Tokenizer) -> Samp
     if not params.bad_words:
         return params
     sequences = dict.fromkeys(params.bad_words_token_ids)  # ordered, once each
-    for word in params.bad_words:  # (the server bounds their length: this runs in the loop)
+    for word in params.bad_words:  # the server bounds their length: this runs in the loop
         alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
         sequences.update(

@@ -1,9 +1,6 @@
 """Turns the scheduler's per-step token lists into RequestOutputs: text, logprobs, stop strings.
 
-One RequestState per scheduled (child) request; a request with n > 1 fans out into n
-children whose outputs a ParentRequest gathers. Stop strings found here are reported
-back so the scheduler finishes those requests. Prompt logprobs come per prefill chunk
-and gather on the ParentRequest until the whole prompt is scored.
+Stop strings are found here and reported back, so that the scheduler finishes those requests.
 """
 
 from __future__ import annotations
@@ -30,7 +27,11 @@ FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 @dataclass(eq=False)
 class ParentRequest:
-    """The user's request: prompt, params, the consumer's collector, and its n children."""
+    """The user's request: prompt, params, the consumer's collector, and its n children.
+
+    With n > 1 the scheduler runs n child requests; the parent gathers their outputs, and the
+    prompt logprobs, which arrive per prefill chunk until the whole prompt is scored.
+    """
 
     request_id: str
     prompt: str | None
@@ -76,7 +77,7 @@ class ParentRequest:
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return
         if kind == RequestOutputKind.DELTA or len(self.children) == 1:
-            outputs = [latest]  # (the one child is the latest)
+            outputs = [latest]  # with a single child, the latest is the only one
         else:
             outputs = [self.children[i] for i in sorted(self.children)]
         self.collector.put(
@@ -95,7 +96,7 @@ class ParentRequest:
 
 @dataclass(eq=False)
 class RequestState:
-    """One child sequence: its tokens, text and logprobs so far."""
+    """One child sequence (one scheduler request): its tokens, text and logprobs so far."""
 
     parent: ParentRequest
     index: int
@@ -193,7 +194,7 @@ class OutputProcessor:
                 for top_rank, (tid, lp) in enumerate(zip(top_ids, top_lps, strict=True), 1):
                     if tid not in entry:  # the prompt token keeps its own rank (ties)
                         entry[tid] = Logprob(lp, top_rank, decode(tid))
-                if entries[position] is None:  # a recompute after preemption rewrites
+                if entries[position] is None:  # a recompute after preemption refills it
                     parent.num_prompt_logprobs_missing -= 1
                 entries[position] = entry
 
@@ -241,7 +242,7 @@ class OutputProcessor:
 
     def _update(self, state: RequestState, out: EngineCoreOutput, now: float) -> bool:
         metrics = state.parent.metrics
-        if state.index == 0:  # n > 1: the later children find the first one's prompt cached
+        if state.index == 0:  # with n > 1, later children find the prompt child 0 cached
             state.parent.num_cached_tokens = out.num_cached_tokens
         if out.new_token_ids:
             if metrics.first_token_time is None:

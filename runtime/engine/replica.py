@@ -1,9 +1,6 @@
 """Replica: one copy of the model behind an Engine, with its own worker group and step loop.
 
-An Engine runs `data_parallel_size` replicas. Each acquires its worker group from the
-engine-manager, attaches to its ranks and runs its own EngineCore (scheduler, KV blocks,
-outputs). A rank's death ends its replica: the replica's requests fail with
-EngineDeadError and the Engine decides, through `on_death`, whether the others go on.
+An Engine runs `data_parallel_size` replicas, each with its own EngineCore and KV blocks.
 """
 
 from __future__ import annotations
@@ -34,7 +31,11 @@ DEATH_REPORT_WAIT_S = 0.5
 
 
 class Replica:
-    """One worker group and the EngineCore that drives it; `dead` once a rank is lost."""
+    """One worker group and the EngineCore that drives it; `dead` once a rank is lost.
+
+    A lost rank fails this replica's requests with EngineDeadError; `on_death` lets the
+    Engine decide whether the other replicas go on.
+    """
 
     def __init__(
         self,
@@ -87,7 +88,7 @@ class Replica:
                     await core.run()
             except EngineDeadError as exc:
                 if not self._die(exc):
-                    raise  # the engine's last replica: the engine dies with it
+                    raise  # this was the engine's last replica: the engine dies with it
             finally:
                 core_done.set()
 

@@ -1,9 +1,4 @@
-"""RequestStream: the async iterator of one request's outputs, which aborts what it leaves.
-
-Not an async generator on purpose: breaking out of `async for`, a cancellation or a
-deadline drops the stream and the request is aborted at once, deterministically, on
-asyncio and trio alike (an abandoned async generator is finalized "some time later").
-"""
+"""RequestStream: the async iterator of one request's outputs, which aborts what it leaves."""
 
 from __future__ import annotations
 
@@ -14,7 +9,12 @@ from loomllm.outputs import RequestOutput, RequestOutputCollector
 
 
 class RequestStream:
-    """`async for output in stream`; `aclose()` or leaving the loop aborts the request."""
+    """`async for output in stream`; `aclose()` or leaving the loop aborts the request.
+
+    Not an async generator on purpose: an abandoned one is finalized "some time later",
+    while a break, cancellation or deadline drops this stream and aborts the request at
+    once, on asyncio and trio alike.
+    """
 
     def __init__(
         self, request_id: str, collector: RequestOutputCollector, abort: Callable[[str], None]

@@ -1,7 +1,6 @@
 """The engine's cumulative counters and latency histograms, recorded by the OutputProcessor.
 
-Plain Python, no exporter: EngineCore.stats() hands out a frozen snapshot and the server's
-/metrics collector (runtime/server/metrics.py) renders it for Prometheus at scrape time.
+Plain Python, no exporter: the server's /metrics renders EngineCore.stats() at scrape time.
 """
 
 from __future__ import annotations

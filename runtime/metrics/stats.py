@@ -1,7 +1,6 @@
 """EngineStats: one snapshot of an engine's queues, KV blocks and totals, and their merge.
 
-EngineCore.stats() takes one replica's; with data parallelism the Engine merges them
-(`merge_stats`) and keeps each replica's in `replicas` for the breakdown.
+EngineCore.stats() takes one replica's; with data parallelism the Engine merges them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Where the engine's step loop spends its time: per-phase wall-clock totals since start.
 
-EngineCore drives a StepClock through each step's phases; `Engine.stats().step_timings`
-is a copy of the totals. A few perf_counter reads a step: cheap enough to stay always on.
+EngineCore drives a StepClock; a few perf_counter reads a step are cheap enough to stay on.
 """
 
 from __future__ import annotations
@@ -106,7 +105,7 @@ class StepClock:
 
     def replied(self, worker_s: float) -> None:
         """`worker_s`: the worker's own execute time, from its reply (0 if it failed)."""
-        self._marks[3] = self._marks[4] = self._reply_at = self._now()  # failed: no update
+        self._marks[3] = self._marks[4] = self._reply_at = self._now()  # in case no update
         self._worker_s = worker_s
 
     def idle(self) -> None:

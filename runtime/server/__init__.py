@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP server over an Engine: build_app() and serve() on hypercorn.
-Both load on first use: importing one part of the server loads only what that part needs.
+
+Both load on first use, so importing one part of the server loads only what that part needs.
 """
 
 from __future__ import annotations

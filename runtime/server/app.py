@@ -1,7 +1,6 @@
 """The OpenAI-compatible HTTP API as a Starlette app over one running Engine.
 
-Routes parse with schemas.py, run with serving.py, stream with sse.py. Every error a
-client can cause is a 4xx in OpenAI's error shape; engine failures are 500/503.
+Routes parse with schemas.py, run with serving.py and stream with sse.py.
 """
 
 from __future__ import annotations
@@ -162,7 +161,7 @@ async def unless_disconnected(request: Request, run: Callable[[], Awaitable[Any]
         tg.start_soon(watch)
         try:
             result = await run()
-        except Exception as exc:  # raised below, outside the task group: no group
+        except Exception as exc:  # re-raised below, outside the group, so never wrapped
             error = exc
         tg.cancel_scope.cancel()
     if error is not None:
@@ -359,7 +358,10 @@ def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def _guard(handler: Callable[[Request], Awaitable[Response]]) -> Callable[..., Any]:
-    """ApiError -> its JSON answer; anything unexpected -> a logged 500 in the same shape."""
+    """ApiError -> its JSON answer; anything unexpected -> a logged 500 in the same shape.
+
+    Every error a client can cause is a 4xx in OpenAI's error shape; engine failures are 5xx.
+    """
 
     async def guarded(request: Request) -> Response:
         try:

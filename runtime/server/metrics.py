@@ -1,12 +1,6 @@
 """GET /metrics: the engine's stats in Prometheus' text format, read at scrape time.
 
-A custom prometheus_client collector turns one `engine.stats()` snapshot into metric
-families named as vLLM's (prefix `loomllm:`), in a registry of the app's own: never the
-process-wide default one, so several apps can live in one process. The totals are the
-current engine's: they restart from zero when a supervisor replaces it (a counter reset,
-which Prometheus' rate() handles); while there is no engine only the process' own gauge
-(`event_loop_tasks`) is there. With data parallelism the families are the replicas'
-sums, and `replica_*` families break the main ones down by replica.
+A collector turns one `engine.stats()` snapshot into families named as vLLM's (`loomllm:`).
 """
 
 from __future__ import annotations
@@ -36,7 +30,7 @@ PREFIX = "loomllm:"
 
 
 class LoopTasksCollector:
-    """The server process' event-loop task count: flat when idle, or something leaks."""
+    """The server process' event-loop task count: flat while idle, unless a task leaks."""
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
@@ -47,7 +41,12 @@ class LoopTasksCollector:
 
 
 class EngineCollector:
-    """Yields the metric families of the engine (or the slot's engine) under model_name."""
+    """Yields the metric families of the engine (or the slot's engine) under model_name.
+
+    The totals are the current engine's: they restart from zero when the supervisor replaces
+    it, a counter reset that Prometheus' rate() handles; with no engine, nothing is yielded.
+    With data parallelism the families are the replicas' sums, and `replica_*` break them down.
+    """
 
     def __init__(self, source: Engine | EngineSlot, model_name: str) -> None:
         self.source = source
@@ -204,7 +203,10 @@ def _histogram(
 def build_metrics_handler(
     source: Engine | EngineSlot, model_name: str
 ) -> Callable[[Request], Awaitable[Response]]:
-    """The /metrics endpoint over `source`, with its own CollectorRegistry."""
+    """The /metrics endpoint over `source`, with its own CollectorRegistry.
+
+    Never the process-wide default registry, so that several apps can live in one process.
+    """
     registry = CollectorRegistry(auto_describe=False)  # no describe(): nothing read at register
     registry.register(EngineCollector(source, model_name))
     registry.register(LoopTasksCollector())

@@ -1,9 +1,6 @@
 """Keeps a server's Engine alive: restarts it after a worker's death, drains it on shutdown.
 
-The HTTP app reads the current engine from an EngineSlot on every request, so an engine
-restart does not close the listening socket; while the slot is empty requests get 503.
-An engine that cannot be restarted marks the slot failed, which stops the server with a
-non-zero exit code (a supervisor such as systemd or Kubernetes then restarts the process).
+The HTTP app reads the current engine from an EngineSlot on every request.
 """
 
 from __future__ import annotations
@@ -23,7 +20,12 @@ logger = logging.getLogger(__name__)
 
 
 class EngineSlot:
-    """The engine a server uses now; empty while the engine (re)starts or after shutdown."""
+    """The engine a server uses now; empty while the engine (re)starts or after shutdown.
+
+    The app reads it on every request, so a restart keeps the listening socket open while
+    requests get 503. A failed slot stops the server with a non-zero exit code, so that a
+    process supervisor (systemd, Kubernetes) restarts the process.
+    """
 
     def __init__(self, engine: Engine | None = None) -> None:
         self.engine = engine

@@ -1,7 +1,6 @@
 """Incremental detokenization and stop strings: one request's new token ids in, text out.
 
-The output processor feeds each step's tokens to `update`; a stop string found here ends the
-request in the scheduler; `get_next_output_text` is what the user's stream shows (vLLM v1).
+The output processor feeds `update` each step and streams `get_next_output_text` (as vLLM v1).
 """
 
 from __future__ import annotations

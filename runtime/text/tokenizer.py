@@ -175,7 +175,8 @@ class Tokenizer:
             except jinja2.TemplateError as exc:
                 raise ValueError(f"chat_template does not compile: {exc}") from exc
             if len(self._compiled) >= MAX_COMPILED_TEMPLATES:
-                # Templates passed in (a server's requests) come and go: the oldest goes.
+                # Templates passed in come and go with a server's requests: the oldest of
+                # them is dropped, never one of the model's own.
                 own = set(templates.values())
                 stale = next((k for k in self._compiled if k not in own), None)
                 if stale is not None:

@@ -1,6 +1,6 @@
-"""A chat choice's answer shaped from the engine's text: its message (whole answers) or its
-deltas (streamed), with the tool calls tool_choice demanded or the model made ("auto"), the
-reasoning split out, and `echo`'s text first.
+"""A chat choice's answer shaped from the engine's text: a whole message or streamed deltas.
+
+It carries the demanded or auto-read tool calls, the reasoning split out, and `echo`'s text first.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class ChatDeltas:
         self._prompts[index] = prompt
         if self._demanded is not None:
             return self._demanded.first()
-        if self._auto is not None and self.req.echo:  # it may open a call: parsed first
+        if self._auto is not None and self.req.echo:  # the echo may open a call: parse it
             self._unechoed.add(index)
             return {"role": "assistant", "content": ""}
         return {"role": "assistant", "content": self.req.echo}

@@ -1,6 +1,6 @@
-"""A body's chat-template fields, vLLM's extras: add_generation_prompt, continue_final_message,
-chat_template, chat_template_kwargs, documents. /v1/chat/completions and /tokenize parse them
-alike, so /tokenize counts the very prompt that the chat route would send.
+"""A body's chat-template fields: vLLM's extras to /v1/chat/completions, listed in FIELDS.
+
+The chat route and /tokenize parse them alike, so /tokenize counts the very prompt chat sends.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ FIELDS = (
     "chat_template_kwargs",
     "documents",
 )
-# Names the template sees from the body's own fields: chat_template_kwargs cannot set them
-# (chat_template there would pass a template past --trust-request-chat-template).
 # A rendering error that names chat_template (one that does not compile) is a 400 naming it.
 TEMPLATE_ERRORS = {"chat_template": "chat_template", "messages": "messages"}
+# Names the template sees from the body's own fields: chat_template_kwargs cannot set them
+# (chat_template there would pass a template past --trust-request-chat-template).
 RESERVED_VARIABLES = frozenset(
     {
         "messages",

@@ -1,8 +1,6 @@
 """The request bodies' JSON schemas for the OpenAPI document (openapi.py).
 
-They state what schemas.py accepts, field by field: null means "absent" wherever the server
-reads it so. What JSON Schema cannot state (a text prompt's token count, min_tokens <=
-max_tokens) is in the descriptions; the server answers it with a 400.
+They state what schemas.py accepts, field by field; null means "absent" wherever the server does.
 """
 
 from __future__ import annotations
@@ -227,9 +225,10 @@ def _ids_below(n: int) -> str:
     """A regular expression for the decimal numbers 0 to n - 1 (no leading zeros)."""
     top = str(n - 1)
     options = ["0"] if n > 1 else []
-    if len(top) > 1:  # every shorter number
+    if len(top) > 1:  # every number with fewer digits than top
         options.append(f"[1-9][0-9]{{0,{len(top) - 2}}}")
-    for i, digit in enumerate(top):  # as long as top: its first i digits, then a smaller one
+    # Numbers as long as top: top's first i digits, then a smaller digit, then any digits.
+    for i, digit in enumerate(top):
         low = "1" if i == 0 else "0"
         if digit > low:
             rest = len(top) - i - 1
@@ -301,6 +300,11 @@ def request_schemas(
     auto_tools: bool = False,
     priority: bool = False,
 ) -> dict[str, Schema]:
+    """Each request body's schema, by component name.
+
+    What JSON Schema cannot state (a text prompt's token count, min_tokens <= max_tokens) is
+    in the descriptions; the server answers it with a 400.
+    """
     model_field = {
         "type": ["string", "null"],
         "enum": [model, None],

@@ -1,7 +1,6 @@
 """OpenAI request bodies parsed into SamplingParams and plain fields; bad input: ApiError(400).
 
-Hand-written on purpose: each check names the field (in the message and as `param`), the
-engine's own ValueErrors (SamplingParams, prompt checks) are translated here too.
+Hand-written so that each check names the field (as `param` too); engine ValueErrors map here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Completions and chat completions: start engine requests, shape OpenAI bodies and chunks.
 
-Between the HTTP layer (app.py) and the Engine. Every RequestStream is held in an
-`async with` so leaving early (disconnect, error) aborts its request.
+Between app.py and the Engine; every RequestStream is held in `async with`, so leaving aborts it.
 """
 
 from __future__ import annotations
@@ -106,7 +105,7 @@ async def drive(
                     if isinstance(item, Exception):
                         raise item
                     await handle(i, item)
-            except Exception as exc:  # raised below, outside the task group: no group
+            except Exception as exc:  # re-raised below, outside the group, so never wrapped
                 error = exc
     if error is not None:
         raise error
@@ -327,7 +326,7 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
                 )
                 choice["text"] = (echo or "") + c.text
             echoed = None
-            if not chat and req.echo:  # before the completion's: text_offset runs on
+            if not chat and req.echo:  # first, so that text_offset runs on into the completion
                 echoed = fmt.prompt_logprobs(index, out.prompt_token_ids, out.prompt_logprobs)
             choice["logprobs"] = joined(echoed, fmt.logprobs(index, c))
             choices.append(choice)
@@ -369,7 +368,8 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
     async def produce(send: sse.Send) -> None:
         completion_tokens = 0
         started: set[int] = set()
-        # DELTA: only a request's first output carries them; n > 1 choices echo them all.
+        # Prompt logprobs by request: under DELTA only its first output carries them, and all
+        # of its n choices echo them.
         prompt_lps: dict[int, Any] = {}
 
         deltas = ChatDeltas(req) if isinstance(req, ChatRequest) else None

@@ -1,8 +1,4 @@
-"""Server-sent events: the `data: {...}` framing and an ASGI response that aborts on disconnect.
-
-The response races its producer against the client's `http.disconnect`: a disconnect
-cancels the producer, whose `async with` on the RequestStreams aborts the requests.
-"""
+"""Server-sent events: the `data: {...}` framing and an ASGI response that aborts on disconnect."""
 
 from __future__ import annotations
 
@@ -22,7 +18,11 @@ def event(payload: dict[str, Any]) -> bytes:
 
 
 class EventStreamResponse:
-    """An ASGI response whose body `produce(send)` writes; cancelled when the client leaves."""
+    """An ASGI response whose body `produce(send)` writes; cancelled when the client leaves.
+
+    It races the producer against the client's `http.disconnect`: a disconnect cancels the
+    producer, whose `async with` on the RequestStreams aborts the requests.
+    """
 
     def __init__(self, produce: Callable[[Send], Awaitable[None]]) -> None:
         self.produce = produce

@@ -1,10 +1,6 @@
-"""OpenAI tool calling on chat completions: the tools reach the model's chat template, and a
-call that `tool_choice` demands ("required", or a named function) is generated under a JSON
-schema (structured outputs), then answered as the message's `tool_calls`.
+"""OpenAI tool calling on chat completions: the tools reach the model's chat template.
 
-`tool_choice` "auto" reads the calls out of the model's own text (tool_parsers.py) when the
-server runs with --enable-auto-tool-choice; without it, a 400, as in vLLM. "none" renders
-the tools and answers in text.
+A call `tool_choice` demands ("required" or a named function) is generated under a JSON schema.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ from loomllm.server.parsers.tool_parsers import call_id
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function name
 NO_PARAMETERS = {"type": "object", "properties": {}}
-MAX_TOOLS = 128  # OpenAI's limit; a "required" grammar over thousands compiles for minutes
+MAX_TOOLS = 128  # OpenAI's limit; a "required" grammar over thousands compiles far too slowly
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +59,11 @@ def parse_tools(
 ) -> tuple[list[dict[str, Any]] | None, ToolCalls | None, bool]:
     """The tools for the chat template (None: none), the calls tool_choice demands, and
     whether the answer is read for calls the model chose to make ("auto": only when the
-    server has a parser of the model's tool-call syntax, `auto`)."""
+    server has a parser of the model's tool-call syntax, `auto`).
+
+    Without such a parser "auto" is a 400, as in vLLM; "none" renders the tools and
+    answers in text. Demanded calls are answered as the message's `tool_calls`.
+    """
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):

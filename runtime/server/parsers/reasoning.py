@@ -1,17 +1,6 @@
-"""A thinking model's reasoning split out of its answer (`loom serve --reasoning-parser NAME`,
-vLLM's flag): the text inside `<think>...</think>` is the message's `reasoning`, the rest its
-content. Whole answers and streamed deltas take the same path, so they split alike.
+"""A thinking model's reasoning split out of its answer (`loom serve --reasoning-parser NAME`).
 
-Where the answer starts is read from the prompt first: a prompt that leaves `<think>` open
-(the thinking templates of Qwen3-2507 and DeepSeek R1 end with it, or a prefilled answer)
-makes the answer reasoning up to `</think>`; one that ends with a closed block (Qwen3 with
-enable_thinking: false) makes it content. Otherwise, by the parser:
-
-- "deepseek_r1" (DeepSeek R1 and its distills, QwQ): everything up to `</think>` is
-  reasoning, all of it if the answer was cut first (its template may open the tag unseen);
-- "qwen3": reasoning only when the answer opens with `<think>`.
-
-The newlines between `</think>` and the content are dropped (its indentation is kept).
+The text inside `<think>...</think>` is the message's `reasoning`, the rest its content.
 """
 
 from __future__ import annotations
@@ -58,6 +47,9 @@ class ReasoningDeltas:
                 state.held = text  # maybe the start tag, not whole yet
                 return "", ""
             else:
+                # deepseek_r1 (R1, its distills, QwQ) reads all up to `</think>` as reasoning,
+                # all of the answer if it is cut first, because its template may open the tag
+                # unseen; qwen3 reasons only when the answer opens with `<think>`.
                 state.mode = "reasoning" if self.parser == "deepseek_r1" else "content"
         if state.mode == "reasoning":
             end = text.find(END)
@@ -67,7 +59,7 @@ class ReasoningDeltas:
                 text = ""
             else:
                 reasoning, text, state.mode = text[:end], text[end + len(END) :], "after"
-        if state.mode == "after":  # newlines after the reasoning are dropped
+        if state.mode == "after":  # newlines after the reasoning are dropped, not indentation
             text = text.lstrip("\r\n")
             if text:
                 state.mode = "content"
@@ -81,14 +73,21 @@ class ReasoningDeltas:
 def split_reasoning(
     parser: str, text: str, prompt: str | None = None
 ) -> tuple[str | None, str | None]:
-    """A whole answer's reasoning and content (None: none)."""
+    """A whole answer's reasoning and content (None: none).
+
+    It takes the streaming path with all its text at once, so both split alike.
+    """
     reasoning, content = ReasoningDeltas(parser).next(0, text, last=True, prompt=prompt)
     return reasoning or None, content or None
 
 
 def _mode_after(prompt: str | None) -> str:
     """Where an answer to `prompt` starts: inside a think block the prompt left open, after
-    one it closed at its very end, or where its own first text decides ("opening")."""
+    one it closed at its very end, or where its own first text decides ("opening").
+
+    Thinking templates (Qwen3-2507, DeepSeek R1) and prefilled answers leave `<think>` open;
+    Qwen3 with enable_thinking: false ends the prompt with a closed block.
+    """
     if prompt is None:
         return "opening"
     start, end = prompt.rfind(START), prompt.rfind(END)

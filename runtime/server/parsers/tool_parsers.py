@@ -1,13 +1,6 @@
-"""Tool calls read out of a model's own text, for tool_choice "auto" (`loom serve
---enable-auto-tool-choice --tool-call-parser hermes`, vLLM's flags): streamed deltas that
-hold back what may turn out to be a call, and whole answers read the same way (all their
-text at once), so that both give the same content and calls.
+"""Tool calls read out of a model's own text, for tool_choice "auto" (`--tool-call-parser`).
 
-"hermes": each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as the
-chat templates of Qwen2.5, Qwen3 and Hermes 2 Pro / 3 teach their models. The content is
-the text before the first call (its trailing blanks dropped); text after a call is dropped,
-as vLLM drops it. A tag not followed by `{`, or a block whose JSON is not a call (cut short
-by max_tokens, say), is text like any other.
+Streamed deltas and whole answers take the same path, so both give the same content and calls.
 """
 
 from __future__ import annotations
@@ -19,6 +12,8 @@ from typing import Any
 
 from loomllm.server.parsers.held_text import tag_prefix_length
 
+# "hermes": each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as the
+# chat templates of Qwen2.5, Qwen3 and Hermes 2 Pro / 3 teach their models.
 START, END = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes",)
 
@@ -53,7 +48,7 @@ def parse_call(body: str) -> dict[str, Any] | None:
 
 
 def split_answer(text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
-    """A whole answer's content (None: none) and calls."""
+    """A whole answer's content (None: none) and calls, read as one streamed delta."""
     delta, _ = AutoToolDeltas(parallel).next(0, text, "stop")
     assert delta is not None
     # A message's calls have no "index": that is a delta's, to merge streamed pieces.
@@ -78,7 +73,12 @@ class _Choice:
 
 class AutoToolDeltas:
     """A streamed chat's deltas when the model may call tools: content as it comes, each
-    call whole once its closing tag arrives (`parallel` false: the first call only)."""
+    call whole once its closing tag arrives (`parallel` false: the first call only).
+
+    The content is the text before the first call, its trailing blanks dropped; text after a
+    call is dropped, as vLLM drops it. A tag not followed by `{`, or a block whose JSON is not
+    a call (cut short by max_tokens, say), is text like any other.
+    """
 
     def __init__(self, parallel: bool = True) -> None:
         self.parallel = parallel
@@ -139,8 +139,7 @@ class AutoToolDeltas:
             if last:
                 as_text(text)
                 return content, calls
-            # Hold what may be the start of a tag, and trailing blanks (dropped if a call
-            # follows).
+            # Hold back what may start a tag, and trailing blanks, which a call would drop.
             keep = tag_prefix_length(text, START)
             sendable = text[: len(text) - keep]
             stripped = sendable.rstrip()
