@@ -41,9 +41,9 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 def run_manager() -> Iterator[Path]:
     """An engine-manager daemon for one benchmark run, on a socket of its own, stopped (with
     its workers) at the end. Every engine of the run forks its worker from the same warm
-    zygote: the zygote's imports of torch and transformers, 3 s here and ~15 s on the GPU
-    hosts we were lent, are paid once rather than once an engine. Its idle timeout (1 h)
-    outlasts the parts of a run that use no engine (transformers' own)."""
+    zygote, so the zygote's imports of torch and transformers are paid once, not once an
+    engine. Its idle timeout (1 h) outlasts the parts of a run that use no engine
+    (transformers' own)."""
     with tempfile.TemporaryDirectory(prefix="loom-bench-", dir="/tmp") as tmp:
         socket = Path(tmp) / "manager.sock"  # /tmp: a Unix socket path is 108 bytes at most
         try:  # `stop` with no daemon running is a no-op

@@ -1,7 +1,6 @@
 """The Triton paged-attention kernels against a float64 reference, on random paged batches.
 
-`make test` runs it at small shapes on the CPU, in Triton's interpreter
-(tests/test_triton_attention.py); `loom bench gpu-check` at full shapes on a GPU.
+Shared by `loom bench gpu-check` (full shapes, on a GPU) and the tests (small shapes, interpreter).
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
-"""Where a decode step's device time goes: kernels of a model runner's decode steps, and the
-bandwidth each of the model's matmuls reaches alone, at the decode batch sizes.
+"""Where a decode step's device time goes: its kernels, and each matmul's bandwidth alone.
 
-    loom bench decode-profile [--shape llama-8b] [--batch-sizes 1,64] [--steps 16]
-        [--warmup 8]
-    (or, from the repository's root: python -m loomllm.benchmarks.decode_profile ...)
-
-1. A model runner (random weights, bf16, the Triton backend) decodes `--steps` steps at
-   each batch size under torch's profiler: per step the wall time, the kernels' summed
-   device time, and the kernels that take most of it (a decode step of a dense model
-   should be its weight matmuls, read at the copy bandwidth). Four runs: CUDA graphs with
-   transformers' model and its ops, with the fused kernels and packed projections swapped
-   into it (workers/models/fused_layers.py), and loomllm's own model (workers/models/llama/model.py,
-   the same kernels built in: what a worker runs), with graphs and eager.
-2. Each distinct weight shape as one `F.linear` at each batch size, replayed from a CUDA
-   graph over copies of the weight that overflow the L2 cache (a step reads each weight
-   from memory): the bandwidth it reaches (weight bytes / time), against the device's copy
-   bandwidth, and the same for the packed projections (q|k|v, gate|up) that the fused
-   layers run instead; at batches of up to 8 rows, loomllm.workers.kernels.skinny_matmul's kernel too
-   (and for gate|up with SiLU * up, cuBLAS then silu_mul against the gated kernel).
-
-Self-contained like `loom bench gpu`; CUDA (`--device cpu`: a smoke test).
+Run: `loom bench decode-profile` on CUDA (`--device cpu`: a smoke test).
 """
 
 from __future__ import annotations
@@ -195,8 +176,8 @@ def timer(device: str, reps: int) -> Any:
 
 def linear_bandwidth(shape: str, batch_sizes: list[int], reps: int, device: str) -> None:
     """Print the bandwidth each of `shape`'s weight matrices reaches as one F.linear (cuBLAS)
-    and, at batches loomllm.workers.kernels.skinny_matmul takes, as its Triton kernel (what a worker picks
-    between at start). On the CPU a smoke test: one call's wall time each."""
+    and, at batches skinny_matmul takes, as its Triton kernel (what a worker picks between
+    at start). On the CPU a smoke test: one call's wall time each."""
     import torch
     import torch.nn.functional as F
 
@@ -330,8 +311,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     with tempfile.TemporaryDirectory(prefix="loom-decode-profile-") as tmp:
         model_dir = write_model_dir(args.shape, Path(tmp))
-        # transformers' ops first: the swap cannot be undone. (On the CPU the kernels run
-        # in Triton's interpreter, as the Triton attention backend does: TRITON_INTERPRET=1.)
+        # Four runs: transformers' ops, the fused kernels swapped into them, then loomllm's
+        # own model with graphs and eager. Transformers' ops first: the swap cannot be
+        # undone. On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1).
         loaded = load_model(
             model_dir,
             dtype="bfloat16",

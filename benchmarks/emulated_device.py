@@ -1,26 +1,6 @@
 """Device idle on the CPU: workload (a) against an emulated device that takes a GPU's step time.
 
-On a GPU the device idles between steps when the host's work (the engine's turnaround, the
-worker's input preparation) outlasts the step in flight. No GPU here, so a worker gets a
-device of its own: its model's forward returns zero logits at once, and each launched step
-occupies the device for `base + row * decode rows + token * prompt tokens` ms, from the later
-of the launch's return and the previous step's end, in order; reading the step's tokens
-waits for that end, and the worker launches ahead as on CUDA. Everything else is the real
-host work of the CUDA path: the engine, IPC, and the worker's input preparation for the
-Triton attention backend (block tables), then sampling (the tiny model's 512-word vocabulary:
-cheaper than a real one's, which a GPU samples on the device anyway). The defaults are the 8B
-shape's kernel times on an H100 (second GPU session, `loom bench decode-profile`: 6.76 ms at
-batch 1, 8.24 at 64, 12.67 at 256; prompts 0.027 ms a token).
-
-    loom bench emulated [--num-requests 500] [--async-scheduling on|off|both] [--rounds 1]
-        [--base-ms 6.76] [--row-ms 0.0231] [--token-ms 0.027]
-
-Prints, per engine: output tok/s, the emulated device's steps (and those with prompt
-tokens), its busy time (a decode-only step's and a step with prompts', to set beside `loom
-bench gpu`'s split on a GPU) and idle share between steps, and the engine's turnaround (a
-reply in to the next step out). This machine
-stands in for the GPU host: compare code versions or device speeds here, in one run, not
-these figures with a GPU's.
+Defaults: the 8B shape's kernel times on an H100, behind real host work. Run: `loom bench emulated`.
 """
 
 from __future__ import annotations
@@ -149,15 +129,16 @@ def main(argv: list[str] | None = None) -> None:
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.async_scheduling]
     # The manager's workers inherit these. The Triton backend on the CPU (the warm-up's
     # forward, before the device is installed) runs in Triton's interpreter. One torch
-    # thread, as a GPU worker's host side is: a second one's spinning took the engine's core
-    # (a 100-row launch took 9 ms instead of 1).
+    # thread, as a GPU worker's host side has: a second one's spinning takes the engine's
+    # core and slows the launches being measured.
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory(prefix="loom-emulated-") as tmp, run_manager() as socket:
         args.manager_socket = socket
         model = write_model_dir("tiny", Path(tmp))
         # The 8B shape's workload, lengths and all (drawing ids from another vocabulary
-        # draws other lengths), its ids folded into the tiny model's vocabulary.
+        # draws other lengths), its ids folded into the tiny model's vocabulary. Sampling
+        # over that vocabulary is cheaper than over a real one, which a GPU samples anyway.
         vocab = SHAPES["tiny"]["vocab_size"]
         work = [
             ([3 + t % (vocab - 3) for t in prompt], n)

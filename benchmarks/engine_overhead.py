@@ -1,22 +1,6 @@
 """Engine overhead: steps/s and where each step's time goes, with a model whose forward is ~free.
 
-A tiny random llama (hidden 64, 2 layers, vocab 256) makes the worker's forward pass
-cheap, so what is left is the engine: schedule, encode, receive, update, and
-detokenize+stream. B requests run concurrently (ignore_eos, fixed max_tokens) for each
-batch size B; the split comes from `Engine.stats().step_timings` (runtime/metrics/step_timings.py).
-
-    loom bench overhead [--batch-sizes 1,16,64] [--max-tokens 128] [--prompt-len 16]
-        [--backends asyncio,trio] [--worker-threads 1] [--model M --kv-cache-memory GIB]
-        [--async-scheduling off|on|both | --gc-freeze off|on|both] [--rounds 3]
-    (or: .venv/bin/python benchmarks/engine_overhead.py ...)
-
-With `--model` (smollm2, a path), the same split for a real model: how much of its step is
-outside the forward pass, i.e. what overlapping the engine with the worker could win.
-
-`--async-scheduling both [--rounds 3]` measures what it does win: engines with async
-scheduling off and on, alternated, in one run; prints each batch size's tokens/s ratio
-on/off (median over the rounds, with the lowest and highest). `--gc-freeze both` does the
-same for the engine's and the workers' frozen heaps (off: unfrozen after the start).
+Run: `loom bench overhead` (`--model`: a real model; `--async-scheduling both`: on/off ratios).
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
-"""GPU benchmark: loomllm vs transformers on random-weight models shaped like Llama-3.1-8B and
-Qwen2.5-0.5B, in one run on one device.
+"""GPU benchmark: loomllm vs transformers on random-weight Llama-3.1-8B and Qwen2.5-0.5B shapes.
 
-Self-contained for a GPU machine with torch, transformers and triton but no package index:
-the model is a config plus a word-level tokenizer written to a temporary directory, its
-weights random on the device (`load_format="dummy"`; with `ignore_eos` the values change
-no cost). The workload: N requests with ShareGPT-like lengths (log-normal, prompt mean ~200,
-output mean ~180 tokens, from a fixed seed), all submitted at once.
-
-    loom bench gpu [--shape llama-8b|qwen-0.5b|tiny] [--num-requests 500]
-        [--skip async-off,serve,generate,continuous,stream,eager]
-    (or, from the repository's root where loomllm is not installed:
-     python -m loomllm.benchmarks.gpu_bench ...)
-
-Prints (a) output tokens/s of loomllm (offline, and through `loom serve` with every
-request sent at once), transformers `generate` (padded batches of --hf-batch) and
-transformers' continuous batching (each request with its own
-max_new_tokens), with ratios; (b) one stream's decode tokens/s against the bandwidth
-limit (measured device copy bandwidth / the weight bytes a decode step reads), with decode
-CUDA graphs and with `enforce_eager`; (c) the
-share of the run that the device spends idle between steps (the worker's DeviceIdleProbe:
-CUDA events at each forward's start and sampling's end), with async scheduling on (the
-headline row) and off, and the engine's own time a step (schedule, IPC, output).
-`--shape tiny --device cpu` runs it on a CPU in seconds. Every engine of the run forks its
-worker from the warm zygote of one manager (`benchmarks.run_manager`).
+Workload (a) sent at once; one stream against the bandwidth limit; idle. Run: `loom bench gpu`.
 """
 
 from __future__ import annotations
@@ -136,6 +114,7 @@ def run_loomllm(
     from loomllm import Engine, SamplingParams
 
     async def run() -> tuple[float, int, Any, Any]:
+        # Random weights: with ignore_eos their values change no step's cost.
         async with Engine(
             model,
             load_format="dummy",
@@ -368,8 +347,8 @@ def run_hf_continuous(hf, work: list[tuple[list[int], int]]) -> tuple[float, int
     options = {}
     if hf.device.type == "cpu":
         # transformers sizes its cache by the device's free memory: on a CPU, the host's RAM,
-        # gigabytes zeroed (a 33 s smoke test for a tiny model). Room for every request at
-        # once instead; on a GPU, its own sizing, as its users run it.
+        # gigabytes zeroed, which makes the smoke test slow. Room for every request at once
+        # instead; on a GPU, its own sizing, as its users run it.
         from transformers import ContinuousBatchingConfig
 
         page = ContinuousBatchingConfig().page_size

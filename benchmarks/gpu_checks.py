@@ -1,36 +1,6 @@
 """GPU correctness checks: what `make test` checks on the CPU at small shapes, at full ones.
 
-    loom bench gpu-check [--device cuda] [--shape qwen-0.5b] [--requests 48]
-        [--kernel-batches 24] [--longest 4096]
-    (or, from the repository's root: python -m loomllm.benchmarks.gpu_checks ...)
-
-1. The Triton paged-attention kernels at full shapes (head dims 64/128, GQA 1/4/8, block
-   sizes 16/32, contexts 1..4096, decodes, whole and chunked prompts in one batch, sliding
-   windows) against a float64 reference: ‖out − ref‖/‖ref‖ < 1e-2 in bf16, 1e-4 in fp32.
-   Every other batch runs every request through the prefill kernel, from a padded tile
-   list, as a mixed-step graph does; every third runs its decodes in one split (nothing to
-   merge).
-2. The fused kernels (workers/kernels/fused_ops.py) in bf16 against transformers' ops (the rotary
-   embedding bit for bit, and so is the one that writes K and V into the cache against the
-   rotary kernel then write_kv; RMSNorm with or without the residual add before it, and SiLU
-   times up, within a unit in the last place; the skinny matmul of a few rows no further from
-   a float64 matmul than x1.5 cuBLAS's error); and a bf16 model's logits against the same
-   weights in float32, no further off (x1.5) with the fused kernels and packed projections
-   (workers/models/fused_layers.py), nor in loomllm's own model (workers/models/llama/model.py, what a
-   worker runs for this shape), nor in it at 8 rows with every matmul through the skinny
-   kernel.
-3. CUDA graphs (decode-only and mixed steps): a model runner driven through the same
-   steps with graphs captured and with the same padded steps run eagerly samples the same
-   tokens with the same logprobs, bit for bit (a replay runs the captured kernels on the
-   same shapes).
-4. Engines on a random-weight model in float32 (random weights have near-ties that bf16
-   rounding would flip): greedy tokens identical with async scheduling on and off, and
-   with CUDA graphs and `enforce_eager`.
-
-Prints one line per check (PASS, FAIL, or SKIP: the graphs need CUDA) and exits 1 if any
-failed. Self-contained like `loom bench gpu`: the model is written from a config
-(`load_format="dummy"`). On the CPU (`--device cpu --shape tiny`, the kernels in Triton's
-interpreter with TRITON_INTERPRET=1 and small `--longest`) it runs as a smoke test.
+Kernels, CUDA graphs and engines against references; exits 1 on a FAIL. Run: `loom bench gpu-check`.
 """
 
 from __future__ import annotations
@@ -117,7 +87,7 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
             num_blocks=1024,
             attention_backend="triton",
         )
-        install_fused_ops(loaded.model)  # as a worker runs it (worker_state.py)
+        install_fused_ops(loaded.model)  # as a worker runs it
         runner.enable_graphs(max_num_seqs=64, max_model_len=4096, capture=capture)
         graphs = (runner.decode_graphs, runner.mixed_graphs)
         if any(g is None or g.captured != capture for g in graphs):
@@ -156,14 +126,13 @@ def check_graphs(model: str, device: str, vocab: int) -> tuple[bool | None, str]
 
 
 def check_fused(model: str, device: str, vocab: int, longest: int) -> tuple[bool | None, str]:
-    """loomllm.workers.kernels.fused_ops against transformers' own ops in bf16: the rotary embedding bit for
-    bit; RMSNorm (alone, and after the residual add) within a unit in the last place (its
-    float32 sum runs in another order), and SiLU times up (Triton's exp on a GPU is the
-    approximate one); and the model's logits against
-    the same weights in float32: no further off with loomllm.workers.models.fused_layers installed (the
-    kernels and packed projections), or in loomllm.workers.models.llama.model's model with the kernels
-    (what a worker runs), than with transformers' ops. `longest`: the decode contexts'
-    cap."""
+    """fused_ops against transformers' own ops in bf16: the rotary embedding bit for bit;
+    RMSNorm (alone, and after the residual add) within a unit in the last place (its float32
+    sum runs in another order), and SiLU times up (Triton's exp on a GPU is the approximate
+    one); and the model's logits against the same weights in float32: no further off with
+    fused_layers installed (the kernels and packed projections), or in loomllm's own model
+    with the kernels (what a worker runs), than with transformers' ops. `longest`: the
+    decode contexts' cap."""
     import copy
 
     import torch
@@ -185,7 +154,8 @@ def check_fused(model: str, device: str, vocab: int, longest: int) -> tuple[bool
         units = diff / size.clamp_min(size.mean() / 16) * 2**7
         return units.max().item(), (diff > 0).float().mean().item()
 
-    tokens = 512 if device.startswith("cuda") else 16  # the interpreter runs a program a time
+    # Fewer tokens on the CPU: Triton's interpreter runs one program at a time.
+    tokens = 512 if device.startswith("cuda") else 16
     torch.manual_seed(4)
     config = transformers.AutoConfig.from_pretrained(model)
     hidden, heads = config.hidden_size, config.num_attention_heads
@@ -299,8 +269,8 @@ def check_fused(model: str, device: str, vocab: int, longest: int) -> tuple[bool
 
 def _skinny_error_ratio(randn: Any, shapes: dict[str, tuple[int, int]]) -> float:
     """The largest ratio, over these weight shapes ([out, in], with a bias) at 1 and
-    MAX_ROWS rows, of loomllm.workers.kernels.skinny_matmul's relative error against a float64 matmul to
-    F.linear's (cuBLAS's)."""
+    MAX_ROWS rows, of skinny_matmul's relative error against a float64 matmul to F.linear's
+    (cuBLAS's)."""
     import torch
 
     from loomllm.workers.kernels.skinny_matmul import MAX_ROWS, skinny_linear
@@ -324,8 +294,8 @@ def _skinny_error_ratio(randn: Any, shapes: dict[str, tuple[int, int]]) -> float
 
 
 def _gated_is_the_pair(randn: Any, inter: int, hidden: int) -> bool:
-    """Whether loomllm.workers.kernels.skinny_matmul's gate|up kernel with SiLU * up in its epilogue gives
-    the bits of the plain kernel then fused_ops.silu_mul, at 1 and MAX_ROWS rows."""
+    """Whether skinny_matmul's gate|up kernel with SiLU * up in its epilogue gives the bits
+    of the plain kernel then fused_ops.silu_mul, at 1 and MAX_ROWS rows."""
     import torch
 
     from loomllm.workers.kernels.fused_ops import silu_mul
@@ -436,6 +406,7 @@ def check_engines(
         for _ in range(num_requests)
     ]
 
+    # float32: random weights have near-ties that bf16 rounding would flip between engines.
     async def run(**options: Any) -> list[list[int]]:
         async with Engine(
             model,

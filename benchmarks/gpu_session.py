@@ -1,21 +1,11 @@
-"""A GPU session's runs as one command: the `loom bench` steps that measure the CUDA path's
-targets, most needed first, each started only while the time budget holds enough for it.
+"""A GPU session's benchmarks as one command, most needed first, each within a time budget.
 
-A lent GPU machine gives a session minutes, not hours, so its runs must be one prepared
-command that keeps whatever it measured when a step runs long. This module is standard
-library only: it runs on that machine before the wheels it carries are installed.
-
-    python3 benchmarks/gpu_session.py --out "$OUT" [--budget 540] [--steps check,throughput]
-    (or `loom bench gpu-session` where loomllm is installed; `--list` prints the plan)
-
-Writes to --out: `summary.md` (the machine, then each step's status, time and output) and
-`logs.tar.gz` (each step's whole output, the start's manager and worker logs). A step that
-outlives what is left of the budget is interrupted (SIGINT, so the benchmark's own cleanup
-runs, then SIGKILL) and the steps after it are skipped, each with its reason.
+Run: `loom bench gpu-session --out DIR`, or on a bare host `python3 benchmarks/gpu_session.py`.
 """
 
 from __future__ import annotations
 
+# Standard library only: a GPU host runs this before the wheels it carries are installed.
 import argparse
 import dataclasses
 import os
@@ -62,8 +52,8 @@ def plan(device: str, big: str, small: str, logs: Path, kernel_cache: Path) -> l
             bench("gpu-check", *on, "--shape", small),
             120,
         ),
-        # Without the async-off run and the enforce_eager stream (~60 s): neither is a target,
-        # and both were measured before (RESULTS.md).
+        # Without the async-off run and the enforce_eager stream: neither is a target, and
+        # the steps after this one need their time more.
         Step(
             "throughput",
             "workload (a) with async scheduling; one stream with graphs",

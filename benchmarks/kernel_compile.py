@@ -1,29 +1,6 @@
 """Every Triton kernel a CUDA worker's start compiles, compiled for a GPU on a host without one.
 
-A worker on CUDA compiles each Triton kernel variant the first time it launches it: in the
-KV profiling pass, then while capturing its mixed-step and decode graphs. `make test` runs
-the kernels in Triton's interpreter, which compiles nothing, so an error only the compiler
-sees (a layout it cannot build, more shared memory than the GPU has, a kernel that spills
-registers) would first show on a GPU. This runs that start on the CPU: the same model
-code, the same steps and graph buckets, the kernels' launches compiled for `--arch` by
-Triton's own compiler and ptxas and then skipped (a driver that compiles and does not
-launch). What it changes: the CUDA calls of graph capture and memory statistics do
-nothing, `F.linear` returns zeros (its values do not choose a kernel variant, and an 8B
-layer's matmuls would take minutes on a CPU), the model has one decoder layer of the
-shape's widths and a 512-word vocabulary (512, 128256 and 151936 specialize alike: >1,
-multiples of 16), and on loomllm's own model every linear layer takes the skinny matmul
-for the few-row steps, as if `skinny_matmul.pick` had chosen it everywhere.
-
-    loom bench compile [--shape llama-8b,qwen-0.5b] [--model-impl auto,transformers]
-        [--arch 90,80]
-
-Prints each variant compiled, in the order the start compiles them, with the step that
-first launched it, its compile time on this host, its shared memory against the GPU's
-limit, its registers and stack bytes (spilled registers) as its cubin says, and exits 1 if
-any failed to compile, needs more shared memory than the GPU has or spills. What it says
-is of the Triton installed here (3.9 in this repository's setup; a GPU host may have
-another, whose register allocation can differ). Needs Triton's compiler, not its
-interpreter: run it without TRITON_INTERPRET=1.
+Exits 1 on a failed compile, a shared-memory overflow or a spill. Run: `loom bench compile`.
 """
 
 from __future__ import annotations
@@ -45,6 +22,7 @@ from unittest import mock
 from loomllm.benchmarks.gpu_bench import shape_config
 
 PROG = "loom bench compile"
+# 512, 128256 and 151936 specialize alike (> 1, multiples of 16): the same variants compile.
 VOCAB = 512
 MAX_NUM_SEQS = 256  # the engine's default: decode buckets 1..256
 BLOCK_SIZE = 16
@@ -231,6 +209,7 @@ def worker_start(shape: str, model_impl: str, census: Census) -> None:
     from loomllm.workers.runner.model_runner import ModelRunner
 
     config = shape_config(shape)
+    # One decoder layer at the shape's widths launches every variant the whole model does.
     config.num_hidden_layers, config.vocab_size = 1, VOCAB
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:1]
@@ -241,6 +220,7 @@ def worker_start(shape: str, model_impl: str, census: Census) -> None:
         install_fused_ops(loaded.model)
         for module in loaded.model.modules():
             if isinstance(module, Linear):
+                # As if skinny_matmul.pick had chosen the kernel for every weight.
                 module.skinny = True
 
         def make_runner(num_blocks: int) -> ModelRunner:
@@ -299,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("Triton's interpreter compiles nothing: run without TRITON_INTERPRET=1")
+    # Registers and spills are those of the Triton installed here; another version may
+    # allocate differently.
     problems = []
     for arch in (int(a) for a in args.arch.split(",")):
         for shape in args.shape.split(","):

@@ -1,17 +1,6 @@
-"""Offline throughput and single-stream decode, side by side in one run: loomllm vs
-transformers `generate` (padded batch) vs transformers `generate_batch` (its continuous
-batching).
+"""Offline throughput and single-stream decode: loomllm vs transformers, in one run.
 
-Same model, same dtype, same prompts (token ids drawn from a fixed seed), same number of
-output tokens (`ignore_eos` / EOS disabled, so EOS cannot end a request early). The single
-stream: one request, time to first token and decode ms/token after it.
-
-    loom bench offline [--num-prompts 64] [--prompt-len 100] [--output-len 128]
-        [--dtype float32] [--skip-hf] [--skip-generate-batch] [--transformers-model]
-
---transformers-model adds loomllm running transformers' modeling code (model_impl=
-"transformers") beside its own model (workers/models/llama/model.py, the default for SmolLM2).
-    (or: .venv/bin/python benchmarks/offline_throughput.py ...)
+Peers: `generate` (padded) and `generate_batch`, on the same prompts. Run: `loom bench offline`.
 """
 
 from __future__ import annotations
@@ -41,6 +30,7 @@ def run_loomllm(
 ) -> tuple[float, int]:
     from loomllm import LLM, SamplingParams
 
+    # Every engine produces exactly output_len tokens: EOS cannot end a request early.
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     options = dict(
         dtype=dtype, weight_dtype=weight_dtype, max_num_seqs=len(prompts), model_impl=model_impl

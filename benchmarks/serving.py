@@ -1,17 +1,6 @@
-"""Serving, side by side in one run: `loom serve` vs llama.cpp's `llama-server`, same GGUF,
-same load from guidellm.
+"""Serving in one run: `loom serve` vs llama.cpp's `llama-server` on one GGUF, under guidellm.
 
-guidellm (its own venv, `make bench-peers`) drives each server in turn with synthetic
-prompts of a fixed token count drawn from a fixed seed, streaming `/v1/completions` with
-`ignore_eos` so every request produces exactly `--output-tokens` tokens, at each
-concurrency level; then the table: output tok/s, TTFT and inter-token latency (p50), and
-loomllm / llama.cpp ratios. The servers run one after the other, never together: the
-machine has two cores.
-
-    make bench-peers        # once: llama-server and guidellm under .peers/
-    loom bench serving [--concurrency 1,8,32] [--prompt-tokens 128] [--output-tokens 64]
-        [--requests 2] [--skip-llama-cpp]
-    (or: .venv/bin/python benchmarks/serving.py ...)
+Run: `make bench-peers` once (llama-server and guidellm), then `loom bench serving`.
 """
 
 from __future__ import annotations
@@ -285,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         servers.append(
             ("llama.cpp", lambda: serve_llama_cpp(args, Path(source.path), max(levels), workdir))
         )
+    # One server at a time: together they would share the same few cores.
     try:
         for name, start in servers:
             proc, url, log = start()

@@ -1,23 +1,6 @@
 """Cold start and warm attach: a new process's `Engine(model)` to its first token.
 
-Cold: no manager runs yet, so the process starts the daemon, which starts a worker that
-builds the weights, runs the KV profiling pass and captures its decode graphs. Warm: a
-second new process finds the first one's worker kept alive and attaches to it. Each child
-reports its own clock (entering `Engine(...)` to the first token); the parent adds the
-interpreter's start and imports (process launch to the first token).
-
-    loom bench start [--shape llama-8b|qwen-0.5b|tiny] [--device cuda] [--warm 3]
-        [--model-impl auto,transformers]
-
-`--import-times` first times, each in a fresh interpreter, the imports of torch, of the
-zygote's list (what a worker on loomllm's own model needs) and of that and transformers'
-modeling code, and says whether this interpreter caches bytecode (a host that does not
-compiles every module at every start).
-
-With two model implementations (`--model-impl auto,transformers`: loomllm's own model
-against transformers' modeling code, whose imports the zygote then does after its first
-fork), each gets the same sequence with a manager of its own, and the last line is the
-ratio of their cold starts.
+Cold: no manager runs yet; warm: a new process attaches to a kept worker. Run: `loom bench start`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""What sending one step to N tensor-parallel ranks costs the engine: the step's frame bytes, the
-µs to encode it (once for all ranks) and to write it to 1, 2 and 4 ranks' Unix sockets.
+"""What sending one step to N tensor-parallel ranks costs the engine: bytes, encode and writes.
 
-The steps are what the scheduler sends: B requests decoding one token each (the columnar
-cached-request diff), or B new requests of P prompt tokens. A thread on each socket's other
-end drains the bytes, as a worker process would, off the event loop being measured.
-
-    loom bench broadcast [--batch-sizes 1,16,64] [--prompt-len 100] [--repeats 200]
-    (or: .venv/bin/python benchmarks/step_broadcast.py ...)
+Decode and prompt steps written to 1, 2 and 4 Unix sockets. Run: `loom bench broadcast`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""What structured outputs cost: the same batch plain, under a regex and under a JSON schema,
-in one run on one engine (SmolLM2).
+"""What structured outputs cost: one batch plain, under a regex and under a JSON schema, one run.
 
-Every request generates exactly `--output-len` tokens (`ignore_eos`: a grammar that has
-ended allows only its stop tokens, so a finished grammar still masks every step). The
-configurations alternate over `--rounds`; the table gives each one's median tokens/s and
-its ratio to plain.
-
-    loom bench structured [--num-prompts 16] [--output-len 64] [--rounds 3]
-    (or: .venv/bin/python benchmarks/structured_overhead.py ...)
+One SmolLM2 engine, the three alternated over rounds. Run: `loom bench structured`.
 """
 
 from __future__ import annotations
@@ -51,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.rounds):
             for name, spec in CONSTRAINTS.items():
                 so = None if spec is None else StructuredOutputsParams(**spec)
+                # ignore_eos: exactly output_len tokens each. A grammar that has ended allows
+                # only its stop tokens, so it still masks every step after its end.
                 params = SamplingParams(
                     max_tokens=args.output_len,
                     ignore_eos=True,

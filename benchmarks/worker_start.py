@@ -1,12 +1,6 @@
 """Worker start: `Engine(...)` to a usable engine, worker forked by the zygote vs a fresh one.
 
-Both sides in one run, each with its own manager under a temporary directory: the
-manager is started first and given time to get its zygote ready (as a daemon that is
-already running would have it), then N engines with N different configs (so none
-attaches to a warm worker) each start a worker, generate one token and leave with
-keep_alive=0.
-
-    loom bench worker-start [--model PATH] [--engines 4]
+N engines of differing configs, so none finds a warm worker. Run: `loom bench worker-start`.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from loomllm.engine.engine import Engine
 from loomllm.protocols.sampling import SamplingParams
 
 PROG = "loom bench worker-start"
-ZYGOTE_WARMUP_S = 15.0  # the zygote's imports take 6-8 s on 2 cores
+ZYGOTE_WARMUP_S = 15.0  # longer than the zygote's imports take on a 2-core CPU
 
 
 async def time_engines(model: str, socket: Path, count: int) -> list[float]:
@@ -53,6 +47,7 @@ def run_side(model: str, count: int, zygote: bool) -> list[float]:
     subprocess.run([*manager, "start"], env=env, check=True, capture_output=True)
     try:
         if zygote:
+            # A daemon that is already running has its zygote ready: let this one get there.
             time.sleep(ZYGOTE_WARMUP_S)
         return anyio.run(time_engines, model, socket, count)
     finally:
