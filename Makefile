@@ -69,9 +69,10 @@ lint: setup
 	$(PY) -m ruff check runtime workers protocols tests examples benchmarks
 
 # Wheels for a GPU machine with torch, transformers and triton but no package index
-# (Python 3.12): what `loom bench gpu` needs there beyond them, `loom serve` included.
-# Carry .whl/ and install with: pip install --no-index --no-deps --target /tmp/site .whl/*.whl
-GPU_WHEELS := anyio==4.16.0 trio==0.35.0 outcome==1.3.0.post0 sniffio==1.3.1 starlette==1.10.0 \
+# (Python 3.12): what `loom bench gpu` needs there beyond them, `loom serve` included, and
+# setuptools to build loomllm there. Carry .whl/; `loom bench gpu-session` installs them and
+# this checkout into a site folder of its own.
+GPU_WHEELS := setuptools==84.2.1 anyio==4.16.0 trio==0.35.0 outcome==1.3.0.post0 sniffio==1.3.1 starlette==1.10.0 \
 	hypercorn==0.18.0 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 priority==2.0.0 wsproto==1.3.2
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

@@ -219,6 +219,8 @@ def install_wheels(wheels: Path, site: Path, env: dict[str, str]) -> str:
             "install",
             "-q",
             "--no-index",
+            "--find-links",  # setuptools, to build loomllm itself from this checkout
+            str(wheels),
             "--no-deps",
             "--no-compile",
             "--no-cache-dir",
@@ -226,12 +228,13 @@ def install_wheels(wheels: Path, site: Path, env: dict[str, str]) -> str:
             "--target",
             str(site),
             *map(str, found),
+            str(ROOT),
         ],
         check=True,
         timeout=300,
     )
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
-    return f"{len(found)} wheels installed from {wheels}"
+    return f"{len(found)} wheels installed from {wheels}, and loomllm from {ROOT}"
 
 
 def table(steps: Sequence[Step]) -> str:
