@@ -65,8 +65,18 @@ $(GUIDELLM):
 	$(PYTHON) -m venv $(PEERS)/guidellm-venv
 	$(PEERS)/guidellm-venv/bin/python -m pip install -q -c constraints.txt guidellm==$(GUIDELLM_VERSION)
 
+# mypy reads loomllm through a tree of links (build/typecheck/loomllm): the package maps
+# several folders onto one name (pyproject.toml), and mypy finds modules by directory only.
+TYPECHECK := build/typecheck
 lint: setup
-	$(PY) -m ruff check runtime workers protocols tests examples benchmarks
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)
+	cp -rs $(CURDIR)/runtime $(TYPECHECK)/loomllm
+	cp -rs $(CURDIR)/protocols $(TYPECHECK)/loomllm/protocols
+	cp -rs $(CURDIR)/workers $(TYPECHECK)/loomllm/workers
+	cd $(TYPECHECK) && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml \
+		--exclude '^loomllm/(workers|benchmarks)/' loomllm
 
 # Wheels for a GPU machine with torch, transformers and triton but no package index
 # (Python 3.12): what `loom bench gpu` needs there beyond them, `loom serve` included, and

@@ -30,7 +30,9 @@ def describe_peer(stream: SocketStream) -> str:
     """ "pid N" on a Unix socket, "host:port" over TCP: for the logs."""
     if is_unix(stream):
         return f"pid {peer_credentials(stream)[0]}"
-    host, port = stream.extra(SocketAttribute.remote_address)[:2]
+    address = stream.extra(SocketAttribute.remote_address)
+    assert isinstance(address, tuple)  # TCP: (host, port, ...)
+    host, port = address[:2]
     return f"{host}:{port}"
 
 

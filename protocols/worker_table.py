@@ -73,7 +73,7 @@ def _expires(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.0f}s"
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
     """Left-aligned columns two spaces apart, no trailing blanks."""
     everything = [header, *rows]
     widths = [max(len(r[i]) for r in everything) for i in range(len(header))]

@@ -50,7 +50,7 @@ class LLM:
             raise
         # A program that forgets close() still exits: this finalizer (at exit at the latest)
         # returns the workers to the manager, warm, and stops the loop thread.
-        self._closer = weakref.finalize(
+        self._closer: weakref.finalize[Any, Any] = weakref.finalize(
             self, LLM._close_parts, self._engine_cm, self._portal, self._thread
         )
         atexit.register(self._closer)

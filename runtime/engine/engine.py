@@ -44,6 +44,7 @@ from loomllm.metrics.stats import EngineStats, merge_stats
 from loomllm.outputs import RequestMetrics, RequestOutputCollector
 from loomllm.protocols.messages import (
     CallFailed,
+    CallResult,
     ModelInfo,
     RunCallable,
     WorkerDied,
@@ -199,7 +200,7 @@ class Engine:
         """
         self._require_running()
         payload = cloudpickle.dumps((fn, args, kwargs))
-        results = []
+        results: list[Any] = []
         for replica in self._replicas:
             assert replica.workers is not None
             replies = await replica.workers.call(lambda call_id: RunCallable(call_id, payload))
@@ -208,6 +209,7 @@ class Engine:
                     raise RemoteCallError(
                         len(results), reply.error_type, reply.message, reply.traceback
                     )
+                assert isinstance(reply, CallResult)
                 results.append(cloudpickle.loads(reply.payload))
         return results
 

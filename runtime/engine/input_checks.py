@@ -18,6 +18,7 @@ def prompt_token_ids(
 ) -> tuple[str | None, list[int]]:
     """The prompt's text (None when given as ids) and token ids, truncated as
     `params.truncate_prompt_tokens` says (the text then being the kept tokens')."""
+    text: str | None
     if isinstance(prompt, str):
         text, ids = prompt, tokenizer.encode(prompt)
     elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:

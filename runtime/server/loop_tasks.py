@@ -11,7 +11,9 @@ def count_loop_tasks() -> int:
         import trio
 
         # trio keeps no flat list: walk the tree of nurseries from the root task.
-        count, stack = 0, [trio.lowlevel.current_root_task()]
+        root = trio.lowlevel.current_root_task()
+        assert root is not None  # inside a running trio loop
+        count, stack = 0, [root]
         while stack:
             task = stack.pop()
             count += 1

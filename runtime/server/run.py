@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import Any
 
@@ -56,6 +56,7 @@ async def serve(
     Cancellation: the server stops at once; open connections are dropped.
     """
     config = hypercorn_config(bind, graceful_timeout=graceful_timeout)
+    hypercorn_serve: Callable[..., Coroutine[Any, Any, None]]
     if sniffio.current_async_library() == "trio":
         from hypercorn.trio import serve as hypercorn_serve
     else:

@@ -290,7 +290,9 @@ def _with_parsed_arguments(call: Mapping[str, Any], where: str) -> Mapping[str, 
     spells, as chat templates read it (`arguments | tojson`, `arguments.items()`), as vLLM
     hands it to them."""
     function = call.get("function")
-    arguments = function.get("arguments") if isinstance(function, Mapping) else None
+    if not isinstance(function, Mapping):
+        return call
+    arguments = function.get("arguments")
     if not isinstance(arguments, str):
         return call
     try:

@@ -20,8 +20,8 @@ def chat_message(
 ) -> tuple[Delta, str | None]:
     """A whole answer's message and finish_reason; `prompt`: the rendered prompt it follows."""
     if req.tool_calls is not None and (calls := req.tool_calls.calls(text)) is not None:
-        message = {"role": "assistant", "content": None, "tool_calls": calls}
-        return message, req.tool_calls.finish(finish)
+        called: Delta = {"role": "assistant", "content": None, "tool_calls": calls}
+        return called, req.tool_calls.finish(finish)
     message: Delta = {"role": "assistant"}
     if req.reasoning_parser is not None:
         reasoning, content = split_reasoning(req.reasoning_parser, text, prompt)

@@ -19,7 +19,7 @@ def _responses(model: str, reasoning: bool) -> dict[str, Schema]:
     `reasoning`, and `reasoning_content`, its earlier name)."""
 
     def envelope(kind: str, choice: Schema, chunk: bool) -> Schema:
-        props = {
+        props: dict[str, Schema] = {
             "id": {"type": "string"},
             "object": {"const": kind},
             "created": {"type": "integer"},
@@ -54,7 +54,7 @@ def _responses(model: str, reasoning: bool) -> dict[str, Schema]:
             ),
         ]
     }
-    top = {
+    top: dict[str, Schema] = {
         "token": {"type": "string"},
         "logprob": {"type": "number"},
         "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}},

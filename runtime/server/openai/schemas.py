@@ -47,7 +47,10 @@ _SAMPLING_FIELDS = {
 # OpenAI fields this server does not implement, each with the values that ask for nothing
 # (accepted, as OpenAI's SDKs and frameworks may send them); any other value: 400, rather
 # than an answer that silently ignores it.
-UNSUPPORTED = {"functions": [[]], "function_call": ["none"]}  # (tools: tool_calls.py)
+UNSUPPORTED: dict[str, list[Any]] = {
+    "functions": [[]],
+    "function_call": ["none"],
+}  # (tools: tool_calls.py)
 # vLLM's older names for structured_outputs' fields, still sent by its clients.
 GUIDED_FIELDS = {
     "guided_json": "json",
@@ -92,7 +95,7 @@ def from_value_error(exc: ValueError, default_param: str, renames: dict[str, str
 
 def field(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:
     """body[name] checked against `kind`; `default` when absent or null."""
-    value = body.get(name)
+    value: Any = body.get(name)
     if value is None:
         return default
     if kind == "int":

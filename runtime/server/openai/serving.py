@@ -246,7 +246,10 @@ class Formatter:
         self, index: int, entries: Sequence[tuple[int, dict[int, Logprob] | None]]
     ) -> dict[str, Any]:
         """Completions' logprobs object; a None row (the first prompt token) has nulls."""
-        tokens, token_lps, tops, offsets = [], [], [], []
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         offset = self.offsets.get(index, 0)
         for tid, row in entries:
             tok = self.token_text(tid, None if row is None else row.get(tid))
@@ -291,10 +294,12 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
         engine,
         model,
         chat,
-        req.want_logprobs if chat else req.common.params.logprobs is not None,
+        req.want_logprobs
+        if isinstance(req, ChatRequest)
+        else req.common.params.logprobs is not None,
         req.common.tokens_as_ids,
     )
-    prompts = [None] if chat else req.prompts
+    prompts = [None] if isinstance(req, ChatRequest) else req.prompts
     streams = start_streams(engine, prompts, req, fmt.id)
     finals: dict[int, RequestOutput] = {}
 
@@ -344,10 +349,12 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
         engine,
         model,
         chat,
-        req.want_logprobs if chat else req.common.params.logprobs is not None,
+        req.want_logprobs
+        if isinstance(req, ChatRequest)
+        else req.common.params.logprobs is not None,
         req.common.tokens_as_ids,
     )
-    prompts = [None] if chat else req.prompts
+    prompts = [None] if isinstance(req, ChatRequest) else req.prompts
     streams: list[Any] = start_streams(engine, prompts, req, fmt.id)
     if req.common.structured_field is not None:
         streams = await primed(streams, req.common.structured_field)
@@ -402,7 +409,7 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
                     delta, finish, logprobs = deltas.next(index, c.text, finish, logprobs)
                     if delta is None:
                         continue
-                    piece = {"delta": delta}
+                    piece: dict[str, Any] = {"delta": delta}
                 else:
                     piece = {"text": c.text}
                 await send(chunk(index, piece, logprobs, finish))

@@ -112,7 +112,7 @@ def parse_tools(
         }
         if parallel is False:
             calls["maxItems"] = 1
-        return tools, ToolCalls(None, StructuredOutputsParams(json=calls)), False
+        return tools, ToolCalls(None, StructuredOutputsParams(json=json.dumps(calls))), False
     is_named = isinstance(choice, dict) and choice.get("type") == "function"
     named = choice.get("function") if is_named else None
     name = named.get("name") if isinstance(named, dict) else None
@@ -122,7 +122,7 @@ def parse_tools(
             '"function": {"name": <one of the tools>}}',
             "tool_choice",
         )
-    return tools, ToolCalls(name, StructuredOutputsParams(json=schemas[name])), False
+    return tools, ToolCalls(name, StructuredOutputsParams(json=json.dumps(schemas[name]))), False
 
 
 def _rebased(schema: Any, root: str) -> Any:
