@@ -287,19 +287,20 @@ class Formatter:
         return body
 
 
+def formatter_and_prompts(
+    engine: Engine, req: CompletionRequest | ChatRequest, model: str
+) -> tuple[Formatter, list[Any]]:
+    """The answer's Formatter, and the prompts to start (chat: one, from its messages)."""
+    if isinstance(req, ChatRequest):
+        return Formatter(engine, model, True, req.want_logprobs, req.common.tokens_as_ids), [None]
+    wants_logprobs = req.common.params.logprobs is not None
+    return Formatter(engine, model, False, wants_logprobs, req.common.tokens_as_ids), req.prompts
+
+
 async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: str) -> Any:
     """The whole answer as one body (stream: false)."""
     chat = isinstance(req, ChatRequest)
-    fmt = Formatter(
-        engine,
-        model,
-        chat,
-        req.want_logprobs
-        if isinstance(req, ChatRequest)
-        else req.common.params.logprobs is not None,
-        req.common.tokens_as_ids,
-    )
-    prompts = [None] if isinstance(req, ChatRequest) else req.prompts
+    fmt, prompts = formatter_and_prompts(engine, req, model)
     streams = start_streams(engine, prompts, req, fmt.id)
     finals: dict[int, RequestOutput] = {}
 
@@ -344,17 +345,7 @@ async def stream(engine: Engine, req: CompletionRequest | ChatRequest, model: st
     A request with a grammar (structured outputs, a demanded tool call) is read up to its
     first output first: one the workers refuse (a grammar that does not compile) is a 400,
     as vLLM answers it, not an error event inside a 200 stream."""
-    chat = isinstance(req, ChatRequest)
-    fmt = Formatter(
-        engine,
-        model,
-        chat,
-        req.want_logprobs
-        if isinstance(req, ChatRequest)
-        else req.common.params.logprobs is not None,
-        req.common.tokens_as_ids,
-    )
-    prompts = [None] if isinstance(req, ChatRequest) else req.prompts
+    fmt, prompts = formatter_and_prompts(engine, req, model)
     streams: list[Any] = start_streams(engine, prompts, req, fmt.id)
     if req.common.structured_field is not None:
         streams = await primed(streams, req.common.structured_field)
