@@ -1,7 +1,6 @@
 """One step's attention metadata, from the model runner's packed batch to device tensors.
 
-The torch backend attends decodes over their context slots, padded to the longest with a
-mask; the Triton backend reads block tables and lengths (workers/attention/paged.py uses both).
+The torch backend reads padded context slots, the Triton backend block tables (paged.py: both).
 """
 
 from __future__ import annotations
@@ -42,8 +41,8 @@ class PagedBatch:
     prefill_lens: torch.Tensor  # [P]
     prefill_tile_reqs: torch.Tensor  # [N]: the prefill row of each query tile (-1: none)
     prefill_tile_firsts: torch.Tensor  # [N]: the tile's first query within its row
-    # [>= Bd * KVH] int32 zeros: the decode kernel's split counters, which every layer's
-    # launch leaves zero (triton_attention.decode_attention)
+    # [>= Bd * KVH] int32 zeros: the decode kernel's split counters. Every layer's launch
+    # leaves them zero again, so all layers share them (triton_kernels.decode_attention).
     decode_split_counts: torch.Tensor
 
 
@@ -62,7 +61,8 @@ class AttentionMetadata:
     # SDPA's CPU kernel takes a float mask ~1.5x faster than a bool one.
     decode_bias: torch.Tensor  # [Bd, 1, 1, L]
     prefills: list[PrefillRow]
-    paged: PagedBatch | None = None  # set: the Triton kernels attend (the fields above unused)
+    # When set, the Triton kernels attend and decode_slots, decode_valid and decode_bias are empty.
+    paged: PagedBatch | None = None
 
 
 def prefill_tiles(q_lens: list[int], num_tiles: int | None = None) -> tuple[list[int], list[int]]:

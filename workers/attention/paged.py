@@ -1,11 +1,6 @@
-"""Paged attention for the worker's models: a torch reference, also behind transformers' interface.
+"""Paged attention for the worker's models: the torch backend, also behind transformers' interface.
 
-The model runner packs all scheduled tokens of all requests into one `[1, T]` sequence;
-the model (loomllm.workers.models.llama.model, or a stock HF model through transformers' attention
-interface) computes Q/K/V (RoPE applied) and calls `paged_attention` per layer, which
-writes the new K/V into the paged cache and attends each request over its own context:
-here in torch (the CPU backend, and the reference), or with the Triton kernels of
-loomllm.workers.attention.triton_kernels when the metadata carries their block tables (`paged`).
+The model calls it per layer on the packed batch; on the Triton backend it runs triton_kernels.py.
 """
 
 from __future__ import annotations
@@ -32,6 +27,9 @@ def paged_attention(
     attn_metadata: AttentionMetadata | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    """One layer's attention over the packed `[1, T]` batch (Q and K with RoPE applied): writes
+    the step's K/V into the paged cache, then attends each request over its own context, in
+    torch or, when the metadata carries block tables (`paged`), with the Triton kernels."""
     if attn_metadata is None:
         raise RuntimeError("loom_paged attention needs attn_metadata (run it via ModelRunner)")
     meta = attn_metadata
@@ -74,7 +72,7 @@ def attend_written(
 ) -> torch.Tensor:
     """Each row's attention on the Triton backend, over a cache that holds the step's K/V
     already (`paged_attention` writes them first; loomllm's model, with
-    loomllm.workers.kernels.fused_ops.rotary_into_cache): [T, H, D]."""
+    fused_ops.rotary_into_cache): [T, H, D]."""
     from loomllm.workers.attention import (
         triton_kernels as triton_attention,  # only where Triton is the backend
     )
@@ -134,7 +132,7 @@ def attend_rotating(
     """A decode-only step's attention on the Triton backend, [T, H, D], the rotary embedding
     and the write of K and V into the cache done by the decode kernel itself (one launch a
     layer, not two); None for a step with prompt rows (the caller rotates and writes first:
-    loomllm.workers.kernels.fused_ops.rotary_into_cache, then `attend_written`). The caller checks
+    fused_ops.rotary_into_cache, then `attend_written`). The caller checks
     `fused_ops.rotary_into_cache_fits` first.
 
     Safe because no decode row reads a block another row writes in the same step: a
@@ -236,8 +234,8 @@ def _prefill(
 def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `slots` [B, L] of a slot-major cache [S, KVH, D], as [B, KVH, L, D].
 
-    index_select on the flat slot list, not `cache[slots]`: advanced indexing takes a
-    slower general path (~3x on CPU for decode-sized gathers).
+    index_select on the flat slot list, not `cache[slots]`, because advanced indexing takes
+    a slower general path.
     """
     b, length = slots.shape
     rows = cache.index_select(0, slots.reshape(-1)).view(b, length, *cache.shape[1:])
@@ -252,8 +250,8 @@ def _window_keep(valid: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def route_transformers_model(model: torch.nn.Module) -> None:
-    """Make a transformers model call `paged_attention` (loomllm.workers.models.llama.model's calls it
-    itself, and has no attention implementations to pick from)."""
+    """Make a transformers model call `paged_attention` (loomllm's own Llama calls it itself,
+    and has no attention implementations to pick from)."""
     if hasattr(model, "set_attn_implementation"):
         register()
         model.set_attn_implementation(ATTENTION_NAME)

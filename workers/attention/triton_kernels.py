@@ -1,29 +1,6 @@
-"""Paged attention kernels in Triton (the CUDA path): prefill over the packed batch, split-K decode.
+"""Paged attention in Triton for CUDA: prefill over the packed batch, split-K decode, KV writes.
 
-Both read K/V through per-request block tables from the slot-major cache that
-loomllm.workers.attention.paged writes ([num_blocks * block_size, KVH, D]: slot = block * block_size +
-offset), after the step's new K/V are in it. GQA: the decode kernel computes the `group`
-query heads of one KV head together, so each K/V page is read once per KV head.
-
-- `prefill_attention`: requests computing several tokens (a prompt or a chunk of one).
-  One program per (tile of BLOCK_M queries of one request, query head), the tiles listed
-  by loomllm.workers.attention.metadata.prefill_tiles; a tile of request -1 does nothing (a CUDA
-  graph's grid is fixed, so its tile list is padded). Causal over the request's whole
-  context, with an optional sliding window. A request computing one token is a one-query
-  tile: mixed-step graphs run every row through this kernel.
-- `write_kv`: the step's new K and V into their cache slots, both in one kernel.
-- `decode_attention`: requests computing one token. One program per (request, KV head,
-  split of the context); each split keeps a running max, sum and weighted V (online
-  softmax), so a long context is spread over many programs instead of one. The last of a
-  (request, KV head)'s splits to finish merges them (a counter each, that it then resets):
-  one launch a layer, not a second kernel for the merge. With one split (a batch that
-  fills the GPU by itself, or contexts of one page) the program writes its output directly.
-  Given the step's q and K/V unrotated (`new_kv`, loomllm's own model), it also rotates q
-  as it loads it, and the split holding each request's new token writes its rotated K and
-  its V into the cache first: no rotary kernel before it.
-
-On the CPU they run under TRITON_INTERPRET=1 (tests compare them with the torch
-reference); the torch reference stays the CPU backend, being faster there.
+On the CPU they run under TRITON_INTERPRET=1 for tests only, as torch is faster there.
 """
 
 from __future__ import annotations
@@ -37,6 +14,8 @@ from loomllm.workers.attention.metadata import (
 )
 from loomllm.workers.kernels.fused_ops import dot_f32, rotated
 
+# The kernels read K/V through block tables from the slot-major cache that paged.py writes,
+# [num_blocks * block_size, KVH, D]: slot = block * block_size + offset.
 MIN_DOT_ROWS = 16  # tl.dot's minimum rows on GPUs
 TARGET_PROGRAMS = 264  # decode splits aim at ~2 programs per SM of an H100 (132 SMs)
 MAX_SPLITS = 32
@@ -70,6 +49,9 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     EXACT: tl.constexpr,
 ):
+    """One program per (tile of BLOCK_M queries of one request, query head), causal over the
+    request's whole context. A tile of request -1 does nothing: a CUDA graph's grid is fixed, so
+    its tile list is padded. Mixed-step graphs run even one-token rows through this kernel."""
     req = tl.load(tile_reqs_ptr + tl.program_id(0))
     head = tl.program_id(1)
     if req >= 0:
@@ -202,7 +184,12 @@ def _decode_split_kernel(
     EXACT: tl.constexpr,
     ROTARY: tl.constexpr,
 ):
-    """ROTARY: q and the new k come unrotated; the program rotates q as it loads it, and
+    """One program per (request, KV head, split of the context), the KV head's `group` query
+    heads together so that each K/V page is read once per KV head. Each split keeps an online
+    softmax; the last split to finish merges them, so a layer needs one launch, not a second
+    kernel for the merge.
+
+    ROTARY: q and the new k come unrotated; the program rotates q as it loads it, and
     the one whose split holds the last position writes the rotated k and v into their
     slot before reading the cache (what fused_ops.rotary_into_cache does, bit for bit)."""
     req = tl.program_id(0)
@@ -250,7 +237,7 @@ def _decode_split_kernel(
             )
             v_new = tl.load(v_new_ptr + req * stride_vnb + kv_head * stride_vnh + d, mask=d_ok)
             tl.store(v_cache_ptr + slot + d, v_new, mask=d_ok)
-        tl.debug_barrier()  # every thread's stores before any thread loads that page
+        tl.debug_barrier()  # every thread's stores land before any thread loads that page
     offs = tl.arange(0, BLOCK_SIZE)
     for page in range(first_page, end_page):
         block = tl.load(block_tables_ptr + req * stride_bt + page)
@@ -295,7 +282,7 @@ def _decode_split_kernel(
         tl.debug_barrier()
         count = split_counts_ptr + req * tl.num_programs(1) + kv_head
         if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            tl.store(count, 0)  # zero again for the next launch (a graph's replay too)
+            tl.store(count, 0)  # the next launch, a graph's replay too, needs it zero
             for i in range(GROUP):
                 head = kv_head * GROUP + i
                 out = _merge_splits(
@@ -416,7 +403,7 @@ def _write_kv_kernel(
     D_PAD: tl.constexpr,
 ):
     """One program per token: its K and V heads into its cache slot."""
-    t = tl.program_id(0).to(tl.int64)  # t * stride passes 2**31 in long prompts
+    t = tl.program_id(0).to(tl.int64)  # int64: t * stride passes 2**31 in long prompts
     slot = tl.load(slots_ptr + t).to(tl.int64)
     h = tl.arange(0, HEADS)[:, None]
     d = tl.arange(0, D_PAD)[None, :]
@@ -444,7 +431,7 @@ def write_kv(
         )
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("write_kv needs caches laid out alike, a slot's heads dense")
-    # A head's elements side by side, as projections leave them (else a copy first).
+    # The kernel needs a head's elements side by side, as projections leave them; a copy if not.
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     if key.shape != value.shape or key.shape[1:] != k_cache.shape[1:]:

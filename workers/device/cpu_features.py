@@ -1,7 +1,6 @@
 """Whether this CPU computes bfloat16 natively, which decides what dtype="auto" means on CPU.
 
-model_loader asks cpu_supports_bf16() when it picks the weights' (and so the KV cache's)
-dtype; $LOOM_CPU_BF16=0|1 overrides the detection.
+device/dtype.py asks when it picks the weights' (and so the KV cache's) dtype.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 def resolve_device(device: str) -> torch.device:
+    """The torch device a `device` load option names ("auto": CUDA where available)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -38,11 +39,12 @@ def stored_dtype(config: Any) -> str | None:
 
 
 def pick_dtype(dtype: str, stored: str | None, device: torch.device) -> torch.dtype:
+    """The dtype a model runs in, from the `dtype` load option and its checkpoint's dtype."""
     if device.type == "cpu" and dtype in ("auto", "bfloat16"):
         is_native, why = cpu_supports_bf16()
         if dtype == "auto":
-            # Whatever the checkpoint stores (fp16 GEMMs are slow on CPUs): bf16 GEMMs are
-            # several times faster than fp32 where native, and slower where emulated.
+            # The checkpoint's dtype is ignored because fp16 GEMMs are slow on CPUs; bf16 GEMMs
+            # beat fp32 where the CPU computes them natively and lose where they are emulated.
             name = "bfloat16" if is_native else "float32"
             logger.info("dtype auto on CPU: %s, because %s", name, why)
             return DTYPES[name]

@@ -1,16 +1,6 @@
 """DeviceIdleProbe: how long the device sits idle between a worker's steps, and busy in them.
 
-Each step marks the moment its forward is queued and the moment its sampling is queued:
-CUDA events on a GPU (they complete when the device reaches them, so a mark queued while
-the device is still busy with the step before adds no idle time), the host's clock on the
-CPU (where a launch computes the whole step). Idle is the time from one step's end mark to
-the next one's start mark: the engine's and the worker's host work the device waited for.
-Each step also says whether it replayed a CUDA graph, and whether it computed prompt tokens
-(a prefill, or prompt chunks beside decodes), so the busy time splits into graph replays and
-eager steps, and into decode-only steps and steps with prompts. Gaps of a millisecond or
-more are counted apart: a few long stalls (a garbage collection, a compile, a slow schedule)
-and many short gaps (the host's work a step) are different problems. Off unless a
-benchmark turns it on (`Engine.collective_rpc`, see benchmarks/gpu_bench.py).
+Off unless a benchmark turns it on (`Engine.collective_rpc`, see benchmarks/gpu_bench.py).
 """
 
 from __future__ import annotations
@@ -22,7 +12,10 @@ from typing import Any
 
 import torch
 
-STALL_S = 1e-3  # an idle gap this long or longer is a stall
+# Idle gaps this long or longer are stalls, counted apart: a few long stalls (a garbage
+# collection, a compile, a slow schedule) and many short gaps (the host's work each step)
+# are different problems.
+STALL_S = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +45,9 @@ class DeviceTime:
 
 
 class DeviceIdleProbe:
+    """Marks when each step's forward and its sampling are queued; idle is the time between
+    one step's end mark and the next one's start mark, the host work the device waited for."""
+
     def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter):
         self._cuda = device.type == "cuda"
         self._clock = clock  # the CPU's marks
@@ -59,6 +55,9 @@ class DeviceIdleProbe:
         self._open: Any = None
 
     def _mark(self) -> Any:
+        # A CUDA event completes when the device reaches it, so a mark queued while the device
+        # is still busy with the step before adds no idle time. On the CPU a launch computes
+        # the whole step, so the host's clock is the device's.
         if not self._cuda:
             return self._clock()
         event = torch.cuda.Event(enable_timing=True)

@@ -1,10 +1,6 @@
 """Host values onto the device without waiting for the device's queued work.
 
-A copy from pageable host memory to CUDA first waits for the stream to drain, so a step
-whose inputs were copied that way could not be launched while the step before it still
-runs (async scheduling). Through pinned memory the copy queues behind that work instead
-(PyTorch's caching host allocator keeps the pinned block until the copy is done). On the
-CPU these are plain tensors.
+On the CPU these are plain tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +14,9 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` (on the host) on `device`."""
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
+    # A copy from pageable memory waits for the stream to drain, so the next step could not be
+    # launched while the one before still runs (async scheduling). A pinned copy queues behind
+    # that work instead; the caching host allocator keeps the pinned block until it is done.
     return tensor.pin_memory().to(device, non_blocking=True)
 
 

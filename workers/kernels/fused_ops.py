@@ -1,21 +1,6 @@
-"""Triton kernels for a decoder layer's elementwise work on the CUDA path: RMSNorm (alone
-or with the residual add before it), the rotary embedding (alone, or with the write of K and V
-into the paged cache), SiLU times up.
+"""Triton kernels for a decoder layer's elementwise work on CUDA: RMSNorm, rotary, SiLU times up.
 
-transformers computes an RMSNorm as eight kernels (casts, square, mean, add, rsqrt, two
-multiplies), the rotary embedding as about ten (rotate_half's slices, negation and cat,
-four multiplies, two adds), its MLP's activation and product as two: hundreds of small
-launches in a decode step of a 32-layer model. Each kernel here does its job in one
-launch, rounding where torch's eager ops round (to bf16 after each product and sum), so
-the rotary embedding is bit-identical to transformers', RMSNorm is up to its float32
-sum's order, and SiLU times up up to the last bit of float32's exp (Triton's on a GPU is
-the fast approximate one): bit for bit in bf16 under Triton's interpreter in `make test`,
-within a unit in bf16's last place on a GPU (`loom bench gpu-check` checks them there).
-`loom bench decode-profile` (8B shape, H100, one run; RMSNorm and rotary kernels of a
-first version, which rounded by float round trips): a decode step's kernels took 7.9 ->
-6.8 ms at batch 1, 10.4 -> 8.2 at 64, 15.5 -> 12.7 at 256.
-
-loomllm.workers.models.fused_layers swaps them into the models whose code it knows.
+Each is one launch where transformers takes several; models/fused_layers.py swaps them in.
 """
 
 from __future__ import annotations
@@ -34,13 +19,17 @@ from loomllm.workers.kernels.triton_interpreter import (
     skip_nested_patches,
 )
 
-# Every kernel module imports this one. On the CPU (TRITON_INTERPRET=1), calls of @triton.jit
-# helpers inside a launch then skip the interpreter's re-patching, its dtype lookups hit a
-# table, and it computes no overflow checks that nothing reads: workers/kernels/triton_interpreter.py.
+# Every kernel module imports this one, so on the CPU (TRITON_INTERPRET=1) the interpreter's
+# per-call costs are cut before any kernel runs (triton_interpreter.py says which).
 skip_nested_patches()
 cache_dtype_lookups()
 skip_dead_overflow_checks()
 
+# The kernels round where torch's eager ops round (to bf16 after each product and sum), so the
+# rotary embedding matches transformers bit for bit, RMSNorm up to its float32 sum's order, and
+# SiLU times up up to float32's exp, which Triton approximates on a GPU. In bf16 they match bit
+# for bit under the interpreter, and within a unit in the last place on a GPU (`loom bench
+# gpu-check` checks them there).
 # The activations' dtypes whose rounding the kernels reproduce.
 DTYPES = (torch.bfloat16, torch.float32)
 # No fused multiply-adds: torch rounds a product before the sum it goes into.
@@ -58,9 +47,9 @@ def runs_here(*tensors: torch.Tensor) -> bool:
 @triton.jit
 def round_to(x, dtype: tl.constexpr):
     """float32 `x` rounded to `dtype` and back, to nearest with ties to even, as torch rounds
-    an op's output. bfloat16 in integer arithmetic: on an H100 the compiler dropped float
-    round trips (17% of a rotary's outputs then differed from torch's), and Triton's
-    interpreter truncates. NaN stays NaN (the carry would turn 0x7FFFFFFF into -0.0)."""
+    an op's output. bfloat16 in integer arithmetic, because the GPU compiler drops float
+    round trips and Triton's interpreter truncates. NaN stays NaN (the carry would turn
+    0x7FFFFFFF into -0.0)."""
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
@@ -475,8 +464,8 @@ def rotary_into_cache(
 ) -> torch.Tensor:
     """`rotary` of q, k [T, heads, D] by cos, sin [T, D], and the rotated k and v written to
     their cache slots ([slots, KVH, D] caches, `slot_mapping` [T]), in one kernel instead of
-    two (loomllm.workers.attention.triton_kernels.write_kv): the rotated q [T, H, D]. The same values as the
-    pair, bit for bit; the caller checks `rotary_into_cache_fits` first."""
+    two (`rotary`, then triton_kernels.write_kv): the rotated q [T, H, D]. The same values as
+    the pair, bit for bit; the caller checks `rotary_into_cache_fits` first."""
     num_tokens, num_q_heads, head_dim = q.shape
     q_out = q.new_empty(q.shape)
     _rope_cache_kernel[(num_tokens,)](

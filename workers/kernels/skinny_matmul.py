@@ -1,17 +1,6 @@
 """Linear layers' matmuls for the few rows of a small decode batch, in Triton, where faster.
 
-A decode step of a few requests reads every weight once and does almost no arithmetic, so
-its matmuls should run at the memory's bandwidth. On an H100 cuBLAS reached 2.5-2.9 TB/s
-for the 8B shape's matrices at batch 1 and added split-K reduction kernels (0.27 ms a
-step, `loom bench decode-profile`). `skinny_linear` reads each weight row once, in
-one kernel: one program per BLOCK_N output features walks the whole input dimension, the
-few rows (padded to 16, tl.dot's minimum) alongside. No split-K, so no second kernel.
-
-Whether it is faster depends on the GPU and the shape, so `pick` times both on the
-worker's own device at start (in CUDA graphs, weights read from memory, as decode steps run
-them) and turns it on per weight shape only where it wins at 1 and at MAX_ROWS rows. Its
-output rounds once from a float32 sum, as cuBLAS's does, but sums in another order: not
-cuBLAS's bits.
+`pick` times it against cuBLAS on the worker's own GPU at start and turns it on per weight shape.
 """
 
 from __future__ import annotations
@@ -58,8 +47,7 @@ class Tiling:
 # each bf16 weight row; 4 loads in flight: what keeps the memory busy.
 PLAIN = Tiling(16, 256, 4)
 # The gated kernel loads two weight tiles a step: with 3 stages it takes the plain one's
-# 48 KB of shared memory, and spills no register on an A100 (with 4 it spilled 8 bytes:
-# `loom bench compile --arch 80`, Triton 3.9).
+# 48 KB of shared memory and spills no register on an A100, where 4 stages spill.
 GATED = Tiling(16, 256, 3)
 
 
@@ -83,8 +71,12 @@ def _skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out = x @ w.T (+ b). GATED: w (and b) hold gate's n_out rows then up's, and out =
-    silu(x @ gate.T) * (x @ up.T), each product rounded as loomllm.workers.kernels.fused_ops.silu_mul
+    """out = x @ w.T (+ b). One program per BLOCK_N output features walks the whole input
+    dimension with the few rows alongside, so each weight row is read once and no split-K
+    reduction kernel follows: a small decode batch's matmuls are bandwidth-bound.
+
+    GATED: w (and b) hold gate's n_out rows then up's, and out =
+    silu(x @ gate.T) * (x @ up.T), each product rounded as fused_ops.silu_mul
     rounds it: the same bits as this kernel's plain output through silu_mul."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, ROWS)
@@ -127,7 +119,8 @@ def skinny_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiling: Tiling = PLAIN
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [..., K] of at most MAX_ROWS rows (weight [N, K],
-    bias [N], all of x's dtype; the last dimensions dense)."""
+    bias [N], all of x's dtype; the last dimensions dense). It rounds once from a float32 sum,
+    as cuBLAS does, but sums in another order, so its bits are not cuBLAS's."""
     return _launch(x, weight, bias, gated=False, tiling=tiling)
 
 
@@ -203,7 +196,10 @@ def pick(
     linears: Iterable[torch.nn.Module],
     seconds: Callable[[Callable[[], Any]], float] = graph_seconds,
 ) -> dict[tuple, tuple[float, float]]:
-    """Time cuBLAS and the skinny kernel on each distinct bf16 weight shape of `linears`
+    """Which kernel wins depends on the GPU and the shape, so this times them on the worker's
+    own device, in CUDA graphs with weights read from memory, as decode steps run them.
+
+    Time cuBLAS and the skinny kernel on each distinct bf16 weight shape of `linears`
     (modules with `weight`, `bias`, a `skinny` flag and a `gated` one: a gate|up projection
     that a step runs with SiLU times up, `skinny_silu_linear` against cuBLAS then
     fused_ops.silu_mul), at 1 and MAX_ROWS rows; set `skinny` on those of the shapes it
@@ -283,8 +279,8 @@ def matmul_seconds(
 ) -> float:
     """Device seconds of `matmul(x, weight, bias)` with the weight read from memory, as a
     decode step reads it: the timed call cycles through copies of it that overflow the
-    GPU's L2 cache twice (replayed alone, the 8B shape's 32 MB q weight stayed in an H100's
-    50 MB L2 and read at 3.3 TB/s, against 2.5-2.9 for the weights too big for it)."""
+    GPU's L2 cache twice, because a weight replayed alone can stay in L2 and read faster
+    than any decode step reads it."""
     l2 = (
         getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", H100_L2)
         if weight.is_cuda

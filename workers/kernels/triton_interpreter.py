@@ -1,16 +1,5 @@
-"""Triton's interpreter (TRITON_INTERPRET=1) without three of its costs per call: the CPU runs.
+"""Triton's interpreter (TRITON_INTERPRET=1) without three of its per-call costs, for CPU runs.
 
-Under the interpreter, each launch patches `triton.language` for the kernel, and then each
-call of a `@triton.jit` helper from inside the kernel patches it again: a scan of the whole
-module with `inspect.getmembers`, about 2 ms a call. Our kernels call helpers in their inner
-loops (rotation, rounding), and Triton's own helpers (tl.max, tl.sum) are calls too: skipping
-the re-patching took the fused padded-decode test from 90 s to 53 s.
-Here a launch patches both module objects a kernel or helper may reach the language through
-(`tl` and `tl.core`), and the helper calls inside it patch nothing more.
-And each cast, splat and masked load looks its numpy dtype up in a dict the interpreter
-builds anew each time: here a table built once (x1.1-1.2 on the fused padded decodes).
-And outside debug mode it computes an overflow check for each int32 add, sub and mul, and
-then drops the assert that would read it: here it computes none.
 On a GPU nothing here runs: kernels compile, and helpers are inlined.
 """
 
@@ -25,6 +14,10 @@ logger = logging.getLogger(__name__)
 
 def skip_nested_patches() -> bool:
     """Under TRITON_INTERPRET=1, make helper calls inside a launch skip re-patching.
+
+    Each launch patches `triton.language` for the kernel, and each call of a `@triton.jit`
+    helper inside it patches it again with a scan of the whole module; our kernels call helpers
+    in their inner loops, and Triton's own (tl.max, tl.sum) are calls too.
 
     Returns whether it is in place: False without the interpreter, or with a Triton whose
     interpreter lacks the internals this relies on (then it runs as Triton ships it).
@@ -69,9 +62,9 @@ def skip_nested_patches() -> bool:
 
 
 def cache_dtype_lookups() -> bool:
-    """Under TRITON_INTERPRET=1, look Triton's dtypes up in a table built once: the
-    interpreter's own lookup builds its 19-entry dict on each call (each cast, splat and
-    masked load), 7% of a kernel's time in it.
+    """Under TRITON_INTERPRET=1, look Triton's dtypes up in a table built once, because the
+    interpreter's own lookup builds its dict anew on each call (each cast, splat and masked
+    load).
 
     Returns whether it is in place, as `skip_nested_patches` does.
     """
@@ -109,7 +102,6 @@ def skip_dead_overflow_checks() -> bool:
     integer-overflow checks that nothing reads: each int32 add, sub and mul is redone in int64
     and compared with int32's bounds, and then the assert that would read the comparison is
     dropped, as it is outside debug mode (compiled for a GPU, the same checks are dead code).
-    Half of the interpreted decode kernel's time was in them.
 
     Returns whether it is in place; with debug on, the checks stay, and assert.
     """

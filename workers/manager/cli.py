@@ -1,8 +1,6 @@
 """`engine-manager start|stop|status|ps|logs|unload|serve`: the daemon's command line.
 
-`serve` runs the daemon in the foreground; `start` launches `serve` detached (new
-session, stdin closed, output to the log) under an flock and returns once it listens,
-so two callers starting at once get one daemon. Exit status is non-zero on failure.
+`serve` runs the daemon in the foreground; `start` runs `serve` detached. Failure exits non-zero.
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ MAX_LOG_BYTES = 10 * 1024 * 1024
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run one engine-manager command and exit with its status."""
     args = _parser().parse_args(argv)
     socket_path = Path(args.socket) if args.socket else default_socket_path()
     try:
@@ -210,6 +209,8 @@ def _remove_stale_socket(socket_path: Path) -> None:
 
 
 def _cmd_start(args: argparse.Namespace, socket_path: Path) -> int:
+    """Launch `serve` detached and return once it listens; under an flock, so that two
+    callers starting at once get one daemon."""
     try:
         ensure_socket_dir(socket_path.parent)
         lock_fd = open_private_file(lock_path(socket_path), os.O_RDWR)

@@ -1,9 +1,6 @@
 """engine-manager: the per-user daemon that launches, watches, lends and reuses workers.
 
-One anyio program, single-threaded. Each client connection is a task; each worker
-rank has a watcher task; idle groups and the idle manager have expiry timers. Each loan
-of a group to an engine is a lease: a fresh secret the ranks admit and the engine shows.
-Run it as `python -m loomllm.workers.manager serve` (or `engine-manager start`).
+One single-threaded anyio program: a task per client and per rank, timers for idle groups.
 """
 
 from __future__ import annotations
@@ -61,7 +58,7 @@ LEASE_TOKEN_BYTES = 32
 
 
 class ManagerServer:
-    """The daemon's state; `serve()` runs it until stopped or idle."""
+    """The daemon's state; `serve()` runs it until stopped or idle (`engine-manager serve`)."""
 
     def __init__(
         self,
@@ -93,6 +90,9 @@ class ManagerServer:
         self.ray = RayDriver()  # connects when a group asks for distributed_executor_backend=ray
 
     async def serve(self, *, ready: anyio.Event | None = None) -> None:
+        """Listen until `shutdown()` or the idle timeout, setting `ready` once listening.
+
+        Cancellation: as a shutdown, every group is stopped (shielded), then the zygote."""
         ensure_socket_dir(self.socket_path.parent)
         ensure_private_dir(self.workdir)
         listener = await anyio.create_unix_listener(self.socket_path, mode=0o600)
@@ -122,6 +122,7 @@ class ManagerServer:
                     logger.info("engine-manager stopped")
 
     def shutdown(self) -> None:
+        """Make `serve()` stop its groups and return; a no-op once it is shutting down."""
         if self._tg is not None:  # None: shutting down already
             self._tg.cancel_scope.cancel()
 
@@ -249,7 +250,8 @@ class ManagerServer:
 
     async def _lend(self, group: WorkerGroup, owner: MessageStream) -> bytes | None:
         """Lend `group` (just reserved) to `owner`: a fresh lease token that every rank
-        admits; None if a rank did not take it or died meanwhile (the group is then stopped).
+        admits and the engine shows; None if a rank did not take it or died meanwhile (the
+        group is then stopped).
 
         The owner is set only once the lease is taken: a rank dying while we wait for it
         must not send WorkerDied to an engine that has not been given the group."""
@@ -262,7 +264,9 @@ class ManagerServer:
             return None
         if group.state != "busy":
             return None
-        group.owner = owner  # no await from here to the reply: _handle_client's cleanup holds
+        # No await comes between this and the reply, so a client that goes away is always
+        # found by _handle_client's cleanup as this group's owner.
+        group.owner = owner
         return token
 
     async def _launch(self, group: WorkerGroup) -> None:

@@ -1,11 +1,6 @@
 """Worker ranks as Ray actors, for `distributed_executor_backend="ray"`: ranks on many machines.
 
-The engine-manager is the Ray driver (the user's process never imports ray): it connects
-to an existing cluster (`ray start`) at the spec's address, reserves a placement group of
-one bundle per rank, and starts a RankActor (workers/worker/ray_rank.py) in each bundle. The
-ranks rendezvous for torch.distributed at rank 0's node over TCP. Each rank's lifeline is
-a TCP connection that the manager opens with a secret given to that actor alone; engines
-attach to each rank's TCP data port with their lease token, as they do locally.
+The manager is the Ray driver (the user's process never imports ray); engines attach over TCP.
 """
 
 from __future__ import annotations
@@ -106,6 +101,10 @@ async def _check_reachable(address: str) -> None:
 
 async def launch_ray_group(group: WorkerGroup, driver: RayDriver) -> None:
     """Place and start every rank of `group` in the cluster; return once all are READY.
+
+    Each rank is a RankActor (worker/ray_rank.py) in a bundle of its own. Its lifeline is a
+    TCP connection that the manager opens with a secret given to that actor alone; the ranks
+    rendezvous for torch.distributed at rank 0's node.
 
     Anything that fails on the way is a WorkerStartError naming the cause; the manager
     then stops the group, which removes its placement group and with it every actor.

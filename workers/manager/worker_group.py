@@ -1,10 +1,6 @@
 """One group of worker processes (the ranks of one engine), as the manager sees it.
 
-Launches each rank in its own session and process group, forked by the zygote
-(workers/worker/zygote.py) or else as a fresh interpreter (`python -m loomllm.workers.worker.main`), with one
-end of a socketpair as its lifeline: READY comes back over it, leases go out over it,
-and its EOF tells the worker that the manager is gone. (Ranks in a Ray cluster are
-launched by workers/manager/ray_group.py and held the same way, with a TCP lifeline.)
+Each rank is forked by the zygote (or started fresh) in its own session, held by a lifeline.
 """
 
 from __future__ import annotations
@@ -58,7 +54,7 @@ class LeaseError(Exception):
 @dataclass(eq=False)
 class WorkerProcess:
     """One rank as the manager holds it: a local process (zygote-forked or not), or a Ray
-    actor (workers/manager/ray_group.py: no log file or socket path of ours, a tcp:// address)."""
+    actor (ray_group.py: no log file or socket path of ours, a tcp:// address)."""
 
     rank: int
     process: Process | ForkedProcess | RankHandle
@@ -99,6 +95,8 @@ class WorkerProcess:
 
 @dataclass(eq=False)
 class WorkerGroup:
+    """The ranks of one engine and their state, from launch to stop."""
+
     group_id: str
     spec: WorkerSpec
     keep_alive: float
@@ -108,7 +106,7 @@ class WorkerGroup:
     owner: object | None = None  # the manager's client connection that holds it
     idle_since: float | None = None
     expiry: anyio.CancelScope | None = None
-    placement: RayPlacement | None = None  # the Ray ranks' bundles (workers/manager/ray_group.py)
+    placement: RayPlacement | None = None  # the Ray ranks' bundles (ray_group.py)
 
     @property
     def pids(self) -> list[int]:
@@ -170,7 +168,11 @@ async def launch_rank(
     group: WorkerGroup, rank: int, workdir: Path, *, dist_init_file: Path, zygote: Zygote
 ) -> WorkerProcess:
     """Start one rank (forked by the zygote, else a fresh interpreter); return once its
-    process exists, not yet READY."""
+    process exists, not yet READY.
+
+    One end of a socketpair is its lifeline: READY comes back over it, leases go out over it,
+    and its EOF tells the worker that the manager is gone. (Ray ranks, launched by
+    ray_group.py, are held the same way over TCP.)"""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     log_file = workdir / f"{group.group_id}-rank{rank}.log"
     socket_path = workdir / f"{group.group_id}-rank{rank}.sock"
@@ -316,6 +318,7 @@ async def stop_rank(worker: WorkerProcess) -> None:
 
 
 def kill_process_group(pid: int) -> None:
+    """SIGKILL the process group that `pid` leads, if it is still there."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -323,6 +326,7 @@ def kill_process_group(pid: int) -> None:
 
 
 def describe_exit(returncode: int | None) -> str:
+    """A process's exit status in words: its exit code or the signal that ended it."""
     if returncode is None:
         return "no exit status"
     if returncode < 0:

@@ -1,10 +1,6 @@
-"""The manager's side of the zygote (workers/worker/zygote.py): start it, ask it for workers, see them end.
+"""The manager's side of the zygote (worker/zygote.py): start it, ask it for workers, see them end.
 
-`Zygote.run()` is a task of the manager: it starts the zygote process and reads its
-messages until the manager stops. `spawn()` returns a `ForkedProcess`, which offers the
-part of anyio's `Process` that the manager uses (pid, wait, returncode, aclose). If the
-zygote cannot start or dies, `spawn()` says so (None) and the caller launches a fresh
-interpreter instead; the next `spawn()` starts a new zygote.
+If the zygote cannot start or dies, the manager launches fresh interpreters until a new one runs.
 """
 
 from __future__ import annotations
@@ -28,7 +24,10 @@ ZYGOTE_DIED = -9  # the exit code given to children still running when the zygot
 
 
 class ForkedProcess:
-    """A worker forked by the zygote: its exit status comes from the zygote, not waitpid."""
+    """A worker forked by the zygote: its exit status comes from the zygote, not waitpid.
+
+    It offers the part of anyio's `Process` that the manager uses (pid, wait, returncode,
+    aclose)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -78,12 +77,15 @@ class Zygote:
         self._wanted.set()
 
     async def spawn(self, worker_args: list[str], lifeline: int, log: int) -> ForkedProcess | None:
-        """Fork a worker with these arguments (without --control-fd and --parent-pid)."""
+        """Fork a worker with these arguments (without --control-fd and --parent-pid).
+
+        None when the zygote cannot start or died: the caller launches a fresh interpreter,
+        and the next call starts a new zygote."""
         if not self.enabled:
             return None
         self.want()
         async with self._lock:
-            while self._channel is None:  # starting: wait until it is ready, or ended
+            while self._channel is None:  # the zygote is starting: wait until ready, or ended
                 await anyio.sleep(0.01)
                 if not self._wanted.is_set():
                     return None  # it could not start, or died while starting

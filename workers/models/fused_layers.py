@@ -1,20 +1,6 @@
-"""The fused kernels swapped into stock transformers models of the Llama family on the CUDA
-path: RMSNorm modules, the rotary function, and decoder layers that run q|k|v and gate|up
-as one matmul each, the residual add inside the norm after it, and SiLU times up as one
-kernel. (loomllm.workers.models.llama.model, loomllm's own Llama family, has them built in:
-`install_fused_ops` only switches them on there.)
+"""Fused kernels swapped into stock transformers models of the Llama family on the CUDA path.
 
-A decode step of transformers' Llama layer launches 40 kernels through the Triton backend,
-18 with RMSNorm and the rotary embedding as one kernel each; with the packed projections
-and the other fused kernels it launches 12 (tests/test_fused_layers.py counts them), and
-the small k and v matmuls, which reach ~1.5 TB/s alone on an H100, read their weights
-inside q's (`loom bench decode-profile` times both on a GPU).
-
-Packing keeps one copy of the weights: each projection's weight becomes a view of the
-packed one, so transformers' own attention forward still computes the same, and the fused
-one hands over to it when given a KV cache of transformers' (`generate`; a worker passes
-none). The install comes last: the packed tensors do not follow a later conversion of the
-model (`.to()`, `.half()`) or a weight replaced by another tensor.
+RMSNorm modules, the rotary function, and layers running q|k|v and gate|up as one matmul each.
 """
 
 from __future__ import annotations
@@ -110,8 +96,12 @@ def _attention_forward(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ):
-    """transformers' Llama attention forward with q, k and v from one packed matmul."""
-    # The cache's name: `past_key_value` (transformers 4), `past_key_values`, `cache` (5.24).
+    """transformers' Llama attention forward with q, k and v from one packed matmul.
+
+    Given a KV cache of transformers' (`generate`; a worker passes none) it hands over to the
+    stock forward, which still computes the same: each projection's weight is a packed view."""
+    # The cache's keyword differs between transformers versions: `past_key_value` (4),
+    # `past_key_values`, `cache` (5.24).
     caches = {
         name: kwargs.pop(name)
         for name in ("past_key_values", "past_key_value", "cache")
@@ -131,7 +121,7 @@ def _attention_forward(
     packed = self.loom_qkv
     q, k, v = (t.view(shape).transpose(1, 2) for t in packed(hidden_states).split(packed.sizes, -1))
     cos, sin = position_embeddings
-    # The modeling module's function, as transformers calls it: the kernel's where swapped in.
+    # Call the modeling module's function as transformers does, so the kernel runs where swapped in.
     q, k = sys.modules[type(self).__module__].apply_rotary_pos_emb(q, k, cos, sin)
     window = self.loom_sliding_window
     out, weights = _attention_function(self)(
@@ -187,11 +177,14 @@ def fuse_layer(layer: torch.nn.Module) -> bool:
         or type(mlp).__name__ not in LLAMA_MLPS
         or getattr(attn.config, "hidden_act", None) not in SILU
         or not isinstance(layer.post_attention_layernorm, FusedRMSNorm)
-        # transformers 5 layers return the hidden states alone (4.x: a tuple)
+        # _layer_forward returns the hidden states alone, as transformers 5 layers do (4.x:
+        # a tuple).
         or inspect.signature(type(layer).forward).return_annotation
         not in (torch.Tensor, "torch.Tensor")
     ):
         return False
+    # Packing cuts a decode step's launches, and the small k and v matmuls, which fall short
+    # of the memory's bandwidth alone, read their weights inside q's.
     qkv = pack_linears([attn.q_proj, attn.k_proj, attn.v_proj])
     gate_up = pack_linears([mlp.gate_proj, mlp.up_proj]) if qkv is not None else None
     if gate_up is None:
@@ -210,9 +203,8 @@ def install_fused_ops(model: torch.nn.Module) -> FusedModel:
     decoder layers. A model of another dtype than bf16 and float32, or on the CPU outside
     Triton's interpreter, keeps its ops. Call it last, once the model has its device,
     dtype and weights: packing copies q|k|v and gate|up into new tensors, which a later
-    conversion would leave behind. On CUDA, loomllm's own model also times
-    loomllm.workers.kernels.skinny_matmul against cuBLAS on each of its weight shapes, and takes the faster
-    for steps of a few rows.
+    conversion would leave behind. On CUDA, loomllm's own model also times skinny_matmul
+    against cuBLAS on each of its weight shapes, and takes the faster for steps of a few rows.
 
     The rotary swap is global to that modeling module in this process: every model of that
     architecture here runs it afterwards (a worker holds one model; in `loom bench

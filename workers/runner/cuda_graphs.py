@@ -1,19 +1,6 @@
 """DecodeGraphs: decode-only steps replayed from CUDA graphs captured at bucketed batch sizes.
 
-A decode step of a big model launches hundreds of small kernels, and eager PyTorch spends
-more host time launching them than the GPU spends running them at small batches. A CUDA
-graph launches them all at once. Graphs have fixed shapes and addresses, so each bucket
-(1, 2, 4, 8, ... up to max_num_seqs) is captured once over static input buffers; a step
-of n decodes is padded to the smallest bucket holding it. The padded rows compute token 0
-at position 0 and write their K/V into a scratch slot that no request owns (the runner
-allocates one block past the scheduler's), attending over that slot alone. The decode
-kernel's split-K is sized for the longest context the cache holds, as a graph cannot
-change it per step; rows past their own length skip the empty splits.
-
-Steps with a prefill (see workers/runner/mixed_graphs.py), with prompt logprobs, or wider than
-the largest bucket run eager.
-Without capture (`capture=False`) the same padded path runs eagerly: the CPU tests check
-it, in Triton's interpreter, against the unpadded eager path.
+Eager PyTorch spends more host time launching a small decode step's kernels than the GPU runs.
 """
 
 from __future__ import annotations
@@ -52,9 +39,9 @@ def capture_buckets(
     started = time.monotonic()
     graphs = {}
     for size in sorted(sizes, reverse=True):
-        # Once outside the capture: it compiles the size's new Triton kernel variants and
-        # lets cuBLAS pick its kernels (vLLM warms up once too). A second run would cost a
-        # start an eager forward a bucket, ~23 of them, and warms nothing more.
+        # One run outside the capture compiles the size's new Triton kernel variants and
+        # lets cuBLAS pick its kernels (vLLM warms up once too). A second run would add an
+        # eager forward per bucket to every start, and warm nothing more.
         run(size)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -69,7 +56,10 @@ def capture_buckets(
 
 
 class DecodeGraphs:
-    """Static buffers for the largest bucket, and one captured graph per bucket."""
+    """Static buffers for the largest bucket, and one captured graph per bucket.
+
+    A graph has fixed shapes and addresses, so a step of n decodes is padded to the smallest
+    bucket holding it. Steps with prompts or prompt logprobs, or wider than that, run eager."""
 
     def __init__(
         self,
@@ -146,7 +136,8 @@ class DecodeGraphs:
         return logits[:n]
 
     def _pad_from(self, n: int) -> None:
-        """Rows n.. compute a dummy token into the scratch slot, over that slot alone."""
+        """Rows n.. compute token 0 at position 0 into the scratch slot, over that slot alone:
+        the runner allocates one block past the scheduler's, which no request owns."""
         self.input_ids[0, n:].zero_()
         self.positions[0, n:].zero_()
         self.slots[n:].fill_(self._scratch_slot)
@@ -159,6 +150,8 @@ class DecodeGraphs:
             block_size=self.block_size,
             decode_tables=self.tables[:size],
             decode_lens=self.lens[:size],
+            # The split-K is sized for the longest context the cache holds, because a graph
+            # cannot change it per step; rows past their own length skip the empty splits.
             max_decode_len=self.max_blocks * self.block_size,
             prefill_tables=self.tables[:0],
             prefill_q_starts=self.lens[:0],

@@ -1,11 +1,5 @@
-"""How many bytes of KV cache a worker gets: the user's, a CPU default, or on CUDA what is left
-of the allowed share of the GPU after a profiling forward pass of a full step.
-
-On CUDA the weights are loaded first; then one step of `profile_tokens` prompt tokens (the
-engine's max_num_batched_tokens: the biggest step it will send) runs through a throwaway
-runner with just enough KV blocks, and its peak memory is set aside. The KV
-cache gets the rest of `gpu_memory_utilization` x the GPU's memory, counting everything
-already in use on the device (weights, the CUDA context, other processes).
+"""How many bytes of KV cache a worker gets: the user's, a CPU default, or on CUDA what is
+left of the allowed share of the GPU after a profiling forward pass of a full step.
 """
 
 from __future__ import annotations
@@ -33,7 +27,11 @@ def largest_step_tokens(options: dict[str, Any], max_model_len: int) -> int:
 def kv_cache_budget(
     loaded: Any, options: dict[str, Any], block_size: int, per_block: int, make_runner: Any
 ) -> float:
-    """Bytes for the KV cache. `make_runner(num_blocks)` builds a ModelRunner."""
+    """Bytes for the KV cache. `make_runner(num_blocks)` builds a ModelRunner.
+
+    On CUDA, with the weights loaded, the largest step the engine sends runs through a
+    throwaway runner; the cache gets the rest of `gpu_memory_utilization` x the GPU's memory,
+    counting all that is in use on the device (weights, the CUDA context, other processes)."""
     import torch
 
     if options.get("kv_cache_memory") is not None:

@@ -1,22 +1,6 @@
 """MixedGraphs: steps that compute prompt tokens beside decodes, replayed from CUDA graphs.
 
-A step that admits a request computes its prompt (or a chunk of it) beside the running
-decodes. Run eager, such a step costs what launching every kernel of the model costs on
-the host (~47 ms for an 8B model on an H100's host, measured in benchmarks/RESULTS.md),
-however few its tokens; and with more requests waiting than slots, one is admitted each
-time one finishes, so a few hundred steps of a run are such mixed steps. A mixed step is
-padded to the next token bucket (token_buckets: every 64 tokens up to 512, every 256
-beyond, up to the engine's largest step and at most MAX_MIXED_TOKENS) and replayed. A
-small model's 2048-token step is still host-bound (41 ms eager for a 0.5B model, where
-its arithmetic takes a few ms); a large model's is bound by its arithmetic either way.
-Every row, decodes too, goes through the prefill kernel from a tile list padded to the
-most the bucket can take (workers/attention_metadata.prefill_tiles), so the graph's
-grids are fixed. Padded tokens compute token 0 at position 0 into the scratch slot (as
-decode graphs' padded rows do) and no tile reads them; padded rows have no tiles;
-padded sampling rows read token 0. Steps with prompt logprobs run eager.
-
-Without capture (`capture=False`) the same padded path runs eagerly: the CPU tests check
-it, in Triton's interpreter, against the eager path.
+Eager, such a step costs the host a launch of every kernel of the model, however few its tokens.
 """
 
 from __future__ import annotations
@@ -36,7 +20,9 @@ from loomllm.workers.runner.cuda_graphs import capture_buckets, smallest_holding
 
 SMALL_BUCKET, SMALL_STEPS = 64, 512  # fine buckets where padding would cost most
 LARGE_BUCKET = 256
-MAX_MIXED_TOKENS = 2048  # the engine's default largest step (chunked prefill)
+# The engine's default largest step (chunked prefill); a small model's step of this many
+# tokens is still host-bound, where a large model's is bound by its arithmetic either way.
+MAX_MIXED_TOKENS = 2048
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -49,7 +35,12 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 
 class MixedGraphs:
-    """Static buffers for the largest bucket, and one captured graph per token bucket."""
+    """Static buffers for the largest bucket, and one captured graph per token bucket.
+
+    With more requests waiting than slots, one is admitted each time one finishes, so many
+    steps of a run are mixed. Every row, decodes too, goes through the prefill kernel from a
+    tile list padded to the most the bucket can take, so the graph's grids are fixed. Steps
+    with prompt logprobs run eager."""
 
     def __init__(
         self,
@@ -97,6 +88,7 @@ class MixedGraphs:
         return bool(self._graphs)
 
     def fits(self, num_tokens: int, num_rows: int, widest_table: int) -> bool:
+        """Whether a step of these tokens, rows and widest block table fits a bucket."""
         if num_tokens > self.max_tokens or widest_table > self.max_blocks:
             return False
         return num_rows <= self._rows(smallest_holding(self.sizes, num_tokens))
@@ -108,9 +100,9 @@ class MixedGraphs:
         """Capture every bucket in the memory pool `pool` (CUDA only)."""
         self._pad(0, 0, 0)
         self.tile_reqs.fill_(-1)
-        # Every graph writes its logits into this one buffer: a graph's own output stays
-        # allocated as long as the graph, [rows, vocab] for each of 14 buckets (~1 GB for a
-        # 150k vocabulary), while one step uses one at a time.
+        # Every graph writes its logits into this one buffer, because a graph's own output
+        # stays allocated as long as the graph, [rows, vocab] for each bucket, while a step
+        # uses one at a time.
         like = self._forward(self.sizes[-1])
         logits = torch.empty((self.max_rows, like.shape[-1]), dtype=like.dtype, device=like.device)
         del like
@@ -164,8 +156,9 @@ class MixedGraphs:
         return logits[:samples]
 
     def _pad(self, num_tokens: int, num_rows: int, num_samples: int) -> None:
-        """Tokens from num_tokens compute token 0 into the scratch slot; rows from
-        num_rows compute nothing; sampling rows from num_samples read token 0."""
+        """Tokens from num_tokens compute token 0 at position 0 into the scratch slot (as
+        decode graphs' padded rows do) and no tile reads them; rows from num_rows have no
+        tiles; sampling rows from num_samples read token 0."""
         self.input_ids[0, num_tokens:].zero_()
         self.positions[0, num_tokens:].zero_()
         self.slots[num_tokens:].fill_(self._scratch_slot)

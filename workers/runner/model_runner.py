@@ -1,11 +1,6 @@
 """ModelRunner: the worker's persistent batch, input packing, forward pass, KV cache and sampling.
 
-Each step the engine sends a SchedulerOutput diff; the runner updates its per-request
-state, packs every scheduled token of every request into one `[1, T]` batch with
-positions and cache slots, runs the model over the paged KV cache, and samples
-one token for each request whose prompt is complete. Requests that asked for
-`prompt_logprobs` also keep the logits of this step's prompt positions, to score the
-prompt token that follows each.
+Each step: apply the SchedulerOutput diff, pack all tokens into one [1, T] batch, run, sample.
 """
 
 from __future__ import annotations
@@ -45,12 +40,14 @@ from loomllm.workers.sample.token_filters import TokenFilters, bad_word_bans
 logger = logging.getLogger(__name__)
 G = TypeVar("G", DecodeGraphs, MixedGraphs)
 
-# torch: the reference, and the CPU's backend; triton: loomllm.workers.attention.triton_kernels (CUDA).
+# torch: the reference, and the CPU's backend; triton: attention/triton_kernels.py (CUDA).
 ATTENTION_BACKENDS = ("torch", "triton")
 
 
 @dataclass(slots=True)
 class CachedRequestState:
+    """What the runner keeps of one request between steps: a row of the persistent batch."""
+
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -122,7 +119,7 @@ class ModelRunner:
         self.idle_probe: DeviceIdleProbe | None = None  # set by start_idle_probe()
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_graphs()
         self.mixed_graphs: MixedGraphs | None = None  # set by enable_graphs()
-        self.grammars: GrammarCompiler | None = None  # for structured_outputs (worker_state)
+        self.grammars: GrammarCompiler | None = None  # for structured_outputs (worker/state.py)
         # Requests this launch could not take (RequestError), reported with its result.
         self._request_errors: list[RequestError] = []
 
@@ -130,6 +127,7 @@ class ModelRunner:
     def bytes_per_block(
         config: object, block_size: int, dtype: torch.dtype, tp_size: int = 1
     ) -> int:
+        """The KV cache's bytes for one block: K and V of every layer."""
         num_layers, num_kv_heads, head_dim = kv_geometry(config, tp_size)
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
@@ -169,6 +167,7 @@ class ModelRunner:
         self.idle_probe = DeviceIdleProbe(self.device)
 
     def stop_idle_probe(self) -> DeviceTime:
+        """The device's busy and idle time since `start_idle_probe`; the probe stops."""
         assert self.idle_probe is not None, "start_idle_probe() first"
         probe, self.idle_probe = self.idle_probe, None
         return probe.result()
@@ -177,7 +176,7 @@ class ModelRunner:
         """Forget every request (the attached engine went away, or a step failed)."""
         self.requests.clear()
         self._last = None
-        self._request_errors = []  # of requests gone with the rest
+        self._request_errors = []  # their requests are gone with the rest
 
     # -- persistent batch ----------------------------------------------------------------
 
@@ -208,8 +207,11 @@ class ModelRunner:
         )
         state.filters = TokenFilters.of(params, self.vocab_size, self.device)
         if params.structured_outputs is not None:
-            assert self.grammars is not None, "worker_state gives every runner its compiler"
-            # Compiled meanwhile; one that fails fails its request at its first sample.
+            assert self.grammars is not None, (
+                "the worker gives every runner its compiler (worker/state.py)"
+            )
+            # The grammar compiles while the step runs; if it fails, only its request fails,
+            # at its first sample.
             state.grammar = self.grammars.request_grammar(
                 params.structured_outputs, new.eos_token_ids
             )
@@ -300,7 +302,7 @@ class ModelRunner:
             and not prompt_idx
             and mixed.fits(len(input_ids), len(rows), max(len(st.block_ids) for st in rows))
         )
-        meta = None  # a mixed-step graph takes the rows as they are
+        meta = None  # a mixed-step graph builds its metadata from the rows themselves
         if triton and not replay_mixed:
             meta = paged_metadata(
                 self.kv_caches,

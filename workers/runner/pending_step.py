@@ -1,9 +1,6 @@
 """PendingStep: a launched step's sampled tokens, kept on the device until the host needs them.
 
-With async scheduling the next step is launched before this one's tokens are read back:
-its decode inputs take those tokens straight from the device tensor (`rows` says which
-row is whose), and the device-to-host copy overlaps the next forward. `result()` waits
-for the copy, appends the tokens to the requests' state and builds the StepResult once.
+With async scheduling the next step's decodes read them there while they copy to the host.
 """
 
 from __future__ import annotations
@@ -23,6 +20,8 @@ NOTHING_TO_SAMPLE = (
 
 @dataclass(eq=False)
 class PendingStep:
+    """One launched step; `result()` waits for the copy and builds its StepResult once."""
+
     call_id: int
     samplers: list[Any]  # the CachedRequestState of each sampled row, in row order
     sampled: torch.Tensor  # [B] int64 on the device: what the next step's decodes read

@@ -110,6 +110,8 @@ class SamplingMetadata:
 
 @dataclass(slots=True)
 class SamplerOutput:
+    """One step's sampled token of each row, with its logprob and the top logprobs asked for."""
+
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B] float32: raw log_softmax (before penalties) at the sampled id
     top_token_ids: list[list[int] | None]  # per row, sorted by logprob desc; None: not asked

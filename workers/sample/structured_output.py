@@ -1,11 +1,5 @@
 """Structured outputs on the worker: each constrained request's grammar (xgrammar), its matcher,
 and the token bitmask that keeps its next token inside the grammar.
-
-The worker, not the engine, holds the matchers: it samples the tokens, so it advances each
-matcher itself, and the engine's process never imports xgrammar (nor torch). A matcher
-advances lazily, by the output tokens its request holds when it next samples, so a
-preempted request (rebuilt with its output so far) and async scheduling (whose steps wait
-for the output ids of the step before, as penalties do) need nothing more.
 """
 
 from __future__ import annotations
@@ -24,8 +18,8 @@ from loomllm.workers.device.transfer import device_tensor, to_device
 
 logger = logging.getLogger(__name__)
 
-# Compiled grammars kept for reuse (xgrammar evicts the least recently used beyond it): about
-# 10 MB a JSON schema on a 49k vocabulary, and a server may see a new schema per request.
+# Compiled grammars kept for reuse (xgrammar evicts the least recently used beyond it): a JSON
+# schema's takes megabytes on a large vocabulary, and a server may see a new schema per request.
 GRAMMAR_CACHE_BYTES = 256 * 2**20
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")  # "[14:50:05] /project/x.cc:83: "
 
@@ -34,7 +28,9 @@ class GrammarCompiler:
     """Compiles a request's StructuredOutputsParams for one model's vocabulary.
 
     xgrammar (and the tokenizer's vocabulary it preprocesses) load on the first constrained
-    request, not at the worker's start. Compiled grammars are cached by xgrammar.
+    request, not at the worker's start. Compiled grammars are cached by xgrammar. The worker,
+    not the engine, holds the grammars: it samples the tokens, so it advances each matcher
+    itself, and the engine's process never imports xgrammar (nor torch).
     """
 
     def __init__(self, model_dir: str, vocab_size: int) -> None:
@@ -70,7 +66,7 @@ class GrammarCompiler:
         compiler = self._compiler(tuple(sorted(stop_token_ids)))
         try:
             if spec.json is not None:
-                # No free whitespace: a model could loop on it; json.dumps' separators.
+                # No free whitespace, because a model could loop on it: json.dumps' separators.
                 return compiler.compile_json_schema(spec.json, any_whitespace=False)
             if spec.json_object:  # an object (not any JSON value), held to the same whitespace
                 return compiler.compile_json_schema(
@@ -121,7 +117,9 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
 
 
 class RequestGrammar:
-    """One request's matcher, advanced by its output tokens as they come."""
+    """One request's matcher, advanced lazily by the output tokens its request holds when it
+    next samples: a preempted request (rebuilt with its output so far) and async scheduling
+    (whose steps wait for the output ids of the step before, as penalties do) need nothing more."""
 
     def __init__(self, compiled: Any) -> None:
         self._compiled = compiled  # an xgrammar CompiledGrammar, or a Future of one

@@ -1,7 +1,6 @@
-"""A request's allowed token ids and logit bias as device tensors, built once when the worker
-first sees the request, and applied to each step's logits without a per-step Python loop
-over them (a full vocabulary's worth each, for some requests); and the tokens its bad words
-ban at a step."""
+"""A request's allowed token ids and logit bias as device tensors, applied to each step's
+logits without a per-step Python loop; and the tokens its bad words ban at a step.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +16,9 @@ F32_MAX = torch.finfo(torch.float32).max
 
 @dataclass(frozen=True, slots=True)
 class TokenFilters:
+    """One request's allowed ids and logit bias on the device, built once when the worker first
+    sees it: some requests give a whole vocabulary's worth, too many to walk every step."""
+
     allowed: torch.Tensor | None  # [A] int64: the only ids it may sample; None: any
     bias_ids: torch.Tensor | None  # [K] int64
     bias_values: torch.Tensor | None  # [K] float32, within float32's range

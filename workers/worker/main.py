@@ -1,10 +1,6 @@
 """Worker process main: load the model, report READY to the manager, serve one engine at a time.
 
-Started only by the manager (`python -m loomllm.workers.worker.main ...`). It dies with the manager:
-EOF on its lifeline socket ends it cleanly, PR_SET_PDEATHSIG is the backstop. The data
-socket serves only the engine the manager lent the worker to: the one that presents the
-current lease's token. When that engine disconnects (closed, crashed or killed) the worker
-drops its state and stays warm for the next one.
+It dies with the manager: EOF on its lifeline ends it, and PR_SET_PDEATHSIG is the backstop.
 """
 
 from __future__ import annotations
@@ -57,6 +53,7 @@ ATTACH_WAIT_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The worker's command line; only the manager starts it (`python -m` or the zygote)."""
     p = argparse.ArgumentParser(prog="python -m loomllm.workers.worker.main")
     p.add_argument("--model", required=True)
     p.add_argument("--options", default="{}", help="JSON: dtype, device, ...")
@@ -169,6 +166,10 @@ class DataServer:
         return bool(self._lease) and hmac.compare_digest(token, self._lease)
 
     async def handle(self, stream: SocketStream) -> None:
+        """Serve one data connection. When its engine goes (closed, crashed or killed), the
+        worker drops the engine's state and stays warm for the next one.
+
+        Cancellation: the session's state is dropped as on a disconnect."""
         async with stream:
             # Small frames until the engine has shown the lease token (over TCP, anyone
             # can connect to a Ray rank's data port).

@@ -1,10 +1,6 @@
-"""A worker rank inside a Ray actor: the life of a local rank (workers/worker/main.py), over TCP.
+"""A worker rank inside a Ray actor: the life of a local rank (worker/main.py), over TCP.
 
-The manager (workers/manager/ray_group.py) places one RankActor per rank and calls `bind()`, then
-`serve()`, which runs until the manager closes the lifeline. The lifeline and the data
-listener are TCP sockets on the actor's node: the manager opens the lifeline with a
-secret only it was given; engines attach to the data port with their lease token.
-This module imports no ray at module level: the manager wraps RankActor with ray.remote.
+The manager wraps RankActor with ray.remote, so this module imports no ray at module level.
 """
 
 from __future__ import annotations
@@ -32,7 +28,11 @@ OPENING_WAIT_S = 5.0
 
 
 class RankActor:
-    """One rank of a Ray-placed worker group."""
+    """One rank of a Ray-placed worker group.
+
+    The manager (manager/ray_group.py) calls `bind()`, then `serve()`, which runs until it
+    closes the lifeline: a TCP socket on this node that it opens with a secret only it was
+    given. Engines attach to the data port, also TCP, with their lease token."""
 
     def __init__(self) -> None:
         self.host = ""

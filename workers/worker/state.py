@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Worker:
+    """One rank's model, runner and per-engine session (what collective_rpc's `fn` gets)."""
+
     rank: int
     world_size: int
     device: str
@@ -102,10 +104,9 @@ class Worker:
             runner.num_blocks,
             runner.block_size,
         )
-        # The model, its runner and the imports live as long as the worker: out of gc's full
-        # collections, which would otherwise stall a step now and then (runtime/engine/engine.py's
-        # _freeze_heap says what that costs in the engine's process). Collected first, so
-        # the loading's garbage cycles are not frozen with them.
+        # The model, its runner and the imports live as long as the worker, so they are kept
+        # out of gc's full collections, which would otherwise stall a step now and then.
+        # Collected first, so that the loading's garbage cycles are not frozen with them.
         gc.collect()
         gc.freeze()
         worker = cls(
@@ -115,6 +116,7 @@ class Worker:
         return worker
 
     def reset_session(self) -> None:
+        """Drop the attached engine's state, so the next engine starts clean."""
         self.session.clear()
         self.runner.reset()
         self.reseed()
@@ -129,6 +131,7 @@ class Worker:
             torch.manual_seed(self.seed)
 
     def shutdown(self) -> None:
+        """Leave the torch.distributed group, if this rank joined one."""
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
@@ -159,7 +162,7 @@ def cuda_device_index(
 def _share_cores(num_replicas: int) -> None:
     """Give each data-parallel replica its share of the CPU cores: every replica at torch's
     default (all cores) oversubscribes them, and OpenMP's spinning threads then starve one
-    replica of another (measured: a 2-replica server split its load 27/73, not 50/50).
+    replica of another.
     Tensor-parallel ranks keep the default: they run in lockstep, and their greedy tokens
     stay those of one rank."""
     if num_replicas > 1:

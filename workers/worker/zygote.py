@@ -1,18 +1,6 @@
 """The zygote: an interpreter with a worker's imports already done, that forks workers.
 
-Importing torch (and transformers' modeling code, for models outside loomllm.workers.models.llama.model)
-takes most of a worker's start (seconds, against well under a second for a tiny model's
-weights), so the manager keeps one of these and asks it for each rank: the fork inherits
-the imports and goes straight to `loomllm.workers.worker.main.main`. The zygote never touches CUDA and
-never runs a torch op, so the fork is safe (no CUDA context, no OpenMP pool, no other
-thread).
-
-Started only by the manager (workers/manager/zygote_client.py), with one end of a SOCK_SEQPACKET
-socketpair. Each message from the manager is a JSON list of worker arguments with two
-file descriptors attached (the rank's lifeline socket and its log file); the zygote
-answers {"spawned": pid}, and later {"exited": pid, "code": returncode} for every child
-that ends (a negative code is a signal, as in `subprocess`). EOF from the manager ends
-the zygote; its children die with it (PR_SET_PDEATHSIG), as they would with the manager.
+Importing torch is most of a worker's start, so each rank is a fork that inherits the imports.
 """
 
 from __future__ import annotations
@@ -44,15 +32,15 @@ PRELOAD = (
     "loomllm.workers.runner.model_runner",
     "loomllm.workers.attention.paged",
     "loomllm.workers.sample.sampler",
-    "loomllm.workers.models.fused_layers",  # the CUDA path's kernels (and triton), where triton is installed
+    # The CUDA path's kernels (and triton), where triton is installed.
+    "loomllm.workers.models.fused_layers",
 )
-# What only a model outside loomllm.workers.models.llama.model needs (transformers' modeling code: 2.6 of a
-# worker's 4.2 s of imports here, 8-10 of 14.5-18 s on an H100 host) or a GGUF conversion:
-# imported after the zygote is ready, one module at a time while no request waits, from
-# shortly after its first fork on (or LATER_AFTER_S after it is ready), so that a cold
-# start's first worker is forked without waiting for them. A request that comes in during
-# one of them waits for it to end (a data-parallel replica's, say, asked for once the
-# previous replica has loaded its model).
+# What only a model outside models/llama/ needs (transformers' modeling code, most of a
+# worker's imports) or a GGUF conversion: imported after the zygote is ready, one module at
+# a time while no request waits, from shortly after its first fork on (or LATER_AFTER_S
+# after it is ready), so that a cold start's first worker is forked without waiting for
+# them. A request that comes in during one of them waits for it to end (a data-parallel
+# replica's, say, asked for once the previous replica has loaded its model).
 PRELOAD_LATER = (
     "transformers",
     # What transformers.modeling_utils imports, in smaller pieces: a request waits for the
@@ -73,6 +61,7 @@ LATER_AFTER_FORK_S = 0.5
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The zygote's command line; only the manager starts it (manager/zygote_client.py)."""
     p = argparse.ArgumentParser(prog="python -m loomllm.workers.worker.zygote")
     # The manager's directory is only named so that the zygote and every worker forked
     # from it show it in their command line (ps, and the tests' leak checks).
@@ -102,14 +91,20 @@ def preload(name: str) -> None:
         __import__(name)
     except Exception as exc:  # an optional part, or one broken by a dependency of its own
         logger.info("not preloaded: %s (%s: %s)", name, type(exc).__name__, exc)
-    # The imports are every worker's: frozen before the forks, gc's full collections in
-    # the workers skip them, and write to (copy) fewer of their pages.
+    # The imports are every worker's. Frozen before the forks, they are skipped by the
+    # workers' full gc collections, which then write to (and so copy) fewer shared pages.
     gc.freeze()
 
 
 class Zygote:
     """The fork loop: requests from the manager in, children's pids and exits out; the
-    `later` imports in between."""
+    `later` imports in between.
+
+    The channel is one end of a SOCK_SEQPACKET socketpair. Each request is a JSON list of
+    worker arguments with two file descriptors attached (the rank's lifeline and its log
+    file); the answer is {"spawned": pid}, and later {"exited": pid, "code": returncode}
+    for every child that ends (a negative code is a signal, as in `subprocess`). EOF from
+    the manager ends the zygote; its children die with it (PR_SET_PDEATHSIG)."""
 
     def __init__(self, channel: socket.socket, later: list[str] | None = None) -> None:
         self.channel = channel
@@ -124,6 +119,7 @@ class Zygote:
         signal.set_wakeup_fd(self._wake_write)
 
     def serve(self) -> None:
+        """Fork workers on request and report their exits, until the manager goes."""
         selector = selectors.DefaultSelector()
         selector.register(self.channel, selectors.EVENT_READ, "request")
         selector.register(self._wake_read, selectors.EVENT_READ, "child")
@@ -162,6 +158,8 @@ class Zygote:
             return True
         sys.stdout.flush()
         sys.stderr.flush()
+        # The fork is safe because the zygote never touches CUDA nor runs a torch op: no
+        # CUDA context, no OpenMP pool, no other thread.
         pid = os.fork()
         if pid == 0:
             self._become_worker(worker_args, lifeline, log)  # never returns

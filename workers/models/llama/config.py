@@ -1,10 +1,5 @@
-"""What loomllm.workers.models.llama.model runs, read from a config.json without transformers (whose config
-classes import its modeling code): the model's shape, or why it is left to transformers;
-and RoPE's inverse frequencies, computed as transformers computes them.
-
-A config this does not fully understand (a RoPE type other than default, linear and
-llama3, Qwen's sliding windows, quantization, a missing field whose default differs
-between the architectures) is declined: `read_shape` says why.
+"""What llama/model.py runs, read from config.json without transformers: the model's shape, or
+why it is left to transformers; and RoPE's inverse frequencies, computed as transformers does.
 """
 
 from __future__ import annotations
@@ -51,7 +46,7 @@ REQUIRED = (
 @dataclass(frozen=True, slots=True)
 class DecoderShape:
     """What the model is made of, from config.json; field names as in transformers' configs
-    (loomllm.workers.runner.kv_sizing.kv_geometry reads them)."""
+    (runner/kv_sizing.py's kv_geometry reads them)."""
 
     architecture: str
     vocab_size: int
@@ -84,7 +79,12 @@ class DecoderShape:
 
 
 def read_shape(config_path: Path) -> tuple[DecoderShape | None, str]:
-    """The model's shape if this module runs it, else None and why not."""
+    """The model's shape if this module runs it, else None and why not.
+
+    A config it does not fully understand (a RoPE type other than default, linear and llama3,
+    Qwen's sliding windows, quantization, a missing field whose default differs between the
+    architectures) is declined. It reads the JSON itself because transformers' config classes
+    import its modeling code."""
     try:
         config = json.loads(Path(config_path).read_text())
     except (OSError, ValueError) as exc:

@@ -1,17 +1,6 @@
 """loomllm's own Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): its modules and forward.
 
-Why: importing transformers' modeling code (torch._dynamo, torch.distributed.tensor and sympy
-come with it) was most of a cold start's imports: 2.6 of 4.2 s here, 8-10 of 14.5-18 s on
-the H100 host. The model also packs q|k|v and gate|up into one matmul each from the start,
-and on the CUDA path runs the fused kernels of loomllm.workers.kernels.fused_ops, the residual add of each
-layer inside the next layer's norm, the write of K and V into the cache inside the rotary
-embedding's kernel (in a decode-only step, both inside the decode attention's kernel), and
-(where a worker measured it faster than cuBLAS) the matmuls of steps of a few rows
-through loomllm.workers.kernels.skinny_matmul.
-
-The arithmetic is transformers' eager one, rounding for rounding, so greedy tokens match
-HF `generate` (tests/test_llama_family.py, and the parity tests through the engine). Its
-shape comes from loomllm.workers.models.llama.config, its weights from loomllm.workers.models.llama.weights.
+Its arithmetic is transformers' eager one, rounding for rounding, so greedy tokens match HF's.
 """
 
 from __future__ import annotations
@@ -28,10 +17,9 @@ from loomllm.workers.models.llama.config import DecoderShape
 
 class Linear(torch.nn.Linear):
     """nn.Linear with no initialization: `build` fills the weights (no time spent drawing
-    random values that the checkpoint's replace). `skinny`: a few rows run
-    loomllm.workers.kernels.skinny_matmul's kernel (set where it measured faster than cuBLAS). `gated`:
-    a gate|up projection, whose kernel computes SiLU times up too (what `skinny` was timed
-    on)."""
+    random values that the checkpoint's replace). `skinny`: a few rows run skinny_matmul's
+    kernel (set where `skinny_matmul.pick` timed it faster than cuBLAS). `gated`: a gate|up
+    projection, whose kernel computes SiLU times up too (what `skinny` was timed on)."""
 
     skinny = False
     gated = False
@@ -119,11 +107,12 @@ def _causal_attention(
 
 
 class Attention(torch.nn.Module):
+    """Self-attention with q|k|v as one matmul, over the paged KV cache (or causal without)."""
+
     def __init__(self, shape: DecoderShape, layer_idx: int) -> None:
         super().__init__()
-        self.layer_idx = (
-            layer_idx  # loomllm.workers.attention.paged finds the layer's KV cache by it
-        )
+        # attention/paged.py finds the layer's KV cache by it.
+        self.layer_idx = layer_idx
         self.shape = shape
         size = shape.q_size + 2 * shape.kv_size
         self.qkv_proj = Linear(shape.hidden_size, size, bias=shape.qkv_bias)
@@ -197,6 +186,8 @@ class Attention(torch.nn.Module):
 
 
 class MLP(torch.nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate|up as one matmul."""
+
     def __init__(self, shape: DecoderShape) -> None:
         super().__init__()
         self.intermediate_size = shape.intermediate_size
@@ -208,7 +199,8 @@ class MLP(torch.nn.Module):
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and self.gate_up_proj.runs_skinny(x):  # the activation in its epilogue
+        # The skinny kernel computes the activation in its epilogue.
+        if self.fused and self.gate_up_proj.runs_skinny(x):
             from loomllm.workers.kernels.skinny_matmul import skinny_silu_linear
 
             weight, bias = self.gate_up_proj.weight, self.gate_up_proj.bias
@@ -223,6 +215,8 @@ class MLP(torch.nn.Module):
 
 
 class DecoderLayer(torch.nn.Module):
+    """Norm, attention, norm, MLP, with each residual add inside the norm after it."""
+
     def __init__(self, shape: DecoderShape, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
@@ -251,6 +245,8 @@ class DecoderLayer(torch.nn.Module):
 
 
 class DecoderModel(torch.nn.Module):
+    """The embedding, the decoder layers and the final norm, named as in checkpoints."""
+
     def __init__(self, shape: DecoderShape) -> None:
         super().__init__()
         self.embed_tokens = Embedding(shape.vocab_size, shape.hidden_size)
@@ -265,13 +261,16 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
     position_ids=[1, T], attn_metadata=..., logits_to_keep=indices).logits`; or with no
     attn_metadata, `model(input_ids [B, T]).logits`: each row one causal sequence, no KV
     cache (checks and tests). Parameter names are the checkpoint's, with q|k|v packed as
-    `qkv_proj` and gate|up as `gate_up_proj` (`copy_weights` maps them)."""
+    `qkv_proj` and gate|up as `gate_up_proj` (`copy_weights` maps them). It exists because
+    importing transformers' modeling code, with torch._dynamo, torch.distributed.tensor and
+    sympy, was most of a worker's cold start."""
 
     def __init__(self, shape: DecoderShape) -> None:
         super().__init__()
         self.shape = shape
         self.model = DecoderModel(shape)
-        if shape.tie_word_embeddings:  # the embedding's weight (tie_weights): none of its own
+        # A tied lm_head gets the embedding's weight from tie_weights, so its own is not allocated.
+        if shape.tie_word_embeddings:
             with torch.device("meta"):
                 self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
         else:
@@ -308,7 +307,8 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         return CausalLMOutput(self.lm_head(hidden))
 
     def use_fused_kernels(self) -> tuple[int, int]:
-        """Run loomllm.workers.kernels.fused_ops' kernels from now on: (RMSNorm modules, decoder layers)."""
+        """Run fused_ops' kernels from now on (each residual add inside a norm's kernel, K/V
+        written inside the rotary's or the decode attention's): (RMSNorm modules, layers)."""
         norms = [m for m in self.modules() if isinstance(m, RMSNorm)]
         for norm in norms:
             norm.fused = True

@@ -1,4 +1,4 @@
-"""loomllm.workers.models.llama.model's model built on a device: its weights from a safetensors checkpoint
+"""The model of llama/model.py built on a device: its weights from a safetensors checkpoint
 (q|k|v and gate|up packed as they are copied) or drawn at random ("dummy")."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def build(
     """The model on `device` in `dtype`: its weights read from model_dir's safetensors, or
     random ("dummy", drawn as transformers initializes them, on the device)."""
     # Uninitialized tensors, made where they run in the dtype they run in: every one is
-    # filled below. (Not on the meta device: moving from it imports sympy, 0.3 s.)
+    # filled below. (Not on the meta device, because moving from it imports sympy, a slow import.)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
