@@ -8,6 +8,7 @@ from __future__ import annotations
 # Standard library only: a GPU host runs this before the wheels it carries are installed.
 import argparse
 import dataclasses
+import importlib.util
 import os
 import signal
 import subprocess
@@ -210,6 +211,11 @@ def install_wheels(wheels: Path, site: Path, env: dict[str, str]) -> str:
     PYTHONPATH; what was done, for the summary."""
     found = sorted(wheels.glob("*.whl"))
     if not found:
+        if importlib.util.find_spec("loomllm") is None:
+            raise SystemExit(
+                f"{PROG}: no wheels in {wheels} and loomllm is not installed here: "
+                "run `make gpu-wheels` and carry .whl/, or install this checkout"
+            )
         return f"no wheels in {wheels}: the packages there are used as they are"
     subprocess.run(
         [

@@ -158,7 +158,7 @@ def start_sequence(args: argparse.Namespace, model_impl: str) -> float:
             ]
         finally:
             subprocess.run(
-                [sys.executable, "-m", "loomllm.workers.manager", "stop"],
+                [sys.executable, "-P", "-m", "loomllm.workers.manager", "stop"],
                 env=env,
                 capture_output=True,
                 timeout=120,

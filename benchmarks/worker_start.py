@@ -43,7 +43,7 @@ def run_side(model: str, count: int, zygote: bool) -> list[float]:
     socket = Path(tempfile.mkdtemp(prefix="loom-bench-", dir="/tmp")) / "m.sock"
     env = {**os.environ, "LOOM_MANAGER_SOCKET": str(socket)}
     env["LOOM_WORKER_ZYGOTE"] = "1" if zygote else "0"
-    manager = [sys.executable, "-m", "loomllm.workers.manager"]
+    manager = [sys.executable, "-P", "-m", "loomllm.workers.manager"]
     subprocess.run([*manager, "start"], env=env, check=True, capture_output=True)
     try:
         if zygote:

@@ -1,16 +1,16 @@
-"""Errors raised while framing, encoding or decoding what crosses a process boundary.
-
-ProtocolError                 anything wrong with the bytes or messages a peer sent
-├── FrameTooLargeError        a length prefix above the connection's max frame size
-├── TruncatedFrameError       the stream ended in the middle of a frame
-├── MalformedMessageError     a frame that is not a well-formed message
-│   └── UnknownMessageError   a well-formed body with a type code nobody registered
-├── VersionMismatchError      HELLO/WELCOME carried another protocol_version
-├── UnexpectedMessageError    a valid message at a point where another was expected
-└── SilentPeerError           a client that connected and did not open the conversation
-"""
+"""Errors raised while framing, encoding or decoding what crosses a process boundary."""
 
 from __future__ import annotations
+
+# The exception tree:
+# ProtocolError                 anything wrong with the bytes or messages a peer sent
+# ├── FrameTooLargeError        a length prefix above the connection's max frame size
+# ├── TruncatedFrameError       the stream ended in the middle of a frame
+# ├── MalformedMessageError     a frame that is not a well-formed message
+# │   └── UnknownMessageError   a well-formed body with a type code nobody registered
+# ├── VersionMismatchError      HELLO/WELCOME carried another protocol_version
+# ├── UnexpectedMessageError    a valid message at a point where another was expected
+# └── SilentPeerError           a client that connected and did not open the conversation
 
 
 class ProtocolError(Exception):

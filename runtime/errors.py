@@ -1,16 +1,16 @@
-"""Errors the engine raises to its users.
-
-LoomError
-├── EngineDeadError       a worker died or its connection broke; the engine is done
-├── EngineClosedError     the engine was used outside its `async with` block
-├── EngineStepError       the worker raised in a step; those requests fail, others go on
-├── RequestRefusedError   the workers could not serve one request (also a ValueError)
-├── ManagerError          the engine-manager could not be reached, started, or refused us
-│   └── WorkerStartError  the manager could not start workers (bad model, no memory, ...)
-└── RemoteCallError       a collective_rpc callable raised on a worker (worker still sound)
-"""
+"""Errors the engine raises to its users."""
 
 from __future__ import annotations
+
+# The exception tree:
+# LoomError
+# ├── EngineDeadError       a worker died or its connection broke; the engine is done
+# ├── EngineClosedError     the engine was used outside its `async with` block
+# ├── EngineStepError       the worker raised in a step; those requests fail, others go on
+# ├── RequestRefusedError   the workers could not serve one request (also a ValueError)
+# ├── ManagerError          the engine-manager could not be reached, started, or refused us
+# │   └── WorkerStartError  the manager could not start workers (bad model, no memory, ...)
+# └── RemoteCallError       a collective_rpc callable raised on a worker (worker still sound)
 
 
 class LoomError(Exception):

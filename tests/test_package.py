@@ -4,6 +4,7 @@ daemon's and the workers' modules load none of the user's side."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -32,21 +33,25 @@ def loaded_after(code: str) -> set[str]:
     return set(json.loads(out.stdout.splitlines()[-1]))
 
 
-def source_packages() -> set[str]:
-    """Every package of the source tree, under the name it is installed as."""
-    packages = set()
+def source_modules() -> set[str]:
+    """Every module file of the source tree, as a path inside the installed wheel."""
+    found = set()
     for name, folder in SOURCE_FOLDERS.items():
-        for init in (REPO_ROOT / folder).rglob("__init__.py"):
-            parts = init.parent.relative_to(REPO_ROOT / folder).parts
-            packages.add(".".join((name, *parts)))
-    return packages
+        for path in (REPO_ROOT / folder).rglob("*.py"):
+            inside = path.relative_to(REPO_ROOT / folder).as_posix()
+            found.add(f"{name.replace('.', '/')}/{inside}")
+    return found
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # A copy of the sources: a build in the checkout would reuse the files its build/ holds.
+    source = out / "source"
+    leave_out = shutil.ignore_patterns("build", "*.egg-info", ".*", "__pycache__", "tests")
+    shutil.copytree(REPO_ROOT, source, ignore=leave_out)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO_ROOT), "--no-deps", "-q", "-w", str(out)],
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "-q", "-w", str(out)],
         check=True,
         capture_output=True,
         timeout=300,
@@ -55,14 +60,11 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
-def test_the_wheel_holds_one_top_level_package_with_every_subpackage(wheel):
+def test_the_wheel_holds_one_top_level_package_with_every_module(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert top == {"loomllm"}
-    packages = {
-        name.rsplit("/", 1)[0].replace("/", ".") for name in names if name.endswith("__init__.py")
-    }
-    assert packages == source_packages()
+    assert {name for name in names if name.endswith(".py")} == source_modules()
     assert not [name for name in names if "/tests/" in name or name.startswith("tests/")]
 
 

@@ -54,7 +54,7 @@ def app_folder(tmp_path: Path) -> Path:
     return app
 
 
-def test_the_app_folder_shadows_nothing(app_folder: Path):
+def test_the_app_folders_own_modules_do_raise(app_folder: Path):
     result = subprocess.run(
         [sys.executable, "-c", "import protocols"], cwd=app_folder, capture_output=True, text=True
     )
@@ -78,8 +78,9 @@ def test_script_in_an_app_folder_runs_on_asyncio_and_trio(how, app_folder, tiny_
     assert result.stdout.split("\n")[:2] == ["asyncio tokens 3", "trio tokens 3"]
 
 
-def test_loom_serve_from_an_app_folder_answers(app_folder, tiny_model, shared_manager):
-    with loom_serve(tiny_model, shared_manager.socket, "tiny", cwd=app_folder) as server:
+def test_loom_serve_from_an_app_folder_answers(app_folder, tiny_model, manager):
+    # A fresh manager socket: `loom serve` starts the daemon, and so its workers, from here.
+    with loom_serve(tiny_model, manager.socket, "tiny", cwd=app_folder) as server:
         body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 3, "ignore_eos": True}
         answer = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()
     assert answer["usage"]["completion_tokens"] == 3, answer

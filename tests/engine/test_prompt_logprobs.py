@@ -132,9 +132,9 @@ async def test_server_echo_with_logprobs(tiny_model, shared_manager):
         "temperature": 0,
         "ignore_eos": True,
     }
-    async with running(tiny_model, shared_manager) as (chunked_engine, client):
+    async with running(tiny_model, shared_manager) as (engine, client):
         expected = await final(
-            chunked_engine,
+            engine,
             {"prompt_token_ids": prompt_ids},
             SamplingParams(
                 temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=2

@@ -5,13 +5,12 @@ Engine, driven with httpx. Bodies, streaming, errors, API key, disconnect. async
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import anyio
 import httpx
 import pytest
-from support.servers import NAME, assert_error, running, sse_events
+from support.servers import NAME, assert_error, free_port, running, sse_events
 
 from loomllm import Engine
 
@@ -398,9 +397,7 @@ def test_loom_serve_cli_stops_cleanly_on_sigterm(tiny_model, shared_manager, loo
     import sys
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",

@@ -2,8 +2,6 @@
 
 `fault_report.record(name, passed, run, worst_s)` adds a row; tests/conftest.py prints the
 table at the end of the pytest run (terminal summary), so CI's log carries the figures.
-A module, not tests/reliability/conftest.py: a second conftest would shadow the first one's
-name in `from conftest import ...`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Schemathesis hooks for test_openapi_schemathesis.py, loaded through SCHEMATHESIS_HOOKS.
+"""Schemathesis hooks for server/openai/test_openapi.py, loaded through SCHEMATHESIS_HOOKS.
 
 positive_data_acceptance wants every schema-valid body answered 2xx, but five of the server's
 rules are beyond JSON Schema: a prompt (or the rendered messages) must encode to 1 to

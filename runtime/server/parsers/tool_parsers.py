@@ -101,7 +101,8 @@ class AutoToolDeltas:
         return delta or None, None
 
     def _advance(self, state: _Choice, text: str, last: bool) -> tuple[str, list[Any]]:
-        content, calls = "", list[Any]()
+        content = ""
+        calls: list[Any] = []
         state.held = ""
 
         def as_text(piece: str) -> None:  # text outside calls: content until the first call
