@@ -1,0 +1,143 @@
+"""Which CPU linear kernel (dense, int8, int4) is fastest for each weight shape and batch size on
+this machine: measured once at a worker's start, then cached per machine in the cache dir.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loomllm.workers.kernels.cpu_linear import (
+    GroupwiseInt4,
+    Int4Linear,
+    Int8Linear,
+    fits_int4,
+    fits_int8,
+)
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("dense", "int8", "int4")
+# The batch sizes a choice is made for; a step of M rows uses the nearest one.
+BATCH_SIZES = (1, 8, 32, 128)
+_MEASURE_S = 0.02  # each candidate's timing loop, after one warm-up call
+_PRUNE_RATIO = 4.0
+_CACHE_FORMAT = 1
+
+Shape = tuple[int, int]  # (in_features, out_features)
+Choice = tuple[str, ...]  # the kind for each of BATCH_SIZES
+
+
+def batch_index(rows: int) -> int:
+    """Which of BATCH_SIZES a step of `rows` rows is closest to, on a log scale."""
+    ratio = [abs(math.log(max(rows, 1) / size)) for size in BATCH_SIZES]
+    return ratio.index(min(ratio))
+
+
+def machine_key(dtype: torch.dtype) -> str:
+    """What a measurement depends on: the CPU, its flags, torch, the threads, the dtype."""
+    model, flags = platform.processor(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{model}\0{flags}\0{torch.__version__}\0{torch.get_num_threads()}\0{dtype}"
+    return hashlib.sha256(f"{text}\0{_CACHE_FORMAT}".encode()).hexdigest()[:16]
+
+
+def _seconds_per_call(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()  # warm-up; where one call takes long already, its time is the answer
+    first = time.perf_counter() - started
+    if first >= _MEASURE_S:
+        return first
+    calls, started = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - started
+        if elapsed >= _MEASURE_S:
+            return elapsed / calls
+
+
+def measure(shape: Shape, kinds: Iterable[str], dtype: torch.dtype) -> Choice:
+    """The fastest of `kinds` at each batch size, timed on random weights of `shape`. A
+    kernel far slower than the best at one batch size is not timed at the bigger ones: the
+    quantized kernels' cost grows with the rows faster than the dense matmul's."""
+    in_features, out_features = shape
+    weight = torch.randn(out_features, in_features) * 0.02
+    kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    for kind in kinds:
+        if kind == "dense":
+            dense = weight.to(dtype)
+            kernels[kind] = lambda x, dense=dense: F.linear(x, dense)
+        elif kind == "int8" and fits_int8(in_features):
+            kernels[kind] = Int8Linear(weight, dtype)
+        elif kind == "int4" and fits_int4(in_features, out_features):
+            kernels[kind] = Int4Linear(GroupwiseInt4.from_dense(weight), dtype)
+    choice = []
+    for rows in BATCH_SIZES:
+        x = torch.randn(rows, in_features).to(dtype)
+        timed = {kind: _seconds_per_call(lambda k=k, x=x: k(x)) for kind, k in kernels.items()}
+        best = min(timed, key=timed.__getitem__)
+        choice.append(best)
+        kernels = {k: v for k, v in kernels.items() if timed[k] <= _PRUNE_RATIO * timed[best]}
+    return tuple(choice)
+
+
+def choose(
+    shapes: dict[Shape, frozenset[str]], dtype: torch.dtype, cache_dir: Path | None
+) -> dict[Shape, Choice]:
+    """For each shape, the kernel to run at each of BATCH_SIZES among the kinds its weights
+    allow; measurements are read from and added to `cache_dir/<machine>.json`."""
+    cache_file = cache_dir / f"{machine_key(dtype)}.json" if cache_dir else None
+    cached: dict[str, list[str]] = {}
+    if cache_file is not None and cache_file.is_file():
+        try:
+            cached = json.loads(cache_file.read_text())
+        except ValueError:
+            cached = {}
+    choices: dict[Shape, Choice] = {}
+    measured = False
+    started = time.perf_counter()
+    for shape, kinds in shapes.items():
+        if len(kinds) == 1:
+            choices[shape] = (next(iter(kinds)),) * len(BATCH_SIZES)
+            continue
+        key = f"{shape[0]}x{shape[1]}:{','.join(sorted(kinds))}"
+        found = cached.get(key)
+        if found is None or len(found) != len(BATCH_SIZES) or not set(found) <= kinds:
+            found = list(measure(shape, sorted(kinds), dtype))
+            cached[key] = found
+            measured = True
+        choices[shape] = tuple(found)
+    if measured and cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+        os.replace(tmp, cache_file)  # atomic: a concurrent worker reads the old or the new
+        logger.info("CPU linear kernels measured in %.1f s", time.perf_counter() - started)
+    return choices
+
+
+def describe(choices: dict[Shape, Choice]) -> str:
+    """One line a shape: `576x960: int8@1 int8@8 dense@32 dense@128`."""
+    return "; ".join(
+        f"{k}x{n}: " + " ".join(f"{kind}@{m}" for kind, m in zip(choice, BATCH_SIZES, strict=True))
+        for (k, n), choice in sorted(choices.items())
+    )

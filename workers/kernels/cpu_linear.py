@@ -1,0 +1,102 @@
+"""Weight-only quantized linear layers on the CPU: torch's packed int4 (groups of 32 along the
+input, with a scale and a zero each) and int8 (one scale per output channel) kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP_SIZE = 32
+# The int4 kernel dequantizes a code q as (q - 8) * scale + zero: zero is w at q == 8.
+INT4_MIDPOINT = 8
+
+
+@dataclass(frozen=True)
+class GroupwiseInt4:
+    """A weight [N, K] as 4-bit codes in groups of GROUP_SIZE along K:
+    w = (q - 8) * scale + zero, which holds GGUF's Q4_0, Q4_1 and Q4_K blocks exactly."""
+
+    codes: torch.Tensor  # [N, K] int32 in [0, 15]
+    scale: torch.Tensor  # [N, K // GROUP_SIZE] float32
+    zero: torch.Tensor  # [N, K // GROUP_SIZE] float32
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [N, K] in float32."""
+        n, k = self.codes.shape
+        codes = self.codes.view(n, k // GROUP_SIZE, GROUP_SIZE).float() - INT4_MIDPOINT
+        return (codes * self.scale[..., None] + self.zero[..., None]).view(n, k)
+
+    def rows(self, index: torch.Tensor) -> GroupwiseInt4:
+        """The weight with its rows reordered (or picked) by `index`."""
+        return GroupwiseInt4(self.codes[index], self.scale[index], self.zero[index])
+
+    @staticmethod
+    def cat(parts: list[GroupwiseInt4]) -> GroupwiseInt4:
+        """Weights stacked along N, as q|k|v and gate|up are packed."""
+        return GroupwiseInt4(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.zero for p in parts]),
+        )
+
+    @staticmethod
+    def from_dense(weight: torch.Tensor) -> GroupwiseInt4:
+        """Round-to-nearest asymmetric int4 of a float weight [N, K], each group's range
+        mapped onto the 16 codes (quantization on load)."""
+        n, k = weight.shape
+        groups = weight.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(-1), groups.amax(-1)
+        # A constant group keeps scale 1: its codes are all 0 and zero carries the value.
+        scale = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
+        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+        zero = low + INT4_MIDPOINT * scale
+        return GroupwiseInt4(codes.to(torch.int32).view(n, k), scale, zero)
+
+
+def fits_int4(in_features: int, out_features: int) -> bool:
+    """Whether torch's CPU int4 pack takes a weight of this shape."""
+    return in_features % GROUP_SIZE == 0 and out_features % 16 == 0
+
+
+def fits_int8(in_features: int) -> bool:
+    """Whether torch's CPU int8 kernel takes this input width: its bfloat16 path crashes on
+    rows that are not whole vectors (seen at 72 columns), so whole groups only."""
+    return in_features % GROUP_SIZE == 0
+
+
+class Int4Linear:
+    """x @ w.T with w packed as torch's CPU int4 kernel reads it (computed in x's dtype)."""
+
+    def __init__(self, weight: GroupwiseInt4, dtype: torch.dtype) -> None:
+        self.out_features = weight.codes.shape[0]
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(weight.codes.contiguous(), 1)
+        # [K // GROUP_SIZE, N, 2]: each group's (scale, zero), as the kernel reads them.
+        scale_zero = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1)
+        self.scale_zero = scale_zero.contiguous().to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scale_zero)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear:
+    """x @ w.T with w as int8 codes and one scale per output channel (symmetric)."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        weight = weight.float()
+        self.out_features = weight.shape[0]
+        scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        self.codes = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.scale = scale.to(dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [N, K] this layer computes with, in float32."""
+        return self.codes.float() * self.scale.float()[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch._weight_int8pack_mm(rows, self.codes, self.scale)
+        return out.view(*x.shape[:-1], self.out_features)
