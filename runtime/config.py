@@ -21,6 +21,11 @@ LOAD_FORMATS = ("auto", "dummy")
 # "auto": loomllm's own Llama-family model where it runs the checkpoint, else transformers'
 # modeling code; "loom": its own or an error; "transformers": transformers' (vLLM's option).
 MODEL_IMPLS = ("auto", "loom", "transformers")
+# Weight-only quantization on the CPU (vLLM's option name). None: a GGUF file runs as it is
+# stored; "none": dequantized; "int8" / "int4": a float checkpoint quantized on load.
+QUANTIZATIONS = (None, "none", "gguf", "int8", "int4")
+# The CPU linear kernel: "auto" runs what was measured fastest for each shape and batch size.
+CPU_LINEAR_KERNELS = ("auto", "dense", "int8", "int4")
 # "local": ranks are processes the engine-manager starts on this machine; "ray": actors
 # it places in an existing Ray cluster (address: $RAY_ADDRESS, else the local node's).
 EXECUTOR_BACKENDS = ("local", "ray")
@@ -39,6 +44,8 @@ class EngineConfig:
     # A float32 model's linear weights stored in 16 bits (workers/models/half_weights.py):
     # faster decode on CPUs, at some accuracy cost. None: as `dtype`.
     weight_dtype: str | None = None
+    quantization: str | None = None  # QUANTIZATIONS
+    cpu_linear_kernel: str = "auto"  # CPU_LINEAR_KERNELS
     device: str = "auto"
     # "auto": the Triton kernels on CUDA, the torch reference on the CPU.
     attention_backend: str = "auto"
@@ -90,6 +97,11 @@ class EngineConfig:
             raise ValueError(
                 f"weight_dtype must be bfloat16, float16 or None; got {self.weight_dtype!r}"
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be none, gguf, int8, int4 or None; got {self.quantization!r}"
+            )
+        _one_of("cpu_linear_kernel", self.cpu_linear_kernel, CPU_LINEAR_KERNELS)
         _one_of("manager", self.manager, MANAGER_MODES)
         _one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if not isinstance(self.generation_config, str) or not self.generation_config:
@@ -145,6 +157,8 @@ class EngineConfig:
         options = {
             "dtype": self.dtype,
             "weight_dtype": self.weight_dtype,
+            "quantization": self.quantization,
+            "cpu_linear_kernel": self.cpu_linear_kernel,
             "device": self.device,
             "attention_backend": self.attention_backend,
             "load_format": self.load_format,

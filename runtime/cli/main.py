@@ -41,6 +41,18 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
         "model where it runs the checkpoint, else transformers')",
     ),
     ("--weight-dtype", str, "bfloat16 | float16: a float32 model's linear weights in 16 bits"),
+    (
+        "--quantization",
+        str,
+        "none | gguf | int8 | int4: weight-only, on the CPU (default: a GGUF file runs "
+        "as it is stored; none dequantizes it; int8 | int4 quantize a float checkpoint)",
+    ),
+    (
+        "--cpu-linear-kernel",
+        str,
+        "auto | dense | int8 | int4: the CPU's linear kernel (auto: the fastest measured "
+        "for each shape and batch size)",
+    ),
     ("--device", str, "auto | cpu | cuda"),
     ("--attention-backend", str, "auto | torch | triton (auto: triton on CUDA, torch on CPU)"),
     ("--max-model-len", int, "longest prompt + output, in tokens"),

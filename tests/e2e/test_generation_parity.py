@@ -139,10 +139,32 @@ def smollm2_case():
 async def test_smollm2_greedy_parity(smollm2_case, shared_manager):
     """Together, then staggered (prefix-cache hits): the same greedy tokens as HF."""
     prompts, expected = smollm2_case
-    async with Engine("smollm2", manager_socket=shared_manager.socket, dtype="float32") as e:
+    async with Engine(
+        "smollm2", manager_socket=shared_manager.socket, dtype="float32", quantization="none"
+    ) as e:
         assert await generate_all(e, prompts) == expected
         assert await generate_all(e, prompts, staggered=True) == expected
         assert e.stats().prefix_cache_hit_rate > 0
+
+
+@pytest.mark.slow
+async def test_smollm2_run_as_stored_computes_the_dequantized_model(smollm2_case, shared_manager):
+    """The GGUF's Q4_1 blocks run by the int4 kernel (in float32, where it rounds as the
+    dequantized matmul does to ~1e-6): HF's greedy tokens on transformers' dequantization."""
+    prompts, expected = smollm2_case
+    tokens = 12
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    async with Engine(
+        "smollm2",
+        manager_socket=shared_manager.socket,
+        dtype="float32",
+        quantization="gguf",
+        cpu_linear_kernel="int4",
+        max_model_len=256,
+    ) as e:
+        outputs = [e.generate({"prompt_token_ids": p}, params) for p in prompts[:3]]
+        got = [[out async for out in stream][-1].outputs[0].token_ids for stream in outputs]
+    assert got == [want[:tokens] for want in expected[:3]]
 
 
 @pytest.mark.slow

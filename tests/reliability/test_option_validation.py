@@ -74,6 +74,8 @@ BAD_ENGINE = {
     "model": ["", "  ", 5, None, Path("m")],
     "dtype": ["int3", "", None, 5, "FLOAT32"],
     "weight_dtype": ["float32", "int8", "", 5],
+    "quantization": ["gptq", "", 5, "NONE", "fp8"],
+    "cpu_linear_kernel": ["fp32", "", None, 5, "INT8"],
     "device": ["tpu", "", None, 5],
     "attention_backend": ["flash", "", None, 5, "Triton"],
     "load_format": ["pt", "", None, 5, "DUMMY"],

@@ -84,6 +84,7 @@ def preempting_smollm2(
         "smollm2",
         manager_socket=manager.socket,
         dtype="float32",
+        quantization="none",  # the dequantized weights, which HF's reference runs
         max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_memory=num_blocks * SMOLLM2_BLOCK_BYTES,
         max_model_len=160,

@@ -21,9 +21,11 @@ from typing import Any, Literal
 import torch
 
 from loomllm.workers.device.dtype import DTYPES, pick_dtype, resolve_device, stored_dtype
+from loomllm.workers.models import quantization as quantize
 from loomllm.workers.models.half_weights import WEIGHT_DTYPES, store_linear_weights_in
 from loomllm.workers.models.llama import config as llama_config
 from loomllm.workers.models.llama import weights as llama_weights
+from loomllm.workers.models.llama.model import LlamaFamilyForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +238,8 @@ def load_model(
     load_format: str = "auto",
     tensor_parallel_size: int = 1,
     model_impl: str = "auto",
+    quantization: str | None = None,
+    cpu_linear_kernel: str = "auto",
 ) -> LoadedModel:
     """Resolve, prepare and load `model` in eval mode on `device`.
 
@@ -250,6 +254,8 @@ def load_model(
     tensor_parallel_size > 1: this rank's shard only (transformers' tp_plan over the
     torch.distributed group the caller has initialized); heads must split evenly.
     model_impl: see MODEL_IMPLS; tensor parallelism runs transformers' modeling code.
+    quantization: see models/quantization.py (None: a GGUF file runs as it is stored, on
+    the CPU, with loomllm's own model); cpu_linear_kernel overrides the measured choice.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(
@@ -280,10 +286,23 @@ def load_model(
             shape, why_not = None, "no safetensors checkpoint"
         if shape is None and model_impl == "loom":
             raise ValueError(f"model_impl='loom' cannot run {model!r}: {why_not}")
+    own = shape is not None and load_format != "dummy"
+    quantization = quantize.resolve(quantization, source.kind, torch_device, own)
+    if cpu_linear_kernel not in quantize.CPU_LINEAR_KERNELS:
+        allowed = ", ".join(quantize.CPU_LINEAR_KERNELS)
+        raise ValueError(f"cpu_linear_kernel must be one of {allowed}; got {cpu_linear_kernel!r}")
     if shape is not None:
-        return _load_llama_family(
+        loaded = _load_llama_family(
             model, source, model_dir, shape, dtype, torch_device, weight_dtype, load_format
         )
+        if quantization != "none":
+            assert isinstance(loaded.model, LlamaFamilyForCausalLM)
+            gguf_path = Path(source.path) if source.kind == "gguf" else None
+            with torch.no_grad():
+                quantize.quantize(
+                    loaded.model, quantization, gguf_path, cpu_linear_kernel, cache_root()
+                )
+        return loaded
     logger.info("loading %s with transformers' modeling code: %s", model, why_not)
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -80,6 +80,8 @@ class Worker:
             load_format=options.get("load_format", "auto"),
             tensor_parallel_size=world_size,
             model_impl=options.get("model_impl", "auto"),
+            quantization=options.get("quantization"),
+            cpu_linear_kernel=options.get("cpu_linear_kernel", "auto"),
         )
         runner = _make_runner(loaded, options)
         info = ModelInfo(

@@ -5,6 +5,7 @@ Its arithmetic is transformers' eager one, rounding for rounding, so greedy toke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -23,11 +24,15 @@ class Linear(torch.nn.Linear):
 
     skinny = False
     gated = False
+    # Set by models/quantization.py: the CPU's quantized kernels, picked by batch size.
+    kernels: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
     def reset_parameters(self) -> None:
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels(x, self.weight, self.bias)
         if self.runs_skinny(x):
             from loomllm.workers.kernels.skinny_matmul import skinny_linear
 

@@ -1,0 +1,101 @@
+"""Weight-only quantization on load: which loads may run it, the kernels each layer gets, and
+that every kernel a layer may pick computes with the same (quantized) weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.models import make_tiny_model
+
+from loomllm import Engine, SamplingParams, WorkerStartError
+from loomllm.workers.kernels import cpu_kernel_choice
+from loomllm.workers.models import quantization
+from loomllm.workers.models.llama.model import Linear
+from loomllm.workers.models.loader import load_model
+
+pytestmark = pytest.mark.compute
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize(
+    ("asked", "source", "device", "own", "runs"),
+    [
+        (None, "gguf", CPU, True, "gguf"),
+        (None, "gguf", CUDA, True, "none"),
+        (None, "gguf", CPU, False, "none"),
+        (None, "dir", CPU, True, "none"),
+        ("none", "gguf", CPU, True, "none"),
+        ("int4", "dir", CPU, True, "int4"),
+        ("int8", "dir", CPU, True, "int8"),
+    ],
+)
+def test_what_a_load_runs(asked, source, device, own, runs):
+    assert quantization.resolve(asked, source, device, own) == runs
+
+
+@pytest.mark.parametrize(
+    ("asked", "source", "device", "own", "says"),
+    [
+        ("gptq", "dir", CPU, True, "quantization must be one of"),
+        ("int4", "dir", CUDA, True, "runs on the CPU only"),
+        ("int8", "dir", CPU, False, "needs loomllm's own"),
+        ("gguf", "dir", CPU, True, "is for GGUF files"),
+        ("int4", "gguf", CPU, True, "quantized already"),
+    ],
+)
+def test_what_a_load_refuses(asked, source, device, own, says):
+    with pytest.raises(ValueError, match=says):
+        quantization.resolve(asked, source, device, own)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-quantized"), seed=4)
+
+
+def logits_of(model_dir: str, **options) -> torch.Tensor:
+    model = load_model(model_dir, dtype="float32", **options).model
+    with torch.no_grad():
+        return model(torch.tensor([[5, 17, 42, 9, 3, 77]])).logits
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_each_kernel_computes_with_the_quantized_weights(kind, tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    model = load_model(tiny, dtype="float32", quantization=kind, cpu_linear_kernel=kind).model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert layers and all(layer.kernels is not None for layer in layers)
+    assert all(getattr(layer.kernels, kind) is not None for layer in layers)
+    quantized = logits_of(tiny, quantization=kind, cpu_linear_kernel=kind)
+    dense = logits_of(tiny, quantization=kind, cpu_linear_kernel="dense")
+    original = logits_of(tiny, quantization="none")
+    assert torch.allclose(quantized, dense, rtol=1e-4, atol=1e-4)
+    assert (dense - original).abs().max() > 1e-4  # the weights were quantized
+    assert list(tmp_path.iterdir()) == []  # one kernel forced: nothing measured
+
+
+def test_the_measured_choice_is_what_each_layer_runs(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    measured = ("int4", "int4", "dense", "dense")
+    monkeypatch.setattr(cpu_kernel_choice, "measure", lambda shape, kinds, dtype: measured)
+    model = load_model(tiny, dtype="float32", quantization="int4").model
+    layer = model.model.layers[0].mlp.gate_up_proj
+    assert layer.kernels.choice == measured and layer.kernels.int8 is None
+    calls = []
+    int4 = layer.kernels.int4
+    layer.kernels.int4 = lambda x: calls.append(x.shape) or int4(x)
+    layer(torch.randn(1, 1, 64))
+    layer(torch.randn(1, 32, 64))  # a bigger step: the dense matmul
+    assert calls == [(1, 1, 64)]
+    assert (tmp_path / "cpu_kernels").is_dir()
+
+
+@pytest.mark.anyio
+async def test_a_quantization_the_model_cannot_take_fails_alone(tiny, shared_manager):
+    with pytest.raises(WorkerStartError, match="quantization='gguf' is for GGUF files"):
+        async with Engine(tiny, manager_socket=shared_manager.socket, quantization="gguf"):
+            pass
+    async with Engine(tiny, manager_socket=shared_manager.socket, dtype="float32") as engine:
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        outputs = [out async for out in engine.generate("w5 w6", params)]
+        assert len(outputs[-1].outputs[0].token_ids) == 3
