@@ -236,6 +236,40 @@ def print_table(levels: list[int], results: dict[str, list[Level]]) -> None:
             )
 
 
+def compare(args: argparse.Namespace, levels: list[int]) -> dict[str, list[Level]]:
+    """guidellm's figures for `loom serve`, then (unless skipped) llama-server, one at a time."""
+    from loomllm.workers.models.loader import prepare_model_dir, resolve_model
+
+    source = resolve_model("smollm2")
+    tokenizer_dir = prepare_model_dir(source)
+    results: dict[str, list[Level]] = {}
+    workdir = Path(tempfile.mkdtemp(prefix="loom-bench-serving-"))
+    servers = [("loomllm", lambda: serve_loom(args, workdir))]
+    if not args.skip_llama_cpp:
+        servers.append(
+            ("llama.cpp", lambda: serve_llama_cpp(args, Path(source.path), max(levels), workdir))
+        )
+    # One server at a time: together they would share the same few cores.
+    try:
+        for name, start in servers:
+            proc, url, log = start()
+            try:
+                wait_healthy(url, proc, log)
+                print(
+                    f"{name}: serving at {url}; guidellm at concurrency {levels}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                results[name] = run_guidellm(
+                    args.guidellm, tokenizer_dir, url, "smollm2", args, levels, workdir, name
+                )
+            finally:
+                stop(proc)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int_list, default=[1, 8, 32])
@@ -262,36 +296,8 @@ def main(argv: list[str] | None = None) -> None:
             "(or pass --llama-server, or --skip-llama-cpp)"
         )
 
-    from loomllm.workers.models.loader import prepare_model_dir, resolve_model
-
-    source = resolve_model("smollm2")
-    tokenizer_dir = prepare_model_dir(source)
     levels = args.concurrency
-    results: dict[str, list[Level]] = {}
-    workdir = Path(tempfile.mkdtemp(prefix="loom-bench-serving-"))
-    servers = [("loomllm", lambda: serve_loom(args, workdir))]
-    if not args.skip_llama_cpp:
-        servers.append(
-            ("llama.cpp", lambda: serve_llama_cpp(args, Path(source.path), max(levels), workdir))
-        )
-    # One server at a time: together they would share the same few cores.
-    try:
-        for name, start in servers:
-            proc, url, log = start()
-            try:
-                wait_healthy(url, proc, log)
-                print(
-                    f"{name}: serving at {url}; guidellm at concurrency {levels}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                results[name] = run_guidellm(
-                    args.guidellm, tokenizer_dir, url, "smollm2", args, levels, workdir, name
-                )
-            finally:
-                stop(proc)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    results = compare(args, levels)
     print(
         f"prompt {args.prompt_tokens} tokens, output {args.output_tokens} tokens (ignore_eos), "
         f"streaming /v1/completions, guidellm concurrent profile"

@@ -4,6 +4,7 @@ this machine: measured once at a worker's start, then cached per machine in the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ Shape = tuple[int, int]  # (in_features, out_features)
 Choice = tuple[str, ...]  # the kind for each of BATCH_SIZES
 
 
+@functools.lru_cache(maxsize=1024)  # every linear layer of every step asks
 def batch_index(rows: int) -> int:
     """Which of BATCH_SIZES a step of `rows` rows is closest to, on a log scale."""
     ratio = [abs(math.log(max(rows, 1) / size)) for size in BATCH_SIZES]

@@ -1,0 +1,45 @@
+"""`loom bench cpu`: its peers' output read right, its greedy agreement counted right, and a
+clear refusal without the peers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from loomllm.benchmarks import cpu
+
+
+def test_llama_bench_rows_are_read(tmp_path):
+    rows = [
+        {"n_prompt": 128, "n_gen": 0, "avg_ts": 400.5},
+        {"n_prompt": 0, "n_gen": 128, "avg_ts": 170.25},
+    ]
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{json.dumps(rows)}\nEOF\n")
+    fake.chmod(0o755)
+    assert cpu.llama_bench(fake, tmp_path / "m.gguf", 128, 128) == (400.5, 170.25)
+
+
+def test_agreement_counts_identical_outputs_and_explains_the_others():
+    reference = [
+        ([1, 2, 3], [{1: -0.1}, {2: -0.2}, {3: -0.3}]),
+        ([1, 2, 3], [{1: -0.1}, {2: -0.5, 7: -0.9}, {3: -0.3}]),
+        ([4, 5], [{4: -0.1, 6: -2.0}, {5: -0.1}]),
+    ]
+    identical, notes = cpu.agreement([[1, 2, 3], [1, 7, 3], [9, 5]], reference)
+    assert identical == 1
+    assert notes == [
+        "prompt 1: diverges at token 1, logprob gap 0.400",
+        "prompt 2: diverges at token 0, ours not in top 5",
+    ]
+
+
+def test_without_its_peers_it_says_how_to_get_them():
+    done = subprocess.run(
+        [sys.executable, "-m", "loomllm.cli.main", "bench", "cpu", "--llama-bench", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "make bench-peers" in done.stderr
