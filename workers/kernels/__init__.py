@@ -1,1 +1,1 @@
-"""Triton kernels for the CUDA path, and the interpreter shim that runs them on a CPU."""
+"""Kernels: Triton for the CUDA path (and its interpreter shim), quantized linears for the CPU."""
