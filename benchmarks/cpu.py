@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -161,7 +163,10 @@ def main(argv: list[str] | None = None) -> None:
 
     gguf = Path(resolve_model("smollm2").path)
     dtype = compute_dtype()
-    print(f"SmolLM2-135M-Instruct, {gguf.name}, 2 threads, loomllm dtype auto ({dtype})")
+    print(
+        f"SmolLM2-135M-Instruct, {gguf.name}; llama.cpp -t 2, loomllm torch's {os.cpu_count()} "
+        f"cores; loomllm dtype auto ({dtype})"
+    )
     print("\n| figure | loomllm | peer | loomllm / peer |\n|---|---|---|---|", flush=True)
 
     def row(figure: str, ours: float, theirs: float, peer: str, unit: str = "") -> None:
@@ -218,7 +223,10 @@ def main(argv: list[str] | None = None) -> None:
     if "accuracy" not in args.skip:
         workdir = Path(tempfile.mkdtemp(prefix="loom-bench-cpu-"))
         accuracy = accuracy_prompts()[: args.accuracy_prompts]
-        reference = llama_cpp_greedy(args, accuracy, args.accuracy_tokens, workdir)
+        try:
+            reference = llama_cpp_greedy(args, accuracy, args.accuracy_tokens, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
         quantized = loomllm_greedy(accuracy, args.accuracy_tokens)
         dequantized = loomllm_greedy(
             accuracy, args.accuracy_tokens, dtype="float32", quantization="none"

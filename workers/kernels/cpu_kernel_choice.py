@@ -4,6 +4,7 @@ this machine: measured once at a worker's start, then cached per machine in the 
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -48,7 +49,7 @@ def batch_index(rows: int) -> int:
 
 def machine_key(dtype: torch.dtype) -> str:
     """What a measurement depends on: the CPU, its flags, torch, the threads, the dtype."""
-    model, flags = platform.processor(), ""
+    model, flags = "", ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and not model:
@@ -58,16 +59,13 @@ def machine_key(dtype: torch.dtype) -> str:
                 break
     except OSError:
         pass
+    model = model or platform.processor()
     text = f"{model}\0{flags}\0{torch.__version__}\0{torch.get_num_threads()}\0{dtype}"
     return hashlib.sha256(f"{text}\0{_CACHE_FORMAT}".encode()).hexdigest()[:16]
 
 
 def _seconds_per_call(fn: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    fn()  # warm-up; where one call takes long already, its time is the answer
-    first = time.perf_counter() - started
-    if first >= _MEASURE_S:
-        return first
+    fn()  # warm-up: one-time costs (packing caches, first-touch pages) are not the kernel's
     calls, started = 0, time.perf_counter()
     while True:
         fn()
@@ -80,7 +78,8 @@ def _seconds_per_call(fn: Callable[[], object]) -> float:
 def measure(shape: Shape, kinds: Iterable[str], dtype: torch.dtype) -> Choice:
     """The fastest of `kinds` at each batch size, timed on random weights of `shape`. A
     kernel far slower than the best at one batch size is not timed at the bigger ones: the
-    quantized kernels' cost grows with the rows faster than the dense matmul's."""
+    quantized kernels' cost grows with the rows faster than the dense matmul's, which is
+    always timed."""
     in_features, out_features = shape
     weight = torch.randn(out_features, in_features) * 0.02
     kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -98,7 +97,11 @@ def measure(shape: Shape, kinds: Iterable[str], dtype: torch.dtype) -> Choice:
         timed = {kind: _seconds_per_call(lambda k=k, x=x: k(x)) for kind, k in kernels.items()}
         best = min(timed, key=timed.__getitem__)
         choice.append(best)
-        kernels = {k: v for k, v in kernels.items() if timed[k] <= _PRUNE_RATIO * timed[best]}
+        kernels = {
+            k: v
+            for k, v in kernels.items()
+            if k == "dense" or timed[k] <= _PRUNE_RATIO * timed[best]
+        }
     return tuple(choice)
 
 
@@ -108,12 +111,47 @@ def choose(
     """For each shape, the kernel to run at each of BATCH_SIZES among the kinds its weights
     allow; measurements are read from and added to `cache_dir/<machine>.json`."""
     cache_file = cache_dir / f"{machine_key(dtype)}.json" if cache_dir else None
-    cached: dict[str, list[str]] = {}
-    if cache_file is not None and cache_file.is_file():
-        try:
-            cached = json.loads(cache_file.read_text())
-        except ValueError:
-            cached = {}
+    if cache_file is None:
+        return _choose(shapes, dtype, {})[0]
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(cache_file.with_suffix(".lock"), "w")  # closed by the `with` below
+    except OSError as exc:
+        logger.warning("CPU kernel cache %s unusable (%s): measuring without it", cache_file, exc)
+        return _choose(shapes, dtype, {})[0]
+    with lock:
+        # One worker measures at a time: two at once would share the cores they time.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        choices, cached, measured = _choose(shapes, dtype, _read_cache(cache_file))
+        if measured:
+            try:
+                tmp = cache_file.with_suffix(f".tmp-{os.getpid()}")
+                tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+                os.replace(tmp, cache_file)  # readers see the old file or the new one
+            except OSError as exc:
+                logger.warning("could not write the CPU kernel cache %s: %s", cache_file, exc)
+    return choices
+
+
+def _read_cache(cache_file: Path) -> dict[str, list[str]]:
+    """The cached choices; nothing where the file is missing or not what this module wrote."""
+    try:
+        cached = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(cached, dict):
+        return {}
+    return {
+        key: value
+        for key, value in cached.items()
+        if isinstance(value, list) and all(isinstance(kind, str) for kind in value)
+    }
+
+
+def _choose(
+    shapes: dict[Shape, frozenset[str]], dtype: torch.dtype, cached: dict[str, list[str]]
+) -> tuple[dict[Shape, Choice], dict[str, list[str]], bool]:
+    """(the choices, the cache with any new measurements, whether anything was measured)."""
     choices: dict[Shape, Choice] = {}
     measured = False
     started = time.perf_counter()
@@ -128,13 +166,9 @@ def choose(
             cached[key] = found
             measured = True
         choices[shape] = tuple(found)
-    if measured and cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
-        os.replace(tmp, cache_file)  # atomic: a concurrent worker reads the old or the new
+    if measured:
         logger.info("CPU linear kernels measured in %.1f s", time.perf_counter() - started)
-    return choices
+    return choices, cached, measured
 
 
 def describe(choices: dict[Shape, Choice]) -> str:

@@ -66,6 +66,13 @@ def fits_int8(in_features: int) -> bool:
     return in_features % GROUP_SIZE == 0
 
 
+def int4_values(weight: GroupwiseInt4, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] as Int4Linear in `dtype` computes with: its scales and zeros are
+    held in that dtype."""
+    scale, zero = weight.scale.to(dtype).float(), weight.zero.to(dtype).float()
+    return GroupwiseInt4(weight.codes, scale, zero).dequantize()
+
+
 class Int4Linear:
     """x @ w.T with w packed as torch's CPU int4 kernel reads it (computed in x's dtype)."""
 
@@ -77,7 +84,8 @@ class Int4Linear:
         self.scale_zero = scale_zero.contiguous().to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
+        # Contiguous rows: the kernel refuses others.
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scale_zero)
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -97,6 +105,7 @@ class Int8Linear:
         return self.codes.float() * self.scale.float()[:, None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
+        # Contiguous rows: the bfloat16 kernel reads past strided rows (a crash).
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch._weight_int8pack_mm(rows, self.codes, self.scale)
         return out.view(*x.shape[:-1], self.out_features)

@@ -1,1 +1,1 @@
-"""Models on a worker: resolving and loading them, their quantization, loomllm's own Llama family."""
+"""Models on a worker: resolving, loading and quantizing them; loomllm's own Llama family."""

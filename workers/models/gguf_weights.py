@@ -68,8 +68,11 @@ def read_stored_weights(
         name = _checkpoint_name(gguf_name)
         if name is None or len(dims) != 2:
             continue
-        kind = GGMLQuantizationType(type_id)
-        block, block_bytes = GGML_QUANT_SIZES[kind]
+        try:
+            kind = GGMLQuantizationType(type_id)
+            block, block_bytes = GGML_QUANT_SIZES[kind]
+        except (ValueError, KeyError):
+            continue  # a type this gguf does not know: the layer stays dense
         in_features, out_features = dims  # GGUF lists the fastest-moving dimension first
         row_bytes = in_features // block * block_bytes
         start = data_start + offset
@@ -92,12 +95,17 @@ def _read_index(path: Path) -> tuple[str, dict[str, tuple[int, tuple[int, ...], 
     """(general.architecture, {tensor name: (type id, dims, data offset)}, where data starts),
     read from the header alone. gguf's own reader parses every metadata value into objects,
     a tokenizer's vocabulary included: seconds a load, where this skips them."""
-    with open(path, "rb") as f:
-        buf = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-    if bytes(buf[:4]) != b"GGUF":
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        return _parse_index(path, mapped)
+
+
+def _parse_index(
+    path: Path, buf: mmap.mmap
+) -> tuple[str, dict[str, tuple[int, tuple[int, ...], int]], int]:
+    if buf[:4] != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")
     version, num_tensors, num_fields = struct.unpack_from("<IQQ", buf, 4)
-    if version < 2:
+    if version not in (2, 3):  # a big-endian file reads as a huge version
         raise ValueError(f"{path}: GGUF version {version} is not supported")
     at = 24
     architecture, alignment = "", 32
@@ -105,7 +113,7 @@ def _read_index(path: Path) -> tuple[str, dict[str, tuple[int, tuple[int, ...], 
     def string() -> str:
         nonlocal at
         (size,) = struct.unpack_from("<Q", buf, at)
-        text = bytes(buf[at + 8 : at + 8 + size]).decode()
+        text = buf[at + 8 : at + 8 + size].decode()
         at += 8 + size
         return text
 

@@ -286,8 +286,14 @@ def load_model(
             shape, why_not = None, "no safetensors checkpoint"
         if shape is None and model_impl == "loom":
             raise ValueError(f"model_impl='loom' cannot run {model!r}: {why_not}")
-    own = shape is not None and load_format != "dummy"
-    quantization = quantize.resolve(quantization, source.kind, torch_device, own)
+    quantization = quantize.resolve(
+        quantization,
+        source.kind,
+        torch_device,
+        shape is not None,
+        weight_dtype=weight_dtype,
+        dummy=load_format == "dummy",
+    )
     if cpu_linear_kernel not in quantize.CPU_LINEAR_KERNELS:
         allowed = ", ".join(quantize.CPU_LINEAR_KERNELS)
         raise ValueError(f"cpu_linear_kernel must be one of {allowed}; got {cpu_linear_kernel!r}")

@@ -19,6 +19,7 @@ from loomllm.workers.kernels.cpu_linear import (
     Int8Linear,
     fits_int4,
     fits_int8,
+    int4_values,
 )
 from loomllm.workers.models.gguf_weights import StoredWeight, read_stored_weights
 from loomllm.workers.models.llama.model import Linear, LlamaFamilyForCausalLM
@@ -66,16 +67,32 @@ class QuantizedKernels:
 
 
 def resolve(
-    quantization: str | None, source_kind: str, device: torch.device, own_model: bool
+    quantization: str | None,
+    source_kind: str,
+    device: torch.device,
+    own_model: bool,
+    *,
+    weight_dtype: str | None = None,
+    dummy: bool = False,
 ) -> str:
     """The quantization a load runs with; ValueError naming what an explicit one cannot do."""
     if quantization is None:
-        return "gguf" if source_kind == "gguf" and device.type == "cpu" and own_model else "none"
+        runs_as_stored = source_kind == "gguf" and device.type == "cpu" and own_model
+        return "gguf" if runs_as_stored and weight_dtype is None and not dummy else "none"
     if quantization not in QUANTIZATIONS:
         allowed = ", ".join(map(repr, [None, *QUANTIZATIONS]))
         raise ValueError(f"quantization must be one of {allowed}; got {quantization!r}")
     if quantization == "none":
         return quantization
+    if weight_dtype is not None:
+        raise ValueError(
+            f"quantization={quantization!r} and weight_dtype={weight_dtype!r} do not go "
+            "together: each decides how the linear weights are stored"
+        )
+    if quantization == "gguf" and dummy:
+        raise ValueError(
+            "quantization='gguf' runs the file's weights; load_format='dummy' draws random ones"
+        )
     if device.type != "cpu":
         raise ValueError(
             f"quantization={quantization!r} runs on the CPU only (device is {device.type}); "
@@ -84,7 +101,7 @@ def resolve(
     if not own_model:
         raise ValueError(
             f"quantization={quantization!r} needs loomllm's own Llama-family model "
-            "(model_impl 'auto' or 'loom', one rank)"
+            "(model_impl 'auto' or 'loom', one rank, a Llama-family checkpoint)"
         )
     if quantization == "gguf" and source_kind != "gguf":
         raise ValueError("quantization='gguf' is for GGUF files; this model is not one")
@@ -124,23 +141,41 @@ def quantize(
     for name, (kinds, _) in plans.items():
         layer = layers[name]
         key = (layer.in_features, layer.out_features)
-        shapes[key] = shapes.get(key, kinds) & kinds
+        # A shape may run a kernel some of its layers lack: those run dense at that size.
+        shapes[key] = shapes.get(key, frozenset()) | kinds
     if cpu_linear_kernel != "auto":  # the user's override, where the weights allow it
         wanted = frozenset({cpu_linear_kernel})
+        if not any(wanted & kinds for kinds in shapes.values()):
+            logger.warning("cpu_linear_kernel=%s: no layer's weights allow it", cpu_linear_kernel)
         shapes = {shape: wanted & kinds or frozenset({"dense"}) for shape, kinds in shapes.items()}
     choices = cpu_kernel_choice.choose(shapes, dtype, cache_dir / "cpu_kernels")
-    for name, (_, groups) in plans.items():
+    on_load = quantization in ("int8", "int4")
+    for name, (kinds, groups) in plans.items():
         layer = layers[name]
         choice = choices[(layer.in_features, layer.out_features)]
-        if set(choice) == {"dense"}:
-            continue
-        int4 = None
-        if "int4" in choice and groups is not None:
+        runs = set(choice) & kinds
+        int4 = int8 = None
+        values = None
+        # A float checkpoint quantized on load computes with its quantized weights at every
+        # batch size; a GGUF layer keeps the file's values unless a kernel that rounds them
+        # differently runs it at some batch size. Either way the dense fallback then holds
+        # what the kernel computes with, so a request's tokens do not depend on its batch.
+        if "int4" in kinds and groups is not None and ("int4" in runs or on_load):
             weights = groups()
-            _check_same_weights(name, weights, layer.weight)
+            if quantization == "gguf":
+                _check_same_weights(name, weights, layer.weight)
             int4 = Int4Linear(weights, dtype)
-        int8 = Int8Linear(layer.weight.detach(), dtype) if "int8" in choice else None
-        layer.kernels = QuantizedKernels(choice, int8, int4)
+            values = int4_values(weights, dtype)
+        elif "int8" in kinds and ("int8" in runs or on_load):
+            int8 = Int8Linear(layer.weight.detach(), dtype)
+            values = int8.dequantize()
+        if values is not None:
+            # A new parameter: a tied lm_head leaves the embedding's weight as it is.
+            layer.weight = torch.nn.Parameter(values.to(dtype), requires_grad=False)
+        if runs - {"dense"}:
+            layer.kernels = QuantizedKernels(
+                choice, int8 if "int8" in runs else None, int4 if "int4" in runs else None
+            )
     summary = cpu_kernel_choice.describe(choices)
     logger.info(
         "quantization=%s, %s, %d threads: %s",
@@ -181,14 +216,9 @@ def _check_same_weights(name: str, groups: GroupwiseInt4, dense: torch.Tensor) -
 
 
 def _on_load_plan(layer: Linear, quantization: str) -> Plan:
-    """Quantize a float layer; its dense weight becomes the quantized one's values, so every
-    kernel computes with the same weights."""
-    weight = layer.weight
+    """The kernels quantizing a float layer allows (its groups computed when needed)."""
     if quantization == "int4" and fits_int4(layer.in_features, layer.out_features):
-        groups = GroupwiseInt4.from_dense(weight)
-        weight.copy_(groups.dequantize().to(weight.dtype))
-        return frozenset({"dense", "int4"}), lambda: groups
+        return frozenset({"dense", "int4"}), lambda: GroupwiseInt4.from_dense(layer.weight)
     if quantization == "int8" and fits_int8(layer.in_features):
-        weight.copy_(Int8Linear(weight, torch.float32).dequantize().to(weight.dtype))
         return frozenset({"dense", "int8"}), None
     return frozenset({"dense"}), None

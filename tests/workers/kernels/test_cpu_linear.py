@@ -15,6 +15,7 @@ from loomllm.workers.kernels.cpu_linear import (
     Int8Linear,
     fits_int4,
     fits_int8,
+    int4_values,
 )
 
 
@@ -78,7 +79,7 @@ def test_choices_are_measured_once_per_machine_then_read_from_the_cache(tmp_path
     first = cpu_kernel_choice.choose(shapes, torch.float32, tmp_path)
     assert set(first) == set(shapes) and first[(32, 16)] == ("dense",) * 4
     assert all(set(choice) <= shapes[shape] for shape, choice in first.items())
-    (cache,) = tmp_path.iterdir()
+    (cache,) = tmp_path.glob("*.json")
     assert cache.name == f"{cpu_kernel_choice.machine_key(torch.float32)}.json"
     assert list(json.loads(cache.read_text())) == ["64x32:dense,int4,int8"]
 
@@ -102,3 +103,56 @@ def test_measurement_picks_the_fastest(monkeypatch):
     assert choice == ("int8",) * len(cpu_kernel_choice.BATCH_SIZES)
     choice = cpu_kernel_choice.measure((64, 32), ["dense", "int4"], torch.float32)
     assert choice == ("int4",) * len(cpu_kernel_choice.BATCH_SIZES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_rows_are_computed_as_contiguous_ones(dtype):
+    """The int8 kernel's bfloat16 path crashed on rows with a stride off its vector width."""
+    torch.manual_seed(3)
+    weight = torch.randn(48, 96)
+    wide = torch.randn(4, 200).to(dtype)
+    x = wide[:, :96]  # rows 200 apart
+    for layer in (Int8Linear(weight, dtype), Int4Linear(GroupwiseInt4.from_dense(weight), dtype)):
+        assert torch.equal(layer(x), layer(x.contiguous()))
+
+
+def test_int4_values_are_what_the_kernel_computes_with_in_bfloat16():
+    torch.manual_seed(5)
+    groups = GroupwiseInt4.from_dense(torch.randn(64, 128) * 0.05)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    got = Int4Linear(groups, torch.bfloat16)(x)
+    rounded = relative_error(got, reference(x, int4_values(groups, torch.bfloat16)))
+    unrounded = relative_error(got, reference(x, groups.dequantize()))
+    assert rounded < 1e-2 and rounded <= unrounded
+
+
+def test_the_dense_kernel_is_timed_at_every_batch_size(monkeypatch):
+    """A dense matmul far slower at one row is still timed at bigger batches."""
+    seen = []
+
+    def timed(fn):
+        kernel = fn.__defaults__[0]
+        is_dense = not isinstance(kernel, Int8Linear | Int4Linear)
+        seen.append(is_dense)
+        return 10.0 if is_dense else 1.0
+
+    monkeypatch.setattr(cpu_kernel_choice, "_seconds_per_call", timed)
+    cpu_kernel_choice.measure((64, 32), ["dense", "int8"], torch.float32)
+    assert seen.count(True) == len(cpu_kernel_choice.BATCH_SIZES)
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "not json", '{"64x32:dense,int8": 5}'])
+def test_a_cache_file_of_another_shape_is_measured_over(content, tmp_path):
+    cache = tmp_path / f"{cpu_kernel_choice.machine_key(torch.float32)}.json"
+    cache.write_text(content)
+    shapes = {(64, 32): frozenset({"dense", "int8"})}
+    choice = cpu_kernel_choice.choose(shapes, torch.float32, tmp_path)[(64, 32)]
+    assert set(choice) <= {"dense", "int8"}
+    assert json.loads(cache.read_text())["64x32:dense,int8"] == list(choice)
+
+
+def test_an_unwritable_cache_dir_measures_without_it(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    shapes = {(64, 32): frozenset({"dense", "int8"})}
+    assert (64, 32) in cpu_kernel_choice.choose(shapes, torch.float32, blocked / "cache")

@@ -91,3 +91,17 @@ def test_the_header_index_agrees_with_gguf_s_reader():
         assert stored[name].gguf_type == tensor.tensor_type.name
         raw = np.asarray(tensor.data).reshape(stored[name].raw.shape)
         assert np.array_equal(stored[name].raw, raw), name
+
+
+@pytest.mark.parametrize(
+    ("head", "says"),
+    [
+        (b"GGML" + bytes(20), "is not a GGUF file"),
+        (b"GGUF" + bytes([0, 0, 0, 3]) + bytes(16), "version"),
+    ],
+)
+def test_a_file_that_is_no_gguf_we_read_is_refused(head, says, tmp_path):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(head)
+    with pytest.raises(ValueError, match=says):
+        gguf_weights.read_stored_weights(path, 4, 2)

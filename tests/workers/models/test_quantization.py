@@ -48,6 +48,16 @@ def test_what_a_load_refuses(asked, source, device, own, says):
         quantization.resolve(asked, source, device, own)
 
 
+def test_16_bit_weights_and_random_weights_take_no_gguf_blocks():
+    assert quantization.resolve(None, "gguf", CPU, True, weight_dtype="bfloat16") == "none"
+    assert quantization.resolve(None, "gguf", CPU, True, dummy=True) == "none"
+    assert quantization.resolve("int4", "dir", CPU, True, dummy=True) == "int4"
+    with pytest.raises(ValueError, match="and weight_dtype='bfloat16' do not go together"):
+        quantization.resolve("int8", "dir", CPU, True, weight_dtype="bfloat16")
+    with pytest.raises(ValueError, match="load_format='dummy' draws random ones"):
+        quantization.resolve("gguf", "gguf", CPU, True, dummy=True)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-quantized"), seed=4)
@@ -71,7 +81,7 @@ def test_each_kernel_computes_with_the_quantized_weights(kind, tiny, tmp_path, m
     original = logits_of(tiny, quantization="none")
     assert torch.allclose(quantized, dense, rtol=1e-4, atol=1e-4)
     assert (dense - original).abs().max() > 1e-4  # the weights were quantized
-    assert list(tmp_path.iterdir()) == []  # one kernel forced: nothing measured
+    assert not list(tmp_path.rglob("*.json"))  # one kernel forced: nothing measured
 
 
 def test_the_measured_choice_is_what_each_layer_runs(tiny, tmp_path, monkeypatch):
@@ -99,3 +109,37 @@ async def test_a_quantization_the_model_cannot_take_fails_alone(tiny, shared_man
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
         outputs = [out async for out in engine.generate("w5 w6", params)]
         assert len(outputs[-1].outputs[0].token_ids) == 3
+
+
+def test_a_tied_lm_head_is_quantized_alone(tiny, tmp_path, monkeypatch):
+    """Quantizing a tied lm_head gives it weights of its own: the embedding keeps its values."""
+    import json
+    import shutil
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    plain = load_model(str(tied), dtype="float32", quantization="none").model
+    model = load_model(
+        str(tied), dtype="float32", quantization="int8", cpu_linear_kernel="int8"
+    ).model
+    embedding = model.model.embed_tokens.weight
+    assert torch.equal(embedding, plain.model.embed_tokens.weight)
+    assert model.lm_head.weight is not embedding
+    assert not torch.equal(model.lm_head.weight, embedding)
+    assert model.lm_head.kernels is not None
+
+
+def test_kernels_and_dense_fallback_agree_in_bfloat16(tiny, tmp_path, monkeypatch):
+    """Each step's kernel depends on its rows: in bfloat16 too, every kernel must compute
+    with the same weights (the dense copy holds the kernel's rounded scales)."""
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    ids = torch.tensor([[5, 17, 42, 9, 3, 77]])
+    outputs = []
+    for kernel in ("int4", "dense"):
+        model = load_model(tiny, dtype="bfloat16", quantization="int4", cpu_linear_kernel=kernel)
+        with torch.no_grad():
+            outputs.append(model.model(ids).logits.float())
+    assert (outputs[0] - outputs[1]).abs().max() < 0.05 * outputs[1].abs().max()
