@@ -34,7 +34,7 @@ KINDS = ("dense", "int8", "int4")
 BATCH_SIZES = (1, 8, 32, 128)
 _MEASURE_S = 0.02  # each candidate's timing loop, after one warm-up call
 _PRUNE_RATIO = 4.0
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # bumped whenever the measurement changes
 
 Shape = tuple[int, int]  # (in_features, out_features)
 Choice = tuple[str, ...]  # the kind for each of BATCH_SIZES
