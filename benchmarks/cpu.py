@@ -50,9 +50,11 @@ def llama_bench(binary: Path, gguf: Path, prompt: int, output: int) -> tuple[flo
 
 def compute_dtype() -> str:
     """What dtype="auto" is on this CPU, for transformers to run the same."""
-    from loomllm.workers.device.cpu_features import cpu_supports_bf16
+    import torch
 
-    return "bfloat16" if cpu_supports_bf16() else "float32"
+    from loomllm.workers.device.dtype import pick_dtype
+
+    return str(pick_dtype("auto", None, torch.device("cpu"))).removeprefix("torch.")
 
 
 def accuracy_prompts() -> list[list[int]]:
