@@ -8,14 +8,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from support.paths import REPO_ROOT
-
-SOURCE_FOLDERS = {
-    "loomllm": "runtime",
-    "loomllm.workers": "workers",
-    "loomllm.protocols": "protocols",
-    "loomllm.benchmarks": "benchmarks",
-}
+from support.paths import REPO_ROOT, SOURCE_FOLDERS
 
 # Each unit (a folder, or a module at the top of loomllm) and the units it may import. A new
 # edge is a design decision: add it here on purpose, never to make this test pass.

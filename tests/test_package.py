@@ -11,16 +11,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from support.paths import REPO_ROOT
+from support.paths import REPO_ROOT, SOURCE_FOLDERS
 
 import loomllm
 
-SOURCE_FOLDERS = {
-    "loomllm": "runtime",
-    "loomllm.workers": "workers",
-    "loomllm.protocols": "protocols",
-    "loomllm.benchmarks": "benchmarks",
-}
 OLD_TOP_LEVEL = ("runtime", "workers", "protocols", "benchmarks")
 
 
