@@ -59,7 +59,7 @@ def compute_dtype() -> str:
 
 def accuracy_prompts() -> list[list[int]]:
     from loomllm.text.tokenizer import Tokenizer
-    from loomllm.workers.models.loader import prepare_model_dir, resolve_model
+    from loomllm.workers.models.sources import prepare_model_dir, resolve_model
 
     tokenizer = Tokenizer.from_model_dir(str(prepare_model_dir(resolve_model("smollm2"))))
     return [tokenizer.encode(form.format(s)) for s in SUBJECTS for form in FORMS]
@@ -69,7 +69,7 @@ def llama_cpp_greedy(
     args: argparse.Namespace, prompts: list[list[int]], tokens: int, workdir: Path
 ) -> list[tuple[list[int], list[dict[int, float]]]]:
     """llama-server's greedy tokens for each prompt, and its top logprobs at each step."""
-    from loomllm.workers.models.loader import resolve_model
+    from loomllm.workers.models.sources import resolve_model
 
     gguf = Path(resolve_model("smollm2").path)
     # One slot, its context long enough for a prompt and its tokens.
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     if "serving" not in args.skip and not args.guidellm.exists():
         sys.exit(f"no guidellm at {args.guidellm}: run `make bench-peers` (or --skip serving)")
 
-    from loomllm.workers.models.loader import resolve_model
+    from loomllm.workers.models.sources import resolve_model
 
     gguf = Path(resolve_model("smollm2").path)
     dtype = compute_dtype()

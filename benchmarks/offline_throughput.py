@@ -76,7 +76,7 @@ def load_hf(dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from loomllm.workers.models.loader import prepare_model_dir, resolve_model
+    from loomllm.workers.models.sources import prepare_model_dir, resolve_model
 
     model_dir = prepare_model_dir(resolve_model("smollm2"))
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()

@@ -238,7 +238,7 @@ def print_table(levels: list[int], results: dict[str, list[Level]]) -> None:
 
 def compare(args: argparse.Namespace, levels: list[int]) -> dict[str, list[Level]]:
     """guidellm's figures for `loom serve`, then (unless skipped) llama-server, one at a time."""
-    from loomllm.workers.models.loader import prepare_model_dir, resolve_model
+    from loomllm.workers.models.sources import prepare_model_dir, resolve_model
 
     source = resolve_model("smollm2")
     tokenizer_dir = prepare_model_dir(source)

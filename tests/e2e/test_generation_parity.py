@@ -125,7 +125,7 @@ SYSTEM = "You are a concise assistant. Answer in one short sentence. " * 3
 @pytest.fixture(scope="module")
 def smollm2_case():
     from loomllm.text.tokenizer import Tokenizer
-    from loomllm.workers.models.loader import prepare_model_dir, resolve_model
+    from loomllm.workers.models.sources import prepare_model_dir, resolve_model
 
     model_dir = str(prepare_model_dir(resolve_model("smollm2")))
     tok = Tokenizer.from_model_dir(model_dir)

@@ -16,7 +16,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from loomllm.text import detokenizer
 from loomllm.text.detokenizer import IncrementalDetokenizer
 from loomllm.text.tokenizer import Tokenizer
-from loomllm.workers.models.loader import prepare_model_dir, resolve_model
+from loomllm.workers.models.sources import prepare_model_dir, resolve_model
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. Naïve café owners in Zürich said “déjà vu”.\n"

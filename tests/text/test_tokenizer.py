@@ -16,7 +16,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from transformers import AutoTokenizer
 
 from loomllm.text.tokenizer import Tokenizer
-from loomllm.workers.models.loader import prepare_model_dir, resolve_model
+from loomllm.workers.models.sources import prepare_model_dir, resolve_model
 
 TEXTS = [
     "Hello, world!",

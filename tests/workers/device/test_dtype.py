@@ -14,7 +14,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from loomllm.workers.device.cpu_features import CPU_BF16_ENV, cpu_supports_bf16
-from loomllm.workers.models.loader import ModelLoadError, load_model
+from loomllm.workers.models.loader import load_model
+from loomllm.workers.models.sources import ModelLoadError
 from loomllm.workers.worker.state import Worker
 
 AVX2_ONLY = "fpu vme sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2"

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from loomllm.workers.models import gguf_weights, loader
+from loomllm.workers.models import gguf_weights, sources
 
 
 def assert_same_weights(groups, raw: np.ndarray, kind: GGMLQuantizationType) -> None:
@@ -62,9 +62,9 @@ def test_rows_are_unpermuted_as_transformers_does():
 def test_smollm2_stored_weights_equal_the_converted_checkpoint(monkeypatch):
     from safetensors import safe_open
 
-    monkeypatch.setenv("LOOM_CACHE_DIR", str(loader.cache_root()))
-    source = loader.resolve_model("smollm2")
-    converted = loader.prepare_model_dir(source)
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(sources.cache_root()))
+    source = sources.resolve_model("smollm2")
+    converted = sources.prepare_model_dir(source)
     architecture, stored = gguf_weights.read_stored_weights(Path(source.path), 9, 3)
     assert architecture == "llama"
     assert stored["model.embed_tokens.weight"].gguf_type == "Q8_0"
@@ -79,7 +79,7 @@ def test_smollm2_stored_weights_equal_the_converted_checkpoint(monkeypatch):
 def test_the_header_index_agrees_with_gguf_s_reader():
     from gguf import GGUFReader
 
-    path = Path(loader.resolve_model("smollm2").path)
+    path = Path(sources.resolve_model("smollm2").path)
     architecture, stored = gguf_weights.read_stored_weights(path, 9, 3)
     reader = GGUFReader(str(path))
     assert architecture == "llama"

@@ -29,7 +29,8 @@ from loomllm.workers.models.fused_layers import install_fused_ops
 from loomllm.workers.models.llama import config as llama_config
 from loomllm.workers.models.llama import model as llama_family
 from loomllm.workers.models.llama import weights as llama_weights
-from loomllm.workers.models.loader import ModelLoadError, load_model
+from loomllm.workers.models.loader import load_model
+from loomllm.workers.models.sources import ModelLoadError
 from loomllm.workers.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.compute

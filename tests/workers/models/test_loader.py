@@ -1,4 +1,4 @@
-"""Tests for loomllm.workers.models.loader: resolving model strings, the GGUF cache, and loading."""
+"""models/sources.py and models/loader.py: resolving model strings, the GGUF cache, and loading."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from loomllm.workers.models import loader as model_loader
-from loomllm.workers.models.loader import (
+from loomllm.workers.models import sources
+from loomllm.workers.models.loader import load_model
+from loomllm.workers.models.sources import (
     ModelLoadError,
     ModelNotFoundError,
     ModelSource,
-    load_model,
     prepare_model_dir,
     resolve_model,
 )
@@ -179,7 +179,7 @@ def _write_fake_conversion(gguf_path: Path, out_dir: Path) -> None:
 def test_corrupt_gguf_names_the_path_and_leaves_no_cache(fake_gguf: ModelSource) -> None:
     with pytest.raises(ModelLoadError, match=r"could not convert GGUF file .*Fake-Model\.Q4\.gguf"):
         prepare_model_dir(fake_gguf)
-    models = model_loader.cache_root() / "models"
+    models = sources.cache_root() / "models"
     assert [p.suffix for p in models.iterdir()] == [".lock"]
 
 
@@ -190,15 +190,15 @@ def test_failed_conversion_is_never_reused(
         _write_fake_conversion(gguf_path, out_dir)
         raise RuntimeError("killed halfway")
 
-    monkeypatch.setattr(model_loader, "_convert_gguf", half_then_crash)
+    monkeypatch.setattr(sources, "_convert_gguf", half_then_crash)
     with pytest.raises(RuntimeError, match="killed halfway"):
         prepare_model_dir(fake_gguf)
     # What a process killed mid-conversion leaves behind; the next conversion clears it.
-    target = model_loader._converted_dir(Path(fake_gguf.path))
+    target = sources._converted_dir(Path(fake_gguf.path))
     (target.parent / f".{target.name}.tmp-killed").mkdir()
     calls: list[Path] = []
     monkeypatch.setattr(
-        model_loader, "_convert_gguf", lambda g, o: (calls.append(o), _write_fake_conversion(g, o))
+        sources, "_convert_gguf", lambda g, o: (calls.append(o), _write_fake_conversion(g, o))
     )
     model_dir = prepare_model_dir(fake_gguf)
     assert len(calls) == 1
@@ -224,10 +224,10 @@ def test_concurrent_prepare_converts_once(
     fake_gguf: ModelSource, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # flock locks belong to open file descriptions, so two threads contend like two processes.
-    caplog.set_level(logging.INFO, logger=model_loader.__name__)
+    caplog.set_level(logging.INFO, logger=sources.__name__)
     second_is_waiting = threading.Event()
     handler = _SetOnRecord("waiting for another process", second_is_waiting)
-    model_loader.logger.addHandler(handler)
+    sources.logger.addHandler(handler)
     calls: list[Path] = []
     results: list[Path] = []
     threads: list[threading.Thread] = []
@@ -240,12 +240,12 @@ def test_concurrent_prepare_converts_once(
         _write_fake_conversion(gguf_path, out_dir)
         threads.append(second)
 
-    monkeypatch.setattr(model_loader, "_convert_gguf", slow_convert)
+    monkeypatch.setattr(sources, "_convert_gguf", slow_convert)
     try:
         first = prepare_model_dir(fake_gguf)
         threads[0].join(timeout=30)
     finally:
-        model_loader.logger.removeHandler(handler)
+        sources.logger.removeHandler(handler)
     assert len(calls) == 1
     assert results == [first]
 
@@ -257,7 +257,7 @@ def test_concurrent_prepare_converts_once(
 def smollm2_cache() -> Iterator[Path]:
     """The cache root holding the converted SmolLM2: the same one the engine's workers use
     (LOOM_CACHE_DIR or the per-user default), so a fresh machine converts only once."""
-    root = str(model_loader.cache_root())
+    root = str(sources.cache_root())
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LOOM_CACHE_DIR", root)
         prepare_model_dir(resolve_model("smollm2"))  # converts at most once per session
@@ -274,7 +274,7 @@ def test_smollm2_second_prepare_uses_the_cache(
         raise AssertionError("converted again despite the cache")
 
     first = prepare_model_dir(resolve_model("smollm2"))
-    monkeypatch.setattr(model_loader, "_convert_gguf", must_not_convert)
+    monkeypatch.setattr(sources, "_convert_gguf", must_not_convert)
     second = prepare_model_dir(resolve_model("SmolLM2"))
     assert second == first
     assert second.parent == smollm2_cache / "models"

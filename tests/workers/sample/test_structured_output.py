@@ -270,7 +270,7 @@ def test_smollm2_json_schema_matches_hf_with_xgrammar(shared_manager, async_sche
     small KV cache, with async scheduling off and on: those of HF generate with xgrammar's
     logits processor; and every answer parses and fits the schema."""
     from loomllm.text.tokenizer import Tokenizer
-    from loomllm.workers.models.loader import prepare_model_dir, resolve_model
+    from loomllm.workers.models.sources import prepare_model_dir, resolve_model
 
     model_dir = str(prepare_model_dir(resolve_model("smollm2")))
     tok = Tokenizer.from_model_dir(model_dir)
