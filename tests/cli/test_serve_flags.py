@@ -13,7 +13,8 @@ from dataclasses import fields
 
 import pytest
 
-from loomllm.cli.main import _parser, engine_options, main
+from loomllm.cli.flags import build_parser, engine_options
+from loomllm.cli.main import main
 from loomllm.config import EngineConfig
 
 
@@ -34,7 +35,7 @@ from loomllm.config import EngineConfig
 def test_serve_refuses_bad_values_naming_the_flag(flag, value, message, capsys):
     # The parser, not main(): were a value accepted, main() would go on to serve.
     with pytest.raises(SystemExit) as exited:
-        _parser().parse_args(["serve", "m", flag, value])
+        build_parser().parse_args(["serve", "m", flag, value])
     assert exited.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"loom serve: error: argument {flag}: {message}"
@@ -42,7 +43,7 @@ def test_serve_refuses_bad_values_naming_the_flag(flag, value, message, capsys):
 
 
 def test_serve_accepts_the_bounds():
-    args = _parser().parse_args(
+    args = build_parser().parse_args(
         [
             "serve",
             "m",
@@ -62,7 +63,7 @@ def test_serve_accepts_the_bounds():
         0.0,
         1,
     )
-    assert _parser().parse_args(["serve", "m", "--port", "65535"]).port == 65535
+    assert build_parser().parse_args(["serve", "m", "--port", "65535"]).port == 65535
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])
@@ -109,7 +110,7 @@ def test_serve_on_an_unknown_host_fails_in_one_line_before_the_engine_starts(man
 
 
 def test_every_engine_option_has_a_flag():
-    args = _parser().parse_args(["serve", "m"])
+    args = build_parser().parse_args(["serve", "m"])
     assert engine_options(args) == {}  # none given: EngineConfig's defaults decide
     # Every flag "given": the ones engine_options passes on are exactly EngineConfig's.
     every_flag = argparse.Namespace(**{name: "given" for name in vars(args)})
@@ -119,7 +120,7 @@ def test_every_engine_option_has_a_flag():
 
 def test_engine_switches_and_gpu_memory_utilization_become_engine_options():
     def options(*flags: str) -> dict:
-        return engine_options(_parser().parse_args(["serve", "m", *flags]))
+        return engine_options(build_parser().parse_args(["serve", "m", *flags]))
 
     assert options(
         "--gpu-memory-utilization",
@@ -135,5 +136,5 @@ def test_engine_switches_and_gpu_memory_utilization_become_engine_options():
     }
     assert options("--no-enable-chunked-prefill") == {"enable_chunked_prefill": False}
     for command in (["generate", "m", "p"], ["chat", "m"]):  # the same flags everywhere
-        args = _parser().parse_args([*command, "--no-enable-prefix-caching"])
+        args = build_parser().parse_args([*command, "--no-enable-prefix-caching"])
         assert engine_options(args) == {"enable_prefix_caching": False}

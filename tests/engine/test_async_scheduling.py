@@ -377,10 +377,10 @@ async def test_abort_with_two_steps_in_flight_frees_its_blocks(
 
 
 def test_cli_flags_become_engine_options():
-    from loomllm.cli.main import _parser, engine_options
+    from loomllm.cli.flags import build_parser, engine_options
 
     def options(*flags: str) -> dict:
-        return engine_options(_parser().parse_args(["serve", "m", *flags]))
+        return engine_options(build_parser().parse_args(["serve", "m", *flags]))
 
     assert options() == {}
     assert options("--async-scheduling", "--enforce-eager") == {

@@ -28,7 +28,7 @@ from support.servers import loom_serve
 from support.sockets import answers_to
 
 from loomllm import LLM, Engine, ManagerError
-from loomllm.cli.main import _parser
+from loomllm.cli.flags import build_parser
 from loomllm.config import EngineConfig
 from loomllm.protocols.codec import decode, encode
 from loomllm.protocols.connection import (
@@ -268,13 +268,13 @@ async def test_a_released_lease_cuts_its_session_off(shared_manager, tiny_model)
 
 def test_serve_binds_loopback_and_takes_the_key_from_the_environment(monkeypatch) -> None:
     monkeypatch.delenv("LOOM_API_KEY", raising=False)
-    args = _parser().parse_args(["serve"])
+    args = build_parser().parse_args(["serve"])
     assert (args.host, args.api_key) == ("127.0.0.1", None)
     monkeypatch.setenv("LOOM_API_KEY", "from-env")
-    assert _parser().parse_args(["serve"]).api_key == "from-env"
-    assert _parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
     monkeypatch.setenv("LOOM_API_KEY", "")  # set but empty: no key, not the empty key
-    assert _parser().parse_args(["serve"]).api_key is None
+    assert build_parser().parse_args(["serve"]).api_key is None
 
 
 @pytest.fixture(scope="module")

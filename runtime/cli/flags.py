@@ -1,0 +1,292 @@
+"""The `loom` command line's flags: vLLM's engine options as dashed flags, each command's own,
+and the parser that holds them."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from loomllm.config import EngineConfig
+
+
+def _default(name: str) -> Any:
+    """EngineConfig's default for the option `name`, for help texts: the flags themselves
+    default to None (not given), so that EngineConfig alone decides."""
+    return next(field.default for field in fields(EngineConfig) if field.name == name)
+
+
+def _on_off(name: str) -> str:
+    return "on" if _default(name) else "off"
+
+
+ENGINE_FLAGS: list[tuple[str, Any, str]] = [
+    ("--dtype", str, "auto | float32 | bfloat16 | float16"),
+    ("--load-format", str, "auto | dummy (random weights from the config, for benchmarks)"),
+    (
+        "--model-impl",
+        str,
+        "auto | loom | transformers (auto: loomllm's own Llama-family "
+        "model where it runs the checkpoint, else transformers')",
+    ),
+    ("--weight-dtype", str, "bfloat16 | float16: a float32 model's linear weights in 16 bits"),
+    (
+        "--quantization",
+        str,
+        "none | gguf | int8 | int4: weight-only, on the CPU (default: a GGUF file runs "
+        "as it is stored; none dequantizes it; int8 | int4 quantize a float checkpoint)",
+    ),
+    (
+        "--cpu-linear-kernel",
+        str,
+        "auto | dense | int8 | int4: the CPU's linear kernel (auto: the fastest measured "
+        "for each shape and batch size)",
+    ),
+    ("--device", str, "auto | cpu | cuda"),
+    ("--attention-backend", str, "auto | torch | triton (auto: triton on CUDA, torch on CPU)"),
+    ("--max-model-len", int, "longest prompt + output, in tokens"),
+    ("--max-num-seqs", int, "most requests in one batch"),
+    ("--max-num-batched-tokens", int, "most tokens in one step"),
+    ("--kv-cache-memory", int, "KV cache size in bytes"),
+    ("--block-size", int, "tokens per KV block"),
+    ("--seed", int, "engine seed"),
+    (
+        "--generation-config",
+        str,
+        "sampling defaults for fields a request leaves out: auto "
+        "(the model's generation_config.json) | vllm (none) | a directory holding one",
+    ),
+    (
+        "--scheduling-policy",
+        str,
+        "fcfs | priority (a request's priority: lower runs first; "
+        f"default {_default('scheduling_policy')})",
+    ),
+    ("--tensor-parallel-size", int, "ranks each layer's weights and KV heads are split over"),
+    ("--data-parallel-size", int, "independent replicas, each request to the least loaded"),
+    (
+        "--distributed-executor-backend",
+        str,
+        "local | ray (ranks as actors of a Ray cluster "
+        "at $RAY_ADDRESS; pip install 'loomllm[ray]')",
+    ),
+    ("--keep-alive", float, "seconds the workers stay warm after exit (-1: pinned)"),
+    (
+        "--gpu-memory-utilization",
+        float,
+        "CUDA: share of the GPU's memory the worker may "
+        f"fill, in (0, 1] (default {_default('gpu_memory_utilization')})",
+    ),
+    ("--manager-socket", Path, "engine-manager socket (default: the per-user one)"),
+]
+
+
+# On/off engine options: --NAME and --no-NAME (None when neither: EngineConfig's default).
+ENGINE_SWITCHES: list[tuple[str, str]] = [
+    (
+        "--enable-prefix-caching",
+        "reuse the KV blocks of a shared prompt prefix "
+        f"(default: {_on_off('enable_prefix_caching')})",
+    ),
+    (
+        "--enable-chunked-prefill",
+        "split long prompts over steps, with decodes alongside "
+        f"(default: {_on_off('enable_chunked_prefill')})",
+    ),
+    (
+        "--async-scheduling",
+        "send step N+1 while step N runs (default: on with CUDA workers, off on the CPU)",
+    ),
+    (
+        "--enforce-eager",
+        f"CUDA: run every step eager, no decode CUDA graphs (default: {_on_off('enforce_eager')})",
+    ),
+]
+
+
+# `loom bench NAME`: the module in benchmarks/ that runs it.
+BENCHMARKS = {
+    "cpu": "loomllm.benchmarks.cpu",
+    "offline": "loomllm.benchmarks.offline_throughput",
+    "overhead": "loomllm.benchmarks.engine_overhead",
+    "serving": "loomllm.benchmarks.serving",
+    "worker-start": "loomllm.benchmarks.worker_start",
+    "gpu": "loomllm.benchmarks.gpu_bench",
+    "gpu-check": "loomllm.benchmarks.gpu_checks",
+    "start": "loomllm.benchmarks.start_times",
+    "decode-profile": "loomllm.benchmarks.decode_profile",
+    "eager-step": "loomllm.benchmarks.eager_step",
+    "broadcast": "loomllm.benchmarks.step_broadcast",
+    "compile": "loomllm.benchmarks.kernel_compile",
+    "emulated": "loomllm.benchmarks.emulated_device",
+    "gpu-session": "loomllm.benchmarks.gpu_session",
+    "structured": "loomllm.benchmarks.structured_overhead",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loom", description="loomllm: serve or run a model")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def engine_args(p: argparse.ArgumentParser) -> None:
+        for flag, kind, help_ in ENGINE_FLAGS:
+            p.add_argument(flag, type=kind, default=None, help=help_)
+        for flag, help_ in ENGINE_SWITCHES:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        p.add_argument(
+            "--manager",
+            choices=["auto", "private"],
+            default=None,
+            help="auto: the shared daemon; private: one that dies with us",
+        )
+        p.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio")
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("model", nargs="?", default="smollm2")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=_port, default=8000, help="0: any free port")
+    # From the environment by default: a key on the command line shows in `ps`.
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("LOOM_API_KEY") or None,
+        help="require Authorization: Bearer KEY on every route but /health, "
+        "/metrics, /version and /openapi.json (default: $LOOM_API_KEY)",
+    )
+    serve.add_argument("--served-model-name", default=None, help="the name clients send")
+    serve.add_argument(
+        "--restart-on-failure",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start a new engine when a worker dies (else exit 1)",
+    )
+    serve.add_argument(
+        "--max-restarts",
+        type=_non_negative_int,
+        default=5,
+        help="exit 1 after more worker deaths than this within 10 minutes",
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=_seconds,
+        default=10.0,
+        help="seconds in-flight requests get on SIGTERM before they are aborted",
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default with tools): calls are read out '
+        "of the model's text with --tool-call-parser",
+    )
+    # The choices mirror loomllm.server.parsers.tool_parsers.PARSERS; importing that here
+    # would load starlette.
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=["hermes"],
+        default=None,
+        help="the model family's tool-call syntax (hermes: Qwen2.5, Qwen3, Hermes)",
+    )
+    # The choices mirror loomllm.server.parsers.reasoning.PARSERS.
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        default=None,
+        help="split a thinking model's <think>...</think> out of chat answers "
+        "into the message's reasoning",
+    )
+    serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a chat body's chat_template be a template's text (code that "
+        "runs here), not only the name of one of the model's templates",
+    )
+    serve.add_argument(
+        "--max-request-body",
+        type=_positive_int,
+        default=None,
+        help="largest request body in bytes (default 8 MiB; larger: 413)",
+    )
+    engine_args(serve)
+
+    gen = sub.add_parser("generate", help="stream one completion to stdout")
+    gen.add_argument("model")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    engine_args(gen)
+
+    chat = sub.add_parser("chat", help="chat with a model in the terminal, streaming")
+    chat.add_argument("model", nargs="?", default="smollm2")
+    chat.add_argument("--system", default=None, metavar="PROMPT", help="system prompt")
+    chat.add_argument("--max-tokens", type=int, default=512, help="longest reply, in tokens")
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--sampling-seed", type=int, default=None)
+    engine_args(chat)
+
+    models = sub.add_parser("models", help="list the models the engine-manager keeps warm")
+    models.add_argument(
+        "--manager-socket",
+        type=Path,
+        default=None,
+        help="engine-manager socket (default: the per-user one)",
+    )
+    models.set_defaults(loop="asyncio")
+
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark: loomllm and its peers in one run, a table of ratios",
+        description="Benchmarks in one run, same prompts for every engine. Flags after the "
+        "name go to the benchmark: `loom bench offline --help`.",
+    )
+    bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    return parser
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def _port(text: str) -> int:
+    value = _integer(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A finite duration >= 0: NaN would reach anyio's deadlines only at SIGTERM."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be seconds >= 0 (finite), got {text}")
+    return value
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags that were given, as Engine keyword arguments."""
+    flags = [flag for flag, _, _ in ENGINE_FLAGS] + [flag for flag, _ in ENGINE_SWITCHES]
+    names = [flag[2:].replace("-", "_") for flag in flags] + ["manager"]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
