@@ -78,6 +78,7 @@ def mixed_errors(
     decode_max_len=None,
     one_kernel=False,
     split_counts=None,
+    decode_tiling=None,
     device="cpu",
 ):
     """Requests computing one token go to the decode kernel, the others to the prefill
@@ -87,7 +88,7 @@ def mixed_errors(
     (a decode graph passes the longest context the cache holds). `one_kernel`: every
     request through the prefill kernel, as a mixed-step graph runs them (its tile list is
     always padded to the most tiles the batch could take). `split_counts`: the decode
-    kernel's counters (default: its own)."""
+    kernel's counters (default: its own); `decode_tiling`: its tiling (default: its own)."""
     from loomllm.workers.attention import triton_kernels as ta
     from loomllm.workers.attention.metadata import max_tiles, prefill_tiles
 
@@ -146,6 +147,7 @@ def mixed_errors(
             window,
             num_splits,
             split_counts,
+            **({"tiling": decode_tiling} if decode_tiling else {}),
         )
     out, q, k_cache, v_cache = (t.cpu() for t in (out, q, k_cache, v_cache))
     errors = []

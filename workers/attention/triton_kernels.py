@@ -5,6 +5,9 @@ On the CPU they run under TRITON_INTERPRET=1 for tests only, as torch is faster 
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -19,6 +22,46 @@ from loomllm.workers.kernels.fused_ops import dot_f32, rotated
 MIN_DOT_ROWS = 16  # tl.dot's minimum rows on GPUs
 TARGET_PROGRAMS = 264  # decode splits aim at ~2 programs per SM of an H100 (132 SMs)
 MAX_SPLITS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiling:
+    """How the decode kernel walks a context: `keys` a step (a power of two >= 16, over
+    as many pages as they span), with `warps` warps and `stages` loads in flight."""
+
+    keys: int
+    warps: int
+    stages: int
+
+    def __post_init__(self) -> None:
+        if self.keys < MIN_DOT_ROWS or self.keys & (self.keys - 1):
+            raise ValueError(f"keys must be a power of two >= {MIN_DOT_ROWS}, got {self.keys}")
+        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1:
+            raise ValueError(f"warps must be 1-16, a power of two, and stages >= 1: {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> DecodeTiling:
+        """ "64x4x3": keys x warps x stages."""
+        keys, warps, stages = (int(part) for part in text.split("x"))
+        return cls(keys, warps, stages)
+
+    def __str__(self) -> str:
+        return f"{self.keys}x{self.warps}x{self.stages}"
+
+
+def _tiling_from_env() -> DecodeTiling:
+    # Chosen on an H200 by `loom bench decode-attention`, which times the others beside it;
+    # LOOM_DECODE_TILING ("64x4x3") sets another, for the workers started after it is set.
+    text = os.environ.get("LOOM_DECODE_TILING") or "64x4x3"
+    try:
+        return DecodeTiling.parse(text)
+    except ValueError as exc:
+        raise ValueError(
+            f"LOOM_DECODE_TILING={text!r} is not keys x warps x stages: {exc}"
+        ) from None
+
+
+DECODE_TILING = _tiling_from_env()
 
 
 @triton.jit
@@ -180,6 +223,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KEYS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     EXACT: tl.constexpr,
     ROTARY: tl.constexpr,
@@ -238,19 +282,26 @@ def _decode_split_kernel(
             v_new = tl.load(v_new_ptr + req * stride_vnb + kv_head * stride_vnh + d, mask=d_ok)
             tl.store(v_cache_ptr + slot + d, v_new, mask=d_ok)
         tl.debug_barrier()  # every thread's stores land before any thread loads that page
-    offs = tl.arange(0, BLOCK_SIZE)
-    for page in range(first_page, end_page):
-        block = tl.load(block_tables_ptr + req * stride_bt + page)
-        k_pos = page * BLOCK_SIZE + offs
-        slots = (block * BLOCK_SIZE + offs).to(tl.int64)
-        key_ok = (k_pos < seq_len) & (k_pos >= first_key)
+    # KEYS keys a step, over as many pages as they span: each step has more loads in
+    # flight than one page's, which a long context's decode needs to reach the memory's
+    # bandwidth. Each key finds its page in the block table (the same few words, cached).
+    offs = tl.arange(0, KEYS)
+    end_key = tl.minimum(end_page * BLOCK_SIZE, seq_len)
+    for start in range(first_page * BLOCK_SIZE, end_key, KEYS):
+        k_pos = start + offs
+        in_split = k_pos < end_key
+        block = tl.load(
+            block_tables_ptr + req * stride_bt + k_pos // BLOCK_SIZE, mask=in_split, other=0
+        )
+        slots = block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
+        key_ok = in_split & (k_pos >= first_key)
         kv_ok = key_ok[:, None] & d_ok[None, :]
         k = tl.load(
             k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
             mask=kv_ok,
             other=0.0,
         )
-        s = dot_f32(q, tl.trans(k), EXACT) * scale  # [GROUP_PAD, BLOCK_SIZE]
+        s = dot_f32(q, tl.trans(k), EXACT) * scale  # [GROUP_PAD, KEYS]
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m, s_sum, acc = _online_softmax_step(
             s, m, s_sum, acc, v_cache_ptr, slots, kv_ok, kv_head, stride_ks, stride_kh, d, EXACT
@@ -472,6 +523,7 @@ def decode_attention(
     num_splits: int | None = None,
     split_counts: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, ...] | None = None,
+    tiling: DecodeTiling = DECODE_TILING,
 ) -> torch.Tensor:
     """Each request's one query over its paged context, split-K: [B, H, D]. `split_counts`:
     int32 zeros, at least B * KV heads of them, that the kernel leaves zero (a step's
@@ -479,7 +531,7 @@ def decode_attention(
     `new_kv`: (k, v [B, KVH, D], cos, sin [B, D], slots [B]): q and k unrotated, the step's
     K/V not in the cache yet; the kernel rotates q and k and writes k and v into their
     slots, as fused_ops.rotary_into_cache would (the caller checks
-    `rotary_into_cache_fits` first)."""
+    `rotary_into_cache_fits` first). `tiling`: keys a step, warps and stages."""
     _check(q, k_cache, v_cache, block_size)
     k_new, v_new, cos, sin, slots = new_kv if new_kv is not None else (q, q, q, q, q)
     batch, num_heads, head_dim = q.shape
@@ -544,9 +596,12 @@ def decode_attention(
         HEAD_DIM=head_dim,
         D_PAD=_d_pad(head_dim),
         BLOCK_SIZE=block_size,
+        KEYS=tiling.keys,
         SPLITS_PAD=MAX_SPLITS,
         EXACT=_exact(q),
         ROTARY=new_kv is not None,
+        num_warps=tiling.warps,
+        num_stages=tiling.stages,
     )
     return out
 

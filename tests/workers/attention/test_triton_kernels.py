@@ -7,7 +7,10 @@ reference and the batches: benchmarks/attention_reference.py).
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -146,6 +149,50 @@ def test_decode_splits_agree(num_splits):
         seed=5,
         num_splits=num_splits,
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "keys, block_size, num_splits, window",
+    [(16, 32, None, None), (32, 16, 3, None), (64, 16, None, 7), (128, 16, 2, 40), (64, 32, 1, 40)],
+)
+def test_decode_tilings_agree_with_float64(keys, block_size, num_splits, window, dtype):
+    """Keys a step fewer than a page's, or spanning several pages, a split's last pages
+    partly past its end, windows starting mid-step: every tiling is the same attention."""
+    run_mixed(
+        [(1, 1), (16, 1), (17, 1), (95, 1), (130, 1), (257, 1)],
+        num_heads=8,
+        group=4,
+        head_dim=64,
+        block_size=block_size,
+        dtype=dtype,
+        window=window,
+        seed=keys + block_size,
+        num_splits=num_splits,
+        decode_tiling=ta.DecodeTiling(keys, 4, 2),
+    )
+
+
+@pytest.mark.parametrize("value", ["32x8x2", "48x4x2", "64x4"])
+def test_loom_decode_tiling_sets_the_default_or_is_refused(value):
+    """Read where a worker imports the kernels; a bad one stops it with a message naming it."""
+    code = "from loomllm.workers.attention import triton_kernels as t; print(t.DECODE_TILING)"
+    env = {**os.environ, "LOOM_DECODE_TILING": value}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if value == "32x8x2":
+        assert done.returncode == 0 and done.stdout.strip() == "32x8x2", done.stderr
+    else:
+        assert done.returncode == 1, done.stdout
+        assert f"LOOM_DECODE_TILING={value!r} is not keys x warps x stages" in done.stderr
+
+
+def test_decode_tilings_are_checked():
+    assert ta.DecodeTiling.parse("64x4x3") == ta.DecodeTiling(64, 4, 3)
+    assert str(ta.DecodeTiling(32, 8, 2)) == "32x8x2"
+    with pytest.raises(ValueError, match="keys must be a power of two >= 16, got 48"):
+        ta.DecodeTiling(48, 4, 2)
+    with pytest.raises(ValueError, match="warps must be 1-16"):
+        ta.DecodeTiling(64, 3, 2)
 
 
 def test_the_split_counters_are_left_zero_for_the_next_launch():
