@@ -118,6 +118,7 @@ BENCHMARKS = {
     "gpu-check": "loomllm.benchmarks.gpu_checks",
     "start": "loomllm.benchmarks.start_times",
     "decode-profile": "loomllm.benchmarks.decode_profile",
+    "decode-attention": "loomllm.benchmarks.decode_attention",
     "eager-step": "loomllm.benchmarks.eager_step",
     "broadcast": "loomllm.benchmarks.step_broadcast",
     "compile": "loomllm.benchmarks.kernel_compile",
