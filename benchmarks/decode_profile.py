@@ -9,6 +9,7 @@ import argparse
 import functools
 import gc
 import itertools
+import re
 import tempfile
 from collections import defaultdict
 from collections.abc import Iterator
@@ -16,7 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from loomllm.benchmarks import int_list
-from loomllm.benchmarks.gpu_bench import SHAPES, copy_bandwidth, write_model_dir
+from loomllm.benchmarks.gpu_bench import (
+    SHAPES,
+    copy_bandwidth,
+    decode_weight_bytes,
+    write_model_dir,
+)
 
 PROG = "loom bench decode-profile"
 MAX_STEP_TOKENS = 8192  # one step's token budget: the prompts' steps are few
@@ -26,6 +32,56 @@ TILINGS = (
     "16x256x4x4,16x256x3x4,32x256x4x4,32x128x4x4,16x512x3x4,16x128x6x4,64x128x3x4,"
     "16x256x4x2,16x256x4x8"
 )
+RUNS = ("transformers", "fused", "graphs", "eager")
+# A step's kernels by what they do, matched on their names in this order: cuBLAS's GEMMs,
+# the paged attention, copies and transposes (a layout a matmul cannot take as it is costs
+# one of these a step), loomllm's Triton kernels, and what is left (torch's own).
+KERNEL_KINDS = (
+    ("GEMM (cuBLAS)", re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.I)),
+    ("attention", re.compile(r"_decode_split_kernel|_prefill_kernel")),
+    ("copy or transpose", re.compile(r"copy|transpose|memcpy|memset|cat_|contiguous", re.I)),
+    ("loomllm's Triton", re.compile(r"^_\w+_kernel$|^_\w+$")),
+)
+
+
+def matmul_rate(device: str) -> float:
+    """bf16 FLOP/s of an 8192-square matrix product on random data, best of 3 (CUDA only)."""
+    import torch
+
+    a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
+    a @ b  # cuBLAS picks its kernel
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * 8192**3 / best
+
+
+def step_floors(shape: str, batch: int, context: int, copy: float, rate: float) -> str:
+    """What bounds a decode step at `batch`: reading every weight and K/V byte at the copy
+    bandwidth, and the matmuls' FLOPs at the measured matrix rate."""
+    s = SHAPES[shape]
+    head_dim = s["hidden_size"] // s["num_attention_heads"]
+    weights = decode_weight_bytes(shape, "bfloat16")
+    kv = batch * context * s["num_hidden_layers"] * 2 * s["num_key_value_heads"] * head_dim * 2
+    flops = weights * batch  # 2 FLOPs a bf16 weight (2 bytes) a row
+    return (
+        f"floors at batch {batch}, ~{context} tokens of context: weights {weights / copy * 1e3:.2f}"
+        f" ms, their matmuls' FLOPs {flops / rate * 1e3:.2f} ms at {rate / 1e12:.0f} TFLOP/s, "
+        f"K/V {kv / copy * 1e3:.2f} ms; max(weights, FLOPs) + K/V = "
+        f"{(max(weights / copy, flops / rate) + kv / copy) * 1e3:.2f} ms"
+    )
+
+
+def kernel_kind(name: str) -> str:
+    for kind, pattern in KERNEL_KINDS:
+        if pattern.search(name):
+            return kind
+    return "other"
 
 
 def tiling_list(text: str) -> list[Any]:
@@ -50,6 +106,7 @@ def profile_decode(
     graphs: bool,
     what: str,
     prompt_len: int,
+    floors: Any = None,
 ) -> None:
     """Profile `steps` decode steps of `loaded` at each batch size, after the prompts' steps
     and `warmup` decode steps; print the wall time a step, the kernels' device time a step
@@ -130,6 +187,15 @@ def profile_decode(
             print("| kernel | ms/step | launches/step | share |\n|---|---|---|---|")
         for name, (ms, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
             print(f"| {name[:90]} | {ms:.3f} | {count:.0f} | {100 * ms / busy:.1f}% |", flush=True)
+        if cuda:
+            print(floors(batch, prompt_len + warmup + steps // 2))
+            kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+            for name, (ms, count) in kernels.items():
+                kinds[kernel_kind(name)][0] += ms
+                kinds[kernel_kind(name)][1] += count
+            print("\n| kind | ms/step | launches/step |\n|---|---|---|")
+            for kind, (ms, count) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+                print(f"| {kind} | {ms:.3f} | {count:.0f} |", flush=True)
         while scheduler.has_unfinished_requests():  # free the slots for the next size
             step()
 
@@ -273,6 +339,13 @@ def main(argv: list[str] | None = None) -> None:
         help="decode steps between the prompts' and the profiled ones",
     )
     p.add_argument("--prompt-len", type=int, default=200, help="each request's (max 500)")
+    p.add_argument(
+        "--runs",
+        type=lambda text: [run for run in text.split(",") if run],
+        default=list(RUNS),
+        help="which steps to profile, comma-separated: transformers (its model and ops), "
+        "fused (its model, the fused kernels swapped in), graphs and eager (loomllm's model)",
+    )
     p.add_argument("--top", type=int, default=12, help="kernels listed per batch size")
     p.add_argument("--reps", type=int, default=50, help="matmuls per timed graph")
     p.add_argument(
@@ -290,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
         p.error("--warmup must be >= 0 and --steps >= 1")
+    if unknown := sorted(set(args.runs) - set(RUNS)):
+        p.error(f"--runs: {', '.join(unknown)} unknown; choose from {', '.join(RUNS)}")
     import torch
 
     cuda = args.device.startswith("cuda")
@@ -308,32 +383,38 @@ def main(argv: list[str] | None = None) -> None:
         top=args.top,
         device=args.device,
         prompt_len=args.prompt_len,
+        floors=functools.partial(
+            step_floors,
+            args.shape,
+            copy=copy_bandwidth(args.device),
+            rate=matmul_rate(args.device) if cuda else 1.0,
+        ),
     )
     with tempfile.TemporaryDirectory(prefix="loom-decode-profile-") as tmp:
         model_dir = write_model_dir(args.shape, Path(tmp))
-        # Four runs: transformers' ops, the fused kernels swapped into them, then loomllm's
-        # own model with graphs and eager. Transformers' ops first: the swap cannot be
-        # undone. On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1).
-        loaded = load_model(
-            model_dir,
-            dtype="bfloat16",
-            device=args.device,
-            load_format="dummy",
-            model_impl="transformers",
+        # Transformers' ops first, then the fused kernels swapped into them (the swap cannot
+        # be undone), then loomllm's own model with graphs and eager. On the CPU the
+        # kernels run in Triton's interpreter (TRITON_INTERPRET=1).
+        load = functools.partial(
+            load_model, model_dir, dtype="bfloat16", device=args.device, load_format="dummy"
         )
-        profile(loaded, graphs=True, what="transformers' ops")
-        install_fused_ops(loaded.model)
-        profile(loaded, graphs=True, what="fused ops")
-        del loaded  # one model on the device at a time
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        loaded = load_model(
-            model_dir, dtype="bfloat16", device=args.device, load_format="dummy", model_impl="loom"
-        )
-    install_fused_ops(loaded.model)
-    for graphs in (True, False):
-        profile(loaded, graphs=graphs, what="loomllm's model")
+        if {"transformers", "fused"} & set(args.runs):
+            loaded = load(model_impl="transformers")
+            if "transformers" in args.runs:
+                profile(loaded, graphs=True, what="transformers' ops")
+            if "fused" in args.runs:
+                install_fused_ops(loaded.model)
+                profile(loaded, graphs=True, what="fused ops")
+            del loaded  # one model on the device at a time
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        if {"graphs", "eager"} & set(args.runs):
+            loaded = load(model_impl="loom")
+            install_fused_ops(loaded.model)
+            for graphs in (True, False):
+                if ("graphs" if graphs else "eager") in args.runs:
+                    profile(loaded, graphs=graphs, what="loomllm's model")
 
 
 if __name__ == "__main__":

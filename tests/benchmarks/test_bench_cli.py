@@ -359,3 +359,19 @@ def test_eager_step_benchmark_prints_both_models_and_the_ratio() -> None:
     assert re.search(r"^model_impl=loom: [\d.]+ ms a step$", done.stdout, re.M), done.stdout
     assert re.search(r"^model_impl=transformers: [\d.]+ ms a step$", done.stdout, re.M)
     assert re.search(r"^transformers / loom, median step: \d+\.\d\d$", done.stdout, re.M)
+
+
+def test_decode_profile_sorts_kernels_by_kind_and_refuses_unknown_runs() -> None:
+    from loomllm.benchmarks.decode_profile import kernel_kind
+
+    assert kernel_kind("nvjet_tst_128x64_64x8_2x1_v_bz_coopB_TNT") == "GEMM (cuBLAS)"
+    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == (
+        "GEMM (cuBLAS)"
+    )
+    assert kernel_kind("_decode_split_kernel") == "attention"
+    copy = "void at::native::elementwise_kernel<128, 4, at::native::direct_copy_kernel_cuda>"
+    assert kernel_kind(copy) == "copy or transpose"
+    assert kernel_kind("_add_rms_norm_kernel") == "loomllm's Triton"
+    assert kernel_kind("void at::native::index_elementwise_kernel<128, 4>") == "other"
+    done = loom("bench", "decode-profile", "--device", "cpu", "--runs", "graphs,bogus")
+    assert done.returncode == 2 and "--runs: bogus unknown" in done.stderr, done.stderr
