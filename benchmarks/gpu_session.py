@@ -22,6 +22,7 @@ from pathlib import Path
 PROG = "loom bench gpu-session"
 ROOT = Path(__file__).resolve().parent.parent
 GRACE_S = 20  # after SIGINT, for a benchmark to stop its manager and free the GPU
+BEST_TILING = "decode-tiling.txt"  # the attention step's fastest tiling
 
 
 @dataclasses.dataclass
@@ -44,7 +45,7 @@ def bench(*args: str) -> list[str]:
 
 def plan(device: str, big: str, small: str, logs: Path, kernel_cache: Path) -> list[Step]:
     """The session's steps in the order they run: correctness, then the issue's headline
-    figures, then what explains them, then what was measured before."""
+    figures and what explains them, then what was measured before."""
     on = ["--device", device]
     return [
         Step(
@@ -53,15 +54,38 @@ def plan(device: str, big: str, small: str, logs: Path, kernel_cache: Path) -> l
             bench("gpu-check", *on, "--shape", small),
             120,
         ),
+        # Every tiling of the decode attention, alone at batch 64 and 256 over 1-2k-token
+        # contexts; the fastest is what the steps after it run (LOOM_DECODE_TILING).
+        Step(
+            "attention",
+            "the decode attention's tilings against reading its K/V at copy bandwidth",
+            bench("decode-attention", *on, "--shape", big, "--best-to", str(logs / BEST_TILING)),
+            60,
+        ),
         # Without the async-off run and the enforce_eager stream: neither is a target, and
         # the steps after this one need their time more.
         Step(
             "throughput",
-            "workload (a) with async scheduling; one stream with graphs",
+            "workload (a) with async scheduling, offline and through loom serve; one stream",
+            bench("gpu", *on, "--shape", big, "--skip", "async-off,continuous,generate,eager"),
+            200,
+        ),
+        Step(
+            "profile",
+            "a decode step's kernels at batch 64 and 256, each matmul's bandwidth, the floors",
             bench(
-                "gpu", *on, "--shape", big, "--skip", "async-off,serve,continuous,generate,eager"
+                "decode-profile",
+                *on,
+                "--shape",
+                big,
+                "--batch-sizes",
+                "64,256",
+                "--runs",
+                "graphs",
+                "--tilings",
+                "",
             ),
-            120,
+            60,
         ),
         # An empty Triton cache: the cold start compiles every kernel, as a machine's first
         # start does (the steps before would otherwise have compiled them).
@@ -81,12 +105,6 @@ def plan(device: str, big: str, small: str, logs: Path, kernel_cache: Path) -> l
             ),
             90,
             env={"TRITON_CACHE_DIR": str(kernel_cache)},
-        ),
-        Step(
-            "profile",
-            "a decode step's kernels, each matmul's bandwidth, the skinny kernel's tilings",
-            bench("decode-profile", *on, "--shape", big, "--batch-sizes", "1,8,64,256"),
-            120,
         ),
         Step(
             "small",
@@ -111,13 +129,17 @@ def plan(device: str, big: str, small: str, logs: Path, kernel_cache: Path) -> l
             ),
             240,
         ),
-        Step(
-            "serve",
-            "workload (a) through loom serve",
-            bench("gpu", *on, "--shape", big, "--skip", "async-off,generate,continuous,stream"),
-            120,
-        ),
     ]
+
+
+def take_best_tiling(step: Step, logs: Path, env: dict[str, str]) -> list[str]:
+    """After the attention step, the steps after it run its fastest decode tiling (in `env`);
+    the summary's line that says so."""
+    best = logs / BEST_TILING
+    if step.name != "attention" or not best.exists():
+        return []
+    env["LOOM_DECODE_TILING"] = best.read_text().strip()
+    return [f"- decode tiling from the attention step on: {env['LOOM_DECODE_TILING']}"]
 
 
 def _default_sigint() -> None:
@@ -307,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(header), flush=True)
 
         def after(step: Step) -> None:
+            header.extend(take_best_tiling(step, logs, env))
             write_results(args.out, steps, header, logs)
             # The output's end, as it comes: a reply that keeps only the tail still has it.
             tail = "\n".join(step.output.strip().splitlines()[-30:])

@@ -109,3 +109,19 @@ def test_session_runs_a_real_step_and_refuses_unknown_ones(tmp_path: Path) -> No
         [*cmd, "--steps", "start,bogus"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
     )
     assert done.returncode == 2 and "unknown steps ['bogus']" in done.stderr
+
+
+def test_the_attention_steps_fastest_tiling_runs_in_the_steps_after_it(tmp_path: Path) -> None:
+    from loomllm.benchmarks.gpu_session import BEST_TILING, plan, take_best_tiling
+
+    names = [s.name for s in plan("cuda", "llama-8b", "qwen-0.5b", tmp_path, tmp_path)]
+    assert names.index("check") < names.index("attention") < names.index("throughput")
+    env: dict[str, str] = {}
+    attention = Step("attention", "", [], 0)
+    assert take_best_tiling(attention, tmp_path, env) == [] and env == {}  # it wrote none
+    (tmp_path / BEST_TILING).write_text("32x8x2\n")
+    assert take_best_tiling(Step("check", "", [], 0), tmp_path, env) == [] and env == {}
+    assert take_best_tiling(attention, tmp_path, env) == [
+        "- decode tiling from the attention step on: 32x8x2"
+    ]
+    assert env == {"LOOM_DECODE_TILING": "32x8x2"}
