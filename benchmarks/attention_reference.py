@@ -79,6 +79,7 @@ def mixed_errors(
     one_kernel=False,
     split_counts=None,
     decode_tiling=None,
+    prefill_tiling=None,
     device="cpu",
 ):
     """Requests computing one token go to the decode kernel, the others to the prefill
@@ -88,7 +89,8 @@ def mixed_errors(
     (a decode graph passes the longest context the cache holds). `one_kernel`: every
     request through the prefill kernel, as a mixed-step graph runs them (its tile list is
     always padded to the most tiles the batch could take). `split_counts`: the decode
-    kernel's counters (default: its own); `decode_tiling`: its tiling (default: its own)."""
+    kernel's counters (default: its own); `decode_tiling` and `prefill_tiling`: the
+    kernels' tilings (default: their own)."""
     from loomllm.workers.attention import triton_kernels as ta
     from loomllm.workers.attention.metadata import max_tiles, prefill_tiles
 
@@ -131,6 +133,7 @@ def mixed_errors(
             scale,
             window,
             out=out,
+            **({"tiling": prefill_tiling} if prefill_tiling else {}),
         )
     if decode:
         pick = torch.tensor(decode, device=device)

@@ -28,11 +28,11 @@ CHECKED_REQUESTS = 8  # rows of each batch checked against a float64 reference
 
 
 def tiling_list(text: str) -> list[Any]:
-    """argparse type for "64x4x3,32x8x2" (triton_kernels.DecodeTiling's)."""
-    from loomllm.workers.attention.triton_kernels import DecodeTiling
+    """argparse type for "64x4x3,32x8x2" (triton_kernels.Tiling's)."""
+    from loomllm.workers.attention.triton_kernels import Tiling
 
     try:
-        return [DecodeTiling.parse(item) for item in text.split(",") if item]
+        return [Tiling.parse(item) for item in text.split(",") if item]
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(
             f"tilings are keys x warps x stages, comma-separated: {exc}"
@@ -80,14 +80,18 @@ def paged_batch(
 
 def worst_error(out: Any, b: dict[str, Any], scale: float) -> float:
     """The worst relative error of CHECKED_REQUESTS rows against a float64 reference."""
+    import torch
+
     from loomllm.benchmarks.attention_reference import reference, relative_error, slots_of
 
     tables, lens = b["tables"].tolist(), b["lens"].tolist()
     worst = 0.0
     for i in range(0, len(lens), max(1, len(lens) // CHECKED_REQUESTS)):
-        slots = slots_of(tables[i], lens[i], BLOCK_SIZE)
-        ref = reference(b["q"][i : i + 1], b["k"], b["v"], slots, 1, scale, None)
-        worst = max(worst, relative_error(out[i : i + 1].cpu(), ref.cpu()))
+        # The request's own K/V, gathered on the device and compared on the host.
+        slots = b["k"].new_tensor(slots_of(tables[i], lens[i], BLOCK_SIZE), dtype=torch.long)
+        k, v = b["k"][slots].cpu(), b["v"][slots].cpu()
+        ref = reference(b["q"][i : i + 1].cpu(), k, v, list(range(lens[i])), 1, scale, None)
+        worst = max(worst, relative_error(out[i : i + 1].cpu(), ref))
     return worst
 
 

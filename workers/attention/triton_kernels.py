@@ -25,8 +25,8 @@ MAX_SPLITS = 32
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeTiling:
-    """How the decode kernel walks a context: `keys` a step (a power of two >= 16, over
+class Tiling:
+    """How an attention kernel walks a context: `keys` a step (a power of two >= 16, over
     as many pages as they span), with `warps` warps and `stages` loads in flight."""
 
     keys: int
@@ -40,7 +40,7 @@ class DecodeTiling:
             raise ValueError(f"warps must be 1-16, a power of two, and stages >= 1: {self}")
 
     @classmethod
-    def parse(cls, text: str) -> DecodeTiling:
+    def parse(cls, text: str) -> Tiling:
         """ "64x4x3": keys x warps x stages."""
         keys, warps, stages = (int(part) for part in text.split("x"))
         return cls(keys, warps, stages)
@@ -49,19 +49,19 @@ class DecodeTiling:
         return f"{self.keys}x{self.warps}x{self.stages}"
 
 
-def _tiling_from_env() -> DecodeTiling:
-    # Chosen on an H200 by `loom bench decode-attention`, which times the others beside it;
-    # LOOM_DECODE_TILING ("64x4x3") sets another, for the workers started after it is set.
-    text = os.environ.get("LOOM_DECODE_TILING") or "64x4x3"
+def _tiling_from_env(variable: str, default: str) -> Tiling:
+    text = os.environ.get(variable) or default
     try:
-        return DecodeTiling.parse(text)
+        return Tiling.parse(text)
     except ValueError as exc:
-        raise ValueError(
-            f"LOOM_DECODE_TILING={text!r} is not keys x warps x stages: {exc}"
-        ) from None
+        raise ValueError(f"{variable}={text!r} is not keys x warps x stages: {exc}") from None
 
 
-DECODE_TILING = _tiling_from_env()
+# Chosen on an H200 by `loom bench decode-attention` (the decode kernel's, among the others
+# it times) and by workload (a)'s prompt steps (the prefill kernel's). LOOM_DECODE_TILING and
+# LOOM_PREFILL_TILING ("64x4x3") set others, for the workers started after they are set.
+DECODE_TILING = _tiling_from_env("LOOM_DECODE_TILING", "64x4x3")
+PREFILL_TILING = _tiling_from_env("LOOM_PREFILL_TILING", "64x4x3")
 
 
 @triton.jit
@@ -90,6 +90,7 @@ def _prefill_kernel(
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    KEYS: tl.constexpr,
     EXACT: tl.constexpr,
 ):
     """One program per (tile of BLOCK_M queries of one request, query head), causal over the
@@ -119,19 +120,23 @@ def _prefill_kernel(
         # Keys from the first one the tile's first query sees to its last query's position.
         last_key = tl.minimum(seq_len - q_len + first + BLOCK_M, seq_len) - 1
         first_key = tl.where(window > 0, tl.maximum(seq_len - q_len + first - window + 1, 0), 0)
-        offs = tl.arange(0, BLOCK_SIZE)
-        for page in range(first_key // BLOCK_SIZE, last_key // BLOCK_SIZE + 1):
-            block = tl.load(block_tables_ptr + req * stride_bt + page)
-            k_pos = page * BLOCK_SIZE + offs
-            slots = (block * BLOCK_SIZE + offs).to(tl.int64)
-            kv_ok = (k_pos < seq_len)[:, None] & d_ok[None, :]
+        # KEYS keys a step over as many pages as they span, as the decode kernel walks them.
+        offs = tl.arange(0, KEYS)
+        for start in range(first_key, last_key + 1, KEYS):
+            k_pos = start + offs
+            key_in = k_pos <= last_key
+            block = tl.load(
+                block_tables_ptr + req * stride_bt + k_pos // BLOCK_SIZE, mask=key_in, other=0
+            )
+            slots = block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
+            kv_ok = key_in[:, None] & d_ok[None, :]
             k = tl.load(
                 k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
                 mask=kv_ok,
                 other=0.0,
             )
-            s = dot_f32(q, tl.trans(k), EXACT) * scale  # [BLOCK_M, BLOCK_SIZE]
-            seen = k_pos[None, :] <= q_pos[:, None]
+            s = dot_f32(q, tl.trans(k), EXACT) * scale  # [BLOCK_M, KEYS]
+            seen = (k_pos[None, :] <= q_pos[:, None]) & key_in[None, :]
             seen &= (k_pos[None, :] > q_pos[:, None] - window) | (window <= 0)
             s = tl.where(seen, s, float("-inf"))
             m, s_sum, acc = _online_softmax_step(
@@ -399,9 +404,11 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    tiling: Tiling = PREFILL_TILING,
 ) -> torch.Tensor:
     """Causal attention of each prefill request's queries over its paged context; rows of
-    `out` (default: a new [T, H, D]) outside the requests are left as they are."""
+    `out` (default: a new [T, H, D]) outside the requests are left as they are. `tiling`:
+    keys a step, warps and stages."""
     _check(q, k_cache, v_cache, block_size)
     out = torch.empty_like(q) if out is None else out
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -430,7 +437,10 @@ def prefill_attention(
         D_PAD=_d_pad(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_M=BLOCK_M,
+        KEYS=tiling.keys,
         EXACT=_exact(q),
+        num_warps=tiling.warps,
+        num_stages=tiling.stages,
     )
     return out
 
@@ -523,7 +533,7 @@ def decode_attention(
     num_splits: int | None = None,
     split_counts: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, ...] | None = None,
-    tiling: DecodeTiling = DECODE_TILING,
+    tiling: Tiling = DECODE_TILING,
 ) -> torch.Tensor:
     """Each request's one query over its paged context, split-K: [B, H, D]. `split_counts`:
     int32 zeros, at least B * KV heads of them, that the kernel leaves zero (a step's

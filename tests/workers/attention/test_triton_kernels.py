@@ -169,30 +169,50 @@ def test_decode_tilings_agree_with_float64(keys, block_size, num_splits, window,
         window=window,
         seed=keys + block_size,
         num_splits=num_splits,
-        decode_tiling=ta.DecodeTiling(keys, 4, 2),
+        decode_tiling=ta.Tiling(keys, 4, 2),
     )
 
 
+@pytest.mark.parametrize("kernel", ["DECODE", "PREFILL"])
 @pytest.mark.parametrize("value", ["32x8x2", "48x4x2", "64x4"])
-def test_loom_decode_tiling_sets_the_default_or_is_refused(value):
+def test_the_tiling_variables_set_the_defaults_or_are_refused(kernel, value):
     """Read where a worker imports the kernels; a bad one stops it with a message naming it."""
-    code = "from loomllm.workers.attention import triton_kernels as t; print(t.DECODE_TILING)"
-    env = {**os.environ, "LOOM_DECODE_TILING": value}
+    code = f"from loomllm.workers.attention import triton_kernels as t; print(t.{kernel}_TILING)"
+    env = {**os.environ, f"LOOM_{kernel}_TILING": value}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if value == "32x8x2":
         assert done.returncode == 0 and done.stdout.strip() == "32x8x2", done.stderr
     else:
         assert done.returncode == 1, done.stdout
-        assert f"LOOM_DECODE_TILING={value!r} is not keys x warps x stages" in done.stderr
+        assert f"LOOM_{kernel}_TILING={value!r} is not keys x warps x stages" in done.stderr
+
+
+@pytest.mark.parametrize("window", [None, 7, 40])
+@pytest.mark.parametrize("keys, block_size", [(16, 32), (32, 16), (64, 16), (128, 32)])
+def test_prefill_tilings_agree_with_float64(keys, block_size, window):
+    """Prompts, chunks over a cached start, and one-query rows as a mixed graph runs them,
+    under each tiling: keys a step within a page or over several, windows mid-step."""
+    run_mixed(
+        [(1, 1), (37, 1), (9, 9), (50, 20), (45, 40), (130, 1), (200, 70)],
+        num_heads=8,
+        group=4,
+        head_dim=64,
+        block_size=block_size,
+        dtype=torch.float32,
+        window=window,
+        seed=keys + block_size,
+        one_kernel=True,
+        prefill_tiling=ta.Tiling(keys, 4, 2),
+    )
 
 
 def test_decode_tilings_are_checked():
-    assert ta.DecodeTiling.parse("64x4x3") == ta.DecodeTiling(64, 4, 3)
-    assert str(ta.DecodeTiling(32, 8, 2)) == "32x8x2"
+    assert ta.Tiling.parse("64x4x3") == ta.Tiling(64, 4, 3)
+    assert str(ta.Tiling(32, 8, 2)) == "32x8x2"
     with pytest.raises(ValueError, match="keys must be a power of two >= 16, got 48"):
-        ta.DecodeTiling(48, 4, 2)
+        ta.Tiling(48, 4, 2)
     with pytest.raises(ValueError, match="warps must be 1-16"):
-        ta.DecodeTiling(64, 3, 2)
+        ta.Tiling(64, 3, 2)
 
 
 def test_the_split_counters_are_left_zero_for_the_next_launch():
