@@ -196,6 +196,12 @@ def profile_decode(
             print("\n| kind | ms/step | launches/step |\n|---|---|---|")
             for kind, (ms, count) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
                 print(f"| {kind} | {ms:.3f} | {count:.0f} |", flush=True)
+            copies = [
+                f"{name[:120]} ({count:.0f} a step)"
+                for name, (_, count) in kernels.items()
+                if kernel_kind(name) == "copy or transpose"
+            ]
+            print("copies and transposes: " + ("; ".join(copies) or "none"), flush=True)
         while scheduler.has_unfinished_requests():  # free the slots for the next size
             step()
 
