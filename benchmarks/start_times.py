@@ -70,10 +70,14 @@ def import_times() -> None:
         f"bytecode: written by this interpreter: {not sys.dont_write_bytecode}; "
         f"transformers.modeling_utils has a cached .pyc: {cached}"
     )
+    # The zygote skips what is not installed (gguf on a GPU host, say); so does the timing.
+    later = [n for n in PRELOAD_LATER if importlib.util.find_spec(n.partition(".")[0])]
+    if missing := sorted(set(PRELOAD_LATER) - set(later)):
+        print(f"not installed, not timed: {', '.join(missing)}")
     sets = [
         ("torch", ["torch"]),
         ("the zygote's list", list(PRELOAD)),
-        ("and transformers' modeling code", [*PRELOAD, *PRELOAD_LATER]),
+        ("and transformers' modeling code", [*PRELOAD, *later]),
     ]
     for what, names in sets:
         done = subprocess.run(
