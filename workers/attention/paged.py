@@ -5,7 +5,7 @@ The model calls it per layer on the packed batch; on the Triton backend it runs 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +25,19 @@ def paged_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     attn_metadata: AttentionMetadata | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """One layer's attention over the packed `[1, T]` batch (Q and K with RoPE applied): writes
     the step's K/V into the paged cache, then attends each request over its own context, in
-    torch or, when the metadata carries block tables (`paged`), with the Triton kernels."""
+    torch or, when the metadata carries block tables (`paged`), with the Triton kernels.
+    `softcap` (Gemma 2: scores become softcap * tanh(scores / softcap)) and `s_aux` (gpt-oss:
+    a sink logit per query head, in each softmax's sum but attending to no value) are
+    computed by the torch backend only: the worker picks it for such models."""
     if attn_metadata is None:
         raise RuntimeError("loom_paged attention needs attn_metadata (run it via ModelRunner)")
+    extras = _Extras(softcap or None, s_aux)
     meta = attn_metadata
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
@@ -43,6 +49,9 @@ def paged_attention(
             triton_kernels as triton_attention,  # only where Triton is the backend
         )
 
+        if extras.any():  # the worker never routes such a model here: a bug if it does
+            raise NotImplementedError("the Triton attention computes no softcap or sinks")
+
         triton_attention.write_kv(
             key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping
         )
@@ -51,16 +60,55 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
     if not meta.prefills:  # decode only: token i is decode row i, no gather or scatter
-        return _decode(q, k_cache, v_cache, meta, group, scaling, sliding_window)[None], None
+        out = _decode(q, k_cache, v_cache, meta, group, scaling, sliding_window, extras)
+        return out[None], None
     out = torch.empty_like(q)  # [T, H, D]
     if meta.decode_token_idx.numel():
         out[meta.decode_token_idx] = _decode(
-            q[meta.decode_token_idx], k_cache, v_cache, meta, group, scaling, sliding_window
+            q[meta.decode_token_idx], k_cache, v_cache, meta, group, scaling, sliding_window, extras
         )
     for row in meta.prefills:
         rows = slice(row.token_start, row.token_start + row.num_tokens)
-        out[rows] = _prefill(q[rows], k_cache, v_cache, row, group, scaling, sliding_window)
+        out[rows] = _prefill(q[rows], k_cache, v_cache, row, group, scaling, sliding_window, extras)
     return out.unsqueeze(0), None  # [1, T, H, D]
+
+
+class _Extras(NamedTuple):
+    """What some models add to attention's scores: a softcap, and sink logits [H]."""
+
+    softcap: float | None
+    sinks: torch.Tensor | None
+
+    def any(self) -> bool:
+        return self.softcap is not None or self.sinks is not None
+
+
+def _attend(
+    q: torch.Tensor,  # [..., rows, D]
+    k: torch.Tensor,  # [..., L, D]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # bool (True: seen) or additive, broadcast to [..., rows, L]
+    scale: float | None,
+    extras: _Extras,
+    sinks: torch.Tensor | None,  # [..., rows, 1]: extras.sinks laid out as q's rows
+) -> torch.Tensor:
+    """Attention with a softcap and sinks, as transformers' eager Gemma 2 and gpt-oss compute
+    it: scores scaled, capped, masked; the sink a last column of the softmax, then dropped."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (
+        scale if scale is not None else q.shape[-1] ** -0.5
+    )
+    if extras.softcap is not None:
+        scores = torch.tanh(scores / extras.softcap) * extras.softcap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    if sinks is None:
+        probs = torch.softmax(scores.float(), dim=-1)
+    else:
+        logits = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], -1)
+        probs = torch.softmax(logits.float(), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def attend_written(
@@ -193,6 +241,7 @@ def _decode(
     group: int,
     scaling: float | None,
     sliding_window: int | None,
+    extras: _Extras,
 ) -> torch.Tensor:
     bd, num_heads, dim = q.shape
     k = _gather(k_cache, meta.decode_slots, q.dtype)  # [Bd, KVH, L, D]
@@ -203,7 +252,11 @@ def _decode(
         mask = valid[:, None, None, :]
     # GQA without copying K/V: the `group` query heads sharing a KV head become query rows.
     qg = q.view(bd, num_heads // group, group, dim)  # [Bd, KVH, G, D]
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)
+    if extras.any():
+        sinks = None if extras.sinks is None else extras.sinks.view(1, -1, group, 1)
+        o = _attend(qg, k, v, mask, scaling, extras, sinks)
+    else:
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)
     return o.reshape(bd, num_heads, dim)  # [Bd, H, D]
 
 
@@ -215,6 +268,7 @@ def _prefill(
     group: int,
     scaling: float | None,
     sliding_window: int | None,
+    extras: _Extras,
 ) -> torch.Tensor:
     n, num_heads, dim = q.shape
     seq_len = row.context_slots.numel()
@@ -227,7 +281,16 @@ def _prefill(
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     qg = q.permute(1, 0, 2).reshape(num_heads // group, group * n, dim)  # [KVH, G*n, D]
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(group, 1), scale=scaling)
+    if extras.any():
+        # Row j of KV head h is query head h * group + j // n.
+        sinks = (
+            None
+            if extras.sinks is None
+            else extras.sinks.view(-1, group, 1).repeat_interleave(n, dim=1)
+        )
+        o = _attend(qg, k, v, mask.repeat(group, 1), scaling, extras, sinks)
+    else:
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(group, 1), scale=scaling)
     return o.view(num_heads, n, dim).permute(1, 0, 2)  # [n, H, D]
 
 
