@@ -11,15 +11,19 @@ def hf_greedy(
     max_new_tokens: int,
     *,
     ignore_eos: bool = True,
+    attn_implementation: str | None = None,
     **generate_kwargs: Any,
 ) -> list[list[int]]:
     """Each prompt's greedy continuation by transformers' model in float32. `ignore_eos`:
     generate through EOS (min_new_tokens would instead ban it); `generate_kwargs` go to
-    `generate` as they are (a logits processor, a sequence bias)."""
+    `generate` as they are (a logits processor, a sequence bias); `attn_implementation`:
+    transformers' (e.g. "eager", the one that computes softcaps and sinks)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=attn_implementation
+    ).eval()
     if ignore_eos:
         model.generation_config.eos_token_id = None
     outputs = []

@@ -44,6 +44,86 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0) -> str:
     return str(path)
 
 
+# Each architecture's tiny config, its features set so that they change the result:
+# softcaps low enough to bind, windows shorter than the prompts, multipliers far from 1.
+ARCH_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=16,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            initializer_range=0.2,
+        ),
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"],
+            initializer_range=0.2,
+        ),
+    ),
+    "phi3": ("Phi3Config", dict(pad_token_id=0, sliding_window=None)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    ),
+    "olmo2": ("Olmo2Config", dict(pad_token_id=0)),
+    "granite": (
+        "GraniteConfig",
+        dict(
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=4.0,
+        ),
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
+}
+
+
+def make_tiny_arch(path: Path, arch: str, seed: int = 0) -> str:
+    """Save a tiny random-weight model of `arch` (a key of ARCH_CONFIGS), with a tokenizer."""
+    torch.manual_seed(seed)
+    name, extra = ARCH_CONFIGS[arch]
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config = getattr(transformers, name)(**{**common, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for module in model.modules():
+            sinks = getattr(module, "sinks", None)
+            if isinstance(sinks, torch.nn.Parameter):  # gpt-oss starts them at zero
+                sinks.normal_(0.0, 1.0)
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path)
+    return str(path)
+
+
 def save_tiny_tokenizer(path: Path) -> None:
     """A word-level tokenizer over the tiny vocabulary: token i is the word "w{i}"."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from loomllm.workers.attention import paged
 from loomllm.workers.attention.metadata import (
     AttentionMetadata,
     PrefillRow,
@@ -23,7 +24,9 @@ def paged_logits(
     cache_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """`model` over `tokens` as a worker runs it: all but the last as one prompt, then the
-    last as a decode step, over a paged KV cache. [T, V]."""
+    last as a decode step, over a paged KV cache. [T, V]. A transformers model is routed to
+    loomllm's attention first, as the worker's runner routes it."""
+    paged.route_transformers_model(model)
     num_blocks = -(-len(tokens) // BLOCK) + 1
     cache_shape = (num_blocks * BLOCK, shape.num_key_value_heads, shape.head_dim)
     caches = [

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from loomllm.workers.device.dtype import DTYPES, pick_dtype, resolve_device, stored_dtype
+from loomllm.workers.models import architectures
 from loomllm.workers.models import quantization as quantize
 from loomllm.workers.models.half_weights import WEIGHT_DTYPES, store_linear_weights_in
 from loomllm.workers.models.llama import config as llama_config
@@ -97,6 +98,7 @@ def load_model(
     torch_device = resolve_device(device)
     source = resolve_model(model)
     model_dir = prepare_model_dir(source)
+    architectures.check(model_dir / "config.json")  # before any weight is read
     shape, why_not = None, "model_impl='transformers'"
     if model_impl != "transformers":
         shape, why_not = llama_config.read_shape(model_dir / "config.json")

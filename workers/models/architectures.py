@@ -1,0 +1,87 @@
+"""The model architectures loomllm runs, each checked against transformers by a parity test;
+any other is refused at load with one error that names it and lists these.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from loomllm.workers.models.sources import ModelLoadError
+
+# Architecture -> its model_type (a config.json saved alone names only that).
+SUPPORTED = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Olmo2ForCausalLM": "olmo2",
+    "GraniteForCausalLM": "granite",
+    "GptOssForCausalLM": "gpt_oss",
+}
+# What a known architecture needs that loomllm does not do yet: said in its refusal.
+NOT_YET = {
+    "DeepseekV2ForCausalLM": "multi-head latent attention (K and V heads of different sizes)",
+    "DeepseekV3ForCausalLM": "multi-head latent attention (K and V heads of different sizes)",
+    "Llama4ForCausalLM": "chunked local attention",
+    "Llama4ForConditionalGeneration": "chunked local attention, and a multimodal checkpoint",
+    "Gemma3ForConditionalGeneration": "a multimodal checkpoint (its text tower alone)",
+}
+# Attention that only the torch backend computes: the Triton kernels have neither yet.
+TORCH_ONLY_ATTENTION = {
+    "GptOssForCausalLM": "attention sinks",
+}
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """A model whose architecture loomllm does not run (right), refused before loading it."""
+
+
+def architecture(config: dict[str, Any]) -> str:
+    """The architecture a config.json names: its `architectures`, else its model_type's."""
+    named = config.get("architectures") or []
+    if len(named) == 1:
+        return str(named[0])
+    if named:
+        raise UnsupportedArchitectureError(f"config.json names several architectures: {named}")
+    by_type = {model_type: arch for arch, model_type in SUPPORTED.items()}
+    model_type = config.get("model_type")
+    if model_type in by_type:
+        return by_type[model_type]
+    raise UnsupportedArchitectureError(
+        f"config.json names no architecture, and its model_type {model_type!r} is not one "
+        f"loomllm runs; supported: {', '.join(SUPPORTED)}"
+    )
+
+
+def check(config_path: Path) -> str:
+    """The architecture of the model whose config.json is `config_path`, if loomllm runs it;
+    else UnsupportedArchitectureError naming it and listing the supported ones."""
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {config_path}: {exc}") from exc
+    arch = architecture(config)
+    if arch in SUPPORTED:
+        return arch
+    why = f" ({NOT_YET[arch]} is not supported yet)" if arch in NOT_YET else ""
+    raise UnsupportedArchitectureError(
+        f"architecture {arch} is not supported{why}; loomllm runs {', '.join(SUPPORTED)}"
+    )
+
+
+def attention_needs(config: Any) -> list[str]:
+    """What of a loaded model's attention the Triton kernels do not compute (softcapping,
+    sinks): it runs on the torch backend."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    archs = getattr(config, "architectures", None) or []
+    needs = [TORCH_ONLY_ATTENTION[a] for a in archs if a in TORCH_ONLY_ATTENTION]
+    if getattr(text, "attn_logit_softcapping", None):
+        needs.append("attention logit softcapping")
+    return needs
