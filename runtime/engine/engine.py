@@ -32,6 +32,7 @@ from loomllm.engine.generation_defaults import sampling_defaults
 from loomllm.engine.input_checks import (
     check_priority,
     check_request_id,
+    check_room,
     check_token_ids,
     prompt_token_ids,
     with_bad_words_encoded,
@@ -222,6 +223,7 @@ class Engine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        max_tokens_must_fit: bool = False,
     ) -> RequestStream:
         """Start one request and return its stream of outputs (`async for out in ...`).
 
@@ -229,7 +231,9 @@ class Engine:
         naming the field here, before anything is scheduled. Leaving the stream (break,
         cancellation, a deadline, `aclose()`) aborts the request; its KV blocks are free
         again before the next step. `priority` (scheduling_policy="priority" only): lower
-        runs first, and is preempted last.
+        runs first, and is preempted last. `max_tokens_must_fit`: refuse a request whose
+        prompt and max_tokens pass max_model_len, as the OpenAI API does (by default its
+        output stops where the context is full).
         """
         self._require_running()
         check_priority(priority, self.config.scheduling_policy)
@@ -244,6 +248,8 @@ class Engine:
         params = with_bad_words_encoded(params, tokenizer)
         check_token_ids(params, vocab, tokenizer.eos_token_ids)
         text, token_ids = prompt_token_ids(prompt, tokenizer, vocab, self.max_model_len, params)
+        if max_tokens_must_fit:
+            check_room(len(token_ids), params, self.max_model_len)
         request_id = check_request_id(uuid.uuid4().hex if request_id is None else request_id)
         if self.replica_index(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -286,6 +292,7 @@ class Engine:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         priority: int = 0,
+        max_tokens_must_fit: bool = False,
     ) -> RequestStream:
         """Apply the model's chat template to `messages`, then stream like generate().
 
@@ -311,6 +318,7 @@ class Engine:
             sampling_params,
             request_id=request_id,
             priority=priority,
+            max_tokens_must_fit=max_tokens_must_fit,
         )
 
     def abort(self, request_id: str) -> None:

@@ -42,6 +42,18 @@ def prompt_token_ids(
     return text, list(ids)
 
 
+def check_room(prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:
+    """ValueError, worded as vLLM's server words it, when the prompt and max_tokens do not
+    fit in max_model_len (max_tokens None: the rest of the context, which always fits)."""
+    wanted = params.max_tokens
+    if wanted is not None and prompt_tokens + wanted > max_model_len:
+        raise ValueError(
+            f"max_tokens is too large: {wanted}. This model's maximum context length is "
+            f"{max_model_len} tokens and your request has {prompt_tokens} input tokens "
+            f"({wanted} > {max_model_len} - {prompt_tokens})"
+        )
+
+
 def truncated(
     ids: list[int], params: SamplingParams, max_model_len: int, bos: int | None
 ) -> list[int]:

@@ -342,6 +342,40 @@ async def test_chat_happy_path_and_stream(chat_model, shared_manager):
         assert events[-3]["choices"][0]["finish_reason"] == "length"
 
 
+async def test_prompt_and_max_tokens_past_the_context_are_400_naming_both(
+    chat_model, shared_manager
+):
+    """As vLLM and the OpenAI API answer; without max_tokens a request gets the rest of the
+    context; a refused request costs the others nothing."""
+    async with running(chat_model, shared_manager, {"max_model_len": 64}) as (engine, client):
+        prompt = " ".join(["w5"] * 20)
+        fits = {"model": NAME, "prompt": prompt, "max_tokens": 44, "ignore_eos": True}
+        done = (await client.post("/v1/completions", json=fits)).json()
+        prompt_tokens = done["usage"]["prompt_tokens"]
+        assert prompt_tokens + done["usage"]["completion_tokens"] <= 64
+        over = {**fits, "max_tokens": 65 - prompt_tokens}
+        error = assert_error(await client.post("/v1/completions", json=over), 400, "max_tokens")
+        assert error["message"] == (
+            f"max_tokens is too large: {65 - prompt_tokens}. This model's maximum context "
+            f"length is 64 tokens and your request has {prompt_tokens} input tokens "
+            f"({65 - prompt_tokens} > 64 - {prompt_tokens})"
+        )
+        chat = {
+            "model": NAME,
+            "messages": [{"role": "user", "content": prompt}],
+            "ignore_eos": True,
+            "max_completion_tokens": 64,
+        }
+        assert_error(await client.post("/v1/chat/completions", json=chat), 400, "max_tokens")
+        del chat["max_completion_tokens"]  # the rest of the context
+        whole = (await client.post("/v1/chat/completions", json=chat)).json()
+        usage = whole["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+        assert whole["choices"][0]["finish_reason"] == "length"
+        assert (await client.post("/v1/completions", json=fits)).status_code == 200
+        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
 async def test_api_key(tiny_model, shared_manager):
     async with running(tiny_model, shared_manager, api_key="s3cret") as (_, client):
         assert_error(await client.get("/v1/models"), 401, None)
@@ -478,7 +512,7 @@ def test_an_engine_dead_at_a_requests_start_is_503_and_closes_what_started():
         def __init__(self):
             self.calls = 0
 
-        def generate(self, prompt, params, request_id, priority):
+        def generate(self, prompt, params, request_id, priority, max_tokens_must_fit):
             self.calls += 1
             if self.calls == 2:
                 raise EngineDeadError("the worker died")

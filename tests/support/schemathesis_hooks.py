@@ -1,16 +1,16 @@
 """Schemathesis hooks for server/openai/test_openapi.py, loaded through SCHEMATHESIS_HOOKS.
 
-positive_data_acceptance wants every schema-valid body answered 2xx, but five of the server's
-rules are beyond JSON Schema: a prompt (or the rendered messages) must encode to 1 to
-max_model_len - 1 tokens, min_tokens <= max_tokens, seed + n - 1 fits in 64 bits (choice
-i samples with seed + i), with min_tokens, allowed_token_ids must hold more than eos
-and the stop ids (which min_tokens bans), and continue_final_message needs text content in the
-final message (on /tokenize too). A structured output's grammar must also compile
-and be spelled by the model's vocabulary, which only the workers can tell. Positive cases
-breaking them are
-dropped before they are sent; tokens are counted by the server's own /tokenize route (with the
-body's chat-template fields, so the same prompt), so the route under test is not its own
-judge. Negative cases are never dropped.
+positive_data_acceptance wants every schema-valid body answered 2xx, but five of the
+server's rules are beyond JSON Schema: a prompt (or the rendered messages) must encode to
+at least one token and leave room in max_model_len for max_tokens (for one token without
+it), min_tokens <= max_tokens, seed + n - 1 fits in 64 bits (choice i samples with seed +
+i), with min_tokens, allowed_token_ids must hold more than eos and the stop ids (which
+min_tokens bans), and continue_final_message needs text content in the final message (on
+/tokenize too). A structured output's grammar must also compile and be spelled by the
+model's vocabulary, which only the workers can tell. Positive cases breaking them are
+dropped before they are sent; tokens are counted by the server's own /tokenize route (with
+the body's chat-template fields, so the same prompt), so the route under test is not its
+own judge. Negative cases are never dropped.
 """
 
 from __future__ import annotations
@@ -32,13 +32,21 @@ EOS_IDS = {int(t) for t in os.environ["LOOM_TEST_EOS_IDS"].split(",")}
 DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": None}
 
 
-def fits(body: dict[str, Any]) -> bool:
-    """True if /tokenize accepts `body` (a prompt or messages) and it leaves room for output."""
-    response = CLIENT.post("/tokenize", json=body)
-    if response.status_code != 200:
-        return False  # e.g. the chat template rejects these messages: so does the chat route
-    answer = response.json()
-    return 0 < answer["count"] < answer["max_model_len"]
+MAX_MODEL_LEN = CLIENT.get("/v1/models").json()["data"][0]["max_model_len"]
+
+
+def fits(body: dict[str, Any], max_tokens: int | None) -> bool:
+    """True if `body`'s prompt (token ids, or a text or messages that /tokenize counts)
+    leaves room for max_tokens (None: for one token)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        count = len(prompt)
+    else:
+        response = CLIENT.post("/tokenize", json=body)
+        if response.status_code != 200:
+            return False  # e.g. the chat template rejects these messages: so does the route
+        count = response.json()["count"]
+    return 0 < count and count + (max_tokens or 1) <= MAX_MODEL_LEN
 
 
 @schemathesis.hook
@@ -52,17 +60,20 @@ def filter_case(ctx: Any, case: Any) -> bool:
     if path not in DEFAULT_MAX_TOKENS:
         return True
     if path == "/v1/completions":
-        prompt = body["prompt"]
-        texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
-        if not all(fits({"prompt": text}) for text in texts):
-            return False
         max_tokens = body.get("max_tokens")
-    else:
-        template = {name: body[name] for name in TEMPLATE_FIELDS if name in body}
-        if not fits({"messages": body["messages"], **template}):
+        max_tokens = DEFAULT_MAX_TOKENS[path] if max_tokens is None else max_tokens
+        prompt = body["prompt"]
+        prompts = [prompt] if isinstance(prompt, str) or not prompt else prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            prompts = [prompt]  # one prompt of token ids
+        if not all(fits({"prompt": p}, max_tokens) for p in prompts):
             return False
+    else:
         max_tokens = body.get("max_completion_tokens")
         max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
+        template = {name: body[name] for name in TEMPLATE_FIELDS if name in body}
+        if not fits({"messages": body["messages"], **template}, max_tokens):
+            return False
     seed = body.get("seed")
     if seed is not None and seed + (body.get("n") or 1) - 1 >= 2**63:
         return False

@@ -224,8 +224,15 @@ def build_openapi(
         {"object": {"const": "list"}, "data": {"type": "array", "items": card}}, ["object", "data"]
     )
     text = "Say this is a test"
+    # OpenAI's example asks 7 tokens; a short context leaves room for fewer beside the prompt.
+    example_max_tokens = min(7, max(1, max_model_len // 4))
     examples = {
-        "completion": {"model": model, "prompt": text, "max_tokens": 7, "temperature": 0},
+        "completion": {
+            "model": model,
+            "prompt": text,
+            "max_tokens": example_max_tokens,
+            "temperature": 0,
+        },
         "chat": {"model": model, "messages": [{"role": "user", "content": text}]},
     }
     status = object_of(

@@ -47,12 +47,19 @@ def start_streams(
                         req.common.params,
                         request_id=rid,
                         priority=priority,
+                        max_tokens_must_fit=True,
                         **req.template.chat_kwargs(req.tools),
                     )
                 )
             else:
                 streams.append(
-                    engine.generate(prompt, req.common.params, request_id=rid, priority=priority)
+                    engine.generate(
+                        prompt,
+                        req.common.params,
+                        request_id=rid,
+                        priority=priority,
+                        max_tokens_must_fit=True,
+                    )
                 )
     except ValueError as exc:
         for s in streams:
