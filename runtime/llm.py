@@ -21,6 +21,7 @@ from loomllm.engine.engine import Engine
 from loomllm.engine.request_stream import RequestStream
 from loomllm.outputs import RequestOutput
 from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
+from loomllm.text.tokenizer import Tokenizer
 
 Prompt = str | dict[str, Any]
 T = TypeVar("T")
@@ -124,12 +125,19 @@ class LLM:
         """Run `fn(worker, *args, **kwargs)` on every worker rank; results by rank."""
         return self._call(partial(self.engine.collective_rpc, fn, *args, **kwargs))
 
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, as vLLM's LLM gives it: encode, decode,
+        apply_chat_template."""
+        tokenizer = self.engine.tokenizer
+        assert tokenizer is not None  # set once the engine is entered, in __init__
+        return tokenizer
+
     def _run(self, calls: list[tuple[Any, Any, SamplingParams]], use_tqdm: bool) -> list:
         with tqdm(total=len(calls), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:
                 return self._call(partial(_run_all, calls, bar))
             except BaseExceptionGroup as eg:
-                raise eg.exceptions[0] if len(eg.exceptions) == 1 else eg from None
+                raise _one_error(eg) from None
 
     def _call(self, func: Callable[[], Awaitable[T]]) -> T:
         """Run `func()` in the engine's loop and wait for it; an interrupt cancels it.
@@ -187,6 +195,21 @@ class LLM:
             # close() returns once the loop is done; a finalizer on that thread cannot join it.
             if thread is not threading.current_thread():
                 thread.join()
+
+
+def _one_error(group: BaseExceptionGroup) -> BaseException:
+    """One exception for a batch that failed: the engine failing under every request (a
+    dead worker, a step that raised) fails each of them alike, which is one failure, not
+    as many as there were prompts. Different failures stay a group."""
+    errors = group.exceptions
+    first = errors[0]
+    if len(errors) > 1 and any(
+        type(e) is not type(first) or str(e) != str(first) for e in errors[1:]
+    ):
+        return group
+    if len(errors) > 1:
+        first.add_note(f"({len(errors)} prompts failed with this same error)")
+    return first
 
 
 def _per_prompt(

@@ -13,6 +13,7 @@ import time
 
 import anyio
 import pytest
+from support.worker_hooks import fail_next_launch
 
 from loomllm import LLM, SamplingParams
 
@@ -63,6 +64,30 @@ def test_bad_input_raises_and_the_llm_stays_usable(llm):
     with pytest.raises(ValueError, match="2 sampling_params for 5 prompts"):
         llm.generate(PROMPTS, [GREEDY, GREEDY], use_tqdm=False)
     assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == 5
+
+
+def test_a_step_failing_under_every_prompt_is_one_error(llm):
+    """vLLM raises the engine's error once; the batch's requests all failing with it is one
+    failure, not a group of as many copies. The LLM runs on."""
+    from loomllm.errors import EngineStepError
+
+    llm.collective_rpc(fail_next_launch)
+    with pytest.raises(EngineStepError, match="injected fault in the forward pass") as err:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert not isinstance(err.value, BaseExceptionGroup)
+    assert "(5 prompts failed with this same error)" in err.value.__notes__
+    assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == 5
+
+
+def test_get_tokenizer_encodes_decodes_and_renders_chats(llm):
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode("w5 w6", add_special_tokens=False)
+    assert ids == [5, 6] and tokenizer.decode(ids) == "w5 w6"
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w9"
+    chat = [{"role": "user", "content": "w5 w6"}]
+    text = tokenizer.apply_chat_template(chat, chat_template=template)
+    assert text == "w5 w6 w9"
+    assert tokenizer.apply_chat_template(chat, chat_template=template, tokenize=True) == [5, 6, 9]
 
 
 def test_chat_takes_a_template_and_its_variables(llm):

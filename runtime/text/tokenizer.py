@@ -112,9 +112,11 @@ class Tokenizer:
         /,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tokenize: bool = False,
         **kwargs: Any,
-    ) -> str:
-        """Render `messages` as the model's prompt text; encode it with add_special_tokens=False.
+    ) -> Any:
+        """Render `messages` as the model's prompt text; encode it with add_special_tokens=False
+        (or pass tokenize=True, as in transformers, for the token ids).
 
         `tools` and `documents` reach the template as in transformers; other keyword arguments
         become template variables (e.g. enable_thinking); `chat_template` picks a named template
@@ -153,7 +155,8 @@ class Tokenizer:
             raise ValueError(
                 f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
             ) from exc
-        return _cut_at_marker(text) if continue_final_message else text
+        text = _cut_at_marker(text) if continue_final_message else text
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _template(self, choice: str | None, has_tools: bool) -> jinja2.Template:
         templates = self.chat_templates
