@@ -15,7 +15,7 @@ from loomllm.protocols.sampling import SamplingParams
 
 # Raise it whenever a message, a field or a type code changes: the handshake then refuses a
 # peer from another release instead of misreading its frames.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 # -- handshake and errors (all connections) -------------------------------------------
@@ -189,6 +189,52 @@ class Unloaded:
 @dataclass(frozen=True, slots=True)
 class ShutdownManager:
     pass
+
+
+# Models from the Hugging Face Hub, downloaded where the workers run: the manager answers a
+# PullModel with PullProgress reports, then Pulled (or an ErrorReply).
+
+
+@message(21)
+@dataclass(frozen=True, slots=True)
+class PullModel:
+    model: str  # a hub id, "org/name"
+    revision: str | None  # a branch, tag or commit; None: the default branch
+    token: str | None  # the asker's Hugging Face token, for gated or private repositories
+
+
+@message(22)
+@dataclass(frozen=True, slots=True)
+class PullProgress:
+    done_bytes: int
+    total_bytes: int  # of what this download fetches (files already cached not counted)
+
+
+@message(23)
+@dataclass(frozen=True, slots=True)
+class Pulled:
+    path: str  # the snapshot directory in the HF cache
+    downloaded_bytes: int  # 0: everything was cached already
+
+
+@message(24)
+@dataclass(frozen=True, slots=True)
+class ListCachedModels:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class CachedModel:
+    model: str  # the hub id
+    size_bytes: int
+    revisions: list[str]  # the cached commits
+    path: str  # the repository's folder in the HF cache
+
+
+@message(25)
+@dataclass(frozen=True, slots=True)
+class CachedModelList:
+    models: list[CachedModel]
 
 
 # -- manager <-> worker -----------------------------------------------------------------
