@@ -33,7 +33,8 @@ ALLOWED: dict[str, set[str]] = {
         "loomllm.protocols",
         "loomllm.text",
     },
-    "loomllm.llm": {"loomllm.engine", "loomllm.outputs", "loomllm.protocols"},
+    # LLM.get_tokenizer() hands out the engine's tokenizer.
+    "loomllm.llm": {"loomllm.engine", "loomllm.outputs", "loomllm.protocols", "loomllm.text"},
     "loomllm.server.parsers": set(),
     "loomllm.server.openai": {
         "loomllm.engine",
@@ -81,8 +82,13 @@ ALLOWED: dict[str, set[str]] = {
         "loomllm.workers.runner",
         "loomllm.workers.sample",
     },
-    # The manager places the worker's Ray actor class (which imports no torch) on a cluster.
-    "loomllm.workers.manager": {"loomllm.protocols", "loomllm.workers.worker"},
+    # The manager places the worker's Ray actor class (which imports no torch) on a cluster,
+    # and downloads models from the Hub where its workers load them (models/hub.py).
+    "loomllm.workers.manager": {
+        "loomllm.protocols",
+        "loomllm.workers.models",
+        "loomllm.workers.worker",
+    },
     "loomllm.workers": set(),  # workers/__init__.py, and any module put at the top of workers/
 }
 # Benchmarks measure everything; nothing imports them (`loom bench` finds them by name).

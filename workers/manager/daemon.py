@@ -21,9 +21,13 @@ from loomllm.protocols.errors import ProtocolError, VersionMismatchError
 from loomllm.protocols.messages import (
     Ack,
     AcquireWorkers,
+    CachedModel,
+    CachedModelList,
     ErrorReply,
+    ListCachedModels,
     ListWorkers,
     ManagerStatus,
+    PullModel,
     ReleaseWorkers,
     ShutdownManager,
     StatusRequest,
@@ -40,6 +44,7 @@ from loomllm.protocols.rundir import (
     unlink_if_ours,
     workers_dir,
 )
+from loomllm.workers.manager.pulls import Pulls
 from loomllm.workers.manager.ray_group import RayDriver, launch_ray_group
 from loomllm.workers.manager.worker_group import (
     LeaseError,
@@ -88,6 +93,7 @@ class ManagerServer:
         self._idle_scope: anyio.CancelScope | None = None
         self.zygote = Zygote(self.workdir)
         self.ray = RayDriver()  # connects when a group asks for distributed_executor_backend=ray
+        self.pulls = Pulls()
 
     async def serve(self, *, ready: anyio.Event | None = None) -> None:
         """Listen until `shutdown()` or the idle timeout, setting `ready` once listening.
@@ -190,6 +196,11 @@ class ManagerServer:
                     reply = WorkerList(self._worker_infos())
                 case UnloadModel(model=model):
                     reply = Unloaded(await self._unload(model))
+                case PullModel():
+                    assert self._tg is not None
+                    reply = await self.pulls.serve(ms, request, self._tg)
+                case ListCachedModels():
+                    reply = await self._cached_models()
                 case ShutdownManager():
                     await ms.send(Ack())
                     self.shutdown()
@@ -382,6 +393,12 @@ class ManagerServer:
             float(self.max_keep_alive),
             float(self.idle_timeout),
         )
+
+    async def _cached_models(self) -> CachedModelList:
+        from loomllm.workers.models.hub import cached_models  # imports huggingface_hub
+
+        found = await anyio.to_thread.run_sync(cached_models)
+        return CachedModelList([CachedModel(**entry) for entry in found])
 
     def _worker_infos(self) -> list[WorkerInfo]:
         now = time.monotonic()

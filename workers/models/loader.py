@@ -65,6 +65,7 @@ def load_model(
     model_impl: str = "auto",
     quantization: str | None = None,
     cpu_linear_kernel: str = "auto",
+    revision: str | None = None,
 ) -> LoadedModel:
     """Resolve, prepare and load `model` in eval mode on `device`.
 
@@ -96,7 +97,7 @@ def load_model(
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}; got {model_impl!r}")
     torch_device = resolve_device(device)
-    source = resolve_model(model)
+    source = resolve_model(model, revision)
     model_dir = prepare_model_dir(source)
     architectures.check(model_dir / "config.json")  # before any weight is read
     shape, why_not = None, "model_impl='transformers'"

@@ -17,8 +17,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 
@@ -67,8 +65,9 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "loomllm"
 
 
-def resolve_model(model: str) -> ModelSource:
-    """Find `model` without touching the network: alias, then local path, then the HF cache."""
+def resolve_model(model: str, revision: str | None = None) -> ModelSource:
+    """Find `model` without touching the network: alias, then local path, then the HF cache
+    (at `revision`, for a hub id; the engine-manager downloads what is missing first)."""
     packaged = DEFAULT_MODEL_ALIASES.get(model.lower())
     if packaged is not None:
         return ModelSource(name=model, kind="gguf", path=str(_find_packaged_gguf(packaged)))
@@ -86,7 +85,7 @@ def resolve_model(model: str) -> ModelSource:
             f"model {model!r}: no such file or directory ({path.absolute()}), and not an alias "
             f"({', '.join(sorted(DEFAULT_MODEL_ALIASES))}) or a hub id like 'org/name'"
         )
-    return ModelSource(name=model, kind="hub", path=str(_find_cached_hub_snapshot(model)))
+    return ModelSource(name=model, kind="hub", path=str(_find_cached_hub_snapshot(model, revision)))
 
 
 def _find_packaged_gguf(packaged: PackagedGguf) -> Path:
@@ -109,18 +108,20 @@ def _find_packaged_gguf(packaged: PackagedGguf) -> Path:
     raise ModelNotFoundError(f"no .gguf file found in {packaged.distribution}; {hint}")
 
 
-def _find_cached_hub_snapshot(repo_id: str) -> Path:
+def _find_cached_hub_snapshot(repo_id: str, revision: str | None) -> Path:
     # Imported here: only hub ids need it, and it is a big import.
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
         # local_files_only: offline-first, a hub id must already be in the HF cache.
-        snapshot = Path(snapshot_download(repo_id, local_files_only=True))
+        snapshot = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
     except (LocalEntryNotFoundError, HFValidationError) as exc:
+        at = f" at revision {revision!r}" if revision else ""
         raise ModelNotFoundError(
-            f"model {repo_id!r} is not an alias, a local path, or a hub model in the local "
-            f"HF cache ({constants.HF_HUB_CACHE}); download it first: `hf download {repo_id}`"
+            f"model {repo_id!r}{at} is not an alias, a local path, or a hub model in the "
+            f"local HF cache ({constants.HF_HUB_CACHE}); download it first: `loom pull "
+            f"{repo_id}` (HF_HUB_OFFLINE=1 stops engines from downloading it)"
         ) from exc
     if not (snapshot / "config.json").is_file():
         raise ModelNotFoundError(f"cached hub model {repo_id!r} at {snapshot} has no config.json")
@@ -178,6 +179,7 @@ def _converted_dir(gguf_path: Path) -> Path:
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize `gguf_path` into float32 safetensors plus tokenizer files in `out_dir`."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     where, name = str(gguf_path.parent), gguf_path.name

@@ -82,6 +82,7 @@ class Worker:
             model_impl=options.get("model_impl", "auto"),
             quantization=options.get("quantization"),
             cpu_linear_kernel=options.get("cpu_linear_kernel", "auto"),
+            revision=options.get("revision"),
         )
         runner = _make_runner(loaded, options)
         info = ModelInfo(

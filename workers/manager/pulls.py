@@ -1,0 +1,71 @@
+"""The manager's downloads from the Hugging Face Hub: one per model and revision at a time,
+its progress sent to every client that asked for it, its result kept for none."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.abc import TaskGroup
+
+from loomllm.protocols.connection import MessageStream
+from loomllm.protocols.messages import ErrorReply, Pulled, PullModel, PullProgress
+from loomllm.workers.models import hub
+from loomllm.workers.models.sources import ModelLoadError
+
+logger = logging.getLogger(__name__)
+REPORT_EVERY_S = 0.2
+
+
+@dataclass
+class _Pull:
+    progress: hub.Progress = field(default_factory=hub.Progress)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: Pulled | ErrorReply | None = None
+
+
+class Pulls:
+    """Downloads in flight, by (model, revision): a second asker follows the first's."""
+
+    def __init__(self) -> None:
+        self.running: dict[tuple[str, str | None], _Pull] = {}
+
+    async def serve(self, ms: MessageStream, request: PullModel, tg: TaskGroup) -> object:
+        """Report the download's progress to `ms` until it ends; its final reply. The
+        download runs in `tg`, so a client that leaves does not stop it for the others."""
+        key = (request.model, request.revision)
+        pull = self.running.get(key)
+        if pull is None:
+            pull = self.running[key] = _Pull()
+            tg.start_soon(self._download, key, pull, request.token)
+        sent = (-1, -1)
+        while not pull.done.is_set():
+            with anyio.move_on_after(REPORT_EVERY_S):
+                await pull.done.wait()
+            now = pull.progress.read()
+            if now != sent and not pull.done.is_set():
+                await ms.send(PullProgress(*now))
+                sent = now
+        assert pull.result is not None
+        return pull.result
+
+    async def _download(self, key: tuple[str, str | None], pull: _Pull, token: str | None) -> None:
+        model, revision = key
+        logger.info("downloading %s%s from the Hub", model, f" ({revision})" if revision else "")
+        try:
+            path = await anyio.to_thread.run_sync(
+                hub.download, model, revision, token, pull.progress, abandon_on_cancel=True
+            )
+            pull.result = Pulled(path, pull.progress.read()[0])
+            logger.info("downloaded %s into %s", model, path)
+        except ModelLoadError as exc:
+            pull.result = ErrorReply("pull_failed", str(exc))
+        except Exception as exc:  # a network or disk error: this download fails, not the daemon
+            logger.exception("downloading %s failed", model)
+            pull.result = ErrorReply("pull_failed", f"{type(exc).__name__}: {exc}")
+        finally:
+            if pull.result is None:  # cancelled: the manager is stopping
+                pull.result = ErrorReply("pull_failed", "the engine-manager stopped")
+            del self.running[key]
+            pull.done.set()

@@ -1,0 +1,158 @@
+"""Models from the Hugging Face Hub: what serving needs of a repository, downloaded into the
+HF cache with huggingface_hub (resuming what an interrupted download left), and the cache
+listed."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loomllm.workers.models.sources import ModelLoadError
+
+# What serving reads: the weights, the configs, the tokenizer and its templates.
+SERVING_FILES = [
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+    "additional_chat_templates/*",
+]
+
+
+@dataclass
+class Progress:
+    """Bytes of a download so far, written by its thread and read by the manager's loop."""
+
+    done: int = 0
+    total: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, done: int = 0, total: int = 0) -> None:
+        with self.lock:
+            self.done += done
+            self.total += total
+
+    def read(self) -> tuple[int, int]:
+        with self.lock:
+            return self.done, self.total
+
+
+def download(repo_id: str, revision: str | None, token: str | None, progress: Progress) -> str:
+    """The snapshot directory of `repo_id` at `revision` with SERVING_FILES in it, fetched
+    where they are not cached (blocking: run it in a thread). ModelLoadError says what
+    went wrong in words a user can act on."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        DryRunError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
+    try:
+        try:
+            planned = snapshot_download(
+                repo_id, revision=revision, token=token, allow_patterns=SERVING_FILES, dry_run=True
+            )
+        except DryRunError as exc:  # the Hub answered no, or is out of reach
+            cause = exc.__cause__
+            if isinstance(cause, HfHubHTTPError):
+                raise cause from None  # not found, private or gated: said below
+            try:  # out of reach: what the cache holds will do
+                return str(snapshot_download(repo_id, revision=revision, local_files_only=True))
+            except LocalEntryNotFoundError:
+                raise ModelLoadError(
+                    f"could not reach the Hub for {where}, and it is not in the HF cache: "
+                    f"{cause or exc}"
+                ) from None
+        if not any(f.filename.endswith(".safetensors") for f in planned):
+            raise ModelLoadError(
+                f"hub model {where} has no safetensors weights, the only format loomllm reads "
+                "from the Hub"
+            )
+        path = snapshot_download(
+            repo_id,
+            revision=revision,
+            token=token,
+            allow_patterns=SERVING_FILES,
+            tqdm_class=_recording(progress),
+        )
+    except GatedRepoError as exc:
+        raise ModelLoadError(
+            f"hub model {where} is gated: accept its terms on the Hub and set HF_TOKEN ({exc})"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelLoadError(
+            f"hub model {repo_id!r} was not found (or is private: set HF_TOKEN)"
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelLoadError(f"hub model {repo_id!r} has no revision {revision!r}") from None
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else None
+        if status in (401, 403):
+            raise ModelLoadError(
+                f"hub model {where} was refused ({status}): it is private or gated; set "
+                "HF_TOKEN to a token that may read it"
+            ) from None
+        raise ModelLoadError(f"could not download hub model {where}: {exc}") from None
+    except LocalEntryNotFoundError as exc:
+        raise ModelLoadError(f"could not download hub model {where}: {exc}") from None
+    return str(path)
+
+
+def _recording(progress: Progress) -> type:
+    """A tqdm class that shows nothing and adds snapshot_download's byte counts (bytes written
+    to the cache, resumed ones included) to `progress`."""
+    from tqdm.auto import tqdm
+
+    class Recording(tqdm):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "disable": True})
+            desc = str(kwargs.get("desc") or "")
+            self.counts = kwargs.get("unit") == "B" and desc.startswith("Reconstructing")
+            self.recorded_total = 0
+
+        def update(self, n: float | None = 1) -> bool | None:
+            if self.counts:
+                # snapshot_download adds each file's size to `total` as the file starts.
+                total = int(self.total or 0)
+                progress.add(done=int(n or 0), total=total - self.recorded_total)
+                self.recorded_total = total
+            return None
+
+    return Recording
+
+
+def cached_models() -> list[dict[str, Any]]:
+    """The hub models in the HF cache: id, size, cached commits and folder."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        info = scan_cache_dir()
+    except CacheNotFound:
+        return []
+    return [
+        {
+            "model": repo.repo_id,
+            "size_bytes": repo.size_on_disk,
+            "revisions": sorted(r.commit_hash for r in repo.revisions),
+            "path": str(Path(repo.repo_path)),
+        }
+        for repo in sorted(info.repos, key=lambda r: r.repo_id)
+        if repo.repo_type == "model"
+    ]
