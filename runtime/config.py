@@ -37,6 +37,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "smollm2"
+    # A hub model's branch, tag or commit (as vLLM's); None: its default branch.
+    revision: str | None = None
     # "dummy": random weights from the model's config, for benchmarks (as vLLM's).
     load_format: str = "auto"
     model_impl: str = "auto"
@@ -155,6 +157,7 @@ class EngineConfig:
     def worker_spec(self, data_parallel_rank: int = 0) -> WorkerSpec:
         """What one replica's workers hold; engines with equal specs share warm workers."""
         options = {
+            "revision": self.revision,
             "dtype": self.dtype,
             "weight_dtype": self.weight_dtype,
             "quantization": self.quantization,

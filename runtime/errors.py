@@ -9,7 +9,8 @@ from __future__ import annotations
 # ├── EngineStepError       the worker raised in a step; those requests fail, others go on
 # ├── RequestRefusedError   the workers could not serve one request (also a ValueError)
 # ├── ManagerError          the engine-manager could not be reached, started, or refused us
-# │   └── WorkerStartError  the manager could not start workers (bad model, no memory, ...)
+# │   ├── WorkerStartError  the manager could not start workers (bad model, no memory, ...)
+# │   └── ModelPullError    the manager could not download a model from the Hub
 # └── RemoteCallError       a collective_rpc callable raised on a worker (worker still sound)
 
 
@@ -35,6 +36,10 @@ class ManagerError(LoomError):
 
 class WorkerStartError(ManagerError):
     """The manager could not start the workers; the message carries the worker's words."""
+
+
+class ModelPullError(ManagerError):
+    """The manager could not download the model from the Hub; the message says why."""
 
 
 class RemoteCallError(LoomError):

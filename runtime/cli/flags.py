@@ -24,6 +24,7 @@ def _on_off(name: str) -> str:
 
 
 ENGINE_FLAGS: list[tuple[str, Any, str]] = [
+    ("--revision", str, "a hub model's branch, tag or commit (default: its default branch)"),
     ("--dtype", str, "auto | float32 | bfloat16 | float16"),
     ("--load-format", str, "auto | dummy (random weights from the config, for benchmarks)"),
     (
@@ -226,6 +227,19 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.add_argument("--sampling-seed", type=int, default=None)
     engine_args(chat)
+
+    pull = sub.add_parser(
+        "pull", help="download a model from the Hugging Face Hub, where the workers load it"
+    )
+    pull.add_argument("model", help="a hub id, org/name")
+    pull.add_argument("--revision", default=None, help="a branch, tag or commit")
+    pull.add_argument(
+        "--manager-socket",
+        type=Path,
+        default=None,
+        help="engine-manager socket (default: the per-user one)",
+    )
+    pull.set_defaults(loop="asyncio")
 
     models = sub.add_parser("models", help="list the models the engine-manager keeps warm")
     models.add_argument(

@@ -1,4 +1,4 @@
-"""The `loom` command: serve (the OpenAI-compatible HTTP API), generate, chat, models, bench;
+"""The `loom` command: serve (the OpenAI-compatible HTTP API), generate, chat, pull, models, bench;
 its flags are in flags.py, the server's run in serve.py."""
 
 from __future__ import annotations
@@ -57,6 +57,26 @@ async def _models(args: argparse.Namespace) -> None:
     print(models_table(await list_workers(args.manager_socket or default_socket_path())))
 
 
+async def _pull(args: argparse.Namespace) -> int:
+    """`loom pull org/name`: the engine-manager downloads it (started if need be)."""
+    from loomllm.clients import hub
+    from loomllm.clients.manager import ManagerClient, connect_shared_manager
+    from loomllm.protocols.rundir import default_socket_path
+
+    if not hub.is_hub_id(args.model):
+        raise ValueError(f"model {args.model!r} is not a hub id like 'org/name' (or is a path)")
+    ms = await connect_shared_manager(args.manager_socket or default_socket_path())
+    manager = ManagerClient(ms, on_worker_died=lambda died: None)
+    async with anyio.create_task_group() as tg:
+        await tg.start(manager.run)
+        try:
+            pulled = await hub.pull(manager, args.model, args.revision)
+        finally:
+            await manager.aclose()
+    print(pulled.path)
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -72,9 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.command == "bench":
         return _bench(args)
-    run = {"serve": serve_command, "generate": _generate, "chat": _chat, "models": _models}[
-        args.command
-    ]
+    run = {
+        "serve": serve_command,
+        "generate": _generate,
+        "chat": _chat,
+        "models": _models,
+        "pull": _pull,
+    }[args.command]
     try:
         code = anyio.run(run, args, backend=args.loop)
     except KeyboardInterrupt:

@@ -16,7 +16,7 @@ from types import TracebackType
 import anyio
 from anyio.abc import Process, TaskStatus
 
-from loomllm.errors import ManagerError, WorkerStartError
+from loomllm.errors import ManagerError, ModelPullError, WorkerStartError
 from loomllm.protocols.connection import MessageStream, RemoteError, open_unix_connection
 from loomllm.protocols.errors import ProtocolError
 from loomllm.protocols.messages import (
@@ -24,6 +24,9 @@ from loomllm.protocols.messages import (
     AcquireWorkers,
     ErrorReply,
     ListWorkers,
+    Pulled,
+    PullModel,
+    PullProgress,
     ReleaseWorkers,
     WorkerDied,
     WorkerInfo,
@@ -279,6 +282,30 @@ class ManagerClient:
                 raise WorkerStartError(message) from None
             raise ManagerError(f"engine-manager refused: {exc}") from None
         assert isinstance(reply, WorkersAcquired)
+        return reply
+
+    async def pull(
+        self,
+        model: str,
+        revision: str | None,
+        token: str | None,
+        on_progress: Callable[[PullProgress], None],
+    ) -> Pulled:
+        """Have the manager download a hub model (or find it cached), calling `on_progress`
+        with each report; ModelPullError with the manager's words if it cannot."""
+        async with self._lock:
+            await self.ms.send(PullModel(model, revision, token))
+            while True:
+                try:
+                    reply = await self._reply_receive.receive()
+                except anyio.EndOfStream:
+                    raise ManagerError("engine-manager closed the connection") from None
+                if not isinstance(reply, PullProgress):
+                    break
+                on_progress(reply)
+        if isinstance(reply, ErrorReply):
+            raise ModelPullError(reply.message)
+        assert isinstance(reply, Pulled)
         return reply
 
     async def release(self, group_id: str) -> None:

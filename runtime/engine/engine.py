@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import anyio
 import cloudpickle
 
+from loomllm.clients import hub
 from loomllm.clients.manager import (
     ManagerClient,
     PrivateManager,
@@ -126,6 +127,9 @@ class Engine:
         # socket can fail a read cancelled just as data arrives ("invalid state").
         stack.push_async_callback(manager.aclose)
         await tg.start(manager.run)
+        if hub.is_hub_id(cfg.model) and not hub.offline():
+            # Where the workers run, before they are asked for: they load from the HF cache.
+            await hub.pull(manager, cfg.model, cfg.revision)
         num_replicas = cfg.data_parallel_size
         for index in range(num_replicas):
             engine_id = self.engine_id if num_replicas == 1 else f"{self.engine_id}/dp{index}"

@@ -22,6 +22,8 @@ import anyio
 from loomllm.protocols.connection import MessageStream, RemoteError, open_unix_connection
 from loomllm.protocols.errors import ProtocolError
 from loomllm.protocols.messages import (
+    CachedModelList,
+    ListCachedModels,
     ListWorkers,
     ManagerStatus,
     ShutdownManager,
@@ -88,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("stop", help="stop the daemon and its workers").set_defaults(func=_cmd_stop)
     sub.add_parser("status", help="is it running? (exit 1 if not)").set_defaults(func=_cmd_status)
     sub.add_parser("ps", help="list workers").set_defaults(func=_cmd_ps)
+    sub.add_parser(
+        "models", help="list the hub models in the HF cache (what `loom pull` downloaded)"
+    ).set_defaults(func=_cmd_models)
     logs = sub.add_parser("logs", help="print the daemon's log")
     logs.add_argument("-n", "--lines", type=int, default=50)
     logs.add_argument("-f", "--follow", action="store_true")
@@ -323,6 +328,23 @@ def _cmd_ps(args: argparse.Namespace, socket_path: Path) -> int:
         return 1
     assert isinstance(reply, WorkerList)
     print(ps_table(reply.workers))
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace, socket_path: Path) -> int:
+    try:
+        reply = _request(socket_path, ListCachedModels())
+    except OSError:
+        print("engine-manager is not running")
+        return 1
+    assert isinstance(reply, CachedModelList)
+    rows = [("MODEL", "SIZE", "REVISIONS", "PATH")] + [
+        (m.model, f"{m.size_bytes / 1e6:.1f} MB", ",".join(r[:8] for r in m.revisions), m.path)
+        for m in reply.models
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join([*(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[3]]))
     return 0
 
 
