@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -19,10 +19,11 @@ class ManagerHandle:
     """A manager under a temporary socket, driven through the real `engine-manager` CLI."""
 
     socket: Path
+    extra_env: dict[str, str] = field(default_factory=dict)  # the daemon's (HF_ENDPOINT, ...)
 
     @property
     def env(self) -> dict[str, str]:
-        return {**os.environ, "LOOM_MANAGER_SOCKET": str(self.socket)}
+        return {**os.environ, **self.extra_env, "LOOM_MANAGER_SOCKET": str(self.socket)}
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -79,5 +80,6 @@ def pids_mentioning(text: str) -> list[int]:
     return pids
 
 
-def new_manager_handle() -> ManagerHandle:
-    return ManagerHandle(Path(tempfile.mkdtemp(prefix="loom-", dir="/tmp")) / "m.sock")
+def new_manager_handle(extra_env: dict[str, str] | None = None) -> ManagerHandle:
+    socket = Path(tempfile.mkdtemp(prefix="loom-", dir="/tmp")) / "m.sock"
+    return ManagerHandle(socket, extra_env or {})
