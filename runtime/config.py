@@ -90,6 +90,14 @@ class EngineConfig:
             # A path of this process's, made absolute: the workers resolve it in the
             # manager daemon's directory, where a relative one names another file or none.
             object.__setattr__(self, "model", os.path.abspath(local))
+        if self.revision is not None and (
+            not isinstance(self.revision, str)
+            or not self.revision
+            or self.revision.split() != [self.revision]
+        ):
+            raise ValueError(
+                f"revision must be a branch, tag or commit name, or None; got {self.revision!r}"
+            )
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
