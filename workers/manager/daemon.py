@@ -422,7 +422,6 @@ class ManagerServer:
     async def _idle_exit(self, scope: anyio.CancelScope) -> None:
         with scope:
             await anyio.sleep(self.idle_timeout)
-            while self.pulls.running:  # a download whose askers left still finishes
-                await anyio.sleep(1)
+            await self.pulls.wait_until_none()  # a download whose askers left still finishes
             logger.info("no clients and no workers for %gs: exiting", self.idle_timeout)
             self.shutdown()

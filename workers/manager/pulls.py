@@ -31,6 +31,11 @@ class Pulls:
     def __init__(self) -> None:
         self.running: dict[tuple[str, str | None], _Pull] = {}
 
+    async def wait_until_none(self) -> None:
+        """Return once no download is in flight."""
+        while self.running:
+            await next(iter(self.running.values())).done.wait()
+
     async def serve(self, ms: MessageStream, request: PullModel, tg: TaskGroup) -> object:
         """Report the download's progress to `ms` until it ends; its final reply. The
         download runs in `tg`, so a client that leaves does not stop it for the others."""
