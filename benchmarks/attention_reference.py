@@ -13,8 +13,9 @@ import torch
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # ‖out − ref‖ / ‖ref‖
 
 
-def reference(q, k_cache, v_cache, slots, q_len, scale, window):
-    """float64 attention of a request's last `q_len` positions over its context `slots`."""
+def reference(q, k_cache, v_cache, slots, q_len, scale, window, softcap=None, sinks=None):
+    """float64 attention of a request's last `q_len` positions over its context `slots`;
+    `softcap` caps the scores (Gemma 2), `sinks` [H] add a logit to each softmax (gpt-oss)."""
     seq_len = len(slots)
     k = k_cache[slots].double()  # [L, KVH, D]
     v = v_cache[slots].double()
@@ -22,13 +23,20 @@ def reference(q, k_cache, v_cache, slots, q_len, scale, window):
     k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
     v = v.repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.einsum("thd,hld->htl", q.double(), k) * scale  # [H, q_len, L]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
     k_pos = torch.arange(seq_len)[None, :]
     seen = k_pos <= q_pos
     if window:
         seen &= k_pos > q_pos - window
     scores = scores.masked_fill(~seen, float("-inf"))
-    return torch.einsum("htl,hld->thd", scores.softmax(-1), v)  # [q_len, H, D]
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        sink = sinks.double().view(-1, 1, 1).expand(-1, q_len, 1)
+        probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    return torch.einsum("htl,hld->thd", probs, v)  # [q_len, H, D]
 
 
 def make_batch(rng, *, num_heads, group, head_dim, block_size, dtype, requests, device="cpu"):
@@ -80,6 +88,8 @@ def mixed_errors(
     split_counts=None,
     decode_tiling=None,
     prefill_tiling=None,
+    softcap=None,
+    sinks=None,
     device="cpu",
 ):
     """Requests computing one token go to the decode kernel, the others to the prefill
@@ -90,7 +100,7 @@ def mixed_errors(
     request through the prefill kernel, as a mixed-step graph runs them (its tile list is
     always padded to the most tiles the batch could take). `split_counts`: the decode
     kernel's counters (default: its own); `decode_tiling` and `prefill_tiling`: the
-    kernels' tilings (default: their own)."""
+    kernels' tilings (default: their own); `softcap`, `sinks` [H]: as the kernels take them."""
     from loomllm.workers.attention import triton_kernels as ta
     from loomllm.workers.attention.metadata import max_tiles, prefill_tiles
 
@@ -133,6 +143,8 @@ def mixed_errors(
             scale,
             window,
             out=out,
+            softcap=softcap,
+            sinks=sinks,
             **({"tiling": prefill_tiling} if prefill_tiling else {}),
         )
     if decode:
@@ -150,6 +162,8 @@ def mixed_errors(
             window,
             num_splits,
             split_counts,
+            softcap=softcap,
+            sinks=sinks,
             **({"tiling": decode_tiling} if decode_tiling else {}),
         )
     out, q, k_cache, v_cache = (t.cpu() for t in (out, q, k_cache, v_cache))
@@ -157,7 +171,15 @@ def mixed_errors(
     for i, (seq_len, n) in enumerate(requests):
         rows = slice(starts[i], starts[i] + n)
         ref = reference(
-            q[rows], k_cache, v_cache, slots_of(tables[i], seq_len, block_size), n, scale, window
+            q[rows],
+            k_cache,
+            v_cache,
+            slots_of(tables[i], seq_len, block_size),
+            n,
+            scale,
+            window,
+            softcap,
+            None if sinks is None else sinks.cpu(),
         )
         errors.append((i, seq_len, n, relative_error(out[rows], ref)))
     return errors

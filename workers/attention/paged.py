@@ -34,7 +34,7 @@ def paged_attention(
     torch or, when the metadata carries block tables (`paged`), with the Triton kernels.
     `softcap` (Gemma 2: scores become softcap * tanh(scores / softcap)) and `s_aux` (gpt-oss:
     a sink logit per query head, in each softmax's sum but attending to no value) are
-    computed by the torch backend only: the worker picks it for such models."""
+    computed by both backends."""
     if attn_metadata is None:
         raise RuntimeError("loom_paged attention needs attn_metadata (run it via ModelRunner)")
     extras = _Extras(softcap or None, s_aux)
@@ -49,14 +49,12 @@ def paged_attention(
             triton_kernels as triton_attention,  # only where Triton is the backend
         )
 
-        if extras.any():  # the worker never routes such a model here: a bug if it does
-            raise NotImplementedError("the Triton attention computes no softcap or sinks")
-
         triton_attention.write_kv(
             key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping
         )
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        return attend_written(module, q, meta, scale, sliding_window).unsqueeze(0), None
+        out = attend_written(module, q, meta, scale, sliding_window, extras)
+        return out.unsqueeze(0), None
     k_cache.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
     if not meta.prefills:  # decode only: token i is decode row i, no gather or scatter
@@ -117,10 +115,11 @@ def attend_written(
     attn_metadata: AttentionMetadata,
     scaling: float,
     sliding_window: int | None = None,
+    extras: _Extras | None = None,
 ) -> torch.Tensor:
     """Each row's attention on the Triton backend, over a cache that holds the step's K/V
     already (`paged_attention` writes them first; loomllm's model, with
-    fused_ops.rotary_into_cache): [T, H, D]."""
+    fused_ops.rotary_into_cache): [T, H, D]. `extras`: a softcap and sinks."""
     from loomllm.workers.attention import (
         triton_kernels as triton_attention,  # only where Triton is the backend
     )
@@ -131,8 +130,9 @@ def attend_written(
     assert paged is not None
     bs = paged.block_size
     num_decodes = paged.decode_tables.shape[0]
+    softcap, sinks = extras if extras is not None else (None, None)
     if num_decodes == q.shape[0]:  # decode only: token i is decode row i
-        return _decode_only(module, q, attn_metadata, scaling, sliding_window)
+        return _decode_only(module, q, attn_metadata, scaling, sliding_window, extras=extras)
     # Zeros: a mixed-step graph's padded tokens are in no row, and stay finite this way.
     out = torch.zeros_like(q)
     if num_decodes:
@@ -147,6 +147,8 @@ def attend_written(
             scaling,
             sliding_window,
             split_counts=paged.decode_split_counts,
+            softcap=softcap,
+            sinks=sinks,
         )
     triton_attention.prefill_attention(
         q,
@@ -162,6 +164,8 @@ def attend_written(
         scaling,
         sliding_window,
         out=out,
+        softcap=softcap,
+        sinks=sinks,
     )
     return out
 
@@ -209,6 +213,7 @@ def _decode_only(
     scaling: float,
     sliding_window: int | None,
     new_kv: tuple[torch.Tensor, ...] | None = None,
+    extras: _Extras | None = None,
 ) -> torch.Tensor:
     """A decode-only step's attention: token i is decode row i, all through the decode
     kernel (`new_kv`: see triton_attention.decode_attention)."""
@@ -230,6 +235,8 @@ def _decode_only(
         sliding_window,
         split_counts=paged.decode_split_counts,
         new_kv=new_kv,
+        softcap=None if extras is None else extras.softcap,
+        sinks=None if extras is None else extras.sinks,
     )
 
 

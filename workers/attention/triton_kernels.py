@@ -76,8 +76,10 @@ def _prefill_kernel(
     seq_lens_ptr,
     tile_reqs_ptr,
     tile_firsts_ptr,
+    sinks_ptr,
     scale,
     window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -92,6 +94,8 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     KEYS: tl.constexpr,
     EXACT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """One program per (tile of BLOCK_M queries of one request, query head), causal over the
     request's whole context. A tile of request -1 does nothing: a CUDA graph's grid is fixed, so
@@ -135,7 +139,7 @@ def _prefill_kernel(
                 mask=kv_ok,
                 other=0.0,
             )
-            s = dot_f32(q, tl.trans(k), EXACT) * scale  # [BLOCK_M, KEYS]
+            s = _capped(dot_f32(q, tl.trans(k), EXACT) * scale, softcap, SOFTCAP)
             seen = (k_pos[None, :] <= q_pos[:, None]) & key_in[None, :]
             seen &= (k_pos[None, :] > q_pos[:, None] - window) | (window <= 0)
             s = tl.where(seen, s, float("-inf"))
@@ -153,6 +157,8 @@ def _prefill_kernel(
                 d,
                 EXACT,
             )
+        # A sink (gpt-oss) is one more logit in each softmax's sum, attending to no value.
+        s_sum += _sink_weight(sinks_ptr, head, m, SINKS)
         out = acc / tl.where(s_sum > 0, s_sum, 1.0)[:, None]
         out_rows = out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh
         tl.store(
@@ -160,6 +166,26 @@ def _prefill_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
+
+
+@triton.jit
+def _capped(s, softcap, SOFTCAP: tl.constexpr):
+    """Gemma 2's logit softcap, softcap * tanh(s / softcap), as transformers computes it
+    (tanh through exp: the interpreter and every GPU have it)."""
+    if SOFTCAP:
+        x = s / softcap
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+    return s
+
+
+@triton.jit
+def _sink_weight(sinks_ptr, heads, m, SINKS: tl.constexpr):
+    """exp(sink - m) of each row's head: the sink's share of a softmax whose running max is
+    m (0 without sinks)."""
+    if SINKS:
+        sink = tl.load(sinks_ptr + heads).to(tl.float32)
+        return tl.exp(sink - m)
+    return tl.zeros_like(m)
 
 
 @triton.jit
@@ -209,8 +235,10 @@ def _decode_split_kernel(
     cos_ptr,
     sin_ptr,
     slots_ptr,
+    sinks_ptr,
     scale,
     window,
+    softcap,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -232,6 +260,8 @@ def _decode_split_kernel(
     SPLITS_PAD: tl.constexpr,
     EXACT: tl.constexpr,
     ROTARY: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """One program per (request, KV head, split of the context), the KV head's `group` query
     heads together so that each K/V page is read once per KV head. Each split keeps an online
@@ -306,7 +336,7 @@ def _decode_split_kernel(
             mask=kv_ok,
             other=0.0,
         )
-        s = dot_f32(q, tl.trans(k), EXACT) * scale  # [GROUP_PAD, KEYS]
+        s = _capped(dot_f32(q, tl.trans(k), EXACT) * scale, softcap, SOFTCAP)  # [G, KEYS]
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m, s_sum, acc = _online_softmax_step(
             s, m, s_sum, acc, v_cache_ptr, slots, kv_ok, kv_head, stride_ks, stride_kh, d, EXACT
@@ -316,6 +346,7 @@ def _decode_split_kernel(
     if num_splits == 1:
         # The whole context in this program: the output itself, no partials to merge (a
         # branch on the grid, not a constexpr: one compiled kernel for every split count).
+        s_sum += _sink_weight(sinks_ptr, tl.where(g_ok, heads, 0), m, SINKS)
         tl.store(
             out_ptr + req * stride_ob + heads[:, None] * stride_oh + d[None, :],
             (acc / s_sum[:, None]).to(out_ptr.dtype.element_ty),
@@ -349,8 +380,11 @@ def _decode_split_kernel(
                     num_splits,
                     d,
                     d_ok,
+                    sinks_ptr,
+                    head,
                     HEAD_DIM,
                     SPLITS_PAD,
+                    SINKS,
                 )
                 tl.store(
                     out_ptr + req * stride_ob + head * stride_oh + d,
@@ -368,12 +402,15 @@ def _merge_splits(
     num_splits,
     d,
     d_ok,
+    sinks_ptr,
+    head,
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """One head's output from its splits' partials (rows first_row.. of the partials),
-    weighing each by exp(its max - the largest): [D_PAD] float32. Read past the L1 cache
-    (.cg): other programs wrote them."""
+    weighing each by exp(its max - the largest), the head's sink in the sum once: [D_PAD]
+    float32. Read past the L1 cache (.cg): other programs wrote them."""
     splits = tl.arange(0, SPLITS_PAD)
     split_ok = splits < num_splits
     row = first_row + splits
@@ -387,7 +424,8 @@ def _merge_splits(
     )
     m_all = tl.max(m, 0)
     weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # empty splits weigh 0
-    return tl.sum(acc * weight[:, None], 0) / tl.sum(s_sum * weight, 0)
+    total = tl.sum(s_sum * weight, 0) + _sink_weight(sinks_ptr, head, m_all, SINKS)
+    return tl.sum(acc * weight[:, None], 0) / total
 
 
 def prefill_attention(
@@ -405,11 +443,15 @@ def prefill_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     tiling: Tiling = PREFILL_TILING,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each prefill request's queries over its paged context; rows of
     `out` (default: a new [T, H, D]) outside the requests are left as they are. `tiling`:
-    keys a step, warps and stages."""
+    keys a step, warps and stages; `softcap` and `sinks` [H]: as paged.py's torch backend
+    computes them (Gemma 2, gpt-oss)."""
     _check(q, k_cache, v_cache, block_size)
+    _check_sinks(sinks, q)
     out = torch.empty_like(q) if out is None else out
     num_heads, head_dim = q.shape[1], q.shape[2]
     _prefill_kernel[(tile_reqs.shape[0], num_heads)](
@@ -423,8 +465,10 @@ def prefill_attention(
         seq_lens,
         tile_reqs,
         tile_firsts,
+        q if sinks is None else sinks,
         scale,
         sliding_window or 0,
+        softcap or 1.0,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -439,6 +483,8 @@ def prefill_attention(
         BLOCK_M=BLOCK_M,
         KEYS=tiling.keys,
         EXACT=_exact(q),
+        SOFTCAP=bool(softcap),
+        SINKS=sinks is not None,
         num_warps=tiling.warps,
         num_stages=tiling.stages,
     )
@@ -534,6 +580,8 @@ def decode_attention(
     split_counts: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, ...] | None = None,
     tiling: Tiling = DECODE_TILING,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each request's one query over its paged context, split-K: [B, H, D]. `split_counts`:
     int32 zeros, at least B * KV heads of them, that the kernel leaves zero (a step's
@@ -541,8 +589,10 @@ def decode_attention(
     `new_kv`: (k, v [B, KVH, D], cos, sin [B, D], slots [B]): q and k unrotated, the step's
     K/V not in the cache yet; the kernel rotates q and k and writes k and v into their
     slots, as fused_ops.rotary_into_cache would (the caller checks
-    `rotary_into_cache_fits` first). `tiling`: keys a step, warps and stages."""
+    `rotary_into_cache_fits` first). `tiling`: keys a step, warps and stages; `softcap`
+    and `sinks` [H]: as prefill_attention's."""
     _check(q, k_cache, v_cache, block_size)
+    _check_sinks(sinks, q)
     k_new, v_new, cos, sin, slots = new_kv if new_kv is not None else (q, q, q, q, q)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -587,8 +637,10 @@ def decode_attention(
         cos,
         sin,
         slots,
+        q if sinks is None else sinks,
         scale,
         sliding_window or 0,
+        softcap or 1.0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -610,6 +662,8 @@ def decode_attention(
         SPLITS_PAD=MAX_SPLITS,
         EXACT=_exact(q),
         ROTARY=new_kv is not None,
+        SOFTCAP=bool(softcap),
+        SINKS=sinks is not None,
         num_warps=tiling.warps,
         num_stages=tiling.stages,
     )
@@ -622,6 +676,11 @@ def _d_pad(head_dim: int) -> int:
 
 def _exact(q: torch.Tensor) -> bool:
     return q.dtype == torch.float32 or bool(triton.knobs.runtime.interpret)
+
+
+def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    if sinks is not None and (sinks.shape != (q.shape[1],) or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be one contiguous logit per query head, [{q.shape[1]}]")
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> None:

@@ -33,10 +33,6 @@ NOT_YET = {
     "Llama4ForConditionalGeneration": "chunked local attention, and a multimodal checkpoint",
     "Gemma3ForConditionalGeneration": "a multimodal checkpoint (its text tower alone)",
 }
-# Attention that only the torch backend computes: the Triton kernels have neither yet.
-TORCH_ONLY_ATTENTION = {
-    "GptOssForCausalLM": "attention sinks",
-}
 
 
 class UnsupportedArchitectureError(ModelLoadError):
@@ -74,14 +70,3 @@ def check(config_path: Path) -> str:
     raise UnsupportedArchitectureError(
         f"architecture {arch} is not supported{why}; loomllm runs {', '.join(SUPPORTED)}"
     )
-
-
-def attention_needs(config: Any) -> list[str]:
-    """What of a loaded model's attention the Triton kernels do not compute (softcapping,
-    sinks): it runs on the torch backend."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    archs = getattr(config, "architectures", None) or []
-    needs = [TORCH_ONLY_ATTENTION[a] for a in archs if a in TORCH_ONLY_ATTENTION]
-    if getattr(text, "attn_logit_softcapping", None):
-        needs.append("attention logit softcapping")
-    return needs

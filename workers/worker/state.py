@@ -185,7 +185,7 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     block_size = int(options.get("block_size") or DEFAULT_BLOCK_SIZE)
     dtype = getattr(torch, loaded.dtype)  # the model's: weight_dtype leaves it as it is
     device = torch.device(loaded.device)
-    backend = _attention_backend(options.get("attention_backend"), device, loaded.config)
+    backend = _attention_backend(options.get("attention_backend"), device)
     # CUDA graphs and fused kernels: one rank only (HF's tensor-parallel collectives inside
     # a capture, and DTensor weights in the kernels, are untried), and not under
     # enforce_eager, which runs the model's plain torch ops eagerly (for debugging).
@@ -239,22 +239,10 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
     return runner
 
 
-def _attention_backend(asked: str | None, device: Any, config: Any) -> str:
-    """ "auto": Triton's kernels on CUDA, the torch reference on the CPU (faster there) and
-    for attention the kernels do not compute (softcapping, sinks)."""
-    from loomllm.workers.models.architectures import attention_needs
-
-    needs = attention_needs(config)
+def _attention_backend(asked: str | None, device: Any) -> str:
+    """ "auto": Triton's kernels on CUDA, the torch reference on the CPU (faster there)."""
     if asked in (None, "auto"):
-        if device.type == "cuda" and needs:
-            logger.info("attention on the torch backend: the Triton kernels lack %s", needs)
-            return "torch"
         return "triton" if device.type == "cuda" else "torch"
-    if asked == "triton" and needs:
-        raise ValueError(
-            f"attention_backend='triton' does not compute {' and '.join(needs)}, which this "
-            "model's attention needs: use attention_backend='torch' or 'auto'"
-        )
     if asked == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "attention_backend='triton' needs a CUDA device (on the CPU only "

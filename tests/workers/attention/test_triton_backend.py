@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from support.models import make_tiny_model
 
 from loomllm import LLM
@@ -114,13 +113,12 @@ def test_unknown_backend_and_odd_block_sizes_are_refused(tiny_model):
 
 
 def test_auto_picks_triton_on_cuda_only(monkeypatch):
-    llama = transformers.LlamaConfig()
-    assert _attention_backend("auto", torch.device("cuda"), llama) == "triton"
-    assert _attention_backend(None, torch.device("cpu"), llama) == "torch"
-    assert _attention_backend("torch", torch.device("cuda"), llama) == "torch"
+    assert _attention_backend("auto", torch.device("cuda")) == "triton"
+    assert _attention_backend(None, torch.device("cpu")) == "torch"
+    assert _attention_backend("torch", torch.device("cuda")) == "torch"
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        _attention_backend("triton", torch.device("cpu"), llama)
+        _attention_backend("triton", torch.device("cpu"))
 
 
 def test_an_engine_on_the_triton_backend_matches_torch(tiny_model, shared_manager):

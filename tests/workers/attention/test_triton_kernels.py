@@ -206,6 +206,37 @@ def test_prefill_tilings_agree_with_float64(keys, block_size, window):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "softcap, with_sinks, num_splits, one_kernel",
+    [
+        (2.0, False, None, False),
+        (None, True, 3, False),
+        (3.0, True, 1, False),
+        (2.0, True, None, True),
+    ],
+)
+def test_softcaps_and_sinks_agree_with_float64(softcap, with_sinks, num_splits, one_kernel, dtype):
+    """Gemma 2's softcap and gpt-oss's sinks in both kernels: a sink counted once however
+    many splits the decode merges, windows too."""
+    sinks = torch.randn(8) * 2 if with_sinks else None
+    for window in (None, 7):
+        run_mixed(
+            [(1, 1), (37, 1), (130, 1), (9, 9), (50, 20), (45, 40)],
+            num_heads=8,
+            group=4,
+            head_dim=64,
+            block_size=16,
+            dtype=dtype,
+            window=window,
+            seed=3,
+            num_splits=num_splits,
+            one_kernel=one_kernel,
+            softcap=softcap,
+            sinks=sinks,
+        )
+
+
 def test_decode_tilings_are_checked():
     assert ta.Tiling.parse("64x4x3") == ta.Tiling(64, 4, 3)
     assert str(ta.Tiling(32, 8, 2)) == "32x8x2"

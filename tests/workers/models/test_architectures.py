@@ -28,8 +28,6 @@ LOGIT_TOLERANCE = 1e-4
 # Prompts longer than the configs' 8-token windows; 40 tokens of context at the last step.
 PROMPTS = [[(7 * i + 3) % (TINY_VOCAB - 3) + 3 for i in range(n)] for n in (5, 28)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-# Architectures whose attention the Triton kernels do not compute (the worker picks torch).
-TORCH_ONLY = {"gemma2", "gpt_oss"}
 
 
 @pytest.fixture(scope="module", params=sorted(ARCH_CONFIGS))
@@ -48,8 +46,6 @@ def reference_logits(model_dir: str, tokens: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_logits_match_transformers(arch_model, backend):
     arch, model_dir = arch_model
-    if backend == "triton" and arch in TORCH_ONLY:
-        pytest.skip(f"{arch}: the Triton kernels compute no softcap or sinks (refused there)")
     loaded = load_model(model_dir, dtype="float32")
     shape = SimpleNamespace(
         num_key_value_heads=loaded.num_kv_heads,
@@ -70,21 +66,6 @@ async def test_greedy_tokens_match_transformers(arch_model, shared_manager):
         for prompt, tokens in zip(PROMPTS, expected, strict=True):
             out = await final(e, {"prompt_token_ids": prompt}, GREEDY)
             assert out.outputs[0].token_ids == tokens, arch
-
-
-def test_the_torch_backend_is_what_softcaps_and_sinks_run_on(tmp_path):
-    gemma2 = transformers.Gemma2Config(attn_logit_softcapping=50.0)
-    assert architectures.attention_needs(gemma2) == ["attention logit softcapping"]
-    gpt_oss = transformers.GptOssConfig(architectures=["GptOssForCausalLM"])
-    assert architectures.attention_needs(gpt_oss) == ["attention sinks"]
-    assert architectures.attention_needs(transformers.LlamaConfig()) == []
-    from loomllm.workers.worker.state import _attention_backend
-
-    cuda = torch.device("cuda")
-    assert _attention_backend("auto", cuda, gemma2) == "torch"
-    assert _attention_backend("auto", cuda, transformers.LlamaConfig()) == "triton"
-    with pytest.raises(ValueError, match="does not compute attention sinks"):
-        _attention_backend("triton", cuda, gpt_oss)
 
 
 def write_config(path: Path, config: dict) -> Path:
