@@ -35,10 +35,14 @@ def check_kernels(device: str, num_batches: int, longest: int) -> tuple[bool | N
         for _ in range(rng.randint(1, 12)):
             seq_len = rng.choice([1, rng.randint(1, longest // 8), rng.randint(1, longest)])
             requests.append((seq_len, rng.choice([1, 1, 1, rng.randint(1, min(seq_len, 512))])))
+        # Every other batch with Gemma 2's softcap and gpt-oss's sinks (one per query head).
+        extras = seed % 2 == 0
         for dtype in worst:
+            num_heads = group * rng.choice([2, 4, 8])
+            sinks = torch.randn(num_heads, device=device) * 2 if extras else None
             errors = mixed_errors(
                 requests,
-                num_heads=group * rng.choice([2, 4, 8]),
+                num_heads=num_heads,
                 group=group,
                 head_dim=rng.choice([64, 128]),
                 block_size=rng.choice([16, 32]),
@@ -49,12 +53,14 @@ def check_kernels(device: str, num_batches: int, longest: int) -> tuple[bool | N
                 one_kernel=seed % 2 == 1,  # every other batch as a mixed-step graph runs it
                 num_splits=1 if seed % 3 == 0 else None,  # the decodes' output, unmerged
                 split_counts=counts,
+                softcap=rng.choice([20.0, 50.0]) if extras else None,
+                sinks=sinks,
             )
             worst[dtype] = max(worst[dtype], *(err for *_, err in errors))
     zeroed = not counts.any().item()
     ok = zeroed and all(worst[dtype] < TOLERANCE[dtype] for dtype in worst)
     return ok, (
-        f"{num_batches} random batches: worst relative error fp32 "
+        f"{num_batches} random batches (half with a softcap and sinks): worst relative error fp32 "
         f"{worst[torch.float32]:.2e} (< 1e-4), bf16 {worst[torch.bfloat16]:.2e} "
         f"(< 1e-2); the decodes' split counters left zero: {zeroed}"
     )
