@@ -1,7 +1,6 @@
-"""Hub models: downloaded by the engine-manager from a local stand-in for the Hub (HF_ENDPOINT),
-never the real one: progress in the engine's process, resumption, one download for two
-askers, revisions, tokens, the offline error, `loom pull`, `engine-manager models` and the
-example; a failed download costs nothing else."""
+"""Hub models downloaded by the engine-manager from a local stand-in for the Hub (HF_ENDPOINT):
+progress, an asker leaving, a dropped connection, two askers, revisions, tokens, the offline
+error, `loom pull`, `engine-manager models`, the example; a failure costs nothing else."""
 
 from __future__ import annotations
 
