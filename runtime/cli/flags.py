@@ -120,6 +120,7 @@ BENCHMARKS = {
     "start": "loomllm.benchmarks.start_times",
     "decode-profile": "loomllm.benchmarks.decode_profile",
     "decode-attention": "loomllm.benchmarks.decode_attention",
+    "moe": "loomllm.benchmarks.moe",
     "eager-step": "loomllm.benchmarks.eager_step",
     "broadcast": "loomllm.benchmarks.step_broadcast",
     "compile": "loomllm.benchmarks.kernel_compile",

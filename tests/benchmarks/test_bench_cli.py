@@ -375,3 +375,24 @@ def test_decode_profile_sorts_kernels_by_kind_and_refuses_unknown_runs() -> None
     assert kernel_kind("void at::native::index_elementwise_kernel<128, 4>") == "other"
     done = loom("bench", "decode-profile", "--device", "cpu", "--runs", "graphs,bogus")
     assert done.returncode == 2 and "--runs: bogus unknown" in done.stderr, done.stderr
+
+
+def test_moe_benchmark_times_the_loop_and_grouped_mm_alike() -> None:
+    done = loom(
+        "bench",
+        "moe",
+        "--hidden",
+        "32",
+        "--intermediate",
+        "48",
+        "--experts",
+        "4",
+        "--batch-sizes",
+        "1,5",
+        "--rounds",
+        "2",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = re.findall(r"^\| (\d+) \| [\d.]+ \| [\d.]+ \| x[\d.]+ \| (\S+) \|$", done.stdout, re.M)
+    assert [r[0] for r in rows] == ["1", "5"], done.stdout
+    assert all(float(diff) < 1e-5 for _, diff in rows)  # the same numbers both ways
