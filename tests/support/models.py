@@ -84,6 +84,31 @@ ARCH_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             logits_scaling=4.0,
         ),
     ),
+    # Gemma 3's multimodal checkpoint, given text: its vision tower is loaded and idle.
+    "gemma3": (
+        "Gemma3Config",
+        dict(
+            text_config=dict(
+                head_dim=16,
+                sliding_window=8,
+                query_pre_attn_scalar=24,
+                layer_types=["sliding_attention", "full_attention"],
+                initializer_range=0.2,
+            ),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ),
+            mm_tokens_per_image=4,
+            image_token_index=TINY_VOCAB - 1,
+            boi_token_index=TINY_VOCAB - 2,
+            eoi_token_index=TINY_VOCAB - 3,
+        ),
+    ),
     "gpt_oss": (
         "GptOssConfig",
         dict(
@@ -112,7 +137,11 @@ def make_tiny_arch(path: Path, arch: str, seed: int = 0) -> str:
         bos_token_id=1,
         eos_token_id=2,
     )
-    config = getattr(transformers, name)(**{**common, **extra})
+    if "text_config" in extra:  # a multimodal config: the shape is its text tower's
+        extra = {**extra, "text_config": {**common, **extra["text_config"]}}
+        config = getattr(transformers, name)(**extra)
+    else:
+        config = getattr(transformers, name)(**{**common, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for module in model.modules():

@@ -18,6 +18,7 @@ SUPPORTED = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3",  # text in, its language model alone runs
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -31,7 +32,6 @@ NOT_YET = {
     "DeepseekV3ForCausalLM": "multi-head latent attention (K and V heads of different sizes)",
     "Llama4ForCausalLM": "chunked local attention",
     "Llama4ForConditionalGeneration": "chunked local attention, and a multimodal checkpoint",
-    "Gemma3ForConditionalGeneration": "a multimodal checkpoint (its text tower alone)",
 }
 
 

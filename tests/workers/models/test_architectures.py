@@ -82,6 +82,10 @@ def write_config(path: Path, config: dict) -> Path:
             "architecture DeepseekV2ForCausalLM is not supported (multi-head latent attention",
         ),
         ({"architectures": ["GPT2LMHeadModel"]}, "architecture GPT2LMHeadModel is not supported;"),
+        (
+            {"architectures": ["Llama4ForConditionalGeneration"]},
+            "Llama4ForConditionalGeneration is not supported (chunked local attention",
+        ),
         ({"model_type": "bloom"}, "its model_type 'bloom' is not one loomllm runs"),
         ({"architectures": ["A", "B"]}, "names several architectures"),
     ],
