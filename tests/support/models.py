@@ -13,6 +13,18 @@ import transformers
 from support.managers import ManagerHandle
 
 TINY_VOCAB = 256
+# Every tiny decoder's shape; each architecture adds its own fields.
+TINY_SHAPE: dict[str, Any] = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0) -> str:
@@ -21,17 +33,6 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0) -> str:
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -39,7 +40,7 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0) -> str:
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[arch]
     extra = {"head_dim": 16} if arch == "qwen3" else {}
-    model_cls(config_cls(**common, **extra)).save_pretrained(path)
+    model_cls(config_cls(**TINY_SHAPE, **extra)).save_pretrained(path)
     save_tiny_tokenizer(path)
     return str(path)
 
@@ -126,22 +127,11 @@ def make_tiny_arch(path: Path, arch: str, seed: int = 0) -> str:
     """Save a tiny random-weight model of `arch` (a key of ARCH_CONFIGS), with a tokenizer."""
     torch.manual_seed(seed)
     name, extra = ARCH_CONFIGS[arch]
-    common = dict(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
     if "text_config" in extra:  # a multimodal config: the shape is its text tower's
-        extra = {**extra, "text_config": {**common, **extra["text_config"]}}
+        extra = {**extra, "text_config": {**TINY_SHAPE, **extra["text_config"]}}
         config = getattr(transformers, name)(**extra)
     else:
-        config = getattr(transformers, name)(**{**common, **extra})
+        config = getattr(transformers, name)(**{**TINY_SHAPE, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for module in model.modules():
