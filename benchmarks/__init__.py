@@ -1,12 +1,14 @@
 """Benchmarks that run loomllm and its peers in one run (`loom bench NAME`)."""
 
+import argparse
 import contextlib
 import json
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from loomllm.clients.manager import list_workers, manager_command
 
@@ -14,6 +16,22 @@ from loomllm.clients.manager import list_workers, manager_command
 def int_list(text: str) -> list[int]:
     """argparse type for "1,8,32"."""
     return [int(item) for item in text.split(",")]
+
+
+T = TypeVar("T")
+
+
+def parsed_list(parse: Callable[[str], T], form: str) -> Callable[[str], list[T]]:
+    """argparse type for comma-separated items that `parse` reads (tilings, say); a bad
+    one is argparse's error, saying the items' `form`."""
+
+    def convert(text: str) -> list[T]:
+        try:
+            return [parse(item) for item in text.split(",") if item]
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(f"{form}, comma-separated: {exc}") from None
+
+    return convert
 
 
 def save_word_tokenizer(path: Path, vocab_size: int) -> None:

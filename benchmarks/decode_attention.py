@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import functools
 import random
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from loomllm.benchmarks import int_list
+from loomllm.benchmarks import int_list, parsed_list
+from loomllm.benchmarks.decode_profile import timer
 from loomllm.benchmarks.gpu_bench import SHAPES, copy_bandwidth
 
 PROG = "loom bench decode-attention"
@@ -25,18 +25,6 @@ TILINGS = (
     "128x4x2,128x8x1,128x8x2,128x8x3"
 )
 CHECKED_REQUESTS = 8  # rows of each batch checked against a float64 reference
-
-
-def tiling_list(text: str) -> list[Any]:
-    """argparse type for "64x4x3,32x8x2" (triton_kernels.Tiling's)."""
-    from loomllm.workers.attention.triton_kernels import Tiling
-
-    try:
-        return [Tiling.parse(item) for item in text.split(",") if item]
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(
-            f"tilings are keys x warps x stages, comma-separated: {exc}"
-        ) from None
 
 
 def context_range(text: str) -> tuple[int, int]:
@@ -95,28 +83,18 @@ def worst_error(out: Any, b: dict[str, Any], scale: float) -> float:
     return worst
 
 
-def seconds_of(device: str, reps: int) -> Any:
-    """Device seconds of a call: a CUDA graph of `reps` calls; on the CPU one call's wall
-    time (a smoke test)."""
-    if device.startswith("cuda"):
-        from loomllm.workers.kernels.skinny_matmul import graph_seconds
-
-        return functools.partial(graph_seconds, reps=reps)
-
-    def wall(fn: Any) -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-    return wall
-
-
 def main(argv: list[str] | None = None) -> None:
+    from loomllm.workers.attention.triton_kernels import Tiling
+
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     p.add_argument("--batch-sizes", type=int_list, default=[64, 256])
     p.add_argument("--contexts", type=context_range, default=(1024, 2048))
-    p.add_argument("--tilings", type=tiling_list, default=TILINGS)
+    p.add_argument(
+        "--tilings",
+        type=parsed_list(Tiling.parse, "tilings are keys x warps x stages"),
+        default=TILINGS,
+    )
     p.add_argument("--reps", type=int, default=20, help="launches per timed graph")
     p.add_argument("--device", default="cuda")
     p.add_argument(
@@ -134,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     head_dim = s["hidden_size"] // heads
     scale = head_dim**-0.5
     cuda = args.device.startswith("cuda")
-    seconds = seconds_of(args.device, args.reps)
+    seconds = timer(args.device, args.reps)
     copy = copy_bandwidth(args.device)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(

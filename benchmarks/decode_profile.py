@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from loomllm.benchmarks import int_list
+from loomllm.benchmarks import int_list, parsed_list
 from loomllm.benchmarks.gpu_bench import (
     SHAPES,
     copy_bandwidth,
@@ -82,18 +82,6 @@ def kernel_kind(name: str) -> str:
         if pattern.search(name):
             return kind
     return "other"
-
-
-def tiling_list(text: str) -> list[Any]:
-    """argparse type for "16x256x4x4,32x128x4x4" (skinny_matmul.Tiling's)."""
-    from loomllm.workers.kernels.skinny_matmul import Tiling
-
-    try:
-        return [Tiling.parse(item) for item in text.split(",") if item]
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(
-            f"tilings are block_n x block_k x stages [x warps], comma-separated: {exc}"
-        ) from None
 
 
 def profile_decode(
@@ -334,6 +322,8 @@ def skinny_tilings(shape: str, tilings: list[Any], reps: int, device: str) -> No
 
 
 def main(argv: list[str] | None = None) -> None:
+    from loomllm.workers.kernels.skinny_matmul import Tiling
+
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 64])
@@ -361,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--tilings",
-        type=tiling_list,
+        type=parsed_list(Tiling.parse, "tilings are block_n x block_k x stages [x warps]"),
         default=TILINGS,
         help="the skinny kernel's tilings to time, comma-separated "
         "block_n x block_k x stages x warps (none: '')",
