@@ -23,6 +23,11 @@ def _on_off(name: str) -> str:
     return "on" if _default(name) else "off"
 
 
+MANAGER_SOCKET_FLAG = (
+    "--manager-socket",
+    Path,
+    "engine-manager socket (default: the per-user one)",
+)
 ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--revision", str, "a hub model's branch, tag or commit (default: its default branch)"),
     ("--dtype", str, "auto | float32 | bfloat16 | float16"),
@@ -81,7 +86,7 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
         "CUDA: share of the GPU's memory the worker may "
         f"fill, in (0, 1] (default {_default('gpu_memory_utilization')})",
     ),
-    ("--manager-socket", Path, "engine-manager socket (default: the per-user one)"),
+    MANAGER_SOCKET_FLAG,
 ]
 
 
@@ -234,22 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pull.add_argument("model", help="a hub id, org/name")
     pull.add_argument("--revision", default=None, help="a branch, tag or commit")
-    pull.add_argument(
-        "--manager-socket",
-        type=Path,
-        default=None,
-        help="engine-manager socket (default: the per-user one)",
-    )
-    pull.set_defaults(loop="asyncio")
-
     models = sub.add_parser("models", help="list the models the engine-manager keeps warm")
-    models.add_argument(
-        "--manager-socket",
-        type=Path,
-        default=None,
-        help="engine-manager socket (default: the per-user one)",
-    )
-    models.set_defaults(loop="asyncio")
+    for command in (pull, models):  # they talk to the daemon alone: no engine flags
+        flag, kind, help_ = MANAGER_SOCKET_FLAG
+        command.add_argument(flag, type=kind, default=None, help=help_)
+        command.set_defaults(loop="asyncio")
 
     bench = sub.add_parser(
         "bench",
