@@ -18,6 +18,7 @@ from anyio.from_thread import BlockingPortal
 from tqdm.auto import tqdm
 
 from loomllm.engine.engine import Engine
+from loomllm.engine.exception_groups import simplest
 from loomllm.engine.request_stream import RequestStream
 from loomllm.outputs import RequestOutput
 from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
@@ -137,7 +138,7 @@ class LLM:
             try:
                 return self._call(partial(_run_all, calls, bar))
             except BaseExceptionGroup as eg:
-                raise _one_error(eg) from None
+                raise simplest(eg, each="prompts") from None
 
     def _call(self, func: Callable[[], Awaitable[T]]) -> T:
         """Run `func()` in the engine's loop and wait for it; an interrupt cancels it.
@@ -195,21 +196,6 @@ class LLM:
             # close() returns once the loop is done; a finalizer on that thread cannot join it.
             if thread is not threading.current_thread():
                 thread.join()
-
-
-def _one_error(group: BaseExceptionGroup) -> BaseException:
-    """One exception for a batch that failed: the engine failing under every request (a
-    dead worker, a step that raised) fails each of them alike, which is one failure, not
-    as many as there were prompts. Different failures stay a group."""
-    errors = group.exceptions
-    first = errors[0]
-    if len(errors) > 1 and any(
-        type(e) is not type(first) or str(e) != str(first) for e in errors[1:]
-    ):
-        return group
-    if len(errors) > 1:
-        first.add_note(f"({len(errors)} prompts failed with this same error)")
-    return first
 
 
 def _per_prompt(

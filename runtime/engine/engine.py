@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any, TypeVar
@@ -29,6 +29,7 @@ from loomllm.clients.manager import (
     connect_shared_manager,
 )
 from loomllm.config import EngineConfig
+from loomllm.engine.exception_groups import simplest
 from loomllm.engine.generation_defaults import sampling_defaults
 from loomllm.engine.input_checks import (
     check_priority,
@@ -94,7 +95,7 @@ class Engine:
             try:
                 await self._stack.__aexit__(type(exc), exc, exc.__traceback__)
             except BaseExceptionGroup as eg:
-                raise _simplest(eg) from None
+                raise simplest(eg) from None
             raise
         self._running = True
         return self
@@ -110,7 +111,7 @@ class Engine:
         try:
             return await self._stack.__aexit__(et, e, tb)
         except BaseExceptionGroup as eg:
-            raise _simplest(eg) from None
+            raise simplest(eg) from None
 
     async def _start(self, stack: AsyncExitStack) -> None:
         cfg = self.config
@@ -407,20 +408,3 @@ def _thaw_heap() -> None:
         _engines_frozen -= 1
         if not _engines_frozen:
             gc.unfreeze()
-
-
-def _simplest(eg: BaseExceptionGroup) -> BaseException:
-    """The exception a user should see: the engine's death first, else a lone error."""
-    leaves = list(_leaves(eg))
-    for leaf in leaves:
-        if isinstance(leaf, EngineDeadError):
-            return leaf
-    return leaves[0] if len(leaves) == 1 else eg
-
-
-def _leaves(eg: BaseExceptionGroup) -> Iterator[BaseException]:
-    for exc in eg.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
-        else:
-            yield exc
