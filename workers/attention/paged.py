@@ -81,6 +81,9 @@ class _Extras(NamedTuple):
         return self.softcap is not None or self.sinks is not None
 
 
+NO_EXTRAS = _Extras(None, None)
+
+
 def _attend(
     q: torch.Tensor,  # [..., rows, D]
     k: torch.Tensor,  # [..., L, D]
@@ -115,7 +118,7 @@ def attend_written(
     attn_metadata: AttentionMetadata,
     scaling: float,
     sliding_window: int | None = None,
-    extras: _Extras | None = None,
+    extras: _Extras = NO_EXTRAS,
 ) -> torch.Tensor:
     """Each row's attention on the Triton backend, over a cache that holds the step's K/V
     already (`paged_attention` writes them first; loomllm's model, with
@@ -130,7 +133,7 @@ def attend_written(
     assert paged is not None
     bs = paged.block_size
     num_decodes = paged.decode_tables.shape[0]
-    softcap, sinks = extras if extras is not None else (None, None)
+    softcap, sinks = extras
     if num_decodes == q.shape[0]:  # decode only: token i is decode row i
         return _decode_only(module, q, attn_metadata, scaling, sliding_window, extras=extras)
     # Zeros: a mixed-step graph's padded tokens are in no row, and stay finite this way.
@@ -213,7 +216,7 @@ def _decode_only(
     scaling: float,
     sliding_window: int | None,
     new_kv: tuple[torch.Tensor, ...] | None = None,
-    extras: _Extras | None = None,
+    extras: _Extras = NO_EXTRAS,
 ) -> torch.Tensor:
     """A decode-only step's attention: token i is decode row i, all through the decode
     kernel (`new_kv`: see triton_attention.decode_attention)."""
@@ -235,8 +238,8 @@ def _decode_only(
         sliding_window,
         split_counts=paged.decode_split_counts,
         new_kv=new_kv,
-        softcap=None if extras is None else extras.softcap,
-        sinks=None if extras is None else extras.sinks,
+        softcap=extras.softcap,
+        sinks=extras.sinks,
     )
 
 
