@@ -201,6 +201,9 @@ class PullModel:
     model: str  # a hub id, "org/name"
     revision: str | None  # a branch, tag or commit; None: the default branch
     token: str | None  # the asker's Hugging Face token, for gated or private repositories
+    # True (`loom pull`): ask the Hub for the revision's files even when the cache holds them;
+    # False (an engine's start): a complete cached snapshot is used as it is, with no network.
+    check_hub: bool
 
 
 @message(22)

@@ -70,7 +70,7 @@ async def _pull(args: argparse.Namespace) -> int:
     async with anyio.create_task_group() as tg:
         await tg.start(manager.run)
         try:
-            pulled = await hub.pull(manager, args.model, args.revision)
+            pulled = await hub.pull(manager, args.model, args.revision, check_hub=True)
         finally:
             await manager.aclose()
     print(pulled.path)

@@ -29,10 +29,15 @@ def offline() -> bool:
 
 
 async def pull(
-    manager: ManagerClient, model: str, revision: str | None, show_progress: bool = True
+    manager: ManagerClient,
+    model: str,
+    revision: str | None,
+    show_progress: bool = True,
+    check_hub: bool = False,
 ) -> Pulled:
     """Have the manager download `model` at `revision` unless its cache has it, with a tqdm bar
-    of the bytes here and log lines at the start and the end (what `loom serve` shows)."""
+    of the bytes here and log lines at the start and the end (what `loom serve` shows).
+    `check_hub`: see PullModel."""
     token = os.environ.get("HF_TOKEN") or None
     bar: tqdm | None = None
 
@@ -50,7 +55,7 @@ async def pull(
         bar.update(report.done_bytes - bar.n)
 
     try:
-        pulled = await manager.pull(model, revision, token, progress)
+        pulled = await manager.pull(model, revision, token, progress, check_hub)
     finally:
         if bar is not None:
             bar.close()

@@ -290,11 +290,13 @@ class ManagerClient:
         revision: str | None,
         token: str | None,
         on_progress: Callable[[PullProgress], None],
+        check_hub: bool = False,
     ) -> Pulled:
-        """Have the manager download a hub model (or find it cached), calling `on_progress`
-        with each report; ModelPullError with the manager's words if it cannot."""
+        """Have the manager download a hub model (or find it cached; `check_hub`: see
+        PullModel), calling `on_progress` with each report; ModelPullError with the
+        manager's words if it cannot."""
         async with self._lock:
-            await self.ms.send(PullModel(model, revision, token))
+            await self.ms.send(PullModel(model, revision, token, check_hub))
             while True:
                 try:
                     reply = await self._reply_receive.receive()

@@ -86,10 +86,12 @@ async def test_an_engine_downloads_a_hub_model_showing_progress(hub_site, capsys
     assert "model.safetensors" in fake.requests and "config.json" in fake.requests
     assert f"Downloading {REPO}" in capsys.readouterr().err  # the tqdm bar, here
     assert f"downloading {REPO} from the Hub" in caplog.text
-    # A second engine finds it cached: nothing is fetched again.
+    # A second engine finds it cached: nothing is fetched again, and the Hub is not asked.
+    api_calls = fake.api_calls
     async with Engine(REPO, manager_socket=manager.socket, dtype="float32") as e:
         await final(e, {"prompt_token_ids": [5, 6]}, GREEDY)
     assert set(fake.requests.values()) == {1}
+    assert fake.api_calls == api_calls
 
 
 async def test_an_interrupted_download_goes_on_and_a_cut_is_retried(hub_site):

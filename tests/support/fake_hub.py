@@ -38,6 +38,7 @@ class FakeHub:
         self.token = token
         self.requests: Counter[str] = Counter()
         self.ranges: list[tuple[str, int]] = []  # (file, first byte) of each resumed GET
+        self.api_calls = 0  # repository info and file listings asked for
         self.cut_once: set[str] = set()
         self.seconds_per_file = 0.0  # how long each file's bytes take to send
         self.lock = threading.Lock()
@@ -76,6 +77,9 @@ class FakeHub:
         info = f"/api/models/{self.repo_id}/revision/"
         tree = f"/api/models/{self.repo_id}/tree/"
         resolve = f"/{self.repo_id}/resolve/"
+        if path.startswith((tree, info)):
+            with self.lock:
+                self.api_calls += 1
         if path.startswith(tree):
             entries = [
                 {"type": "file", "oid": oid(data), "size": len(data), "path": name}

@@ -43,7 +43,7 @@ class Pulls:
         pull = self.running.get(key)
         if pull is None:
             pull = self.running[key] = _Pull()
-            tg.start_soon(self._download, key, pull, request.token)
+            tg.start_soon(self._download, key, pull, request.token, request.check_hub)
         sent = (-1, -1)
         while not pull.done.is_set():
             with anyio.move_on_after(REPORT_EVERY_S):
@@ -55,12 +55,20 @@ class Pulls:
         assert pull.result is not None
         return pull.result
 
-    async def _download(self, key: tuple[str, str | None], pull: _Pull, token: str | None) -> None:
+    async def _download(
+        self, key: tuple[str, str | None], pull: _Pull, token: str | None, check_hub: bool
+    ) -> None:
         model, revision = key
         logger.info("downloading %s%s from the Hub", model, f" ({revision})" if revision else "")
         try:
             path = await anyio.to_thread.run_sync(
-                hub.download, model, revision, token, pull.progress, abandon_on_cancel=True
+                hub.download,
+                model,
+                revision,
+                token,
+                pull.progress,
+                check_hub,
+                abandon_on_cancel=True,
             )
             pull.result = Pulled(path, pull.progress.read()[0])
             logger.info("downloaded %s into %s", model, path)

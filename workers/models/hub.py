@@ -4,6 +4,7 @@ listed."""
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,10 +49,15 @@ class Progress:
             return self.done, self.total
 
 
-def download(repo_id: str, revision: str | None, token: str | None, progress: Progress) -> str:
+def download(
+    repo_id: str, revision: str | None, token: str | None, progress: Progress, check_hub: bool
+) -> str:
     """The snapshot directory of `repo_id` at `revision` with SERVING_FILES in it, fetched
-    where they are not cached (blocking: run it in a thread). ModelLoadError says what
-    went wrong in words a user can act on."""
+    where they are not cached (blocking: run it in a thread). Without `check_hub` a complete
+    cached snapshot is taken with no network call, as an engine's start wants it.
+    ModelLoadError says what went wrong in words a user can act on."""
+    if not check_hub and (cached := complete_snapshot(repo_id, revision)) is not None:
+        return cached
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         DryRunError,
@@ -72,13 +78,12 @@ def download(repo_id: str, revision: str | None, token: str | None, progress: Pr
             cause = exc.__cause__
             if isinstance(cause, HfHubHTTPError):
                 raise cause from None  # not found, private or gated: said below
-            try:  # out of reach: what the cache holds will do
-                return str(snapshot_download(repo_id, revision=revision, local_files_only=True))
-            except LocalEntryNotFoundError:
-                raise ModelLoadError(
-                    f"could not reach the Hub for {where}, and it is not in the HF cache: "
-                    f"{cause or exc}"
-                ) from None
+            if (cached := complete_snapshot(repo_id, revision)) is not None:
+                return cached  # out of reach: what the cache holds will do
+            raise ModelLoadError(
+                f"could not reach the Hub for {where}, and it is not in the HF cache: "
+                f"{cause or exc}"
+            ) from None
         if not any(f.filename.endswith(".safetensors") for f in planned):
             raise ModelLoadError(
                 f"hub model {where} has no safetensors weights, the only format loomllm reads "
@@ -112,6 +117,26 @@ def download(repo_id: str, revision: str | None, token: str | None, progress: Pr
     except LocalEntryNotFoundError as exc:
         raise ModelLoadError(f"could not download hub model {where}: {exc}") from None
     return str(path)
+
+
+def complete_snapshot(repo_id: str, revision: str | None) -> str | None:
+    """The cached snapshot of `repo_id` at `revision` if it holds a config, a tokenizer and
+    every safetensors shard (a download cut short holds fewer), else None. No network."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError):
+        return None
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    else:
+        shards = {p.name for p in path.glob("*.safetensors")}
+    tokenizer = any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
+    complete = (path / "config.json").is_file() and tokenizer and shards
+    return str(path) if complete and all((path / s).is_file() for s in shards) else None
 
 
 def _recording(progress: Progress) -> type:
