@@ -1,4 +1,4 @@
-"""The manager's WorkerList as text tables: `engine-manager ps` and `loom models` print these.
+"""The manager's lists as text tables: `engine-manager ps`, `models` and `loom models` print these.
 
 It sits beside the messages because both sides print them and neither may import the other.
 """
@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from loomllm.protocols.messages import WorkerInfo
+from loomllm.protocols.messages import CachedModel, WorkerInfo
 
 PS_COLUMNS = ("GROUP", "RANK", "PID", "MODEL", "STATE", "MEMORY", "AGE", "KEEP_ALIVE", "EXPIRES")
 MODELS_COLUMNS = ("MODEL", "DTYPE", "TP", "PIDS", "STATE", "MEMORY", "KEEP_ALIVE", "EXPIRES")
+CACHED_COLUMNS = ("MODEL", "SIZE", "REVISIONS", "PATH")
 
 
 def format_seconds(value: float) -> str:
@@ -63,6 +64,14 @@ def models_table(workers: Sequence[WorkerInfo]) -> str:
             )
         )
     return _table(MODELS_COLUMNS, rows)
+
+
+def cached_models_table(models: Sequence[CachedModel]) -> str:
+    """One row per hub model in the HF cache: its size, cached commits (short) and folder."""
+    rows = [
+        (m.model, _mib(m.size_bytes), ",".join(r[:8] for r in m.revisions), m.path) for m in models
+    ]
+    return _table(CACHED_COLUMNS, rows)
 
 
 def _mib(num_bytes: int) -> str:

@@ -39,7 +39,7 @@ from loomllm.protocols.rundir import (
     log_path,
     open_private_file,
 )
-from loomllm.protocols.worker_table import format_seconds, ps_table
+from loomllm.protocols.worker_table import cached_models_table, format_seconds, ps_table
 
 START_TIMEOUT_S = 30.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -338,13 +338,7 @@ def _cmd_models(args: argparse.Namespace, socket_path: Path) -> int:
         print("engine-manager is not running")
         return 1
     assert isinstance(reply, CachedModelList)
-    rows = [("MODEL", "SIZE", "REVISIONS", "PATH")] + [
-        (m.model, f"{m.size_bytes / 1e6:.1f} MB", ",".join(r[:8] for r in m.revisions), m.path)
-        for m in reply.models
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    for row in rows:
-        print("  ".join([*(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[3]]))
+    print(cached_models_table(reply.models))
     return 0
 
 

@@ -21,8 +21,6 @@ from loomllm.protocols.errors import ProtocolError, VersionMismatchError
 from loomllm.protocols.messages import (
     Ack,
     AcquireWorkers,
-    CachedModel,
-    CachedModelList,
     ErrorReply,
     ListCachedModels,
     ListWorkers,
@@ -200,7 +198,7 @@ class ManagerServer:
                     assert self._tg is not None
                     reply = await self.pulls.serve(ms, request, self._tg)
                 case ListCachedModels():
-                    reply = await self._cached_models()
+                    reply = await self.pulls.cached_models()
                 case ShutdownManager():
                     await ms.send(Ack())
                     self.shutdown()
@@ -393,12 +391,6 @@ class ManagerServer:
             float(self.max_keep_alive),
             float(self.idle_timeout),
         )
-
-    async def _cached_models(self) -> CachedModelList:
-        from loomllm.workers.models.hub import cached_models  # imports huggingface_hub
-
-        found = await anyio.to_thread.run_sync(cached_models)
-        return CachedModelList([CachedModel(**entry) for entry in found])
 
     def _worker_infos(self) -> list[WorkerInfo]:
         now = time.monotonic()

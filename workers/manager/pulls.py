@@ -1,5 +1,5 @@
-"""The manager's downloads from the Hugging Face Hub: one per model and revision at a time,
-its progress sent to every client that asked for it, its result kept for none."""
+"""The manager's Hugging Face Hub work: downloads, one per model and revision at a time, their
+progress sent to every client that asked; and the list of what the HF cache holds."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ import anyio
 from anyio.abc import TaskGroup
 
 from loomllm.protocols.connection import MessageStream
-from loomllm.protocols.messages import ErrorReply, Pulled, PullModel, PullProgress
+from loomllm.protocols.messages import (
+    CachedModel,
+    CachedModelList,
+    ErrorReply,
+    Pulled,
+    PullModel,
+    PullProgress,
+)
 from loomllm.workers.models import hub
 from loomllm.workers.models.sources import ModelLoadError
 
@@ -30,6 +37,11 @@ class Pulls:
 
     def __init__(self) -> None:
         self.running: dict[tuple[str, str | None], _Pull] = {}
+
+    async def cached_models(self) -> CachedModelList:
+        """The hub models in the HF cache (a scan of its folders, in a thread)."""
+        found = await anyio.to_thread.run_sync(hub.cached_models)
+        return CachedModelList([CachedModel(**entry) for entry in found])
 
     async def wait_until_none(self) -> None:
         """Return once no download is in flight."""
