@@ -6,6 +6,7 @@ device/dtype.py asks when it picks the weights' (and so the KV cache's) dtype.
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -52,3 +53,18 @@ def _common_flags(cpuinfo: str) -> set[str]:
             flags = set(value.split())
             common = flags if common is None else common & flags
     return common or set()
+
+
+def cpu_identity() -> str:
+    """The CPU's model name and flags, for keys of what was measured or built for it."""
+    model, flags = "", ""
+    try:
+        for line in _CPUINFO.read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model or platform.processor()}\0{flags}"

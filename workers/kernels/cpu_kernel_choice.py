@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import os
-import platform
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from loomllm.workers.device.cpu_features import cpu_identity
 from loomllm.workers.kernels.cpu_linear import (
     GroupwiseInt4,
     Int4Linear,
@@ -50,18 +50,7 @@ def batch_index(rows: int) -> int:
 
 def machine_key(dtype: torch.dtype) -> str:
     """What a measurement depends on: the CPU, its flags, torch, the threads, the dtype."""
-    model, flags = "", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    model = model or platform.processor()
-    text = f"{model}\0{flags}\0{torch.__version__}\0{torch.get_num_threads()}\0{dtype}"
+    text = f"{cpu_identity()}\0{torch.__version__}\0{torch.get_num_threads()}\0{dtype}"
     return hashlib.sha256(f"{text}\0{_CACHE_FORMAT}".encode()).hexdigest()[:16]
 
 
