@@ -61,7 +61,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     # The device side.
     "loomllm.workers.device": set(),
-    "loomllm.workers.kernels": set(),
+    "loomllm.workers.kernels": {"loomllm.workers.device"},
     "loomllm.workers.attention": {"loomllm.workers.device", "loomllm.workers.kernels"},
     "loomllm.workers.sample": {"loomllm.protocols", "loomllm.workers.device"},
     "loomllm.workers.models.llama": {"loomllm.workers.attention", "loomllm.workers.kernels"},

@@ -1,0 +1,206 @@
+"""The CPU's C++ ops (kernels/cpu_ops.cpp): norms, SiLU and the rotary embedding against the
+torch ops they replace (bit for bit in bfloat16), decode attention against a float64
+reference, clear errors for bad input, and the loader's settings."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loomllm.workers.kernels import cpu_native
+from loomllm.workers.models.llama.model import RMSNorm, _rotate
+from loomllm.workers.models.sources import cache_root
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = cpu_native.load(cache_root())
+    assert built is not None, "the C++ ops did not build: is a C++ compiler installed?"
+    return built
+
+
+def norm_module(size: int, dtype: torch.dtype) -> RMSNorm:
+    norm = RMSNorm(size, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(size))
+    return norm.to(dtype)
+
+
+def close_or_equal(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """bf16: bit for bit. float32: within a few units of the last place (the norm's sum of
+    squares and the exp of SiLU are not torch's, rounding for rounding)."""
+    if ours.dtype == torch.bfloat16:
+        assert torch.equal(ours, theirs)
+    else:
+        torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, size", [(1, 576), (7, 100), (33, 64)])
+def test_norms_round_as_the_torch_module(ops, dtype, rows, size):
+    torch.manual_seed(rows)
+    norm = norm_module(size, dtype)
+    x, residual = (torch.randn(rows, size).to(dtype) for _ in range(2))
+    close_or_equal(ops.rms_norm(x, norm.weight, norm.eps), norm(x))
+    out, total = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    expected_out, expected_total = norm.add_forward(x, residual)
+    assert torch.equal(total, expected_total)
+    close_or_equal(out, expected_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, width", [(1, 1536), (5, 37), (64, 96)])
+def test_silu_mul_rounds_as_transformers_mlp(ops, dtype, rows, width):
+    torch.manual_seed(width)
+    gate_up = (torch.randn(rows, 2 * width) * 4).to(dtype)
+    expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    close_or_equal(ops.silu_mul(gate_up), expected)
+    # Far into both tails, where exp under- and overflows.
+    tails = torch.tensor([[-200.0, -90.0, 90.0, 200.0, 0.0, -0.0] * 2], dtype=dtype)
+    close_or_equal(ops.silu_mul(tails), F.silu(tails[:, :6]) * tails[:, 6:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 16), (6, 2, 10)])
+def test_rotary_into_cache_is_the_rotary_then_the_write(ops, dtype, heads, kv_heads, dim):
+    """q, k, v as the model has them (views of one packed q|k|v output); every slot not
+    written stays as it was."""
+    torch.manual_seed(dim)
+    tokens = 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    sizes = [heads * dim, kv_heads * dim, kv_heads * dim]
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split(sizes, -1))
+    angles = torch.randn(tokens, dim // 2) * 10
+    angles = torch.cat((angles, angles), -1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    k_cache = torch.randn(40, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(40, kv_heads, dim).to(dtype)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([3, 17, 5, 30, 39])
+    q_out = ops.rotary_into_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+
+    def rotated(x: torch.Tensor) -> torch.Tensor:  # as the model's torch path: [1, heads, T, D]
+        return _rotate(x.transpose(0, 1)[None], cos[None, None], sin[None, None])[0].transpose(0, 1)
+
+    assert torch.equal(q_out, rotated(q))
+    assert torch.equal(k_cache[slots], rotated(k))
+    assert torch.equal(v_cache[slots], v)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(k_cache[untouched], before_k[untouched])
+    assert torch.equal(v_cache[untouched], before_v[untouched])
+
+
+def attention_reference(q, k_cache, v_cache, slots, lens, scale, window, softcap, sinks):
+    """Each row's attention in float64, from the cache rows its slots name."""
+    rows, heads, dim = q.shape
+    group = heads // k_cache.shape[1]
+    out = torch.empty(rows, heads, dim, dtype=torch.float64)
+    for b in range(rows):
+        length = int(lens[b])
+        first = max(0, length - window) if window else 0
+        keys = slots[b, first:length]
+        k, v = k_cache[keys].double(), v_cache[keys].double()
+        for h in range(heads):
+            scores = (k[:, h // group] @ q[b, h].double()) * scale
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[h].double().view(1)])
+            probs = torch.softmax(scores, 0)[: keys.numel()]
+            out[b, h] = probs @ v[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 1, 128), (4, 4, 80)])
+@pytest.mark.parametrize(
+    "window, softcap, with_sinks", [(0, 0.0, False), (20, 0.0, False), (0, 5.0, True)]
+)
+def test_decode_attention_matches_float64(
+    ops, dtype, heads, kv_heads, dim, window, softcap, with_sinks
+):
+    """Rows of different lengths (one key, a window's worth, hundreds) over slots scattered
+    through the cache, q a strided view; head sizes the kernel knows when compiled and one
+    it does not; GQA groups of 1 to 8; a window, Gemma 2's softcap, gpt-oss' sinks."""
+    torch.manual_seed(dim + heads)
+    num_slots, width = 700, 260
+    k_cache = torch.randn(num_slots, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(num_slots, kv_heads, dim).to(dtype)
+    lens = torch.tensor([1, 17, 100, 260, 33])
+    slots = torch.stack([torch.randperm(num_slots)[:width] for _ in lens])
+    q = torch.randn(heads, len(lens), dim).to(dtype).transpose(0, 1)  # [B, H, D], strided
+    sinks = torch.randn(heads).to(dtype) if with_sinks else None
+    scale = dim**-0.5
+    out = ops.decode_attention(q, k_cache, v_cache, slots, lens, scale, window, softcap, sinks)
+    expected = attention_reference(q, k_cache, v_cache, slots, lens, scale, window, softcap, sinks)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_bad_input_is_refused_by_name_and_the_ops_keep_working(ops):
+    k_cache = torch.randn(50, 2, 16)
+    v_cache = torch.randn(50, 2, 16)
+    q = torch.randn(2, 4, 16)
+    slots = torch.arange(20).view(2, 10)
+    lens = torch.tensor([10, 4])
+    cases = [
+        ((q, k_cache, v_cache, slots + 45, lens), "slot 50 outside 50"),
+        ((q, k_cache, v_cache, slots, torch.tensor([11, 4])), "row 0 has 11 keys of 10"),
+        ((q, k_cache, v_cache, slots, torch.tensor([0, 4])), "row 0 has 0 keys"),
+        ((q.half(), k_cache, v_cache, slots, lens), "takes float32 or bfloat16"),
+        ((q, k_cache.bfloat16(), v_cache, slots, lens), "caches BFloat16 for q Float"),
+        ((torch.randn(2, 3, 16), k_cache, v_cache, slots, lens), "decode_attention: q"),
+    ]
+    for args, words in cases:
+        with pytest.raises(RuntimeError, match=words):
+            ops.decode_attention(*args, 0.25, 0, 0.0, None)
+    with pytest.raises(RuntimeError, match="slot 99 outside 50"):
+        ops.rotary_into_cache(
+            q,
+            q[:, :2],
+            q[:, :2],
+            torch.ones(2, 16),
+            torch.zeros(2, 16),
+            k_cache,
+            v_cache,
+            torch.tensor([0, 99]),
+        )
+    with pytest.raises(RuntimeError, match="add_rms_norm: weight Float and input BFloat16"):
+        ops.add_rms_norm(q.bfloat16(), q.bfloat16(), torch.ones(16), 1e-5)
+    with pytest.raises(RuntimeError, match="silu_mul: an odd last dimension, 15"):
+        ops.silu_mul(torch.randn(2, 15))
+    # Nothing was written, and the next call computes as before.
+    out = ops.decode_attention(q, k_cache, v_cache, slots, lens, 0.25, 0, 0.0, None)
+    expected = attention_reference(q, k_cache, v_cache, slots, lens, 0.25, 0, 0.0, None)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_setting_turns_them_off_and_a_failed_build_is_logged(
+    ops, monkeypatch, tmp_path, caplog
+):
+    monkeypatch.setenv(cpu_native.CPU_KERNELS_ENV, "0")
+    assert cpu_native.load(tmp_path) is None
+    monkeypatch.setenv(cpu_native.CPU_KERNELS_ENV, "yes")
+    with pytest.raises(ValueError, match="LOOM_CPU_KERNELS must be 0 or 1"):
+        cpu_native.load(tmp_path)
+    monkeypatch.delenv(cpu_native.CPU_KERNELS_ENV)
+    monkeypatch.setattr(cpu_native, "_ops", None)  # as in a process that has not built them
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+        assert cpu_native.load(tmp_path) is None
+    assert "no C++ compiler" in caplog.text
+    monkeypatch.delenv("CXX")
+    broken = tmp_path / "cpu_ops.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_native, "SOURCE", broken)
+    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+        assert cpu_native.load(tmp_path) is None
+    assert f"building {broken} failed" in caplog.text
+    assert cpu_native.loaded() is None
