@@ -57,11 +57,13 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor  # [Bd]
     decode_slots: torch.Tensor  # [Bd, L]
     decode_valid: torch.Tensor  # [Bd, L] bool
+    decode_lens: torch.Tensor  # [Bd] long: how many of a row's decode_slots are real
     # The same as an additive mask (0 or -inf) in the cache's dtype, built once per step:
     # SDPA's CPU kernel takes a float mask ~1.5x faster than a bool one.
     decode_bias: torch.Tensor  # [Bd, 1, 1, L]
     prefills: list[PrefillRow]
-    # When set, the Triton kernels attend and decode_slots, decode_valid and decode_bias are empty.
+    # When set, the Triton kernels attend and decode_slots, decode_valid, decode_lens and
+    # decode_bias are empty.
     paged: PagedBatch | None = None
 
 
@@ -105,6 +107,7 @@ def context_metadata(
         decode_token_idx=device_tensor(decode_idx, torch.long, device),
         decode_slots=to_device(padded, device),
         decode_valid=valid,
+        decode_lens=device_tensor([len(c) for c in decode_ctx], torch.long, device),
         decode_bias=bias[:, None, None, :],
         prefills=prefills,
     )
@@ -154,6 +157,7 @@ def paged_metadata(
         decode_token_idx=device_tensor(decode_idx, torch.long, device),
         decode_slots=none,
         decode_valid=none.bool(),
+        decode_lens=none.view(0),
         decode_bias=none,
         prefills=prefills,
         paged=paged,

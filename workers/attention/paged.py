@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from loomllm.workers.attention.metadata import AttentionMetadata, PrefillRow
+from loomllm.workers.kernels import cpu_native
 
 ATTENTION_NAME = "loom_paged"
 
@@ -40,8 +41,6 @@ def paged_attention(
     extras = _Extras(softcap or None, s_aux)
     meta = attn_metadata
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
-    num_heads, num_kv_heads = query.shape[1], key.shape[1]
-    group = num_heads // num_kv_heads
     key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
     q = query[0].transpose(0, 1)  # [T, H, D]
     if meta.paged is not None:
@@ -57,18 +56,7 @@ def paged_attention(
         return out.unsqueeze(0), None
     k_cache.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
-    if not meta.prefills:  # decode only: token i is decode row i, no gather or scatter
-        out = _decode(q, k_cache, v_cache, meta, group, scaling, sliding_window, extras)
-        return out[None], None
-    out = torch.empty_like(q)  # [T, H, D]
-    if meta.decode_token_idx.numel():
-        out[meta.decode_token_idx] = _decode(
-            q[meta.decode_token_idx], k_cache, v_cache, meta, group, scaling, sliding_window, extras
-        )
-    for row in meta.prefills:
-        rows = slice(row.token_start, row.token_start + row.num_tokens)
-        out[rows] = _prefill(q[rows], k_cache, v_cache, row, group, scaling, sliding_window, extras)
-    return out.unsqueeze(0), None  # [1, T, H, D]
+    return attend_cached(module, q, meta, scaling, sliding_window, extras).unsqueeze(0), None
 
 
 class _Extras(NamedTuple):
@@ -82,6 +70,33 @@ class _Extras(NamedTuple):
 
 
 NO_EXTRAS = _Extras(None, None)
+
+
+def attend_cached(
+    module: torch.nn.Module,
+    q: torch.Tensor,  # [T, H, D]
+    attn_metadata: AttentionMetadata,
+    scaling: float | None,
+    sliding_window: int | None = None,
+    extras: _Extras = NO_EXTRAS,
+) -> torch.Tensor:
+    """Each row's attention on the torch backend, over a cache that holds the step's K/V
+    already (`paged_attention` writes them first; loomllm's model on the CPU, with the C++
+    rotary_into_cache): [T, H, D]."""
+    meta = attn_metadata
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    group = q.shape[1] // k_cache.shape[1]
+    if not meta.prefills:  # decode only: token i is decode row i, no gather or scatter
+        return _decode(q, k_cache, v_cache, meta, group, scaling, sliding_window, extras)
+    out = torch.empty_like(q)  # [T, H, D]
+    if meta.decode_token_idx.numel():
+        out[meta.decode_token_idx] = _decode(
+            q[meta.decode_token_idx], k_cache, v_cache, meta, group, scaling, sliding_window, extras
+        )
+    for row in meta.prefills:
+        rows = slice(row.token_start, row.token_start + row.num_tokens)
+        out[rows] = _prefill(q[rows], k_cache, v_cache, row, group, scaling, sliding_window, extras)
+    return out
 
 
 def _attend(
@@ -254,6 +269,25 @@ def _decode(
     extras: _Extras,
 ) -> torch.Tensor:
     bd, num_heads, dim = q.shape
+    ops = cpu_native.loaded()
+    if (
+        ops is not None
+        and q.device.type == "cpu"
+        and q.dtype == k_cache.dtype
+        and q.dtype in cpu_native.DTYPES
+    ):
+        # The C++ kernel reads each row's keys in the cache where they are, no gather.
+        return ops.decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_slots,
+            meta.decode_lens,
+            scaling if scaling is not None else dim**-0.5,
+            sliding_window or 0,
+            extras.softcap or 0.0,
+            extras.sinks,
+        )
     k = _gather(k_cache, meta.decode_slots, q.dtype)  # [Bd, KVH, L, D]
     v = _gather(v_cache, meta.decode_slots, q.dtype)
     mask = meta.decode_bias

@@ -168,6 +168,7 @@ class DecodeGraphs:
             decode_token_idx=self.rows[:size],
             decode_slots=none,
             decode_valid=none.bool(),
+            decode_lens=none,
             decode_bias=none,
             prefills=[],
             paged=paged,

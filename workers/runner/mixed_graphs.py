@@ -191,6 +191,7 @@ class MixedGraphs:
             decode_token_idx=empty,
             decode_slots=empty,
             decode_valid=empty.bool(),
+            decode_lens=empty,
             decode_bias=empty,
             prefills=[],
             paged=paged,

@@ -199,6 +199,10 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
         from loomllm.workers.models.fused_layers import install_fused_ops
 
         install_fused_ops(loaded.model)  # before the profiling pass: the model as it runs
+    elif device.type == "cpu" and backend == "torch" and not options.get("enforce_eager"):
+        from loomllm.workers.models.cpu_kernels import install_cpu_kernels
+
+        install_cpu_kernels(loaded.model, dtype)
 
     def make_runner(num_blocks: int) -> ModelRunner:
         return ModelRunner(

@@ -6,7 +6,7 @@ Its arithmetic is transformers' eager one, rounding for rounding, so greedy toke
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,19 +61,18 @@ class CausalLMOutput(NamedTuple):
 
 class RMSNorm(torch.nn.Module):
     """transformers' Llama RMSNorm: weight * (x / rms(x)) in float32, rounded to x's dtype
-    before the weight; the fused kernel computes the same on the CUDA path."""
+    before the weight. `kernels`, where set, computes the same in one kernel: fused_ops on
+    the CUDA path, the C++ ops (kernels/cpu_native.py) on the CPU."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(size), requires_grad=False)
         self.eps = eps
-        self.fused = False
+        self.kernels: Any | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            from loomllm.workers.kernels.fused_ops import rms_norm
-
-            return rms_norm(x, self.weight, self.eps)
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -83,10 +82,8 @@ class RMSNorm(torch.nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): a residual add and the norm after it."""
-        if self.fused:
-            from loomllm.workers.kernels.fused_ops import add_rms_norm
-
-            return add_rms_norm(x, residual, self.weight, self.eps)
+        if self.kernels is not None:
+            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
         total = residual + x
         return self.forward(total), total
 
@@ -127,6 +124,8 @@ class Attention(torch.nn.Module):
             self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
         self.scaling = shape.head_dim**-0.5
         self.fused_rotary = False
+        # The C++ ops on the CPU: the rotary embedding with the cache write, in one call.
+        self.cpu_kernels: Any | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata | None
@@ -137,6 +136,13 @@ class Attention(torch.nn.Module):
         q, k, v = (t.view(*tokens, -1, shape.head_dim) for t in (q, k, v))
         if shape.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.cpu_kernels is not None and meta is not None and meta.paged is None:
+            k_cache, v_cache = meta.kv_caches[self.layer_idx]
+            q = self.cpu_kernels.rotary_into_cache(
+                q[0], k[0], v[0], cos[0], sin[0], k_cache, v_cache, meta.slot_mapping
+            )
+            out = attention.attend_cached(self, q, meta, self.scaling, shape.sliding_window)
+            return self.o_proj(out.reshape(*tokens, -1))
         if self.fused_rotary and meta is not None and meta.paged is not None:
             out = self._rotary_into_cache(q[0], k[0], v[0], cos[0], sin[0], meta)
             if out is not None:
@@ -201,20 +207,18 @@ class MLP(torch.nn.Module):
         )
         self.gate_up_proj.gated = True
         self.down_proj = Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
-        self.fused = False
+        self.kernels: Any | None = None  # as RMSNorm's: computes silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The skinny kernel computes the activation in its epilogue.
-        if self.fused and self.gate_up_proj.runs_skinny(x):
+        if self.kernels is not None and self.gate_up_proj.runs_skinny(x):
             from loomllm.workers.kernels.skinny_matmul import skinny_silu_linear
 
             weight, bias = self.gate_up_proj.weight, self.gate_up_proj.bias
             return self.down_proj(skinny_silu_linear(x, weight, bias))
         gate_up = self.gate_up_proj(x)
-        if self.fused:
-            from loomllm.workers.kernels.fused_ops import silu_mul
-
-            return self.down_proj(silu_mul(gate_up))
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, -1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -314,11 +318,27 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
     def use_fused_kernels(self) -> tuple[int, int]:
         """Run fused_ops' kernels from now on (each residual add inside a norm's kernel, K/V
         written inside the rotary's or the decode attention's): (RMSNorm modules, layers)."""
-        norms = [m for m in self.modules() if isinstance(m, RMSNorm)]
-        for norm in norms:
-            norm.fused = True
+        from loomllm.workers.kernels import fused_ops
+
+        norms = self._use_kernels(fused_ops)
         for layer in self.model.layers:
-            layer.mlp.fused = True
             head_dim = self.shape.head_dim
             layer.self_attn.fused_rotary = head_dim >= 2 and head_dim & (head_dim - 1) == 0
-        return len(norms), len(self.model.layers)
+        return norms, len(self.model.layers)
+
+    def use_cpu_kernels(self, ops: Any) -> tuple[int, int]:
+        """Run the CPU's C++ ops (kernels/cpu_native.py's torch.ops.loom_cpu) from now on:
+        norms with their residual adds, SiLU times up, the rotary embedding with the K/V
+        cache write, and decode attention over the cache in place: (RMSNorm modules, layers)."""
+        norms = self._use_kernels(ops)
+        for layer in self.model.layers:
+            layer.self_attn.cpu_kernels = ops
+        return norms, len(self.model.layers)
+
+    def _use_kernels(self, kernels: Any) -> int:
+        norms = [m for m in self.modules() if isinstance(m, RMSNorm)]
+        for norm in norms:
+            norm.kernels = kernels
+        for layer in self.model.layers:
+            layer.mlp.kernels = kernels
+        return len(norms)
