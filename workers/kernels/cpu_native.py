@@ -1,5 +1,5 @@
-"""cpu_ops.cpp, loomllm's C++ kernels for a decoder layer's small ops on the CPU: compiled once
-per machine into the cache dir at a worker's start, then loaded as torch.ops.loom_cpu.
+"""loomllm's C++ kernels for the CPU (cpu_ops.cpp, cpu_attention.cpp, cpu_stack.cpp): compiled
+once per machine into the cache dir at a worker's start, then loaded as torch.ops.loom_cpu.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from loomllm.workers.device.cpu_features import cpu_identity
 logger = logging.getLogger(__name__)
 _ops: Any | None = None  # torch.ops.loom_cpu, once `load` has loaded it
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / name for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_stack.cpp"))
+HEADERS = (HERE / "cpu_ops.h",)
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
 # "0": run the torch ops instead (the reference the C++ kernels are tested against).
 CPU_KERNELS_ENV = "LOOM_CPU_KERNELS"
@@ -32,8 +34,9 @@ LDFLAGS = ("-fopenmp",)
 
 
 def build_key() -> str:
-    """What the library depends on: its source, torch, the compiler's flags, the CPU."""
-    text = "\0".join([SOURCE.read_text(), torch.__version__, *CFLAGS, *LDFLAGS, cpu_identity()])
+    """What the library depends on: its sources, torch, the compiler's flags, the CPU."""
+    code = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    text = "\0".join([*code, torch.__version__, *CFLAGS, *LDFLAGS, cpu_identity()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -63,7 +66,7 @@ def load(cache_dir: Path) -> Any | None:
         # torch's loader takes a lock in build_dir: two workers starting at once build once.
         cpp_extension.load(
             name=f"loom_cpu_{key}",
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             build_directory=str(build_dir),
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
@@ -71,7 +74,7 @@ def load(cache_dir: Path) -> Any | None:
             verbose=False,
         )
     except Exception as exc:  # a compiler or linker error: run the torch ops instead
-        logger.warning("CPU kernels: torch's ops, slower: building %s failed: %s", SOURCE, exc)
+        logger.warning("CPU kernels: torch's ops, slower: building them failed: %s", exc)
         return None
     logger.info(
         "CPU kernels: loomllm's C++ ops from %s (%.1f s)", build_dir, time.perf_counter() - started

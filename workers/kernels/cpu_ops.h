@@ -1,0 +1,105 @@
+// Shared by loomllm's CPU kernels (cpu_ops.cpp, cpu_attention.cpp, cpu_stack.cpp): the
+// roundings and vector-friendly helpers they compute with, and the ops each defines.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace loom_cpu {
+
+// Values are carried in float between roundings. Rounding to bfloat16 is written out (to
+// nearest even, NaN kept NaN) rather than left to c10::BFloat16's constructor, whose NaN
+// branch stops the compiler from vectorizing the loops around it.
+template <typename T>
+inline float f32(T x) {
+  return static_cast<float>(x);
+}
+
+[[gnu::always_inline]] inline uint32_t bf16_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t even = bits + 0x7fffu + ((bits >> 16) & 1u);
+  return x != x ? 0x7fc00000u : even & 0xffff0000u;
+}
+
+// x rounded to T, as a float.
+template <typename T>
+inline float rounded(float x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const uint32_t bits = bf16_bits(x);
+    float out;
+    std::memcpy(&out, &bits, sizeof out);
+    return out;
+  } else {
+    return x;
+  }
+}
+
+// x rounded to T.
+template <typename T>
+inline T to(float x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return c10::BFloat16(static_cast<uint16_t>(bf16_bits(x) >> 16), c10::BFloat16::from_bits());
+  } else {
+    return x;
+  }
+}
+
+inline void check_dtype(const char* op, const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, op,
+              " takes float32 or bfloat16, got ", t.scalar_type());
+}
+
+template <typename T>
+inline void to_float(const T* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = f32(x[i]);
+}
+
+// expf written to vectorize: 2^n times a polynomial on the remainder, within 2 ulp of expf
+// over [-87, 88.7]; 0 below (expf's denormals), infinity above (as expf).
+[[gnu::always_inline]] inline float fast_exp(float x) {
+  const float clamped = std::min(std::max(x, -87.0f), 88.72283935546875f);
+  // Rounded to the nearest integer by adding and taking away 1.5 * 2^23 (nearbyint is a call).
+  const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (clamped - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) * (1 << 23);
+  std::memcpy(&p, &bits, sizeof bits);
+  return x < -87.0f ? 0.0f : x > 88.72283935546875f ? std::numeric_limits<float>::infinity() : p;
+}
+
+// cpu_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor rotary_into_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                             at::Tensor v_cache, const at::Tensor& slot_mapping);
+
+// cpu_attention.cpp
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& slots,
+                            const at::Tensor& lens, double scale, int64_t window, double softcap,
+                            const std::optional<at::Tensor>& sinks);
+
+}  // namespace loom_cpu
