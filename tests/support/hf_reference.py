@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 def hf_greedy(
@@ -40,3 +44,15 @@ def hf_greedy(
             )
             outputs.append(out[0, len(prompt) :].tolist())
     return outputs
+
+
+def hf_logits(model_dir: Path, tokens: list[int]) -> torch.Tensor:
+    """transformers' own forward over `tokens`, eager attention: [T, V] float32."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0]

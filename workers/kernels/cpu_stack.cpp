@@ -1,8 +1,94 @@
-// The registration of loomllm's CPU ops as torch.ops.loom_cpu.
+// A decode-only step's whole decoder stack in one call on the CPU (loomllm's Llama family), so
+// that no Python runs between its ops; and the registration of every op as torch.ops.loom_cpu.
 
 #include <torch/library.h>
 
 #include "cpu_ops.h"
+
+namespace loom_cpu {
+namespace {
+
+// Which kernel a linear layer runs this step (the Python side picks it for the step's rows):
+// its tensors are (weight, -) for DENSE, (packed, scales and zeros) for INT4, (codes, scales)
+// for INT8; then its bias, if any.
+enum LinearMode : int64_t { DENSE = 0, INT4 = 1, INT8 = 2 };
+constexpr int64_t INT4_GROUP = 32;
+constexpr int64_t TENSORS_PER_LINEAR = 3;
+// A layer: its two norms' weights, then q|k|v, o, gate|up and down.
+constexpr int64_t TENSORS_PER_LAYER = 2 + 4 * TENSORS_PER_LINEAR;
+
+at::Tensor need(const c10::List<std::optional<at::Tensor>>& weights, int64_t i) {
+  const std::optional<at::Tensor> t = weights.get(i);
+  TORCH_CHECK(t.has_value(), "decode_layers: weight ", i, " is missing");
+  return *t;
+}
+
+at::Tensor linear(const at::Tensor& x, int64_t mode,
+                  const c10::List<std::optional<at::Tensor>>& weights, int64_t first) {
+  const at::Tensor a = need(weights, first);
+  const std::optional<at::Tensor> bias = weights.get(first + 2);
+  at::Tensor out;
+  switch (mode) {
+    case DENSE:
+      return at::linear(x, a, bias);
+    case INT4:
+      out = at::_weight_int4pack_mm_for_cpu(x, a, INT4_GROUP, need(weights, first + 1));
+      break;
+    case INT8:
+      out = at::_weight_int8pack_mm(x, a, need(weights, first + 1));
+      break;
+    default:
+      TORCH_CHECK(false, "decode_layers: linear mode ", mode, " is none of 0, 1, 2");
+  }
+  return bias.has_value() ? out.add_(*bias) : out;
+}
+
+}  // namespace
+
+// hidden [T, size]: the step's embeddings, token i decode row i. Each layer as loomllm's
+// DecoderLayer computes it, with the ops of cpu_ops.cpp and cpu_attention.cpp: (the last
+// layer's MLP output, the residual stream before it), whose add the final norm does.
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& hidden_in, const c10::List<std::optional<at::Tensor>>& weights,
+    at::IntArrayRef modes, at::TensorList k_caches, at::TensorList v_caches, double eps,
+    int64_t heads, int64_t kv_heads, int64_t head_dim, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& decode_slots,
+    const at::Tensor& decode_lens, double scale, int64_t window) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(hidden_in.dim() == 2, "decode_layers: hidden ", hidden_in.sizes(), " is not [T, size]");
+  TORCH_CHECK(v_caches.size() == k_caches.size() &&
+                  static_cast<int64_t>(weights.size()) == layers * TENSORS_PER_LAYER &&
+                  static_cast<int64_t>(modes.size()) == layers * 4,
+              "decode_layers: ", layers, " layers' caches, ", weights.size(), " weights and ",
+              modes.size(), " modes");
+  const int64_t tokens = hidden_in.size(0), q_size = heads * head_dim;
+  const int64_t kv_size = kv_heads * head_dim;
+  at::Tensor hidden = hidden_in.contiguous(), residual;
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t w = l * TENSORS_PER_LAYER;
+    const int64_t* mode = modes.data() + l * 4;
+    at::Tensor x;
+    if (l == 0) {
+      residual = hidden;
+      x = rms_norm(hidden, need(weights, w), eps);
+    } else {
+      std::tie(x, residual) = add_rms_norm(hidden, residual, need(weights, w), eps);
+    }
+    const at::Tensor qkv = linear(x, mode[0], weights, w + 2);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
+    const at::Tensor rotated = rotary_into_cache(q, k, v, cos, sin, k_caches[l], v_caches[l], slots);
+    const at::Tensor attended = decode_attention(rotated, k_caches[l], v_caches[l], decode_slots,
+                                                 decode_lens, scale, window, 0.0, std::nullopt);
+    const at::Tensor o = linear(attended.view({tokens, q_size}), mode[1], weights, w + 5);
+    std::tie(x, residual) = add_rms_norm(o, residual, need(weights, w + 1), eps);
+    hidden = linear(silu_mul(linear(x, mode[2], weights, w + 8)), mode[3], weights, w + 11);
+  }
+  return {hidden, residual};
+}
+
+}  // namespace loom_cpu
 
 TORCH_LIBRARY(loom_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -14,6 +100,11 @@ TORCH_LIBRARY(loom_cpu, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, "
       "float scale, int window, float softcap, Tensor? sinks) -> Tensor");
+  m.def(
+      "decode_layers(Tensor hidden, Tensor?[] weights, int[] modes, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, float eps, int heads, int kv_heads, int head_dim, Tensor cos, "
+      "Tensor sin, Tensor slots, Tensor decode_slots, Tensor decode_lens, float scale, "
+      "int window) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
@@ -22,4 +113,5 @@ TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
   m.impl("silu_mul", &loom_cpu::silu_mul);
   m.impl("rotary_into_cache", &loom_cpu::rotary_into_cache);
   m.impl("decode_attention", &loom_cpu::decode_attention);
+  m.impl("decode_layers", &loom_cpu::decode_layers);
 }

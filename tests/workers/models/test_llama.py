@@ -6,7 +6,6 @@ the worker's imports it spares."""
 
 from __future__ import annotations
 
-import collections
 import json
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from support.hf_reference import hf_logits
 from support.kernel_count import decode_layer_launches
 from support.models import COMMON, LLAMA3_ROPE, PROMPT, VARIANTS, save_variant
 from support.paged_forward import paged_logits
@@ -25,8 +25,7 @@ from loomllm.core.scheduler import Scheduler, SchedulerConfig
 from loomllm.protocols.sampling import SamplingParams
 from loomllm.workers.attention import paged as attention
 from loomllm.workers.attention import triton_kernels as ta
-from loomllm.workers.kernels import cpu_native, fused_ops
-from loomllm.workers.models.cpu_kernels import install_cpu_kernels
+from loomllm.workers.kernels import fused_ops
 from loomllm.workers.models.fused_layers import install_fused_ops
 from loomllm.workers.models.llama import config as llama_config
 from loomllm.workers.models.llama import model as llama_family
@@ -43,76 +42,11 @@ def variant_dir(request, tmp_path_factory) -> Path:
     return save_variant(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def hf_logits(model_dir: Path, tokens: list[int]) -> torch.Tensor:
-    """transformers' own forward over `tokens`, eager attention: [T, V] float32."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.inference_mode():
-        return model(torch.tensor([tokens])).logits[0]
-
-
 def test_logits_match_transformers(variant_dir):
     loaded = load_model(str(variant_dir), dtype="float32", model_impl="loom")
     assert isinstance(loaded.model, llama_family.LlamaFamilyForCausalLM)
     ours = paged_logits(loaded.model, loaded.config, PROMPT, "torch")
     torch.testing.assert_close(ours, hf_logits(variant_dir, PROMPT), rtol=1e-4, atol=1e-5)
-
-
-@pytest.fixture
-def cpu_kernels(monkeypatch):
-    """The C++ ops loaded for this test only: `cpu_native.loaded()` is None again after it
-    (the torch backend's decode attention takes them in every model while loaded)."""
-    monkeypatch.setattr(cpu_native, "_ops", None)
-    yield
-    assert cpu_native.loaded() is not None, "the C++ ops did not build"
-
-
-def test_cpu_kernels_match_transformers(variant_dir, cpu_kernels, monkeypatch):
-    """The CPU path's C++ ops (norms, SiLU, rotary with the cache write, decode attention in
-    the cache) in every variant: qwen3's norms of q and k, biases, tied embeddings."""
-    loaded = load_model(str(variant_dir), dtype="float32", model_impl="loom")
-    assert install_cpu_kernels(loaded.model, torch.float32)
-    counting = CountingOps(cpu_native.loaded())
-    loaded.model.use_cpu_kernels(counting)
-    monkeypatch.setattr(cpu_native, "_ops", counting)
-    ours = paged_logits(loaded.model, loaded.config, PROMPT, "torch")
-    torch.testing.assert_close(ours, hf_logits(variant_dir, PROMPT), rtol=1e-4, atol=1e-5)
-    layers = COMMON["num_hidden_layers"]
-    # The prompt's step and one decode step.
-    assert counting.calls["rotary_into_cache"] == counting.calls["silu_mul"] == 2 * layers
-    assert counting.calls["decode_attention"] == layers
-    assert counting.calls["add_rms_norm"] == 2 * (2 * layers - 1 + 1)
-
-
-class CountingOps:
-    """The C++ ops, counting the calls of each."""
-
-    def __init__(self, ops) -> None:
-        self.ops, self.calls = ops, collections.Counter()
-
-    def __getattr__(self, name: str):
-        op = getattr(self.ops, name)
-
-        def counted(*args):
-            self.calls[name] += 1
-            return op(*args)
-
-        return counted
-
-
-@pytest.mark.parametrize("variant", ["llama", "qwen3"])
-def test_cpu_kernels_in_bfloat16_are_transformers_bit_for_bit(variant, tmp_path, cpu_kernels):
-    """bf16, against transformers' model running our paged attention, whose decode rows
-    then take the C++ kernel too: the norms, SiLU and rotary round as transformers' ops."""
-    model_dir = save_variant(tmp_path, variant)
-    ours = load_model(str(model_dir), dtype="bfloat16", model_impl="loom")
-    theirs = load_model(str(model_dir), dtype="bfloat16", model_impl="transformers").model
-    assert install_cpu_kernels(ours.model, torch.bfloat16)
-    attention.route_transformers_model(theirs)
-    expected = paged_logits(theirs, ours.config, PROMPT, "torch", torch.bfloat16)
-    got = paged_logits(ours.model, ours.config, PROMPT, "torch", torch.bfloat16)
-    assert torch.equal(got, expected)
 
 
 def test_a_plain_batched_forward_matches_transformers(variant_dir):

@@ -286,6 +286,8 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
             self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
         # Filled by `build`, in float32 whatever the model's dtype.
         self.register_buffer("inv_freq", torch.empty(shape.head_dim // 2), persistent=False)
+        # On the CPU, with the C++ ops: a decode-only step's layers in one call.
+        self.cpu_stack: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def tie_weights(self) -> None:
         if self.shape.tie_word_embeddings:
@@ -307,9 +309,19 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype)
-        residual = None
-        for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, attn_metadata)
+        meta = attn_metadata
+        if (
+            self.cpu_stack is not None
+            and meta is not None
+            and not meta.prefills
+            and meta.paged is None
+        ):
+            hidden, residual = self.cpu_stack(hidden[0], cos[0], sin[0], meta)
+            hidden, residual = hidden[None], residual[None]
+        else:
+            residual = None
+            for layer in self.model.layers:
+                hidden, residual = layer(hidden, residual, cos, sin, meta)
         if logits_to_keep is not None:  # the norm and lm_head only where a logit is used
             hidden, residual = hidden[:, logits_to_keep], residual[:, logits_to_keep]
         hidden, _ = self.model.norm.add_forward(hidden, residual)
@@ -330,9 +342,13 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         """Run the CPU's C++ ops (kernels/cpu_native.py's torch.ops.loom_cpu) from now on:
         norms with their residual adds, SiLU times up, the rotary embedding with the K/V
         cache write, and decode attention over the cache in place: (RMSNorm modules, layers)."""
+        from loomllm.workers.models.llama.cpu_stack import DecoderStack
+
         norms = self._use_kernels(ops)
         for layer in self.model.layers:
             layer.self_attn.cpu_kernels = ops
+        # Qwen3's norms of q and k are not in the one-call stack: its layers run one by one.
+        self.cpu_stack = None if self.shape.qk_norm else DecoderStack(self, ops)
         return norms, len(self.model.layers)
 
     def _use_kernels(self, kernels: Any) -> int:

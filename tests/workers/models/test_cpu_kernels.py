@@ -1,0 +1,142 @@
+"""loomllm's own model on the CPU's C++ ops (kernels/cpu_native.py, models/cpu_kernels.py):
+logits against transformers' own model, bit for bit in bf16 against transformers' model
+on our paged attention, and the one-call decoder stack of decode-only steps bit for bit
+the layer-by-layer path, with dense, int4 and int8 linears."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from support.hf_reference import hf_logits
+from support.models import COMMON, PROMPT, VARIANTS, make_tiny_model, save_variant
+from support.paged_forward import paged_logits
+from support.runner_driver import drive
+
+from loomllm.core.request import Request
+from loomllm.core.scheduler import Scheduler, SchedulerConfig
+from loomllm.protocols.sampling import SamplingParams
+from loomllm.workers.attention import paged as attention
+from loomllm.workers.kernels import cpu_native
+from loomllm.workers.models.cpu_kernels import install_cpu_kernels
+from loomllm.workers.models.llama import cpu_stack
+from loomllm.workers.models.loader import load_model
+from loomllm.workers.runner.model_runner import ModelRunner
+
+pytestmark = pytest.mark.compute
+LAYERS = COMMON["num_hidden_layers"]
+
+
+@pytest.fixture(autouse=True)
+def cpu_kernels(monkeypatch):
+    """The C++ ops loaded for each test only: `cpu_native.loaded()` is what it was after it
+    (while loaded, the torch backend's decode attention takes them in every model)."""
+    monkeypatch.setattr(cpu_native, "_ops", None)
+    yield
+    assert cpu_native.loaded() is not None, "the C++ ops did not build"
+
+
+class CountingOps:
+    """The C++ ops, counting the calls of each."""
+
+    def __init__(self, ops) -> None:
+        self.ops, self.calls = ops, collections.Counter()
+
+    def __getattr__(self, name: str):
+        op = getattr(self.ops, name)
+
+        def counted(*args):
+            self.calls[name] += 1
+            return op(*args)
+
+        return counted
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers(variant, tmp_path, monkeypatch):
+    """Every variant (qwen3's norms of q and k, biases, tied embeddings, RoPE scalings): the
+    prompt's step layer by layer, the decode step in one call (qwen3's layer by layer)."""
+    model_dir = save_variant(tmp_path, variant)
+    loaded = load_model(str(model_dir), dtype="float32", model_impl="loom")
+    assert install_cpu_kernels(loaded.model, torch.float32)
+    counting = CountingOps(cpu_native.loaded())
+    loaded.model.use_cpu_kernels(counting)
+    monkeypatch.setattr(cpu_native, "_ops", counting)
+    ours = paged_logits(loaded.model, loaded.config, PROMPT, "torch")
+    torch.testing.assert_close(ours, hf_logits(model_dir, PROMPT), rtol=1e-4, atol=1e-5)
+    stacked = not loaded.config.qk_norm
+    assert counting.calls["decode_layers"] == int(stacked)
+    assert counting.calls["rotary_into_cache"] == LAYERS * (1 if stacked else 2)
+    assert counting.calls["decode_attention"] == (0 if stacked else LAYERS)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_bfloat16_logits_are_transformers_bit_for_bit(variant, tmp_path):
+    """bf16, against transformers' model running our paged attention, whose decode rows
+    then take the C++ kernel too: the norms, SiLU and rotary round as transformers' ops."""
+    model_dir = save_variant(tmp_path, variant)
+    ours = load_model(str(model_dir), dtype="bfloat16", model_impl="loom")
+    theirs = load_model(str(model_dir), dtype="bfloat16", model_impl="transformers").model
+    assert install_cpu_kernels(ours.model, torch.bfloat16)
+    attention.route_transformers_model(theirs)
+    expected = paged_logits(theirs, ours.config, PROMPT, "torch", torch.bfloat16)
+    got = paged_logits(ours.model, ours.config, PROMPT, "torch", torch.bfloat16)
+    assert torch.equal(got, expected)
+
+
+def decode_tokens(model, config, dtype) -> dict[str, list[tuple]]:
+    """Five requests of different lengths through a real scheduler and ModelRunner: each
+    one's (tokens, logprobs) per step, over steps of 1 to 5 decode rows."""
+    runner = ModelRunner(
+        model, config, device=torch.device("cpu"), dtype=dtype, block_size=16, num_blocks=40
+    )
+    scheduler = Scheduler(SchedulerConfig(8, 64, 128, 16, runner.num_blocks))
+    for i in range(5):
+        params = SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True)
+        prompt = PROMPT[: 4 + 3 * i]
+        scheduler.add_request(Request(f"r{i}", prompt, params, frozenset(), 128, 0.0))
+    outputs = drive(scheduler, runner, ahead=False)
+    return {r: [(o.new_token_ids, o.new_logprobs) for o in outs] for r, outs in outputs.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
+def test_the_one_call_stack_is_the_layer_by_layer_path(quantization, dtype, tmp_path):
+    """The same ops in the same order: identical tokens and logprobs, the quantized
+    kernels included (each forced, so every step runs it)."""
+    model_dir = make_tiny_model(tmp_path / "model", seed=5)
+    kernel = "auto" if quantization == "none" else quantization
+    name = str(dtype).removeprefix("torch.")
+    loaded = load_model(model_dir, dtype=name, quantization=quantization, cpu_linear_kernel=kernel)
+    assert install_cpu_kernels(loaded.model, dtype)
+    stack = loaded.model.cpu_stack
+    assert stack is not None
+    _, modes = stack.plan(1)
+    expected_mode = {"none": cpu_stack.DENSE, "int4": cpu_stack.INT4, "int8": cpu_stack.INT8}
+    assert set(modes) == {expected_mode[quantization]}
+    stacked = decode_tokens(loaded.model, loaded.config, dtype)
+    loaded.model.cpu_stack = None
+    assert decode_tokens(loaded.model, loaded.config, dtype) == stacked
+    assert all(len(steps) > 5 for steps in stacked.values())
+
+
+def test_bad_stack_input_is_refused(tmp_path):
+    loaded = load_model(make_tiny_model(tmp_path / "model"), dtype="float32")
+    assert install_cpu_kernels(loaded.model, torch.float32)
+    ops = cpu_native.loaded()
+    weights, modes = loaded.model.cpu_stack.plan(1)
+    shape = loaded.config
+    hidden = torch.randn(1, shape.hidden_size)
+    cache = torch.zeros(16, shape.num_key_value_heads, shape.head_dim)
+    layers = shape.num_hidden_layers
+    heads = [shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim]
+    args = [[cache] * layers, [cache] * layers, 1e-5, *heads, torch.ones(1, shape.head_dim)]
+    rest = [torch.zeros(1, shape.head_dim), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.long)]
+    lens = [torch.tensor([1]), 0.25, 0]
+    with pytest.raises(RuntimeError, match="linear mode 7 is none of 0, 1, 2"):
+        ops.decode_layers(hidden, weights, [7] + modes[1:], *args, *rest, *lens)
+    with pytest.raises(RuntimeError, match="weight 0 is missing"):
+        ops.decode_layers(hidden, [None] + weights[1:], modes, *args, *rest, *lens)
+    with pytest.raises(RuntimeError, match="1 layers' caches"):
+        ops.decode_layers(hidden, weights, modes, [cache], [cache], *args[2:], *rest, *lens)

@@ -1,0 +1,78 @@
+"""A decode-only step's decoder layers in one call to the C++ ops on the CPU (cpu_stack.cpp):
+the kernels each linear layer runs at the step's batch size, laid out as that call takes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from loomllm.workers.kernels import cpu_kernel_choice
+
+DENSE, INT4, INT8 = 0, 1, 2  # cpu_stack.cpp's LinearMode
+
+
+def linear_args(linear: torch.nn.Linear, rows: int) -> tuple[int, list[torch.Tensor | None]]:
+    """(mode, its three tensors) of the kernel `linear` runs on `rows` rows, as its forward
+    picks it (models/quantization.py's QuantizedKernels, or the dense weight)."""
+    kernels = getattr(linear, "kernels", None)
+    if kernels is not None:
+        kind = kernels.choice[cpu_kernel_choice.batch_index(rows)]
+        if kind == "int4" and kernels.int4 is not None:
+            return INT4, [kernels.int4.packed, kernels.int4.scale_zero, linear.bias]
+        if kind == "int8" and kernels.int8 is not None:
+            return INT8, [kernels.int8.codes, kernels.int8.scale, linear.bias]
+    return DENSE, [linear.weight, None, linear.bias]
+
+
+class DecoderStack:
+    """The layers' tensors and kernel modes for each calibrated batch size, built on first
+    use (the weights never change once loaded)."""
+
+    def __init__(self, model: torch.nn.Module, ops: Any) -> None:
+        self.layers = model.model.layers
+        self.shape = model.shape
+        self.ops = ops
+        self._plans: dict[int, tuple[list[torch.Tensor | None], list[int]]] = {}
+
+    def plan(self, rows: int) -> tuple[list[torch.Tensor | None], list[int]]:
+        index = cpu_kernel_choice.batch_index(rows)
+        if index not in self._plans:
+            weights: list[torch.Tensor | None] = []
+            modes: list[int] = []
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+                for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                    mode, tensors = linear_args(linear, rows)
+                    modes.append(mode)
+                    weights += tensors
+            self._plans[index] = (weights, modes)
+        return self._plans[index]
+
+    def __call__(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's MLP output, the residual before it), [T, size] each, of the
+        step's embeddings `hidden` [T, size] and rotary cos, sin [T, D]."""
+        shape = self.shape
+        weights, modes = self.plan(hidden.shape[0])
+        return self.ops.decode_layers(
+            hidden,
+            weights,
+            modes,
+            [k for k, _ in meta.kv_caches],
+            [v for _, v in meta.kv_caches],
+            shape.rms_norm_eps,
+            shape.num_attention_heads,
+            shape.num_key_value_heads,
+            shape.head_dim,
+            cos,
+            sin,
+            meta.slot_mapping,
+            meta.decode_slots,
+            meta.decode_lens,
+            shape.head_dim**-0.5,
+            shape.sliding_window or 0,
+        )
