@@ -4,6 +4,7 @@ once per machine into the cache dir at a worker's start, then loaded as torch.op
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -25,6 +26,7 @@ HEADERS = (HERE / "cpu_ops.h",)
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
 # "0": run the torch ops instead (the reference the C++ kernels are tested against).
 CPU_KERNELS_ENV = "LOOM_CPU_KERNELS"
+COMPLETE = "complete"  # written in a build's directory once its library has loaded
 # Compiled for this CPU's own instruction set; no FMA contraction, so that the rotary
 # embedding and the norms round exactly as torch's separate multiplies and adds. OpenMP, or
 # at::parallel_for runs on one thread (the process has torch's libgomp.so.1 loaded already,
@@ -56,31 +58,67 @@ def load(cache_dir: Path) -> Any | None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         logger.warning("CPU kernels: torch's ops, slower: no C++ compiler (c++ or $CXX) found")
         return None
-    from torch.utils import cpp_extension  # a big import, for CPU workers only
-
     key = build_key()
     build_dir = cache_dir / "cpu_ops" / key
     started = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        # torch's loader takes a lock in build_dir: two workers starting at once build once.
-        cpp_extension.load(
-            name=f"loom_cpu_{key}",
-            sources=[str(path) for path in SOURCES],
-            build_directory=str(build_dir),
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # a compiler or linker error: run the torch ops instead
-        logger.warning("CPU kernels: torch's ops, slower: building them failed: %s", exc)
+        lock = open(build_dir.with_suffix(".lock"), "w")  # closed by the `with` below
+    except OSError as exc:
+        logger.warning("CPU kernels: torch's ops, slower: %s is unusable: %s", build_dir, exc)
         return None
+    with lock:
+        # One process builds at a time, under a lock the kernel drops when its holder dies.
+        # torch's own lock file would stay behind a worker killed mid-build and stall every
+        # later build, so one found while we hold ours is such a leftover.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        library = build_dir / f"loom_cpu_{key}.so"
+        if library.exists() and not _marked_complete(build_dir, library):
+            # A build cut short (a worker killed while linking) can leave a truncated library
+            # that looks up to date, and loading it kills the process: build from nothing.
+            logger.info("CPU kernels: %s was not finished; building it again", build_dir)
+            shutil.rmtree(build_dir, ignore_errors=True)
+            build_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            _build(build_dir, key)
+        except Exception as exc:  # a compiler, linker or loader error
+            logger.warning("CPU kernels: torch's ops, slower: building them failed: %s", exc)
+            return None
+        (build_dir / COMPLETE).write_text(_stamp(library))
     logger.info(
         "CPU kernels: loomllm's C++ ops from %s (%.1f s)", build_dir, time.perf_counter() - started
     )
     _ops = torch.ops.loom_cpu
     return _ops
+
+
+def _build(build_dir: Path, key: str) -> None:
+    """Compile what changed since the last build in `build_dir` (nothing, mostly) and load it."""
+    from torch.utils import cpp_extension  # a big import, for CPU workers only
+
+    cpp_extension.load(
+        name=f"loom_cpu_{key}",
+        sources=[str(path) for path in SOURCES],
+        build_directory=str(build_dir),
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def _stamp(library: Path) -> str:
+    info = library.stat()
+    return f"{info.st_size} {info.st_mtime_ns}"
+
+
+def _marked_complete(build_dir: Path, library: Path) -> bool:
+    """Whether the library is the one a finished build loaded."""
+    try:
+        return (build_dir / COMPLETE).read_text() == _stamp(library)
+    except OSError:
+        return False
 
 
 def loaded() -> Any | None:

@@ -5,6 +5,9 @@ reference, clear errors for bad input, and the loader's settings."""
 from __future__ import annotations
 
 import logging
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -204,3 +207,29 @@ def test_the_setting_turns_them_off_and_a_failed_build_is_logged(
         assert cpu_native.load(tmp_path) is None
     assert "building them failed" in caplog.text
     assert cpu_native.loaded() is None
+
+
+def test_a_build_cut_short_by_a_killed_worker_is_redone(ops, tmp_path):
+    """torch's lock file left in the build dir (which would stall every later build) and a
+    truncated library not marked complete (loading it would kill the process): the next
+    start builds again. In a fresh process: one process holds one build of the ops."""
+    key = cpu_native.build_key()
+    copy = tmp_path / "cpu_ops" / key
+    shutil.copytree(cache_root() / "cpu_ops" / key, copy)  # modification times kept
+    (copy / "lock").write_text("")
+    library = next(copy.glob("*.so"))
+    library.write_bytes(library.read_bytes()[:4096])
+    (copy / cpu_native.COMPLETE).unlink()
+    code = (
+        "import sys, torch; from pathlib import Path; "
+        "from loomllm.workers.kernels import cpu_native; "
+        "ops = cpu_native.load(Path(sys.argv[1])); "
+        "print(ops.silu_mul(torch.zeros(1, 2)).tolist())"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[[0.0]]"
+    assert not (copy / "lock").exists()
+    assert (copy / cpu_native.COMPLETE).read_text() == cpu_native._stamp(library)
