@@ -121,6 +121,22 @@ def test_the_one_call_stack_is_the_layer_by_layer_path(quantization, dtype, tmp_
     assert all(len(steps) > 5 for steps in stacked.values())
 
 
+def test_sixteen_bit_weights_under_float32_run_layer_by_layer(tmp_path):
+    """weight_dtype's layers compute in their own way: not in the stack, and the C++ ops
+    around them give torch's ops' logits."""
+    model_dir = make_tiny_model(tmp_path / "model", seed=6)
+    loaded = load_model(model_dir, dtype="float32", weight_dtype="bfloat16")
+    assert install_cpu_kernels(loaded.model, torch.float32)
+    assert loaded.model.cpu_stack is None
+    with_ops = paged_logits(loaded.model, loaded.config, PROMPT, "torch")
+    ops = cpu_native.loaded()
+    loaded.model.use_cpu_kernels(None)
+    cpu_native.use(None)
+    without = paged_logits(loaded.model, loaded.config, PROMPT, "torch")
+    cpu_native.use(ops)
+    torch.testing.assert_close(with_ops, without, rtol=1e-4, atol=1e-5)
+
+
 def test_bad_stack_input_is_refused(tmp_path):
     loaded = load_model(make_tiny_model(tmp_path / "model"), dtype="float32")
     assert install_cpu_kernels(loaded.model, torch.float32)

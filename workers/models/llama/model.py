@@ -211,7 +211,8 @@ class MLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The skinny kernel computes the activation in its epilogue.
-        if self.kernels is not None and self.gate_up_proj.runs_skinny(x):
+        skinny = isinstance(self.gate_up_proj, Linear) and self.gate_up_proj.runs_skinny(x)
+        if self.kernels is not None and skinny:
             from loomllm.workers.kernels.skinny_matmul import skinny_silu_linear
 
             weight, bias = self.gate_up_proj.weight, self.gate_up_proj.bias
@@ -338,17 +339,22 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
             layer.self_attn.fused_rotary = head_dim >= 2 and head_dim & (head_dim - 1) == 0
         return norms, len(self.model.layers)
 
-    def use_cpu_kernels(self, ops: Any) -> tuple[int, int]:
+    def use_cpu_kernels(self, ops: Any | None) -> tuple[int, int]:
         """Run the CPU's C++ ops (kernels/cpu_native.py's torch.ops.loom_cpu) from now on:
         norms with their residual adds, SiLU times up, the rotary embedding with the K/V
-        cache write, and decode attention over the cache in place: (RMSNorm modules, layers)."""
+        cache write, and decode attention over the cache in place; a decode-only step's
+        layers in one call. None: torch's ops again. (RMSNorm modules, layers)."""
         from loomllm.workers.models.llama.cpu_stack import DecoderStack
 
         norms = self._use_kernels(ops)
         for layer in self.model.layers:
             layer.self_attn.cpu_kernels = ops
-        # Qwen3's norms of q and k are not in the one-call stack: its layers run one by one.
-        self.cpu_stack = None if self.shape.qk_norm else DecoderStack(self, ops)
+        # Qwen3's norms of q and k are not in the one-call stack, nor 16-bit weights under a
+        # float32 model (weight_dtype's HalfWeightLinear): their layers run one by one.
+        linears = [m for m in self.model.layers.modules() if hasattr(m, "in_features")]
+        stacked = ops is not None and not self.shape.qk_norm
+        stacked = stacked and all(isinstance(m, Linear) for m in linears)
+        self.cpu_stack = DecoderStack(self, ops) if stacked else None
         return norms, len(self.model.layers)
 
     def _use_kernels(self, kernels: Any) -> int:
