@@ -127,6 +127,7 @@ BENCHMARKS = {
     "decode-attention": "loomllm.benchmarks.decode_attention",
     "moe": "loomllm.benchmarks.moe",
     "eager-step": "loomllm.benchmarks.eager_step",
+    "cpu-step": "loomllm.benchmarks.cpu_step",
     "broadcast": "loomllm.benchmarks.step_broadcast",
     "compile": "loomllm.benchmarks.kernel_compile",
     "emulated": "loomllm.benchmarks.emulated_device",

@@ -361,6 +361,21 @@ def test_eager_step_benchmark_prints_both_models_and_the_ratio() -> None:
     assert re.search(r"^transformers / loom, median step: \d+\.\d\d$", done.stdout, re.M)
 
 
+def test_cpu_step_benchmark_prints_each_way_beside_the_linears() -> None:
+    done = loom(
+        "bench", "cpu-step", "--batch-sizes", "1,3", "--steps", "2", "--rounds", "1",
+        "--context", "4", timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    for batch in (1, 3):
+        row = rf"^\| {batch} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| x\d+\.\d\d \| -?[\d.]+ \|$"
+        assert re.search(row, done.stdout, re.M), done.stdout
+    with pytest.raises(SystemExit):
+        from loomllm.benchmarks.cpu_step import main
+
+        main(["--steps", "0"])
+
+
 def test_decode_profile_sorts_kernels_by_kind_and_refuses_unknown_runs() -> None:
     from loomllm.benchmarks.decode_profile import kernel_kind
 

@@ -124,3 +124,10 @@ def _marked_complete(build_dir: Path, library: Path) -> bool:
 def loaded() -> Any | None:
     """torch.ops.loom_cpu where `load` has loaded it in this process, else None."""
     return _ops
+
+
+def use(ops: Any | None) -> None:
+    """Make `loaded()` these ops, or None: what the torch backend's decode attention takes in
+    this process (benchmarks compare the two)."""
+    global _ops
+    _ops = ops
