@@ -63,7 +63,11 @@ ALLOWED: dict[str, set[str]] = {
     "loomllm.workers.device": set(),
     "loomllm.workers.kernels": {"loomllm.workers.device"},
     "loomllm.workers.attention": {"loomllm.workers.device", "loomllm.workers.kernels"},
-    "loomllm.workers.sample": {"loomllm.protocols", "loomllm.workers.device"},
+    "loomllm.workers.sample": {
+        "loomllm.protocols",
+        "loomllm.workers.device",
+        "loomllm.workers.kernels",
+    },
     "loomllm.workers.models.llama": {"loomllm.workers.attention", "loomllm.workers.kernels"},
     "loomllm.workers.models": {
         "loomllm.workers.device",

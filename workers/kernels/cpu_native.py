@@ -1,5 +1,6 @@
-"""loomllm's C++ kernels for the CPU (cpu_ops.cpp, cpu_attention.cpp, cpu_stack.cpp): compiled
-once per machine into the cache dir at a worker's start, then loaded as torch.ops.loom_cpu.
+"""loomllm's C++ kernels for the CPU (cpu_ops.cpp, cpu_attention.cpp, cpu_sample.cpp,
+cpu_stack.cpp): compiled once per machine into the cache dir at a worker's start, then
+loaded as torch.ops.loom_cpu.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ logger = logging.getLogger(__name__)
 _ops: Any | None = None  # torch.ops.loom_cpu, once `load` has loaded it
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / name for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_stack.cpp"))
+SOURCES = tuple(
+    HERE / name
+    for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_sample.cpp", "cpu_stack.cpp")
+)
 HEADERS = (HERE / "cpu_ops.h",)
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
 # "0": run the torch ops instead (the reference the C++ kernels are tested against).

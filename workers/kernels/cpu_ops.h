@@ -1,5 +1,6 @@
-// Shared by loomllm's CPU kernels (cpu_ops.cpp, cpu_attention.cpp, cpu_stack.cpp): the
-// roundings and vector-friendly helpers they compute with, and the ops each defines.
+// Shared by loomllm's CPU kernels (cpu_ops.cpp, cpu_attention.cpp, cpu_sample.cpp,
+// cpu_stack.cpp): the roundings and vector-friendly helpers they compute with, and the ops
+// each defines.
 
 #pragma once
 
@@ -101,5 +102,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slots,
                             const at::Tensor& lens, double scale, int64_t window, double softcap,
                             const std::optional<at::Tensor>& sinks);
+
+// cpu_sample.cpp
+std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits);
 
 }  // namespace loom_cpu

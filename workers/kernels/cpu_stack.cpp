@@ -105,6 +105,7 @@ TORCH_LIBRARY(loom_cpu, m) {
       "Tensor(b!)[] v_caches, float eps, int heads, int kv_heads, int head_dim, Tensor cos, "
       "Tensor sin, Tensor slots, Tensor decode_slots, Tensor decode_lens, float scale, "
       "int window) -> (Tensor, Tensor)");
+  m.def("greedy_sample(Tensor logits) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
@@ -114,4 +115,5 @@ TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
   m.impl("rotary_into_cache", &loom_cpu::rotary_into_cache);
   m.impl("decode_attention", &loom_cpu::decode_attention);
   m.impl("decode_layers", &loom_cpu::decode_layers);
+  m.impl("greedy_sample", &loom_cpu::greedy_sample);
 }

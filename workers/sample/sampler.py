@@ -10,6 +10,7 @@ import torch
 from loomllm.protocols.messages import PromptLogprobs
 from loomllm.protocols.sampling import SamplingParams
 from loomllm.workers.device.transfer import device_tensor, to_device
+from loomllm.workers.kernels import cpu_native
 from loomllm.workers.sample.structured_output import apply_bitmask
 from loomllm.workers.sample.token_filters import TokenFilters, apply_allowed, apply_bias
 
@@ -146,6 +147,13 @@ def _seeded_generator(seed: int, device: torch.device) -> torch.Generator:
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     """Sample one token per row of `logits` [B, V] (any float dtype; computed in float32)."""
+    ops = cpu_native.loaded()
+    if ops is not None and _plain_greedy(meta) and logits.device.type == "cpu":
+        if logits.dtype in cpu_native.DTYPES:
+            # The C++ kernel: two passes over each row, no float32 copy.
+            sampled, logprobs = ops.greedy_sample(logits)
+            rows = [None] * len(meta.num_logprobs)
+            return SamplerOutput(sampled, logprobs, list(rows), list(rows), None)
     raw = logits.float()  # [B, V]; never modified in place (may be the caller's tensor)
     lse = torch.logsumexp(raw, dim=-1)  # [B]
     x = apply_token_filters(raw, meta)  # [B, V]
@@ -162,6 +170,19 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     logprobs = raw.gather(1, sampled[:, None])[:, 0] - lse  # [B]
     top_ids, top_lps = _top_logprobs(raw, lse, meta.num_logprobs)
     return SamplerOutput(sampled, logprobs, top_ids, top_lps, stuck)
+
+
+def _plain_greedy(meta: SamplingMetadata) -> bool:
+    """Whether every row takes the largest raw logit: greedy, and nothing that changes the
+    logits or asks for more than the sampled token's logprob."""
+    return (
+        meta.is_all_greedy
+        and not meta.has_penalties
+        and meta.token_bitmask is None
+        and not any(meta.banned_token_ids)
+        and all(f is None for f in meta.token_filters)
+        and all(k is None for k in meta.num_logprobs)
+    )
 
 
 def apply_token_filters(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -233,3 +233,59 @@ def test_a_build_cut_short_by_a_killed_worker_is_redone(ops, tmp_path):
     assert run.stdout.strip() == "[[0.0]]"
     assert not (copy / "lock").exists()
     assert (copy / cpu_native.COMPLETE).read_text() == cpu_native._stamp(library)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_sample_is_argmax_and_log_softmax(ops, dtype):
+    """Ties go to the first id (as torch.argmax), a row of -inf to id 0, a NaN is the pick."""
+    torch.manual_seed(1)
+    logits = (torch.randn(6, 49157) * 3).to(dtype)
+    logits[1, 7] = logits[1, 40000] = logits[1].max() + 1  # a tie
+    logits[2] = float("-inf")
+    logits[3, 11] = float("nan")
+    logits[4, -1] = logits[4].max() + 1  # the largest in the tail past the last 16
+    ids, logprobs = ops.greedy_sample(logits)
+    raw = logits.float()
+    assert ids.tolist() == raw.argmax(-1).tolist()
+    assert ids[1] == 7 and ids[3] == 11
+    expected = raw.log_softmax(-1).gather(1, ids[:, None])[:, 0]
+    finite = torch.tensor([True, True, False, False, True, True])
+    torch.testing.assert_close(logprobs[finite], expected[finite], rtol=1e-5, atol=1e-5)
+    assert logprobs[3].isnan()
+
+
+def test_the_sampler_takes_the_kernel_for_plain_greedy_rows_only(ops, monkeypatch):
+    from loomllm.protocols.sampling import SamplingParams
+    from loomllm.workers.sample import sampler
+
+    torch.manual_seed(2)
+    logits = torch.randn(3, 500).bfloat16()
+    calls = []
+    monkeypatch.setattr(cpu_native, "_ops", CountingGreedy(ops, calls))
+
+    def meta(**options):
+        params = [SamplingParams(temperature=0.0, **options)] * 3
+        return sampler.SamplingMetadata.from_params(params, [0] * 3, [[1]] * 3, [[2]] * 3, [[]] * 3)
+
+    fast = sampler.sample(logits, meta())
+    assert calls == [1]
+    monkeypatch.setattr(cpu_native, "_ops", None)
+    slow = sampler.sample(logits, meta())
+    assert torch.equal(fast.sampled_token_ids, slow.sampled_token_ids)
+    torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=1e-5, atol=1e-5)
+    assert fast.top_token_ids == slow.top_token_ids == [None] * 3
+    monkeypatch.setattr(cpu_native, "_ops", CountingGreedy(ops, calls))
+    for options in ({"logprobs": 2}, {"repetition_penalty": 1.5}, {"logit_bias": {3: 5.0}}):
+        sampler.sample(logits, meta(**options))
+    assert calls == [1]
+
+
+class CountingGreedy:
+    """The C++ ops, noting each greedy_sample call."""
+
+    def __init__(self, ops, calls: list[int]) -> None:
+        self.ops, self.calls = ops, calls
+
+    def greedy_sample(self, logits):
+        self.calls.append(1)
+        return self.ops.greedy_sample(logits)
