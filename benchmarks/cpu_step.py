@@ -42,8 +42,10 @@ def main(argv: list[str] | None = None) -> None:
         f"({cpu_supports_bf16()[1]}), {torch.get_num_threads()} threads, "
         f"{args.context}-token contexts, median of {args.rounds} rounds of {args.steps} steps"
     )
-    print("\n| batch | " + " | ".join(f"{m}, ms" for m in MODES) + " | linears alone, ms "
-          "| torch ops / C++ stack | C++ stack beyond its linears, ms |")
+    print(
+        "\n| batch | " + " | ".join(f"{m}, ms" for m in MODES) + " | linears alone, ms "
+        "| torch ops / C++ stack | C++ stack beyond its linears, ms |"
+    )
     print("|---|" + "---|" * (len(MODES) + 3))
     for batch in batch_sizes:
         times: dict[str, list[float]] = {mode: [] for mode in MODES}

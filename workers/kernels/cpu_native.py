@@ -23,8 +23,7 @@ _ops: Any | None = None  # torch.ops.loom_cpu, once `load` has loaded it
 
 HERE = Path(__file__).parent
 SOURCES = tuple(
-    HERE / name
-    for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_sample.cpp", "cpu_stack.cpp")
+    HERE / name for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_sample.cpp", "cpu_stack.cpp")
 )
 HEADERS = (HERE / "cpu_ops.h",)
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
