@@ -14,8 +14,10 @@ namespace {
 enum LinearMode : int64_t { DENSE = 0, INT4 = 1, INT8 = 2 };
 constexpr int64_t INT4_GROUP = 32;
 constexpr int64_t TENSORS_PER_LINEAR = 3;
-// A layer: its two norms' weights, then q|k|v, o, gate|up and down.
-constexpr int64_t TENSORS_PER_LAYER = 2 + 4 * TENSORS_PER_LINEAR;
+// A layer: its two norms' weights, q's and k's norms' (Qwen3; else none), then q|k|v, o,
+// gate|up and down.
+constexpr int64_t NORMS = 4;
+constexpr int64_t TENSORS_PER_LAYER = NORMS + 4 * TENSORS_PER_LINEAR;
 
 at::Tensor need(const c10::List<std::optional<at::Tensor>>& weights, int64_t i) {
   const std::optional<at::Tensor> t = weights.get(i);
@@ -74,16 +76,22 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     } else {
       std::tie(x, residual) = add_rms_norm(hidden, residual, need(weights, w), eps);
     }
-    const at::Tensor qkv = linear(x, mode[0], weights, w + 2);
-    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
-    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
+    const at::Tensor qkv = linear(x, mode[0], weights, w + NORMS);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
+    if (weights.get(w + 2).has_value()) {  // Qwen3: an RMSNorm over each head of q and k
+      q = rms_norm(q, need(weights, w + 2), eps);
+      k = rms_norm(k, need(weights, w + 3), eps);
+    }
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
     const at::Tensor rotated = rotary_into_cache(q, k, v, cos, sin, k_caches[l], v_caches[l], slots);
     const at::Tensor attended = decode_attention(rotated, k_caches[l], v_caches[l], decode_slots,
                                                  decode_lens, scale, window, 0.0, std::nullopt);
-    const at::Tensor o = linear(attended.view({tokens, q_size}), mode[1], weights, w + 5);
+    const at::Tensor o =
+        linear(attended.view({tokens, q_size}), mode[1], weights, w + NORMS + TENSORS_PER_LINEAR);
     std::tie(x, residual) = add_rms_norm(o, residual, need(weights, w + 1), eps);
-    hidden = linear(silu_mul(linear(x, mode[2], weights, w + 8)), mode[3], weights, w + 11);
+    const at::Tensor gate_up = linear(x, mode[2], weights, w + NORMS + 2 * TENSORS_PER_LINEAR);
+    hidden = linear(silu_mul(gate_up), mode[3], weights, w + NORMS + 3 * TENSORS_PER_LINEAR);
   }
   return {hidden, residual};
 }

@@ -56,7 +56,7 @@ class CountingOps:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_match_transformers(variant, tmp_path, monkeypatch):
     """Every variant (qwen3's norms of q and k, biases, tied embeddings, RoPE scalings): the
-    prompt's step layer by layer, the decode step in one call (qwen3's layer by layer)."""
+    prompt's step layer by layer, the decode step in one call."""
     model_dir = save_variant(tmp_path, variant)
     loaded = load_model(str(model_dir), dtype="float32", model_impl="loom")
     assert install_cpu_kernels(loaded.model, torch.float32)
@@ -65,10 +65,9 @@ def test_logits_match_transformers(variant, tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_native, "_ops", counting)
     ours = paged_logits(loaded.model, loaded.config, PROMPT, "torch")
     torch.testing.assert_close(ours, hf_logits(model_dir, PROMPT), rtol=1e-4, atol=1e-5)
-    stacked = not loaded.config.qk_norm
-    assert counting.calls["decode_layers"] == int(stacked)
-    assert counting.calls["rotary_into_cache"] == LAYERS * (1 if stacked else 2)
-    assert counting.calls["decode_attention"] == (0 if stacked else LAYERS)
+    assert counting.calls["decode_layers"] == 1
+    assert counting.calls["rotary_into_cache"] == LAYERS
+    assert counting.calls["decode_attention"] == 0
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])
@@ -101,11 +100,14 @@ def decode_tokens(model, config, dtype) -> dict[str, list[tuple]]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
-def test_the_one_call_stack_is_the_layer_by_layer_path(quantization, dtype, tmp_path):
+@pytest.mark.parametrize(
+    "arch, quantization",
+    [("llama", "none"), ("llama", "int4"), ("llama", "int8"), ("qwen3", "none")],
+)
+def test_the_one_call_stack_is_the_layer_by_layer_path(arch, quantization, dtype, tmp_path):
     """The same ops in the same order: identical tokens and logprobs, the quantized
-    kernels included (each forced, so every step runs it)."""
-    model_dir = make_tiny_model(tmp_path / "model", seed=5)
+    kernels included (each forced, so every step runs it), and Qwen3's norms of q and k."""
+    model_dir = make_tiny_model(tmp_path / "model", arch, seed=5)
     kernel = "auto" if quantization == "none" else quantization
     name = str(dtype).removeprefix("torch.")
     loaded = load_model(model_dir, dtype=name, quantization=quantization, cpu_linear_kernel=kernel)

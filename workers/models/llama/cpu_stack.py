@@ -44,6 +44,10 @@ class DecoderStack:
             for layer in self.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+                if self.shape.qk_norm:
+                    weights += [attn.q_norm.weight, attn.k_norm.weight]
+                else:
+                    weights += [None, None]
                 for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                     mode, tensors = linear_args(linear, rows)
                     modes.append(mode)

@@ -349,11 +349,10 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         norms = self._use_kernels(ops)
         for layer in self.model.layers:
             layer.self_attn.cpu_kernels = ops
-        # Qwen3's norms of q and k are not in the one-call stack, nor 16-bit weights under a
-        # float32 model (weight_dtype's HalfWeightLinear): their layers run one by one.
+        # 16-bit weights under a float32 model (weight_dtype's HalfWeightLinear) are not in
+        # the one-call stack: their layers run one by one.
         linears = [m for m in self.model.layers.modules() if hasattr(m, "in_features")]
-        stacked = ops is not None and not self.shape.qk_norm
-        stacked = stacked and all(isinstance(m, Linear) for m in linears)
+        stacked = ops is not None and all(isinstance(m, Linear) for m in linears)
         self.cpu_stack = DecoderStack(self, ops) if stacked else None
         return norms, len(self.model.layers)
 
