@@ -7,27 +7,6 @@ namespace loom_cpu {
 
 // ---- Decode attention over the paged cache -------------------------------------------------
 
-// The sum of 16 partial sums as a tree, which the compiler turns into vector shuffles.
-inline float tree_sum(float* part) {
-  for (int u = 0; u < 8; ++u) part[u] += part[u + 8];
-  for (int u = 0; u < 4; ++u) part[u] += part[u + 4];
-  return (part[0] + part[2]) + (part[1] + part[3]);
-}
-
-// Sixteen floats as one vector (two or four registers where the CPU's are narrower), for
-// the horizontal sum the compiler leaves scalar when written over an array.
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-inline float horizontal_sum(v16 v) {
-  const v8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) +
-                __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
 inline float dot(const float* a, const float* b, int64_t n) {
   v16 acc = {};
   int64_t i = 0;
@@ -39,17 +18,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   }
   float sum = horizontal_sum(acc);
   for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-inline float sum_of(const float* a, int64_t n) {
-  float part[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    for (int u = 0; u < 16; ++u) part[u] += a[i + u];
-  }
-  float sum = tree_sum(part);
-  for (; i < n; ++i) sum += a[i];
   return sum;
 }
 

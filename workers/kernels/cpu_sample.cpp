@@ -65,14 +65,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits_in) {
         const int64_t id = first_argmax(row.data(), vocab);
         const float top = row[id];
         for (int64_t i = 0; i < vocab; ++i) row[i] = fast_exp(row[i] - top);
-        float part[16] = {0};
-        int64_t i = 0;
-        for (; i + 16 <= vocab; i += 16) {
-          for (int u = 0; u < 16; ++u) part[u] += row[i + u];
-        }
-        float sum = 0;
-        for (int u = 0; u < 16; ++u) sum += part[u];
-        for (; i < vocab; ++i) sum += row[i];
+        const float sum = sum_of(row.data(), vocab);
         ip[r] = id;
         lp[r] = -std::log(sum);
         if (std::isnan(sum)) {  // a NaN logit is torch.argmax's pick, and the logprob NaN
