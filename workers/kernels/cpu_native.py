@@ -100,6 +100,8 @@ def _build(build_dir: Path, key: str) -> None:
     """Compile what changed since the last build in `build_dir` (nothing, mostly) and load it."""
     from torch.utils import cpp_extension  # a big import, for CPU workers only
 
+    ninja_on_path()
+
     cpp_extension.load(
         name=f"loom_cpu_{key}",
         sources=[str(path) for path in SOURCES],
@@ -109,6 +111,18 @@ def _build(build_dir: Path, key: str) -> None:
         is_python_module=False,
         verbose=False,
     )
+
+
+def ninja_on_path() -> None:
+    """torch's loader runs `ninja` from PATH, which lacks the venv's bin (where the ninja
+    package puts it) when Python is run by its path without activating the venv: add it."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # the build fails, naming ninja, and the worker runs torch's ops
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
 def _stamp(library: Path) -> str:

@@ -8,6 +8,7 @@ import logging
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,3 +290,11 @@ class CountingGreedy:
     def greedy_sample(self, logits):
         self.calls.append(1)
         return self.ops.greedy_sample(logits)
+
+
+def test_the_ninja_package_is_found_without_the_venv_on_path(monkeypatch, tmp_path):
+    import ninja
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    cpu_native.ninja_on_path()
+    assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
