@@ -83,6 +83,8 @@ def load(cache_dir: Path) -> Any | None:
             logger.info("CPU kernels: %s was not finished; building it again", build_dir)
             shutil.rmtree(build_dir, ignore_errors=True)
             build_dir.mkdir(parents=True, exist_ok=True)
+        if not library.exists():
+            logger.info("CPU kernels: compiling them for this machine, once (10-20 s)")
         try:
             _build(build_dir, key)
         except Exception as exc:  # a compiler, linker or loader error
