@@ -148,12 +148,12 @@ def _seeded_generator(seed: int, device: torch.device) -> torch.Generator:
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     """Sample one token per row of `logits` [B, V] (any float dtype; computed in float32)."""
     ops = cpu_native.loaded()
-    if ops is not None and _plain_greedy(meta) and logits.device.type == "cpu":
-        if logits.dtype in cpu_native.DTYPES:
-            # The C++ kernel: two passes over each row, no float32 copy.
-            sampled, logprobs = ops.greedy_sample(logits)
-            rows = [None] * len(meta.num_logprobs)
-            return SamplerOutput(sampled, logprobs, list(rows), list(rows), None)
+    on_cpu = logits.device.type == "cpu" and logits.dtype in cpu_native.DTYPES
+    if ops is not None and on_cpu and _plain_greedy(meta):
+        # The C++ kernel: two passes over each row, no float32 copy.
+        sampled, logprobs = ops.greedy_sample(logits)
+        rows = [None] * len(meta.num_logprobs)
+        return SamplerOutput(sampled, logprobs, list(rows), list(rows), None)
     raw = logits.float()  # [B, V]; never modified in place (may be the caller's tensor)
     lse = torch.logsumexp(raw, dim=-1)  # [B]
     x = apply_token_filters(raw, meta)  # [B, V]

@@ -211,13 +211,16 @@ class MLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The skinny kernel computes the activation in its epilogue.
-        skinny = isinstance(self.gate_up_proj, Linear) and self.gate_up_proj.runs_skinny(x)
-        if self.kernels is not None and skinny:
+        gate_up_proj = self.gate_up_proj
+        if (
+            self.kernels is not None
+            and isinstance(gate_up_proj, Linear)  # not weight_dtype's HalfWeightLinear
+            and gate_up_proj.runs_skinny(x)
+        ):
             from loomllm.workers.kernels.skinny_matmul import skinny_silu_linear
 
-            weight, bias = self.gate_up_proj.weight, self.gate_up_proj.bias
-            return self.down_proj(skinny_silu_linear(x, weight, bias))
-        gate_up = self.gate_up_proj(x)
+            return self.down_proj(skinny_silu_linear(x, gate_up_proj.weight, gate_up_proj.bias))
+        gate_up = gate_up_proj(x)
         if self.kernels is not None:
             return self.down_proj(self.kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, -1)
