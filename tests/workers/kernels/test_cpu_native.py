@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from support.counting_ops import CountingOps
 
 from loomllm.workers.kernels import cpu_native
 from loomllm.workers.models.llama.model import RMSNorm, _rotate
@@ -261,35 +262,24 @@ def test_the_sampler_takes_the_kernel_for_plain_greedy_rows_only(ops, monkeypatc
 
     torch.manual_seed(2)
     logits = torch.randn(3, 500).bfloat16()
-    calls = []
-    monkeypatch.setattr(cpu_native, "_ops", CountingGreedy(ops, calls))
+    counting = CountingOps(ops)
+    monkeypatch.setattr(cpu_native, "_ops", counting)
 
     def meta(**options):
         params = [SamplingParams(temperature=0.0, **options)] * 3
         return sampler.SamplingMetadata.from_params(params, [0] * 3, [[1]] * 3, [[2]] * 3, [[]] * 3)
 
     fast = sampler.sample(logits, meta())
-    assert calls == [1]
+    assert counting.calls["greedy_sample"] == 1
     monkeypatch.setattr(cpu_native, "_ops", None)
     slow = sampler.sample(logits, meta())
     assert torch.equal(fast.sampled_token_ids, slow.sampled_token_ids)
     torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=1e-5, atol=1e-5)
     assert fast.top_token_ids == slow.top_token_ids == [None] * 3
-    monkeypatch.setattr(cpu_native, "_ops", CountingGreedy(ops, calls))
+    monkeypatch.setattr(cpu_native, "_ops", counting)
     for options in ({"logprobs": 2}, {"repetition_penalty": 1.5}, {"logit_bias": {3: 5.0}}):
         sampler.sample(logits, meta(**options))
-    assert calls == [1]
-
-
-class CountingGreedy:
-    """The C++ ops, noting each greedy_sample call."""
-
-    def __init__(self, ops, calls: list[int]) -> None:
-        self.ops, self.calls = ops, calls
-
-    def greedy_sample(self, logits):
-        self.calls.append(1)
-        return self.ops.greedy_sample(logits)
+    assert counting.calls["greedy_sample"] == 1
 
 
 def test_the_ninja_package_is_found_without_the_venv_on_path(monkeypatch, tmp_path):

@@ -11,9 +11,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 import transformers
-from support.hf_reference import hf_greedy
+from support.hf_reference import hf_greedy, hf_logits
 from support.models import ARCH_CONFIGS, TINY_VOCAB, make_tiny_arch
 from support.paged_forward import paged_logits
 from support.streams import final
@@ -35,14 +34,6 @@ def arch_model(request, tmp_path_factory) -> tuple[str, str]:
     return request.param, make_tiny_arch(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def reference_logits(model_dir: str, tokens: list[int]) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.inference_mode():
-        return model(torch.tensor([tokens])).logits[0]
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_logits_match_transformers(arch_model, backend):
     arch, model_dir = arch_model
@@ -54,7 +45,7 @@ def test_logits_match_transformers(arch_model, backend):
     )
     tokens = [random.Random(arch).randrange(3, TINY_VOCAB) for _ in range(40)]
     ours = paged_logits(loaded.model, shape, tokens, backend)
-    expected = reference_logits(model_dir, tokens)
+    expected = hf_logits(model_dir, tokens)
     assert (ours - expected).abs().max().item() < LOGIT_TOLERANCE
 
 

@@ -5,10 +5,9 @@ the layer-by-layer path, with dense, int4 and int8 linears."""
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
+from support.counting_ops import CountingOps
 from support.hf_reference import hf_logits
 from support.models import COMMON, PROMPT, VARIANTS, make_tiny_model, save_variant
 from support.paged_forward import paged_logits
@@ -35,22 +34,6 @@ def cpu_kernels(monkeypatch):
     monkeypatch.setattr(cpu_native, "_ops", None)
     yield
     assert cpu_native.loaded() is not None, "the C++ ops did not build"
-
-
-class CountingOps:
-    """The C++ ops, counting the calls of each."""
-
-    def __init__(self, ops) -> None:
-        self.ops, self.calls = ops, collections.Counter()
-
-    def __getattr__(self, name: str):
-        op = getattr(self.ops, name)
-
-        def counted(*args):
-            self.calls[name] += 1
-            return op(*args)
-
-        return counted
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
