@@ -200,17 +200,7 @@ def make_char_model(path: Path) -> str:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = transformers.LlamaConfig(**{**TINY_SHAPE, "vocab_size": 128})
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     specials = ["<unk>", "<s>", "</s>"]
     vocab = {**{t: i for i, t in enumerate(specials)}, **{chr(i): i for i in range(3, 128)}}
