@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 
@@ -44,6 +45,7 @@ from loomllm.protocols.worker_table import cached_models_table, format_seconds, 
 START_TIMEOUT_S = 30.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_LOG_BYTES = 10 * 1024 * 1024
+T = TypeVar("T")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -320,35 +322,37 @@ def _cmd_status(args: argparse.Namespace, socket_path: Path) -> int:
     return 0
 
 
-def _cmd_ps(args: argparse.Namespace, socket_path: Path) -> int:
+def _ask(socket_path: Path, msg: object, reply_type: type[T]) -> T | None:
+    """The daemon's reply to `msg`; None, said on stdout, where no daemon runs."""
     try:
-        reply = _request(socket_path, ListWorkers())
+        reply = _request(socket_path, msg)
     except OSError:
         print("engine-manager is not running")
+        return None
+    assert isinstance(reply, reply_type)
+    return reply
+
+
+def _cmd_ps(args: argparse.Namespace, socket_path: Path) -> int:
+    reply = _ask(socket_path, ListWorkers(), WorkerList)
+    if reply is None:
         return 1
-    assert isinstance(reply, WorkerList)
     print(ps_table(reply.workers))
     return 0
 
 
 def _cmd_models(args: argparse.Namespace, socket_path: Path) -> int:
-    try:
-        reply = _request(socket_path, ListCachedModels())
-    except OSError:
-        print("engine-manager is not running")
+    reply = _ask(socket_path, ListCachedModels(), CachedModelList)
+    if reply is None:
         return 1
-    assert isinstance(reply, CachedModelList)
     print(cached_models_table(reply.models))
     return 0
 
 
 def _cmd_unload(args: argparse.Namespace, socket_path: Path) -> int:
-    try:
-        reply = _request(socket_path, UnloadModel(args.model))
-    except OSError:
-        print("engine-manager is not running")
+    reply = _ask(socket_path, UnloadModel(args.model), Unloaded)
+    if reply is None:
         return 1
-    assert isinstance(reply, Unloaded)
     print(f"unloaded {args.model}: {reply.num_workers} worker(s)")
     return 0
 
