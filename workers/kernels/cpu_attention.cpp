@@ -107,10 +107,19 @@ void attend_group(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
 // lens[b] are row b's, in order), in caches [S, KVH, D]. window > 0 keeps each row's last
 // `window` keys; softcap > 0 caps scores as Gemma 2; sinks [H] (gpt-oss) join each softmax's
 // sum and attend to nothing. Computed in float32: [B, H, D] in q's dtype.
-at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& slots_in,
-                            const at::Tensor& lens_in, double scale, int64_t window,
-                            double softcap, const std::optional<at::Tensor>& sinks_in) {
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& slots,
+                            const at::Tensor& lens, double scale, int64_t window, double softcap,
+                            const std::optional<at::Tensor>& sinks) {
+  return decode_attention_rows(q, k_cache, v_cache, slots, lens, scale, window, softcap, sinks,
+                               true);
+}
+
+at::Tensor decode_attention_rows(const at::Tensor& q_in, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& slots_in,
+                                 const at::Tensor& lens_in, double scale, int64_t window,
+                                 double softcap, const std::optional<at::Tensor>& sinks_in,
+                                 bool check_slots) {
   check_dtype("decode_attention", q_in);
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
@@ -129,7 +138,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   const int64_t width = slots.size(1), num_slots = k_cache.size(0);
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < rows; ++b) {
+  for (int64_t b = 0; b < rows && check_slots; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= width, "decode_attention: row ", b, " has ", lp[b],
                 " keys of ", width);
     for (int64_t j = 0; j < lp[b]; ++j) {

@@ -129,6 +129,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slots,
                             const at::Tensor& lens, double scale, int64_t window, double softcap,
                             const std::optional<at::Tensor>& sinks);
+// decode_attention's body. check_slots false: the caller has checked these slots and lengths
+// against caches of this many slots (a stack's later layers, after its first).
+at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& slots,
+                                 const at::Tensor& lens, double scale, int64_t window,
+                                 double softcap, const std::optional<at::Tensor>& sinks,
+                                 bool check_slots);
 
 // cpu_sample.cpp
 std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits);

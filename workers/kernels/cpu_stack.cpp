@@ -85,8 +85,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     }
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
     const at::Tensor rotated = rotary_into_cache(q, k, v, cos, sin, k_caches[l], v_caches[l], slots);
-    const at::Tensor attended = decode_attention(rotated, k_caches[l], v_caches[l], decode_slots,
-                                                 decode_lens, scale, window, 0.0, std::nullopt);
+    // Every layer reads the same slots: checked at the first, against caches of one size.
+    TORCH_CHECK(k_caches[l].size(0) == k_caches[0].size(0), "decode_layers: layer ", l,
+                "'s cache has ", k_caches[l].size(0), " slots, the first's ", k_caches[0].size(0));
+    const at::Tensor attended =
+        decode_attention_rows(rotated, k_caches[l], v_caches[l], decode_slots, decode_lens, scale,
+                              window, 0.0, std::nullopt, l == 0);
     const at::Tensor o =
         linear(attended.view({tokens, q_size}), mode[1], weights, w + NORMS + TENSORS_PER_LINEAR);
     std::tie(x, residual) = add_rms_norm(o, residual, need(weights, w + 1), eps);
