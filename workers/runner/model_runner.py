@@ -21,11 +21,11 @@ from loomllm.protocols.messages import (
 )
 from loomllm.protocols.sampling import SamplingParams
 from loomllm.workers.attention import paged as attention
+from loomllm.workers.attention.geometry import kv_geometry
 from loomllm.workers.attention.metadata import PrefillRow, context_metadata, paged_metadata
 from loomllm.workers.device.idle_probe import DeviceIdleProbe, DeviceTime
 from loomllm.workers.device.transfer import device_tensor
 from loomllm.workers.runner.cuda_graphs import DecodeGraphs
-from loomllm.workers.runner.kv_sizing import kv_geometry
 from loomllm.workers.runner.mixed_graphs import MAX_MIXED_TOKENS, MixedGraphs
 from loomllm.workers.runner.pending_step import PendingStep
 from loomllm.workers.sample.sampler import (

@@ -46,7 +46,7 @@ REQUIRED = (
 @dataclass(frozen=True, slots=True)
 class DecoderShape:
     """What the model is made of, from config.json; field names as in transformers' configs
-    (runner/kv_sizing.py's kv_geometry reads them)."""
+    (attention/geometry.py's kv_geometry reads them)."""
 
     architecture: str
     vocab_size: int
