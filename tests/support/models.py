@@ -120,6 +120,43 @@ ARCH_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             layer_types=["sliding_attention", "full_attention"],
         ),
     ),
+    # Multi-head latent attention: K of 16 + 8 dims against V of 16 (V2), or of 32 (V3, whose
+    # q also goes through a low-rank projection); a dense first layer, then routed experts
+    # with shared ones.
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+        ),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+        ),
+    ),
 }
 
 

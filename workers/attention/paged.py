@@ -41,6 +41,13 @@ def paged_attention(
     extras = _Extras(softcap or None, s_aux)
     meta = attn_metadata
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    value_dim = value.shape[-1]
+    if query.shape[-1] != k_cache.shape[-1] or value_dim != k_cache.shape[-1]:
+        # Latent attention's K and V sizes differ: the cache holds both at the larger one.
+        # Zeros added to q and k add nothing to a score, and zeros added to v are cut off.
+        query, key, value = (_pad_to(t, k_cache.shape[-1]) for t in (query, key, value))
     key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
     q = query[0].transpose(0, 1)  # [T, H, D]
     if meta.paged is not None:
@@ -51,12 +58,18 @@ def paged_attention(
         triton_attention.write_kv(
             key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping
         )
-        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        out = attend_written(module, q, meta, scale, sliding_window, extras)
-        return out.unsqueeze(0), None
-    k_cache.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
-    return attend_cached(module, q, meta, scaling, sliding_window, extras).unsqueeze(0), None
+        out = attend_written(module, q, meta, scaling, sliding_window, extras)
+    else:
+        k_cache.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
+        out = attend_cached(module, q, meta, scaling, sliding_window, extras)
+    return out[..., :value_dim].unsqueeze(0), None
+
+
+def _pad_to(t: torch.Tensor, dim: int) -> torch.Tensor:
+    if t.shape[-1] > dim:
+        raise ValueError(f"a head of {t.shape[-1]} dims does not fit the cache's {dim}")
+    return t if t.shape[-1] == dim else F.pad(t, (0, dim - t.shape[-1]))
 
 
 class _Extras(NamedTuple):

@@ -25,11 +25,11 @@ SUPPORTED = {
     "Olmo2ForCausalLM": "olmo2",
     "GraniteForCausalLM": "granite",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # What a known architecture needs that loomllm does not do yet: said in its refusal.
 NOT_YET = {
-    "DeepseekV2ForCausalLM": "multi-head latent attention (K and V heads of different sizes)",
-    "DeepseekV3ForCausalLM": "multi-head latent attention (K and V heads of different sizes)",
     "Llama4ForCausalLM": "chunked local attention",
     "Llama4ForConditionalGeneration": "chunked local attention, and a multimodal checkpoint",
 }

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from loomllm.workers.attention.geometry import kv_geometry
 from loomllm.workers.device.dtype import DTYPES, pick_dtype, resolve_device, stored_dtype
 from loomllm.workers.models import architectures
 from loomllm.workers.models import quantization as quantize
@@ -159,10 +160,10 @@ def load_model(
     module.eval()
     _store_weights_in(module, weight_dtype, torch_dtype)
     text = module.config.get_text_config()
-    num_heads: int = text.num_attention_heads
     max_len = getattr(text, "max_position_embeddings", None)
     if max_len is None:
         raise ModelLoadError(f"config of {model_dir} has no max_position_embeddings")
+    num_layers, num_kv_heads, head_dim = kv_geometry(text)
     return LoadedModel(
         model=module,
         model_dir=model_dir,
@@ -170,9 +171,9 @@ def load_model(
         source=source,
         vocab_size=text.vocab_size,
         max_model_len=max_len,
-        num_layers=text.num_hidden_layers,
-        num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         dtype=str(torch_dtype).removeprefix("torch."),
         device=str(next(module.parameters()).device),  # "cuda:0" where "cuda" was asked for
         tp_size=tensor_parallel_size,
