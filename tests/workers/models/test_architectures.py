@@ -43,7 +43,8 @@ def test_logits_match_transformers(arch_model, backend):
         head_dim=loaded.head_dim,
         num_hidden_layers=loaded.num_layers,
     )
-    tokens = [random.Random(arch).randrange(3, TINY_VOCAB) for _ in range(40)]
+    rng = random.Random(arch)
+    tokens = [rng.randrange(3, TINY_VOCAB) for _ in range(40)]
     ours = paged_logits(loaded.model, shape, tokens, backend)
     expected = hf_logits(model_dir, tokens)
     assert (ours - expected).abs().max().item() < LOGIT_TOLERANCE
