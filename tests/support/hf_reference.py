@@ -23,11 +23,12 @@ def hf_greedy(
     `generate` as they are (a logits processor, a sequence bias); `attn_implementation`:
     transformers' (e.g. "eager", the one that computes softcaps and sinks)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation=attn_implementation
-    ).eval()
+    model = (
+        reference_class(model_dir)
+        .from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn_implementation)
+        .eval()
+    )
     if ignore_eos:
         model.generation_config.eos_token_id = None
     outputs = []
@@ -49,10 +50,22 @@ def hf_greedy(
 def hf_logits(model_dir: Path, tokens: list[int]) -> torch.Tensor:
     """transformers' own forward over `tokens`, eager attention: [T, V] float32."""
     import torch
-    import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    model = (
+        reference_class(model_dir)
+        .from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+        .eval()
+    )
     with torch.inference_mode():
         return model(torch.tensor([tokens])).logits[0]
+
+
+def reference_class(model_dir: str | Path) -> Any:
+    """The class config.json names (a multimodal checkpoint's own, given text), else
+    transformers' causal-LM class for its model_type."""
+    import json
+
+    import transformers
+
+    named = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures")
+    return getattr(transformers, named[0]) if named else transformers.AutoModelForCausalLM

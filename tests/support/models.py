@@ -157,6 +157,52 @@ ARCH_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             first_k_dense_replace=1,
         ),
     ),
+    # Llama 4: a rotary layer with chunked attention (chunks of 64, so the context stops
+    # there) and a dense MLP, then a NoPE layer of full attention whose query temperature
+    # binds from position 3 on, and experts with a shared one.
+    "llama4_text": (
+        "Llama4TextConfig",
+        dict(
+            head_dim=16,
+            intermediate_size_mlp=96,
+            no_rope_layers=[0, 1],
+            interleave_moe_layer_step=2,
+            num_local_experts=4,
+            attention_chunk_size=64,
+            floor_scale=4,
+            attn_scale=0.5,
+            initializer_range=0.2,
+        ),
+    ),
+    # Llama 4's multimodal checkpoint, given text: its vision tower is not loaded.
+    "llama4": (
+        "Llama4Config",
+        dict(
+            text_config=dict(
+                head_dim=16,
+                intermediate_size_mlp=96,
+                no_rope_layers=[0, 1],
+                interleave_moe_layer_step=2,
+                num_local_experts=4,
+                attention_chunk_size=64,
+                floor_scale=4,
+                attn_scale=0.5,
+                initializer_range=0.2,
+            ),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+                vision_output_dim=32,
+                projector_input_dim=32,
+                projector_output_dim=32,
+            ),
+            image_token_index=TINY_VOCAB - 1,
+        ),
+    ),
 }
 
 
@@ -169,7 +215,9 @@ def make_tiny_arch(path: Path, arch: str, seed: int = 0) -> str:
         config = getattr(transformers, name)(**extra)
     else:
         config = getattr(transformers, name)(**{**TINY_SHAPE, **extra})
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    # A multimodal config's own class, which transformers' causal-LM mapping may not build.
+    auto = transformers.AutoModelForImageTextToText if "text_config" in extra else None
+    model = (auto or transformers.AutoModelForCausalLM).from_config(config)
     with torch.no_grad():
         for module in model.modules():
             sinks = getattr(module, "sinks", None)

@@ -27,11 +27,8 @@ SUPPORTED = {
     "GptOssForCausalLM": "gpt_oss",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
-}
-# What a known architecture needs that loomllm does not do yet: said in its refusal.
-NOT_YET = {
-    "Llama4ForCausalLM": "chunked local attention",
-    "Llama4ForConditionalGeneration": "chunked local attention, and a multimodal checkpoint",
+    "Llama4ForCausalLM": "llama4_text",
+    "Llama4ForConditionalGeneration": "llama4",  # text in, its language model alone runs
 }
 
 
@@ -66,7 +63,6 @@ def check(config_path: Path) -> str:
     arch = architecture(config)
     if arch in SUPPORTED:
         return arch
-    why = f" ({NOT_YET[arch]} is not supported yet)" if arch in NOT_YET else ""
     raise UnsupportedArchitectureError(
-        f"architecture {arch} is not supported{why}; loomllm runs {', '.join(SUPPORTED)}"
+        f"architecture {arch} is not supported; loomllm runs {', '.join(SUPPORTED)}"
     )

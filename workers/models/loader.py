@@ -14,7 +14,7 @@ import torch
 
 from loomllm.workers.attention.geometry import kv_geometry
 from loomllm.workers.device.dtype import DTYPES, pick_dtype, resolve_device, stored_dtype
-from loomllm.workers.models import architectures
+from loomllm.workers.models import architectures, llama4
 from loomllm.workers.models import quantization as quantize
 from loomllm.workers.models.half_weights import WEIGHT_DTYPES, store_linear_weights_in
 from loomllm.workers.models.llama import config as llama_config
@@ -100,7 +100,7 @@ def load_model(
     torch_device = resolve_device(device)
     source = resolve_model(model, revision)
     model_dir = prepare_model_dir(source)
-    architectures.check(model_dir / "config.json")  # before any weight is read
+    architecture = architectures.check(model_dir / "config.json")  # before any weight is read
     shape, why_not = None, "model_impl='transformers'"
     if model_impl != "transformers":
         shape, why_not = llama_config.read_shape(model_dir / "config.json")
@@ -163,6 +163,16 @@ def load_model(
     max_len = getattr(text, "max_position_embeddings", None)
     if max_len is None:
         raise ModelLoadError(f"config of {model_dir} has no max_position_embeddings")
+    limit = llama4.context_limit(text)
+    if limit is not None and limit < max_len:
+        logger.info(
+            "max_model_len capped at %d, the chunk of %s's chunked attention (past it, "
+            "loomllm's attention would not be chunked)",
+            limit,
+            architecture,
+        )
+        max_len = limit
+    llama4.adapt(module)
     num_layers, num_kv_heads, head_dim = kv_geometry(text)
     return LoadedModel(
         model=module,

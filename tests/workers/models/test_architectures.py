@@ -70,10 +70,6 @@ def write_config(path: Path, config: dict) -> Path:
     "config, message",
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "architecture GPT2LMHeadModel is not supported;"),
-        (
-            {"architectures": ["Llama4ForConditionalGeneration"]},
-            "Llama4ForConditionalGeneration is not supported (chunked local attention",
-        ),
         ({"model_type": "bloom"}, "its model_type 'bloom' is not one loomllm runs"),
         ({"architectures": ["A", "B"]}, "names several architectures"),
     ],
@@ -103,4 +99,19 @@ async def test_an_engine_refuses_one_at_start_and_the_manager_keeps_working(
     assert not isinstance(err.value, BaseExceptionGroup)
     async with Engine(tiny_model, manager_socket=shared_manager.socket) as e:
         out = await final(e, {"prompt_token_ids": [5, 6]}, GREEDY)
+        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.anyio
+async def test_llama4_context_stops_where_its_chunked_attention_would_bind(
+    tmp_path, shared_manager
+):
+    """Within one chunk, chunked attention is causal attention: the context stops there."""
+    model_dir = make_tiny_arch(tmp_path, "llama4_text")
+    assert load_model(model_dir, dtype="float32").max_model_len == 64  # its chunk, not 512
+    with pytest.raises(ValueError, match="max_model_len=65 exceeds the model's 64"):
+        async with Engine(model_dir, manager_socket=shared_manager.socket, max_model_len=65):
+            pass
+    async with Engine(model_dir, manager_socket=shared_manager.socket, dtype="float32") as e:
+        out = await final(e, {"prompt_token_ids": PROMPTS[1]}, GREEDY)
         assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
