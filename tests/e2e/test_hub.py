@@ -12,7 +12,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from support.fake_hub import COMMIT, FakeHub
+from support.fake_hub import COMMIT, FakeHub, oid
 from support.managers import new_manager_handle
 from support.models import make_tiny_model
 from support.paths import REPO_ROOT
@@ -110,6 +110,33 @@ async def test_an_interrupted_download_goes_on_and_a_cut_is_retried(hub_site):
         assert (Path(pulled.path) / name).read_bytes() == data
     assert reports and all(r.done_bytes <= r.total_bytes for r in reports)
     assert reports[-1].total_bytes == sum(len(data) for data in fake.files.values())
+
+
+@pytest.mark.parametrize("written", ["its first third", "wrong bytes"])
+async def test_what_a_killed_download_left_is_finished_from_where_it_stops(
+    hub_site, tmp_path, written
+):
+    """A killed daemon leaves each file it was fetching as a temporary file written part way.
+    The next download fetches only the rest, and checks the whole against the Hub's etag:
+    a file that does not match is fetched again from the start."""
+    fake, manager = hub_site
+    data = fake.files["model.safetensors"]
+    blobs = tmp_path / "hf-cache" / "models--org--tiny" / "blobs"
+    blobs.mkdir(parents=True)
+    part = data[: len(data) // 3] if written == "its first third" else b"x" * (len(data) // 3)
+    (blobs / f"{oid(data)}.0badf00d.incomplete").write_bytes(part)
+    (blobs / f"{oid(data)}.00000000.incomplete").write_bytes(part[:10])  # an older one
+    reports = []
+    pulled = await pull(manager, reports=reports)
+    assert (Path(pulled.path) / "model.safetensors").read_bytes() == data
+    assert not list(blobs.glob("*.incomplete"))
+    if written == "its first third":
+        assert fake.ranges == [("model.safetensors", len(part))]
+        assert fake.requests["model.safetensors"] == 1
+    else:
+        assert fake.ranges == [("model.safetensors", len(part))]  # tried, then fetched whole
+        assert fake.requests["model.safetensors"] == 2
+    assert reports[-1].done_bytes <= reports[-1].total_bytes
 
 
 async def test_two_askers_at_once_download_it_once(hub_site):

@@ -4,13 +4,17 @@ listed."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loomllm.workers.models.sources import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 # What serving reads: the weights, the configs, the tokenizer and its templates.
 SERVING_FILES = [
@@ -89,6 +93,7 @@ def download(
                 f"hub model {where} has no safetensors weights, the only format loomllm reads "
                 "from the Hub"
             )
+        _finish_partial_downloads(repo_id, planned, token, progress)
         path = snapshot_download(
             repo_id,
             revision=revision,
@@ -117,6 +122,97 @@ def download(
     except LocalEntryNotFoundError as exc:
         raise ModelLoadError(f"could not download hub model {where}: {exc}") from None
     return str(path)
+
+
+def _finish_partial_downloads(
+    repo_id: str, planned: list[Any], token: str | None, progress: Progress
+) -> None:
+    """Finish, from where they stop, the files of `planned` that a killed download left
+    partly written, so that snapshot_download finds them whole and links them.
+
+    huggingface_hub writes each file to a temporary `<etag>.<random>.incomplete` beside its
+    blob, under the file's lock, and starts a new one in each process. Holding that lock, no
+    other process is writing one, so what is there was left by a process that died."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get, repo_folder_name
+    from huggingface_hub.utils import WeakFileLock, build_hf_headers
+
+    folder = repo_folder_name(repo_id=repo_id, repo_type="model")
+    blobs = Path(constants.HF_HUB_CACHE) / folder / "blobs"
+    if not any(blobs.glob("*.incomplete")):
+        return
+    for planned_file in planned:
+        if not planned_file.will_download:
+            continue
+        url = hf_hub_url(repo_id, planned_file.filename, revision=planned_file.commit_hash)
+        meta = get_hf_file_metadata(url, token=token)
+        if meta.etag is None or not any(blobs.glob(f"{meta.etag}.*.incomplete")):
+            continue
+        lock = Path(constants.HF_HUB_CACHE) / ".locks" / folder / f"{meta.etag}.lock"
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with WeakFileLock(str(lock)):
+            partials = sorted(
+                blobs.glob(f"{meta.etag}.*.incomplete"), key=lambda p: p.stat().st_size
+            )
+            for dead in partials[:-1]:
+                dead.unlink()
+            if not partials or (blobs / meta.etag).exists():
+                continue
+            partial = partials[-1]
+            done = partial.stat().st_size
+            logger.info(
+                "resuming %s of %s at byte %d of %s",
+                planned_file.filename,
+                repo_id,
+                done,
+                meta.size,
+            )
+            progress.add(done=done, total=meta.size or 0)
+            with partial.open("r+b") as out:
+                out.seek(done)
+                http_get(
+                    meta.location,
+                    out,
+                    resume_size=done,
+                    headers=build_hf_headers(token=token),
+                    expected_size=meta.size,
+                    tqdm_class=_counting(progress),
+                )
+            if _matches(partial, meta.etag):
+                partial.replace(blobs / meta.etag)
+            else:  # not the file the Hub names: fetched again from the start
+                logger.warning("resumed %s does not match its etag", planned_file.filename)
+                partial.unlink()
+
+
+def _matches(path: Path, etag: str) -> bool:
+    """Whether the file is the one the Hub's etag names: an LFS file's sha256, or a git
+    blob's sha1; True for an etag of another form, which cannot be checked."""
+    if len(etag) == 64:
+        digest = hashlib.sha256()
+    elif len(etag) == 40:
+        digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    else:
+        return True
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest() == etag
+
+
+def _counting(progress: Progress) -> type:
+    """A tqdm class that shows nothing and adds the bytes it is told of to `progress`."""
+    from tqdm.auto import tqdm
+
+    class Counting(tqdm):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+        def update(self, n: float | None = 1) -> bool | None:
+            progress.add(done=int(n or 0))
+            return None
+
+    return Counting
 
 
 def complete_snapshot(repo_id: str, revision: str | None) -> str | None:
