@@ -45,6 +45,52 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0) -> str:
     return str(path)
 
 
+# Gemma 3's text model: windows of 8 tokens on every other layer.
+GEMMA3_TEXT: dict[str, Any] = dict(
+    head_dim=16,
+    sliding_window=8,
+    query_pre_attn_scalar=24,
+    layer_types=["sliding_attention", "full_attention"],
+    initializer_range=0.2,
+)
+# Llama 4's text model: a NoPE layer of full attention whose query temperature binds from
+# position 3 on, with a dense MLP; then a rotary layer with chunked attention (chunks of
+# 64, so the context stops there) and experts with a shared one.
+LLAMA4_TEXT: dict[str, Any] = dict(
+    head_dim=16,
+    intermediate_size_mlp=96,
+    no_rope_layers=[0, 1],
+    interleave_moe_layer_step=2,
+    num_local_experts=4,
+    attention_chunk_size=64,
+    floor_scale=4,
+    attn_scale=0.5,
+    initializer_range=0.2,
+)
+# DeepSeek's latent attention over a 16-dim latent, a dense first layer, then routed experts
+# with a shared one.
+DEEPSEEK_MLA: dict[str, Any] = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+)
+# A multimodal checkpoint's vision tower, which text never reaches.
+TINY_VISION: dict[str, Any] = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
+
+
 # Each architecture's tiny config, its features set so that they change the result:
 # softcaps low enough to bind, windows shorter than the prompts, multipliers far from 1.
 ARCH_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -59,16 +105,7 @@ ARCH_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             initializer_range=0.2,
         ),
     ),
-    "gemma3_text": (
-        "Gemma3TextConfig",
-        dict(
-            head_dim=16,
-            sliding_window=8,
-            query_pre_attn_scalar=24,
-            layer_types=["sliding_attention", "full_attention"],
-            initializer_range=0.2,
-        ),
-    ),
+    "gemma3_text": ("Gemma3TextConfig", GEMMA3_TEXT),
     "phi3": ("Phi3Config", dict(pad_token_id=0, sliding_window=None)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": (
@@ -89,21 +126,8 @@ ARCH_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": (
         "Gemma3Config",
         dict(
-            text_config=dict(
-                head_dim=16,
-                sliding_window=8,
-                query_pre_attn_scalar=24,
-                layer_types=["sliding_attention", "full_attention"],
-                initializer_range=0.2,
-            ),
-            vision_config=dict(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                image_size=28,
-                patch_size=14,
-            ),
+            text_config=GEMMA3_TEXT,
+            vision_config=TINY_VISION,
             mm_tokens_per_image=4,
             image_token_index=TINY_VOCAB - 1,
             boi_token_index=TINY_VOCAB - 2,
@@ -121,85 +145,24 @@ ARCH_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     # Multi-head latent attention: K of 16 + 8 dims against V of 16 (V2), or of 32 (V3, whose
-    # q also goes through a low-rank projection); a dense first layer, then routed experts
-    # with shared ones.
-    "deepseek_v2": (
-        "DeepseekV2Config",
-        dict(
-            num_key_value_heads=4,
-            kv_lora_rank=16,
-            q_lora_rank=None,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            moe_intermediate_size=32,
-            first_k_dense_replace=1,
-        ),
-    ),
+    # q also goes through a low-rank projection, and whose experts are routed by group).
+    "deepseek_v2": ("DeepseekV2Config", {**DEEPSEEK_MLA, "q_lora_rank": None, "v_head_dim": 16}),
     "deepseek_v3": (
         "DeepseekV3Config",
-        dict(
-            num_key_value_heads=4,
-            kv_lora_rank=16,
-            q_lora_rank=24,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            n_group=2,
-            topk_group=1,
-            moe_intermediate_size=32,
-            first_k_dense_replace=1,
-        ),
+        {**DEEPSEEK_MLA, "q_lora_rank": 24, "v_head_dim": 32, "n_group": 2, "topk_group": 1},
     ),
-    # Llama 4: a rotary layer with chunked attention (chunks of 64, so the context stops
-    # there) and a dense MLP, then a NoPE layer of full attention whose query temperature
-    # binds from position 3 on, and experts with a shared one.
-    "llama4_text": (
-        "Llama4TextConfig",
-        dict(
-            head_dim=16,
-            intermediate_size_mlp=96,
-            no_rope_layers=[0, 1],
-            interleave_moe_layer_step=2,
-            num_local_experts=4,
-            attention_chunk_size=64,
-            floor_scale=4,
-            attn_scale=0.5,
-            initializer_range=0.2,
-        ),
-    ),
+    "llama4_text": ("Llama4TextConfig", LLAMA4_TEXT),
     # Llama 4's multimodal checkpoint, given text: its vision tower is not loaded.
     "llama4": (
         "Llama4Config",
         dict(
-            text_config=dict(
-                head_dim=16,
-                intermediate_size_mlp=96,
-                no_rope_layers=[0, 1],
-                interleave_moe_layer_step=2,
-                num_local_experts=4,
-                attention_chunk_size=64,
-                floor_scale=4,
-                attn_scale=0.5,
-                initializer_range=0.2,
-            ),
-            vision_config=dict(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                image_size=28,
-                patch_size=14,
-                vision_output_dim=32,
-                projector_input_dim=32,
-                projector_output_dim=32,
-            ),
+            text_config=LLAMA4_TEXT,
+            vision_config={
+                **TINY_VISION,
+                "vision_output_dim": 32,
+                "projector_input_dim": 32,
+                "projector_output_dim": 32,
+            },
             image_token_index=TINY_VOCAB - 1,
         ),
     ),
