@@ -63,7 +63,9 @@ def paged_attention(
         k_cache.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
         out = attend_cached(module, q, meta, scaling, sliding_window, extras)
-    return out[..., :value_dim].unsqueeze(0), None
+    if value_dim != out.shape[-1]:
+        out = out[..., :value_dim]
+    return out.unsqueeze(0), None
 
 
 def _pad_to(t: torch.Tensor, dim: int) -> torch.Tensor:
