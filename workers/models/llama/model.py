@@ -305,6 +305,18 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         logits_to_keep: torch.Tensor | None = None,
         use_cache: bool = False,
     ) -> CausalLMOutput:
+        hidden = self.last_hidden_states(input_ids, position_ids, attn_metadata, logits_to_keep)
+        return CausalLMOutput(self.lm_head(hidden))
+
+    def last_hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attn_metadata: AttentionMetadata | None = None,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The decoder's output after its final norm, [1, T, H]: what the LM head reads, and
+        what a pooling model pools. `keep`: only these positions (the norm runs on those)."""
         hidden = self.model.embed_tokens(input_ids)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
@@ -326,10 +338,10 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
             residual = None
             for layer in self.model.layers:
                 hidden, residual = layer(hidden, residual, cos, sin, meta)
-        if logits_to_keep is not None:  # the norm and lm_head only where a logit is used
-            hidden, residual = hidden[:, logits_to_keep], residual[:, logits_to_keep]
+        if keep is not None:  # the norm and lm_head only where a logit is used
+            hidden, residual = hidden[:, keep], residual[:, keep]
         hidden, _ = self.model.norm.add_forward(hidden, residual)
-        return CausalLMOutput(self.lm_head(hidden))
+        return hidden
 
     def use_fused_kernels(self) -> tuple[int, int]:
         """Run fused_ops' kernels from now on (each residual add inside a norm's kernel, K/V
