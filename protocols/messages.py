@@ -15,7 +15,7 @@ from loomllm.protocols.sampling import SamplingParams
 
 # Raise it whenever a message, a field or a type code changes: the handshake then refuses a
 # peer from another release instead of misreading its frames.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 # -- handshake and errors (all connections) -------------------------------------------
@@ -86,6 +86,19 @@ class ModelInfo:
     load_seconds: float
     num_kv_blocks: int  # paged KV cache size the worker allocated, in blocks
     block_size: int  # tokens per KV block
+    pooling: Pooling | None = None  # runner="pooling": how the worker pools; else None
+
+
+@dataclass(frozen=True, slots=True)
+class Pooling:
+    """How a pooling worker turns a prompt's hidden states into one embedding."""
+
+    method: str  # "last" (the last token's), "mean" (over the prompt) or "cls" (the first)
+    normalize: bool  # to unit length
+    size: int  # the embedding's length
+    # Leading slices that are embeddings of their own (Matryoshka training): `dimensions`
+    # may cut the embedding to any length where this is true.
+    matryoshka: bool
 
 
 @message(10)
@@ -419,6 +432,15 @@ class StepResult:
     # Requests the worker could not serve (a grammar that does not compile): the engine
     # fails each alone; whatever else this step holds for them is to be dropped.
     request_errors: list[RequestError] = field(default_factory=list)
+    # A pooling worker's embeddings of the prompts completed this step (their sampled
+    # token is a placeholder, which ends the request).
+    pooled: list[PooledOutput] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class PooledOutput:
+    req_id: str
+    embedding: np.ndarray  # [size] float32, normalized where the model's pooling says
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,14 @@ _MODULES = {
     ],
     "loomllm.llm": ["LLM"],
     "loomllm.metrics.stats": ["EngineStats"],
-    "loomllm.outputs": ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"],
+    "loomllm.outputs": [
+        "CompletionOutput",
+        "EmbeddingOutput",
+        "EmbeddingRequestOutput",
+        "Logprob",
+        "RequestMetrics",
+        "RequestOutput",
+    ],
     "loomllm.protocols.sampling": [
         "RequestOutputKind",
         "SamplingParams",
@@ -57,6 +64,8 @@ _MODULE_OF = {name: module for module, names in _MODULES.items() for name in nam
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "Engine",
     "EngineClosedError",
     "EngineConfig",

@@ -32,11 +32,14 @@ EXECUTOR_BACKENDS = ("local", "ray")
 # Which waiting request runs first: "fcfs" (arrival order) or "priority" (a request's
 # `priority`, lower first, then arrival; preemption gives up the lowest first), as vLLM's.
 SCHEDULING_POLICIES = ("fcfs", "priority")
+RUNNERS = ("generate", "pooling")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "smollm2"
+    # "generate": text out; "pooling": embeddings (Engine.embed), as vLLM's --runner.
+    runner: str = "generate"
     # A hub model's branch, tag or commit (as vLLM's); None: its default branch.
     revision: str | None = None
     # "dummy": random weights from the model's config, for benchmarks (as vLLM's).
@@ -98,6 +101,7 @@ class EngineConfig:
             raise ValueError(
                 f"revision must be a branch, tag or commit name, or None; got {self.revision!r}"
             )
+        _one_of("runner", self.runner, RUNNERS)
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -165,6 +169,7 @@ class EngineConfig:
     def worker_spec(self, data_parallel_rank: int = 0) -> WorkerSpec:
         """What one replica's workers hold; engines with equal specs share warm workers."""
         options = {
+            "runner": self.runner,
             "revision": self.revision,
             "dtype": self.dtype,
             "weight_dtype": self.weight_dtype,

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from loomllm.engine.engine import Engine
 from loomllm.engine.exception_groups import simplest
 from loomllm.engine.request_stream import RequestStream
-from loomllm.outputs import RequestOutput
+from loomllm.outputs import EmbeddingRequestOutput, RequestOutput
 from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 from loomllm.text.tokenizer import Tokenizer
 
@@ -122,6 +122,27 @@ class LLM:
         ]
         return self._run(calls, use_tqdm)
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (runner="pooling"), batched by the engine; in input order.
+        The keyword arguments are Engine.embed's."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        start = partial(
+            self.engine.embed_stream,
+            dimensions=dimensions,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        calls = [(lambda prompt, _: start(prompt), p, None) for p in prompts]
+        finals = self._run(calls, use_tqdm)
+        return [self.engine.embedding(final, dimensions) for final in finals]
+
     def collective_rpc(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
         """Run `fn(worker, *args, **kwargs)` on every worker rank; results by rank."""
         return self._call(partial(self.engine.collective_rpc, fn, *args, **kwargs))
@@ -133,7 +154,7 @@ class LLM:
         assert tokenizer is not None  # set once the engine is entered, in __init__
         return tokenizer
 
-    def _run(self, calls: list[tuple[Any, Any, SamplingParams]], use_tqdm: bool) -> list:
+    def _run(self, calls: Sequence[tuple[Any, Any, SamplingParams | None]], use_tqdm: bool) -> list:
         with tqdm(total=len(calls), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:
                 return self._call(partial(_run_all, calls, bar))
@@ -221,7 +242,7 @@ def _priorities(priority: int | Sequence[int] | None, count: int) -> list[int]:
     return ranks
 
 
-async def _run_all(calls: list[tuple[Any, Any, SamplingParams]], bar: tqdm) -> list:
+async def _run_all(calls: Sequence[tuple[Any, Any, SamplingParams | None]], bar: tqdm) -> list:
     # Every request starts before any is awaited: a bad prompt raises one ValueError, which
     # says which prompt it was, and the requests started before it are aborted.
     streams: list[RequestStream] = []

@@ -6,10 +6,14 @@ Also the per-request collector that hands outputs from the step loop to the cons
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 
 from loomllm.protocols.sampling import RequestOutputKind
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(slots=True)
@@ -56,6 +60,9 @@ class RequestOutput:
     # top-k of the distribution predicted at the position before. Set from the first output
     # on (DELTA: in the first output only); None when not asked for.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # runner="pooling": the prompt's embedding, [size] float32, in the final output
+    # (Engine.embed hands it out as an EmbeddingRequestOutput).
+    pooled: np.ndarray | None = None
 
     def merge_delta(self, newer: RequestOutput) -> None:
         """Fold a later DELTA output into this one (the consumer has not taken this yet)."""
@@ -74,7 +81,28 @@ class RequestOutput:
         self.finished, self.metrics = newer.finished, newer.metrics
         if self.prompt_logprobs is None:
             self.prompt_logprobs = newer.prompt_logprobs
+        if self.pooled is None:
+            self.pooled = newer.pooled
         self.num_cached_tokens = newer.num_cached_tokens
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """One prompt's embedding, as vLLM's: `.outputs.embedding`."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 @dataclass(eq=False)

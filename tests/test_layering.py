@@ -70,6 +70,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "loomllm.workers.models.llama": {"loomllm.workers.attention", "loomllm.workers.kernels"},
     "loomllm.workers.models": {
+        "loomllm.protocols",
         "loomllm.workers.attention",
         "loomllm.workers.device",
         "loomllm.workers.kernels",

@@ -21,7 +21,6 @@ from loomllm.metrics.step_timings import StepClock
 from loomllm.protocols.messages import (
     CallFailed,
     ExecuteStep,
-    PromptLogprobs,
     RequestError,
     SchedulerOutput,
     StepResult,
@@ -57,7 +56,7 @@ class EngineCore:
         self._pending_aborts: list[tuple[str, ParentRequest | None]] = []
         # Async scheduling: the last step's results, streamed once the next step is out (see
         # run), or before any abort applies, so that none reaches a request that took the id.
-        self._unstreamed: tuple[list[EngineCoreOutput], list[PromptLogprobs]] | None = None
+        self._unstreamed: tuple[list[EngineCoreOutput], StepResult] | None = None
         self._idle = anyio.Event()  # set while the loop waits for work
         self._stopped = False  # the loop has ended (its worker died, or the engine closed)
         # Per step in flight: its requests the workers may refuse (RequestError), by id, as
@@ -257,9 +256,9 @@ class EngineCore:
                     # Held back only while a step is in flight, so that the turn which streams
                     # them always has a reply to wait for.
                     if in_flight:
-                        self._unstreamed = (outputs, reply.prompt_logprobs)
+                        self._unstreamed = (outputs, reply)
                     else:
-                        self._stream(outputs, reply.prompt_logprobs)
+                        self._stream(outputs, reply)
                 self._clock.finish()
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else None
@@ -294,11 +293,10 @@ class EngineCore:
             unstreamed, self._unstreamed = self._unstreamed, None
             self._stream(*unstreamed)
 
-    def _stream(
-        self, outputs: list[EngineCoreOutput], prompt_logprobs: list[PromptLogprobs]
-    ) -> None:
+    def _stream(self, outputs: list[EngineCoreOutput], reply: StepResult) -> None:
         """A step's results to the request streams; a stop string found finishes its request."""
-        self.output_processor.add_prompt_logprobs(prompt_logprobs)
+        self.output_processor.add_prompt_logprobs(reply.prompt_logprobs)
+        self.output_processor.add_pooled(reply.pooled)
         stopped = self.output_processor.process(outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

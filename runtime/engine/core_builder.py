@@ -60,7 +60,9 @@ def build_engine_core(
             max_model_len=max_model_len,
             block_size=info.block_size,
             num_blocks=info.num_kv_blocks,
-            enable_prefix_caching=cfg.enable_prefix_caching,
+            # A pooling worker pools the hidden states of every prompt token it computes:
+            # a prefix-cache hit would skip some (mean, CLS).
+            enable_prefix_caching=cfg.enable_prefix_caching and info.pooling is None,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             scheduling_policy=cfg.scheduling_policy,
         )

@@ -29,6 +29,7 @@ from loomllm.clients.manager import (
     connect_shared_manager,
 )
 from loomllm.config import EngineConfig
+from loomllm.engine.embedding import check_dimensions, embed_params, embedding_output
 from loomllm.engine.exception_groups import simplest
 from loomllm.engine.generation_defaults import sampling_defaults
 from loomllm.engine.input_checks import (
@@ -44,7 +45,12 @@ from loomllm.engine.replica import Replica, least_loaded
 from loomllm.engine.request_stream import RequestStream
 from loomllm.errors import EngineClosedError, EngineDeadError, RemoteCallError
 from loomllm.metrics.stats import EngineStats, merge_stats
-from loomllm.outputs import RequestMetrics, RequestOutputCollector
+from loomllm.outputs import (
+    EmbeddingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputCollector,
+)
 from loomllm.protocols.messages import (
     CallFailed,
     CallResult,
@@ -241,12 +247,78 @@ class Engine:
         output stops where the context is full).
         """
         self._require_running()
-        check_priority(priority, self.config.scheduling_policy)
+        if self.model_info.pooling is not None:
+            raise ValueError(
+                "this engine runs with runner='pooling': it embeds (Engine.embed), it does "
+                "not generate"
+            )
         params = (
             sampling_params if sampling_params is not None else (self.default_sampling_params())
         )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
+        return self._submit(prompt, params, request_id, priority, max_tokens_must_fit)
+
+    async def embed(
+        self,
+        prompt: str | dict[str, Any],
+        *,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> EmbeddingRequestOutput:
+        """The prompt's embedding (runner="pooling" only), as vLLM's EmbeddingRequestOutput:
+        `.outputs.embedding`. It is scheduled as a prompt among the others, pooled as the
+        model says (models/pooling.py). `dimensions` cuts a Matryoshka model's embedding.
+        Bad input raises ValueError naming the field, before anything is scheduled."""
+        stream = self.embed_stream(
+            prompt,
+            dimensions=dimensions,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            request_id=request_id,
+            priority=priority,
+        )
+        async with stream:  # FINAL_ONLY: one output, the last; leaving early aborts it
+            final = await anext(stream)
+        return self.embedding(final, dimensions)
+
+    def embed_stream(
+        self,
+        prompt: str | dict[str, Any],
+        *,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """`embed`'s request, started: its stream's one output goes to `embedding`."""
+        self._require_running()
+        pooling = self.model_info.pooling
+        if pooling is None:
+            raise ValueError(
+                f"model {self.config.model!r} runs with runner='generate': start the engine "
+                "with runner='pooling' to embed"
+            )
+        check_dimensions(dimensions, pooling)
+        params = embed_params(truncate_prompt_tokens)
+        return self._submit(prompt, params, request_id, priority, False)
+
+    def embedding(self, final: RequestOutput, dimensions: int | None) -> EmbeddingRequestOutput:
+        """An `embed_stream`'s output as vLLM's EmbeddingRequestOutput."""
+        pooling = self.model_info.pooling
+        assert pooling is not None
+        return embedding_output(final, dimensions, pooling)
+
+    def _submit(
+        self,
+        prompt: str | dict[str, Any],
+        params: SamplingParams,
+        request_id: str | None,
+        priority: int,
+        max_tokens_must_fit: bool,
+    ) -> RequestStream:
+        check_priority(priority, self.config.scheduling_policy)
         tokenizer = self.tokenizer
         assert tokenizer is not None
         vocab = self.model_info.vocab_size

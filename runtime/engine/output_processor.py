@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from loomllm.core.scheduler import EngineCoreOutput
 from loomllm.metrics.counters import EngineMetrics
@@ -17,10 +18,13 @@ from loomllm.outputs import (
     RequestOutput,
     RequestOutputCollector,
 )
-from loomllm.protocols.messages import PromptLogprobs, TopLogprobs
+from loomllm.protocols.messages import PooledOutput, PromptLogprobs, TopLogprobs
 from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 from loomllm.text.detokenizer import IncrementalDetokenizer
 from loomllm.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
@@ -47,6 +51,7 @@ class ParentRequest:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_prompt_logprobs_missing: int = 0
     prompt_logprobs_sent: bool = False  # DELTA sends them once
+    pooled: np.ndarray | None = None  # runner="pooling": the prompt's embedding
 
     def _prompt_logprobs_to_send(self) -> list[dict[int, Logprob] | None] | None:
         if self.prompt_logprobs is None or self.num_prompt_logprobs_missing:
@@ -90,6 +95,7 @@ class ParentRequest:
                 self.metrics,
                 self.num_cached_tokens,
                 self._prompt_logprobs_to_send(),
+                self.pooled,
             )
         )
 
@@ -197,6 +203,14 @@ class OutputProcessor:
                 if entries[position] is None:  # a recompute after preemption refills it
                     parent.num_prompt_logprobs_missing -= 1
                 entries[position] = entry
+
+    def add_pooled(self, pooled: list[PooledOutput]) -> None:
+        """Keep one step's embeddings for their requests; call before `process`, which ends
+        those requests (their placeholder token) and sends them."""
+        for out in pooled:
+            state = self.states.get(out.req_id)
+            if state is not None:  # else aborted while the step ran
+                state.parent.pooled = out.embedding
 
     def process(self, outputs: list[EngineCoreOutput]) -> list[str]:
         """Stream one step's results; returns child ids that a stop string finished."""

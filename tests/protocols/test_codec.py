@@ -281,7 +281,7 @@ def test_errors_name_nested_fields() -> None:
         match=(r"^ExecuteStep\.scheduler_output\.cached: CachedRequests columns differ in length"),
     )
     expect_malformed(
-        [44, [1, ["a"], [5], [0.5, "x"], [None], [], 0.0, []]],
+        [44, [1, ["a"], [5], [0.5, "x"], [None], [], 0.0, [], []]],
         match=r"^StepResult\.logprobs\[1\]: expected a number",
     )
 

@@ -329,3 +329,37 @@ def save_variant(path: Path, variant: str, seed: int = 3) -> Path:
                     param.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return path
+
+
+def make_pooling_model(
+    path: Path, arch: str, pooling: str | None, normalize: bool = True, **config: Any
+) -> str:
+    """A tiny decoder (make_tiny_model's) laid out as a sentence-transformers model pooling by
+    `pooling` ("lasttoken", "mean_tokens", "cls_token"; None: no sentence-transformers files),
+    with a Normalize module if `normalize`; `config` goes into its config.json."""
+    make_tiny_model(path, arch)
+    if config:
+        config_file = path / "config.json"
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}))
+    if pooling is None:
+        return str(path)
+    modules = [("", "Transformer"), ("1_Pooling", "Pooling")]
+    modules += [("2_Normalize", "Normalize")] if normalize else []
+    (path / "modules.json").write_text(
+        json.dumps(
+            [
+                {
+                    "idx": i,
+                    "name": str(i),
+                    "path": folder,
+                    "type": f"sentence_transformers.models.{t}",
+                }
+                for i, (folder, t) in enumerate(modules)
+            ]
+        )
+    )
+    (path / "1_Pooling").mkdir()
+    pooling_config = {"word_embedding_dimension": TINY_SHAPE["hidden_size"]}
+    pooling_config[f"pooling_mode_{pooling}"] = True
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
+    return str(path)

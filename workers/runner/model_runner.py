@@ -13,6 +13,8 @@ import torch
 
 from loomllm.protocols.messages import (
     NewRequestData,
+    PooledOutput,
+    Pooling,
     PromptLogprobs,
     RequestError,
     SchedulerOutput,
@@ -28,6 +30,7 @@ from loomllm.workers.device.transfer import device_tensor
 from loomllm.workers.runner.cuda_graphs import DecodeGraphs
 from loomllm.workers.runner.mixed_graphs import MAX_MIXED_TOKENS, MixedGraphs
 from loomllm.workers.runner.pending_step import PendingStep
+from loomllm.workers.runner.pooler import PoolRow, hidden_states, pool
 from loomllm.workers.sample.sampler import (
     SamplerOutput,
     SamplingMetadata,
@@ -61,6 +64,8 @@ class CachedRequestState:
     # Cache slot of each position computed so far: block ids never change once given, so
     # each step extends this instead of recomputing the whole context (the hot path).
     slots: list[int] = field(default_factory=list)
+    # A pooling runner's partial pool of the prompt chunks computed so far (runner/pooler.py).
+    pooled: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
@@ -80,6 +85,7 @@ class ModelRunner:
         num_blocks: int,
         attention_backend: str = "torch",
         tp_size: int = 1,
+        pooling: Pooling | None = None,
     ) -> None:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
@@ -93,6 +99,9 @@ class ModelRunner:
             )
         attention.route_transformers_model(model)
         self.attention_backend = attention_backend
+        # Set: every request is a prompt to embed, its hidden states pooled where the prompt
+        # ends and a placeholder token sampled, which ends it.
+        self.pooling = pooling
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -248,6 +257,7 @@ class ModelRunner:
         decode_states: list[CachedRequestState] = []
         prefills: list[PrefillRow] = []
         prefill_states: list[CachedRequestState] = []
+        pool_rows: list[PoolRow] = []
         triton = self.attention_backend == "triton"
         bs = self.block_size
         fresh = {r.req_id for r in so.new_requests}  # new, or back after a preemption
@@ -292,6 +302,8 @@ class ModelRunner:
             if end == num_known:  # prompt complete: this step samples
                 sample_idx.append(len(input_ids) - 1)
                 samplers.append(state)
+            if self.pooling is not None:
+                pool_rows.append(PoolRow(state, token_start, start, num_new, end == num_known))
             state.num_computed_tokens = end
         if not input_ids:
             return self._launched(call_id, [], None, [])
@@ -329,6 +341,14 @@ class ModelRunner:
             ]
         if self.idle_probe is not None:
             self.idle_probe.step_started()
+        if self.pooling is not None:
+            positions_t = device_tensor([positions], torch.long, dev)
+            hidden = hidden_states(self.model, ids[None], positions_t, meta)
+            pooled = pool(hidden, pool_rows, self.pooling)
+            placeholders = torch.zeros(len(samplers), dtype=torch.long, device=dev)
+            nothing: list[None] = [None] * len(samplers)
+            sampled = SamplerOutput(placeholders, placeholders.float(), nothing, nothing)
+            return self._launched(call_id, samplers, sampled, [], pooled)
         replay = (
             graphs is not None
             and meta is not None
@@ -389,6 +409,7 @@ class ModelRunner:
         samplers: list[CachedRequestState],
         sampled: SamplerOutput | None,
         prompt_lps: list[PromptLogprobs],
+        pooled: list[PooledOutput] | None = None,
     ) -> PendingStep:
         errors, self._request_errors = self._request_errors, []
         if sampled is None:
@@ -408,6 +429,7 @@ class ModelRunner:
                 prompt_lps,
                 errors,
                 sampled.stuck,
+                pooled or [],
             )
         self._last = step
         return step

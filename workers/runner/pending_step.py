@@ -10,7 +10,13 @@ from typing import Any
 
 import torch
 
-from loomllm.protocols.messages import PromptLogprobs, RequestError, StepResult, TopLogprobs
+from loomllm.protocols.messages import (
+    PooledOutput,
+    PromptLogprobs,
+    RequestError,
+    StepResult,
+    TopLogprobs,
+)
 
 NOTHING_TO_SAMPLE = (
     "nothing is left to sample: structured_outputs, allowed_token_ids and "
@@ -31,6 +37,7 @@ class PendingStep:
     request_errors: list[RequestError] = field(default_factory=list)
     # [B] bool on the device: rows that had no token left to sample (their requests fail)
     stuck: torch.Tensor | None = None
+    pooled: list[PooledOutput] = field(default_factory=list)  # a pooling runner's embeddings
     # id() of each sampled request's state -> its row in `sampled`: by identity, since a
     # new request may take a finished one's id while this step is still unread.
     rows: dict[int, int] = field(init=False)
@@ -85,5 +92,6 @@ class PendingStep:
                 self.top_logprobs,
                 self.prompt_logprobs,
                 request_errors=self.request_errors,
+                pooled=self.pooled,
             )
         return self._result

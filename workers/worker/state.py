@@ -84,7 +84,13 @@ class Worker:
             cpu_linear_kernel=options.get("cpu_linear_kernel", "auto"),
             revision=options.get("revision"),
         )
-        runner = _make_runner(loaded, options)
+        pooling = None
+        if options.get("runner", "generate") == "pooling":
+            from loomllm.workers.models.pooling import read_pooling
+
+            text = getattr(loaded.config, "get_text_config", lambda: loaded.config)()
+            pooling = read_pooling(loaded.model_dir, text)
+        runner = _make_runner(loaded, options, pooling)
         info = ModelInfo(
             model=model,
             model_dir=str(loaded.model_dir),
@@ -98,6 +104,7 @@ class Worker:
             load_seconds=time.monotonic() - started,
             num_kv_blocks=runner.num_blocks,
             block_size=runner.block_size,
+            pooling=pooling,
         )
         logger.info(
             "loaded %s on %s in %.1fs; KV cache: %d blocks of %d tokens",
@@ -174,8 +181,9 @@ def _share_cores(num_replicas: int) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // num_replicas))
 
 
-def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
-    """Size the paged KV cache from the options and build the model runner."""
+def _make_runner(loaded: Any, options: dict[str, Any], pooling: Any = None) -> Any:
+    """Size the paged KV cache from the options and build the model runner (a pooling one
+    where `pooling` is set)."""
     import torch
 
     from loomllm.workers.runner.kv_sizing import kv_cache_budget, largest_step_tokens
@@ -214,6 +222,7 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
             num_blocks=num_blocks,
             attention_backend=backend,
             tp_size=loaded.tp_size,
+            pooling=pooling,
         )
 
     per_block = ModelRunner.bytes_per_block(loaded.config, block_size, dtype, loaded.tp_size)
@@ -233,7 +242,7 @@ def _make_runner(loaded: Any, options: dict[str, Any]) -> Any:
         raise ValueError(f"{where}, {budget:.0f} bytes, holds no KV block ({per_block} bytes each)")
     runner = make_runner(num_blocks)
     runner.grammars = GrammarCompiler(str(loaded.model_dir), loaded.vocab_size)
-    if fast_path:
+    if fast_path and pooling is None:  # a pooling step is prompts only: no decode graphs
         runner.enable_graphs(
             int(options.get("max_num_seqs") or 256),
             loaded.max_model_len,

@@ -1,0 +1,137 @@
+"""Embeddings (runner="pooling"): each pooling method against transformers' own model, over
+chunked prompts batched together; Matryoshka dimensions; every refusal names its field and
+leaves the engine serving."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+import torch
+import transformers
+from support.models import make_pooling_model
+
+from loomllm import Engine, SamplingParams
+
+pytestmark = [pytest.mark.anyio, pytest.mark.compute]
+
+TOLERANCE = 1e-4
+# Longer than a step's 16-token budget: pooled over several prefill chunks.
+PROMPTS = [[5, 6, 7, 8, 9], [(7 * i) % 250 + 3 for i in range(45)], [42]]
+
+
+def reference(model_dir: str, prompt: list[int], method: str, normalize: bool) -> torch.Tensor:
+    """transformers' base model over the prompt, pooled as sentence-transformers pools."""
+    model = transformers.AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        hidden = model(torch.tensor([prompt])).last_hidden_state[0]
+    vector = {"lasttoken": hidden[-1], "mean_tokens": hidden.mean(0), "cls_token": hidden[0]}
+    out = vector[method]
+    return torch.nn.functional.normalize(out, dim=0) if normalize else out
+
+
+@pytest.mark.parametrize(
+    "arch, method, normalize",
+    [
+        ("qwen3", "mean_tokens", True),
+        ("qwen3", "lasttoken", True),
+        ("llama", "cls_token", False),
+        ("llama", None, True),  # no sentence-transformers files: last token, normalized
+    ],
+)
+async def test_embeddings_match_transformers(tmp_path, shared_manager, arch, method, normalize):
+    model_dir = make_pooling_model(tmp_path, arch, method, normalize)
+    results: dict[int, list[float]] = {}
+    async with Engine(
+        model_dir,
+        manager_socket=shared_manager.socket,
+        runner="pooling",
+        dtype="float32",
+        max_num_batched_tokens=16,
+    ) as e:
+
+        async def one(index: int) -> None:
+            out = await e.embed({"prompt_token_ids": PROMPTS[index]})
+            assert out.prompt_token_ids == PROMPTS[index] and out.finished
+            results[index] = out.outputs.embedding
+
+        async with anyio.create_task_group() as tg:  # batched together
+            for index in range(len(PROMPTS)):
+                tg.start_soon(one, index)
+    for index, prompt in enumerate(PROMPTS):
+        expected = reference(model_dir, prompt, method or "lasttoken", normalize)
+        ours = torch.tensor(results[index])
+        assert (ours - expected).abs().max().item() < TOLERANCE, (index, method)
+
+
+async def test_matryoshka_dimensions_cut_and_normalize_again(tmp_path, shared_manager):
+    model_dir = make_pooling_model(tmp_path, "qwen3", "mean_tokens", is_matryoshka=True)
+    async with Engine(
+        model_dir, manager_socket=shared_manager.socket, runner="pooling", dtype="float32"
+    ) as e:
+        full = (await e.embed("w5 w6 w7")).outputs.embedding
+        cut = (await e.embed("w5 w6 w7", dimensions=16)).outputs.embedding
+        with pytest.raises(ValueError, match=r"dimensions must be an integer in \[1, 64\]"):
+            await e.embed("w5", dimensions=65)
+    assert len(full) == 64 and len(cut) == 16
+    expected = torch.nn.functional.normalize(torch.tensor(full[:16]), dim=0)
+    assert (torch.tensor(cut) - expected).abs().max().item() < 1e-6
+
+
+async def test_refusals_name_the_field_and_the_engine_keeps_serving(tmp_path, shared_manager):
+    model_dir = make_pooling_model(tmp_path, "qwen3", "lasttoken")
+    async with Engine(
+        model_dir, manager_socket=shared_manager.socket, runner="pooling", dtype="float32"
+    ) as e:
+        with pytest.raises(ValueError, match="this model's embeddings cannot be shortened"):
+            await e.embed("w5", dimensions=8)
+        with pytest.raises(ValueError, match="prompt must not be empty"):
+            await e.embed({"prompt_token_ids": []})
+        with pytest.raises(ValueError, match="prompt_token_ids must be a list of token ids"):
+            await e.embed({"prompt_token_ids": [10**6]})
+        with pytest.raises(ValueError, match="runner='pooling': it embeds"):
+            e.generate("w5", SamplingParams(max_tokens=2))
+        out = await e.embed("w5 w6")
+        assert len(out.outputs.embedding) == 64
+    async with Engine(model_dir, manager_socket=shared_manager.socket, dtype="float32") as e:
+        with pytest.raises(ValueError, match="runs with runner='generate': start the engine"):
+            await e.embed("w5")
+
+
+async def test_a_pooling_module_loomllm_does_not_compute_is_refused_at_start(
+    tmp_path, shared_manager
+):
+    model_dir = make_pooling_model(tmp_path, "qwen3", "lasttoken")
+    modules = json.loads((tmp_path / "modules.json").read_text())
+    modules.append(
+        {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}
+    )
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(Exception, match="holds sentence_transformers.models.Dense"):
+        async with Engine(model_dir, manager_socket=shared_manager.socket, runner="pooling"):
+            pass
+    with pytest.raises(ValueError, match="runner must be one of"):
+        Engine(model_dir, runner="embed")
+
+
+def test_smollm2_last_token_embeddings_through_llm_embed(shared_manager):
+    """A real checkpoint, no sentence-transformers files: each text's last token, normalized,
+    as transformers computes it; LLM.embed keeps the input order."""
+    from loomllm import LLM
+
+    texts = ["The capital of France is Paris.", "Embeddings map text to vectors.", "Hi"]
+    with LLM(
+        "smollm2",
+        manager_socket=shared_manager.socket,
+        runner="pooling",
+        dtype="float32",
+        quantization="none",  # the dequantized weights, which transformers reads
+    ) as llm:
+        outs = llm.embed(texts, use_tqdm=False)
+        model_dir = llm.engine.model_info.model_dir
+        token_ids = [llm.get_tokenizer().encode(t) for t in texts]
+    for out, ids in zip(outs, token_ids, strict=True):
+        assert out.prompt_token_ids == ids
+        expected = reference(model_dir, ids, "lasttoken", normalize=True)
+        assert (torch.tensor(out.outputs.embedding) - expected).abs().max().item() < TOLERANCE
