@@ -69,3 +69,17 @@ def reference_class(model_dir: str | Path) -> Any:
 
     named = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures")
     return getattr(transformers, named[0]) if named else transformers.AutoModelForCausalLM
+
+
+def hf_embedding(model_dir: str, prompt: list[int], pooling: str, normalize: bool) -> torch.Tensor:
+    """transformers' base model over `prompt` in float32, its last hidden states pooled as
+    sentence-transformers pools them ("lasttoken", "mean_tokens" or "cls_token"): [H]."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        hidden = model(torch.tensor([prompt])).last_hidden_state[0]
+    pooled = {"lasttoken": hidden[-1], "mean_tokens": hidden.mean(0), "cls_token": hidden[0]}
+    vector = pooled[pooling]
+    return torch.nn.functional.normalize(vector, dim=0) if normalize else vector

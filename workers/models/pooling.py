@@ -11,16 +11,12 @@ from typing import Any
 from loomllm.protocols.messages import Pooling
 from loomllm.workers.models.sources import ModelLoadError
 
-# sentence-transformers' Pooling config flag -> our method.
-_MODES = {
-    "pooling_mode_lasttoken": "last",
-    "pooling_mode_mean_tokens": "mean",
-    "pooling_mode_cls_token": "cls",
-}
-# The sentence-transformers modules a pooling model may be made of.
-_POOLING = "sentence_transformers.models.Pooling"
-_NORMALIZE = "sentence_transformers.models.Normalize"
-_TRANSFORMER = "sentence_transformers.models.Transformer"
+# sentence-transformers' pooling modes loomllm computes -> its own names. Its Pooling config
+# names one by `pooling_mode` (version 6), or sets one `pooling_mode_<flag>` (before).
+_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
+_FLAGS = {"lasttoken": "lasttoken", "mean_tokens": "mean", "cls_token": "cls"}
+# The sentence-transformers modules a pooling model may be made of, by class name.
+_MODULES = ("Transformer", "Pooling", "Normalize")
 
 
 def read_pooling(model_dir: Path, text_config: Any) -> Pooling:
@@ -30,41 +26,47 @@ def read_pooling(model_dir: Path, text_config: Any) -> Pooling:
     refused by name. Without them: the last token's hidden state, normalized (vLLM's
     default for decoders)."""
     size = int(text_config.hidden_size)
-    try:  # config.json's own words: loomllm's model config keeps only what it computes
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {model_dir}/config.json: {exc}") from exc
+    # config.json's own words: loomllm's model config keeps only what it computes.
+    config = _read_json(Path(model_dir) / "config.json")
     matryoshka = bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions"))
     modules_file = Path(model_dir) / "modules.json"
     if not modules_file.is_file():
         return Pooling("last", True, size, matryoshka)
+    modules = _read_json(modules_file)
     try:
-        modules = json.loads(modules_file.read_text())
-        kinds = [m["type"] for m in modules]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"cannot read {modules_file}: {exc}") from exc
-    other = [k for k in kinds if k not in (_TRANSFORMER, _POOLING, _NORMALIZE)]
+        kinds = [str(m["type"]).rsplit(".", 1)[-1] for m in modules]
+    except (KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{modules_file} is not a list of modules: {exc}") from exc
+    other = [m["type"] for m, kind in zip(modules, kinds, strict=True) if kind not in _MODULES]
     if other:
         raise ModelLoadError(
             f"{modules_file} holds {', '.join(other)}: loomllm pools with a Transformer, a "
             "Pooling and a Normalize module only"
         )
-    if kinds.count(_POOLING) != 1:
+    if kinds.count("Pooling") != 1:
         raise ModelLoadError(f"{modules_file} needs one Pooling module, it has {kinds}")
-    pooling_dir = Path(model_dir) / modules[kinds.index(_POOLING)].get("path", "")
-    try:
-        pooling_config = json.loads((pooling_dir / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read the Pooling module's config: {exc}") from exc
-    modes = [method for flag, method in _MODES.items() if pooling_config.get(flag)]
-    others = [
-        flag
-        for flag, value in pooling_config.items()
-        if flag.startswith("pooling_mode_") and value and flag not in _MODES
-    ]
-    if len(modes) != 1 or others:
+    pooling_file = Path(model_dir) / modules[kinds.index("Pooling")].get("path", "") / "config.json"
+    pooling = _read_json(pooling_file)
+    asked = pooling.get("pooling_mode")
+    if asked is None:  # sentence-transformers before 6: one flag each
+        prefix = "pooling_mode_"
+        asked = [
+            flag[len(prefix) :] for flag, on in pooling.items() if flag.startswith(prefix) and on
+        ]
+        asked = [_FLAGS.get(flag, flag) for flag in asked]
+    modes = [asked] if isinstance(asked, str) else list(asked)
+    if len(modes) != 1 or modes[0] not in _MODES:
         raise ModelLoadError(
-            f"{pooling_dir / 'config.json'} asks for {modes + others or 'no pooling'}: "
-            f"loomllm pools by exactly one of {', '.join(_MODES)}"
+            f"{pooling_file} asks for {modes or 'no pooling'}: loomllm pools by exactly one "
+            f"of {', '.join(_MODES)}"
         )
-    return Pooling(modes[0], _NORMALIZE in kinds, size, matryoshka)
+    if pooling.get("include_prompt") is False:
+        raise ModelLoadError(f"{pooling_file} leaves the prompt out of the pool: not supported")
+    return Pooling(_MODES[modes[0]], "Normalize" in kinds, size, matryoshka)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
