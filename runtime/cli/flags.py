@@ -29,6 +29,11 @@ MANAGER_SOCKET_FLAG = (
     "engine-manager socket (default: the per-user one)",
 )
 ENGINE_FLAGS: list[tuple[str, Any, str]] = [
+    (
+        "--runner",
+        str,
+        f"generate | pooling (embeddings: /v1/embeddings; default {_default('runner')})",
+    ),
     ("--revision", str, "a hub model's branch, tag or commit (default: its default branch)"),
     ("--dtype", str, "auto | float32 | bfloat16 | float16"),
     ("--load-format", str, "auto | dummy (random weights from the config, for benchmarks)"),

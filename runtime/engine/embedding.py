@@ -33,8 +33,8 @@ def check_dimensions(dimensions: int | None, pooling: Pooling) -> None:
         )
     if not pooling.matryoshka and dimensions != pooling.size:
         raise ValueError(
-            f"dimensions={dimensions}: this model's embeddings cannot be shortened (its "
-            "config.json does not say is_matryoshka or matryoshka_dimensions)"
+            f"dimensions cannot be {dimensions}: this model's embeddings cannot be shortened "
+            "(its config.json does not say is_matryoshka or matryoshka_dimensions)"
         )
 
 

@@ -26,6 +26,7 @@ from loomllm.protocols.sampling import SamplingParams
 from loomllm.server.metrics import build_metrics_handler
 from loomllm.server.openai import serving
 from loomllm.server.openai.chat_template_fields import TEMPLATE_ERRORS, parse_template_fields
+from loomllm.server.openai.embeddings import create_embeddings, parse_embedding_request
 from loomllm.server.openai.openapi import build_openapi
 from loomllm.server.openai.schemas import (
     ApiError,
@@ -254,6 +255,16 @@ def build_app(
         )
         return await answer(engine, request, req, model)
 
+    async def embeddings(request: Request) -> Response:
+        body = await read_body(request)
+        check_model(body, model)
+        engine = slot.require()
+        req = parse_embedding_request(body)
+        answer = await unless_disconnected(request, lambda: create_embeddings(engine, req, model))
+        if answer is None:  # the client left; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(answer)
+
     async def tokenize(request: Request) -> Response:
         body = await read_body(request)
         check_model(body, model)
@@ -298,9 +309,12 @@ def build_app(
             return JSONResponse({"status": "unhealthy", "error": exc.message}, status_code=503)
         try:
             with anyio.fail_after(health_timeout):
-                async with engine.generate({"prompt_token_ids": [0]}, params) as stream:
-                    async for _ in stream:
-                        pass
+                if engine.model_info.pooling is not None:
+                    await engine.embed({"prompt_token_ids": [0]})
+                else:
+                    async with engine.generate({"prompt_token_ids": [0]}, params) as stream:
+                        async for _ in stream:
+                            pass
         except Exception as exc:
             logger.warning("health check failed: %r", exc)
             return JSONResponse({"status": "unhealthy", "error": repr(exc)}, status_code=503)
@@ -334,6 +348,7 @@ def build_app(
         Route("/v1/models", _guard(models), methods=["GET"]),
         Route("/v1/completions", _guard(completions), methods=["POST"]),
         Route("/v1/chat/completions", _guard(chat), methods=["POST"]),
+        Route("/v1/embeddings", _guard(embeddings), methods=["POST"]),
         Route("/tokenize", _guard(tokenize), methods=["POST"]),
         Route("/detokenize", _guard(detokenize), methods=["POST"]),
         Route("/health", _guard(health), methods=["GET"]),
