@@ -131,6 +131,7 @@ BENCHMARKS = {
     "decode-profile": "loomllm.benchmarks.decode_profile",
     "decode-attention": "loomllm.benchmarks.decode_attention",
     "moe": "loomllm.benchmarks.moe",
+    "embed": "loomllm.benchmarks.embed",
     "eager-step": "loomllm.benchmarks.eager_step",
     "cpu-step": "loomllm.benchmarks.cpu_step",
     "broadcast": "loomllm.benchmarks.step_broadcast",

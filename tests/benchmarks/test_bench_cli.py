@@ -411,3 +411,23 @@ def test_moe_benchmark_times_the_loop_and_grouped_mm_alike() -> None:
     rows = re.findall(r"^\| (\d+) \| [\d.]+ \| [\d.]+ \| x[\d.]+ \| (\S+) \|$", done.stdout, re.M)
     assert [r[0] for r in rows] == ["1", "5"], done.stdout
     assert all(float(diff) < 1e-5 for _, diff in rows)  # the same numbers both ways
+
+
+def test_embed_benchmark_times_loomllm_and_sentence_transformers_alike() -> None:
+    done = loom(
+        "bench",
+        "embed",
+        "--texts",
+        "6",
+        "--min-tokens",
+        "3",
+        "--max-tokens",
+        "9",
+        "--rounds",
+        "1",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = re.findall(r"^\| (loomllm|sentence-transformers) \| [\d.]+ \|", done.stdout, re.M)
+    assert rows == ["loomllm", "sentence-transformers"], done.stdout
+    diff = re.search(r"max abs difference (\S+),", done.stdout)
+    assert diff is not None and float(diff.group(1)) < 1e-4, done.stdout  # the same vectors
