@@ -52,6 +52,8 @@ _MODULES = {
         "Logprob",
         "RequestMetrics",
         "RequestOutput",
+        "ScoringOutput",
+        "ScoringRequestOutput",
     ],
     "loomllm.protocols.sampling": [
         "RequestOutputKind",
@@ -81,6 +83,8 @@ __all__ = [
     "RequestOutputKind",
     "RequestRefusedError",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
     "WorkerStartError",
 ]

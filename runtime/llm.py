@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from loomllm.engine.engine import Engine
 from loomllm.engine.exception_groups import simplest
 from loomllm.engine.request_stream import RequestStream
-from loomllm.outputs import EmbeddingRequestOutput, RequestOutput
+from loomllm.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 from loomllm.text.tokenizer import Tokenizer
 
@@ -142,6 +142,14 @@ class LLM:
         calls = [(lambda prompt, _: start(prompt), p, None) for p in prompts]
         finals = self._run(calls, use_tqdm)
         return [self.engine.embedding(final, dimensions) for final in finals]
+
+    def score(
+        self,
+        text_1: Prompt | Sequence[Prompt],
+        text_2: Prompt | Sequence[Prompt],
+    ) -> list[ScoringRequestOutput]:
+        """Engine.score: each pair's cosine similarity (runner="pooling")."""
+        return self._call(partial(self.engine.score, text_1, text_2))
 
     def collective_rpc(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
         """Run `fn(worker, *args, **kwargs)` on every worker rank; results by rank."""

@@ -105,6 +105,22 @@ class EmbeddingRequestOutput:
     finished: bool = True
 
 
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """One pair's score, as vLLM's: `.outputs.score` (a bi-encoder's: the cosine similarity
+    of the two texts' embeddings)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the first text's, then the second's
+    finished: bool = True
+
+
 @dataclass(eq=False)
 class RequestOutputCollector:
     """Holds at most one pending output (or error) for a consumer; never blocks the producer.

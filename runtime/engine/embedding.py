@@ -1,14 +1,30 @@
 """Engine.embed's side of a pooling engine: the request it schedules, `dimensions` checked
-and applied, and the final output turned into vLLM's EmbeddingRequestOutput.
+and applied, and the final output turned into vLLM's EmbeddingRequestOutput; and
+Engine.score's pairs, each scored by the cosine similarity of its two embeddings.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from loomllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+import anyio
+
+from loomllm.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from loomllm.protocols.messages import Pooling
 from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from loomllm.engine.engine import Engine
+
+Prompt = str | dict[str, Any]
 
 
 def embed_params(truncate_prompt_tokens: int | None) -> SamplingParams:
@@ -54,3 +70,69 @@ def embedding_output(
     return EmbeddingRequestOutput(
         final.request_id, EmbeddingOutput(vector), final.prompt_token_ids, True
     )
+
+
+def texts_of(text: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One text or a list of them, as a list."""
+    return [text] if isinstance(text, str | dict) else list(text)
+
+
+def score_pairs(first: list[Prompt], second: list[Prompt]) -> list[tuple[int, int]]:
+    """vLLM's pairing of score()'s texts, as (index in text_1, index in text_2): one first
+    text against each second one, or the two lists pair by pair."""
+    if not first or not second:
+        raise ValueError("text_1 and text_2 must each hold at least one text")
+    if len(first) == 1:
+        return [(0, j) for j in range(len(second))]
+    if len(first) != len(second):
+        raise ValueError(
+            f"text_1 holds {len(first)} texts and text_2 {len(second)}: give one text_1, or as "
+            "many as text_2"
+        )
+    return [(i, i) for i in range(len(first))]
+
+
+async def score_by_cosine(
+    engine: Engine, text_1: Prompt | Sequence[Prompt], text_2: Prompt | Sequence[Prompt]
+) -> list[ScoringRequestOutput]:
+    """Each pair's cosine similarity (a bi-encoder's score), its texts embedded together;
+    a bad text raises ValueError before anything is scheduled."""
+    first, second = texts_of(text_1), texts_of(text_2)
+    pairs = score_pairs(first, second)
+    texts = first + second
+    streams = []
+    try:
+        for text in texts:
+            streams.append(engine.embed_stream(text))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    finals: list[RequestOutput | None] = [None] * len(texts)
+
+    async def one(index: int) -> None:
+        async with streams[index]:
+            finals[index] = await anext(streams[index])
+
+    async with anyio.create_task_group() as tg:
+        for index in range(len(texts)):
+            tg.start_soon(one, index)
+    assert all(final is not None for final in finals)  # each task set its own or raised
+    vectors = [engine.embedding(final, None) for final in finals if final is not None]
+    outputs = []
+    for i, j in pairs:
+        a, b = vectors[i], vectors[len(first) + j]
+        outputs.append(
+            ScoringRequestOutput(
+                f"{a.request_id}-{b.request_id}",
+                ScoringOutput(_cosine(a.outputs.embedding, b.outputs.embedding)),
+                a.prompt_token_ids + b.prompt_token_ids,
+            )
+        )
+    return outputs
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / norms if norms else 0.0

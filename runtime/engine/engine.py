@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any, TypeVar
@@ -29,7 +29,12 @@ from loomllm.clients.manager import (
     connect_shared_manager,
 )
 from loomllm.config import EngineConfig
-from loomllm.engine.embedding import check_dimensions, embed_params, embedding_output
+from loomllm.engine.embedding import (
+    check_dimensions,
+    embed_params,
+    embedding_output,
+    score_by_cosine,
+)
 from loomllm.engine.exception_groups import simplest
 from loomllm.engine.generation_defaults import sampling_defaults
 from loomllm.engine.input_checks import (
@@ -50,6 +55,7 @@ from loomllm.outputs import (
     RequestMetrics,
     RequestOutput,
     RequestOutputCollector,
+    ScoringRequestOutput,
 )
 from loomllm.protocols.messages import (
     CallFailed,
@@ -303,6 +309,15 @@ class Engine:
         check_dimensions(dimensions, pooling)
         params = embed_params(truncate_prompt_tokens)
         return self._submit(prompt, params, request_id, priority, False)
+
+    async def score(
+        self,
+        text_1: str | dict[str, Any] | Sequence[str | dict[str, Any]],
+        text_2: str | dict[str, Any] | Sequence[str | dict[str, Any]],
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's score (runner="pooling"): one text_1 against each text_2, or the two lists
+        pair by pair; each pair scored by the cosine similarity of its embeddings."""
+        return await score_by_cosine(self, text_1, text_2)
 
     def embedding(self, final: RequestOutput, dimensions: int | None) -> EmbeddingRequestOutput:
         """An `embed_stream`'s output as vLLM's EmbeddingRequestOutput."""

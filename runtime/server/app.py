@@ -26,7 +26,7 @@ from loomllm.protocols.sampling import SamplingParams
 from loomllm.server.metrics import build_metrics_handler
 from loomllm.server.openai import serving
 from loomllm.server.openai.chat_template_fields import TEMPLATE_ERRORS, parse_template_fields
-from loomllm.server.openai.embeddings import create_embeddings, parse_embedding_request
+from loomllm.server.openai.embeddings import answer_embeddings
 from loomllm.server.openai.openapi import build_openapi
 from loomllm.server.openai.schemas import (
     ApiError,
@@ -37,6 +37,7 @@ from loomllm.server.openai.schemas import (
     parse_chat,
     parse_completion,
 )
+from loomllm.server.openai.scores import create_rerank, create_scores
 from loomllm.server.openai.sse import EventStreamResponse
 from loomllm.server.parsers.reasoning import PARSERS as REASONING_PARSERS
 from loomllm.server.parsers.tool_parsers import PARSERS as TOOL_PARSERS
@@ -255,15 +256,19 @@ def build_app(
         )
         return await answer(engine, request, req, model)
 
-    async def embeddings(request: Request) -> Response:
-        body = await read_body(request)
-        check_model(body, model)
-        engine = slot.require()
-        req = parse_embedding_request(body)
-        answer = await unless_disconnected(request, lambda: create_embeddings(engine, req, model))
-        if answer is None:  # the client left; nobody reads this
-            return Response(status_code=499)
-        return JSONResponse(answer)
+    def pooled(create: Callable[[Engine, dict[str, Any], str], Awaitable[Any]]) -> Any:
+        """A pooling route: the body checked and answered by `create`."""
+
+        async def route(request: Request) -> Response:
+            body = await read_body(request)
+            check_model(body, model)
+            engine = slot.require()
+            answer = await unless_disconnected(request, lambda: create(engine, body, model))
+            if answer is None:  # the client left; nobody reads this
+                return Response(status_code=499)
+            return JSONResponse(answer)
+
+        return route
 
     async def tokenize(request: Request) -> Response:
         body = await read_body(request)
@@ -348,7 +353,9 @@ def build_app(
         Route("/v1/models", _guard(models), methods=["GET"]),
         Route("/v1/completions", _guard(completions), methods=["POST"]),
         Route("/v1/chat/completions", _guard(chat), methods=["POST"]),
-        Route("/v1/embeddings", _guard(embeddings), methods=["POST"]),
+        Route("/v1/embeddings", _guard(pooled(answer_embeddings)), methods=["POST"]),
+        Route("/v1/score", _guard(pooled(create_scores)), methods=["POST"]),
+        Route("/v1/rerank", _guard(pooled(create_rerank)), methods=["POST"]),
         Route("/tokenize", _guard(tokenize), methods=["POST"]),
         Route("/detokenize", _guard(detokenize), methods=["POST"]),
         Route("/health", _guard(health), methods=["GET"]),

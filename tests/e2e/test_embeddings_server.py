@@ -1,6 +1,7 @@
 """End to end: `loom serve --runner pooling` (asyncio and trio) and the official `openai`
-client's embeddings.create, float and base64, equal to transformers' own; a bad-input table
-for /v1/embeddings, each a 4xx naming the field, the server serving on."""
+client's embeddings.create, float and base64, equal to transformers' own; /v1/score and
+/v1/rerank; a bad-input table for the three routes, each a 4xx naming the field, the
+server serving on."""
 
 from __future__ import annotations
 
@@ -67,16 +68,23 @@ def test_openai_client_embeddings_float_and_base64(embed_server, pooling_model):
         ({"input": "w5", "dimensions": 8}, 400, "dimensions"),
         ({"input": "w5", "dimensions": "8"}, 400, "dimensions"),
         ({"input": "w5", "model": "other"}, 404, "model"),
+        ({"route": "score", "text_1": "w5"}, 400, "text_2"),
+        ({"route": "score", "text_1": ["w5", "w6"], "text_2": ["w7"] * 3}, 400, "text_1"),
+        ({"route": "score", "text_1": [""], "text_2": "w5"}, 400, "text_1"),
+        ({"route": "rerank", "documents": ["w5"]}, 400, "query"),
+        ({"route": "rerank", "query": "w5", "documents": "w6"}, 400, "documents"),
+        ({"route": "rerank", "query": "w5", "documents": ["w6"], "top_n": 0}, 400, "top_n"),
     ],
 )
 def test_bad_input_is_a_4xx_naming_the_field_and_the_server_serves_on(
     embed_server, body, status, param
 ):
-    url = embed_server.base_url + "/v1/embeddings"
+    body = dict(body)  # shared by both loops' runs
+    url = embed_server.base_url + "/v1/" + body.pop("route", "embeddings")
     answer = httpx.post(url, json=body, timeout=30)
     assert answer.status_code == status, answer.text
     assert answer.json()["error"]["param"] == param
-    ok = httpx.post(url, json={"input": "w5"}, timeout=30)
+    ok = httpx.post(embed_server.base_url + "/v1/embeddings", json={"input": "w5"}, timeout=30)
     assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 64
 
 
@@ -86,3 +94,21 @@ def test_generation_routes_refuse_on_a_pooling_server(embed_server):
     )
     assert answer.status_code == 400 and "runner='pooling'" in answer.text
     assert httpx.get(embed_server.base_url + "/health").status_code == 200
+
+
+def test_score_and_rerank_rank_by_cosine(embed_server):
+    base = embed_server.base_url + "/v1/"
+    query, documents = "w5 w6 w7", ["w40 w41", "w5 w6 w7", "w5 w6 w8"]
+    scores = httpx.post(base + "score", json={"text_1": query, "text_2": documents}).json()
+    values = [d["score"] for d in scores["data"]]
+    assert [d["index"] for d in scores["data"]] == [0, 1, 2]
+    assert values[1] == pytest.approx(1.0, abs=1e-5) and max(values) == values[1]
+    assert scores["usage"]["prompt_tokens"] == 3 * 3 + 2 + 3 + 3
+    ranked = httpx.post(
+        base + "rerank", json={"query": query, "documents": documents, "top_n": 2}
+    ).json()
+    order = sorted(range(3), key=lambda i: -values[i])[:2]
+    assert [r["index"] for r in ranked["results"]] == order
+    assert ranked["results"][0]["document"] == {"text": documents[order[0]]}
+    for result in ranked["results"]:
+        assert result["relevance_score"] == pytest.approx(values[result["index"]], abs=1e-5)

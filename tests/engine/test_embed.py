@@ -134,3 +134,28 @@ def test_smollm2_last_token_embeddings_through_llm_embed(shared_manager):
         assert out.prompt_token_ids == ids
         expected = hf_embedding(model_dir, ids, "lasttoken", normalize=True)
         assert (torch.tensor(out.outputs.embedding) - expected).abs().max().item() < TOLERANCE
+
+
+async def test_score_is_the_cosine_of_the_embeddings_paired_as_vllm_pairs(tmp_path, shared_manager):
+    model_dir = make_pooling_model(tmp_path, "qwen3", "mean_tokens", normalize=False)
+    async with Engine(
+        model_dir, manager_socket=shared_manager.socket, runner="pooling", dtype="float32"
+    ) as e:
+        one_to_many = await e.score("w5 w6", ["w5 w6", "w7", "w8 w9 w30"])
+        pairwise = await e.score(["w5", "w7"], ["w6", "w8"])
+        with pytest.raises(ValueError, match="text_1 holds 2 texts and text_2 3"):
+            await e.score(["w5", "w6"], ["w7", "w8", "w9"])
+        with pytest.raises(ValueError, match="prompt must not be empty"):
+            await e.score("w5", [{"prompt_token_ids": []}])
+        assert len(await e.score("w5", "w6")) == 1  # serving on
+
+    def cosine(a: list[int], b: list[int]) -> float:
+        x, y = (hf_embedding(model_dir, t, "mean_tokens", False) for t in (a, b))
+        return torch.nn.functional.cosine_similarity(x, y, dim=0).item()
+
+    assert one_to_many[0].outputs.score == pytest.approx(1.0, abs=1e-6)
+    assert one_to_many[0].prompt_token_ids == [5, 6, 5, 6]
+    for out, other in zip(one_to_many, [[5, 6], [7], [8, 9, 30]], strict=True):
+        assert out.outputs.score == pytest.approx(cosine([5, 6], other), abs=TOLERANCE)
+    for out, (a, b) in zip(pairwise, [([5], [6]), ([7], [8])], strict=True):
+        assert out.outputs.score == pytest.approx(cosine(a, b), abs=TOLERANCE)

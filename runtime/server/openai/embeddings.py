@@ -69,6 +69,11 @@ def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(type(as_int(t)) is int for t in value)
 
 
+async def answer_embeddings(engine: Engine, body: dict[str, Any], model: str) -> dict[str, Any]:
+    """The route's answer to `body` (a 400 naming the field that is wrong)."""
+    return await create_embeddings(engine, parse_embedding_request(body), model)
+
+
 async def create_embeddings(engine: Engine, req: EmbeddingRequest, model: str) -> dict[str, Any]:
     """Every input's embedding, in input order, with the prompt tokens used."""
     base_id = f"embd-{uuid.uuid4().hex}"
