@@ -43,11 +43,19 @@ ALLOWED: dict[str, set[str]] = {
         "loomllm.protocols",
         "loomllm.server.parsers",
     },
+    # Ollama's API builds on the OpenAI routes' request checks and errors.
+    "loomllm.server.ollama": {
+        "loomllm.engine",
+        "loomllm.outputs",
+        "loomllm.protocols",
+        "loomllm.server.openai",
+    },
     "loomllm.server": {
         "loomllm.engine",
         "loomllm.errors",
         "loomllm.metrics",
         "loomllm.protocols",
+        "loomllm.server.ollama",
         "loomllm.server.openai",
         "loomllm.server.parsers",
     },

@@ -24,6 +24,7 @@ from starlette.routing import Route
 from loomllm.engine.engine import Engine
 from loomllm.protocols.sampling import SamplingParams
 from loomllm.server.metrics import build_metrics_handler
+from loomllm.server.ollama.routes import ollama_routes
 from loomllm.server.openai import serving
 from loomllm.server.openai.chat_template_fields import TEMPLATE_ERRORS, parse_template_fields
 from loomllm.server.openai.embeddings import answer_embeddings
@@ -363,6 +364,7 @@ def build_app(
         Route("/metrics", _guard(build_metrics_handler(slot, model)), methods=["GET"]),
         Route("/openapi.json", _guard(openapi), methods=["GET"]),
     ]
+    routes += ollama_routes(slot.require, model, read_body)
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     if api_key is not None:
         return _with_api_key(app, api_key)  # type: ignore[return-value]

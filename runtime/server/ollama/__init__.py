@@ -1,0 +1,1 @@
+"""Ollama's API (/api/*) on the same server as the OpenAI one."""

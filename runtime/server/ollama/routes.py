@@ -1,0 +1,272 @@
+"""Ollama's routes over the served engine: /api/generate and /api/chat (NDJSON streams or one
+object), /api/embed, /api/tags, /api/ps, /api/show and /api/version, in Ollama's shapes;
+errors as Ollama words them, {"error": "..."} with its status."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from loomllm.engine.engine import Engine
+from loomllm.engine.request_stream import RequestStream
+from loomllm.outputs import RequestOutput
+from loomllm.server.ollama.model_card import details, show
+from loomllm.server.ollama.options import sampling_params
+from loomllm.server.openai.api_error import ApiError, bad
+from loomllm.server.openai.schemas import field
+from loomllm.server.openai.serving import engine_error
+
+NDJSON = "application/x-ndjson"
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def ollama_routes(
+    require: Callable[[], Engine], served: str, read_body: Callable[[Request], Awaitable[Any]]
+) -> list[Route]:
+    """The /api/* routes; `require()` is the engine of the moment (503 while there is none)."""
+
+    def engine_for(body: dict[str, Any]) -> Engine:
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
+            raise bad("model is required", "model")
+        if name not in (served, f"{served}:latest"):
+            raise ApiError(404, f"model '{name}' not found", "model")
+        return require()
+
+    async def generate(request: Request) -> Response:
+        body = await read_body(request)
+        engine = engine_for(body)
+        prompt = body.get("prompt", "")
+        if not isinstance(prompt, str):
+            raise bad("prompt must be a string", "prompt")
+        _no_images(body.get("images"), "images")
+        stream = field(body, "stream", "bool", True)
+        params = sampling_params(body, engine.sampling_defaults, stream)
+        if not prompt:  # Ollama's way to load a model: it is loaded
+            return JSONResponse(_chunk(engine, served, done_reason="load", response=""))
+        system = field(body, "system", "str")
+        templated = not field(body, "raw", "bool", False) and engine.tokenizer is not None
+        if templated and engine.tokenizer.chat_templates:  # type: ignore[union-attr]
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append({"role": "user", "content": prompt})
+            run = _started(lambda: engine.chat(messages, params), "prompt")
+        else:
+            text = f"{system}\n\n{prompt}" if system else prompt
+            run = _started(lambda: engine.generate(text, params), "prompt")
+        return await _answer(engine, served, run, stream, "response")
+
+    async def chat(request: Request) -> Response:
+        body = await read_body(request)
+        engine = engine_for(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad("messages must be a non-empty list", "messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("content", ""), str):
+                raise bad(f"messages[{i}] must be an object with string content", "messages")
+            _no_images(message.get("images"), f"messages[{i}].images")
+        if body.get("tools"):
+            raise bad("tools are not supported on /api/chat yet: use /v1/chat/completions", "tools")
+        stream = field(body, "stream", "bool", True)
+        params = sampling_params(body, engine.sampling_defaults, stream)
+        run = _started(lambda: engine.chat(messages, params), "messages")
+        return await _answer(engine, served, run, stream, "message")
+
+    async def embed(request: Request) -> Response:
+        body = await read_body(request)
+        engine = engine_for(body)
+        inputs = body.get("input")
+        inputs = [inputs] if isinstance(inputs, str) else inputs
+        if not isinstance(inputs, list) or not inputs:
+            raise bad("input must be a string or a non-empty list of strings", "input")
+        if not all(isinstance(text, str) and text for text in inputs):
+            raise bad("input must hold non-empty strings", "input")
+        truncate = field(body, "truncate", "bool", True)
+        dimensions = field(body, "dimensions", "int")
+        started = time.time()
+        keep = engine.max_model_len - 1 if truncate else None
+
+        def start_all() -> list[RequestStream]:
+            streams: list[RequestStream] = []
+            try:
+                for text in inputs:
+                    streams.append(
+                        engine.embed_stream(
+                            text, dimensions=dimensions, truncate_prompt_tokens=keep
+                        )
+                    )
+            except BaseException:
+                for s in streams:
+                    s.close()
+                raise
+            return streams
+
+        streams = _started(start_all, "input")
+        finals = [await _final(s) for s in streams]
+        vectors = [engine.embedding(final, dimensions).outputs.embedding for final in finals]
+        return JSONResponse(
+            {
+                "model": served,
+                "embeddings": vectors,
+                "total_duration": _ns(time.time() - started),
+                "load_duration": 0,
+                "prompt_eval_count": sum(len(f.prompt_token_ids) for f in finals),
+            }
+        )
+
+    async def tags(request: Request) -> Response:
+        return JSONResponse({"models": [_listing(require(), served)]})
+
+    async def ps(request: Request) -> Response:
+        engine = require()
+        listing = _listing(engine, served)
+        listing.update(
+            # Loaded for as long as the server runs: Ollama's far-future "forever".
+            expires_at="2318-12-31T00:00:00Z",
+            size_vram=listing["size"] if engine.model_info.device.startswith("cuda") else 0,
+            context_length=engine.max_model_len,
+        )
+        return JSONResponse({"models": [listing]})
+
+    async def show_model(request: Request) -> Response:
+        body = await read_body(request)
+        return JSONResponse(show(engine_for(body)))
+
+    async def version(request: Request) -> Response:
+        try:
+            return JSONResponse({"version": metadata.version("loomllm")})
+        except metadata.PackageNotFoundError:
+            return JSONResponse({"version": "unknown"})
+
+    return [
+        Route("/api/generate", _ollama_errors(generate), methods=["POST"]),
+        Route("/api/chat", _ollama_errors(chat), methods=["POST"]),
+        Route("/api/embed", _ollama_errors(embed), methods=["POST"]),
+        Route("/api/tags", _ollama_errors(tags), methods=["GET"]),
+        Route("/api/ps", _ollama_errors(ps), methods=["GET"]),
+        Route("/api/show", _ollama_errors(show_model), methods=["POST"]),
+        Route("/api/version", _ollama_errors(version), methods=["GET"]),
+    ]
+
+
+def _ollama_errors(handler: Handler) -> Handler:
+    """Ollama's error shape: {"error": message}, with the status."""
+
+    async def answer(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return JSONResponse({"error": exc.message}, status_code=exc.status)
+
+    return answer
+
+
+def _no_images(images: Any, where: str) -> None:
+    if images:
+        raise bad(f"{where}: this server's model reads text only", where)
+
+
+def _started(start: Callable[[], Any], param: str) -> Any:
+    """`start()`, its ValueError a 400 naming `param` (or the field it names)."""
+    try:
+        return start()
+    except ValueError as exc:
+        raise bad(str(exc), param) from None
+    except Exception as exc:
+        raise engine_error(exc) from None
+
+
+async def _final(stream: RequestStream) -> RequestOutput:
+    async with stream:
+        try:
+            return await anext(stream)
+        except Exception as exc:
+            raise engine_error(exc) from None
+
+
+async def _answer(
+    engine: Engine, served: str, stream: RequestStream, streaming: bool, key: str
+) -> Response:
+    """One object (FINAL_ONLY) or an NDJSON stream of deltas whose last one is done."""
+    if not streaming:
+        out = await _final(stream)
+        return JSONResponse(_done(engine, served, out, key, out.outputs[0].text))
+
+    async def lines() -> AsyncIterator[bytes]:
+        async with stream:
+            async for out in stream:
+                text = out.outputs[0].text
+                if out.finished:
+                    yield _line(_done(engine, served, out, key, text))
+                elif text:
+                    yield _line(_chunk(engine, served, **_text(key, text)))
+
+    return StreamingResponse(lines(), media_type=NDJSON)
+
+
+def _text(key: str, text: str) -> dict[str, Any]:
+    if key == "message":
+        return {"message": {"role": "assistant", "content": text}}
+    return {"response": text}
+
+
+def _chunk(engine: Engine, served: str, done_reason: str | None = None, **rest: Any) -> dict:
+    chunk = {"model": served, "created_at": _now(), **rest, "done": done_reason is not None}
+    if done_reason is not None:
+        chunk["done_reason"] = done_reason
+    return chunk
+
+
+def _done(engine: Engine, served: str, out: RequestOutput, key: str, text: str) -> dict:
+    """The last object: the text's end, why it ended, and Ollama's counts and durations."""
+    completion, m = out.outputs[0], out.metrics
+    end = m.finished_time or time.time()
+    first = m.first_token_time or end
+    return _chunk(
+        engine,
+        served,
+        done_reason="length" if completion.finish_reason == "length" else "stop",
+        **_text(key, text),
+        total_duration=_ns(end - m.arrival_time),
+        load_duration=0,
+        prompt_eval_count=len(out.prompt_token_ids),
+        prompt_eval_duration=_ns(first - m.arrival_time),
+        eval_count=len(completion.token_ids),
+        eval_duration=_ns(end - first),
+    )
+
+
+def _listing(engine: Engine, served: str) -> dict[str, Any]:
+    """The model as /api/tags lists it."""
+    model_dir = Path(engine.model_info.model_dir)
+    size = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    modified = datetime.fromtimestamp(model_dir.stat().st_mtime, UTC)
+    return {
+        "name": served,
+        "model": served,
+        "modified_at": modified.isoformat().replace("+00:00", "Z"),
+        "size": size,
+        "digest": "",
+        "details": details(engine),
+    }
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return max(0, int(seconds * 1e9))
