@@ -24,15 +24,18 @@ PROMPTS = [[5, 6, 7, 8, 9], [(7 * i) % 70 + 30 for i in range(45)], [42]]
 
 
 @pytest.mark.parametrize(
-    "arch, method, normalize",
+    "arch, method, normalize, model_impl",
     [
-        ("qwen3", "mean_tokens", True),
-        ("qwen3", "lasttoken", True),
-        ("llama", "cls_token", False),
-        ("llama", None, True),  # no sentence-transformers files: last token, normalized
+        ("qwen3", "mean_tokens", True, "auto"),
+        ("qwen3", "lasttoken", True, "auto"),
+        ("llama", "cls_token", False, "auto"),
+        ("llama", None, True, "auto"),  # no sentence-transformers files: last token, normalized
+        ("llama", "mean_tokens", True, "transformers"),  # its base model's hidden states
     ],
 )
-async def test_embeddings_match_transformers(tmp_path, shared_manager, arch, method, normalize):
+async def test_embeddings_match_transformers(
+    tmp_path, shared_manager, arch, method, normalize, model_impl
+):
     model_dir = make_pooling_model(tmp_path, arch, method, normalize)
     results: dict[int, list[float]] = {}
     async with Engine(
@@ -41,6 +44,7 @@ async def test_embeddings_match_transformers(tmp_path, shared_manager, arch, met
         runner="pooling",
         dtype="float32",
         max_num_batched_tokens=16,
+        model_impl=model_impl,
     ) as e:
 
         async def one(index: int) -> None:
