@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from loomllm.engine.request_stream import start_all
 from loomllm.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -100,14 +102,7 @@ async def score_by_cosine(
     first, second = texts_of(text_1), texts_of(text_2)
     pairs = score_pairs(first, second)
     texts = first + second
-    streams = []
-    try:
-        for text in texts:
-            streams.append(engine.embed_stream(text))
-    except BaseException:
-        for stream in streams:
-            stream.close()
-        raise
+    streams = start_all(partial(engine.embed_stream, text) for text in texts)
     finals: list[RequestOutput | None] = [None] * len(texts)
 
     async def one(index: int) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 
 from loomllm.outputs import RequestOutput, RequestOutputCollector
@@ -62,3 +62,17 @@ class RequestStream:
 
     def __del__(self) -> None:
         self.close()
+
+
+def start_all(starts: Iterable[Callable[[], RequestStream]]) -> list[RequestStream]:
+    """Every request started, before any is awaited; if one cannot start, those started
+    before it are aborted and its error raised (a bad prompt fails the whole call)."""
+    streams: list[RequestStream] = []
+    try:
+        for start in starts:
+            streams.append(start())
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams

@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from loomllm.engine.engine import Engine
-from loomllm.engine.request_stream import RequestStream
+from loomllm.engine.request_stream import RequestStream, start_all
 from loomllm.outputs import RequestOutput
 from loomllm.server.ollama.model_card import details, show
 from loomllm.server.ollama.options import sampling_params
 from loomllm.server.openai.api_error import ApiError, bad
 from loomllm.server.openai.schemas import field
-from loomllm.server.openai.serving import engine_error
+from loomllm.server.openai.serving import engine_error, final_outputs
 
 NDJSON = "application/x-ndjson"
 Handler = Callable[[Request], Awaitable[Response]]
@@ -95,23 +96,13 @@ def ollama_routes(
         started = time.time()
         keep = engine.max_model_len - 1 if truncate else None
 
-        def start_all() -> list[RequestStream]:
-            streams: list[RequestStream] = []
-            try:
-                for text in inputs:
-                    streams.append(
-                        engine.embed_stream(
-                            text, dimensions=dimensions, truncate_prompt_tokens=keep
-                        )
-                    )
-            except BaseException:
-                for s in streams:
-                    s.close()
-                raise
-            return streams
-
-        streams = _started(start_all, "input")
-        finals = [await _final(s) for s in streams]
+        starts = (
+            partial(engine.embed_stream, text, dimensions=dimensions, truncate_prompt_tokens=keep)
+            for text in inputs
+        )
+        streams = _started(lambda: start_all(starts), "input")
+        by_index = await final_outputs(streams)
+        finals = [by_index[i] for i in range(len(streams))]
         vectors = [engine.embedding(final, dimensions).outputs.embedding for final in finals]
         return JSONResponse(
             {

@@ -7,14 +7,15 @@ import base64
 import struct
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from loomllm.engine.engine import Engine
+from loomllm.engine.request_stream import start_all
 from loomllm.errors import EngineClosedError, EngineDeadError
-from loomllm.outputs import RequestOutput
 from loomllm.server.openai.api_error import bad
 from loomllm.server.openai.schemas import as_int, field, from_value_error
-from loomllm.server.openai.serving import drive, engine_error
+from loomllm.server.openai.serving import engine_error, final_outputs
 
 # OpenAI's limit on the inputs of one request.
 MAX_INPUTS = 2048
@@ -77,20 +78,19 @@ async def answer_embeddings(engine: Engine, body: dict[str, Any], model: str) ->
 async def create_embeddings(engine: Engine, req: EmbeddingRequest, model: str) -> dict[str, Any]:
     """Every input's embedding, in input order, with the prompt tokens used."""
     base_id = f"embd-{uuid.uuid4().hex}"
-    streams = []
+    starts = (
+        partial(
+            engine.embed_stream,
+            prompt,
+            dimensions=req.dimensions,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+            request_id=f"{base_id}-{i}",
+        )
+        for i, prompt in enumerate(req.inputs)
+    )
     try:
-        for i, prompt in enumerate(req.inputs):
-            streams.append(
-                engine.embed_stream(
-                    prompt,
-                    dimensions=req.dimensions,
-                    truncate_prompt_tokens=req.truncate_prompt_tokens,
-                    request_id=f"{base_id}-{i}",
-                )
-            )
+        streams = start_all(starts)
     except ValueError as exc:
-        for s in streams:
-            s.close()
         renames = {
             "prompt": "input",
             "prompt_token_ids": "input",
@@ -99,18 +99,8 @@ async def create_embeddings(engine: Engine, req: EmbeddingRequest, model: str) -
         }
         raise from_value_error(exc, "input", renames) from None
     except (EngineDeadError, EngineClosedError) as exc:
-        for s in streams:
-            s.close()
         raise engine_error(exc) from None
-    finals: dict[int, RequestOutput] = {}
-
-    async def keep(i: int, out: RequestOutput) -> None:
-        finals[i] = out
-
-    try:
-        await drive(streams, keep)
-    except Exception as exc:
-        raise engine_error(exc) from exc
+    finals = await final_outputs(streams)
     data, prompt_tokens = [], 0
     for i in range(len(req.inputs)):
         vector = engine.embedding(finals[i], req.dimensions).outputs.embedding

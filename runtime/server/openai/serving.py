@@ -9,12 +9,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any
 
 import anyio
 
 from loomllm.engine.engine import Engine
-from loomllm.engine.request_stream import RequestStream
+from loomllm.engine.request_stream import RequestStream, start_all
 from loomllm.errors import EngineClosedError, EngineDeadError, RequestRefusedError
 from loomllm.outputs import CompletionOutput, Logprob, RequestOutput
 from loomllm.server.openai import sse
@@ -35,35 +36,26 @@ def start_streams(
     engine: Engine, prompts: list[Any], req: CompletionRequest | ChatRequest, base_id: str
 ) -> list[RequestStream]:
     """One engine request per prompt; a bad prompt aborts those already started (400)."""
-    streams: list[RequestStream] = []
+    priority = req.common.priority
+
+    def start(i: int, prompt: Any) -> RequestStream:
+        rid = f"{base_id}-{i}"
+        if isinstance(req, ChatRequest):
+            return engine.chat(
+                req.messages,
+                req.common.params,
+                request_id=rid,
+                priority=priority,
+                max_tokens_must_fit=True,
+                **req.template.chat_kwargs(req.tools),
+            )
+        return engine.generate(
+            prompt, req.common.params, request_id=rid, priority=priority, max_tokens_must_fit=True
+        )
+
     try:
-        for i, prompt in enumerate(prompts):
-            rid = f"{base_id}-{i}"
-            priority = req.common.priority
-            if isinstance(req, ChatRequest):
-                streams.append(
-                    engine.chat(
-                        req.messages,
-                        req.common.params,
-                        request_id=rid,
-                        priority=priority,
-                        max_tokens_must_fit=True,
-                        **req.template.chat_kwargs(req.tools),
-                    )
-                )
-            else:
-                streams.append(
-                    engine.generate(
-                        prompt,
-                        req.common.params,
-                        request_id=rid,
-                        priority=priority,
-                        max_tokens_must_fit=True,
-                    )
-                )
+        return start_all(partial(start, i, p) for i, p in enumerate(prompts))
     except ValueError as exc:
-        for s in streams:
-            s.close()
         # A chat's prompt is its rendered messages: a prompt error names them.
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
         renames = {
@@ -74,10 +66,23 @@ def start_streams(
         }
         raise from_value_error(exc, param, renames) from None
     except (EngineDeadError, EngineClosedError) as exc:  # it died since the request came in
-        for s in streams:
-            s.close()
         raise engine_error(exc) from None
-    return streams
+
+
+async def final_outputs(
+    streams: list[RequestStream], structured_field: str | None = None
+) -> dict[int, RequestOutput]:
+    """Each stream's last output, by its index, as they come; an engine error as the API's."""
+    finals: dict[int, RequestOutput] = {}
+
+    async def keep(i: int, out: RequestOutput) -> None:
+        finals[i] = out
+
+    try:
+        await drive(streams, keep)
+    except Exception as exc:
+        raise engine_error(exc, structured_field) from exc
+    return finals
 
 
 async def drive(
@@ -309,15 +314,7 @@ async def complete(engine: Engine, req: CompletionRequest | ChatRequest, model: 
     chat = isinstance(req, ChatRequest)
     fmt, prompts = formatter_and_prompts(engine, req, model)
     streams = start_streams(engine, prompts, req, fmt.id)
-    finals: dict[int, RequestOutput] = {}
-
-    async def keep(i: int, out: RequestOutput) -> None:
-        finals[i] = out
-
-    try:
-        await drive(streams, keep)
-    except Exception as exc:
-        raise engine_error(exc, req.common.structured_field) from exc
+    finals = await final_outputs(streams, req.common.structured_field)
     n = req.common.params.n
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for i in range(len(prompts)):
