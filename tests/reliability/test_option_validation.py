@@ -72,6 +72,7 @@ BAD_SAMPLING = {
 
 BAD_ENGINE = {
     "model": ["", "  ", 5, None, Path("m")],
+    "runner": ["embed", "", None, 5, "POOLING"],
     "revision": ["", "  ", 5, "main branch", b"main"],
     "dtype": ["int3", "", None, 5, "FLOAT32"],
     "weight_dtype": ["float32", "int8", "", 5],
