@@ -364,7 +364,7 @@ def build_app(
         Route("/metrics", _guard(build_metrics_handler(slot, model)), methods=["GET"]),
         Route("/openapi.json", _guard(openapi), methods=["GET"]),
     ]
-    routes += ollama_routes(slot.require, model, read_body)
+    routes += ollama_routes(slot.require, model, read_body, unless_disconnected)
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     if api_key is not None:
         return _with_api_key(app, api_key)  # type: ignore[return-value]

@@ -386,18 +386,21 @@ async def test_api_key(tiny_model, shared_manager):
         assert (await client.get("/health")).status_code == 200
 
 
-async def post_then_hang_up(port: int, body: dict, engine: Engine, until_data: bool) -> None:
-    """POST over a raw socket; close it once the request runs (first SSE event, or running)."""
+async def post_then_hang_up(
+    port: int, path: str, body: dict, engine: Engine, until: bytes | None
+) -> None:
+    """POST over a raw socket; close it once the request runs (the first streamed bytes
+    holding `until`, or running)."""
     data = json.dumps(body).encode()
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(data)}\r\n\r\n"
     ).encode()
     async with await anyio.connect_tcp("127.0.0.1", port) as conn:
         await conn.send(head + data)
-        if until_data:
+        if until is not None:
             received = b""
-            while b"data: " not in received:
+            while until not in received:
                 received += await conn.receive()
         else:
             with anyio.fail_after(10):
@@ -405,12 +408,23 @@ async def post_then_hang_up(port: int, body: dict, engine: Engine, until_data: b
                     await anyio.sleep(0.01)
 
 
-@pytest.mark.parametrize("stream", [True, False])
-async def test_disconnect_aborts_the_request(server, stream):
+LONG_OLLAMA = {"model": NAME, "prompt": "w5 w6", "options": {"num_predict": 400}}
+
+
+@pytest.mark.parametrize(
+    "path, body, until",
+    [
+        ("/v1/completions", {"max_tokens": 400, "ignore_eos": True, "stream": True}, b"data: "),
+        ("/v1/completions", {"max_tokens": 400, "ignore_eos": True, "stream": False}, None),
+        ("/api/generate", {**LONG_OLLAMA, "stream": True}, b'"response"'),
+        ("/api/generate", {**LONG_OLLAMA, "stream": False}, None),
+    ],
+)
+async def test_disconnect_aborts_the_request(server, path, body, until):
     engine, client = server
     steps_before = engine.stats().num_steps
-    body = {"prompt": "w5 w6", "max_tokens": 400, "ignore_eos": True, "stream": stream}
-    await post_then_hang_up(client.base_url.port, body, engine, until_data=stream)
+    body = {"prompt": "w5 w6", **body}
+    await post_then_hang_up(client.base_url.port, path, body, engine, until)
     with anyio.fail_after(10):
         await engine.wait_until_idle()
     assert engine.stats().num_running == 0

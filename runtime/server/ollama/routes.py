@@ -31,9 +31,23 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def ollama_routes(
-    require: Callable[[], Engine], served: str, read_body: Callable[[Request], Awaitable[Any]]
+    require: Callable[[], Engine],
+    served: str,
+    read_body: Callable[[Request], Awaitable[Any]],
+    unless_disconnected: Callable[[Request, Callable[[], Awaitable[Any]]], Awaitable[Any]],
 ) -> list[Route]:
-    """The /api/* routes; `require()` is the engine of the moment (503 while there is none)."""
+    """The /api/* routes; `require()` is the engine of the moment (503 while there is none),
+    `unless_disconnected(request, run)` runs `run()` and aborts it if the client leaves (None).
+    """
+
+    async def answer(request: Request, stream: RequestStream, streaming: bool, key: str) -> Any:
+        """One object (FINAL_ONLY) or an NDJSON stream of deltas whose last one is done."""
+        if streaming:
+            return StreamingResponse(_lines(served, stream, key), media_type=NDJSON)
+        out = await unless_disconnected(request, lambda: _final(stream))
+        if out is None:  # the client left: its request is aborted, nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(_done(served, out, key, out.outputs[0].text))
 
     def engine_for(body: dict[str, Any]) -> Engine:
         name = body.get("model")
@@ -53,7 +67,7 @@ def ollama_routes(
         stream = field(body, "stream", "bool", True)
         params = sampling_params(body, engine.sampling_defaults, stream)
         if not prompt:  # Ollama's way to load a model: it is loaded
-            return JSONResponse(_chunk(engine, served, done_reason="load", response=""))
+            return JSONResponse(_chunk(served, done_reason="load", response=""))
         system = field(body, "system", "str")
         templated = not field(body, "raw", "bool", False) and engine.tokenizer is not None
         if templated and engine.tokenizer.chat_templates:  # type: ignore[union-attr]
@@ -63,7 +77,7 @@ def ollama_routes(
         else:
             text = f"{system}\n\n{prompt}" if system else prompt
             run = _started(lambda: engine.generate(text, params), "prompt")
-        return await _answer(engine, served, run, stream, "response")
+        return await answer(request, run, stream, "response")
 
     async def chat(request: Request) -> Response:
         body = await read_body(request)
@@ -80,7 +94,7 @@ def ollama_routes(
         stream = field(body, "stream", "bool", True)
         params = sampling_params(body, engine.sampling_defaults, stream)
         run = _started(lambda: engine.chat(messages, params), "messages")
-        return await _answer(engine, served, run, stream, "message")
+        return await answer(request, run, stream, "message")
 
     async def embed(request: Request) -> Response:
         body = await read_body(request)
@@ -184,24 +198,15 @@ async def _final(stream: RequestStream) -> RequestOutput:
             raise engine_error(exc) from None
 
 
-async def _answer(
-    engine: Engine, served: str, stream: RequestStream, streaming: bool, key: str
-) -> Response:
-    """One object (FINAL_ONLY) or an NDJSON stream of deltas whose last one is done."""
-    if not streaming:
-        out = await _final(stream)
-        return JSONResponse(_done(engine, served, out, key, out.outputs[0].text))
-
-    async def lines() -> AsyncIterator[bytes]:
-        async with stream:
-            async for out in stream:
-                text = out.outputs[0].text
-                if out.finished:
-                    yield _line(_done(engine, served, out, key, text))
-                elif text:
-                    yield _line(_chunk(engine, served, **_text(key, text)))
-
-    return StreamingResponse(lines(), media_type=NDJSON)
+async def _lines(served: str, stream: RequestStream, key: str) -> AsyncIterator[bytes]:
+    """The NDJSON stream's lines: a delta each, then the done object."""
+    async with stream:
+        async for out in stream:
+            text = out.outputs[0].text
+            if out.finished:
+                yield _line(_done(served, out, key, text))
+            elif text:
+                yield _line(_chunk(served, **_text(key, text)))
 
 
 def _text(key: str, text: str) -> dict[str, Any]:
@@ -210,20 +215,19 @@ def _text(key: str, text: str) -> dict[str, Any]:
     return {"response": text}
 
 
-def _chunk(engine: Engine, served: str, done_reason: str | None = None, **rest: Any) -> dict:
+def _chunk(served: str, done_reason: str | None = None, **rest: Any) -> dict:
     chunk = {"model": served, "created_at": _now(), **rest, "done": done_reason is not None}
     if done_reason is not None:
         chunk["done_reason"] = done_reason
     return chunk
 
 
-def _done(engine: Engine, served: str, out: RequestOutput, key: str, text: str) -> dict:
+def _done(served: str, out: RequestOutput, key: str, text: str) -> dict:
     """The last object: the text's end, why it ended, and Ollama's counts and durations."""
     completion, m = out.outputs[0], out.metrics
     end = m.finished_time or time.time()
     first = m.first_token_time or end
     return _chunk(
-        engine,
         served,
         done_reason="length" if completion.finish_reason == "length" else "stop",
         **_text(key, text),
