@@ -46,6 +46,7 @@ ALLOWED: dict[str, set[str]] = {
     # Ollama's API builds on the OpenAI routes' request checks and errors.
     "loomllm.server.ollama": {
         "loomllm.engine",
+        "loomllm.errors",
         "loomllm.outputs",
         "loomllm.protocols",
         "loomllm.server.openai",

@@ -61,6 +61,7 @@ from loomllm.protocols.messages import (
     CallFailed,
     CallResult,
     ModelInfo,
+    PullProgress,
     RunCallable,
     WorkerDied,
     WorkersAcquired,
@@ -89,6 +90,7 @@ class Engine:
         self.engine_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._stack: AsyncExitStack | None = None
         self._replicas: list[Replica] = []
+        self._manager: ManagerClient | None = None  # set while the engine runs
         self._running = False
         self._turn = itertools.count()  # round-robin among equally loaded replicas
         self.tokenizer: Tokenizer | None = None
@@ -132,7 +134,7 @@ class Engine:
             ms = await connect_manager(private.socket_path)
         else:
             ms = await connect_shared_manager(cfg.manager_socket or default_socket_path())
-        manager = ManagerClient(ms, self._on_worker_died)
+        manager = self._manager = ManagerClient(ms, self._on_worker_died)
         stack.push_async_callback(manager.aclose)
         tg = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(tg.cancel_scope.cancel)  # runs after release, before the group exits
@@ -318,6 +320,23 @@ class Engine:
         """vLLM's score (runner="pooling"): one text_1 against each text_2, or the two lists
         pair by pair; each pair scored by the cosine similarity of its embeddings."""
         return await score_by_cosine(self, text_1, text_2)
+
+    async def pull(
+        self,
+        model: str,
+        revision: str | None = None,
+        on_progress: Callable[[PullProgress], None] = lambda report: None,
+    ) -> str:
+        """Have the engine's manager download hub model `model` (Ollama's pull: any model,
+        not only this engine's), asking the Hub for a newer commit; its snapshot folder.
+        ModelPullError with the manager's words where it cannot."""
+        self._require_running()
+        if not hub.is_hub_id(model):
+            raise ValueError(f"model {model!r} is not a hub id like 'org/name'")
+        assert self._manager is not None
+        token = os.environ.get("HF_TOKEN") or None
+        pulled = await self._manager.pull(model, revision, token, on_progress, check_hub=True)
+        return pulled.path
 
     def embedding(self, final: RequestOutput, dimensions: int | None) -> EmbeddingRequestOutput:
         """An `embed_stream`'s output as vLLM's EmbeddingRequestOutput."""

@@ -229,3 +229,29 @@ def test_loom_pull_the_models_list_and_the_example(hub_site):
     assert example.returncode == 0, example.stderr
     assert example.stdout.strip()
     assert set(fake.requests.values()) == {1}
+
+
+def test_ollama_pull_downloads_through_the_manager_with_progress(hub_site, model_files):
+    """Ollama's /api/pull on `loom serve`: the served engine's manager downloads the model,
+    the official client sees the bytes come in and success; an unknown one is a 404."""
+    import ollama
+    from support.servers import loom_serve
+
+    fake, manager = hub_site
+    fake.seconds_per_file = 0.3  # slow enough for progress reports to come in
+    with loom_serve(str(model_files), manager.socket, "tiny") as server:
+        with ollama.Client(host=server.base_url) as client:
+            steps = list(client.pull(REPO, stream=True))
+            assert steps[0].status == "pulling manifest" and steps[-1].status == "success"
+            progress = [(s.completed, s.total) for s in steps if s.total is not None]
+            assert progress[-1][1] == sum(len(data) for data in fake.files.values())
+            assert all(done <= total for done, total in progress)
+            assert [done for done, _ in progress] == sorted(done for done, _ in progress)
+            assert client.pull(REPO).status == "success"  # cached: nothing fetched again
+            with pytest.raises(ollama.ResponseError) as err:
+                client.pull("org/nope")
+            assert err.value.status_code == 404 and "org/nope" in err.value.error
+            with pytest.raises(ollama.ResponseError) as err:
+                client.pull("not a hub id")
+            assert err.value.status_code == 400
+    assert set(fake.requests.values()) == {1}  # each file once

@@ -5,6 +5,7 @@ errors as Ollama words them, {"error": "..."} with its status."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
@@ -13,12 +14,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from loomllm.engine.engine import Engine
 from loomllm.engine.request_stream import RequestStream, start_all
+from loomllm.errors import ModelPullError
 from loomllm.outputs import RequestOutput
 from loomllm.server.ollama.model_card import details, show
 from loomllm.server.ollama.options import sampling_params
@@ -152,8 +155,20 @@ def ollama_routes(
         except metadata.PackageNotFoundError:
             return JSONResponse({"version": "unknown"})
 
+    async def pull(request: Request) -> Response:
+        body = await read_body(request)
+        name = body.get("model") or body.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad("model is required", "model")
+        engine = require()
+        if not field(body, "stream", "bool", True):
+            await _pulled(engine, name, lambda report: None)
+            return JSONResponse({"status": "success"})
+        return StreamingResponse(_pull_lines(engine, name), media_type=NDJSON)
+
     return [
         Route("/api/generate", _ollama_errors(generate), methods=["POST"]),
+        Route("/api/pull", _ollama_errors(pull), methods=["POST"]),
         Route("/api/chat", _ollama_errors(chat), methods=["POST"]),
         Route("/api/embed", _ollama_errors(embed), methods=["POST"]),
         Route("/api/tags", _ollama_errors(tags), methods=["GET"]),
@@ -207,6 +222,45 @@ async def _lines(served: str, stream: RequestStream, key: str) -> AsyncIterator[
                 yield _line(_done(served, out, key, text))
             elif text:
                 yield _line(_chunk(served, **_text(key, text)))
+
+
+async def _pulled(engine: Engine, name: str, on_progress: Callable[[Any], None]) -> None:
+    """engine.pull, its refusals as Ollama's errors."""
+    try:
+        await engine.pull(name, on_progress=on_progress)
+    except ValueError as exc:
+        raise bad(str(exc), "model") from None
+    except ModelPullError as exc:
+        raise ApiError(404 if "not found" in str(exc) else 500, str(exc), "model") from None
+
+
+async def _pull_lines(engine: Engine, name: str) -> AsyncIterator[bytes]:
+    """Ollama's pull stream: its steps, the bytes so far, then success (or an error line)."""
+    send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
+
+    def report(progress: Any) -> None:
+        send.send_nowait(
+            {
+                "status": f"pulling {name}",
+                "digest": "",
+                "total": progress.total_bytes,
+                "completed": progress.done_bytes,
+            }
+        )
+
+    async def run() -> None:
+        with send:
+            try:
+                await _pulled(engine, name, report)
+                send.send_nowait({"status": "success"})
+            except ApiError as exc:
+                send.send_nowait({"error": exc.message})
+
+    yield _line({"status": "pulling manifest"})
+    async with anyio.create_task_group() as tg, receive:
+        tg.start_soon(run)
+        async for item in receive:
+            yield _line(item)
 
 
 def _text(key: str, text: str) -> dict[str, Any]:
