@@ -348,6 +348,8 @@ class ModelRunner:
             placeholders = torch.zeros(len(samplers), dtype=torch.long, device=dev)
             nothing: list[None] = [None] * len(samplers)
             sampled = SamplerOutput(placeholders, placeholders.float(), nothing, nothing)
+            if self.idle_probe is not None:
+                self.idle_probe.step_ended(False, with_prompts=True)
             return self._launched(call_id, samplers, sampled, [], pooled)
         replay = (
             graphs is not None
