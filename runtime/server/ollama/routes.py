@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from functools import partial
 from importlib import metadata
@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loomllm.engine.engine import Engine
@@ -28,8 +28,9 @@ from loomllm.server.ollama.options import sampling_params
 from loomllm.server.openai.api_error import ApiError, bad
 from loomllm.server.openai.schemas import field
 from loomllm.server.openai.serving import engine_error, final_outputs
+from loomllm.server.openai.sse import EventStreamResponse, Send
 
-NDJSON = "application/x-ndjson"
+NDJSON = b"application/x-ndjson"
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -46,7 +47,7 @@ def ollama_routes(
     async def answer(request: Request, stream: RequestStream, streaming: bool, key: str) -> Any:
         """One object (FINAL_ONLY) or an NDJSON stream of deltas whose last one is done."""
         if streaming:
-            return StreamingResponse(_lines(served, stream, key), media_type=NDJSON)
+            return EventStreamResponse(partial(_lines, served, stream, key), NDJSON)
         out = await unless_disconnected(request, lambda: _final(stream))
         if out is None:  # the client left: its request is aborted, nobody reads this
             return Response(status_code=499)
@@ -164,7 +165,7 @@ def ollama_routes(
         if not field(body, "stream", "bool", True):
             await _pulled(engine, name, lambda report: None)
             return JSONResponse({"status": "success"})
-        return StreamingResponse(_pull_lines(engine, name), media_type=NDJSON)
+        return EventStreamResponse(partial(_pull_lines, engine, name), NDJSON)  # type: ignore[return-value]
 
     return [
         Route("/api/generate", _ollama_errors(generate), methods=["POST"]),
@@ -213,15 +214,16 @@ async def _final(stream: RequestStream) -> RequestOutput:
             raise engine_error(exc) from None
 
 
-async def _lines(served: str, stream: RequestStream, key: str) -> AsyncIterator[bytes]:
-    """The NDJSON stream's lines: a delta each, then the done object."""
+async def _lines(served: str, stream: RequestStream, key: str, send: Send) -> None:
+    """The NDJSON stream's lines: a delta each, then the done object. Cancelled when the
+    client leaves (EventStreamResponse), which aborts the request."""
     async with stream:
         async for out in stream:
             text = out.outputs[0].text
             if out.finished:
-                yield _line(_done(served, out, key, text))
+                await send(_line(_done(served, out, key, text)))
             elif text:
-                yield _line(_chunk(served, **_text(key, text)))
+                await send(_line(_chunk(served, **_text(key, text))))
 
 
 async def _pulled(engine: Engine, name: str, on_progress: Callable[[Any], None]) -> None:
@@ -234,7 +236,7 @@ async def _pulled(engine: Engine, name: str, on_progress: Callable[[Any], None])
         raise ApiError(404 if "not found" in str(exc) else 500, str(exc), "model") from None
 
 
-async def _pull_lines(engine: Engine, name: str) -> AsyncIterator[bytes]:
+async def _pull_lines(engine: Engine, name: str, send_line: Send) -> None:
     """Ollama's pull stream: its steps, the bytes so far, then success (or an error line)."""
     send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
 
@@ -256,11 +258,11 @@ async def _pull_lines(engine: Engine, name: str) -> AsyncIterator[bytes]:
             except ApiError as exc:
                 send.send_nowait({"error": exc.message})
 
-    yield _line({"status": "pulling manifest"})
+    await send_line(_line({"status": "pulling manifest"}))
     async with anyio.create_task_group() as tg, receive:
         tg.start_soon(run)
         async for item in receive:
-            yield _line(item)
+            await send_line(_line(item))
 
 
 def _text(key: str, text: str) -> dict[str, Any]:

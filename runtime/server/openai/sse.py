@@ -24,14 +24,16 @@ class EventStreamResponse:
     producer, whose `async with` on the RequestStreams aborts the requests.
     """
 
-    def __init__(self, produce: Callable[[Send], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        produce: Callable[[Send], Awaitable[None]],
+        content_type: bytes = b"text/event-stream; charset=utf-8",
+    ) -> None:
         self.produce = produce
+        self.content_type = content_type  # Ollama's streams are NDJSON on the same footing
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-        ]
+        headers = [(b"content-type", self.content_type), (b"cache-control", b"no-cache")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
 
         async def send_body(data: bytes) -> None:
