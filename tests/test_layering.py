@@ -43,6 +43,13 @@ ALLOWED: dict[str, set[str]] = {
         "loomllm.protocols",
         "loomllm.server.parsers",
     },
+    # Each model's engine, supervised; its errors are the OpenAI routes' ApiError.
+    "loomllm.server.fleet": {
+        "loomllm.clients",
+        "loomllm.engine",
+        "loomllm.errors",
+        "loomllm.server.openai",
+    },
     # Ollama's API builds on the OpenAI routes' request checks and errors.
     "loomllm.server.ollama": {
         "loomllm.engine",
@@ -56,6 +63,7 @@ ALLOWED: dict[str, set[str]] = {
         "loomllm.errors",
         "loomllm.metrics",
         "loomllm.protocols",
+        "loomllm.server.fleet",
         "loomllm.server.ollama",
         "loomllm.server.openai",
         "loomllm.server.parsers",
@@ -67,6 +75,7 @@ ALLOWED: dict[str, set[str]] = {
         "loomllm.errors",
         "loomllm.protocols",
         "loomllm.server",
+        "loomllm.server.fleet",
     },
     # The device side.
     "loomllm.workers.device": set(),

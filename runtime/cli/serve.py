@@ -40,7 +40,7 @@ async def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
 
     from loomllm.engine.engine import Engine
     from loomllm.server import build_app, serve
-    from loomllm.server.supervisor import EngineSlot, drain, supervise
+    from loomllm.server.fleet.supervisor import EngineSlot, drain, supervise
 
     stop = anyio.Event()
     serving: list[bool] = []

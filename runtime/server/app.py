@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from loomllm.engine.engine import Engine
 from loomllm.protocols.sampling import SamplingParams
+from loomllm.server.fleet.supervisor import EngineSlot
 from loomllm.server.metrics import build_metrics_handler
 from loomllm.server.ollama.routes import ollama_routes
 from loomllm.server.openai import serving
@@ -42,7 +43,6 @@ from loomllm.server.openai.scores import create_rerank, create_scores
 from loomllm.server.openai.sse import EventStreamResponse
 from loomllm.server.parsers.reasoning import PARSERS as REASONING_PARSERS
 from loomllm.server.parsers.tool_parsers import PARSERS as TOOL_PARSERS
-from loomllm.server.supervisor import EngineSlot
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/version", "/metrics", "/openapi.json")  # as vLLM: no API key

@@ -23,8 +23,8 @@ from loomllm.engine.engine import Engine
 from loomllm.errors import EngineClosedError
 from loomllm.metrics.counters import FINISH_REASONS, HistogramSnapshot
 from loomllm.metrics.stats import EngineStats
+from loomllm.server.fleet.supervisor import EngineSlot
 from loomllm.server.loop_tasks import count_loop_tasks
-from loomllm.server.supervisor import EngineSlot
 
 PREFIX = "loomllm:"
 

@@ -20,8 +20,8 @@ from support.servers import loom_serve
 from loomllm import Engine
 from loomllm.errors import EngineDeadError
 from loomllm.protocols.sampling import SamplingParams
+from loomllm.server.fleet.supervisor import EngineSlot, drain, supervise
 from loomllm.server.openai.schemas import ApiError
-from loomllm.server.supervisor import EngineSlot, drain, supervise
 
 LONG = SamplingParams(max_tokens=450, temperature=0.0, ignore_eos=True)  # outlives each test
 SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -32,9 +32,9 @@ from loomllm.metrics.counters import (
 from loomllm.metrics.stats import EngineStats
 from loomllm.outputs import RequestMetrics, RequestOutputCollector
 from loomllm.protocols.sampling import SamplingParams
+from loomllm.server.fleet.supervisor import EngineSlot
 from loomllm.server.loop_tasks import count_loop_tasks
 from loomllm.server.metrics import build_metrics_handler
-from loomllm.server.supervisor import EngineSlot
 from loomllm.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.anyio
