@@ -15,7 +15,7 @@ from loomllm.protocols.sampling import SamplingParams
 
 # Raise it whenever a message, a field or a type code changes: the handshake then refuses a
 # peer from another release instead of misreading its frames.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 # -- handshake and errors (all connections) -------------------------------------------
@@ -125,6 +125,9 @@ class WorkersAcquired:
 @dataclass(frozen=True, slots=True)
 class ReleaseWorkers:
     group_id: str
+    # Seconds the group stays warm from now on, in place of what AcquireWorkers asked; None
+    # keeps that. 0 stops it before the Ack (a server unloading a model frees its memory).
+    keep_alive: float | None = None
 
 
 @message(13)

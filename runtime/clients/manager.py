@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 import anyio
 from anyio.abc import Process, TaskStatus
@@ -22,7 +23,10 @@ from loomllm.protocols.errors import ProtocolError
 from loomllm.protocols.messages import (
     Ack,
     AcquireWorkers,
+    CachedModel,
+    CachedModelList,
     ErrorReply,
+    ListCachedModels,
     ListWorkers,
     Pulled,
     PullModel,
@@ -37,6 +41,7 @@ from loomllm.protocols.messages import (
 from loomllm.protocols.rundir import log_path
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 MANAGER_START_TIMEOUT_S = 30.0
 # Loading a model from GGUF the first time takes tens of seconds on a small CPU.
@@ -132,7 +137,17 @@ async def _start_shared_manager(socket_path: Path) -> None:
 
 
 async def list_workers(socket_path: Path) -> list[WorkerInfo]:
-    """What the manager at `socket_path` runs (ListWorkers); never starts one.
+    """What the manager at `socket_path` runs (ListWorkers); never starts one."""
+    return (await _ask(socket_path, ListWorkers(), WorkerList)).workers
+
+
+async def list_cached_models(socket_path: Path) -> list[CachedModel]:
+    """The hub models in the HF cache of the manager at `socket_path`; never starts one."""
+    return (await _ask(socket_path, ListCachedModels(), CachedModelList)).models
+
+
+async def _ask(socket_path: Path, request: object, reply_type: type[R]) -> R:
+    """One request to the manager at `socket_path`, as a CLI client, and its answer.
 
     Raises ManagerError when no manager answers there. Cancellation: the connection is
     closed, nothing else happened.
@@ -141,8 +156,8 @@ async def list_workers(socket_path: Path) -> list[WorkerInfo]:
         with anyio.fail_after(REQUEST_TIMEOUT_S):
             ms = await connect_manager(socket_path, "cli")
             async with ms.stream:
-                await ms.send(ListWorkers())
-                reply = await ms.receive_type(WorkerList)
+                await ms.send(request)
+                return await ms.receive_type(reply_type)
     except (FileNotFoundError, ConnectionRefusedError):
         raise ManagerError(f"no engine-manager is running on {socket_path}") from None
     except TimeoutError:
@@ -152,7 +167,6 @@ async def list_workers(socket_path: Path) -> list[WorkerInfo]:
         raise ManagerError(f"engine-manager on {socket_path} refused: {exc}") from None
     except (ProtocolError, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
         raise ManagerError(f"engine-manager on {socket_path} failed: {exc!r}") from exc
-    return reply.workers
 
 
 class PrivateManager:
@@ -310,8 +324,9 @@ class ManagerClient:
         assert isinstance(reply, Pulled)
         return reply
 
-    async def release(self, group_id: str) -> None:
-        reply = await self.request(ReleaseWorkers(group_id))
+    async def release(self, group_id: str, keep_alive: float | None = None) -> None:
+        """Let go of the group, warm for `keep_alive` seconds (None: as acquired)."""
+        reply = await self.request(ReleaseWorkers(group_id, keep_alive))
         assert isinstance(reply, Ack)
 
     async def aclose(self) -> None:

@@ -9,6 +9,7 @@ import functools
 import gc
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -96,6 +97,7 @@ class Engine:
         self.tokenizer: Tokenizer | None = None
         # The model's sampling defaults (generation_config), for requests without params.
         self.sampling_defaults: dict[str, Any] = {}
+        self._release_keep_alive: float | None = None  # set_keep_alive's, once called
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -149,6 +151,7 @@ class Engine:
         for index in range(num_replicas):
             engine_id = self.engine_id if num_replicas == 1 else f"{self.engine_id}/dp{index}"
             replica = Replica(index, cfg, engine_id, self._on_replica_death)
+            replica.release_keep_alive = self._release_keep_alive
             self._replicas.append(replica)
             # One at a time: the manager answers one engine's requests in order anyway.
             await replica.start(stack, tg, manager, self.tokenizer)
@@ -167,6 +170,17 @@ class Engine:
             )
         _freeze_heap()
         stack.callback(_thaw_heap)
+
+    def set_keep_alive(self, seconds: float) -> None:
+        """Seconds the workers stay warm once this engine closes, in place of the config's
+        `keep_alive` (-1: pinned; 0: stopped as the engine closes, their memory freed)."""
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise TypeError(f"keep_alive must be a number of seconds, got {seconds!r}")
+        if not (seconds >= 0 or seconds == -1):
+            raise ValueError(f"keep_alive must be seconds >= 0, or -1 to pin, got {seconds!r}")
+        self._release_keep_alive = -1 if seconds == math.inf else float(seconds)
+        for replica in self._replicas:
+            replica.release_keep_alive = self._release_keep_alive
 
     # -- worker death -----------------------------------------------------------------
 

@@ -58,6 +58,8 @@ class Replica:
         self._lost_reason = ""
         self._death_report: WorkerDied | None = None
         self._death_reported = anyio.Event()
+        # Seconds the workers stay warm once released, in place of config.keep_alive.
+        self.release_keep_alive: float | None = None
 
     async def start(
         self,
@@ -138,7 +140,7 @@ class Replica:
             return  # the manager tears a broken group down itself
         try:
             with anyio.CancelScope(shield=True), anyio.fail_after(RELEASE_TIMEOUT_S):
-                await manager.release(group_id)
+                await manager.release(group_id, self.release_keep_alive)
         except (ManagerError, OSError, anyio.BrokenResourceError, TimeoutError) as exc:
             # Closing our connection releases the workers too; this was the polite way.
             logger.warning("could not release workers cleanly: %s", exc)

@@ -224,6 +224,26 @@ async def test_leaving_by_cancellation_still_releases_politely(tiny_model, share
     assert "could not release" not in caplog.text
 
 
+async def test_set_keep_alive_overrides_the_config_at_release(tiny_model, shared_manager):
+    """A server unloading a model sets 0: its workers are gone when the engine has closed,
+    though the engine was opened to keep them warm; the other way round they stay."""
+    options = {"manager_socket": shared_manager.socket, "seed": 31}  # workers of its own
+    async with Engine(tiny_model, **options, keep_alive=300) as engine:
+        worker_pid = engine.worker_pids[0]
+        engine.set_keep_alive(0)
+    assert wait_gone(worker_pid, timeout=0)
+    async with Engine(tiny_model, **options, keep_alive=0) as engine:
+        worker_pid = engine.worker_pids[0]
+        engine.set_keep_alive(60)
+    async with Engine(tiny_model, **options, keep_alive=0) as engine:
+        assert engine.worker_pids[0] == worker_pid  # still warm, and reused
+        with pytest.raises(ValueError, match="keep_alive must be seconds >= 0, or -1"):
+            engine.set_keep_alive(-3)
+        with pytest.raises(TypeError, match="keep_alive must be a number"):
+            engine.set_keep_alive("5m")  # type: ignore[arg-type]
+    assert wait_gone(worker_pid, timeout=0)
+
+
 async def test_private_manager_exits_with_the_engine(tiny_model):
     async with Engine(tiny_model, manager="private") as engine:
         worker_pid = engine.worker_pids[0]

@@ -183,9 +183,11 @@ class ManagerServer:
             match request:
                 case AcquireWorkers():
                     reply = await self._acquire(ms, request)
-                case ReleaseWorkers(group_id=group_id):
+                case ReleaseWorkers(group_id=group_id, keep_alive=keep_alive):
                     group = self.groups.get(group_id)
                     if group is not None and group.owner is ms:
+                        if keep_alive is not None:
+                            group.keep_alive = self._effective_keep_alive(keep_alive)
                         await self._release(group)
                     reply = Ack()
                 case StatusRequest():
