@@ -65,6 +65,11 @@ class Pulls:
                 await ms.send(PullProgress(*now))
                 sent = now
         assert pull.result is not None
+        now = pull.progress.read()
+        if isinstance(pull.result, Pulled) and now[1] > 0 and now != sent:
+            # The last report is the whole: a download quicker than REPORT_EVERY_S, or one
+            # whose sizes came late, still ends a client's progress bar at 100%.
+            await ms.send(PullProgress(*now))
         return pull.result
 
     async def _download(
