@@ -45,7 +45,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     # Each model's engine, supervised; its errors are the OpenAI routes' ApiError.
     "loomllm.server.fleet": {
-        "loomllm.clients",
+        "loomllm.config",
         "loomllm.engine",
         "loomllm.errors",
         "loomllm.server.openai",
@@ -56,6 +56,7 @@ ALLOWED: dict[str, set[str]] = {
         "loomllm.errors",
         "loomllm.outputs",
         "loomllm.protocols",
+        "loomllm.server.fleet",
         "loomllm.server.openai",
     },
     "loomllm.server": {

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API as a Starlette app over one running Engine.
+"""The OpenAI-compatible HTTP API (and Ollama's) as a Starlette app over a server's models.
 
 Routes parse with schemas.py, run with serving.py and stream with sse.py.
 """
@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from loomllm.engine.engine import Engine
 from loomllm.protocols.sampling import SamplingParams
+from loomllm.server.fleet.fleet import ModelFleet
 from loomllm.server.fleet.supervisor import EngineSlot
 from loomllm.server.metrics import build_metrics_handler
 from loomllm.server.ollama.routes import ollama_routes
@@ -33,7 +34,6 @@ from loomllm.server.openai.openapi import build_openapi
 from loomllm.server.openai.schemas import (
     ApiError,
     bad,
-    check_model,
     field,
     from_value_error,
     parse_chat,
@@ -185,7 +185,7 @@ async def answer(engine: Engine, request: Request, req: Any, model: str) -> Resp
 
 
 def build_app(
-    engine: Engine | EngineSlot,
+    source: Engine | EngineSlot | ModelFleet,
     served_model_name: str | None = None,
     *,
     api_key: str | None = None,
@@ -195,16 +195,18 @@ def build_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
 ) -> Starlette:
-    """An ASGI app serving `engine` under the model name `served_model_name`.
+    """An ASGI app serving the models of `source`.
 
-    `engine` may be an EngineSlot whose engine is replaced while the app runs (restarts);
-    each request uses the engine there at its start, and gets 503 while there is none.
-    With `api_key`, every route outside OPEN_PATHS needs `Authorization: Bearer <key>`.
-    Bodies over `max_body_bytes` get 413. A body's `chat_template` may name one of the
-    model's templates; its own template text only with `trust_request_chat_template`.
-    `tool_call_parser` (one of tool_parsers.PARSERS): tool_choice "auto" reads calls out of
-    the answers; None: "auto" is a 400. `reasoning_parser` (one of reasoning.PARSERS):
-    chat answers' reasoning is split out into the message's `reasoning`.
+    `source` is a ModelFleet (a request's `model` picks one, loaded on demand), or one engine
+    served as `served_model_name`: an Engine, or an EngineSlot whose engine is replaced while
+    the app runs (restarts). Each request uses the engine of its model at its start, and gets
+    503 while there is none. With `api_key`, every route outside OPEN_PATHS needs
+    `Authorization: Bearer <key>`. Bodies over `max_body_bytes` get 413. A body's
+    `chat_template` may name one of the model's templates; its own template text only with
+    `trust_request_chat_template`. `tool_call_parser` (one of tool_parsers.PARSERS):
+    tool_choice "auto" reads calls out of the answers; None: "auto" is a 400.
+    `reasoning_parser` (one of reasoning.PARSERS): chat answers' reasoning is split out into
+    the message's `reasoning`.
     """
     if tool_call_parser not in (None, *TOOL_PARSERS):
         raise ValueError(
@@ -215,56 +217,66 @@ def build_app(
             f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
             f"got {reasoning_parser!r}"
         )
-    slot = engine if isinstance(engine, EngineSlot) else EngineSlot(engine)
-    first = slot.require()
-    root, max_model_len = first.config.model, first.max_model_len
-    model = served_model_name or root
+    if isinstance(source, ModelFleet):
+        fleet = source
+    else:
+        slot = source if isinstance(source, EngineSlot) else EngineSlot(source)
+        fleet = ModelFleet.of(slot, served_model_name or slot.require().config.model)
+    first = next(served for served in fleet.running() if served.name == fleet.default).engine
     created = int(time.time())
 
     async def read_body(request: Request) -> dict[str, Any]:
         return await read_json(request, max_body_bytes)
 
+    def model_of(body: dict[str, Any]) -> str | None:
+        return field(body, "model", "str")
+
     async def models(request: Request) -> Response:
-        card = {
-            "id": model,
-            "object": "model",
-            "created": created,
-            "owned_by": "loomllm",
-            "root": root,
-            "max_model_len": max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        running = {served.name: served.engine for served in fleet.running()}
+        cards = []
+        for entry in await fleet.available():
+            card: dict[str, Any] = {
+                "id": entry.name,
+                "object": "model",
+                "created": created,
+                "owned_by": "loomllm",
+                "root": entry.model,
+                "loaded": entry.name in running,
+            }
+            if entry.name in running:
+                card["max_model_len"] = running[entry.name].max_model_len
+            cards.append(card)
+        return JSONResponse({"object": "list", "data": cards})
 
     async def completions(request: Request) -> Response:
         body = await read_body(request)
-        check_model(body, model)
-        engine = slot.require()
-        req = parse_completion(body, engine.sampling_defaults)
-        return await answer(engine, request, req, model)
+        async with fleet.use(model_of(body)) as served:
+            req = parse_completion(body, served.engine.sampling_defaults)
+            return await answer(served.engine, request, req, served.name)
 
     async def chat(request: Request) -> Response:
         body = await read_body(request)
-        check_model(body, model)
-        engine = slot.require()
-        assert engine.tokenizer is not None
-        req = parse_chat(
-            body,
-            engine.tokenizer.chat_templates,
-            trust_request_chat_template,
-            auto_tools=tool_call_parser is not None,
-            reasoning_parser=reasoning_parser,
-            defaults=engine.sampling_defaults,
-        )
-        return await answer(engine, request, req, model)
+        async with fleet.use(model_of(body)) as served:
+            assert served.engine.tokenizer is not None
+            req = parse_chat(
+                body,
+                served.engine.tokenizer.chat_templates,
+                trust_request_chat_template,
+                auto_tools=tool_call_parser is not None,
+                reasoning_parser=reasoning_parser,
+                defaults=served.engine.sampling_defaults,
+            )
+            return await answer(served.engine, request, req, served.name)
 
     def pooled(create: Callable[[Engine, dict[str, Any], str], Awaitable[Any]]) -> Any:
         """A pooling route: the body checked and answered by `create`."""
 
         async def route(request: Request) -> Response:
             body = await read_body(request)
-            check_model(body, model)
-            engine = slot.require()
-            answer = await unless_disconnected(request, lambda: create(engine, body, model))
+            async with fleet.use(model_of(body)) as served:
+                answer = await unless_disconnected(
+                    request, lambda: create(served.engine, body, served.name)
+                )
             if answer is None:  # the client left; nobody reads this
                 return Response(status_code=499)
             return JSONResponse(answer)
@@ -273,8 +285,8 @@ def build_app(
 
     async def tokenize(request: Request) -> Response:
         body = await read_body(request)
-        check_model(body, model)
-        tokenizer = slot.require().tokenizer
+        async with fleet.use(model_of(body)) as served:
+            tokenizer, max_model_len = served.engine.tokenizer, served.engine.max_model_len
         assert tokenizer is not None
         add_special = field(body, "add_special_tokens", "bool", True)
         text = field(body, "prompt", "str")  # checked even when messages win
@@ -298,9 +310,10 @@ def build_app(
 
     async def detokenize(request: Request) -> Response:
         body = await read_body(request)
-        check_model(body, model)
+        model = model_of(body)
         tokens = field(body, "tokens", "int_list")
-        engine = slot.require()
+        async with fleet.use(model) as served:
+            engine = served.engine
         vocab = engine.model_info.vocab_size
         if tokens is None or not all(0 <= t < vocab for t in tokens):
             raise bad(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
@@ -308,19 +321,14 @@ def build_app(
         return JSONResponse({"prompt": engine.tokenizer.decode(tokens)})
 
     async def health(request: Request) -> Response:
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        try:
-            engine = slot.require()
-        except ApiError as exc:
-            return JSONResponse({"status": "unhealthy", "error": exc.message}, status_code=503)
+        running = fleet.running()
+        if fleet.draining or not running:
+            why = "the server is shutting down" if fleet.draining else "no model is running"
+            return JSONResponse({"status": "unhealthy", "error": why}, status_code=503)
         try:
             with anyio.fail_after(health_timeout):
-                if engine.model_info.pooling is not None:
-                    await engine.embed({"prompt_token_ids": [0]})
-                else:
-                    async with engine.generate({"prompt_token_ids": [0]}, params) as stream:
-                        async for _ in stream:
-                            pass
+                for served in running:
+                    await _probe(served.engine)
         except Exception as exc:
             logger.warning("health check failed: %r", exc)
             return JSONResponse({"status": "unhealthy", "error": repr(exc)}, status_code=503)
@@ -328,8 +336,8 @@ def build_app(
 
     assert first.tokenizer is not None
     schema = build_openapi(
-        model,
-        max_model_len,
+        fleet.default,
+        first.max_model_len,
         first.model_info.vocab_size,
         needs_api_key=api_key is not None,
         open_paths=OPEN_PATHS,
@@ -338,6 +346,7 @@ def build_app(
         auto_tools=tool_call_parser is not None,
         reasoning=reasoning_parser is not None,
         priority=first.config.scheduling_policy == "priority",
+        one_model=len(fleet.models) == 1,
     )
 
     async def openapi(request: Request) -> Response:
@@ -361,14 +370,25 @@ def build_app(
         Route("/detokenize", _guard(detokenize), methods=["POST"]),
         Route("/health", _guard(health), methods=["GET"]),
         Route("/version", _guard(version), methods=["GET"]),
-        Route("/metrics", _guard(build_metrics_handler(slot, model)), methods=["GET"]),
+        Route("/metrics", _guard(build_metrics_handler(fleet)), methods=["GET"]),
         Route("/openapi.json", _guard(openapi), methods=["GET"]),
     ]
-    routes += ollama_routes(slot.require, model, read_body, unless_disconnected)
+    routes += ollama_routes(fleet, read_body, unless_disconnected)
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     if api_key is not None:
         return _with_api_key(app, api_key)  # type: ignore[return-value]
     return app
+
+
+async def _probe(engine: Engine) -> None:
+    """One token of work through `engine` (an embedding on a pooling model)."""
+    if engine.model_info.pooling is not None:
+        await engine.embed({"prompt_token_ids": [0]})
+        return
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    async with engine.generate({"prompt_token_ids": [0]}, params) as stream:
+        async for _ in stream:
+            pass
 
 
 def _http_error(request: Request, exc: Exception) -> Response:

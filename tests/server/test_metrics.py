@@ -6,10 +6,13 @@ Latencies and finishes are per sequence (n=2 counts twice); prompt tokens once p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
+from typing import Any
 
 import anyio
 import httpx
@@ -32,7 +35,7 @@ from loomllm.metrics.counters import (
 from loomllm.metrics.stats import EngineStats
 from loomllm.outputs import RequestMetrics, RequestOutputCollector
 from loomllm.protocols.sampling import SamplingParams
-from loomllm.server.fleet.supervisor import EngineSlot
+from loomllm.server.fleet.fleet import Served
 from loomllm.server.loop_tasks import count_loop_tasks
 from loomllm.server.metrics import build_metrics_handler
 from loomllm.text.tokenizer import Tokenizer
@@ -162,8 +165,8 @@ def buckets(samples: dict, name: str) -> list[tuple[float, float]]:
 
 async def test_collector_renders_the_stats():
     stats = fixed_stats()
-    handler = build_metrics_handler(StubEngine(stats), NAME)  # type: ignore[arg-type]
-    no_engine = build_metrics_handler(EngineSlot(), NAME)  # restarting: the process' gauge
+    handler = build_metrics_handler(fleet_of((NAME, StubEngine(stats))))
+    no_engine = build_metrics_handler(fleet_of())  # restarting: the process' gauge
     app = Starlette(routes=[Route("/metrics", handler), Route("/empty", no_engine)])
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
@@ -194,6 +197,33 @@ async def test_collector_renders_the_stats():
     assert value(s, "inter_token_latency_seconds_count") == 3
     assert buckets(s, "inter_token_latency_seconds")[0] == (0.01, 2)  # the two zero gaps
     assert buckets(s, "e2e_request_latency_seconds")[-2:] == [(7680.0, 2), (float("inf"), 2)]
+
+
+def fleet_of(*engines: tuple[str, StubEngine]) -> Any:
+    """What build_metrics_handler reads of a ModelFleet: its running engines."""
+    return SimpleNamespace(running=lambda: [Served(name, engine) for name, engine in engines])
+
+
+async def test_each_model_is_one_sample_of_each_family():
+    """Two models: every family once (one HELP and TYPE), a sample per model_name."""
+    busy = dataclasses.replace(fixed_stats(), num_running=7)
+    handler = build_metrics_handler(
+        fleet_of(("a", StubEngine(fixed_stats())), ("b", StubEngine(busy)))
+    )
+    app = Starlette(routes=[Route("/metrics", handler)])
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        text = (await client.get("/metrics")).text
+    assert text.count("# TYPE loomllm:num_requests_running gauge") == 1
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    running = {
+        s.labels["model_name"]: s.value for s in families[P + "num_requests_running"].samples
+    }
+    assert running == {"a": 3, "b": 7}
+    finished = families[P + "request_success"].samples
+    assert {s.labels["model_name"] for s in finished} == {"a", "b"}
+    ttft = families[P + "time_to_first_token_seconds"].samples
+    assert {s.labels["model_name"] for s in ttft if s.name.endswith("_count")} == {"a", "b"}
 
 
 async def test_loop_task_count_follows_the_tasks():

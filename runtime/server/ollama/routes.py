@@ -1,4 +1,4 @@
-"""Ollama's routes over the served engine: /api/generate and /api/chat (NDJSON streams or one
+"""Ollama's routes over the server's models: /api/generate and /api/chat (NDJSON streams or one
 object), /api/embed, /api/tags, /api/ps, /api/show and /api/version, in Ollama's shapes;
 errors as Ollama words them, {"error": "..."} with its status."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from functools import partial
 from importlib import metadata
@@ -23,6 +24,9 @@ from loomllm.engine.engine import Engine
 from loomllm.engine.request_stream import RequestStream, start_all
 from loomllm.errors import ModelPullError
 from loomllm.outputs import RequestOutput
+from loomllm.server.fleet.catalog import ServedModel
+from loomllm.server.fleet.fleet import ModelFleet, Served
+from loomllm.server.ollama.keep_alive import keep_alive_seconds
 from loomllm.server.ollama.model_card import details, show
 from loomllm.server.ollama.options import sampling_params
 from loomllm.server.openai.api_error import ApiError, bad
@@ -31,20 +35,22 @@ from loomllm.server.openai.serving import engine_error, final_outputs
 from loomllm.server.openai.sse import EventStreamResponse, Send
 
 NDJSON = b"application/x-ndjson"
+FOREVER = "2318-12-31T00:00:00Z"  # Ollama's expires_at for a model kept loaded
 Handler = Callable[[Request], Awaitable[Response]]
 
 
 def ollama_routes(
-    require: Callable[[], Engine],
-    served: str,
+    fleet: ModelFleet,
     read_body: Callable[[Request], Awaitable[Any]],
     unless_disconnected: Callable[[Request, Callable[[], Awaitable[Any]]], Awaitable[Any]],
 ) -> list[Route]:
-    """The /api/* routes; `require()` is the engine of the moment (503 while there is none),
-    `unless_disconnected(request, run)` runs `run()` and aborts it if the client leaves (None).
-    """
+    """The /api/* routes over the server's models: a body's `model` picks one, loaded on
+    demand, and its `keep_alive` says how long it stays loaded after. `unless_disconnected(
+    request, run)` runs `run()` and aborts it if the client leaves (None)."""
 
-    async def answer(request: Request, stream: RequestStream, streaming: bool, key: str) -> Any:
+    async def answer(
+        request: Request, served: str, stream: RequestStream, streaming: bool, key: str
+    ) -> Any:
         """One object (FINAL_ONLY) or an NDJSON stream of deltas whose last one is done."""
         if streaming:
             return EventStreamResponse(partial(_lines, served, stream, key), NDJSON)
@@ -53,78 +59,91 @@ def ollama_routes(
             return Response(status_code=499)
         return JSONResponse(_done(served, out, key, out.outputs[0].text))
 
-    def engine_for(body: dict[str, Any]) -> Engine:
+    @asynccontextmanager
+    async def model_for(body: dict[str, Any]) -> AsyncIterator[Served]:
+        """The body's model, loaded; its keep_alive applied."""
         name = body.get("model")
         if not isinstance(name, str) or not name:
             raise bad("model is required", "model")
-        if name not in (served, f"{served}:latest"):
-            raise ApiError(404, f"model '{name}' not found", "model")
-        return require()
+        keep_alive = keep_alive_seconds(body.get("keep_alive"))
+        async with fleet.use(name) as served:
+            if keep_alive is not None:
+                fleet.set_keep_alive(served.name, keep_alive)
+            yield served
 
     async def generate(request: Request) -> Response:
         body = await read_body(request)
-        engine = engine_for(body)
-        prompt = body.get("prompt", "")
-        if not isinstance(prompt, str):
-            raise bad("prompt must be a string", "prompt")
-        _no_images(body.get("images"), "images")
-        stream = field(body, "stream", "bool", True)
-        params = sampling_params(body, engine.sampling_defaults, stream)
-        if not prompt:  # Ollama's way to load a model: it is loaded
-            return JSONResponse(_chunk(served, done_reason="load", response=""))
-        system = field(body, "system", "str")
-        templated = not field(body, "raw", "bool", False) and engine.tokenizer is not None
-        if templated and engine.tokenizer.chat_templates:  # type: ignore[union-attr]
-            messages = [{"role": "system", "content": system}] if system else []
-            messages.append({"role": "user", "content": prompt})
-            run = _started(lambda: engine.chat(messages, params), "prompt")
-        else:
-            text = f"{system}\n\n{prompt}" if system else prompt
-            run = _started(lambda: engine.generate(text, params), "prompt")
-        return await answer(request, run, stream, "response")
+        async with model_for(body) as served:
+            engine = served.engine
+            prompt = body.get("prompt", "")
+            if not isinstance(prompt, str):
+                raise bad("prompt must be a string", "prompt")
+            _no_images(body.get("images"), "images")
+            stream = field(body, "stream", "bool", True)
+            params = sampling_params(body, engine.sampling_defaults, stream)
+            if not prompt:  # Ollama's way to load a model (or, with keep_alive 0, unload it)
+                unload = keep_alive_seconds(body.get("keep_alive")) == 0
+                reason = "unload" if unload else "load"
+                return JSONResponse(_chunk(served.name, done_reason=reason, response=""))
+            system = field(body, "system", "str")
+            templated = not field(body, "raw", "bool", False) and engine.tokenizer is not None
+            if templated and engine.tokenizer.chat_templates:  # type: ignore[union-attr]
+                messages = [{"role": "system", "content": system}] if system else []
+                messages.append({"role": "user", "content": prompt})
+                run = _started(lambda: engine.chat(messages, params), "prompt")
+            else:
+                text = f"{system}\n\n{prompt}" if system else prompt
+                run = _started(lambda: engine.generate(text, params), "prompt")
+            return await answer(request, served.name, run, stream, "response")
 
     async def chat(request: Request) -> Response:
         body = await read_body(request)
-        engine = engine_for(body)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad("messages must be a non-empty list", "messages")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("content", ""), str):
-                raise bad(f"messages[{i}] must be an object with string content", "messages")
-            _no_images(message.get("images"), f"messages[{i}].images")
-        if body.get("tools"):
-            raise bad("tools are not supported on /api/chat yet: use /v1/chat/completions", "tools")
-        stream = field(body, "stream", "bool", True)
-        params = sampling_params(body, engine.sampling_defaults, stream)
-        run = _started(lambda: engine.chat(messages, params), "messages")
-        return await answer(request, run, stream, "message")
+        async with model_for(body) as served:
+            engine = served.engine
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise bad("messages must be a non-empty list", "messages")
+            for i, message in enumerate(messages):
+                if not isinstance(message, dict) or not isinstance(message.get("content", ""), str):
+                    raise bad(f"messages[{i}] must be an object with string content", "messages")
+                _no_images(message.get("images"), f"messages[{i}].images")
+            if body.get("tools"):
+                raise bad(
+                    "tools are not supported on /api/chat yet: use /v1/chat/completions", "tools"
+                )
+            stream = field(body, "stream", "bool", True)
+            params = sampling_params(body, engine.sampling_defaults, stream)
+            run = _started(lambda: engine.chat(messages, params), "messages")
+            return await answer(request, served.name, run, stream, "message")
 
     async def embed(request: Request) -> Response:
         body = await read_body(request)
-        engine = engine_for(body)
-        inputs = body.get("input")
-        inputs = [inputs] if isinstance(inputs, str) else inputs
-        if not isinstance(inputs, list) or not inputs:
-            raise bad("input must be a string or a non-empty list of strings", "input")
-        if not all(isinstance(text, str) and text for text in inputs):
-            raise bad("input must hold non-empty strings", "input")
-        truncate = field(body, "truncate", "bool", True)
-        dimensions = field(body, "dimensions", "int")
-        started = time.time()
-        keep = engine.max_model_len - 1 if truncate else None
+        async with model_for(body) as served:
+            engine = served.engine
+            inputs = body.get("input")
+            inputs = [inputs] if isinstance(inputs, str) else inputs
+            if not isinstance(inputs, list) or not inputs:
+                raise bad("input must be a string or a non-empty list of strings", "input")
+            if not all(isinstance(text, str) and text for text in inputs):
+                raise bad("input must hold non-empty strings", "input")
+            truncate = field(body, "truncate", "bool", True)
+            dimensions = field(body, "dimensions", "int")
+            started = time.time()
+            keep = engine.max_model_len - 1 if truncate else None
 
-        starts = (
-            partial(engine.embed_stream, text, dimensions=dimensions, truncate_prompt_tokens=keep)
-            for text in inputs
-        )
-        streams = _started(lambda: start_all(starts), "input")
-        by_index = await final_outputs(streams)
-        finals = [by_index[i] for i in range(len(streams))]
-        vectors = [engine.embedding(final, dimensions).outputs.embedding for final in finals]
+            starts = (
+                partial(
+                    engine.embed_stream, text, dimensions=dimensions, truncate_prompt_tokens=keep
+                )
+                for text in inputs
+            )
+            streams = _started(lambda: start_all(starts), "input")
+            by_index = await final_outputs(streams)
+            finals = [by_index[i] for i in range(len(streams))]
+            vectors = [engine.embedding(final, dimensions).outputs.embedding for final in finals]
         return JSONResponse(
             {
-                "model": served,
+                "model": served.name,
                 "embeddings": vectors,
                 "total_duration": _ns(time.time() - started),
                 "load_duration": 0,
@@ -133,22 +152,31 @@ def ollama_routes(
         )
 
     async def tags(request: Request) -> Response:
-        return JSONResponse({"models": [_listing(require(), served)]})
+        running = {served.name: served.engine for served in fleet.running()}
+        listings = [_listing(entry, running.get(entry.name)) for entry in await fleet.available()]
+        return JSONResponse({"models": listings})
 
     async def ps(request: Request) -> Response:
-        engine = require()
-        listing = _listing(engine, served)
-        listing.update(
-            # Loaded for as long as the server runs: Ollama's far-future "forever".
-            expires_at="2318-12-31T00:00:00Z",
-            size_vram=listing["size"] if engine.model_info.device.startswith("cuda") else 0,
-            context_length=engine.max_model_len,
-        )
-        return JSONResponse({"models": [listing]})
+        listings = []
+        for loaded in fleet.loaded():
+            engine = loaded.slot.engine
+            if engine is None or loaded.unloading:
+                continue
+            listing = _listing(loaded.entry, engine)
+            expires = loaded.expires_at()
+            listing.update(
+                # Loaded until evicted or the server stops: Ollama's far-future "forever".
+                expires_at=FOREVER if expires is None else _iso(expires),
+                size_vram=listing["size"] if engine.model_info.device.startswith("cuda") else 0,
+                context_length=engine.max_model_len,
+            )
+            listings.append(listing)
+        return JSONResponse({"models": listings})
 
     async def show_model(request: Request) -> Response:
         body = await read_body(request)
-        return JSONResponse(show(engine_for(body)))
+        async with model_for(body) as served:
+            return JSONResponse(show(served.engine))
 
     async def version(request: Request) -> Response:
         try:
@@ -161,11 +189,10 @@ def ollama_routes(
         name = body.get("model") or body.get("name")
         if not isinstance(name, str) or not name:
             raise bad("model is required", "model")
-        engine = require()
         if not field(body, "stream", "bool", True):
-            await _pulled(engine, name, lambda report: None)
+            await _pulled(fleet, name, lambda report: None)
             return JSONResponse({"status": "success"})
-        return EventStreamResponse(partial(_pull_lines, engine, name), NDJSON)  # type: ignore[return-value]
+        return EventStreamResponse(partial(_pull_lines, fleet, name), NDJSON)  # type: ignore[return-value]
 
     return [
         Route("/api/generate", _ollama_errors(generate), methods=["POST"]),
@@ -226,17 +253,18 @@ async def _lines(served: str, stream: RequestStream, key: str, send: Send) -> No
                 await send(_line(_chunk(served, **_text(key, text))))
 
 
-async def _pulled(engine: Engine, name: str, on_progress: Callable[[Any], None]) -> None:
-    """engine.pull, its refusals as Ollama's errors."""
+async def _pulled(fleet: ModelFleet, name: str, on_progress: Callable[[Any], None]) -> None:
+    """A pull through the default model's engine-manager, its refusals as Ollama's errors."""
     try:
-        await engine.pull(name, on_progress=on_progress)
+        async with fleet.use(None) as served:
+            await served.engine.pull(name, on_progress=on_progress)
     except ValueError as exc:
         raise bad(str(exc), "model") from None
     except ModelPullError as exc:
         raise ApiError(404 if "not found" in str(exc) else 500, str(exc), "model") from None
 
 
-async def _pull_lines(engine: Engine, name: str, send_line: Send) -> None:
+async def _pull_lines(fleet: ModelFleet, name: str, send_line: Send) -> None:
     """Ollama's pull stream: its steps, the bytes so far, then success (or an error line)."""
     send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
 
@@ -253,7 +281,7 @@ async def _pull_lines(engine: Engine, name: str, send_line: Send) -> None:
     async def run() -> None:
         with send:
             try:
-                await _pulled(engine, name, report)
+                await _pulled(fleet, name, report)
                 send.send_nowait({"status": "success"})
             except ApiError as exc:
                 send.send_nowait({"error": exc.message})
@@ -296,18 +324,22 @@ def _done(served: str, out: RequestOutput, key: str, text: str) -> dict:
     )
 
 
-def _listing(engine: Engine, served: str) -> dict[str, Any]:
-    """The model as /api/tags lists it."""
-    model_dir = Path(engine.model_info.model_dir)
-    size = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
-    modified = datetime.fromtimestamp(model_dir.stat().st_mtime, UTC)
+def _listing(entry: ServedModel, engine: Engine | None) -> dict[str, Any]:
+    """The model as /api/tags lists it; read from its files where they are on this machine
+    (all of it once loaded, else a local folder or GGUF file)."""
+    path = Path(engine.model_info.model_dir if engine is not None else entry.model)
+    files = (
+        [path] if path.is_file() else list(path.glob("*.safetensors")) + list(path.glob("*.gguf"))
+    )
+    size = sum(p.stat().st_size for p in files)
+    modified = path.stat().st_mtime if path.exists() else time.time()
     return {
-        "name": served,
-        "model": served,
-        "modified_at": modified.isoformat().replace("+00:00", "Z"),
+        "name": entry.name,
+        "model": entry.name,
+        "modified_at": _iso(modified),
         "size": size,
         "digest": "",
-        "details": details(engine),
+        "details": details(engine) if engine is not None else {},
     }
 
 
@@ -316,7 +348,11 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 
 def _now() -> str:
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    return _iso(time.time())
+
+
+def _iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
 
 
 def _ns(seconds: float) -> int:

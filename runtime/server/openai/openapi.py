@@ -14,7 +14,7 @@ from loomllm.server.openai.openapi_requests import Schema, object_of, ref, reque
 FINISH_REASONS = ["stop", "length", "abort", "tool_calls"]
 
 
-def _responses(model: str, reasoning: bool) -> dict[str, Schema]:
+def _responses(model: Schema, reasoning: bool) -> dict[str, Schema]:
     """The answers' schemas; with `reasoning`, chat messages and deltas carry it (vLLM's
     `reasoning`, and `reasoning_content`, its earlier name)."""
 
@@ -23,7 +23,7 @@ def _responses(model: str, reasoning: bool) -> dict[str, Schema]:
             "id": {"type": "string"},
             "object": {"const": kind},
             "created": {"type": "integer"},
-            "model": {"const": model},
+            "model": model,
             "choices": {"type": "array", "items": choice},
             "usage": ref("Usage"),
         }
@@ -197,11 +197,14 @@ def build_openapi(
     auto_tools: bool = False,
     reasoning: bool = False,
     priority: bool = False,
+    one_model: bool = True,
 ) -> dict[str, Any]:
     """The OpenAPI 3.1 document of build_app()'s routes, for this model and these limits.
 
     With `needs_api_key`, the routes outside `open_paths` require a Bearer token (else 401).
     `template_names`: the model's chat templates, which a body's chat_template may name.
+    With several models (not `one_model`), `model` is the default one: answers may name any,
+    and /v1/models lists unloaded ones without a max_model_len.
     """
     body_errors = ["400", "404", "413", "415", "500", "503"] + (["401"] if needs_api_key else [])
     get_errors = ["401"] if needs_api_key else []  # /v1/models; /health and /version: open
@@ -209,16 +212,19 @@ def build_openapi(
     def json_(schema: Schema) -> Schema:
         return {"application/json": {"schema": schema}}
 
+    answer_model: Schema = {"const": model} if one_model else {"type": "string"}
     card = object_of(
         {
-            "id": {"const": model},
+            "id": answer_model,
             "object": {"const": "model"},
             "created": {"type": "integer"},
             "owned_by": {"type": "string"},
             "root": {"type": "string"},
-            "max_model_len": {"const": max_model_len},
+            "loaded": {"const": True} if one_model else {"type": "boolean"},
+            "max_model_len": {"const": max_model_len} if one_model else {"type": "integer"},
         },
-        ["id", "object", "created", "owned_by", "root", "max_model_len"],
+        ["id", "object", "created", "owned_by", "root", "loaded"]
+        + (["max_model_len"] if one_model else []),
     )
     models = object_of(
         {"object": {"const": "list"}, "data": {"type": "array", "items": card}}, ["object", "data"]
@@ -314,7 +320,7 @@ def build_openapi(
                 auto_tools,
                 priority,
             )
-            | _responses(model, reasoning)
+            | _responses(answer_model, reasoning)
         },
     }
     if needs_api_key:

@@ -133,18 +133,6 @@ def as_int(value: Any) -> Any:
     return value
 
 
-def check_model(body: dict[str, Any], served: str) -> None:
-    model = field(body, "model", "str")
-    if model is not None and model != served:
-        raise ApiError(
-            404,
-            f"the model {model!r} does not exist; this server has {served!r}",
-            "model",
-            "NotFoundError",
-            "model_not_found",
-        )
-
-
 @dataclass(slots=True)
 class Common:
     """What completions and chat share besides the prompt."""
