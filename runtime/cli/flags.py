@@ -160,7 +160,35 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio")
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    serve.add_argument("model", nargs="?", default="smollm2")
+    serve.add_argument(
+        "models",
+        nargs="*",
+        metavar="MODEL",
+        help="the models to serve, each MODEL or NAME=MODEL (a path, a GGUF file or a hub "
+        "id); the first is the default (default: smollm2, unless --models-file names some)",
+    )
+    serve.add_argument(
+        "--models-file",
+        type=Path,
+        default=None,
+        help="a TOML file of [models.NAME] tables, each with model = ... and its own "
+        "engine options, served after the MODEL arguments",
+    )
+    serve.add_argument(
+        "--max-loaded-models",
+        type=_positive_int,
+        default=None,
+        help="most models loaded at once: loading another unloads the least recently "
+        "used idle one (default: no limit)",
+    )
+    serve.add_argument(
+        "--model-keep-alive",
+        type=_keep_alive,
+        default=300.0,
+        help="seconds a model loaded on demand stays loaded once idle (-1: until evicted; "
+        "a request's Ollama keep_alive overrides it); the models named at start stay "
+        "loaded until evicted",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000, help="0: any free port")
     # From the environment by default: a key on the command line shows in `ps`.
@@ -170,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="require Authorization: Bearer KEY on every route but /health, "
         "/metrics, /version and /openapi.json (default: $LOOM_API_KEY)",
     )
-    serve.add_argument("--served-model-name", default=None, help="the name clients send")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the name clients send for the first model"
+    )
     serve.add_argument(
         "--restart-on-failure",
         action=argparse.BooleanOptionalAction,
@@ -300,6 +330,18 @@ def _seconds(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be seconds >= 0 (finite), got {text}")
     return value
+
+
+def _keep_alive(text: str) -> float:
+    """Seconds >= 0 (finite), or -1: forever."""
+    if text.strip() == "-1":
+        return -1.0
+    try:
+        return _seconds(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be seconds >= 0 (finite), or -1 for ever, got {text}"
+        ) from None
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""`loom serve`: the OpenAI-compatible server over one Engine, until a signal (exit 0) or
-the engine is gone for good (exit 1); SIGINT or SIGTERM stops it gracefully."""
+"""`loom serve`: the OpenAI-compatible (and Ollama) server over one or more models, until a
+signal (exit 0) or its only model is gone for good (exit 1); SIGINT or SIGTERM stops it
+gracefully."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import argparse
 import signal
 import socket
 import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 
@@ -23,9 +26,9 @@ async def _watch_signals(stop: anyio.Event, scope: anyio.CancelScope, serving: l
 
 
 async def serve_command(args: argparse.Namespace) -> int:
-    """Serve until a signal (exit 0) or until the engine is gone for good (exit 1).
+    """Serve until a signal (exit 0) or until its only model is gone for good (exit 1).
 
-    After a signal, in-flight requests get --shutdown-grace seconds, then the engine closes.
+    After a signal, in-flight requests get --shutdown-grace seconds, then the engines close.
     """
     from loomllm.server.run import bind_socket
 
@@ -35,33 +38,49 @@ async def serve_command(args: argparse.Namespace) -> int:
         return await _serve_on(listener, args)
 
 
+def served_models(args: argparse.Namespace) -> list[Any]:
+    """The models named on the command line, then in --models-file (smollm2 if none)."""
+    from loomllm.server.fleet.catalog import ServedModel, parse_model_arg, read_models_file
+
+    options = engine_options(args)
+    served = []
+    for index, arg in enumerate(args.models):
+        name, model = parse_model_arg(arg)
+        if index == 0 and args.served_model_name is not None:
+            if name is not None:
+                raise ValueError(f"{arg!r} names its model already: drop --served-model-name")
+            name = args.served_model_name
+        served.append(ServedModel(name or model, model, options))
+    if args.models_file is not None:
+        served += read_models_file(args.models_file, options)
+    if not served:
+        served.append(ServedModel(args.served_model_name or "smollm2", "smollm2", options))
+    return served
+
+
 async def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
-    from functools import partial
-
-    from loomllm.engine.engine import Engine
     from loomllm.server import build_app, serve
-    from loomllm.server.fleet.supervisor import EngineSlot, drain, supervise
+    from loomllm.server.fleet.fleet import ModelFleet
 
+    options = engine_options(args)
+    fleet = ModelFleet(
+        served_models(args),
+        max_loaded=args.max_loaded_models,
+        keep_alive=args.model_keep_alive,
+        cached=_cached_hub_models(options),
+        cached_options=options,
+        restart_on_failure=args.restart_on_failure,
+        max_restarts=args.max_restarts,
+    )
     stop = anyio.Event()
     serving: list[bool] = []
-    slot = EngineSlot()
-    options = engine_options(args)
     app_options = {} if args.max_request_body is None else {"max_body_bytes": args.max_request_body}
     async with anyio.create_task_group() as tg:
         tg.start_soon(_watch_signals, stop, tg.cancel_scope, serving)
-        await tg.start(
-            partial(
-                supervise,
-                lambda: Engine(args.model, **options),
-                slot,
-                restart_on_failure=args.restart_on_failure,
-                max_restarts=args.max_restarts,
-            )
-        )
+        await tg.start(fleet.run)
         auto_tools = args.tool_call_parser if args.enable_auto_tool_choice else None
         app = build_app(
-            slot,
-            args.served_model_name or args.model,
+            fleet,
             api_key=args.api_key,
             trust_request_chat_template=args.trust_request_chat_template,
             tool_call_parser=auto_tools,
@@ -71,10 +90,10 @@ async def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
 
         async def shutdown_trigger() -> None:
             async with anyio.create_task_group() as first:
-                for event in (stop, slot.failed):
+                for event in (stop, fleet.failed):
                     first.start_soon(_set_then_cancel, event, first.cancel_scope)
             # Stop listening now; in-flight requests finish while hypercorn waits for them.
-            tg.start_soon(drain, slot, args.shutdown_grace)
+            tg.start_soon(fleet.drain, args.shutdown_grace)
 
         serving.append(True)
         # hypercorn owns the socket from here: it listens on it and closes it.
@@ -85,10 +104,26 @@ async def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
             graceful_timeout=args.shutdown_grace + 5,
         )
         tg.cancel_scope.cancel()
-    if slot.failure is not None:
-        print(f"loom: {slot.failure}", file=sys.stderr)
+    if fleet.failure is not None:
+        print(f"loom: {fleet.failure}", file=sys.stderr)
         return 1
     return 0
+
+
+def _cached_hub_models(options: dict[str, Any]) -> Callable[[], Awaitable[list[str]]] | None:
+    """What lists the hub models in the shared engine-manager's cache, which a request may
+    name to have loaded; None with a private manager (it lives only with an engine)."""
+    if options.get("manager") == "private":
+        return None
+    from loomllm.clients.manager import list_cached_models
+    from loomllm.protocols.rundir import default_socket_path
+
+    socket_path = options.get("manager_socket") or default_socket_path()
+
+    async def cached() -> list[str]:
+        return [entry.model for entry in await list_cached_models(socket_path)]
+
+    return cached
 
 
 async def _set_then_cancel(event: anyio.Event, scope: anyio.CancelScope) -> None:

@@ -30,6 +30,9 @@ from loomllm.config import EngineConfig
         ("--shutdown-grace", "-1", "must be seconds >= 0 (finite), got -1"),
         ("--shutdown-grace", "inf", "must be seconds >= 0 (finite), got inf"),
         ("--max-restarts", "-1", "must be an integer >= 0, got -1"),
+        ("--max-loaded-models", "0", "must be an integer >= 1, got 0"),
+        ("--model-keep-alive", "-2", "must be seconds >= 0 (finite), or -1 for ever, got -2"),
+        ("--model-keep-alive", "5m", "must be seconds >= 0 (finite), or -1 for ever, got 5m"),
     ],
 )
 def test_serve_refuses_bad_values_naming_the_flag(flag, value, message, capsys):
@@ -138,3 +141,63 @@ def test_engine_switches_and_gpu_memory_utilization_become_engine_options():
     for command in (["generate", "m", "p"], ["chat", "m"]):  # the same flags everywhere
         args = build_parser().parse_args([*command, "--no-enable-prefix-caching"])
         assert engine_options(args) == {"enable_prefix_caching": False}
+
+
+def served(*argv: str) -> list[tuple[str, str, dict]]:
+    from loomllm.cli.serve import served_models
+
+    args = build_parser().parse_args(["serve", *argv])
+    return [(m.name, m.model, m.options) for m in served_models(args)]
+
+
+def test_served_models_from_the_command_line_and_a_models_file(tmp_path):
+    assert served() == [("smollm2", "smollm2", {})]
+    assert served("--served-model-name", "smol") == [("smol", "smollm2", {})]
+    assert served("./m", "--served-model-name", "x") == [("x", "./m", {})]
+    models_file = tmp_path / "models.toml"
+    models_file.write_text(
+        '[models.qwen]\nmodel = "Qwen/Qwen3-0.6B"\ndtype = "bfloat16"\n'
+        '[models.llama]\nmodel = "/m/llama.gguf"\n'
+    )
+    assert served("a=/m/a", "org/x=y", "--dtype", "float32", "--models-file", str(models_file)) == [
+        ("a", "/m/a", {"dtype": "float32"}),
+        ("org/x=y", "org/x=y", {"dtype": "float32"}),  # an "=" after a "/" is the model's
+        ("qwen", "Qwen/Qwen3-0.6B", {"dtype": "bfloat16"}),  # its own option wins
+        ("llama", "/m/llama.gguf", {"dtype": "float32"}),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("[models.a]\ndtype = 'float32'\n", "[models.a] needs model ="),
+        ("[models.a]\nmodel = 'm'\nwarp = 9\n", "unknown engine options ['warp']"),
+        ("[model.a]\nmodel = 'm'\n", "expected [models.NAME] tables and nothing else"),
+        ("models = 3\n", "expected [models.NAME] tables"),
+        ("[models.a\n", "cannot read the models file"),
+    ],
+)
+def test_a_bad_models_file_is_exit_2_naming_the_entry(text, words, tmp_path, manager, capsys):
+    models_file = tmp_path / "models.toml"
+    models_file.write_text(text)
+    argv = ["serve", "--models-file", str(models_file), "--port", "0"]
+    code = main([*argv, "--manager-socket", str(manager.socket)])
+    [line] = capsys.readouterr().err.splitlines()
+    assert code == 2 and words in line and str(models_file) in line, line
+    assert not manager.socket.exists()  # refused before any engine started
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["a=m1", "a=m2"], "two served models are named 'a'"),
+        (["a:latest=m1"], "may not end in ':latest'"),
+        (["=m1"], "NAME=MODEL"),
+        (["a=m1", "--served-model-name", "b"], "drop --served-model-name"),
+    ],
+)
+def test_bad_served_model_names_are_exit_2(argv, words, manager, capsys):
+    code = main(["serve", *argv, "--port", "0", "--manager-socket", str(manager.socket)])
+    [line] = capsys.readouterr().err.splitlines()
+    assert code == 2 and words in line, line
+    assert not manager.socket.exists()
