@@ -15,7 +15,7 @@ from loomllm.protocols.sampling import SamplingParams
 
 # Raise it whenever a message, a field or a type code changes: the handshake then refuses a
 # peer from another release instead of misreading its frames.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 # -- handshake and errors (all connections) -------------------------------------------
@@ -99,6 +99,9 @@ class Pooling:
     # Leading slices that are embeddings of their own (Matryoshka training): `dimensions`
     # may cut the embedding to any length where this is true.
     matryoshka: bool
+    # False for an encoder (BERT): its attention is bidirectional, so a prompt is computed
+    # whole, in one step, and keeps no KV.
+    causal: bool = True
 
 
 @message(10)

@@ -45,13 +45,18 @@ def build_engine_core(
 ) -> EngineCore:
     """Build one replica's EngineCore; `tokenizer` is given when another replica loaded it."""
     max_model_len = resolve_max_model_len(cfg, info)
+    # An encoder's attention is bidirectional: a prompt split over steps would attend to
+    # only part of itself, so its prompts are never chunked.
+    encoder = info.pooling is not None and not info.pooling.causal
+    chunked = cfg.enable_chunked_prefill and not encoder
     budget = cfg.max_num_batched_tokens
     if budget is None:
-        budget = DEFAULT_CHUNKED_TOKEN_BUDGET if cfg.enable_chunked_prefill else max_model_len
-    if not cfg.enable_chunked_prefill and budget < max_model_len:
+        budget = DEFAULT_CHUNKED_TOKEN_BUDGET if chunked else max_model_len
+    if not chunked and budget < max_model_len:
+        why = "an encoder computes" if encoder else "when enable_chunked_prefill is off,"
         raise ValueError(
-            f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_model_len}) "
-            "when enable_chunked_prefill is off: a prompt must fit in one step"
+            f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_model_len}): "
+            f"{why} each prompt whole, in one step"
         )
     scheduler = Scheduler(
         SchedulerConfig(
@@ -63,7 +68,7 @@ def build_engine_core(
             # A pooling worker pools the hidden states of every prompt token it computes:
             # a prefix-cache hit would skip some (mean, CLS).
             enable_prefix_caching=cfg.enable_prefix_caching and info.pooling is None,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            enable_chunked_prefill=chunked,
             scheduling_policy=cfg.scheduling_policy,
         )
     )

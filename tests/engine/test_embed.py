@@ -68,6 +68,68 @@ async def test_embeddings_match_transformers(
         assert (ours - expected).abs().max().item() < TOLERANCE, method
 
 
+# Texts for the encoders: the tokenizer wraps each as "w1 ... w2" (CLS ... SEP).
+ENCODER_TEXTS = ["w5 w6 w7", " ".join(f"w{(7 * i) % 70 + 30}" for i in range(40)), "w42"]
+
+
+@pytest.mark.parametrize(
+    "arch, method, normalize",
+    [
+        ("bert", "cls_token", True),
+        ("bert", "mean_tokens", False),
+        ("bert", None, True),  # no sentence-transformers files: CLS, normalized
+        ("roberta", "mean_tokens", True),  # positions from pad_token_id + 1
+        ("xlm-roberta", "cls_token", True),
+    ],
+)
+async def test_encoder_embeddings_match_sentence_transformers(
+    tmp_path, shared_manager, arch, method, normalize
+):
+    """BERT-family encoders attend both ways within each prompt, batched together in one
+    step (a prompt is never split), and pool as sentence-transformers does."""
+    model_dir = make_pooling_model(tmp_path, arch, method, normalize)
+    results: dict[int, tuple[list[int], list[float]]] = {}
+    async with Engine(
+        model_dir, manager_socket=shared_manager.socket, runner="pooling", dtype="float32"
+    ) as e:
+        assert e.max_model_len == (130 if arch == "bert" else 129)  # RoBERTa: 130 - 1
+
+        async def one(index: int) -> None:
+            out = await e.embed(ENCODER_TEXTS[index])
+            results[index] = (out.prompt_token_ids, out.outputs.embedding)
+
+        async with anyio.create_task_group() as tg:
+            for index in range(len(ENCODER_TEXTS)):
+                tg.start_soon(one, index)
+        assert e.stats().num_preemptions == 0
+    for index, (ids, embedding) in results.items():
+        assert ids[0] == 1 and ids[-1] == 2  # CLS ... SEP, as the tokenizer wraps a text
+        expected = hf_embedding(model_dir, ids, method or "cls_token", normalize)
+        assert (torch.tensor(embedding) - expected).abs().max().item() < TOLERANCE, index
+    if method is not None:
+        st = SentenceTransformer(model_dir, device="cpu")
+        expected = st.encode(ENCODER_TEXTS, convert_to_tensor=True, batch_size=3)
+        ours = torch.tensor([results[i][1] for i in range(len(ENCODER_TEXTS))])
+        assert (ours - expected).abs().max().item() < TOLERANCE, method
+
+
+async def test_an_encoder_is_refused_as_a_generator_and_its_long_prompts_by_length(
+    tmp_path, shared_manager
+):
+    model_dir = make_pooling_model(tmp_path, "bert", "cls_token")
+    with pytest.raises(Exception, match="is an encoder .*runner='pooling'"):
+        async with Engine(model_dir, manager_socket=shared_manager.socket, dtype="float32"):
+            pass
+    options = {"manager_socket": shared_manager.socket, "runner": "pooling", "dtype": "float32"}
+    with pytest.raises(ValueError, match=r"an encoder computes each prompt whole, in one step"):
+        async with Engine(model_dir, **options, max_num_batched_tokens=64):
+            pass
+    async with Engine(model_dir, **options) as e:
+        with pytest.raises(ValueError, match="130"):
+            await e.embed({"prompt_token_ids": [5] * 131})
+        assert len((await e.embed("w5")).outputs.embedding) == 64  # serving on
+
+
 async def test_matryoshka_dimensions_cut_and_normalize_again(tmp_path, shared_manager):
     model_dir = make_pooling_model(tmp_path, "qwen3", "mean_tokens", is_matryoshka=True)
     async with Engine(

@@ -191,15 +191,20 @@ def make_tiny_arch(path: Path, arch: str, seed: int = 0) -> str:
     return str(path)
 
 
-def save_tiny_tokenizer(path: Path) -> None:
-    """A word-level tokenizer over the tiny vocabulary: token i is the word "w{i}"."""
+def save_tiny_tokenizer(path: Path, wrap: bool = False) -> None:
+    """A word-level tokenizer over the tiny vocabulary: token i is the word "w{i}". With
+    `wrap`, an encoder's: special tokens wrap a text as "w1 ... w2", and "w0" pads."""
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {f"w{i}": i for i in range(TINY_VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    if wrap:
+        tok.post_processor = processors.TemplateProcessing(
+            single="w1 $A w2", pair="w1 $A w2 $B w2", special_tokens=[("w1", 1), ("w2", 2)]
+        )
     tok.save(str(path / "tokenizer.json"))
     config = {
         "bos_token": "w1",
@@ -207,6 +212,8 @@ def save_tiny_tokenizer(path: Path) -> None:
         "unk_token": "w0",
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
+    if wrap:
+        config.update(cls_token="w1", sep_token="w2", pad_token="w0")
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
@@ -331,13 +338,47 @@ def save_variant(path: Path, variant: str, seed: int = 3) -> Path:
     return path
 
 
+# Tiny encoders: BERT's, RoBERTa's (positions from pad_token_id + 1) and XLM-RoBERTa's.
+ENCODER_CONFIGS: dict[str, tuple[str, str]] = {
+    "bert": ("BertConfig", "BertModel"),
+    "roberta": ("RobertaConfig", "RobertaModel"),
+    "xlm-roberta": ("XLMRobertaConfig", "XLMRobertaModel"),
+}
+
+
+def make_tiny_encoder(path: Path, arch: str, seed: int = 0) -> str:
+    """Save a tiny random-weight encoder of `arch` (a key of ENCODER_CONFIGS) with the tiny
+    word-level tokenizer, which wraps a text as BERT's does: "w1" (CLS) ... "w2" (SEP)."""
+    torch.manual_seed(seed)
+    config_name, model_name = ENCODER_CONFIGS[arch]
+    config = getattr(transformers, config_name)(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=130,
+        type_vocab_size=2 if arch == "bert" else 1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    getattr(transformers, model_name)(config).save_pretrained(path)
+    save_tiny_tokenizer(path, wrap=True)
+    return str(path)
+
+
 def make_pooling_model(
     path: Path, arch: str, pooling: str | None, normalize: bool = True, **config: Any
 ) -> str:
-    """A tiny decoder (make_tiny_model's) laid out as a sentence-transformers model pooling by
-    `pooling` ("lasttoken", "mean_tokens", "cls_token"; None: no sentence-transformers files),
-    with a Normalize module if `normalize`; `config` goes into its config.json."""
-    make_tiny_model(path, arch)
+    """A tiny model (make_tiny_model's decoder, or make_tiny_encoder's for an encoder `arch`)
+    laid out as a sentence-transformers model pooling by `pooling` ("lasttoken",
+    "mean_tokens", "cls_token"; None: no sentence-transformers files), with a Normalize
+    module if `normalize`; `config` goes into its config.json."""
+    if arch in ENCODER_CONFIGS:
+        make_tiny_encoder(path, arch)
+    else:
+        make_tiny_model(path, arch)
     if config:
         config_file = path / "config.json"
         config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}))

@@ -1,5 +1,6 @@
-"""The model architectures loomllm runs, each checked against transformers by a parity test;
-any other is refused at load with one error that names it and lists these.
+"""The model architectures loomllm runs, each checked against transformers by a parity test
+(the encoders, which only embed, against sentence-transformers); any other is refused at load
+with one error that names it and lists these.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from loomllm.workers.models.encoders import ENCODERS
 from loomllm.workers.models.sources import ModelLoadError
 
 # Architecture -> its model_type (a config.json saved alone names only that).
@@ -43,7 +45,7 @@ def architecture(config: dict[str, Any]) -> str:
         return str(named[0])
     if named:
         raise UnsupportedArchitectureError(f"config.json names several architectures: {named}")
-    by_type = {model_type: arch for arch, model_type in SUPPORTED.items()}
+    by_type = {model_type: arch for arch, model_type in {**ENCODERS, **SUPPORTED}.items()}
     model_type = config.get("model_type")
     if model_type in by_type:
         return by_type[model_type]
@@ -61,8 +63,9 @@ def check(config_path: Path) -> str:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {config_path}: {exc}") from exc
     arch = architecture(config)
-    if arch in SUPPORTED:
+    if arch in SUPPORTED or arch in ENCODERS:
         return arch
     raise UnsupportedArchitectureError(
-        f"architecture {arch} is not supported; loomllm runs {', '.join(SUPPORTED)}"
+        f"architecture {arch} is not supported; loomllm runs {', '.join(SUPPORTED)}, and "
+        f"to embed (runner='pooling') {', '.join(ENCODERS)}"
     )

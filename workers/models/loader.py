@@ -14,7 +14,7 @@ import torch
 
 from loomllm.workers.attention.geometry import kv_geometry
 from loomllm.workers.device.dtype import DTYPES, pick_dtype, resolve_device, stored_dtype
-from loomllm.workers.models import architectures, llama4
+from loomllm.workers.models import architectures, encoders, llama4
 from loomllm.workers.models import quantization as quantize
 from loomllm.workers.models.half_weights import WEIGHT_DTYPES, store_linear_weights_in
 from loomllm.workers.models.llama import config as llama_config
@@ -53,6 +53,7 @@ class LoadedModel:
     dtype: str  # "float32", "bfloat16", "float16"
     device: str  # "cpu", "cuda:0", ...
     tp_size: int = 1  # tensor-parallel ranks the weights (and KV heads) are split over
+    encoder: bool = False  # a BERT-family encoder (models/encoders.py): it embeds only
 
 
 def load_model(
@@ -101,6 +102,15 @@ def load_model(
     source = resolve_model(model, revision)
     model_dir = prepare_model_dir(source)
     architecture = architectures.check(model_dir / "config.json")  # before any weight is read
+    if architecture in encoders.ENCODERS:
+        if tensor_parallel_size > 1 or quantization not in (None, "none") or model_impl == "loom":
+            raise ValueError(
+                f"{architecture} runs with transformers' model on one rank, unquantized: "
+                "model_impl='loom', tensor_parallel_size and quantization are for decoders"
+            )
+        return _load_encoder(
+            model, source, model_dir, dtype, torch_device, weight_dtype, load_format
+        )
     shape, why_not = None, "model_impl='transformers'"
     if model_impl != "transformers":
         shape, why_not = llama_config.read_shape(model_dir / "config.json")
@@ -187,6 +197,42 @@ def load_model(
         dtype=str(torch_dtype).removeprefix("torch."),
         device=str(next(module.parameters()).device),  # "cuda:0" where "cuda" was asked for
         tp_size=tensor_parallel_size,
+    )
+
+
+def _load_encoder(
+    model: str,
+    source: ModelSource,
+    model_dir: Path,
+    dtype: str,
+    device: torch.device,
+    weight_dtype: str | None,
+    load_format: str,
+) -> LoadedModel:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        torch_dtype = pick_dtype(dtype, stored_dtype(config), device)
+        module = encoders.load_encoder(model_dir, torch_dtype, device, load_format == "dummy")
+    except Exception as exc:
+        raise ModelLoadError(f"could not load model {model!r} from {model_dir}: {exc}") from exc
+    module.eval()
+    _store_weights_in(module, weight_dtype, torch_dtype)
+    num_layers, num_kv_heads, head_dim = kv_geometry(config)
+    return LoadedModel(
+        model=module,
+        model_dir=model_dir,
+        config=module.config,
+        source=source,
+        vocab_size=config.vocab_size,
+        max_model_len=encoders.max_tokens(config),
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=str(torch_dtype).removeprefix("torch."),
+        device=str(next(module.parameters()).device),
+        encoder=True,
     )
 
 

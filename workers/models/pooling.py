@@ -19,19 +19,19 @@ _FLAGS = {"lasttoken": "lasttoken", "mean_tokens": "mean", "cls_token": "cls"}
 _MODULES = ("Transformer", "Pooling", "Normalize")
 
 
-def read_pooling(model_dir: Path, text_config: Any) -> Pooling:
+def read_pooling(model_dir: Path, text_config: Any, encoder: bool = False) -> Pooling:
     """The model's pooling. From modules.json and its Pooling module's config.json where the
     model has them (sentence-transformers' layout): one of last token, mean or CLS, and
     whether a Normalize module follows; a module loomllm does not compute (Dense, ...) is
-    refused by name. Without them: the last token's hidden state, normalized (vLLM's
-    default for decoders)."""
+    refused by name. Without them, vLLM's defaults: the last token's hidden state for a
+    decoder, the first (CLS) for an `encoder`, normalized."""
     size = int(text_config.hidden_size)
     # config.json's own words: loomllm's model config keeps only what it computes.
     config = _read_json(Path(model_dir) / "config.json")
     matryoshka = bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions"))
     modules_file = Path(model_dir) / "modules.json"
     if not modules_file.is_file():
-        return Pooling("last", True, size, matryoshka)
+        return Pooling("cls" if encoder else "last", True, size, matryoshka, not encoder)
     modules = _read_json(modules_file)
     try:
         kinds = [str(m["type"]).rsplit(".", 1)[-1] for m in modules]
@@ -62,7 +62,7 @@ def read_pooling(model_dir: Path, text_config: Any) -> Pooling:
         )
     if pooling.get("include_prompt") is False:
         raise ModelLoadError(f"{pooling_file} leaves the prompt out of the pool: not supported")
-    return Pooling(_MODES[modes[0]], "Normalize" in kinds, size, matryoshka)
+    return Pooling(_MODES[modes[0]], "Normalize" in kinds, size, matryoshka, not encoder)
 
 
 def _read_json(path: Path) -> Any:

@@ -23,6 +23,7 @@ from loomllm.protocols.messages import (
 )
 from loomllm.protocols.sampling import SamplingParams
 from loomllm.workers.attention import paged as attention
+from loomllm.workers.attention.bidirectional import route_encoder
 from loomllm.workers.attention.geometry import kv_geometry
 from loomllm.workers.attention.metadata import PrefillRow, context_metadata, paged_metadata
 from loomllm.workers.device.idle_probe import DeviceIdleProbe, DeviceTime
@@ -97,7 +98,12 @@ class ModelRunner:
                 f"block_size must be a power of two >= 16 for the Triton "
                 f"attention backend, got {block_size}"
             )
-        attention.route_transformers_model(model)
+        # An encoder's attention is bidirectional, within a step's own tokens: no cache.
+        self.encoder = pooling is not None and not pooling.causal
+        if self.encoder:
+            route_encoder(model)
+        else:
+            attention.route_transformers_model(model)
         self.attention_backend = attention_backend
         # Set: every request is a prompt to embed, its hidden states pooled where the prompt
         # ends and a placeholder token sampled, which ends it.
@@ -111,7 +117,8 @@ class ModelRunner:
         # Slot-major, one row a token. The Triton backend's cache has one block more than
         # the scheduler's, scratch for the padded rows of decode graphs (cuda_graphs.py).
         scratch = 1 if attention_backend == "triton" else 0
-        shape = ((num_blocks + scratch) * block_size, num_kv_heads, head_dim)
+        slots = 0 if self.encoder else (num_blocks + scratch) * block_size
+        shape = (slots, num_kv_heads, head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),

@@ -30,7 +30,7 @@ def hidden_states(
 ) -> torch.Tensor:
     """The model's last hidden states (after its final norm) of one packed step: [T, H]."""
     own = getattr(model, "last_hidden_states", None)
-    if own is not None:  # loomllm's own model
+    if own is not None:  # loomllm's own model, or an encoder (models/encoders.py)
         return own(input_ids, positions, meta)[0]
     decoder = model.get_decoder()  # transformers' base model, under its LM head
     out = decoder(input_ids=input_ids, position_ids=positions, use_cache=False, attn_metadata=meta)

@@ -48,6 +48,7 @@ class Worker:
         import torch
 
         from loomllm.workers.models.loader import load_model
+        from loomllm.workers.models.sources import ModelLoadError
 
         device = options.get("device", "auto")
         if device == "auto":
@@ -89,7 +90,12 @@ class Worker:
             from loomllm.workers.models.pooling import read_pooling
 
             text = getattr(loaded.config, "get_text_config", lambda: loaded.config)()
-            pooling = read_pooling(loaded.model_dir, text)
+            pooling = read_pooling(loaded.model_dir, text, loaded.encoder)
+        elif loaded.encoder:
+            raise ModelLoadError(
+                f"{model} is an encoder ({type(loaded.model).__name__}): it embeds, it does "
+                "not generate; serve it with runner='pooling'"
+            )
         runner = _make_runner(loaded, options, pooling)
         info = ModelInfo(
             model=model,
