@@ -15,7 +15,7 @@ from loomllm.protocols.sampling import SamplingParams
 
 # Raise it whenever a message, a field or a type code changes: the handshake then refuses a
 # peer from another release instead of misreading its frames.
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 
 # -- handshake and errors (all connections) -------------------------------------------
@@ -102,6 +102,11 @@ class Pooling:
     # False for an encoder (BERT): its attention is bidirectional, so a prompt is computed
     # whole, in one step, and keeps no KV.
     causal: bool = True
+    # A classifier's (method "classify": the pool is its head's logits, `size` of them):
+    # what sentence-transformers' CrossEncoder applies to a pair's logit to score it,
+    # "sigmoid" or "none"; its labels, by index.
+    score_activation: str = "sigmoid"
+    labels: list[str] = field(default_factory=list)
 
 
 @message(10)
@@ -351,6 +356,9 @@ class NewRequestData:
     eos_token_ids: list[int]  # masked while fewer than min_tokens are generated
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hits: KV already in these blocks
+    # Each prompt token's segment, for an encoder's pair of texts (a cross-encoder's query and
+    # document: BERT's token_type_ids); None: all of the first segment.
+    token_type_ids: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

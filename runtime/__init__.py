@@ -46,6 +46,8 @@ _MODULES = {
     "loomllm.llm": ["LLM"],
     "loomllm.metrics.stats": ["EngineStats"],
     "loomllm.outputs": [
+        "ClassificationOutput",
+        "ClassificationRequestOutput",
         "CompletionOutput",
         "EmbeddingOutput",
         "EmbeddingRequestOutput",
@@ -65,6 +67,8 @@ _MODULE_OF = {name: module for module, names in _MODULES.items() for name in nam
 
 __all__ = [
     "LLM",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",

@@ -20,7 +20,12 @@ from tqdm.auto import tqdm
 from loomllm.engine.engine import Engine
 from loomllm.engine.exception_groups import simplest
 from loomllm.engine.request_stream import RequestStream
-from loomllm.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+from loomllm.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 from loomllm.text.tokenizer import Tokenizer
 
@@ -143,12 +148,23 @@ class LLM:
         finals = self._run(calls, use_tqdm)
         return [self.engine.embedding(final, dimensions) for final in finals]
 
+    def classify(
+        self, prompts: Prompt | Sequence[Prompt], *, use_tqdm: bool = True
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (a classifier with runner="pooling"), batched by
+        the engine; in input order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        calls = [(lambda prompt, _: self.engine.classify_stream(prompt), p, None) for p in prompts]
+        return [self.engine.classification(final) for final in self._run(calls, use_tqdm)]
+
     def score(
         self,
         text_1: Prompt | Sequence[Prompt],
         text_2: Prompt | Sequence[Prompt],
     ) -> list[ScoringRequestOutput]:
-        """Engine.score: each pair's cosine similarity (runner="pooling")."""
+        """Engine.score (runner="pooling"): a cross-encoder's score of each pair, or the
+        cosine similarity of its embeddings."""
         return self._call(partial(self.engine.score, text_1, text_2))
 
     def collective_rpc(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:

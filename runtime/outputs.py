@@ -106,6 +106,25 @@ class EmbeddingRequestOutput:
 
 
 @dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]  # one per label: softmax over the labels (sigmoid for a single one)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """One prompt's class probabilities, as vLLM's: `.outputs.probs`."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
 class ScoringOutput:
     score: float
 
@@ -113,11 +132,13 @@ class ScoringOutput:
 @dataclass(slots=True)
 class ScoringRequestOutput:
     """One pair's score, as vLLM's: `.outputs.score` (a bi-encoder's: the cosine similarity
-    of the two texts' embeddings)."""
+    of the two texts' embeddings; a cross-encoder's: its logit for the pair, activated)."""
 
     request_id: str
     outputs: ScoringOutput
-    prompt_token_ids: list[int]  # the first text's, then the second's
+    prompt_token_ids: list[
+        int
+    ]  # the first text's, then the second's (a cross-encoder's: the pair's)
     finished: bool = True
 
 

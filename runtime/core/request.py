@@ -54,6 +54,7 @@ class Request:
         "_all_token_ids",
         "priority",
         "queue_order",
+        "token_type_ids",
     )
 
     def __init__(
@@ -65,8 +66,10 @@ class Request:
         max_model_len: int,
         arrival_time: float,
         priority: int = 0,
+        token_type_ids: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
+        self.token_type_ids = token_type_ids  # an encoder's segments (NewRequestData's)
         self.priority = priority  # lower first, under the "priority" scheduling policy
         self.queue_order: int | None = None  # its first place in a priority queue (ties)
         self.prompt_token_ids = prompt_token_ids

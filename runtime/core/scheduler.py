@@ -367,4 +367,5 @@ class Scheduler:
             eos_token_ids=sorted(request.eos_token_ids),
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
+            token_type_ids=request.token_type_ids,
         )

@@ -117,6 +117,7 @@ class EngineCore:
                     self.max_model_len,
                     parent.metrics.arrival_time,
                     parent.priority,
+                    parent.token_type_ids,
                 )
             )
         self._work.set()

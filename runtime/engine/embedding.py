@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from loomllm.engine.request_stream import start_all
+from loomllm.engine.request_stream import RequestStream, start_all
 from loomllm.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -102,18 +102,8 @@ async def score_by_cosine(
     first, second = texts_of(text_1), texts_of(text_2)
     pairs = score_pairs(first, second)
     texts = first + second
-    streams = start_all(partial(engine.embed_stream, text) for text in texts)
-    finals: list[RequestOutput | None] = [None] * len(texts)
-
-    async def one(index: int) -> None:
-        async with streams[index]:
-            finals[index] = await anext(streams[index])
-
-    async with anyio.create_task_group() as tg:
-        for index in range(len(texts)):
-            tg.start_soon(one, index)
-    assert all(final is not None for final in finals)  # each task set its own or raised
-    vectors = [engine.embedding(final, None) for final in finals if final is not None]
+    finals = await finals_of(start_all(partial(engine.embed_stream, t) for t in texts))
+    vectors = [engine.embedding(final, None) for final in finals]
     outputs = []
     for i, j in pairs:
         a, b = vectors[i], vectors[len(first) + j]
@@ -125,6 +115,21 @@ async def score_by_cosine(
             )
         )
     return outputs
+
+
+async def finals_of(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """Each started FINAL_ONLY stream's one output, read together; if one fails, the others
+    are aborted (their streams left) and its error raised."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+
+    async def one(index: int) -> None:
+        async with streams[index]:
+            finals[index] = await anext(streams[index])
+
+    async with anyio.create_task_group() as tg:
+        for index in range(len(streams)):
+            tg.start_soon(one, index)
+    return [final for final in finals if final is not None]  # each task set its own or raised
 
 
 def _cosine(a: list[float], b: list[float]) -> float:

@@ -30,6 +30,11 @@ from loomllm.clients.manager import (
     connect_shared_manager,
 )
 from loomllm.config import EngineConfig
+from loomllm.engine.classification import (
+    classification_output,
+    is_classifier,
+    score_by_cross_encoder,
+)
 from loomllm.engine.embedding import (
     check_dimensions,
     embed_params,
@@ -44,6 +49,7 @@ from loomllm.engine.input_checks import (
     check_room,
     check_token_ids,
     prompt_token_ids,
+    segments_of,
     with_bad_words_encoded,
 )
 from loomllm.engine.output_processor import ParentRequest
@@ -52,6 +58,7 @@ from loomllm.engine.request_stream import RequestStream
 from loomllm.errors import EngineClosedError, EngineDeadError, RemoteCallError
 from loomllm.metrics.stats import EngineStats, merge_stats
 from loomllm.outputs import (
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     RequestMetrics,
     RequestOutput,
@@ -62,6 +69,7 @@ from loomllm.protocols.messages import (
     CallFailed,
     CallResult,
     ModelInfo,
+    Pooling,
     PullProgress,
     RunCallable,
     WorkerDied,
@@ -315,16 +323,59 @@ class Engine:
         priority: int = 0,
     ) -> RequestStream:
         """`embed`'s request, started: its stream's one output goes to `embedding`."""
-        self._require_running()
-        pooling = self.model_info.pooling
-        if pooling is None:
+        pooling = self._pooling()
+        if is_classifier(pooling):
             raise ValueError(
-                f"model {self.config.model!r} runs with runner='generate': start the engine "
-                "with runner='pooling' to embed"
+                f"model {self.config.model!r} is a classifier: it classifies (classify) and "
+                "scores pairs (score), it does not embed"
             )
         check_dimensions(dimensions, pooling)
-        params = embed_params(truncate_prompt_tokens)
-        return self._submit(prompt, params, request_id, priority, False)
+        return self.pooled_stream(
+            prompt,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            request_id=request_id,
+            priority=priority,
+        )
+
+    def pooled_stream(
+        self,
+        prompt: str | dict[str, Any],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """A pooling request, started: its stream's one output holds what the worker pooled
+        (an embedding, or a classifier's logits). A prompt dict may carry `token_type_ids`
+        beside its ids, an encoder's segments (a pair of texts)."""
+        self._pooling()
+        return self._submit(
+            prompt, embed_params(truncate_prompt_tokens), request_id, priority, False
+        )
+
+    async def classify(
+        self, prompt: str | dict[str, Any], *, request_id: str | None = None, priority: int = 0
+    ) -> ClassificationRequestOutput:
+        """The prompt's class probabilities (a classifier with runner="pooling"), as vLLM's
+        ClassificationRequestOutput: `.outputs.probs`, one per label."""
+        async with self.classify_stream(prompt, request_id=request_id, priority=priority) as s:
+            final = await anext(s)
+        return classification_output(final)
+
+    def classify_stream(
+        self, prompt: str | dict[str, Any], *, request_id: str | None = None, priority: int = 0
+    ) -> RequestStream:
+        """`classify`'s request, started: its stream's one output goes to `classification`."""
+        if not is_classifier(self._pooling()):
+            raise ValueError(
+                f"model {self.config.model!r} has no classification head: it embeds (embed)"
+            )
+        return self.pooled_stream(prompt, request_id=request_id, priority=priority)
+
+    @staticmethod
+    def classification(final: RequestOutput) -> ClassificationRequestOutput:
+        """A `classify_stream`'s output as vLLM's ClassificationRequestOutput."""
+        return classification_output(final)
 
     async def score(
         self,
@@ -332,8 +383,22 @@ class Engine:
         text_2: str | dict[str, Any] | Sequence[str | dict[str, Any]],
     ) -> list[ScoringRequestOutput]:
         """vLLM's score (runner="pooling"): one text_1 against each text_2, or the two lists
-        pair by pair; each pair scored by the cosine similarity of its embeddings."""
+        pair by pair. A cross-encoder (a classifier) reads each pair as one input; another
+        model scores it by the cosine similarity of the two embeddings."""
+        if is_classifier(self._pooling()):
+            return await score_by_cross_encoder(self, text_1, text_2)
         return await score_by_cosine(self, text_1, text_2)
+
+    def _pooling(self) -> Pooling:
+        """The model's pooling; ValueError unless the engine runs with runner="pooling"."""
+        self._require_running()
+        pooling = self.model_info.pooling
+        if pooling is None:
+            raise ValueError(
+                f"model {self.config.model!r} runs with runner='generate': start the engine "
+                "with runner='pooling' to embed, classify or score"
+            )
+        return pooling
 
     async def pull(
         self,
@@ -373,6 +438,7 @@ class Engine:
         params = with_bad_words_encoded(params, tokenizer)
         check_token_ids(params, vocab, tokenizer.eos_token_ids)
         text, token_ids = prompt_token_ids(prompt, tokenizer, vocab, self.max_model_len, params)
+        token_type_ids = segments_of(prompt, token_ids, self.model_info.pooling, params)
         if max_tokens_must_fit:
             check_room(len(token_ids), params, self.max_model_len)
         request_id = check_request_id(uuid.uuid4().hex if request_id is None else request_id)
@@ -394,6 +460,7 @@ class Engine:
             RequestOutputCollector(params.output_kind),
             RequestMetrics(arrival_time=time.time()),
             priority=priority,
+            token_type_ids=token_type_ids,
         )
         core.add_request(parent)
         # The stream aborts its own request only: never a later one that reuses the id.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loomllm.protocols.messages import Pooling
 from loomllm.protocols.sampling import SamplingParams, replace_checked
 from loomllm.text.tokenizer import Tokenizer
 
@@ -40,6 +41,28 @@ def prompt_token_ids(
             f"({max_model_len}) to leave room for output"
         )
     return text, list(ids)
+
+
+def segments_of(
+    prompt: str | dict[str, Any],
+    token_ids: list[int],
+    pooling: Pooling | None,
+    params: SamplingParams,
+) -> list[int] | None:
+    """A prompt dict's `token_type_ids` (an encoder's segments of a pair of texts), checked:
+    one 0 or 1 per token, on an encoder, untruncated; None when it has none."""
+    if not isinstance(prompt, dict) or prompt.get("token_type_ids") is None:
+        return None
+    types = prompt["token_type_ids"]
+    if pooling is None or pooling.causal:
+        raise ValueError("token_type_ids are for an encoder's pair of texts (BERT and its kin)")
+    if params.truncate_prompt_tokens is not None:
+        raise ValueError("token_type_ids and truncate_prompt_tokens do not go together")
+    if not isinstance(types, list) or len(types) != len(token_ids):
+        raise ValueError("token_type_ids must be a list with one entry per prompt token")
+    if not all(type(t) is int and t in (0, 1) for t in types):
+        raise ValueError("token_type_ids must each be 0 or 1 (first or second text)")
+    return list(types)
 
 
 def check_room(prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:

@@ -52,6 +52,7 @@ class ParentRequest:
     num_prompt_logprobs_missing: int = 0
     prompt_logprobs_sent: bool = False  # DELTA sends them once
     pooled: np.ndarray | None = None  # runner="pooling": the prompt's embedding
+    token_type_ids: list[int] | None = None  # a cross-encoder's pair: each token's segment
 
     def _prompt_logprobs_to_send(self) -> list[dict[int, Logprob] | None] | None:
         if self.prompt_logprobs is None or self.num_prompt_logprobs_missing:

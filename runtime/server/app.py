@@ -29,6 +29,7 @@ from loomllm.server.metrics import build_metrics_handler
 from loomllm.server.ollama.routes import ollama_routes
 from loomllm.server.openai import serving
 from loomllm.server.openai.chat_template_fields import TEMPLATE_ERRORS, parse_template_fields
+from loomllm.server.openai.classify import create_classification
 from loomllm.server.openai.embeddings import answer_embeddings
 from loomllm.server.openai.openapi import build_openapi
 from loomllm.server.openai.schemas import (
@@ -366,6 +367,9 @@ def build_app(
         Route("/v1/embeddings", _guard(pooled(answer_embeddings)), methods=["POST"]),
         Route("/v1/score", _guard(pooled(create_scores)), methods=["POST"]),
         Route("/v1/rerank", _guard(pooled(create_rerank)), methods=["POST"]),
+        Route("/rerank", _guard(pooled(create_rerank)), methods=["POST"]),
+        Route("/score", _guard(pooled(create_scores)), methods=["POST"]),
+        Route("/classify", _guard(pooled(create_classification)), methods=["POST"]),
         Route("/tokenize", _guard(tokenize), methods=["POST"]),
         Route("/detokenize", _guard(detokenize), methods=["POST"]),
         Route("/health", _guard(health), methods=["GET"]),
@@ -381,9 +385,10 @@ def build_app(
 
 
 async def _probe(engine: Engine) -> None:
-    """One token of work through `engine` (an embedding on a pooling model)."""
+    """One token of work through `engine` (a pool of it on a pooling model)."""
     if engine.model_info.pooling is not None:
-        await engine.embed({"prompt_token_ids": [0]})
+        async with engine.pooled_stream({"prompt_token_ids": [0]}) as stream:
+            await anext(stream)
         return
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     async with engine.generate({"prompt_token_ids": [0]}, params) as stream:

@@ -98,6 +98,17 @@ class Tokenizer:
                 f"text is not valid Unicode: a lone surrogate {text[bad]!r} at index {bad}"
             ) from None
 
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """A pair of texts as one input, as a cross-encoder reads it (BERT's "[CLS] first [SEP]
+        second [SEP]"): its token ids, and each token's segment (token_type_ids)."""
+        for text in (first, second):
+            if not isinstance(text, str):
+                raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
+        self.encode(first)  # a text that is no valid Unicode: the same ValueError
+        self.encode(second)
+        encoding = self.inner.encode(first, second)
+        return encoding.ids, encoding.type_ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (whole-sequence decode; see IncrementalDetokenizer for streaming)."""
         return self.inner.decode(list(ids), skip_special_tokens=skip_special_tokens)

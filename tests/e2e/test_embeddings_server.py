@@ -1,7 +1,7 @@
 """End to end: `loom serve --runner pooling` (asyncio and trio) and the official `openai`
 client's embeddings.create, float and base64, equal to transformers' own; /v1/score and
-/v1/rerank; a bad-input table for the three routes, each a 4xx naming the field, the
-server serving on."""
+/v1/rerank by cosine, and by a cross-encoder as sentence-transformers scores; /classify;
+bad-input tables for these routes, each a 4xx naming the field, the server serving on."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 from support.hf_reference import hf_embedding
-from support.models import make_pooling_model
+from support.models import make_pooling_model, make_tiny_encoder
 from support.servers import LoomServer, loom_serve
 
 pytestmark = pytest.mark.compute
@@ -112,3 +112,79 @@ def test_score_and_rerank_rank_by_cosine(embed_server):
     assert ranked["results"][0]["document"] == {"text": documents[order[0]]}
     for result in ranked["results"]:
         assert result["relevance_score"] == pytest.approx(values[result["index"]], abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def classifier_server(tmp_path_factory, shared_manager) -> Iterator[tuple[LoomServer, str, str]]:
+    """One `loom serve` with a cross-encoder ("reranker") and, from a models file, a
+    three-label classifier ("labeler"): BERT classifiers, runner pooling."""
+    root = tmp_path_factory.mktemp("classifiers")
+    reranker = make_tiny_encoder(root / "reranker", "bert", num_labels=1)
+    labeler = make_tiny_encoder(root / "labeler", "bert", seed=3, num_labels=3)
+    models_file = root / "models.toml"
+    models_file.write_text(f'[models.labeler]\nmodel = "{labeler}"\n')
+    extra = ("--runner", "pooling", "--models-file", str(models_file))
+    with loom_serve(reranker, shared_manager.socket, "reranker", "trio", *extra) as running:
+        yield running, reranker, labeler
+
+
+def test_a_cross_encoder_reranks_as_sentence_transformers_scores(classifier_server):
+    from sentence_transformers import CrossEncoder
+
+    server, reranker, _ = classifier_server
+    # No word starting "w1" or "w2" (the special tokens, matched inside words).
+    query, documents = "w5 w6 w7", ["w40 w41", "w5 w6 w7", "w8 w9 w30 w31"]
+    expected = CrossEncoder(reranker, device="cpu").predict([(query, d) for d in documents])
+    for route in ("/v1/rerank", "/rerank"):
+        ranked = httpx.post(
+            server.base_url + route,
+            json={"model": "reranker", "query": query, "documents": documents},
+        ).json()
+        by_index = {r["index"]: r["relevance_score"] for r in ranked["results"]}
+        assert [r["index"] for r in ranked["results"]] == list(np.argsort(-expected))
+        assert max(abs(by_index[i] - expected[i]) for i in range(3)) < TOLERANCE
+    scores = httpx.post(
+        server.base_url + "/score",
+        json={"model": "reranker", "text_1": query, "text_2": documents},
+    ).json()
+    assert [d["score"] for d in scores["data"]] == pytest.approx(list(expected), abs=TOLERANCE)
+
+
+def test_classify_route_gives_each_input_its_labels_probabilities(classifier_server):
+    import transformers
+
+    server, _, labeler = classifier_server
+    texts = ["w5 w6 w7", "w40 w41"]
+    answer = httpx.post(server.base_url + "/classify", json={"model": "labeler", "input": texts})
+    assert answer.status_code == 200, answer.text
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(labeler).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(labeler)
+    with torch.inference_mode():
+        expected = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits.softmax(-1)
+    data = answer.json()["data"]
+    assert [d["num_classes"] for d in data] == [3, 3]
+    assert (torch.tensor([d["probs"] for d in data]) - expected).abs().max() < TOLERANCE
+    assert [d["label"] for d in data] == [f"label-{int(i)}" for i in expected.argmax(-1)]
+
+
+@pytest.mark.parametrize(
+    "route, body, status, param",
+    [
+        ("/classify", {"model": "labeler", "input": []}, 400, "input"),
+        ("/classify", {"model": "labeler", "input": ["w5"] * 10_000}, 400, "input"),
+        ("/classify", {"model": "labeler", "input": [3.5]}, 400, "input"),
+        ("/classify", {"model": "nope", "input": "w5"}, 404, "model"),
+        ("/v1/embeddings", {"model": "reranker", "input": "w5"}, 400, "model"),
+        ("/v1/score", {"model": "labeler", "text_1": "w5", "text_2": "w6"}, 400, "text_1"),
+        ("/v1/chat/completions", {"model": "labeler", "messages": []}, 400, "messages"),
+    ],
+)
+def test_classifier_bad_input_is_a_4xx_naming_the_field(
+    classifier_server, route, body, status, param
+):
+    server = classifier_server[0]
+    answer = httpx.post(server.base_url + route, json=body, timeout=30)
+    assert answer.status_code == status, answer.text
+    assert answer.json()["error"]["param"] == param
+    ok = httpx.post(server.base_url + "/classify", json={"model": "labeler", "input": "w5"})
+    assert ok.status_code == 200

@@ -11,7 +11,7 @@ import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 from support.hf_reference import hf_embedding
-from support.models import make_pooling_model
+from support.models import make_pooling_model, make_tiny_encoder
 
 from loomllm import Engine, SamplingParams
 
@@ -225,3 +225,53 @@ async def test_score_is_the_cosine_of_the_embeddings_paired_as_vllm_pairs(tmp_pa
         assert out.outputs.score == pytest.approx(cosine([5, 6], other), abs=TOLERANCE)
     for out, (a, b) in zip(pairwise, [([5], [6]), ([7], [8])], strict=True):
         assert out.outputs.score == pytest.approx(cosine(a, b), abs=TOLERANCE)
+
+
+PAIRS = [("w5 w6 w7", "w8 w9"), ("w5 w6 w7", "w40 w41 w42 w43"), ("w30", "w31 w5")]
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "xlm-roberta"])
+async def test_cross_encoder_scores_match_sentence_transformers(tmp_path, shared_manager, arch):
+    """A cross-encoder reads each pair as one input (BERT's with its second text's segment
+    marked), its logit activated as sentence-transformers' CrossEncoder does."""
+    from sentence_transformers import CrossEncoder
+
+    model_dir = make_tiny_encoder(tmp_path / "ce", arch, num_labels=1)
+    expected = CrossEncoder(model_dir, device="cpu").predict(PAIRS, batch_size=3)
+    async with Engine(
+        model_dir, manager_socket=shared_manager.socket, runner="pooling", dtype="float32"
+    ) as e:
+        one_to_many = await e.score(PAIRS[0][0], [PAIRS[0][1], PAIRS[1][1]])
+        pairwise = await e.score([a for a, _ in PAIRS], [b for _, b in PAIRS])
+        with pytest.raises(ValueError, match="it does not embed"):
+            await e.embed("w5")
+        with pytest.raises(ValueError, match="pairs of texts"):
+            await e.score({"prompt_token_ids": [5]}, "w6")
+        with pytest.raises(ValueError, match="token_type_ids must each be 0 or 1"):
+            await e.classify({"prompt_token_ids": [1, 5, 2], "token_type_ids": [0, 2, 0]})
+    scores = [out.outputs.score for out in pairwise]
+    assert max(abs(a - b) for a, b in zip(scores, expected, strict=True)) < TOLERANCE
+    assert [out.outputs.score for out in one_to_many] == pytest.approx(scores[:2], abs=1e-6)
+    assert len(set(round(s, 4) for s in scores)) == 3  # the pairs' scores differ
+    assert pairwise[0].prompt_token_ids == [1, 5, 6, 7, 2, 8, 9, 2]  # the pair, as one input
+
+
+async def test_classify_matches_transformers(tmp_path, shared_manager):
+    import transformers
+
+    model_dir = make_tiny_encoder(tmp_path / "clf", "bert", num_labels=3)
+    texts = ["w5 w6 w7", "w40 w41", "w9"]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    with torch.inference_mode():
+        batch = tokenizer(texts, padding=True, return_tensors="pt")
+        expected = model(**batch).logits.softmax(-1)
+    async with Engine(
+        model_dir, manager_socket=shared_manager.socket, runner="pooling", dtype="float32"
+    ) as e:
+        outs = [await e.classify(text) for text in texts]
+        with pytest.raises(ValueError, match="one label; this classifier has 3"):
+            await e.score("w5", "w6")
+    probs = torch.tensor([out.outputs.probs for out in outs])
+    assert (probs - expected).abs().max().item() < TOLERANCE
+    assert outs[0].outputs.num_classes == 3

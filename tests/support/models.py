@@ -191,9 +191,10 @@ def make_tiny_arch(path: Path, arch: str, seed: int = 0) -> str:
     return str(path)
 
 
-def save_tiny_tokenizer(path: Path, wrap: bool = False) -> None:
+def save_tiny_tokenizer(path: Path, wrap: bool = False, segments: bool = False) -> None:
     """A word-level tokenizer over the tiny vocabulary: token i is the word "w{i}". With
-    `wrap`, an encoder's: special tokens wrap a text as "w1 ... w2", and "w0" pads."""
+    `wrap`, an encoder's: special tokens wrap a text as "w1 ... w2", and "w0" pads; with
+    `segments` too, BERT's: a pair's second text is marked (token_type_ids 1)."""
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -203,7 +204,9 @@ def save_tiny_tokenizer(path: Path, wrap: bool = False) -> None:
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     if wrap:
         tok.post_processor = processors.TemplateProcessing(
-            single="w1 $A w2", pair="w1 $A w2 $B w2", special_tokens=[("w1", 1), ("w2", 2)]
+            single="w1 $A w2",
+            pair="w1 $A w2 $B:1 w2:1" if segments else "w1 $A w2 $B w2",
+            special_tokens=[("w1", 1), ("w2", 2)],
         )
     tok.save(str(path / "tokenizer.json"))
     config = {
@@ -214,6 +217,9 @@ def save_tiny_tokenizer(path: Path, wrap: bool = False) -> None:
     }
     if wrap:
         config.update(cls_token="w1", sep_token="w2", pad_token="w0")
+        # As BERT's tokenizer (RoBERTa's: none): the segments, for segment embeddings.
+        names = ["input_ids", "token_type_ids", "attention_mask"] if segments else []
+        config["model_input_names"] = names or ["input_ids", "attention_mask"]
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
@@ -346,11 +352,24 @@ ENCODER_CONFIGS: dict[str, tuple[str, str]] = {
 }
 
 
-def make_tiny_encoder(path: Path, arch: str, seed: int = 0) -> str:
+def make_tiny_encoder(path: Path, arch: str, seed: int = 0, num_labels: int | None = None) -> str:
     """Save a tiny random-weight encoder of `arch` (a key of ENCODER_CONFIGS) with the tiny
-    word-level tokenizer, which wraps a text as BERT's does: "w1" (CLS) ... "w2" (SEP)."""
+    word-level tokenizer, which wraps a text as BERT's does: "w1" (CLS) ... "w2" (SEP), and
+    a pair as "w1 A w2 B w2". With `num_labels`, a classifier (`*ForSequenceClassification`)
+    with that many labels, named "label-i"."""
     torch.manual_seed(seed)
     config_name, model_name = ENCODER_CONFIGS[arch]
+    labels = (
+        {}
+        if num_labels is None
+        else {
+            "num_labels": num_labels,
+            "id2label": {i: f"label-{i}" for i in range(num_labels)},
+            "label2id": {f"label-{i}": i for i in range(num_labels)},
+        }
+    )
+    if num_labels is not None:
+        model_name = model_name.removesuffix("Model") + "ForSequenceClassification"
     config = getattr(transformers, config_name)(
         vocab_size=TINY_VOCAB,
         hidden_size=64,
@@ -362,9 +381,11 @@ def make_tiny_encoder(path: Path, arch: str, seed: int = 0) -> str:
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
+        initializer_range=0.2,  # scores spread out, so that a wrong one shows
+        **labels,
     )
     getattr(transformers, model_name)(config).save_pretrained(path)
-    save_tiny_tokenizer(path, wrap=True)
+    save_tiny_tokenizer(path, wrap=True, segments=arch == "bert")
     return str(path)
 
 

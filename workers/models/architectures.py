@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loomllm.workers.models.encoders import ENCODERS
+from loomllm.workers.models.encoders import CLASSIFIERS, ENCODERS
 from loomllm.workers.models.sources import ModelLoadError
 
 # Architecture -> its model_type (a config.json saved alone names only that).
@@ -63,9 +63,10 @@ def check(config_path: Path) -> str:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {config_path}: {exc}") from exc
     arch = architecture(config)
-    if arch in SUPPORTED or arch in ENCODERS:
+    if arch in SUPPORTED or arch in ENCODERS or arch in CLASSIFIERS:
         return arch
     raise UnsupportedArchitectureError(
-        f"architecture {arch} is not supported; loomllm runs {', '.join(SUPPORTED)}, and "
-        f"to embed (runner='pooling') {', '.join(ENCODERS)}"
+        f"architecture {arch} is not supported; loomllm runs {', '.join(SUPPORTED)}; to "
+        f"embed (runner='pooling') {', '.join(ENCODERS)}; and to classify and score "
+        f"(runner='pooling') {', '.join(CLASSIFIERS)}"
     )

@@ -102,7 +102,7 @@ def load_model(
     source = resolve_model(model, revision)
     model_dir = prepare_model_dir(source)
     architecture = architectures.check(model_dir / "config.json")  # before any weight is read
-    if architecture in encoders.ENCODERS:
+    if architecture in encoders.ENCODERS or architecture in encoders.CLASSIFIERS:
         if tensor_parallel_size > 1 or quantization not in (None, "none") or model_impl == "loom":
             raise ValueError(
                 f"{architecture} runs with transformers' model on one rank, unquantized: "

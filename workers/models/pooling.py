@@ -70,3 +70,39 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+
+
+# sentence-transformers' CrossEncoder activations loomllm applies to a score, by class name.
+_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "none"}
+
+
+def read_classifier(model_dir: Path, config: Any) -> Pooling:
+    """A classifier's pooling: its head's logits over the CLS token, one per label. The
+    activation that turns a pair's logit into its score is sentence-transformers' CrossEncoder
+    one where the model names it, else CrossEncoder's default (sigmoid for one label)."""
+    num_labels = int(config.num_labels)
+    named = _read_json(Path(model_dir) / "config.json").get("sentence_transformers") or {}
+    st_config = Path(model_dir) / "config_sentence_transformers.json"
+    if st_config.is_file():  # sentence-transformers 5 and later
+        named = _read_json(st_config)
+    activation = named.get("activation_fn") or named.get("sbert_ce_default_activation_function")
+    if activation is None:
+        score_activation = "sigmoid" if num_labels == 1 else "none"
+    else:
+        score_activation = _ACTIVATIONS.get(str(activation).rsplit(".", 1)[-1], "")
+        if not score_activation:
+            raise ModelLoadError(
+                f"{model_dir} scores with {activation}: loomllm applies "
+                f"{' or '.join(_ACTIVATIONS)} only"
+            )
+    id2label = getattr(config, "id2label", None) or {}
+    labels = [str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels)]
+    return Pooling(
+        "classify",
+        False,
+        num_labels,
+        False,
+        False,
+        score_activation=score_activation,
+        labels=labels,
+    )

@@ -67,6 +67,7 @@ class CachedRequestState:
     slots: list[int] = field(default_factory=list)
     # A pooling runner's partial pool of the prompt chunks computed so far (runner/pooler.py).
     pooled: torch.Tensor | None = None
+    token_type_ids: list[int] | None = None  # an encoder's segments of a pair of texts
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
@@ -221,6 +222,7 @@ class ModelRunner:
             list(new.block_ids),
             new.num_computed_tokens,
         )
+        state.token_type_ids = new.token_type_ids
         state.filters = TokenFilters.of(params, self.vocab_size, self.device)
         if params.structured_outputs is not None:
             assert self.grammars is not None, (
@@ -350,8 +352,18 @@ class ModelRunner:
             self.idle_probe.step_started()
         if self.pooling is not None:
             positions_t = device_tensor([positions], torch.long, dev)
-            hidden = hidden_states(self.model, ids[None], positions_t, meta)
-            pooled = pool(hidden, pool_rows, self.pooling)
+            types = None
+            if any(row.state.token_type_ids for row in pool_rows):
+                segments = [0] * len(input_ids)
+                for row in pool_rows:
+                    if row.state.token_type_ids:
+                        at, until = row.start, row.start + row.num_tokens
+                        segments[row.token_start : row.token_start + row.num_tokens] = (
+                            row.state.token_type_ids[at:until]
+                        )
+                types = device_tensor([segments], torch.long, dev)
+            hidden = hidden_states(self.model, ids[None], positions_t, meta, types)
+            pooled = pool(hidden, pool_rows, self.pooling, getattr(self.model, "classify", None))
             placeholders = torch.zeros(len(samplers), dtype=torch.long, device=dev)
             nothing: list[None] = [None] * len(samplers)
             sampled = SamplerOutput(placeholders, placeholders.float(), nothing, nothing)

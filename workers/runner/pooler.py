@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +27,17 @@ class PoolRow:
 
 
 def hidden_states(
-    model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: Any,
+    token_type_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The model's last hidden states (after its final norm) of one packed step: [T, H]."""
+    """The model's last hidden states (after its final norm) of one packed step: [T, H].
+    `token_type_ids` [1, T]: an encoder's segments, where a request holds a pair of texts."""
     own = getattr(model, "last_hidden_states", None)
+    if token_type_ids is not None:  # only an encoder's requests have them
+        return own(input_ids, positions, meta, token_type_ids)[0]  # type: ignore[misc]
     if own is not None:  # loomllm's own model, or an encoder (models/encoders.py)
         return own(input_ids, positions, meta)[0]
     decoder = model.get_decoder()  # transformers' base model, under its LM head
@@ -37,9 +45,14 @@ def hidden_states(
     return out.last_hidden_state[0]
 
 
-def pool(hidden: torch.Tensor, rows: list[PoolRow], pooling: Pooling) -> list[PooledOutput]:
+def pool(
+    hidden: torch.Tensor,
+    rows: list[PoolRow],
+    pooling: Pooling,
+    classify: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[PooledOutput]:
     """Fold this step's hidden states [T, H] into each row's pool; the embeddings of the
-    rows whose prompt is complete."""
+    rows whose prompt is complete (a classifier's: `classify` of its CLS hidden state)."""
     done = []
     for row in rows:
         h = hidden[row.token_start : row.token_start + row.num_tokens].float()
@@ -47,7 +60,7 @@ def pool(hidden: torch.Tensor, rows: list[PoolRow], pooling: Pooling) -> list[Po
         if pooling.method == "mean":
             part = h.sum(0)
             state.pooled = part if state.pooled is None else state.pooled + part
-        elif pooling.method == "cls" and row.start == 0:
+        elif pooling.method in ("cls", "classify") and row.start == 0:
             state.pooled = h[0]
         if not row.completes:
             continue
@@ -55,6 +68,9 @@ def pool(hidden: torch.Tensor, rows: list[PoolRow], pooling: Pooling) -> list[Po
             vector = h[-1]
         elif pooling.method == "mean":
             vector = state.pooled / len(state.prompt_token_ids)
+        elif pooling.method == "classify":
+            assert classify is not None, "a classifier's model has a head (models/encoders.py)"
+            vector = classify(state.pooled).float()
         else:
             vector = state.pooled
         if pooling.normalize:

@@ -87,10 +87,13 @@ class Worker:
         )
         pooling = None
         if options.get("runner", "generate") == "pooling":
-            from loomllm.workers.models.pooling import read_pooling
+            from loomllm.workers.models.pooling import read_classifier, read_pooling
 
             text = getattr(loaded.config, "get_text_config", lambda: loaded.config)()
-            pooling = read_pooling(loaded.model_dir, text, loaded.encoder)
+            if getattr(loaded.model, "is_classifier", False):
+                pooling = read_classifier(loaded.model_dir, text)
+            else:
+                pooling = read_pooling(loaded.model_dir, text, loaded.encoder)
         elif loaded.encoder:
             raise ModelLoadError(
                 f"{model} is an encoder ({type(loaded.model).__name__}): it embeds, it does "

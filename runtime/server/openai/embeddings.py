@@ -6,12 +6,13 @@ from __future__ import annotations
 import base64
 import struct
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from loomllm.engine.engine import Engine
-from loomllm.engine.request_stream import start_all
+from loomllm.engine.request_stream import RequestStream, start_all
 from loomllm.errors import EngineClosedError, EngineDeadError
 from loomllm.server.openai.api_error import bad
 from loomllm.server.openai.schemas import as_int, field, from_value_error
@@ -32,6 +33,20 @@ class EmbeddingRequest:
 
 def parse_embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
     """The body's fields, checked: a 400 naming the field that is wrong."""
+    inputs = parse_inputs(body)
+    encoding = field(body, "encoding_format", "str", "float")
+    if encoding not in ENCODING_FORMATS:
+        raise bad(f"encoding_format must be float or base64, got {encoding!r}", "encoding_format")
+    return EmbeddingRequest(
+        inputs,
+        encoding,
+        field(body, "dimensions", "int"),
+        field(body, "truncate_prompt_tokens", "int"),
+    )
+
+
+def parse_inputs(body: dict[str, Any]) -> list[str | dict[str, Any]]:
+    """The body's `input`: a string, token ids, or a list of either (at most MAX_INPUTS)."""
     raw = body.get("input")
     if isinstance(raw, str) or _is_ids(raw):
         raw = [raw]
@@ -55,15 +70,7 @@ def parse_embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
                 f"{type(item).__name__} {str(item)[:40]!r}",
                 "input",
             )
-    encoding = field(body, "encoding_format", "str", "float")
-    if encoding not in ENCODING_FORMATS:
-        raise bad(f"encoding_format must be float or base64, got {encoding!r}", "encoding_format")
-    return EmbeddingRequest(
-        inputs,
-        encoding,
-        field(body, "dimensions", "int"),
-        field(body, "truncate_prompt_tokens", "int"),
-    )
+    return inputs
 
 
 def _is_ids(value: Any) -> bool:
@@ -88,19 +95,7 @@ async def create_embeddings(engine: Engine, req: EmbeddingRequest, model: str) -
         )
         for i, prompt in enumerate(req.inputs)
     )
-    try:
-        streams = start_all(starts)
-    except ValueError as exc:
-        renames = {
-            "prompt": "input",
-            "prompt_token_ids": "input",
-            "dimensions": "dimensions",
-            "model": "model",
-        }
-        raise from_value_error(exc, "input", renames) from None
-    except (EngineDeadError, EngineClosedError) as exc:
-        raise engine_error(exc) from None
-    finals = await final_outputs(streams)
+    finals = await final_outputs(started(starts))
     data, prompt_tokens = [], 0
     for i in range(len(req.inputs)):
         vector = engine.embedding(finals[i], req.dimensions).outputs.embedding
@@ -112,6 +107,22 @@ async def create_embeddings(engine: Engine, req: EmbeddingRequest, model: str) -
         "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
+
+
+def started(starts: Iterable[Callable[[], RequestStream]]) -> list[RequestStream]:
+    """Each request started (start_all); a ValueError a 400 naming the field it is about."""
+    try:
+        return start_all(starts)
+    except ValueError as exc:
+        renames = {
+            "prompt": "input",
+            "prompt_token_ids": "input",
+            "dimensions": "dimensions",
+            "model": "model",
+        }
+        raise from_value_error(exc, "input", renames) from None
+    except (EngineDeadError, EngineClosedError) as exc:
+        raise engine_error(exc) from None
 
 
 def _encoded(vector: list[float], req: EmbeddingRequest) -> list[float] | str:
