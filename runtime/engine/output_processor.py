@@ -265,7 +265,8 @@ class OutputProcessor:
                 self.metrics.num_prompt_tokens += len(state.parent.prompt_token_ids)
             last = state.last_token_time
             since = metrics.arrival_time if last is None else last
-            self.metrics.record_tokens(len(out.new_token_ids), last is None, since, now)
+            if state.parent.pooled is None:  # a pool's one token is a placeholder, not output
+                self.metrics.record_tokens(len(out.new_token_ids), last is None, since, now)
             metrics.last_token_time = state.last_token_time = now
         state.token_ids.extend(out.new_token_ids)
         state.cumulative_logprob += sum(out.new_logprobs)

@@ -101,7 +101,10 @@ async def test_encoder_embeddings_match_sentence_transformers(
         async with anyio.create_task_group() as tg:
             for index in range(len(ENCODER_TEXTS)):
                 tg.start_soon(one, index)
-        assert e.stats().num_preemptions == 0
+        stats = e.stats()
+        assert stats.num_preemptions == 0 and stats.num_generation_tokens == 0  # none made
+        assert stats.num_prompt_tokens == sum(len(ids) for ids, _ in results.values())
+        assert stats.num_finished["stop"] + stats.num_finished["length"] == 3
     for index, (ids, embedding) in results.items():
         assert ids[0] == 1 and ids[-1] == 2  # CLS ... SEP, as the tokenizer wraps a text
         expected = hf_embedding(model_dir, ids, method or "cls_token", normalize)
