@@ -15,7 +15,7 @@ from loomllm.protocols.sampling import SamplingParams
 
 # Raise it whenever a message, a field or a type code changes: the handshake then refuses a
 # peer from another release instead of misreading its frames.
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 
 # -- handshake and errors (all connections) -------------------------------------------
@@ -372,9 +372,14 @@ class CachedRequests:
     req_ids: list[str]
     new_block_ids: list[list[int]]  # blocks added this step (mostly empty)
     num_computed_tokens: list[int]
+    # Speculative decoding: each request's draft tokens, computed after its last token and
+    # verified this step; empty (the column, or a request's entry): none.
+    draft_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not len(self.req_ids) == len(self.new_block_ids) == len(self.num_computed_tokens):
+            raise ValueError("CachedRequests columns differ in length")
+        if self.draft_token_ids and len(self.draft_token_ids) != len(self.req_ids):
             raise ValueError("CachedRequests columns differ in length")
 
 
@@ -449,6 +454,10 @@ class StepResult:
     # A pooling worker's embeddings of the prompts completed this step (their sampled
     # token is a placeholder, which ends the request).
     pooled: list[PooledOutput] = field(default_factory=list)
+    # Speculative decoding: per request in req_ids, the logprob of each of its draft tokens
+    # that was accepted; its tokens this step are those drafts, then its sampled token.
+    # Empty: no request had drafts.
+    draft_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

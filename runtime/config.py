@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from loomllm.protocols.messages import PROFILE_WHOLE_CONTEXT, WorkerSpec
 
@@ -71,6 +73,9 @@ class EngineConfig:
     # device). None: on where the workers run on CUDA (the engine's work then overlaps
     # the forward); off on the CPU, where the engine would take cores from the forward.
     async_scheduling: bool | None = None
+    # vLLM's speculative decoding options, e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4} (core/speculative.py).
+    speculative_config: dict[str, Any] | None = None
     # CUDA: no decode graphs (workers/runner/cuda_graphs.py), every step eager (vLLM's option).
     enforce_eager: bool = False
     seed: int = 0
@@ -165,6 +170,22 @@ class EngineConfig:
             object.__setattr__(self, "keep_alive", -1)
         if self.manager_socket is not None:
             object.__setattr__(self, "manager_socket", _socket_path(self.manager_socket))
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)
+            if self.async_scheduling:
+                raise ValueError(
+                    "speculative_config and async_scheduling do not go together: the next "
+                    "step is scheduled from how many drafts this one accepted"
+                )
+            if self.runner != "generate":
+                raise ValueError("speculative_config is for runner='generate'")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config, parsed."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def worker_spec(self, data_parallel_rank: int = 0) -> WorkerSpec:
         """What one replica's workers hold; engines with equal specs share warm workers."""
@@ -205,6 +226,64 @@ class EngineConfig:
             # VLLM_HOST_IP): the manager's node runs a raylet at that address.
             options["ray_node_ip_address"] = os.environ.get("LOOM_HOST_IP")
         return WorkerSpec(self.model, self.tensor_parallel_size, options)
+
+
+# Speculative decoding (vLLM's speculative_config): drafts proposed on the engine's side
+# (core/ngram_proposer.py), verified by the workers in the step's one forward.
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16  # a step verifies 1 + k tokens per request
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str  # SPECULATIVE_METHODS
+    num_speculative_tokens: int  # k: most draft tokens a request gets per step
+    prompt_lookup_max: int  # longest n-gram matched
+    prompt_lookup_min: int  # shortest n-gram matched
+
+    @classmethod
+    def parse(cls, value: Mapping[str, Any]) -> SpeculativeConfig:
+        """vLLM's dict, checked: ValueError naming the key that is wrong."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a dict, got {value!r}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known - {"model"})
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}")
+        method = value.get("method")
+        if method == "draft_model" or (method is None and value.get("model") is not None):
+            raise ValueError(
+                "speculative_config method 'draft_model' is not supported yet; loomllm "
+                "speculates with method 'ngram'"
+            )
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be 'ngram', got {method!r}")
+        if value.get("model") is not None:
+            raise ValueError("speculative_config method 'ngram' takes no model")
+        k = value.get("num_speculative_tokens")
+        if type(k) is not int or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens must be an integer in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
+        # Defaults: n-grams of 1 token up to k tokens (at least the minimum given).
+        low = _lookup(value, "prompt_lookup_min", 1)
+        high = _lookup(value, "prompt_lookup_max", max(k, low))
+        if low > high:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({low}) must be <= prompt_lookup_max "
+                f"({high})"
+            )
+        return cls(method, k, high, low)
+
+
+def _lookup(value: Mapping[str, Any], name: str, default: int) -> int:
+    n = value.get(name, default)
+    if n is None:
+        return default
+    if type(n) is not int or n < 1:
+        raise ValueError(f"speculative_config {name} must be an integer >= 1, got {n!r}")
+    return n
 
 
 _INT64 = (-(2**63), 2**63 - 1)  # what crosses the wire to the workers (msgpack)

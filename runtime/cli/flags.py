@@ -4,6 +4,7 @@ and the parser that holds them."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from dataclasses import fields
@@ -21,6 +22,17 @@ def _default(name: str) -> Any:
 
 def _on_off(name: str) -> str:
     return "on" if _default(name) else "off"
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object, for a dict-valued option."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 MANAGER_SOCKET_FLAG = (
@@ -86,6 +98,11 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ),
     ("--keep-alive", float, "seconds the workers stay warm after exit (-1: pinned)"),
     (
+        "--speculative-config",
+        json_object,
+        'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4}',
+    ),
+    (
         "--gpu-memory-utilization",
         float,
         "CUDA: share of the GPU's memory the worker may "
@@ -132,6 +149,7 @@ BENCHMARKS = {
     "decode-attention": "loomllm.benchmarks.decode_attention",
     "moe": "loomllm.benchmarks.moe",
     "embed": "loomllm.benchmarks.embed",
+    "spec": "loomllm.benchmarks.spec_decode",
     "eager-step": "loomllm.benchmarks.eager_step",
     "cpu-step": "loomllm.benchmarks.cpu_step",
     "broadcast": "loomllm.benchmarks.step_broadcast",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 
+from loomllm.core.ngram_proposer import NgramIndex
 from loomllm.protocols.sampling import SamplingParams
 
 
@@ -55,6 +56,8 @@ class Request:
         "priority",
         "queue_order",
         "token_type_ids",
+        "draft_token_ids",
+        "ngram_index",
     )
 
     def __init__(
@@ -70,6 +73,9 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.token_type_ids = token_type_ids  # an encoder's segments (NewRequestData's)
+        # Speculative decoding: the drafts the step in flight verifies after its last token.
+        self.draft_token_ids: list[int] = []
+        self.ngram_index: NgramIndex | None = None  # its n-grams, for the drafts
         self.priority = priority  # lower first, under the "priority" scheduling policy
         self.queue_order: int | None = None  # its first place in a priority queue (ties)
         self.prompt_token_ids = prompt_token_ids

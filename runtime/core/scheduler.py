@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from loomllm.config import SCHEDULING_POLICIES
+from loomllm.config import SCHEDULING_POLICIES, SpeculativeConfig
 from loomllm.core.kv_blocks import KVCacheManager
+from loomllm.core.ngram_proposer import NgramIndex
 from loomllm.core.request import Request, RequestStatus
 from loomllm.core.waiting_queue import waiting_queue
 from loomllm.protocols.messages import (
@@ -37,6 +38,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # config.SCHEDULING_POLICIES
+    speculative: SpeculativeConfig | None = None  # drafts for decoding requests
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -71,6 +73,26 @@ class SchedulerConfig:
             )
 
 
+class SpecDecodeCounts:
+    """Speculative decoding so far: draft tokens proposed and accepted, and how often the
+    draft at each position was accepted (vLLM's spec_decode metrics)."""
+
+    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
+
+    def __init__(self, k: int) -> None:
+        self.num_drafts = 0  # steps of a request that verified drafts
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * k
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_pos[position] += 1
+
+
 @dataclass(slots=True)
 class EngineCoreOutput:
     """What one step produced for one request: its new tokens and, at the end, why it ended."""
@@ -100,6 +122,9 @@ class Scheduler:
         self.finished_req_ids: dict[str, None] = {}
         self.step_id = 0  # schedule() calls so far
         self.num_preemptions = 0
+        self.spec = SpecDecodeCounts(
+            config.speculative.num_speculative_tokens if config.speculative else 0
+        )
         # Per step in flight, the requests it samples: a result is credited to that very
         # Request, never to a new one that took its id meanwhile (an abort frees the id
         # while two steps may still be running for the old request).
@@ -185,6 +210,8 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
+            drafts = self._drafts(request, token_budget) if num_new == 1 else []
+            num_new += len(drafts)
             new_block_ids = kv.allocate_slots(request, num_new)
             while new_block_ids is None:
                 # Out of blocks: the policy's victim (FCFS: the newest running request)
@@ -198,6 +225,8 @@ class Scheduler:
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     k = cached.req_ids.index(victim.request_id)
                     del cached.req_ids[k], cached.new_block_ids[k], cached.num_computed_tokens[k]
+                    if cached.draft_token_ids:
+                        del cached.draft_token_ids[k]
                     kv.forget_unwritten(victim)  # no step will write the KV it cached
                 self._preempt(victim)
                 preempted = True
@@ -212,6 +241,9 @@ class Scheduler:
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_block_ids)
             cached.num_computed_tokens.append(request.num_computed_tokens)
+            if config.speculative is not None:
+                cached.draft_token_ids.append(drafts)
+                request.draft_token_ids = drafts
             token_budget -= num_new
             index += 1
 
@@ -253,7 +285,8 @@ class Scheduler:
         for request_id, num_new in num_scheduled_tokens.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            computed = request.num_computed_tokens - len(request.draft_token_ids)
+            if computed == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # the step samples its next token
                 samplers[request_id] = request
         if samplers:  # an empty step is never sent, so nothing would ever pop its entry
@@ -280,11 +313,13 @@ class Scheduler:
                 f"the scheduler expected {sorted(samplers)}"
             )
         outputs: list[EngineCoreOutput] = []
-        for req_id, token_id, logprob, top in zip(
+        accepted = result.draft_logprobs or [[] for _ in result.req_ids]
+        for req_id, token_id, logprob, top, draft_logprobs in zip(
             result.req_ids,
             result.sampled_token_ids,
             result.logprobs,
             result.top_logprobs,
+            accepted,
             strict=True,
         ):
             request = samplers[req_id]
@@ -294,17 +329,29 @@ class Scheduler:
                 continue  # the request finished or was preempted while the step ran
             assert request.num_output_placeholders > 0, f"{req_id} sampled unasked"
             request.num_output_placeholders -= 1
-            request.append_output_token_id(token_id)
-            if self._check_stop(request):
-                self.running.remove(request)
-                self._free_request(request)
+            drafts, request.draft_token_ids = request.draft_token_ids, []
+            num_accepted = len(draft_logprobs)
+            if drafts:
+                self.spec.record(len(drafts), num_accepted)
+                # The rejected drafts' KV is computed but wrong: the next steps overwrite it.
+                request.num_computed_tokens -= len(drafts) - num_accepted
+            new_tokens = []
+            for token in [*drafts[:num_accepted], token_id]:
+                request.append_output_token_id(token)
+                new_tokens.append(token)
+                if self._check_stop(request):
+                    self.running.remove(request)
+                    self._free_request(request)
+                    break
             finish_reason, stop_reason = request.finish_reason, request.stop_reason
             outputs.append(
                 EngineCoreOutput(
                     req_id,
-                    [token_id],
-                    [logprob],
-                    [top],
+                    new_tokens,
+                    [*draft_logprobs, logprob][: len(new_tokens)],
+                    # Top logprobs for the sampled token only: a request asking for them is
+                    # never speculated on (engine/input_checks.py).
+                    [*[None] * num_accepted, top][: len(new_tokens)],
                     finish_reason,
                     stop_reason,
                     request.num_cached_tokens,
@@ -342,8 +389,27 @@ class Scheduler:
             return True
         return False
 
+    def _drafts(self, request: Request, token_budget: int) -> list[int]:
+        """Speculative decoding: the draft tokens of a decoding request, as many as fit its
+        limits and the step's budget beside its own token ([] without speculation)."""
+        spec = self.config.speculative
+        if spec is None or request.num_output_placeholders:
+            return []
+        room = min(
+            spec.num_speculative_tokens,
+            token_budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens - 1,
+        )
+        if room <= 0:
+            return []
+        if request.ngram_index is None:
+            request.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return request.ngram_index.propose(request.all_token_ids, room)
+
     def _preempt(self, request: Request) -> None:
         """Free the request's KV and queue it again (first, under FCFS) to be recomputed."""
+        request.draft_token_ids = []
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

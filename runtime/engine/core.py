@@ -162,6 +162,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
         m = self.output_processor.metrics
+        spec = self.scheduler.spec
         return EngineStats(
             self.scheduler.num_running,
             self.scheduler.num_waiting,
@@ -178,6 +179,10 @@ class EngineCore:
             m.e2e_request_latency.snapshot(),
             self._clock.snapshot(),
             kv.prefix_cache_queries,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(spec.accepted_per_pos),
         )
 
     # -- the step loop ---------------------------------------------------------------------

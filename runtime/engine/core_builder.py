@@ -70,13 +70,15 @@ def build_engine_core(
             enable_prefix_caching=cfg.enable_prefix_caching and info.pooling is None,
             enable_chunked_prefill=chunked,
             scheduling_policy=cfg.scheduling_policy,
+            speculative=cfg.speculative,
         )
     )
     if tokenizer is None:
         tokenizer = Tokenizer.from_model_dir(info.model_dir)
     async_scheduling = cfg.async_scheduling
     if async_scheduling is None:
-        async_scheduling = info.device.startswith("cuda")
+        # Speculation schedules from how many drafts the step before accepted: never ahead.
+        async_scheduling = info.device.startswith("cuda") and cfg.speculative is None
     return EngineCore(
         scheduler,
         workers,

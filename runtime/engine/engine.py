@@ -47,6 +47,7 @@ from loomllm.engine.input_checks import (
     check_priority,
     check_request_id,
     check_room,
+    check_speculable,
     check_token_ids,
     prompt_token_ids,
     segments_of,
@@ -437,6 +438,8 @@ class Engine:
         vocab = self.model_info.vocab_size
         params = with_bad_words_encoded(params, tokenizer)
         check_token_ids(params, vocab, tokenizer.eos_token_ids)
+        if self.config.speculative_config is not None:
+            check_speculable(params)
         text, token_ids = prompt_token_ids(prompt, tokenizer, vocab, self.max_model_len, params)
         token_type_ids = segments_of(prompt, token_ids, self.model_info.pooling, params)
         if max_tokens_must_fit:

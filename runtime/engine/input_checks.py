@@ -98,6 +98,20 @@ def truncated(
     return list(ids[len(ids) - k :])
 
 
+def check_speculable(params: SamplingParams) -> None:
+    """ValueError naming what a request asks that speculative decoding cannot give: a
+    grammar's matcher and top logprobs would have to follow each draft token."""
+    if params.structured_outputs is not None:
+        raise ValueError(
+            "structured_outputs do not work with speculative decoding (this engine has a "
+            "speculative_config)"
+        )
+    if params.logprobs is not None:
+        raise ValueError(
+            "logprobs do not work with speculative decoding (this engine has a speculative_config)"
+        )
+
+
 def check_token_ids(params: SamplingParams, vocab: int, eos_token_ids: frozenset[int]) -> None:
     """The params' token ids against the vocabulary (>= 0: SamplingParams checks that)."""
     bad_ids = [t for seq in params.bad_words_token_ids for t in seq]

@@ -42,6 +42,19 @@ class EngineStats:
     is_alive: bool = True  # False: a replica whose worker died (its gauges are zero)
     # Data parallel: each replica's own stats, in replica order (empty for one replica).
     replicas: tuple[EngineStats, ...] = ()
+    # Speculative decoding (vLLM's spec_decode metrics): a request's steps that verified
+    # drafts, the draft tokens, those accepted, and acceptances by draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Share of the draft tokens accepted (0 without speculation)."""
+        if not self.spec_num_draft_tokens:
+            return 0.0
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens
 
     @property
     def kv_cache_usage(self) -> float:
@@ -81,6 +94,12 @@ def merge_stats(parts: list[EngineStats]) -> EngineStats:
         num_prefix_cache_queries=queries,
         is_alive=any(p.is_alive for p in parts),
         replicas=tuple(parts),
+        spec_num_drafts=sum(p.spec_num_drafts for p in parts),
+        spec_num_draft_tokens=sum(p.spec_num_draft_tokens for p in parts),
+        spec_num_accepted_tokens=sum(p.spec_num_accepted_tokens for p in parts),
+        spec_accepted_per_pos=tuple(
+            map(sum, zip(*(p.spec_accepted_per_pos for p in parts), strict=True))
+        ),
     )
 
 

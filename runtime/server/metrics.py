@@ -146,9 +146,47 @@ class EngineCollector:
                 buckets = [(floatToGoString(bound), n) for bound, n in snap.cumulative_buckets()]
                 histogram.add_metric([model], buckets, snap.sum)
             yield histogram
+        speculating = [(model, stats) for model, stats in rows if stats.spec_accepted_per_pos]
+        if speculating:
+            yield from _speculation(speculating)
         replicated = [(model, stats.replicas) for model, stats in rows if stats.replicas]
         if replicated:
             yield from _per_replica(replicated)
+
+
+def _speculation(rows: list[tuple[str, EngineStats]]) -> Iterator[Metric]:
+    """Speculative decoding's counters, named as vLLM's spec_decode ones."""
+    counters: list[tuple[str, str, Callable[[EngineStats], float]]] = [
+        (
+            "spec_decode_num_drafts",
+            "Requests' steps that verified drafts.",
+            lambda s: s.spec_num_drafts,
+        ),
+        (
+            "spec_decode_num_draft_tokens",
+            "Draft tokens proposed.",
+            lambda s: s.spec_num_draft_tokens,
+        ),
+        (
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            lambda s: s.spec_num_accepted_tokens,
+        ),
+    ]
+    for name, doc, value in counters:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        for model, stats in rows:
+            family.add_metric([model], value(stats))
+        yield family
+    per_pos = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by their position among a step's drafts.",
+        labels=["model_name", "position"],
+    )
+    for model, stats in rows:
+        for position, count in enumerate(stats.spec_accepted_per_pos):
+            per_pos.add_metric([model, str(position)], count)
+    yield per_pos
 
 
 def _per_replica(models: list[tuple[str, tuple[EngineStats, ...]]]) -> Iterator[Metric]:

@@ -261,7 +261,7 @@ def test_errors_name_nested_fields() -> None:
         match=r"^WorkersAcquired\.sockets\[1\]: expected str",
     )
     # Deep paths, built only when a check fails: a list of lists, a map value, columns.
-    cached = [["a", "b"], [[], [7, "8"]], [3, 4]]
+    cached = [["a", "b"], [[], [7, "8"]], [3, 4], []]
     step = [0, [], cached, {"a": 1, "b": 1}, []]
     expect_malformed(
         [43, [1, step]],
@@ -270,18 +270,18 @@ def test_errors_name_nested_fields() -> None:
             "got str"
         ),
     )
-    step = [0, [], [["a"], [[]], [3]], {"a": 1, "b": True}, []]
+    step = [0, [], [["a"], [[]], [3], []], {"a": 1, "b": True}, []]
     expect_malformed(
         [43, [1, step]],
         match=(r"^ExecuteStep\.scheduler_output\.num_scheduled_tokens\['b'\]: expected int"),
     )
-    step = [0, [], [["a", "b"], [[]], [3]], {}, []]
+    step = [0, [], [["a", "b"], [[]], [3], []], {}, []]
     expect_malformed(
         [43, [1, step]],
         match=(r"^ExecuteStep\.scheduler_output\.cached: CachedRequests columns differ in length"),
     )
     expect_malformed(
-        [44, [1, ["a"], [5], [0.5, "x"], [None], [], 0.0, [], []]],
+        [44, [1, ["a"], [5], [0.5, "x"], [None], [], 0.0, [], [], []]],
         match=r"^StepResult\.logprobs\[1\]: expected a number",
     )
 

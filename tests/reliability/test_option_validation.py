@@ -101,6 +101,25 @@ BAD_ENGINE = {
     "scheduling_policy": ["lifo", "", None, 5, "FCFS"],
     "generation_config": ["", None, 5, "/nonexistent/loom-generation-config"],
     "manager_socket": [5, "", b"/tmp/m.sock", "/tmp/a\0b", "/tmp/" + "x" * 200],
+    "speculative_config": [
+        5,
+        "ngram",
+        {"method": "ngram"},
+        {"method": "ngram", "num_speculative_tokens": 0},
+        {"method": "ngram", "num_speculative_tokens": 17},
+        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1.5},
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_min": 3,
+            "prompt_lookup_max": 2,
+        },
+        {"method": "ngram", "num_speculative_tokens": 2, "k": 2},
+        {"method": "ngram", "num_speculative_tokens": 2, "model": "m"},
+        {"method": "eagle", "num_speculative_tokens": 2},
+        {"method": "draft_model", "model": "m", "num_speculative_tokens": 2},
+    ],
 }
 
 

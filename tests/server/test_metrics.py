@@ -347,3 +347,26 @@ async def test_served_counters_match_the_usage(tiny_model, shared_manager):
         assert value(after, "e2e_request_latency_seconds_count") == num_sequences + 1
         for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
             assert value(after, name) == 0, name
+
+
+async def test_speculation_counters_are_vllms():
+    stats = dataclasses.replace(
+        fixed_stats(),
+        spec_num_drafts=4,
+        spec_num_draft_tokens=12,
+        spec_num_accepted_tokens=5,
+        spec_accepted_per_pos=(3, 2, 0),
+    )
+    app = Starlette(
+        routes=[Route("/m", build_metrics_handler(fleet_of((NAME, StubEngine(stats)))))]
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        s = parse((await client.get("/m")).text)
+    assert value(s, "spec_decode_num_drafts_total") == 4
+    assert value(s, "spec_decode_num_draft_tokens_total") == 12
+    assert value(s, "spec_decode_num_accepted_tokens_total") == 5
+    per_pos = [
+        value(s, "spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(3)
+    ]
+    assert per_pos == [3, 2, 0]

@@ -270,23 +270,33 @@ class ModelRunner:
         triton = self.attention_backend == "triton"
         bs = self.block_size
         fresh = {r.req_id for r in so.new_requests}  # new, or back after a preemption
+        cached = so.cached
+        drafts_of: dict[str, list[int]] = {}
+        if cached.draft_token_ids:  # a column only where the engine speculates
+            drafts_of = dict(zip(cached.req_ids, cached.draft_token_ids, strict=True))
+        # Speculative decoding: each sampling request's first row, and its drafts.
+        spec: list[tuple[int, list[int]]] = []
+        extra: list[list[int]] = []  # each row's drafts before its position
         for req_id, num_new in so.num_scheduled_tokens.items():
             state = self.requests[req_id]
+            drafts = drafts_of.get(req_id) or []
             start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
+            known_end = end - len(drafts)  # the drafts follow the request's own tokens
             token_start = len(input_ids)
             num_known = len(state.all_token_ids)
-            input_ids.extend(state.all_token_ids[start:end])
-            if end > num_known:
+            input_ids.extend(state.all_token_ids[start:known_end])
+            if known_end > num_known:
                 # Its last input is the token the previous step sampled: still on the device.
                 if end != num_known + 1 or id(state) not in pending:
                     raise RuntimeError(
                         f"step {so.step_id}: request {req_id!r} computes "
-                        f"position {end - 1}, but holds {num_known} tokens"
+                        f"position {known_end - 1}, but holds {num_known} tokens"
                     )
                 fill_at.append(len(input_ids))
                 fill_from.append(pending[id(state)])
                 input_ids.append(0)
                 num_known += 1
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             blocks = state.block_ids
             state.slots.extend(blocks[p // bs] * bs + p % bs for p in range(len(state.slots), end))
@@ -308,11 +318,18 @@ class ModelRunner:
                 if num_scored > 0:
                     prompt_idx.extend(range(token_start, token_start + num_scored))
                     scored.append((state, start, num_scored))
-            if end == num_known:  # prompt complete: this step samples
-                sample_idx.append(len(input_ids) - 1)
-                samplers.append(state)
+            if known_end == num_known:  # prompt complete: this step samples
+                # After its last token, and after each draft, to verify it.
+                first = len(input_ids) - len(drafts) - 1
+                spec.append((len(samplers), drafts))
+                for j in range(len(drafts) + 1):
+                    sample_idx.append(first + j)
+                    samplers.append(state)
+                    extra.append(drafts[:j])
             if self.pooling is not None:
-                pool_rows.append(PoolRow(state, token_start, start, num_new, end == num_known))
+                pool_rows.append(
+                    PoolRow(state, token_start, start, num_new, known_end == num_known)
+                )
             state.num_computed_tokens = end
         if not input_ids:
             return self._launched(call_id, [], None, [])
@@ -418,11 +435,16 @@ class ModelRunner:
         ):
             previous.result()  # penalties count the output ids: they must be on the host
             pending = {}
-        sampled = self._sample(logits[: len(sample_idx)], samplers, pending) if samplers else None
+        sampled = None
+        if samplers:
+            sampled = self._sample(logits[: len(sample_idx)], samplers, pending, extra)
         if self.idle_probe is not None:
             replayed = (replay and graphs.captured) or (replay_mixed and mixed.captured)
             self.idle_probe.step_ended(replayed, with_prompts=bool(prefills))
-        return self._launched(call_id, samplers, sampled, prompt_lps)
+        speculated = any(drafts for _, drafts in spec)
+        return self._launched(
+            call_id, samplers, sampled, prompt_lps, spec=spec if speculated else None
+        )
 
     def _launched(
         self,
@@ -431,6 +453,7 @@ class ModelRunner:
         sampled: SamplerOutput | None,
         prompt_lps: list[PromptLogprobs],
         pooled: list[PooledOutput] | None = None,
+        spec: list[tuple[int, list[int]]] | None = None,
     ) -> PendingStep:
         errors, self._request_errors = self._request_errors, []
         if sampled is None:
@@ -451,30 +474,40 @@ class ModelRunner:
                 errors,
                 sampled.stuck,
                 pooled or [],
+                spec,
             )
         self._last = step
         return step
 
     def _sample(
-        self, logits: torch.Tensor, samplers: list[CachedRequestState], pending: dict[int, int]
+        self,
+        logits: torch.Tensor,
+        samplers: list[CachedRequestState],
+        pending: dict[int, int],
+        extra: list[list[int]],
     ) -> SamplerOutput:
         """`pending`: requests whose last sampled token is still on the device (it counts
-        for min_tokens; penalties wait for it on the host, see `launch`)."""
+        for min_tokens; penalties wait for it on the host, see `launch`). `extra`: per row,
+        the draft tokens before the position it samples (speculative decoding), which it
+        samples after as if they were the request's own: its penalties, bans and seeded
+        draw are those decoding would give that position once they are accepted."""
+        outputs = [
+            s.output_token_ids + e if e else s.output_token_ids
+            for s, e in zip(samplers, extra, strict=True)
+        ]
         # The index of the token each row samples: its output so far, on the host or not.
-        indexes = [len(s.output_token_ids) + (id(s) in pending) for s in samplers]
+        indexes = [len(out) + (id(s) in pending) for s, out in zip(samplers, outputs, strict=True)]
         banned = []
-        for s, index in zip(samplers, indexes, strict=True):
+        for s, out, index in zip(samplers, outputs, indexes, strict=True):
             bans = s.banned_until_min_tokens if index < s.sampling_params.min_tokens else []
             if s.sampling_params.bad_words_token_ids:  # rare: most rows skip the walk
-                bans = bans + bad_word_bans(
-                    s.sampling_params.bad_words_token_ids, s.output_token_ids
-                )
+                bans = bans + bad_word_bans(s.sampling_params.bad_words_token_ids, out)
             banned.append(bans)
         meta = SamplingMetadata.from_params(
             [s.sampling_params for s in samplers],
             indexes,
             [s.prompt_token_ids for s in samplers],
-            [s.output_token_ids for s in samplers],
+            outputs,
             banned,
             [s.filters for s in samplers],
         )

@@ -38,6 +38,9 @@ class PendingStep:
     # [B] bool on the device: rows that had no token left to sample (their requests fail)
     stuck: torch.Tensor | None = None
     pooled: list[PooledOutput] = field(default_factory=list)  # a pooling runner's embeddings
+    # Speculative decoding: per sampling request, its first row and its drafts; the rows
+    # after the first sample after each draft (None: one row per request, no drafts).
+    spec: list[tuple[int, list[int]]] | None = None
     # id() of each sampled request's state -> its row in `sampled`: by identity, since a
     # new request may take a finished one's id while this step is still unread.
     rows: dict[int, int] = field(init=False)
@@ -75,23 +78,37 @@ class PendingStep:
         if self._result is None:
             self.wait()
             token_ids = self._host[0].tolist()
-            for state, token_id in zip(self.samplers, token_ids, strict=True):
-                state.output_token_ids.append(token_id)
-                state.all_token_ids.append(token_id)
-            if self._host[2] is not None:
-                self.request_errors += [
-                    RequestError(state.req_id, NOTHING_TO_SAMPLE)
-                    for state, stuck in zip(self.samplers, self._host[2].tolist(), strict=True)
-                    if stuck
-                ]
+            logprobs = self._host[1].tolist()
+            stuck = self._host[2].tolist() if self._host[2] is not None else None
+            spec = self.spec or [(row, []) for row in range(len(self.samplers))]
+            states, sampled, sampled_lps, tops, draft_lps = [], [], [], [], []
+            for first, drafts in spec:
+                state = self.samplers[first]
+                # A draft stands where the row before it sampled that very token: what
+                # decoding would have drawn there, with the same seed and history.
+                accepted = 0
+                while accepted < len(drafts) and token_ids[first + accepted] == drafts[accepted]:
+                    accepted += 1
+                last = first + accepted
+                for token_id in [*drafts[:accepted], token_ids[last]]:
+                    state.output_token_ids.append(token_id)
+                    state.all_token_ids.append(token_id)
+                states.append(state)
+                sampled.append(token_ids[last])
+                sampled_lps.append(logprobs[last])
+                tops.append(self.top_logprobs[last])
+                draft_lps.append(logprobs[first:last])
+                if stuck is not None and any(stuck[first : last + 1]):
+                    self.request_errors.append(RequestError(state.req_id, NOTHING_TO_SAMPLE))
             self._result = StepResult(
                 self.call_id,
-                [s.req_id for s in self.samplers],
-                token_ids,
-                self._host[1].tolist(),
-                self.top_logprobs,
+                [s.req_id for s in states],
+                sampled,
+                sampled_lps,
+                tops,
                 self.prompt_logprobs,
                 request_errors=self.request_errors,
                 pooled=self.pooled,
+                draft_logprobs=draft_lps if self.spec is not None else [],
             )
         return self._result

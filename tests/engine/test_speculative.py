@@ -1,0 +1,149 @@
+"""Speculative decoding (n-gram drafts, verified in the step's one forward): greedy and seeded
+outputs token for token those of plain decoding, with chunked prefill, prefix caching and
+preemption; unseeded samples drawn from the same distribution (a chi-square test); its
+counters; and what it refuses, by name, the engine serving on."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import anyio
+import pytest
+from scipy.stats import chi2_contingency
+
+from loomllm import Engine, RequestOutput, SamplingParams, StructuredOutputsParams
+
+pytestmark = pytest.mark.anyio
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+# Repetitive prompts, which the tiny model's greedy output tends to repeat too.
+PROMPTS = [
+    "w5 w6 w7 w5 w6 w7 w5 w6",
+    "w40 w41 w42 w43 w40 w41 w42 w43 w40 w41",
+    "w9 w8 w9 w8 w9",
+    # A block's worth (16 tokens) in common: the second finds the first's in the prefix cache.
+    "w5 w6 w7 " * 6 + "w30",
+    "w5 w6 w7 " * 6 + "w31",
+]
+# The tiny model's KV bytes a block: K and V, 2 layers, 16 tokens, 2 KV heads x 16, fp32.
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
+
+
+async def last_output(stream) -> RequestOutput:
+    async with stream:
+        return [out async for out in stream][-1]
+
+
+async def outputs_of(model: str, manager, params: SamplingParams, **options) -> tuple[dict, Engine]:
+    """Each prompt's output token ids, all prompts batched together; and the engine, closed."""
+    found: dict[int, list[int]] = {}
+    async with Engine(model, manager_socket=manager.socket, dtype="float32", **options) as e:
+
+        async def one(index: int) -> None:
+            out = await last_output(e.generate(PROMPTS[index], params))
+            found[index] = out.outputs[0].token_ids
+
+        async with anyio.create_task_group() as tg:
+            for index in range(len(PROMPTS)):
+                tg.start_soon(one, index)
+        stats = e.stats()
+    return found, stats
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        # Seeded: a draft is checked against the very draw decoding makes at its position,
+        # penalties and min_tokens counting the drafts before it.
+        SamplingParams(
+            max_tokens=40,
+            temperature=0.7,
+            top_k=5,
+            seed=11,
+            repetition_penalty=1.2,
+            min_tokens=30,
+        ),
+    ],
+    ids=["greedy", "seeded"],
+)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_num_batched_tokens": 8},  # prompts chunked beside speculating decodes
+        {"kv_cache_memory": 12 * BLOCK_BYTES, "max_model_len": 64},  # preempted, recomputed
+    ],
+    ids=["plain", "chunked", "preempted"],
+)
+async def test_speculation_gives_decodings_tokens(tiny_model, shared_manager, params, options):
+    plain, _ = await outputs_of(tiny_model, shared_manager, params, **options)
+    spec, stats = await outputs_of(
+        tiny_model, shared_manager, params, speculative_config=NGRAM, **options
+    )
+    assert spec == plain
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_drafts > 0
+    if params.temperature == 0:
+        assert stats.spec_num_accepted_tokens > 0  # drafts were taken: the test binds
+        assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
+        assert stats.spec_accepted_per_pos[0] >= stats.spec_accepted_per_pos[-1]
+    if "kv_cache_memory" in options:
+        assert stats.num_preemptions > 0
+    if not options:
+        assert stats.prefix_cache_hit_rate > 0
+
+
+async def test_sampled_outputs_keep_their_distribution(tiny_model, shared_manager):
+    """Unseeded: the three tokens after a prompt the model loops over, with and without
+    speculation, as two samples of one distribution (a chi-square test of homogeneity)."""
+    options = {"manager_socket": shared_manager.socket, "dtype": "float32", "max_num_seqs": 256}
+    async with Engine(tiny_model, **options) as e:
+        greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        out = await last_output(e.generate(PROMPTS[0], greedy))
+    # The prompt and the model's own continuation: drafts come from its loops.
+    prompt = {"prompt_token_ids": out.prompt_token_ids + out.outputs[0].token_ids}
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=2, ignore_eos=True)
+    draws = 2000
+
+    async def sample(**more: object) -> tuple[Counter, object]:
+        counts: Counter = Counter()
+        async with Engine(tiny_model, **options, **more) as e:
+
+            async def one(_: int) -> None:
+                out = await last_output(e.generate(prompt, params))
+                counts[tuple(out.outputs[0].token_ids)] += 1
+
+            async with anyio.create_task_group() as tg:
+                for i in range(draws):
+                    tg.start_soon(one, i)
+            return counts, e.stats()
+
+    plain, _ = await sample()
+    spec, stats = await sample(speculative_config=NGRAM)
+    assert stats.spec_num_accepted_tokens > draws // 10  # many outputs went through a draft
+    outcomes = sorted(set(plain) | set(spec))
+    assert 2 <= len(outcomes) <= 8  # top_k=2 over three tokens
+    table = [[plain[o] for o in outcomes], [spec[o] for o in outcomes]]
+    assert chi2_contingency(table).pvalue > 1e-3, (plain, spec)
+
+
+async def test_what_speculation_refuses_is_named_and_the_engine_serves_on(
+    tiny_model, shared_manager
+):
+    async with Engine(
+        tiny_model,
+        manager_socket=shared_manager.socket,
+        dtype="float32",
+        speculative_config=NGRAM,
+    ) as e:
+        with pytest.raises(ValueError, match="structured_outputs do not work with speculative"):
+            grammar = StructuredOutputsParams(choice=["w5", "w6"])
+            e.generate("w5", SamplingParams(max_tokens=2, structured_outputs=grammar))
+        with pytest.raises(ValueError, match="logprobs do not work with speculative"):
+            e.generate("w5", SamplingParams(max_tokens=2, logprobs=1))
+        out = await last_output(e.generate("w5 w6 w5 w6", SamplingParams(max_tokens=8)))
+        assert len(out.outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match="speculative_config and async_scheduling"):
+        Engine(tiny_model, speculative_config=NGRAM, async_scheduling=True)
+    with pytest.raises(ValueError, match="'draft_model' is not supported yet"):
+        Engine(tiny_model, speculative_config={"method": "draft_model", "model": "m"})
