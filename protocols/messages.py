@@ -11,11 +11,12 @@ from typing import Any
 import numpy as np
 
 from loomllm.protocols.codec import message
+from loomllm.protocols.lora import LoRARequest
 from loomllm.protocols.sampling import SamplingParams
 
 # Raise it whenever a message, a field or a type code changes: the handshake then refuses a
 # peer from another release instead of misreading its frames.
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 
 # -- handshake and errors (all connections) -------------------------------------------
@@ -359,6 +360,7 @@ class NewRequestData:
     # Each prompt token's segment, for an encoder's pair of texts (a cross-encoder's query and
     # document: BERT's token_type_ids); None: all of the first segment.
     token_type_ids: list[int] | None = None
+    lora: LoRARequest | None = None  # None: the base model
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,7 @@ _MODULES = {
         "ScoringOutput",
         "ScoringRequestOutput",
     ],
+    "loomllm.protocols.lora": ["LoRARequest"],
     "loomllm.protocols.sampling": [
         "RequestOutputKind",
         "SamplingParams",
@@ -79,6 +80,7 @@ __all__ = [
     "EngineStats",
     "EngineStepError",
     "Logprob",
+    "LoRARequest",
     "LoomError",
     "ManagerError",
     "RemoteCallError",

@@ -76,6 +76,11 @@ class EngineConfig:
     # vLLM's speculative decoding options, e.g. {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 4} (core/speculative.py).
     speculative_config: dict[str, Any] | None = None
+    # LoRA adapters per request (vLLM's options): at most max_loras different ones in a step,
+    # each of rank <= max_lora_rank, beside the base model.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
     # CUDA: no decode graphs (workers/runner/cuda_graphs.py), every step eager (vLLM's option).
     enforce_eager: bool = False
     seed: int = 0
@@ -170,6 +175,21 @@ class EngineConfig:
             object.__setattr__(self, "keep_alive", -1)
         if self.manager_socket is not None:
             object.__setattr__(self, "manager_socket", _socket_path(self.manager_socket))
+        if type(self.enable_lora) is not bool:
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        if self.enable_lora and (
+            self.runner != "generate"
+            or self.tensor_parallel_size > 1
+            or self.model_impl == "loom"
+            or self.quantization not in (None, "none")
+        ):
+            raise ValueError(
+                "enable_lora runs transformers' model on one rank, unquantized, generating: "
+                "not with runner='pooling', tensor_parallel_size > 1, model_impl='loom' or "
+                "quantization"
+            )
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)
             if self.async_scheduling:
@@ -220,6 +240,15 @@ class EngineConfig:
             "data_parallel_size": self.data_parallel_size,
             "distributed_executor_backend": self.distributed_executor_backend,
         }
+        if self.enable_lora:
+            # transformers' model, eager: each adapter's layers wrap its linears.
+            options.update(
+                max_loras=self.max_loras,
+                max_lora_rank=self.max_lora_rank,
+                model_impl="transformers",
+                quantization="none",
+                enforce_eager=True,
+            )
         if self.distributed_executor_backend == "ray":
             options["ray_address"] = os.environ.get("RAY_ADDRESS") or "auto"
             # This machine's address in the cluster, where Ray cannot find it (vLLM's

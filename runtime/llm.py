@@ -26,6 +26,7 @@ from loomllm.outputs import (
     RequestOutput,
     ScoringRequestOutput,
 )
+from loomllm.protocols.lora import LoRARequest
 from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 from loomllm.text.tokenizer import Tokenizer
 
@@ -80,17 +81,23 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: int | Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched by the engine; results in input order.
 
-        `priority`: one for all prompts or one each (scheduling_policy="priority")."""
+        `priority`: one for all prompts or one each (scheduling_policy="priority");
+        `lora_request`: likewise, the LoRA adapter each prompt runs with (enable_lora)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts), self.engine)
         calls = [
-            (partial(self.engine.generate, priority=rank), p, sp)
-            for p, sp, rank in zip(
-                prompts, params, _priorities(priority, len(prompts)), strict=True
+            (partial(self.engine.generate, priority=rank, lora_request=lora), p, sp)
+            for p, sp, rank, lora in zip(
+                prompts,
+                params,
+                _priorities(priority, len(prompts)),
+                _loras(lora_request, len(prompts)),
+                strict=True,
             )
         ]
         return self._run(calls, use_tqdm)
@@ -106,6 +113,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         priority: int | Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; answers in input order.
 
@@ -120,9 +128,13 @@ class LLM:
             continue_final_message=continue_final_message,
         )
         calls = [
-            (partial(chat, priority=rank), m, sp)
-            for m, sp, rank in zip(
-                conversations, params, _priorities(priority, len(conversations)), strict=True
+            (partial(chat, priority=rank, lora_request=lora), m, sp)
+            for m, sp, rank, lora in zip(
+                conversations,
+                params,
+                _priorities(priority, len(conversations)),
+                _loras(lora_request, len(conversations)),
+                strict=True,
             )
         ]
         return self._run(calls, use_tqdm)
@@ -264,6 +276,18 @@ def _priorities(priority: int | Sequence[int] | None, count: int) -> list[int]:
     if len(ranks) != count:
         raise ValueError(f"got {len(ranks)} priorities for {count} prompts")
     return ranks
+
+
+def _loras(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    """One adapter (or none) for every prompt, or one each."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    loras = list(lora)
+    if len(loras) != count:
+        raise ValueError(f"lora_request holds {len(loras)} entries for {count} prompts")
+    return loras
 
 
 async def _run_all(calls: Sequence[tuple[Any, Any, SamplingParams | None]], bar: tqdm) -> list:

@@ -97,6 +97,8 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
         "at $RAY_ADDRESS; pip install 'loomllm[ray]')",
     ),
     ("--keep-alive", float, "seconds the workers stay warm after exit (-1: pinned)"),
+    ("--max-loras", int, "with --enable-lora: LoRA adapters in a step at most"),
+    ("--max-lora-rank", int, "with --enable-lora: the largest adapter rank"),
     (
         "--speculative-config",
         json_object,
@@ -128,6 +130,7 @@ ENGINE_SWITCHES: list[tuple[str, str]] = [
         "--async-scheduling",
         "send step N+1 while step N runs (default: on with CUDA workers, off on the CPU)",
     ),
+    ("--enable-lora", "LoRA adapters per request (--lora-modules, or a request's model)"),
     (
         "--enforce-eager",
         f"CUDA: run every step eager, no decode CUDA graphs (default: {_on_off('enforce_eager')})",

@@ -237,7 +237,9 @@ class KVCacheManager:
         size = self.block_size
         while len(hashes) < num_blocks:
             start = len(hashes) * size
-            parent = hashes[-1] if hashes else b""
+            # A LoRA request's KV is its adapter's: its chain starts from the adapter's id.
+            first = b"" if request.lora is None else b"lora:%d" % request.lora.lora_int_id
+            parent = hashes[-1] if hashes else first
             hashes.append(hash_block_tokens(parent, tokens[start : start + size]))
         return hashes
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 
 from loomllm.core.ngram_proposer import NgramIndex
+from loomllm.protocols.lora import LoRARequest
 from loomllm.protocols.sampling import SamplingParams
 
 
@@ -58,6 +59,7 @@ class Request:
         "token_type_ids",
         "draft_token_ids",
         "ngram_index",
+        "lora",
     )
 
     def __init__(
@@ -70,12 +72,14 @@ class Request:
         arrival_time: float,
         priority: int = 0,
         token_type_ids: list[int] | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_type_ids = token_type_ids  # an encoder's segments (NewRequestData's)
         # Speculative decoding: the drafts the step in flight verifies after its last token.
         self.draft_token_ids: list[int] = []
         self.ngram_index: NgramIndex | None = None  # its n-grams, for the drafts
+        self.lora = lora  # its LoRA adapter; None: the base model
         self.priority = priority  # lower first, under the "priority" scheduling policy
         self.queue_order: int | None = None  # its first place in a priority queue (ties)
         self.prompt_token_ids = prompt_token_ids

@@ -39,6 +39,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # config.SCHEDULING_POLICIES
     speculative: SpeculativeConfig | None = None  # drafts for decoding requests
+    max_loras: int | None = None  # LoRA adapters running at once (None: LoRA is off)
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -256,6 +257,8 @@ class Scheduler:
             and len(self.running) < config.max_num_seqs
         ):
             request = self.waiting.peek()
+            if not self._lora_fits(request):
+                break  # its adapter waits until one of those running is done with theirs
             new_request_tokens += request.num_wire_ids
             if new_requests and new_request_tokens > MAX_NEW_REQUEST_TOKENS:
                 break  # this step's frame is full enough; a later step admits the request
@@ -389,6 +392,14 @@ class Scheduler:
             return True
         return False
 
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether the request's adapter runs already, or there is room for one more (the
+        workers hold max_loras adapters at once)."""
+        if request.lora is None or self.config.max_loras is None:
+            return True
+        running = {r.lora.lora_int_id for r in self.running if r.lora is not None}
+        return request.lora.lora_int_id in running or len(running) < self.config.max_loras
+
     def _drafts(self, request: Request, token_budget: int) -> list[int]:
         """Speculative decoding: the draft tokens of a decoding request, as many as fit its
         limits and the step's budget beside its own token ([] without speculation)."""
@@ -434,4 +445,5 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             token_type_ids=request.token_type_ids,
+            lora=request.lora,
         )

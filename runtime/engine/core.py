@@ -118,6 +118,7 @@ class EngineCore:
                     parent.metrics.arrival_time,
                     parent.priority,
                     parent.token_type_ids,
+                    parent.lora,
                 )
             )
         self._work.set()
@@ -315,13 +316,15 @@ class EngineCore:
             for req_id in step.num_scheduled_tokens
             if (params := (request := requests[req_id]).sampling_params).structured_outputs
             or params.allowed_token_ids is not None
+            or request.lora is not None  # an adapter that cannot load
         }
         if fallible:
             self._fallible[step.step_id] = fallible
 
     def _fail_requests(self, errors: list[RequestError], fallible: dict[str, Request]) -> None:
         """Requests the workers could not serve (a grammar that does not compile, nothing
-        left to sample) fail alone: RequestRefusedError on their streams."""
+        left to sample, a LoRA adapter that does not load) fail alone: RequestRefusedError on
+        their streams."""
         # The previous step's outputs for these requests are valid: stream them first.
         self._stream_unstreamed()
         for error in errors:

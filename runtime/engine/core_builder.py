@@ -71,6 +71,7 @@ def build_engine_core(
             enable_chunked_prefill=chunked,
             scheduling_policy=cfg.scheduling_policy,
             speculative=cfg.speculative,
+            max_loras=cfg.max_loras if cfg.enable_lora else None,
         )
     )
     if tokenizer is None:

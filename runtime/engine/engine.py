@@ -44,6 +44,7 @@ from loomllm.engine.embedding import (
 from loomllm.engine.exception_groups import simplest
 from loomllm.engine.generation_defaults import sampling_defaults
 from loomllm.engine.input_checks import (
+    check_lora,
     check_priority,
     check_request_id,
     check_room,
@@ -66,6 +67,7 @@ from loomllm.outputs import (
     RequestOutputCollector,
     ScoringRequestOutput,
 )
+from loomllm.protocols.lora import LoRARequest
 from loomllm.protocols.messages import (
     CallFailed,
     CallResult,
@@ -266,8 +268,10 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         max_tokens_must_fit: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Start one request and return its stream of outputs (`async for out in ...`).
+        `lora_request` (enable_lora=True): the LoRA adapter it runs with; None: the base model.
 
         `prompt` is a string or {"prompt_token_ids": [...]}. Bad input raises ValueError
         naming the field here, before anything is scheduled. Leaving the stream (break,
@@ -288,7 +292,7 @@ class Engine:
         )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
-        return self._submit(prompt, params, request_id, priority, max_tokens_must_fit)
+        return self._submit(prompt, params, request_id, priority, max_tokens_must_fit, lora_request)
 
     async def embed(
         self,
@@ -431,8 +435,10 @@ class Engine:
         request_id: str | None,
         priority: int,
         max_tokens_must_fit: bool,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         check_priority(priority, self.config.scheduling_policy)
+        check_lora(lora_request, self.config)
         tokenizer = self.tokenizer
         assert tokenizer is not None
         vocab = self.model_info.vocab_size
@@ -464,6 +470,7 @@ class Engine:
             RequestMetrics(arrival_time=time.time()),
             priority=priority,
             token_type_ids=token_type_ids,
+            lora=lora_request,
         )
         core.add_request(parent)
         # The stream aborts its own request only: never a later one that reuses the id.
@@ -488,6 +495,7 @@ class Engine:
         continue_final_message: bool = False,
         priority: int = 0,
         max_tokens_must_fit: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Apply the model's chat template to `messages`, then stream like generate().
 
@@ -514,6 +522,7 @@ class Engine:
             request_id=request_id,
             priority=priority,
             max_tokens_must_fit=max_tokens_must_fit,
+            lora_request=lora_request,
         )
 
     def abort(self, request_id: str) -> None:

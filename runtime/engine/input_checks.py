@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from loomllm.config import EngineConfig
+from loomllm.protocols.lora import LoRARequest
 from loomllm.protocols.messages import Pooling
 from loomllm.protocols.sampling import SamplingParams, replace_checked
 from loomllm.text.tokenizer import Tokenizer
@@ -96,6 +98,19 @@ def truncated(
     if bos is not None and ids[0] == bos and k > 1:
         return [bos, *ids[len(ids) - k + 1 :]]
     return list(ids[len(ids) - k :])
+
+
+def check_lora(lora: LoRARequest | None, config: EngineConfig) -> None:
+    """ValueError unless `lora` is None or a LoRARequest for an engine with enable_lora."""
+    if lora is None:
+        return
+    if not isinstance(lora, LoRARequest):
+        raise ValueError(f"lora_request must be a LoRARequest, got {lora!r}")
+    if not config.enable_lora:
+        raise ValueError(
+            f"lora_request {lora.lora_name!r}: this engine runs without LoRA; start it with "
+            "enable_lora=True"
+        )
 
 
 def check_speculable(params: SamplingParams) -> None:

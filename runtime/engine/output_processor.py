@@ -18,6 +18,7 @@ from loomllm.outputs import (
     RequestOutput,
     RequestOutputCollector,
 )
+from loomllm.protocols.lora import LoRARequest
 from loomllm.protocols.messages import PooledOutput, PromptLogprobs, TopLogprobs
 from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 from loomllm.text.detokenizer import IncrementalDetokenizer
@@ -53,6 +54,7 @@ class ParentRequest:
     prompt_logprobs_sent: bool = False  # DELTA sends them once
     pooled: np.ndarray | None = None  # runner="pooling": the prompt's embedding
     token_type_ids: list[int] | None = None  # a cross-encoder's pair: each token's segment
+    lora: LoRARequest | None = None  # its LoRA adapter; None: the base model
 
     def _prompt_logprobs_to_send(self) -> list[dict[int, Logprob] | None] | None:
         if self.prompt_logprobs is None or self.num_prompt_logprobs_missing:

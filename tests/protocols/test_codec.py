@@ -37,6 +37,7 @@ from loomllm.protocols.errors import (
     VersionMismatchError,
 )
 from loomllm.protocols.framing import HEADER, FrameReader, encode_frame
+from loomllm.protocols.lora import LoRARequest
 from loomllm.protocols.messages import (
     PROTOCOL_VERSION,
     Attach,
@@ -133,6 +134,12 @@ VALID_SAMPLING_PARAMS = st.builds(
     ),
     allowed_token_ids=st.none() | st.lists(st.integers(0, 1000), min_size=1, max_size=3),
 )
+VALID_LORA_REQUESTS = st.builds(
+    LoRARequest,
+    lora_name=st.text(min_size=1),
+    lora_int_id=st.integers(1, 2**63 - 1),
+    lora_path=st.text(min_size=1),
+)
 # CachedRequests' columns have one length.
 VALID_CACHED_REQUESTS = st.lists(
     st.tuples(st.text(), st.lists(st.integers(0, 2**31), max_size=3), st.integers(0, 2**31)),
@@ -159,6 +166,8 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
         return VALID_SAMPLING_PARAMS
     if tp is CachedRequests:
         return VALID_CACHED_REQUESTS
+    if tp is LoRARequest:
+        return VALID_LORA_REQUESTS
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return st.sampled_from(list(tp))
     if origin is dict:

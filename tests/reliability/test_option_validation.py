@@ -101,6 +101,9 @@ BAD_ENGINE = {
     "scheduling_policy": ["lifo", "", None, 5, "FCFS"],
     "generation_config": ["", None, 5, "/nonexistent/loom-generation-config"],
     "manager_socket": [5, "", b"/tmp/m.sock", "/tmp/a\0b", "/tmp/" + "x" * 200],
+    "enable_lora": [1, "yes", None],
+    "max_loras": [0, -1, 1.5, None, HUGE],
+    "max_lora_rank": [0, -1, "8", None, HUGE],
     "speculative_config": [
         5,
         "ngram",

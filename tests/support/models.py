@@ -425,3 +425,44 @@ def make_pooling_model(
     pooling_config[f"pooling_mode_{pooling}"] = True
     (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
     return str(path)
+
+
+def make_lora_adapter(
+    base: str, path: Path, seed: int, targets: list[str], rank: int = 4, **config: Any
+) -> str:
+    """A PEFT LoRA adapter of `base` with random (non-zero) weights on `targets`, saved to
+    `path`; `config`: more LoraConfig fields (lora_alpha, use_rslora, ...)."""
+    import warnings
+
+    import peft
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    lora = peft.LoraConfig(r=rank, target_modules=targets, init_lora_weights=False, **config)
+    with warnings.catch_warnings():  # peft's calls of transformers' deprecated names
+        warnings.simplefilter("ignore", FutureWarning)
+        peft.get_peft_model(model, lora).save_pretrained(path)
+    return str(path)
+
+
+def lora_reference(base: str, adapter: str | None, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy tokens for `prompt` with `adapter` merged into `base` (None: the
+    base model alone)."""
+    import warnings
+
+    import peft
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    if adapter is not None:
+        with warnings.catch_warnings():  # peft's calls of transformers' deprecated names
+            warnings.simplefilter("ignore", FutureWarning)
+            model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

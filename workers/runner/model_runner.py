@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import torch
 
+from loomllm.protocols.lora import LoRARequest
 from loomllm.protocols.messages import (
     NewRequestData,
     PooledOutput,
@@ -29,6 +30,7 @@ from loomllm.workers.attention.metadata import PrefillRow, context_metadata, pag
 from loomllm.workers.device.idle_probe import DeviceIdleProbe, DeviceTime
 from loomllm.workers.device.transfer import device_tensor
 from loomllm.workers.runner.cuda_graphs import DecodeGraphs
+from loomllm.workers.runner.lora import LoRALoadError, LoRAManager
 from loomllm.workers.runner.mixed_graphs import MAX_MIXED_TOKENS, MixedGraphs
 from loomllm.workers.runner.pending_step import PendingStep
 from loomllm.workers.runner.pooler import PoolRow, hidden_states, pool
@@ -68,6 +70,7 @@ class CachedRequestState:
     # A pooling runner's partial pool of the prompt chunks computed so far (runner/pooler.py).
     pooled: torch.Tensor | None = None
     token_type_ids: list[int] | None = None  # an encoder's segments of a pair of texts
+    lora_id: int | None = None  # its LoRA adapter's lora_int_id; None: the base model
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
@@ -88,6 +91,7 @@ class ModelRunner:
         attention_backend: str = "torch",
         tp_size: int = 1,
         pooling: Pooling | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
@@ -109,6 +113,7 @@ class ModelRunner:
         # Set: every request is a prompt to embed, its hidden states pooled where the prompt
         # ends and a placeholder token sampled, which ends it.
         self.pooling = pooling
+        self.lora = lora  # the adapters, where the worker runs with enable_lora
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -223,6 +228,8 @@ class ModelRunner:
             new.num_computed_tokens,
         )
         state.token_type_ids = new.token_type_ids
+        if new.lora is not None:
+            self._load_lora(state, new.lora)
         state.filters = TokenFilters.of(params, self.vocab_size, self.device)
         if params.structured_outputs is not None:
             assert self.grammars is not None, (
@@ -234,6 +241,21 @@ class ModelRunner:
                 params.structured_outputs, new.eos_token_ids
             )
         return state
+
+    def _load_lora(self, state: CachedRequestState, lora: LoRARequest) -> None:
+        """Give the request its adapter's slot; one that cannot load fails it alone (it
+        runs on the base model until the engine drops it)."""
+        if self.lora is None:
+            why = f"LoRA {lora.lora_name!r}: this worker runs without enable_lora"
+            self._request_errors.append(RequestError(state.req_id, why))
+            return
+        in_use = {s.lora_id for s in self.requests.values() if s.lora_id is not None}
+        try:
+            self.lora.slot_for(lora, in_use)
+        except LoRALoadError as exc:
+            self._request_errors.append(RequestError(state.req_id, str(exc)))
+            return
+        state.lora_id = lora.lora_int_id
 
     # -- one step --------------------------------------------------------------------------
 
@@ -277,8 +299,14 @@ class ModelRunner:
         # Speculative decoding: each sampling request's first row, and its drafts.
         spec: list[tuple[int, list[int]]] = []
         extra: list[list[int]] = []  # each row's drafts before its position
+        lora_tokens: dict[int, list[int]] = {}  # adapter slot -> its packed tokens
         for req_id, num_new in so.num_scheduled_tokens.items():
             state = self.requests[req_id]
+            if state.lora_id is not None and self.lora is not None:
+                slot = self.lora.slots[state.lora_id]
+                lora_tokens.setdefault(slot, []).extend(
+                    range(len(input_ids), len(input_ids) + num_new)
+                )
             drafts = drafts_of.get(req_id) or []
             start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
             known_end = end - len(drafts)  # the drafts follow the request's own tokens
@@ -333,6 +361,8 @@ class ModelRunner:
             state.num_computed_tokens = end
         if not input_ids:
             return self._launched(call_id, [], None, [])
+        if self.lora is not None:
+            self.lora.set_step(lora_tokens, self.device)
         graphs, mixed, rows = self.decode_graphs, self.mixed_graphs, decode_states + prefill_states
         replay_mixed = (
             mixed is not None

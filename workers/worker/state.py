@@ -221,6 +221,13 @@ def _make_runner(loaded: Any, options: dict[str, Any], pooling: Any = None) -> A
 
         install_cpu_kernels(loaded.model, dtype)
 
+    lora = None
+    if options.get("max_loras"):
+        from loomllm.workers.runner.lora import LoRAManager
+
+        # Its layers wrap the model's linears: once, before any runner is made.
+        lora = LoRAManager(loaded.model, int(options["max_loras"]), int(options["max_lora_rank"]))
+
     def make_runner(num_blocks: int) -> ModelRunner:
         return ModelRunner(
             loaded.model,
@@ -232,6 +239,7 @@ def _make_runner(loaded: Any, options: dict[str, Any], pooling: Any = None) -> A
             attention_backend=backend,
             tp_size=loaded.tp_size,
             pooling=pooling,
+            lora=lora,
         )
 
     per_block = ModelRunner.bytes_per_block(loaded.config, block_size, dtype, loaded.tp_size)
