@@ -48,6 +48,7 @@ ALLOWED: dict[str, set[str]] = {
         "loomllm.config",
         "loomllm.engine",
         "loomllm.errors",
+        "loomllm.protocols",
         "loomllm.server.openai",
     },
     # Ollama's API builds on the OpenAI routes' request checks and errors.

@@ -196,6 +196,19 @@ def build_parser() -> argparse.ArgumentParser:
         "engine options, served after the MODEL arguments",
     )
     serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters of the first model (PEFT folders), each served under its NAME: a "
+        "request's model picks one (with --enable-lora)",
+    )
+    serve.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
+    serve.add_argument(
         "--max-loaded-models",
         type=_positive_int,
         default=None,

@@ -5,6 +5,7 @@ gracefully."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import socket
 import sys
@@ -55,7 +56,17 @@ def served_models(args: argparse.Namespace) -> list[Any]:
         served += read_models_file(args.models_file, options)
     if not served:
         served.append(ServedModel(args.served_model_name or "smollm2", "smollm2", options))
+    if args.lora_modules:
+        loras = dict(_lora_module(arg) for arg in args.lora_modules)
+        served[0] = dataclasses.replace(served[0], loras={**served[0].loras, **loras})
     return served
+
+
+def _lora_module(arg: str) -> tuple[str, str]:
+    name, sep, path = arg.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules takes NAME=PATH, got {arg!r}")
+    return name, path
 
 
 async def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
@@ -85,6 +96,7 @@ async def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
             trust_request_chat_template=args.trust_request_chat_template,
             tool_call_parser=auto_tools,
             reasoning_parser=args.reasoning_parser,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             **app_options,
         )
 

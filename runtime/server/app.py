@@ -25,6 +25,7 @@ from loomllm.engine.engine import Engine
 from loomllm.protocols.sampling import SamplingParams
 from loomllm.server.fleet.fleet import ModelFleet
 from loomllm.server.fleet.supervisor import EngineSlot
+from loomllm.server.lora_adapters import load_adapter, unload_adapter
 from loomllm.server.metrics import build_metrics_handler
 from loomllm.server.ollama.routes import ollama_routes
 from loomllm.server.openai import serving
@@ -195,6 +196,7 @@ def build_app(
     trust_request_chat_template: bool = False,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> Starlette:
     """An ASGI app serving the models of `source`.
 
@@ -207,7 +209,8 @@ def build_app(
     `trust_request_chat_template`. `tool_call_parser` (one of tool_parsers.PARSERS):
     tool_choice "auto" reads calls out of the answers; None: "auto" is a 400.
     `reasoning_parser` (one of reasoning.PARSERS): chat answers' reasoning is split out into
-    the message's `reasoning`.
+    the message's `reasoning`. `allow_runtime_lora_updating`: vLLM's /v1/load_lora_adapter
+    and /v1/unload_lora_adapter.
     """
     if tool_call_parser not in (None, *TOOL_PARSERS):
         raise ValueError(
@@ -247,12 +250,25 @@ def build_app(
             if entry.name in running:
                 card["max_model_len"] = running[entry.name].max_model_len
             cards.append(card)
+        for name, (base, lora) in fleet.adapters.items():
+            cards.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "loomllm",
+                    "root": lora.lora_path,
+                    "parent": base,
+                    "loaded": base in running,
+                }
+            )
         return JSONResponse({"object": "list", "data": cards})
 
     async def completions(request: Request) -> Response:
         body = await read_body(request)
         async with fleet.use(model_of(body)) as served:
             req = parse_completion(body, served.engine.sampling_defaults)
+            req.common.lora = served.lora
             return await answer(served.engine, request, req, served.name)
 
     async def chat(request: Request) -> Response:
@@ -267,6 +283,7 @@ def build_app(
                 reasoning_parser=reasoning_parser,
                 defaults=served.engine.sampling_defaults,
             )
+            req.common.lora = served.lora
             return await answer(served.engine, request, req, served.name)
 
     def pooled(create: Callable[[Engine, dict[str, Any], str], Awaitable[Any]]) -> Any:
@@ -377,6 +394,18 @@ def build_app(
         Route("/metrics", _guard(build_metrics_handler(fleet)), methods=["GET"]),
         Route("/openapi.json", _guard(openapi), methods=["GET"]),
     ]
+    if allow_runtime_lora_updating:
+
+        async def load_lora(request: Request) -> Response:
+            return load_adapter(fleet, await read_body(request))
+
+        async def unload_lora(request: Request) -> Response:
+            return unload_adapter(fleet, await read_body(request))
+
+        routes += [
+            Route("/v1/load_lora_adapter", _guard(load_lora), methods=["POST"]),
+            Route("/v1/unload_lora_adapter", _guard(unload_lora), methods=["POST"]),
+        ]
     routes += ollama_routes(fleet, read_body, unless_disconnected)
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     if api_key is not None:

@@ -158,6 +158,7 @@ def test_served_models_from_the_command_line_and_a_models_file(tmp_path):
     models_file.write_text(
         '[models.qwen]\nmodel = "Qwen/Qwen3-0.6B"\ndtype = "bfloat16"\n'
         '[models.llama]\nmodel = "/m/llama.gguf"\n'
+        '[models.llama.loras]\nsql = "/m/sql-lora"\n'
     )
     assert served("a=/m/a", "org/x=y", "--dtype", "float32", "--models-file", str(models_file)) == [
         ("a", "/m/a", {"dtype": "float32"}),
@@ -165,6 +166,11 @@ def test_served_models_from_the_command_line_and_a_models_file(tmp_path):
         ("qwen", "Qwen/Qwen3-0.6B", {"dtype": "bfloat16"}),  # its own option wins
         ("llama", "/m/llama.gguf", {"dtype": "float32"}),
     ]
+    from loomllm.cli.serve import served_models
+
+    argv = ["serve", "--models-file", str(models_file), "--lora-modules", "chat=/m/chat"]
+    found = served_models(build_parser().parse_args(argv))
+    assert [m.loras for m in found] == [{"chat": "/m/chat"}, {"sql": "/m/sql-lora"}]
 
 
 @pytest.mark.parametrize(
@@ -194,6 +200,9 @@ def test_a_bad_models_file_is_exit_2_naming_the_entry(text, words, tmp_path, man
         (["a:latest=m1"], "may not end in ':latest'"),
         (["=m1"], "NAME=MODEL"),
         (["a=m1", "--served-model-name", "b"], "drop --served-model-name"),
+        (["m1", "--lora-modules", "sql=/x"], "serve it with --enable-lora"),
+        (["m1", "--enable-lora", "--lora-modules", "sql"], "--lora-modules takes NAME=PATH"),
+        (["m1", "--enable-lora", "--lora-modules", "m1=/x"], "two served models are named 'm1'"),
     ],
 )
 def test_bad_served_model_names_are_exit_2(argv, words, manager, capsys):

@@ -23,6 +23,8 @@ class ServedModel:
     # Named at the server's start (loaded then, and the server fails with it for good);
     # else found later (a hub model in the HF cache) and loaded on demand.
     at_start: bool = True
+    # Its LoRA adapters, each served under its own name: name -> PEFT checkpoint folder.
+    loras: dict[str, str] = field(default_factory=dict)
 
 
 def parse_model_arg(arg: str) -> tuple[str | None, str]:
@@ -62,20 +64,30 @@ def read_models_file(path: Path, defaults: dict[str, Any]) -> list[ServedModel]:
     for name, table in tables.items():
         if not isinstance(table, dict) or not isinstance(table.get("model"), str):
             raise ValueError(f'{path}: [models.{name}] needs model = "..." (a path or hub id)')
-        options = {key: value for key, value in table.items() if key != "model"}
+        options = {key: value for key, value in table.items() if key not in ("model", "loras")}
         bad = sorted(set(options) - ENGINE_OPTIONS)
         if bad:
             raise ValueError(f"{path}: [models.{name}] has unknown engine options {bad}")
-        served.append(ServedModel(name, table["model"], {**defaults, **options}))
+        loras = table.get("loras", {})
+        if not isinstance(loras, dict) or not all(isinstance(v, str) for v in loras.values()):
+            raise ValueError(f'{path}: [models.{name}] loras must be a table of name = "path"')
+        served.append(ServedModel(name, table["model"], {**defaults, **options}, True, loras))
     return served
 
 
 def check_names(models: list[ServedModel]) -> None:
-    """ValueError when two models share a name, or a name ends in Ollama's `:latest` tag."""
+    """ValueError when two models (or LoRA adapters) share a name, a name ends in Ollama's
+    `:latest` tag, or a model with adapters runs without enable_lora."""
     seen: set[str] = set()
     for entry in models:
-        if entry.name in seen:
-            raise ValueError(f"two served models are named {entry.name!r}")
-        if entry.name.endswith(":latest"):
-            raise ValueError(f"a served model's name may not end in ':latest': {entry.name!r}")
-        seen.add(entry.name)
+        for name in [entry.name, *entry.loras]:
+            if name in seen:
+                raise ValueError(f"two served models are named {name!r}")
+            if name.endswith(":latest"):
+                raise ValueError(f"a served model's name may not end in ':latest': {name!r}")
+            seen.add(name)
+        if entry.loras and not entry.options.get("enable_lora"):
+            raise ValueError(
+                f"model {entry.name!r} has LoRA adapters ({', '.join(entry.loras)}): serve it "
+                "with --enable-lora"
+            )

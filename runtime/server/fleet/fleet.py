@@ -4,11 +4,13 @@ keep_alive after, and the least recently used idle one is unloaded when the cap 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -16,6 +18,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from loomllm.engine.engine import Engine
 from loomllm.errors import LoomError
+from loomllm.protocols.lora import LoRARequest
 from loomllm.server.fleet.catalog import ServedModel, check_names
 from loomllm.server.fleet.supervisor import EngineSlot, drain, supervise
 from loomllm.server.openai.api_error import ApiError
@@ -29,10 +32,12 @@ POLL_S = 0.25
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    """The model a request runs on: the name it answers under, and its engine."""
+    """The model a request runs on: the name it answers under, its engine, and the LoRA
+    adapter that name selects (None: the base model)."""
 
     name: str
     engine: Engine
+    lora: LoRARequest | None = None
 
 
 class LoadedModel:
@@ -125,6 +130,12 @@ class ModelFleet:
         self.draining = False
         self.failure: str | None = None  # why the server should stop
         self.failed = anyio.Event()
+        # LoRA adapters by the name clients send: (their model's name, the request).
+        self.adapters: dict[str, tuple[str, LoRARequest]] = {}
+        self._lora_ids = itertools.count(1)
+        for entry in models:
+            for lora_name, path in entry.loras.items():
+                self.add_adapter(lora_name, path, entry.name)
 
     @classmethod
     def of(cls, source: Engine | EngineSlot, name: str) -> ModelFleet:
@@ -167,7 +178,7 @@ class ModelFleet:
         ApiError: 404 for a model this server cannot serve, 503 while it restarts or the
         server drains, 500 when it fails to load.
         """
-        entry = await self.resolve(name)
+        entry, lora = await self.resolve(name)
         while True:
             if self.draining:
                 raise ApiError(503, "the server is shutting down", None, "service_unavailable")
@@ -189,24 +200,28 @@ class ModelFleet:
                 raise pending.error
         loaded.leases += 1
         try:
-            yield Served(entry.name, engine)
+            yield Served(lora.lora_name if lora else entry.name, engine, lora)
         finally:
             loaded.leases -= 1
             loaded.last_used = time.monotonic()
             self._wake.set()
 
-    async def resolve(self, name: str | None) -> ServedModel:
-        """The model a request names: one of ours, or a hub model in the cache; else 404."""
+    async def resolve(self, name: str | None) -> tuple[ServedModel, LoRARequest | None]:
+        """The model a request names (one of ours, or a hub model in the cache) and the
+        LoRA adapter the name selects; else 404."""
         if name is None:
-            return self.models[self.default]
+            return self.models[self.default], None
         key = name.removesuffix(":latest")  # Ollama's default tag
+        if key in self.adapters:
+            base, lora = self.adapters[key]
+            return self.models[base], lora
         entry = self.models.get(key)
         if entry is None and self._cached is not None and key.count("/") == 1:
             if key in await self._cached():
                 entry = ServedModel(key, key, dict(self._cached_options), at_start=False)
                 self.models.setdefault(key, entry)
         if entry is None:
-            names = ", ".join(repr(n) for n in self.models)
+            names = ", ".join(repr(n) for n in [*self.models, *self.adapters])
             raise ApiError(
                 404,
                 f"the model {name!r} does not exist; this server has {names}",
@@ -214,11 +229,33 @@ class ModelFleet:
                 "NotFoundError",
                 "model_not_found",
             )
-        return entry
+        return entry, None
+
+    def add_adapter(self, name: str, path: str, model: str | None = None) -> LoRARequest:
+        """Serve the PEFT adapter at `path` as `name`, on `model` (None: the default one);
+        ValueError where the name is taken, the folder holds no adapter, or the model runs
+        without enable_lora. Its workers load it on its first request."""
+        base = self.models.get(model or self.default)
+        if base is None:
+            raise ValueError(f"no model {model!r} to add LoRA adapter {name!r} to")
+        if not base.options.get("enable_lora"):
+            raise ValueError(f"model {base.name!r} runs without --enable-lora")
+        if not name or name in self.models or name in self.adapters:
+            raise ValueError(f"the name {name!r} is taken: a LoRA adapter needs its own")
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise ValueError(f"{path} holds no PEFT adapter (adapter_config.json)")
+        lora = LoRARequest(name, next(self._lora_ids), str(Path(path).resolve()))
+        self.adapters[name] = (base.name, lora)
+        return lora
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`; KeyError if there is none (running requests finish)."""
+        del self.adapters[name]
 
     def set_keep_alive(self, name: str, seconds: float) -> None:
         """Ollama's per-request keep_alive: `name` stays loaded `seconds` after its last use
         (negative: until evicted; 0: unloaded once idle)."""
+        name = self.adapters[name][0] if name in self.adapters else name  # its model's
         loaded = self._loaded.get(name)
         if loaded is not None and not loaded.static:
             loaded.keep_alive = FOREVER if seconds < 0 else float(seconds)

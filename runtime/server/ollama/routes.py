@@ -90,10 +90,14 @@ def ollama_routes(
             if templated and engine.tokenizer.chat_templates:  # type: ignore[union-attr]
                 messages = [{"role": "system", "content": system}] if system else []
                 messages.append({"role": "user", "content": prompt})
-                run = _started(lambda: engine.chat(messages, params), "prompt")
+                run = _started(
+                    lambda: engine.chat(messages, params, lora_request=served.lora), "prompt"
+                )
             else:
                 text = f"{system}\n\n{prompt}" if system else prompt
-                run = _started(lambda: engine.generate(text, params), "prompt")
+                run = _started(
+                    lambda: engine.generate(text, params, lora_request=served.lora), "prompt"
+                )
             return await answer(request, served.name, run, stream, "response")
 
     async def chat(request: Request) -> Response:
@@ -113,7 +117,9 @@ def ollama_routes(
                 )
             stream = field(body, "stream", "bool", True)
             params = sampling_params(body, engine.sampling_defaults, stream)
-            run = _started(lambda: engine.chat(messages, params), "messages")
+            run = _started(
+                lambda: engine.chat(messages, params, lora_request=served.lora), "messages"
+            )
             return await answer(request, served.name, run, stream, "message")
 
     async def embed(request: Request) -> Response:

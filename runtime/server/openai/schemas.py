@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from dataclasses import field as field_of
 from typing import Any
 
+from loomllm.protocols.lora import LoRARequest
 from loomllm.protocols.sampling import (
     RequestOutputKind,
     SamplingParams,
@@ -147,6 +148,8 @@ class Common:
     # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
     # its prompt's tokens and its choice's tokens so far.
     continuous_usage: bool = False
+    # The LoRA adapter the request's `model` names (set by the app); None: the base model.
+    lora: LoRARequest | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:5" in logprobs
 
 

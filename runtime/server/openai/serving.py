@@ -47,10 +47,16 @@ def start_streams(
                 request_id=rid,
                 priority=priority,
                 max_tokens_must_fit=True,
+                lora_request=req.common.lora,
                 **req.template.chat_kwargs(req.tools),
             )
         return engine.generate(
-            prompt, req.common.params, request_id=rid, priority=priority, max_tokens_must_fit=True
+            prompt,
+            req.common.params,
+            request_id=rid,
+            priority=priority,
+            max_tokens_must_fit=True,
+            lora_request=req.common.lora,
         )
 
     try:
