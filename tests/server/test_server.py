@@ -526,7 +526,7 @@ def test_an_engine_dead_at_a_requests_start_is_503_and_closes_what_started():
         def __init__(self):
             self.calls = 0
 
-        def generate(self, prompt, params, request_id, priority, max_tokens_must_fit):
+        def generate(self, prompt, params, request_id, priority, max_tokens_must_fit, lora_request):
             self.calls += 1
             if self.calls == 2:
                 raise EngineDeadError("the worker died")

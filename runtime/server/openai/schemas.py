@@ -148,9 +148,9 @@ class Common:
     # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
     # its prompt's tokens and its choice's tokens so far.
     continuous_usage: bool = False
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:5" in logprobs
     # The LoRA adapter the request's `model` names (set by the app); None: the base model.
     lora: LoRARequest | None = None
-    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:5" in logprobs
 
 
 def structured_outputs(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:
