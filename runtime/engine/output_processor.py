@@ -261,25 +261,39 @@ class OutputProcessor:
         metrics = state.parent.metrics
         if state.index == 0:  # with n > 1, later children find the prompt child 0 cached
             state.parent.num_cached_tokens = out.num_cached_tokens
-        if out.new_token_ids:
+        stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+        tokens, logprobs, tops = out.new_token_ids, out.new_logprobs, out.new_top_logprobs
+        cut = False
+        if len(tokens) > 1 and state.detokenizer.stop:
+            # Several tokens at once (speculative decoding): a stop string ends the output at
+            # the token that completes it, as one token a step would have.
+            stop_string = None
+            kept = 0
+            for token in tokens:
+                kept += 1
+                last = kept == len(tokens)
+                stop_string = state.detokenizer.update([token], stop_terminated and last)
+                if stop_string is not None:
+                    break
+            cut = kept < len(tokens)
+            tokens, logprobs, tops = tokens[:kept], logprobs[:kept], tops[:kept]
+        else:
+            stop_string = state.detokenizer.update(tokens, stop_terminated)
+        if tokens:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
                 self.metrics.num_prompt_tokens += len(state.parent.prompt_token_ids)
-            last = state.last_token_time
-            since = metrics.arrival_time if last is None else last
+            last_time = state.last_token_time
+            since = metrics.arrival_time if last_time is None else last_time
             if state.parent.pooled is None:  # a pool's one token is a placeholder, not output
-                self.metrics.record_tokens(len(out.new_token_ids), last is None, since, now)
+                self.metrics.record_tokens(len(tokens), last_time is None, since, now)
             metrics.last_token_time = state.last_token_time = now
-        state.token_ids.extend(out.new_token_ids)
-        state.cumulative_logprob += sum(out.new_logprobs)
+        state.token_ids.extend(tokens)
+        state.cumulative_logprob += sum(logprobs)
         if state.logprobs is not None:
-            for token_id, lp, top in zip(
-                out.new_token_ids, out.new_logprobs, out.new_top_logprobs, strict=True
-            ):
+            for token_id, lp, top in zip(tokens, logprobs, tops, strict=True):
                 state.logprobs.append(self._logprob_entry(token_id, lp, top))
-        stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
-        stop_string = state.detokenizer.update(out.new_token_ids, stop_terminated)
-        if out.finish_reason is not None:
+        if out.finish_reason is not None and not cut:
             state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
         elif stop_string is not None:
             state.finish_reason, state.stop_reason = "stop", stop_string

@@ -147,3 +147,24 @@ async def test_what_speculation_refuses_is_named_and_the_engine_serves_on(
         Engine(tiny_model, speculative_config=NGRAM, async_scheduling=True)
     with pytest.raises(ValueError, match="'draft_model' is not supported yet"):
         Engine(tiny_model, speculative_config={"method": "draft_model", "model": "m"})
+
+
+async def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(
+    tiny_model, shared_manager
+):
+    """Drafts accepted together past a stop string: the output ends where it completes, its
+    token ids and text those of plain decoding."""
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain, _ = await outputs_of(tiny_model, shared_manager, greedy)
+    options = {"manager_socket": shared_manager.socket, "dtype": "float32"}
+    async with Engine(tiny_model, **options) as e:
+        text = (await last_output(e.generate(PROMPTS[0], greedy))).outputs[0].text
+    stop = text.split()[len(text.split()) // 2]  # a word from the middle of the answer
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+    found = []
+    for more in ({}, {"speculative_config": NGRAM}):
+        async with Engine(tiny_model, **options, **more) as e:
+            out = (await last_output(e.generate(PROMPTS[0], params))).outputs[0]
+            found.append((out.token_ids, out.text, out.finish_reason, out.stop_reason))
+    assert found[0] == found[1]
+    assert found[0][2:] == ("stop", stop) and len(found[0][0]) < len(plain[0])
