@@ -96,10 +96,12 @@ ALLOWED: dict[str, set[str]] = {
         "loomllm.workers.kernels",
         "loomllm.workers.models.llama",
     },
+    # The batched LoRA kernel (kernels/lora.py) runs in the runner's adapter layers.
     "loomllm.workers.runner": {
         "loomllm.protocols",
         "loomllm.workers.attention",
         "loomllm.workers.device",
+        "loomllm.workers.kernels",
         "loomllm.workers.sample",
     },
     "loomllm.workers.worker": {

@@ -24,7 +24,8 @@ class LoRALoadError(ValueError):
 
 class LoRALinear(torch.nn.Module):
     """A linear plus each slot's low-rank update B @ A (the scaling folded into B), applied
-    to the tokens the step maps to that slot."""
+    to the tokens the step maps to that slot: by the Triton kernel on CUDA (kernels/lora.py),
+    else by a torch reference that groups the tokens by adapter."""
 
     def __init__(self, base: torch.nn.Linear, slots: int, rank: int, step: StepAdapters) -> None:
         super().__init__()
@@ -36,17 +37,29 @@ class LoRALinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        for slot, rows in self.step.groups:
+        step = self.step
+        if not step.groups:
+            return y
+        if step.kernel == "triton" or (step.kernel == "auto" and y.is_cuda):
+            from loomllm.workers.kernels.lora import add_lora  # Triton: where it runs
+
+            flat = x.reshape(-1, x.shape[-1])
+            add_lora(y.view(-1, y.shape[-1]), flat, self.a, self.b, step.token_slots)
+            return y
+        for slot, rows in step.groups:
             picked = x[..., rows, :]
             y[..., rows, :] += (picked @ self.a[slot].T) @ self.b[slot].T
         return y
 
 
 class StepAdapters:
-    """Which packed tokens of the current step run which slot's adapter."""
+    """Which packed tokens of the current step run which slot's adapter: as groups (the
+    torch path) and as one slot per token, -1 for none (the Triton kernel)."""
 
     def __init__(self) -> None:
         self.groups: list[tuple[int, torch.Tensor]] = []
+        self.token_slots = torch.empty(0, dtype=torch.int32)
+        self.kernel = "auto"  # "auto": Triton on CUDA, torch elsewhere; "triton"; "torch"
 
 
 class LoRAManager:
@@ -57,10 +70,12 @@ class LoRAManager:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.step = StepAdapters()
         self.layers: dict[str, LoRALinear] = {}
+        # The kernel reads a power-of-two rank; the ranks past an adapter's own stay zero.
+        padded_rank = 1 << (max_rank - 1).bit_length()
         for name, module in list(model.named_modules()):
             if name.rsplit(".", 1)[-1] in TARGETS and isinstance(module, torch.nn.Linear):
                 parent_name, _, child = name.rpartition(".")
-                wrapped = LoRALinear(module, max_loras, max_rank, self.step)
+                wrapped = LoRALinear(module, max_loras, padded_rank, self.step)
                 setattr(model.get_submodule(parent_name), child, wrapped)
                 self.layers[name] = wrapped
         if not self.layers:
@@ -97,12 +112,20 @@ class LoRAManager:
         self.slots[lora.lora_int_id] = slot
         return slot
 
-    def set_step(self, tokens_by_slot: dict[int, list[int]], device: torch.device) -> None:
-        """This step's tokens of each slot (packed indices); empty: the base model only."""
+    def set_step(
+        self, tokens_by_slot: dict[int, list[int]], num_tokens: int, device: torch.device
+    ) -> None:
+        """This step's tokens of each slot (packed indices, of `num_tokens`); empty: the base
+        model only."""
         self.step.groups = [
             (slot, torch.tensor(rows, dtype=torch.long, device=device))
             for slot, rows in tokens_by_slot.items()
         ]
+        slots = [-1] * num_tokens
+        for slot, rows in tokens_by_slot.items():
+            for row in rows:
+                slots[row] = slot
+        self.step.token_slots = torch.tensor(slots, dtype=torch.int32, device=device)
 
 
 def read_peft(

@@ -362,7 +362,7 @@ class ModelRunner:
         if not input_ids:
             return self._launched(call_id, [], None, [])
         if self.lora is not None:
-            self.lora.set_step(lora_tokens, self.device)
+            self.lora.set_step(lora_tokens, len(input_ids), self.device)
         graphs, mixed, rows = self.decode_graphs, self.mixed_graphs, decode_states + prefill_states
         replay_mixed = (
             mixed is not None
