@@ -259,7 +259,10 @@ class EngineConfig:
 
 # Speculative decoding (vLLM's speculative_config): drafts proposed on the engine's side
 # (core/ngram_proposer.py), verified by the workers in the step's one forward.
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+NGRAM_KEYS = {"prompt_lookup_max", "prompt_lookup_min"}
+# A draft model's own options, as vLLM's speculative_config names them.
+DRAFT_KEYS = {"model", "dtype", "quantization", "max_model_len", "revision"}
 MAX_SPECULATIVE_TOKENS = 16  # a step verifies 1 + k tokens per request
 
 
@@ -267,34 +270,43 @@ MAX_SPECULATIVE_TOKENS = 16  # a step verifies 1 + k tokens per request
 class SpeculativeConfig:
     method: str  # SPECULATIVE_METHODS
     num_speculative_tokens: int  # k: most draft tokens a request gets per step
-    prompt_lookup_max: int  # longest n-gram matched
-    prompt_lookup_min: int  # shortest n-gram matched
+    prompt_lookup_max: int = 0  # ngram: longest n-gram matched
+    prompt_lookup_min: int = 0  # ngram: shortest n-gram matched
+    model: str | None = None  # draft_model: the model that drafts (its tokenizer the same)
+    # draft_model: the draft engine's own options (dtype, quantization, max_model_len).
+    draft_options: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def parse(cls, value: Mapping[str, Any]) -> SpeculativeConfig:
         """vLLM's dict, checked: ValueError naming the key that is wrong."""
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative_config must be a dict, got {value!r}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
-        unknown = sorted(set(value) - known - {"model"})
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}")
         method = value.get("method")
-        if method == "draft_model" or (method is None and value.get("model") is not None):
-            raise ValueError(
-                "speculative_config method 'draft_model' is not supported yet; loomllm "
-                "speculates with method 'ngram'"
-            )
+        if method is None and value.get("model") is not None:
+            method = "draft_model"  # vLLM's: a model given without a method
         if method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config method must be 'ngram', got {method!r}")
-        if value.get("model") is not None:
-            raise ValueError("speculative_config method 'ngram' takes no model")
+            raise ValueError(
+                f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {method!r}"
+            )
+        own = DRAFT_KEYS if method == "draft_model" else NGRAM_KEYS
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens", *own})
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys for {method}: {unknown}")
         k = value.get("num_speculative_tokens")
         if type(k) is not int or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"speculative_config num_speculative_tokens must be an integer in "
                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )
+        if method == "draft_model":
+            model = value.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError("speculative_config method 'draft_model' needs a model")
+            options = tuple(
+                sorted((key, value[key]) for key in DRAFT_KEYS - {"model"} if key in value)
+            )
+            return cls(method, k, model=model, draft_options=options)
         # Defaults: n-grams of 1 token up to k tokens (at least the minimum given).
         low = _lookup(value, "prompt_lookup_min", 1)
         high = _lookup(value, "prompt_lookup_max", max(k, low))

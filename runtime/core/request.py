@@ -59,6 +59,7 @@ class Request:
         "token_type_ids",
         "draft_token_ids",
         "ngram_index",
+        "proposed_drafts",
         "lora",
     )
 
@@ -79,6 +80,7 @@ class Request:
         # Speculative decoding: the drafts the step in flight verifies after its last token.
         self.draft_token_ids: list[int] = []
         self.ngram_index: NgramIndex | None = None  # its n-grams, for the drafts
+        self.proposed_drafts: list[int] = []  # a draft model's, for the next step
         self.lora = lora  # its LoRA adapter; None: the base model
         self.priority = priority  # lower first, under the "priority" scheduling policy
         self.queue_order: int | None = None  # its first place in a priority queue (ties)

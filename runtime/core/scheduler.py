@@ -400,20 +400,43 @@ class Scheduler:
         running = {r.lora.lora_int_id for r in self.running if r.lora is not None}
         return request.lora.lora_int_id in running or len(running) < self.config.max_loras
 
-    def _drafts(self, request: Request, token_budget: int) -> list[int]:
-        """Speculative decoding: the draft tokens of a decoding request, as many as fit its
-        limits and the step's budget beside its own token ([] without speculation)."""
+    def draft_rooms(self) -> list[tuple[Request, int]]:
+        """The decoding requests that may get drafts next step, each with how many at most
+        (its limits; the step's budget may cut them): what a draft model proposes for."""
+        spec = self.config.speculative
+        if spec is None:
+            return []
+        found = []
+        for request in self.running:
+            request.proposed_drafts = []  # a proposal is for the step right after it
+            if request.num_computed_tokens == request.num_tokens - 1:
+                room = self._draft_room(request, spec.num_speculative_tokens + 1)
+                if room > 0:
+                    found.append((request, room))
+        return found
+
+    def _draft_room(self, request: Request, token_budget: int) -> int:
         spec = self.config.speculative
         if spec is None or request.num_output_placeholders:
-            return []
-        room = min(
+            return 0
+        return min(
             spec.num_speculative_tokens,
             token_budget - 1,
             request.max_tokens - request.num_output_tokens - 1,
             self.config.max_model_len - request.num_tokens - 1,
         )
-        if room <= 0:
+
+    def _drafts(self, request: Request, token_budget: int) -> list[int]:
+        """Speculative decoding: the draft tokens of a decoding request, as many as fit its
+        limits and the step's budget beside its own token ([] without speculation): a draft
+        model's (proposed before the step), or the request's own n-grams'."""
+        spec = self.config.speculative
+        room = self._draft_room(request, token_budget)
+        if spec is None or room <= 0:
             return []
+        if spec.method == "draft_model":
+            drafts, request.proposed_drafts = request.proposed_drafts[:room], []
+            return drafts
         if request.ngram_index is None:
             request.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         return request.ngram_index.propose(request.all_token_ids, room)

@@ -14,6 +14,7 @@ import anyio
 from loomllm.clients.workers import WorkerClient
 from loomllm.core.request import Request, RequestStatus
 from loomllm.core.scheduler import EngineCoreOutput, Scheduler
+from loomllm.engine.draft_proposer import DraftProposer
 from loomllm.engine.output_processor import OutputProcessor, ParentRequest
 from loomllm.errors import EngineClosedError, EngineStepError, RequestRefusedError
 from loomllm.metrics.stats import EngineStats
@@ -58,6 +59,7 @@ class EngineCore:
         # run), or before any abort applies, so that none reaches a request that took the id.
         self._unstreamed: tuple[list[EngineCoreOutput], StepResult] | None = None
         self._idle = anyio.Event()  # set while the loop waits for work
+        self.proposer: DraftProposer | None = None  # speculative decoding's draft model
         self._stopped = False  # the loop has ended (its worker died, or the engine closed)
         # Per step in flight: its requests the workers may refuse (RequestError), by id, as
         # they were then: an error must not fail a later request that took the id.
@@ -214,6 +216,8 @@ class EngineCore:
                 if not sent_ahead:
                     self._clock.start()
                 sent_ahead = False
+                if self.proposer is not None:  # a draft model drafts before the step
+                    await self.proposer.propose(self.scheduler.draft_rooms())
                 scheduler_output = self.scheduler.schedule()
                 self._note_fallible(scheduler_output)  # before an await lets an abort in
                 has_work = bool(

@@ -29,12 +29,13 @@ from loomllm.clients.manager import (
     connect_manager,
     connect_shared_manager,
 )
-from loomllm.config import EngineConfig
+from loomllm.config import EngineConfig, SpeculativeConfig
 from loomllm.engine.classification import (
     classification_output,
     is_classifier,
     score_by_cross_encoder,
 )
+from loomllm.engine.draft_proposer import DraftProposer
 from loomllm.engine.embedding import (
     check_dimensions,
     embed_params,
@@ -179,8 +180,37 @@ class Engine:
                 replica.acquired.pids,
                 cfg.model,
             )
+        spec = cfg.speculative
+        if spec is not None and spec.method == "draft_model":
+            await self._start_draft_model(stack, spec)
         _freeze_heap()
         stack.callback(_thaw_heap)
+
+    async def _start_draft_model(self, stack: AsyncExitStack, spec: SpeculativeConfig) -> None:
+        """The draft model's engine, on the same manager, closed before this one's replicas."""
+        cfg = self.config
+        assert spec.model is not None
+        options: dict[str, Any] = {"dtype": cfg.dtype, "max_num_seqs": cfg.max_num_seqs}
+        options.update(spec.draft_options)
+        draft = Engine(
+            spec.model,
+            manager=cfg.manager,
+            manager_socket=cfg.manager_socket,
+            seed=cfg.seed,
+            keep_alive=cfg.keep_alive,
+            **options,
+        )
+        await stack.enter_async_context(draft)
+        if draft.model_info.vocab_size != self.model_info.vocab_size:
+            raise ValueError(
+                f"speculative_config model {spec.model!r} has a vocabulary of "
+                f"{draft.model_info.vocab_size}, the target {self.model_info.vocab_size}: a "
+                "draft model must share the target's tokenizer"
+            )
+        proposer = DraftProposer(draft)
+        for replica in self._replicas:
+            assert replica.core is not None
+            replica.core.proposer = proposer
 
     def set_keep_alive(self, seconds: float) -> None:
         """Seconds the workers stay warm once this engine closes, in place of the config's

@@ -10,6 +10,7 @@ from collections import Counter
 import anyio
 import pytest
 from scipy.stats import chi2_contingency
+from support.models import make_char_model, make_tiny_model
 
 from loomllm import Engine, RequestOutput, SamplingParams, StructuredOutputsParams
 
@@ -145,8 +146,10 @@ async def test_what_speculation_refuses_is_named_and_the_engine_serves_on(
         assert len(out.outputs[0].token_ids) == 8
     with pytest.raises(ValueError, match="speculative_config and async_scheduling"):
         Engine(tiny_model, speculative_config=NGRAM, async_scheduling=True)
-    with pytest.raises(ValueError, match="'draft_model' is not supported yet"):
-        Engine(tiny_model, speculative_config={"method": "draft_model", "model": "m"})
+    with pytest.raises(ValueError, match="'draft_model' needs a model"):
+        Engine(
+            tiny_model, speculative_config={"method": "draft_model", "num_speculative_tokens": 2}
+        )
 
 
 async def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(
@@ -168,3 +171,41 @@ async def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(
             found.append((out.token_ids, out.text, out.finish_reason, out.stop_reason))
     assert found[0] == found[1]
     assert found[0][2:] == ("stop", stop) and len(found[0][0]) < len(plain[0])
+
+
+@pytest.mark.parametrize("draft_seed", [0, 9], ids=["itself", "another"])
+async def test_a_draft_models_drafts_give_decodings_tokens(
+    tiny_model, shared_manager, tmp_path, draft_seed
+):
+    """A draft model (the target itself: every draft taken; another random model with its
+    vocabulary: few) drafts greedily; the output is plain decoding's, greedy and seeded."""
+    draft = tiny_model if draft_seed == 0 else make_tiny_model(tmp_path / "draft", seed=draft_seed)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    for params in (
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True),
+    ):
+        plain, _ = await outputs_of(tiny_model, shared_manager, params)
+        drafted, stats = await outputs_of(
+            tiny_model, shared_manager, params, speculative_config=spec
+        )
+        assert drafted == plain
+        assert stats.spec_num_draft_tokens > 0
+        if draft_seed == 0 and params.temperature == 0:
+            # Its own greedy tokens: every draft is right (a step's budget may cut some).
+            assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
+async def test_a_draft_model_with_another_vocabulary_is_refused(
+    tiny_model, shared_manager, tmp_path
+):
+    other = make_char_model(tmp_path / "chars")  # single characters: another vocabulary
+    spec = {"method": "draft_model", "model": other, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="must share the target's tokenizer"):
+        async with Engine(
+            tiny_model,
+            manager_socket=shared_manager.socket,
+            dtype="float32",
+            speculative_config=spec,
+        ):
+            pass

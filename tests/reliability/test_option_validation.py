@@ -121,7 +121,13 @@ BAD_ENGINE = {
         {"method": "ngram", "num_speculative_tokens": 2, "k": 2},
         {"method": "ngram", "num_speculative_tokens": 2, "model": "m"},
         {"method": "eagle", "num_speculative_tokens": 2},
-        {"method": "draft_model", "model": "m", "num_speculative_tokens": 2},
+        {"method": "draft_model", "num_speculative_tokens": 2},
+        {
+            "method": "draft_model",
+            "model": "m",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_max": 2,
+        },
     ],
 }
 
