@@ -74,7 +74,8 @@ class EngineConfig:
     # the forward); off on the CPU, where the engine would take cores from the forward.
     async_scheduling: bool | None = None
     # vLLM's speculative decoding options, e.g. {"method": "ngram",
-    # "num_speculative_tokens": 4, "prompt_lookup_max": 4} (core/speculative.py).
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4}: core/ngram_proposer.py and
+    # engine/draft_proposer.py draft, the workers verify.
     speculative_config: dict[str, Any] | None = None
     # LoRA adapters per request (vLLM's options): at most max_loras different ones in a step,
     # each of rank <= max_lora_rank, beside the base model.
@@ -192,11 +193,6 @@ class EngineConfig:
             )
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)
-            if self.async_scheduling:
-                raise ValueError(
-                    "speculative_config and async_scheduling do not go together: the next "
-                    "step is scheduled from how many drafts this one accepted"
-                )
             if self.runner != "generate":
                 raise ValueError("speculative_config is for runner='generate'")
 

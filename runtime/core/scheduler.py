@@ -197,6 +197,11 @@ class Scheduler:
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             placeholders = request.num_output_placeholders
+            if placeholders and config.speculative is not None:
+                # Async scheduling: its token is in flight. Its drafts follow that token, and
+                # where its next one goes depends on how many drafts are taken: it waits.
+                index += 1
+                continue
             if placeholders and (
                 request.num_output_tokens + placeholders >= request.max_tokens
                 or request.num_tokens + placeholders >= config.max_model_len

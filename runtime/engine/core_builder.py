@@ -78,7 +78,8 @@ def build_engine_core(
         tokenizer = Tokenizer.from_model_dir(info.model_dir)
     async_scheduling = cfg.async_scheduling
     if async_scheduling is None:
-        # Speculation schedules from how many drafts the step before accepted: never ahead.
+        # A request with drafts in flight is not scheduled ahead (it waits for how many are
+        # taken), so with speculation the overlap would mostly be lost: off unless asked.
         async_scheduling = info.device.startswith("cuda") and cfg.speculative is None
     return EngineCore(
         scheduler,

@@ -74,8 +74,10 @@ async def outputs_of(model: str, manager, params: SamplingParams, **options) -> 
         {},
         {"max_num_batched_tokens": 8},  # prompts chunked beside speculating decodes
         {"kv_cache_memory": 12 * BLOCK_BYTES, "max_model_len": 64},  # preempted, recomputed
+        # Step N+1 scheduled while N runs: a request whose drafts are in flight waits.
+        {"async_scheduling": True},
     ],
-    ids=["plain", "chunked", "preempted"],
+    ids=["plain", "chunked", "preempted", "async"],
 )
 async def test_speculation_gives_decodings_tokens(tiny_model, shared_manager, params, options):
     plain, _ = await outputs_of(tiny_model, shared_manager, params, **options)
@@ -144,8 +146,6 @@ async def test_what_speculation_refuses_is_named_and_the_engine_serves_on(
             e.generate("w5", SamplingParams(max_tokens=2, logprobs=1))
         out = await last_output(e.generate("w5 w6 w5 w6", SamplingParams(max_tokens=8)))
         assert len(out.outputs[0].token_ids) == 8
-    with pytest.raises(ValueError, match="speculative_config and async_scheduling"):
-        Engine(tiny_model, speculative_config=NGRAM, async_scheduling=True)
     with pytest.raises(ValueError, match="'draft_model' needs a model"):
         Engine(
             tiny_model, speculative_config={"method": "draft_model", "num_speculative_tokens": 2}
