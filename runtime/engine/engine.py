@@ -301,7 +301,6 @@ class Engine:
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Start one request and return its stream of outputs (`async for out in ...`).
-        `lora_request` (enable_lora=True): the LoRA adapter it runs with; None: the base model.
 
         `prompt` is a string or {"prompt_token_ids": [...]}. Bad input raises ValueError
         naming the field here, before anything is scheduled. Leaving the stream (break,
@@ -309,7 +308,8 @@ class Engine:
         again before the next step. `priority` (scheduling_policy="priority" only): lower
         runs first, and is preempted last. `max_tokens_must_fit`: refuse a request whose
         prompt and max_tokens pass max_model_len, as the OpenAI API does (by default its
-        output stops where the context is full).
+        output stops where the context is full). `lora_request` (enable_lora=True): the LoRA
+        adapter it runs with; None: the base model.
         """
         self._require_running()
         if self.model_info.pooling is not None:

@@ -58,7 +58,7 @@ def script_answers(worker, scripts: dict[tuple[int, ...], list[int]]) -> None:
     runner = worker.runner
     sample = type(runner)._sample
 
-    def scripted(logits, samplers, pending, extra):
+    def scripted(logits, samplers, pending, spec=None):
         logits = logits.clone()
         for row, state in enumerate(samplers):
             script = scripts.get(tuple(state.prompt_token_ids))
@@ -66,7 +66,7 @@ def script_answers(worker, scripts: dict[tuple[int, ...], list[int]]) -> None:
             if script is not None and index < len(script):
                 logits[row] = -torch.inf
                 logits[row, script[index]] = 0.0
-        return sample(runner, logits, samplers, pending, extra)
+        return sample(runner, logits, samplers, pending, spec)
 
     runner._sample = scripted
 

@@ -298,7 +298,6 @@ class ModelRunner:
             drafts_of = dict(zip(cached.req_ids, cached.draft_token_ids, strict=True))
         # Speculative decoding: each sampling request's first row, and its drafts.
         spec: list[tuple[int, list[int]]] = []
-        extra: list[list[int]] = []  # each row's drafts before its position
         lora_tokens: dict[int, list[int]] = {}  # adapter slot -> its packed tokens
         for req_id, num_new in so.num_scheduled_tokens.items():
             state = self.requests[req_id]
@@ -350,10 +349,8 @@ class ModelRunner:
                 # After its last token, and after each draft, to verify it.
                 first = len(input_ids) - len(drafts) - 1
                 spec.append((len(samplers), drafts))
-                for j in range(len(drafts) + 1):
-                    sample_idx.append(first + j)
-                    samplers.append(state)
-                    extra.append(drafts[:j])
+                sample_idx.extend(range(first, first + len(drafts) + 1))
+                samplers.extend([state] * (len(drafts) + 1))
             if self.pooling is not None:
                 pool_rows.append(
                     PoolRow(state, token_start, start, num_new, known_end == num_known)
@@ -466,12 +463,14 @@ class ModelRunner:
             previous.result()  # penalties count the output ids: they must be on the host
             pending = {}
         sampled = None
+        speculated = len(samplers) > len(spec)  # some request samples after drafts
         if samplers:
-            sampled = self._sample(logits[: len(sample_idx)], samplers, pending, extra)
+            sampled = self._sample(
+                logits[: len(sample_idx)], samplers, pending, spec if speculated else None
+            )
         if self.idle_probe is not None:
             replayed = (replay and graphs.captured) or (replay_mixed and mixed.captured)
             self.idle_probe.step_ended(replayed, with_prompts=bool(prefills))
-        speculated = any(drafts for _, drafts in spec)
         return self._launched(
             call_id, samplers, sampled, prompt_lps, spec=spec if speculated else None
         )
@@ -514,17 +513,17 @@ class ModelRunner:
         logits: torch.Tensor,
         samplers: list[CachedRequestState],
         pending: dict[int, int],
-        extra: list[list[int]],
+        spec: list[tuple[int, list[int]]] | None = None,
     ) -> SamplerOutput:
         """`pending`: requests whose last sampled token is still on the device (it counts
-        for min_tokens; penalties wait for it on the host, see `launch`). `extra`: per row,
-        the draft tokens before the position it samples (speculative decoding), which it
-        samples after as if they were the request's own: its penalties, bans and seeded
-        draw are those decoding would give that position once they are accepted."""
-        outputs = [
-            s.output_token_ids + e if e else s.output_token_ids
-            for s, e in zip(samplers, extra, strict=True)
-        ]
+        for min_tokens; penalties wait for it on the host, see `launch`). `spec`: each
+        sampling request's first row and its drafts (speculative decoding); the row after
+        draft j samples as if drafts 0..j were the request's own: its penalties, bans and
+        seeded draw are those decoding would give that position once they are accepted."""
+        outputs = [s.output_token_ids for s in samplers]
+        for first, drafts in spec or ():
+            for j in range(1, len(drafts) + 1):
+                outputs[first + j] = outputs[first] + drafts[:j]
         # The index of the token each row samples: its output so far, on the host or not.
         indexes = [len(out) + (id(s) in pending) for s, out in zip(samplers, outputs, strict=True)]
         banned = []
