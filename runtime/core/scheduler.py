@@ -184,6 +184,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick the work of one step and advance `num_computed_tokens` of what it picked."""
         config = self.config
+        spec = config.speculative  # None: no drafts, and no call per decode to find none
         kv = self.kv_cache_manager
         token_budget = config.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
@@ -216,7 +217,7 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            drafts = self._drafts(request, token_budget) if num_new == 1 else []
+            drafts = self._drafts(request, token_budget) if num_new == 1 and spec else []
             num_new += len(drafts)
             new_block_ids = kv.allocate_slots(request, num_new)
             while new_block_ids is None:
