@@ -1,5 +1,5 @@
-"""Which CPU linear kernel (dense, int8, int4) is fastest for each weight shape and batch size on
-this machine: measured once at a worker's start, then cached per machine in the cache dir.
+"""Which CPU linear kernel (dense, int8, int4, a8) is fastest for each weight shape and batch size
+on this machine: measured once at a worker's start, then cached per machine in the cache dir.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from loomllm.workers.device.cpu_features import cpu_identity
+from loomllm.workers.kernels import cpu_native
 from loomllm.workers.kernels.cpu_linear import (
+    BlockLinear,
+    CodeBlocks,
     GroupwiseInt4,
     Int4Linear,
     Int8Linear,
@@ -29,13 +32,17 @@ from loomllm.workers.kernels.cpu_linear import (
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("dense", "int8", "int4")
+# a8: the weights' blocks against activations quantized to int8 (llama.cpp's arithmetic), on
+# the C++ ops. Its rounding differs from the others', so a layer runs it at every batch size
+# or at none: a request's tokens then do not depend on the batch it ran in.
+KINDS = ("dense", "int8", "int4", "a8")
+ACTIVATION_KINDS = frozenset({"a8"})
 # The batch sizes a choice is made for; a step of M rows uses the nearest one.
 BATCH_SIZES = (1, 8, 32, 128)
 _MEASURE_S = 0.03  # each candidate's timing, over all rounds
 _ROUNDS = 5
 _PRUNE_RATIO = 4.0
-_CACHE_FORMAT = 3  # bumped whenever the measurement changes
+_CACHE_FORMAT = 4  # bumped whenever the measurement changes
 
 Shape = tuple[int, int]  # (in_features, out_features)
 Choice = tuple[str, ...]  # the kind for each of BATCH_SIZES
@@ -49,8 +56,10 @@ def batch_index(rows: int) -> int:
 
 
 def machine_key(dtype: torch.dtype) -> str:
-    """What a measurement depends on: the CPU, its flags, torch, the threads, the dtype."""
+    """What a measurement depends on: the CPU, its flags, torch, the threads, the dtype, and
+    the C++ ops' sources (the a8 kernel's)."""
     text = f"{cpu_identity()}\0{torch.__version__}\0{torch.get_num_threads()}\0{dtype}"
+    text += f"\0{cpu_native.build_key()}"
     return hashlib.sha256(f"{text}\0{_CACHE_FORMAT}".encode()).hexdigest()[:16]
 
 
@@ -67,13 +76,16 @@ def _seconds_per_call(fn: Callable[[], object]) -> float:
 
 def measure(shape: Shape, kinds: Iterable[str], dtype: torch.dtype) -> Choice:
     """The fastest of `kinds` at each batch size, timed on random weights of `shape`. A
-    kernel far slower than the best at one batch size is not timed at the bigger ones: the
-    quantized kernels' cost grows with the rows faster than the dense matmul's, which is
-    always timed."""
+    weight-only kernel far slower than the best at one batch size is not timed at the bigger
+    ones: their cost grows with the rows faster than the dense matmul's, which is always
+    timed. a8 runs at every batch size or at none: at every one where that costs less,
+    summed over the batch sizes as a fraction of each one's fastest, than the best of the
+    others at each."""
     in_features, out_features = shape
     weight = torch.randn(out_features, in_features) * 0.02
+    kinds = set(kinds)
     kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
-    for kind in kinds:
+    for kind in sorted(kinds):
         if kind == "dense":
             dense = weight.to(dtype)
             kernels[kind] = lambda x, dense=dense: F.linear(x, dense)
@@ -81,7 +93,16 @@ def measure(shape: Shape, kinds: Iterable[str], dtype: torch.dtype) -> Choice:
             kernels[kind] = Int8Linear(weight, dtype)
         elif kind == "int4" and fits_int4(in_features, out_features):
             kernels[kind] = Int4Linear(GroupwiseInt4.from_dense(weight), dtype)
-    choice = []
+        elif kind == "a8" and fits_int4(in_features, out_features) and cpu_native.loaded():
+            # Timed with the width of the weights it would run: 4 bits unless only int8 fits.
+            groups = GroupwiseInt4.from_dense(weight)
+            blocks = CodeBlocks.from_int4(groups)
+            if "int4" not in kinds and "int8" in kinds:
+                codes = Int8Linear(weight, torch.float32).codes
+                scale = weight.abs().amax(dim=1, keepdim=True).expand_as(groups.scale) / 127
+                blocks = CodeBlocks.from_int8(codes, scale)
+            kernels[kind] = BlockLinear(blocks, cpu_native.loaded())
+    timings: list[dict[str, float]] = []
     for rows in BATCH_SIZES:
         x = torch.randn(rows, in_features).to(dtype)
         calls = {kind: (lambda k=k, x=x: k(x)) for kind, k in kernels.items()}
@@ -93,14 +114,32 @@ def measure(shape: Shape, kinds: Iterable[str], dtype: torch.dtype) -> Choice:
         for _ in range(_ROUNDS):
             for kind, call in calls.items():
                 timed[kind] = min(timed[kind], _seconds_per_call(call))
-        best = min(timed, key=timed.__getitem__)
-        choice.append(best)
+        timings.append(timed)
+        best = min(timed.values())
         kernels = {
             k: v
             for k, v in kernels.items()
-            if k == "dense" or timed[k] <= _PRUNE_RATIO * timed[best]
+            if k == "dense" or k in ACTIVATION_KINDS or timed[k] <= _PRUNE_RATIO * best
         }
-    return tuple(choice)
+    return _pick(timings)
+
+
+def _pick(timings: list[dict[str, float]]) -> Choice:
+    """The kind for each batch size from its timings (`measure`'s rule)."""
+    weight_only = tuple(
+        min((k for k in timed if k not in ACTIVATION_KINDS), key=timed.__getitem__)
+        for timed in timings
+    )
+    fastest = [min(timed.values()) for timed in timings]
+    cost = sum(
+        timed[k] / best for timed, k, best in zip(timings, weight_only, fastest, strict=True)
+    )
+    for kind in sorted(ACTIVATION_KINDS):
+        if all(kind in timed for timed in timings):
+            own = sum(timed[kind] / best for timed, best in zip(timings, fastest, strict=True))
+            if own < cost:
+                return (kind,) * len(timings)
+    return weight_only
 
 
 def choose(

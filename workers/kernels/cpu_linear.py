@@ -1,10 +1,12 @@
-"""Weight-only quantized linear layers on the CPU: torch's packed int4 (groups of 32 along the
-input, with a scale and a zero each) and int8 (one scale per output channel) kernels.
+"""Quantized linear layers on the CPU: torch's weight-only packed int4 (groups of 32 along the
+input, with a scale and a zero each) and int8 (one scale per output channel) kernels, and
+loomllm's block kernel, which also quantizes the activations (cpu_block_linear.cpp).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,6 +55,48 @@ class GroupwiseInt4:
         codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
         zero = low + INT4_MIDPOINT * scale
         return GroupwiseInt4(codes.to(torch.int32).view(n, k), scale, zero)
+
+
+@dataclass(frozen=True)
+class CodeBlocks:
+    """A weight [N, K] as unsigned codes in blocks of GROUP_SIZE along K, w = code * a + b
+    in each block: GGUF's 4-bit and Q8_0 blocks hold exactly."""
+
+    codes: torch.Tensor  # [N, K] uint8: below 16 for 4 bits
+    a: torch.Tensor  # [N, K // GROUP_SIZE] float32
+    b: torch.Tensor  # [N, K // GROUP_SIZE] float32
+    bits: int  # 4 or 8
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [N, K] in float32."""
+        n, k = self.codes.shape
+        codes = self.codes.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+        return (codes * self.a[..., None] + self.b[..., None]).view(n, k)
+
+    @staticmethod
+    def cat(parts: list[CodeBlocks]) -> CodeBlocks:
+        """Weights stacked along N, as q|k|v and gate|up are packed: 8 bits if any part is."""
+        return CodeBlocks(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.a for p in parts]),
+            torch.cat([p.b for p in parts]),
+            max(p.bits for p in parts),
+        )
+
+    @staticmethod
+    def from_int4(weight: GroupwiseInt4) -> CodeBlocks:
+        return CodeBlocks(
+            weight.codes.to(torch.uint8),
+            weight.scale.float(),
+            (weight.zero - INT4_MIDPOINT * weight.scale).float(),
+            4,
+        )
+
+    @staticmethod
+    def from_int8(codes: torch.Tensor, scale: torch.Tensor) -> CodeBlocks:
+        """Signed codes [N, K] with a scale for each block [N, K // GROUP_SIZE] (Q8_0)."""
+        scale = scale.float()
+        return CodeBlocks((codes.to(torch.int16) + 128).to(torch.uint8), scale, -128 * scale, 8)
 
 
 def fits_int4(in_features: int, out_features: int) -> bool:
@@ -108,4 +152,26 @@ class Int8Linear:
         # Contiguous rows: the bfloat16 kernel reads past strided rows (a crash).
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch._weight_int8pack_mm(rows, self.codes, self.scale)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class BlockLinear:
+    """x @ w.T on loomllm's block kernel (the C++ ops' block_linear): w as its blocks, and x
+    quantized to int8 in blocks of 32 as it comes in, as llama.cpp computes with Q8_1."""
+
+    def __init__(self, weight: CodeBlocks, ops: Any) -> None:
+        n, k = weight.codes.shape
+        blocks, groups = n // 16, k // GROUP_SIZE
+        self.out_features, self.bits, self.ops = n, weight.bits, ops
+        # [N / 16, K / 32, 8 quads of 4 inputs, 16 lanes, 4]: each vector lane an output.
+        quads = weight.codes.view(blocks, 16, groups, 8, 4).permute(0, 2, 3, 1, 4)
+        if weight.bits == 4:  # quads 2p and 2p + 1 share bytes: the low and high nibbles
+            quads = quads[:, :, 0::2] | (quads[:, :, 1::2] << 4)
+        self.packed = quads.reshape(blocks, groups, -1).contiguous()
+        per_lane = [t.view(blocks, 16, groups).transpose(1, 2) for t in (weight.a, weight.b)]
+        self.scales = torch.stack(per_lane, dim=2).float().contiguous()  # [N / 16, K / 32, 2, 16]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = self.ops.block_linear(rows, self.packed, self.scales, None, self.bits, False)
         return out.view(*x.shape[:-1], self.out_features)

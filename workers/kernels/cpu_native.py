@@ -1,6 +1,6 @@
 """loomllm's C++ kernels for the CPU (cpu_ops.cpp, cpu_attention.cpp, cpu_sample.cpp,
-cpu_stack.cpp): compiled once per machine into the cache dir at a worker's start, then
-loaded as torch.ops.loom_cpu.
+cpu_block_linear.cpp, cpu_stack.cpp): compiled once per machine into the cache dir at a
+worker's start, then loaded as torch.ops.loom_cpu.
 """
 
 from __future__ import annotations
@@ -20,10 +20,19 @@ from loomllm.workers.device.cpu_features import cpu_identity
 
 logger = logging.getLogger(__name__)
 _ops: Any | None = None  # torch.ops.loom_cpu, once `load` has loaded it
+# A process holds one build: a second library would register the same ops again (an abort).
+_built: Any | None = None
 
 HERE = Path(__file__).parent
 SOURCES = tuple(
-    HERE / name for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_sample.cpp", "cpu_stack.cpp")
+    HERE / name
+    for name in (
+        "cpu_ops.cpp",
+        "cpu_attention.cpp",
+        "cpu_sample.cpp",
+        "cpu_block_linear.cpp",
+        "cpu_stack.cpp",
+    )
 )
 HEADERS = (HERE / "cpu_ops.h",)
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
@@ -49,7 +58,7 @@ def load(cache_dir: Path) -> Any | None:
     """torch.ops.loom_cpu, built under `cache_dir` if this machine has no build of it yet;
     None (logged) where it is turned off, or cannot be built or loaded. A worker calls it
     once, at its start; from then on `loaded()` is these ops in that process."""
-    global _ops
+    global _ops, _built
     setting = os.environ.get(CPU_KERNELS_ENV, "").strip()
     if setting not in ("", "0", "1"):
         raise ValueError(f"{CPU_KERNELS_ENV} must be 0 or 1 (or unset); got {setting!r}")
@@ -57,6 +66,9 @@ def load(cache_dir: Path) -> Any | None:
         logger.info("CPU kernels: torch's ops (%s=0)", CPU_KERNELS_ENV)
         return None
     if _ops is not None:
+        return _ops
+    if _built is not None:
+        _ops = _built
         return _ops
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         logger.warning("CPU kernels: torch's ops, slower: no C++ compiler (c++ or $CXX) found")
@@ -94,7 +106,7 @@ def load(cache_dir: Path) -> Any | None:
     logger.info(
         "CPU kernels: loomllm's C++ ops from %s (%.1f s)", build_dir, time.perf_counter() - started
     )
-    _ops = torch.ops.loom_cpu
+    _ops = _built = torch.ops.loom_cpu
     return _ops
 
 

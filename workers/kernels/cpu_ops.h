@@ -1,5 +1,5 @@
 // Shared by loomllm's CPU kernels (cpu_ops.cpp, cpu_attention.cpp, cpu_sample.cpp,
-// cpu_stack.cpp): the roundings and vector-friendly helpers they compute with, and the ops
+// cpu_block_linear.cpp, cpu_stack.cpp): the roundings and vector-friendly helpers they compute with, and the ops
 // each defines.
 
 #pragma once
@@ -139,5 +139,10 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
 
 // cpu_sample.cpp
 std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits);
+
+// cpu_block_linear.cpp
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& bias, int64_t bits, bool portable_only);
+bool block_linear_has_vnni();
 
 }  // namespace loom_cpu

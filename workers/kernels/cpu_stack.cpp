@@ -10,8 +10,8 @@ namespace {
 
 // Which kernel a linear layer runs this step (the Python side picks it for the step's rows):
 // its tensors are (weight, -) for DENSE, (packed, scales and zeros) for INT4, (codes, scales)
-// for INT8; then its bias, if any.
-enum LinearMode : int64_t { DENSE = 0, INT4 = 1, INT8 = 2 };
+// for INT8, (packed blocks, their scales) for A8; then its bias, if any.
+enum LinearMode : int64_t { DENSE = 0, INT4 = 1, INT8 = 2, A8 = 3 };
 constexpr int64_t INT4_GROUP = 32;
 constexpr int64_t TENSORS_PER_LINEAR = 3;
 // A layer: its two norms' weights, q's and k's norms' (Qwen3; else none), then q|k|v, o,
@@ -39,8 +39,10 @@ at::Tensor linear(const at::Tensor& x, int64_t mode,
     case INT8:
       out = at::_weight_int8pack_mm(x, a, need(weights, first + 1));
       break;
+    case A8:  // a group of 32 inputs packs into 64 bytes per bit of its codes
+      return block_linear(x, a, need(weights, first + 1), bias, a.size(-1) / 64, false);
     default:
-      TORCH_CHECK(false, "decode_layers: linear mode ", mode, " is none of 0, 1, 2");
+      TORCH_CHECK(false, "decode_layers: linear mode ", mode, " is none of 0, 1, 2, 3");
   }
   return bias.has_value() ? out.add_(*bias) : out;
 }
@@ -118,6 +120,10 @@ TORCH_LIBRARY(loom_cpu, m) {
       "Tensor sin, Tensor slots, Tensor decode_slots, Tensor decode_lens, float scale, "
       "int window) -> (Tensor, Tensor)");
   m.def("greedy_sample(Tensor logits) -> (Tensor, Tensor)");
+  m.def(
+      "block_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int bits, "
+      "bool portable_only) -> Tensor");
+  m.def("block_linear_has_vnni() -> bool", &loom_cpu::block_linear_has_vnni);
 }
 
 TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
@@ -128,4 +134,6 @@ TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
   m.impl("decode_attention", &loom_cpu::decode_attention);
   m.impl("decode_layers", &loom_cpu::decode_layers);
   m.impl("greedy_sample", &loom_cpu::greedy_sample);
+  m.impl("block_linear", &loom_cpu::block_linear);
 }
+

@@ -1,5 +1,6 @@
-"""A GGUF file's quantized tensors as they are stored: 4-bit blocks as groupwise int4, named as
-checkpoint tensors (`model.layers.0.self_attn.q_proj.weight`), rows in the checkpoint's order.
+"""A GGUF file's quantized tensors as they are stored (4-bit blocks as groupwise int4; 4-bit and
+Q8_0 blocks as codes with scales and offsets), named as checkpoint tensors
+(`model.layers.0.self_attn.q_proj.weight`), rows in the checkpoint's order.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loomllm.workers.kernels.cpu_linear import GROUP_SIZE, INT4_MIDPOINT, GroupwiseInt4
+from loomllm.workers.kernels.cpu_linear import (
+    GROUP_SIZE,
+    INT4_MIDPOINT,
+    CodeBlocks,
+    GroupwiseInt4,
+)
 
 # GGUF tensor names of one decoder layer, and the checkpoint's.
 _LAYER_TENSORS = {
@@ -31,6 +37,8 @@ _PERMUTED_ARCHITECTURES = ("llama",)
 
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+BLOCK_TYPES = (*INT4_TYPES, "Q8_0")  # the types `blocks()` reads
+_Q8_0_BYTES = 34  # a float16 scale, then 32 int8 codes
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,20 @@ class StoredWeight:
         if self.unpermute_heads is not None:
             groups = groups.rows(_unpermute_rows(self.raw.shape[0], self.unpermute_heads))
         return groups
+
+    def blocks(self) -> CodeBlocks:
+        """The 4-bit or Q8_0 blocks as codes with their scales and offsets, exactly."""
+        if self.is_int4:
+            return CodeBlocks.from_int4(self.int4())
+        assert self.gguf_type == "Q8_0", f"{self.gguf_type} is none of {BLOCK_TYPES}"
+        n = self.raw.shape[0]
+        blocks = self.raw.reshape(n, -1, _Q8_0_BYTES)
+        codes = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, -1))
+        weight = CodeBlocks.from_int8(codes, _f16(blocks, 0))
+        if self.unpermute_heads is None:
+            return weight
+        rows = _unpermute_rows(n, self.unpermute_heads)
+        return CodeBlocks(weight.codes[rows], weight.a[rows], weight.b[rows], weight.bits)
 
 
 def read_stored_weights(

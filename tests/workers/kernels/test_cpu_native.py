@@ -196,7 +196,9 @@ def test_the_setting_turns_them_off_and_a_failed_build_is_logged(
     with pytest.raises(ValueError, match="LOOM_CPU_KERNELS must be 0 or 1"):
         cpu_native.load(tmp_path)
     monkeypatch.delenv(cpu_native.CPU_KERNELS_ENV)
-    monkeypatch.setattr(cpu_native, "_ops", None)  # as in a process that has not built them
+    # As in a process that has not built them.
+    monkeypatch.setattr(cpu_native, "_ops", None)
+    monkeypatch.setattr(cpu_native, "_built", None)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
         assert cpu_native.load(tmp_path) is None

@@ -1,0 +1,185 @@
+"""The a8 kernel (kernels/cpu_block_linear.cpp): a weight's blocks of codes against
+activations quantized to int8 in blocks of 32, against a float64 reference of the same
+arithmetic, on the AVX512-VNNI path and the portable one; GGUF's blocks read exactly; bad
+input refused by name; and the measured choice's rule for it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from loomllm.workers.kernels import cpu_kernel_choice, cpu_native
+from loomllm.workers.kernels.cpu_linear import BlockLinear, CodeBlocks, GroupwiseInt4
+from loomllm.workers.models import gguf_weights
+from loomllm.workers.models.sources import cache_root
+
+pytestmark = pytest.mark.compute
+PATHS = [pytest.param(False, id="native"), pytest.param(True, id="portable")]
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = cpu_native.load(cache_root())
+    assert built is not None, "the C++ ops did not build: is a C++ compiler installed?"
+    return built
+
+
+def random_blocks(bits: int, n: int, k: int, seed: int) -> CodeBlocks:
+    generator = torch.Generator().manual_seed(seed)
+    groups = k // 32
+    codes = torch.randint(0, 2**bits, (n, k), generator=generator).to(torch.uint8)
+    a = torch.rand(n, groups, generator=generator) * 0.02 + 0.001
+    b = torch.randn(n, groups, generator=generator) * 0.05
+    return CodeBlocks(codes, a, b, bits)
+
+
+def reference(x: torch.Tensor, weight: CodeBlocks, bias: torch.Tensor | None) -> torch.Tensor:
+    """float64 of what the kernel says it computes: x's blocks of 32 rounded to int8 codes
+    (scale d = amax / 127, codes x * (1 / d) to the nearest, ties to even), each block's dot
+    product with the weight's codes, scaled by a * d, plus b times the block's sum of
+    d * code."""
+    rows, k = x.shape
+    # In numpy's float32, whose divisions are IEEE's (torch may multiply by a reciprocal).
+    blocks = x.float().view(rows, k // 32, 32).numpy()
+    d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+    inverse = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    codes = torch.from_numpy(np.rint(blocks * inverse)).double()
+    d = torch.from_numpy(d).double()
+    w_codes = weight.codes.double().view(weight.codes.shape[0], k // 32, 32)
+    dots = torch.einsum("mgj,ngj->mng", codes, w_codes)
+    sums = (codes.sum(-1, keepdim=True) * d).squeeze(-1)  # [M, G]
+    out = (dots * (weight.a.double()[None] * d.squeeze(-1)[:, None])).sum(-1)
+    out += sums @ weight.b.double().T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_block_linear_is_its_float64_arithmetic(ops, bits, rows, portable):
+    """64 outputs are four column blocks: one tile of three and one left over; 9 rows are
+    two tiles of four and one row."""
+    weight = random_blocks(bits, 64, 96, seed=rows + bits)
+    layer = BlockLinear(weight, ops)
+    x = torch.randn(rows, 96) * 3
+    x[0, :32] = 0  # a block of zeros quantizes to zeros
+    bias = torch.randn(64)
+    out = ops.block_linear(x, layer.packed, layer.scales, bias, bits, portable)
+    torch.testing.assert_close(out.double(), reference(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("portable", PATHS)
+def test_bfloat16_rows_round_once_at_the_end(ops, portable):
+    """bf16 rows give the float32 rows' sums, rounded to bf16 once."""
+    weight = random_blocks(4, 48, 64, seed=7)
+    layer = BlockLinear(weight, ops)
+    x = (torch.randn(6, 64) * 2).bfloat16()
+    out = ops.block_linear(x, layer.packed, layer.scales, None, 4, portable)
+    as_float = ops.block_linear(x.float(), layer.packed, layer.scales, None, 4, portable)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, as_float.bfloat16())
+    torch.testing.assert_close(as_float.double(), reference(x, weight, None), rtol=1e-5, atol=1e-5)
+
+
+def test_the_layer_takes_any_leading_shape_and_strided_rows(ops):
+    weight = random_blocks(8, 32, 64, seed=8)
+    layer = BlockLinear(weight, ops)
+    x = torch.randn(2, 3, 128)[..., ::2]  # strided rows
+    out = layer(x)
+    assert out.shape == (2, 3, 32)
+    expected = reference(x.reshape(6, 64), weight, None).float().view(2, 3, 32)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_activation_quantization_stays_close_to_the_float_product(ops):
+    """Per 32 inputs, 8 bits: within a percent of the product with x unquantized."""
+    weight = CodeBlocks.from_int4(GroupwiseInt4.from_dense(torch.randn(256, 512) * 0.02))
+    x = torch.randn(8, 512)
+    exact = x.double() @ weight.dequantize().double().T
+    error = (BlockLinear(weight, ops)(x).double() - exact).abs().max()
+    assert error < 0.01 * exact.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_are_read_exactly(kind):
+    rng = np.random.default_rng(2)
+    values = rng.standard_normal((16, 128)).astype(np.float32)
+    raw = quantize(values, GGMLQuantizationType[kind])
+    stored = gguf_weights.StoredWeight(kind, raw)
+    blocks = stored.blocks()
+    assert blocks.bits == (8 if kind == "Q8_0" else 4)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32))
+    torch.testing.assert_close(blocks.dequantize(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_q8_0_rows_are_unpermuted_as_the_int4_ones():
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((64, 64)).astype(np.float32)
+    raw = quantize(values, GGMLQuantizationType.Q8_0)
+    plain = gguf_weights.StoredWeight("Q8_0", raw).blocks()
+    permuted = gguf_weights.StoredWeight("Q8_0", raw, unpermute_heads=4).blocks()
+    rows = gguf_weights._unpermute_rows(64, 4)
+    assert torch.equal(permuted.dequantize(), plain.dequantize()[rows])
+
+
+def test_mixed_widths_stack_as_8_bits(ops):
+    four, eight = random_blocks(4, 16, 64, seed=9), random_blocks(8, 32, 64, seed=10)
+    both = CodeBlocks.cat([four, eight])
+    assert both.bits == 8
+    assert torch.equal(both.dequantize(), torch.cat([four.dequantize(), eight.dequantize()]))
+    x = torch.randn(2, 64)
+    got = BlockLinear(both, ops)(x)
+    torch.testing.assert_close(got[:, :16], BlockLinear(four, ops)(x), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_input_is_refused_by_name_and_the_op_keeps_working(ops):
+    layer = BlockLinear(random_blocks(4, 32, 64, seed=11), ops)
+    x = torch.randn(2, 64)
+    cases = [
+        ((x.half(), layer.packed, layer.scales, None, 4), "takes float32 or bfloat16"),
+        ((x, layer.packed, layer.scales, None, 5), "bits must be 4 or 8"),
+        ((x[:, :48], layer.packed, layer.scales, None, 4), "not a multiple of 32"),
+        ((x, layer.packed, layer.scales, None, 8), "is not contiguous uint8"),
+        ((x, layer.packed, layer.scales.double(), None, 4), "are not contiguous float32"),
+        ((x, layer.packed, layer.scales, torch.zeros(5), 4), "bias of 5 values for 32"),
+        ((x[0], layer.packed, layer.scales, None, 4), "is not \\[M, K\\]"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ops.block_linear(*args, False)
+    assert ops.block_linear(x, layer.packed, layer.scales, None, 4, False).shape == (2, 32)
+
+
+def timings(a8: list[float], others: dict[str, list[float]]) -> list[dict[str, float]]:
+    return [
+        {"a8": t, **{kind: times[i] for kind, times in others.items()}} for i, t in enumerate(a8)
+    ]
+
+
+def test_a8_runs_at_every_batch_size_or_none():
+    """Far faster at small batches, a little slower at big ones: a8 everywhere. Much slower
+    at the big ones: the weight-only kernels at each size, a8 at none."""
+    others = {"dense": [10.0, 10.0, 12.0, 30.0], "int4": [3.0, 5.0, 20.0, 80.0]}
+    assert cpu_kernel_choice._pick(timings([2.0, 4.0, 13.0, 33.0], others)) == ("a8",) * 4
+    assert cpu_kernel_choice._pick(timings([2.0, 4.0, 40.0, 120.0], others)) == (
+        "int4",
+        "int4",
+        "dense",
+        "dense",
+    )
+
+
+def test_measuring_a8_needs_the_ops(monkeypatch):
+    """Without the C++ ops loaded, a8 is not timed (and so never picked)."""
+    monkeypatch.setattr(cpu_native, "_ops", None)
+    monkeypatch.setattr(cpu_kernel_choice, "_seconds_per_call", lambda call: 1.0)
+    choice = cpu_kernel_choice.measure((64, 32), ["dense", "a8"], torch.float32)
+    assert choice == ("dense",) * len(cpu_kernel_choice.BATCH_SIZES)

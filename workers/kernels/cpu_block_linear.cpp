@@ -1,0 +1,292 @@
+// x @ w.T with w held as blocks of 32 codes along its input (GGUF's Q4_0, Q4_1, Q4_K and
+// Q8_0, or weights quantized on load) and x quantized to int8 in blocks of 32 as it comes in,
+// as llama.cpp's Q8_1: each block's integer dot product is exact, then scaled in float. On
+// CPUs with AVX512-VNNI the dot products are vpdpbusd; elsewhere a portable loop computes the
+// same sums.
+//
+// Layout (cpu_linear.py's BlockLinear packs it). Output columns go in blocks of 16, one per
+// vector lane. packed [N / 16, K / 32, bytes]: a column block's group of 32 inputs is 8
+// quads of 4 inputs, each 64 bytes with lane l's 4 codes at 4 * l; 4-bit codes put quads 2p
+// and 2p + 1 in one 64 bytes, as the low and high nibbles. scales [N / 16, K / 32, 2, 16]:
+// each lane's a and b, for w = code * a + b.
+
+#include <immintrin.h>
+
+#include "cpu_ops.h"
+
+namespace loom_cpu {
+namespace {
+
+constexpr int64_t BLOCK = 32;  // codes along K that share a scale and an offset
+constexpr int64_t LANES = 16;  // output columns a packed vector covers
+constexpr int64_t QUAD_BYTES = 64;
+// A tile: rows of x, and column blocks, one pass over the weights computes. Measured on
+// SmolLM2's shapes, 4 x 3 is as fast as any other at 1 to 128 rows.
+constexpr int ROWS = 4;
+constexpr int COLUMN_BLOCKS = 3;
+constexpr int64_t PREFETCH_GROUPS = 4;
+
+// x's rows as int8 blocks: the codes q, each block's scale d (x ~ q * d) and d * sum(q),
+// which the weights' offsets b multiply.
+struct QuantizedRows {
+  std::vector<int8_t> codes;  // [M, K]
+  std::vector<float> scale;   // [M, K / BLOCK]
+  std::vector<float> sum;     // [M, K / BLOCK]
+};
+
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
+  const int64_t blocks = rows * (k / BLOCK);
+  QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<float>(blocks),
+                  std::vector<float>(blocks)};
+  at::parallel_for(0, blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float v[BLOCK];
+      to_float(x + i * BLOCK, v, BLOCK);
+      float amax = 0.0f;
+      for (int64_t j = 0; j < BLOCK; ++j) amax = std::max(amax, std::fabs(v[j]));
+      // As llama.cpp's quantize_row_q8_1: the scale's inverse, then the nearest code.
+      const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+      int32_t total = 0;
+      for (int64_t j = 0; j < BLOCK; ++j) {
+        const int32_t c = static_cast<int32_t>(std::nearbyint(v[j] * inverse));
+        q.codes[i * BLOCK + j] = static_cast<int8_t>(c);
+        total += c;
+      }
+      q.scale[i] = d;
+      q.sum[i] = d * static_cast<float>(total);
+    }
+  });
+  return q;
+}
+
+// The code of input j (of a group's 32) for lane `lane`, in one group's panel.
+template <int BITS>
+inline int32_t code_at(const uint8_t* panel, int64_t lane, int64_t j) {
+  const int64_t quad = j / 4, byte = 4 * lane + j % 4;
+  if constexpr (BITS == 8) {
+    return panel[quad * QUAD_BYTES + byte];
+  } else {
+    const uint8_t both = panel[(quad / 2) * QUAD_BYTES + byte];
+    return quad % 2 == 0 ? both & 0x0F : both >> 4;
+  }
+}
+
+template <int BITS, typename T>
+void portable(const QuantizedRows& q, const uint8_t* packed, const float* scales, const float* bias,
+              T* out, int64_t rows, int64_t k, int64_t n) {
+  const int64_t groups = k / BLOCK, blocks = n / LANES, panel_bytes = BLOCK * LANES * BITS / 8;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      for (int64_t m = 0; m < rows; ++m) {
+        float acc[LANES] = {};
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* panel = packed + (nb * groups + g) * panel_bytes;
+          const float* ab = scales + (nb * groups + g) * 2 * LANES;
+          const int8_t* xq = q.codes.data() + m * k + g * BLOCK;
+          const float d = q.scale[m * groups + g], s = q.sum[m * groups + g];
+          for (int64_t lane = 0; lane < LANES; ++lane) {
+            int32_t dot = 0;
+            for (int64_t j = 0; j < BLOCK; ++j) dot += code_at<BITS>(panel, lane, j) * xq[j];
+            const float ad = ab[lane] * d;
+            acc[lane] = acc[lane] + ad * static_cast<float>(dot) + ab[LANES + lane] * s;
+          }
+        }
+        for (int64_t lane = 0; lane < LANES; ++lane) {
+          const int64_t col = nb * LANES + lane;
+          out[m * n + col] = to<T>(acc[lane] + (bias ? bias[col] : 0.0f));
+        }
+      }
+    }
+  });
+}
+
+#define LOOM_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+LOOM_VNNI inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+template <typename T>
+LOOM_VNNI inline void store16(T* out, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(out, v);
+  } else {
+    alignas(64) float tmp[LANES];
+    _mm512_store_ps(tmp, v);
+    for (int64_t i = 0; i < LANES; ++i) out[i] = to<T>(tmp[i]);
+  }
+}
+
+// Rows m0 .. m0 + R of x against column blocks nb0 .. nb0 + C, over every group. Column
+// block c's group g is BITS-bit codes at w[c] + g * stride.
+template <int BITS, int R, int C, typename T>
+LOOM_VNNI void vnni_tile(const QuantizedRows& q, const uint8_t* const* w, int64_t stride,
+                         const float* scales, const float* bias, T* out, int64_t m0, int64_t nb0,
+                         int64_t k, int64_t n) {
+  const int64_t groups = k / BLOCK;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
+    const int8_t* xq = q.codes.data() + m0 * k + g * BLOCK;
+    // Fetch a few groups ahead: with few rows, the weights stream from memory once.
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* next = w[c] + (g + PREFETCH_GROUPS) * stride;
+      for (int64_t off = 0; off < BLOCK * LANES * BITS / 8; off += QUAD_BYTES) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
+      }
+      const float* ab = scales + ((nb0 + c) * groups + g + PREFETCH_GROUPS) * 2 * LANES;
+      _mm_prefetch(reinterpret_cast<const char*>(ab), _MM_HINT_T0);
+    }
+    if constexpr (BITS == 4) {
+      for (int p = 0; p < 4; ++p) {
+        __m512i lo[C], hi[C];
+        for (int c = 0; c < C; ++c) {
+          const __m512i v = _mm512_loadu_si512(w[c] + g * stride + p * QUAD_BYTES);
+          lo[c] = _mm512_and_si512(v, low);
+          hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512i x_lo = broadcast4(xq + r * k + 8 * p);
+          const __m512i x_hi = broadcast4(xq + r * k + 8 * p + 4);
+          for (int c = 0; c < C; ++c) {
+            dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], lo[c], x_lo);
+            dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], hi[c], x_hi);
+          }
+        }
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        __m512i v[C];
+        for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_si512(w[c] + g * stride + j * QUAD_BYTES);
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = broadcast4(xq + r * k + 4 * j);
+          for (int c = 0; c < C; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], v[c], x);
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const float* ab = scales + ((nb0 + c) * groups + g) * 2 * LANES;
+      const __m512 a = _mm512_loadu_ps(ab), b = _mm512_loadu_ps(ab + LANES);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m0 + r) * groups + g;
+        const __m512 ad = _mm512_mul_ps(a, _mm512_set1_ps(q.scale[i]));
+        acc[r][c] = _mm512_fmadd_ps(ad, _mm512_cvtepi32_ps(dot[r][c]), acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(b, _mm512_set1_ps(q.sum[i]), acc[r][c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const int64_t col = (nb0 + c) * LANES;
+    const __m512 add = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) store16(out + (m0 + r) * n + col, _mm512_add_ps(acc[r][c], add));
+  }
+}
+
+// Rows m .. rows of x in tiles of R rows, then what is left in smaller tiles.
+template <int BITS, int R, int C, typename T>
+LOOM_VNNI void vnni_rows(const QuantizedRows& q, const uint8_t* const* w, int64_t stride,
+                         const float* scales, const float* bias, T* out, int64_t m, int64_t rows,
+                         int64_t nb, int64_t k, int64_t n) {
+  for (; m + R <= rows; m += R)
+    vnni_tile<BITS, R, C>(q, w, stride, scales, bias, out, m, nb, k, n);
+  if constexpr (R > 1) {
+    if (m < rows)
+      vnni_rows<BITS, R - 1, C>(q, w, stride, scales, bias, out, m, rows, nb, k, n);
+  }
+}
+
+template <int BITS, typename T>
+LOOM_VNNI void vnni(const QuantizedRows& q, const uint8_t* packed, const float* scales,
+                    const float* bias, T* out, int64_t rows, int64_t k, int64_t n) {
+  constexpr int C = COLUMN_BLOCKS;
+  const int64_t groups = k / BLOCK, blocks = n / LANES, tiles = (blocks + C - 1) / C;
+  const int64_t panel_bytes = BLOCK * LANES * BITS / 8, block_bytes = groups * panel_bytes;
+  // 4-bit panels are unpacked in registers at every tile of rows: unpacking each once into
+  // a buffer measured slower, up to 128 rows.
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t nb = C * tile, width = std::min<int64_t>(C, blocks - nb);
+      const uint8_t* w[C];
+      for (int c = 0; c < width; ++c) w[c] = packed + (nb + c) * block_bytes;
+      if (width == C) {
+        vnni_rows<BITS, ROWS, C>(q, w, panel_bytes, scales, bias, out, 0, rows, nb, k, n);
+      } else {  // the last tile of columns may be narrower: one block at a time
+        for (int c = 0; c < width; ++c)
+          vnni_rows<BITS, ROWS, 1>(q, w + c, panel_bytes, scales, bias, out, 0, rows, nb + c, k,
+                                   n);
+      }
+    }
+  });
+}
+
+bool has_vnni() {
+  static const bool supported = __builtin_cpu_supports("avx512f") &&
+                                __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512vnni");
+  return supported;
+}
+
+template <typename T>
+void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+         const float* bias, at::Tensor& out, int64_t bits, bool use_vnni) {
+  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1);
+  const QuantizedRows q = quantize_rows(x.data_ptr<T>(), rows, k);
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  T* o = out.data_ptr<T>();
+  if (use_vnni) {
+    bits == 4 ? vnni<4>(q, p, s, bias, o, rows, k, n) : vnni<8>(q, p, s, bias, o, rows, k, n);
+  } else {
+    bits == 4 ? portable<4>(q, p, s, bias, o, rows, k, n) : portable<8>(q, p, s, bias, o, rows, k, n);
+  }
+}
+
+}  // namespace
+
+bool block_linear_has_vnni() { return has_vnni(); }
+
+at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& packed,
+                        const at::Tensor& scales, const std::optional<at::Tensor>& bias_in,
+                        int64_t bits, bool portable_only) {
+  check_dtype("block_linear", x_in);
+  TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x_in.dim() == 2, "block_linear: x ", x_in.sizes(), " is not [M, K]");
+  const int64_t k = x_in.size(1), groups = k / BLOCK;
+  TORCH_CHECK(k % BLOCK == 0 && k > 0, "block_linear: K = ", k, " is not a multiple of ", BLOCK);
+  const int64_t panel_bytes = BLOCK * LANES * bits / 8;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(1) == groups &&
+                  packed.size(2) == panel_bytes && packed.is_contiguous(),
+              "block_linear: packed ", packed.sizes(), " ", packed.scalar_type(),
+              " is not contiguous uint8 [N / 16, ", groups, ", ", panel_bytes, "]");
+  const int64_t blocks = packed.size(0), n = blocks * LANES;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({blocks, groups, 2, LANES}),
+              "block_linear: scales ", scales.sizes(), " ", scales.scalar_type(),
+              " are not contiguous float32 [", blocks, ", ", groups, ", 2, 16]");
+  std::optional<at::Tensor> bias;
+  if (bias_in.has_value()) {
+    TORCH_CHECK(bias_in->numel() == n, "block_linear: bias of ", bias_in->numel(),
+                " values for ", n, " outputs");
+    bias = bias_in->to(at::kFloat).contiguous();
+  }
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const bool use_vnni = has_vnni() && !portable_only;
+  if (x.scalar_type() == at::kBFloat16) {
+    run<c10::BFloat16>(x, packed, scales, b, out, bits, use_vnni);
+  } else {
+    run<float>(x, packed, scales, b, out, bits, use_vnni);
+  }
+  return out;
+}
+
+}  // namespace loom_cpu
