@@ -27,7 +27,7 @@ MODEL_IMPLS = ("auto", "loom", "transformers")
 # stored; "none": dequantized; "int8" / "int4": a float checkpoint quantized on load.
 QUANTIZATIONS = (None, "none", "gguf", "int8", "int4")
 # The CPU linear kernel: "auto" runs what was measured fastest for each shape and batch size.
-CPU_LINEAR_KERNELS = ("auto", "dense", "int8", "int4")
+CPU_LINEAR_KERNELS = ("auto", "dense", "int8", "int4", "a8")
 # "local": ranks are processes the engine-manager starts on this machine; "ray": actors
 # it places in an existing Ray cluster (address: $RAY_ADDRESS, else the local node's).
 EXECUTOR_BACKENDS = ("local", "ray")

@@ -59,14 +59,14 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     (
         "--quantization",
         str,
-        "none | gguf | int8 | int4: weight-only, on the CPU (default: a GGUF file runs "
+        "none | gguf | int8 | int4: on the CPU (default: a GGUF file runs "
         "as it is stored; none dequantizes it; int8 | int4 quantize a float checkpoint)",
     ),
     (
         "--cpu-linear-kernel",
         str,
-        "auto | dense | int8 | int4: the CPU's linear kernel (auto: the fastest measured "
-        "for each shape and batch size)",
+        "auto | dense | int8 | int4 | a8: the CPU's linear kernel (auto: the fastest "
+        "measured for each shape and batch size; a8 quantizes the activations to int8 too)",
     ),
     ("--device", str, "auto | cpu | cuda"),
     ("--attention-backend", str, "auto | torch | triton (auto: triton on CUDA, torch on CPU)"),

@@ -1,6 +1,7 @@
-"""Weight-only quantization of a loaded model's linear layers on the CPU: GGUF weights run as
-they are stored, float checkpoints are quantized on load, and each layer picks its kernel
-(dense, int8 or int4) by batch size from what was measured fastest on this machine.
+"""Quantization of a loaded model's linear layers on the CPU: GGUF weights run as they are
+stored, float checkpoints are quantized on load, and each layer picks its kernel (dense, int8,
+int4, or a8, which quantizes the activations too) from what was measured fastest on this
+machine.
 """
 
 from __future__ import annotations
@@ -8,12 +9,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from loomllm.workers.kernels import cpu_kernel_choice
+from loomllm.workers.kernels import cpu_kernel_choice, cpu_native
 from loomllm.workers.kernels.cpu_linear import (
+    GROUP_SIZE,
+    BlockLinear,
+    CodeBlocks,
     GroupwiseInt4,
     Int4Linear,
     Int8Linear,
@@ -21,7 +26,7 @@ from loomllm.workers.kernels.cpu_linear import (
     fits_int8,
     int4_values,
 )
-from loomllm.workers.models.gguf_weights import StoredWeight, read_stored_weights
+from loomllm.workers.models.gguf_weights import BLOCK_TYPES, StoredWeight, read_stored_weights
 from loomllm.workers.models.llama.model import Linear, LlamaFamilyForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -31,9 +36,17 @@ QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 # Which kernels may run a layer: "auto" lets the measurement pick among those its weights allow.
 CPU_LINEAR_KERNELS = ("auto", *cpu_kernel_choice.KINDS)
 _INT8_TYPES = ("Q8_0",)
-# The kernels a layer's weights allow, and (where int4 is one) how to get its groups: read
-# from the file only if the measurement picks int4 somewhere.
-Plan = tuple[frozenset[str], Callable[[], GroupwiseInt4] | None]
+
+
+class Plan(NamedTuple):
+    """The kernels a layer's weights allow, and how to get its int4 groups and its blocks:
+    read from the file only if the measurement picks a kernel that needs them."""
+
+    kinds: frozenset[str]
+    groups: Callable[[], GroupwiseInt4] | None = None
+    blocks: Callable[[], CodeBlocks] | None = None
+
+
 _PACKED_PARTS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
@@ -48,9 +61,10 @@ class QuantizedKernels:
         choice: cpu_kernel_choice.Choice,
         int8: Int8Linear | None,
         int4: Int4Linear | None,
+        a8: BlockLinear | None = None,
     ) -> None:
         self.choice = choice
-        self.int8, self.int4 = int8, int4
+        self.int8, self.int4, self.a8 = int8, int4, a8
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -61,6 +75,8 @@ class QuantizedKernels:
             out = self.int4(x)
         elif kind == "int8" and self.int8 is not None:
             out = self.int8(x)
+        elif kind == "a8" and self.a8 is not None:
+            out = self.a8(x)
         else:
             return F.linear(x, weight, bias)
         return out if bias is None else out + bias
@@ -133,12 +149,16 @@ def quantize(
         plans = {name: _gguf_plan(name, layer, stored, model) for name, layer in layers.items()}
     else:
         plans = {name: _on_load_plan(layer, quantization) for name, layer in layers.items()}
+    # a8 runs on the C++ ops, which compute in float32 and bfloat16.
+    ops = cpu_native.load(cache_dir) if dtype in cpu_native.DTYPES else None
+    if ops is None:
+        plans = {name: plan._replace(kinds=plan.kinds - {"a8"}) for name, plan in plans.items()}
     shapes: dict[cpu_kernel_choice.Shape, frozenset[str]] = {}
-    for name, (kinds, _) in plans.items():
+    for name, plan in plans.items():
         layer = layers[name]
         key = (layer.in_features, layer.out_features)
         # A shape may run a kernel some of its layers lack: those run dense at that size.
-        shapes[key] = shapes.get(key, frozenset()) | kinds
+        shapes[key] = shapes.get(key, frozenset()) | plan.kinds
     if cpu_linear_kernel != "auto":  # the user's override, where the weights allow it
         wanted = frozenset({cpu_linear_kernel})
         if not any(wanted & kinds for kinds in shapes.values()):
@@ -146,23 +166,29 @@ def quantize(
         shapes = {shape: wanted & kinds or frozenset({"dense"}) for shape, kinds in shapes.items()}
     choices = cpu_kernel_choice.choose(shapes, dtype, cache_dir / "cpu_kernels")
     on_load = quantization in ("int8", "int4")
-    for name, (kinds, groups) in plans.items():
+    for name, plan in plans.items():
         layer = layers[name]
         choice = choices[(layer.in_features, layer.out_features)]
-        runs = set(choice) & kinds
-        int4 = int8 = None
+        runs = set(choice) & plan.kinds
+        int4 = int8 = a8 = None
         values = None
         # A float checkpoint quantized on load computes with its quantized weights at every
         # batch size; a GGUF layer keeps the file's values unless a kernel that rounds them
         # differently runs it at some batch size. Either way the dense fallback then holds
         # what the kernel computes with, so a request's tokens do not depend on its batch.
-        if "int4" in kinds and groups is not None and ("int4" in runs or on_load):
-            weights = groups()
+        if "a8" in runs and plan.blocks is not None:
+            blocks = plan.blocks()
+            values = blocks.dequantize()
             if quantization == "gguf":
-                _check_same_weights(name, weights, layer.weight)
+                _check_same_weights(name, values, layer.weight)
+            a8 = BlockLinear(blocks, ops)
+        elif "int4" in plan.kinds and plan.groups is not None and ("int4" in runs or on_load):
+            weights = plan.groups()
+            if quantization == "gguf":
+                _check_same_weights(name, weights.dequantize(), layer.weight)
             int4 = Int4Linear(weights, dtype)
             values = int4_values(weights, dtype)
-        elif "int8" in kinds and ("int8" in runs or on_load):
+        elif "int8" in plan.kinds and ("int8" in runs or on_load):
             int8 = Int8Linear(layer.weight.detach(), dtype)
             values = int8.dequantize()
         if values is not None:
@@ -170,7 +196,10 @@ def quantize(
             layer.weight = torch.nn.Parameter(values.to(dtype), requires_grad=False)
         if runs - {"dense"}:
             layer.kernels = QuantizedKernels(
-                choice, int8 if "int8" in runs else None, int4 if "int4" in runs else None
+                choice,
+                int8 if "int8" in runs else None,
+                int4 if "int4" in runs else None,
+                a8,
             )
     summary = cpu_kernel_choice.describe(choices)
     logger.info(
@@ -195,26 +224,51 @@ def _gguf_plan(
         names = [f"{prefix}.{part}.weight" if prefix else f"{part}.weight" for part in parts]
     found = [stored[n] for n in names if n in stored]
     if len(found) < len(names):
-        return frozenset({"dense"}), None
-    if all(w.is_int4 for w in found) and fits_int4(layer.in_features, layer.out_features):
-        return frozenset({"dense", "int4"}), lambda: GroupwiseInt4.cat([w.int4() for w in found])
+        return Plan(frozenset({"dense"}))
+    fits = fits_int4(layer.in_features, layer.out_features)  # a8's blocks fit as int4's do
+    a8 = frozenset({"a8"}) if fits and all(w.gguf_type in BLOCK_TYPES for w in found) else None
+
+    def blocks() -> CodeBlocks:
+        return CodeBlocks.cat([w.blocks() for w in found])
+
+    if all(w.is_int4 for w in found) and fits:
+        return Plan(
+            frozenset({"dense", "int4"}) | (a8 or frozenset()),
+            lambda: GroupwiseInt4.cat([w.int4() for w in found]),
+            blocks,
+        )
     if all(w.gguf_type in _INT8_TYPES for w in found) and fits_int8(layer.in_features):
-        return frozenset({"dense", "int8"}), None
-    return frozenset({"dense"}), None
+        return Plan(frozenset({"dense", "int8"}) | (a8 or frozenset()), None, blocks)
+    return Plan(frozenset({"dense"}) | (a8 or frozenset()), None, blocks if a8 else None)
 
 
-def _check_same_weights(name: str, groups: GroupwiseInt4, dense: torch.Tensor) -> None:
+def _check_same_weights(name: str, values: torch.Tensor, dense: torch.Tensor) -> None:
     """The file's blocks must be the weights the dense layer was loaded with (from the same
     file, through transformers' conversion): a mismatch is a mapping bug, never run."""
-    error = (groups.dequantize() - dense.float()).abs().max()
+    error = (values - dense.float()).abs().max()
     if error > 0.01 * dense.float().abs().max():
         raise ValueError(f"the GGUF blocks of {name} do not match its converted weights")
 
 
 def _on_load_plan(layer: Linear, quantization: str) -> Plan:
     """The kernels quantizing a float layer allows (its groups computed when needed)."""
-    if quantization == "int4" and fits_int4(layer.in_features, layer.out_features):
-        return frozenset({"dense", "int4"}), lambda: GroupwiseInt4.from_dense(layer.weight)
+    fits = fits_int4(layer.in_features, layer.out_features)
+    if quantization == "int4" and fits:
+        return Plan(
+            frozenset({"dense", "int4", "a8"}),
+            lambda: GroupwiseInt4.from_dense(layer.weight),
+            lambda: CodeBlocks.from_int4(GroupwiseInt4.from_dense(layer.weight)),
+        )
     if quantization == "int8" and fits_int8(layer.in_features):
-        return frozenset({"dense", "int8"}), None
-    return frozenset({"dense"}), None
+
+        def blocks() -> CodeBlocks:
+            int8 = Int8Linear(layer.weight.detach(), torch.float32)
+            groups = layer.in_features // GROUP_SIZE
+            return CodeBlocks.from_int8(int8.codes, int8.scale[:, None].expand(-1, groups))
+
+        return Plan(
+            frozenset({"dense", "int8"}) | (frozenset({"a8"}) if fits else frozenset()),
+            None,
+            blocks,
+        )
+    return Plan(frozenset({"dense"}))

@@ -1,7 +1,7 @@
 """loomllm's own model on the CPU's C++ ops (kernels/cpu_native.py, models/cpu_kernels.py):
 logits against transformers' own model, bit for bit in bf16 against transformers' model
 on our paged attention, and the one-call decoder stack of decode-only steps bit for bit
-the layer-by-layer path, with dense, int4 and int8 linears."""
+the layer-by-layer path, with dense, int4, int8 and a8 linears."""
 
 from __future__ import annotations
 
@@ -84,22 +84,33 @@ def decode_tokens(model, config, dtype) -> dict[str, list[tuple]]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "arch, quantization",
-    [("llama", "none"), ("llama", "int4"), ("llama", "int8"), ("qwen3", "none")],
+    "arch, quantization, kernel",
+    [
+        ("llama", "none", "auto"),
+        ("llama", "int4", "int4"),
+        ("llama", "int8", "int8"),
+        ("llama", "int4", "a8"),
+        ("llama", "int8", "a8"),
+        ("qwen3", "none", "auto"),
+    ],
 )
-def test_the_one_call_stack_is_the_layer_by_layer_path(arch, quantization, dtype, tmp_path):
+def test_the_one_call_stack_is_the_layer_by_layer_path(arch, quantization, kernel, dtype, tmp_path):
     """The same ops in the same order: identical tokens and logprobs, the quantized
     kernels included (each forced, so every step runs it), and Qwen3's norms of q and k."""
     model_dir = make_tiny_model(tmp_path / "model", arch, seed=5)
-    kernel = "auto" if quantization == "none" else quantization
     name = str(dtype).removeprefix("torch.")
     loaded = load_model(model_dir, dtype=name, quantization=quantization, cpu_linear_kernel=kernel)
     assert install_cpu_kernels(loaded.model, dtype)
     stack = loaded.model.cpu_stack
     assert stack is not None
     _, modes = stack.plan(1)
-    expected_mode = {"none": cpu_stack.DENSE, "int4": cpu_stack.INT4, "int8": cpu_stack.INT8}
-    assert set(modes) == {expected_mode[quantization]}
+    expected_mode = {
+        "auto": cpu_stack.DENSE,
+        "int4": cpu_stack.INT4,
+        "int8": cpu_stack.INT8,
+        "a8": cpu_stack.A8,
+    }
+    assert set(modes) == {expected_mode[kernel]}
     stacked = decode_tokens(loaded.model, loaded.config, dtype)
     loaded.model.cpu_stack = None
     assert decode_tokens(loaded.model, loaded.config, dtype) == stacked

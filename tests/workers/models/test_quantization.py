@@ -1,5 +1,6 @@
-"""Weight-only quantization on load: which loads may run it, the kernels each layer gets, and
-that every kernel a layer may pick computes with the same (quantized) weights."""
+"""Quantization on load and GGUF weights as stored: which loads may run it, the kernels each
+layer gets, that every kernel a layer may pick computes with the same (quantized) weights,
+and that a8 (activations in int8 too) stays close to them."""
 
 from __future__ import annotations
 
@@ -8,13 +9,21 @@ import torch
 from support.models import make_tiny_model
 
 from loomllm import Engine, SamplingParams, WorkerStartError
-from loomllm.workers.kernels import cpu_kernel_choice
+from loomllm.workers.kernels import cpu_kernel_choice, cpu_native
 from loomllm.workers.models import quantization
 from loomllm.workers.models.llama.model import Linear
 from loomllm.workers.models.loader import load_model
+from loomllm.workers.models.sources import cache_root
 
 pytestmark = pytest.mark.compute
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_ops():
+    """The C++ ops (a8's kernel) from the shared build, before tests point LOOM_CACHE_DIR at
+    their own dirs for the kernel measurements: a process loads one build, once."""
+    assert cpu_native.load(cache_root()) is not None, "the C++ ops did not build"
 
 
 @pytest.mark.parametrize(
@@ -82,6 +91,43 @@ def test_each_kernel_computes_with_the_quantized_weights(kind, tiny, tmp_path, m
     assert torch.allclose(quantized, dense, rtol=1e-4, atol=1e-4)
     assert (dense - original).abs().max() > 1e-4  # the weights were quantized
     assert not list(tmp_path.rglob("*.json"))  # one kernel forced: nothing measured
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a8_runs_the_quantized_weights_on_int8_activations(kind, tiny, tmp_path, monkeypatch):
+    """Each layer's blocks are the quantized weights; the activations' rounding to 8 bits
+    (per 32) moves the logits a little, never a lot."""
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    model = load_model(tiny, dtype="float32", quantization=kind, cpu_linear_kernel="a8").model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert layers and all(layer.kernels.a8 is not None for layer in layers)
+    for layer in layers:
+        x = torch.randn(3, layer.in_features)
+        exact = x.double() @ layer.weight.double().T  # the dense copy: the blocks' values
+        error = (layer(x).double() - exact).abs().max()
+        assert 0 < error < 0.02 * exact.abs().max()
+    a8 = logits_of(tiny, quantization=kind, cpu_linear_kernel="a8")
+    dense = logits_of(tiny, quantization=kind, cpu_linear_kernel="dense")
+    assert 0 < (a8 - dense).abs().max() < 0.05 * dense.abs().max()
+
+
+def test_a_gguf_runs_its_own_blocks_on_a8():
+    """SmolLM2's Q4_1 layers and Q8_0 embedding (its lm_head) as the file stores them: the
+    dense copies hold the blocks' values, and the next token is the dequantized model's."""
+    quantized = load_model("smollm2", dtype="float32", cpu_linear_kernel="a8").model
+    reference = load_model("smollm2", dtype="float32", quantization="none").model
+    head = quantized.lm_head.kernels.a8
+    assert head is not None and head.bits == 8
+    assert quantized.model.layers[0].mlp.down_proj.kernels.a8.bits == 4
+    for layer in (quantized.lm_head, quantized.model.layers[3].self_attn.qkv_proj):
+        blocks = torch.randn(1, layer.in_features)
+        exact = blocks.double() @ layer.weight.double().T
+        assert (layer(blocks).double() - exact).abs().max() < 0.02 * exact.abs().max()
+    ids = torch.tensor([[1, 504, 3458, 314, 4224, 282, 4649, 314]])
+    with torch.no_grad():
+        ours, theirs = quantized(ids).logits[0, -1], reference(ids).logits[0, -1]
+    assert ours.argmax() == theirs.argmax()
+    assert (ours - theirs).abs().max() < 0.1 * theirs.abs().max()
 
 
 def test_the_measured_choice_is_what_each_layer_runs(tiny, tmp_path, monkeypatch):

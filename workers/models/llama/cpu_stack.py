@@ -10,7 +10,7 @@ import torch
 
 from loomllm.workers.kernels import cpu_kernel_choice
 
-DENSE, INT4, INT8 = 0, 1, 2  # cpu_stack.cpp's LinearMode
+DENSE, INT4, INT8, A8 = 0, 1, 2, 3  # cpu_stack.cpp's LinearMode
 
 
 def linear_args(linear: torch.nn.Linear, rows: int) -> tuple[int, list[torch.Tensor | None]]:
@@ -23,6 +23,8 @@ def linear_args(linear: torch.nn.Linear, rows: int) -> tuple[int, list[torch.Ten
             return INT4, [kernels.int4.packed, kernels.int4.scale_zero, linear.bias]
         if kind == "int8" and kernels.int8 is not None:
             return INT8, [kernels.int8.codes, kernels.int8.scale, linear.bias]
+        if kind == "a8" and kernels.a8 is not None:
+            return A8, [kernels.a8.packed, kernels.a8.scales, linear.bias]
     return DENSE, [linear.weight, None, linear.bias]
 
 
