@@ -230,15 +230,17 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         quantized = loomllm_greedy(accuracy, args.accuracy_tokens)
+        runs = [(f"as stored ({dtype})", quantized)]
+        if dtype != "float32":  # llama.cpp's activations are float32 between its matmuls
+            stored_f32 = loomllm_greedy(accuracy, args.accuracy_tokens, dtype="float32")
+            runs.append(("as stored, float32", stored_f32))
         dequantized = loomllm_greedy(
             accuracy, args.accuracy_tokens, dtype="float32", quantization="none"
         )
+        runs.append(("dequantized, float32", dequantized))
         n, t = len(accuracy), args.accuracy_tokens
         print(f"\ngreedy agreement with llama-server (temperature 0), {n} prompts x {t} tokens:")
-        for name, ours in (
-            (f"as stored ({dtype})", quantized),
-            ("dequantized, float32", dequantized),
-        ):
+        for name, ours in runs:
             same, notes = agreement(ours, reference)
             print(f"- loomllm {name}: {same} of {n} identical")
             for note in notes:

@@ -26,6 +26,15 @@ constexpr int ROWS = 4;
 constexpr int COLUMN_BLOCKS = 3;
 constexpr int64_t PREFETCH_GROUPS = 4;
 
+// x rounded to the nearest integers, ties to even, for |x| < 2^22: adding and taking away
+// 1.5 * 2^23 leaves each float's integer part (std::nearbyint is a call the loops cannot
+// vectorize around).
+inline v16 round_even(v16 x) { return (x + 12582912.0f) - 12582912.0f; }
+
+typedef int8_t v16c8 __attribute__((vector_size(16)));
+
+inline v16 abs16(v16 x) { return x < 0.0f ? -x : x; }
+
 // x's rows as int8 blocks: the codes q, each block's scale d (x ~ q * d) and d * sum(q),
 // which the weights' offsets b multiply.
 struct QuantizedRows {
@@ -39,22 +48,64 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
   const int64_t blocks = rows * (k / BLOCK);
   QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<float>(blocks),
                   std::vector<float>(blocks)};
-  at::parallel_for(0, blocks, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float v[BLOCK];
       to_float(x + i * BLOCK, v, BLOCK);
+      v16 lo, hi;  // the block in two vectors: the loops below as vector operations
+      std::memcpy(&lo, v, sizeof lo);
+      std::memcpy(&hi, v + LANES, sizeof hi);
+      const v16 a = abs16(lo), b = abs16(hi);
+      const v16 top = a < b ? b : a;
       float amax = 0.0f;
-      for (int64_t j = 0; j < BLOCK; ++j) amax = std::max(amax, std::fabs(v[j]));
+      for (int64_t j = 0; j < LANES; ++j) amax = std::max(amax, top[j]);
       // As llama.cpp's quantize_row_q8_1: the scale's inverse, then the nearest code.
       const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-      int32_t total = 0;
-      for (int64_t j = 0; j < BLOCK; ++j) {
-        const int32_t c = static_cast<int32_t>(std::nearbyint(v[j] * inverse));
-        q.codes[i * BLOCK + j] = static_cast<int8_t>(c);
-        total += c;
-      }
+      const v16 code_lo = round_even(lo * inverse), code_hi = round_even(hi * inverse);
+      const v16c8 bytes_lo = __builtin_convertvector(code_lo, v16c8);
+      const v16c8 bytes_hi = __builtin_convertvector(code_hi, v16c8);
+      std::memcpy(q.codes.data() + i * BLOCK, &bytes_lo, sizeof bytes_lo);
+      std::memcpy(q.codes.data() + i * BLOCK + LANES, &bytes_hi, sizeof bytes_hi);
       q.scale[i] = d;
-      q.sum[i] = d * static_cast<float>(total);
+      q.sum[i] = d * horizontal_sum(code_lo + code_hi);  // exact: integers below 2^24
+    }
+  });
+  return q;
+}
+
+#define LOOM_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+// quantize_rows with AVX-512: the same codes (vcvtps2dq rounds to the nearest, ties to even,
+// as round_even), sums and scales.
+template <typename T>
+LOOM_VNNI inline __m512 load_floats(const T* x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(x);
+  } else {  // bfloat16: the upper half of a float's bits
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+}
+
+template <typename T>
+LOOM_VNNI QuantizedRows quantize_rows_vnni(const T* x, int64_t rows, int64_t k) {
+  const int64_t blocks = rows * (k / BLOCK);
+  QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<float>(blocks),
+                  std::vector<float>(blocks)};
+  at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const __m512 lo = load_floats(x + i * BLOCK), hi = load_floats(x + i * BLOCK + LANES);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+      const __m512 scale = _mm512_set1_ps(inverse);
+      const __m512i code_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, scale));
+      const __m512i code_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, scale));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * BLOCK),
+                       _mm512_cvtepi32_epi8(code_lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * BLOCK + LANES),
+                       _mm512_cvtepi32_epi8(code_hi));
+      q.scale[i] = d;
+      q.sum[i] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(code_lo, code_hi)));
     }
   });
   return q;
@@ -100,8 +151,6 @@ void portable(const QuantizedRows& q, const uint8_t* packed, const float* scales
     }
   });
 }
-
-#define LOOM_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
 LOOM_VNNI inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -238,7 +287,8 @@ template <typename T>
 void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
          const float* bias, at::Tensor& out, int64_t bits, bool use_vnni) {
   const int64_t rows = x.size(0), k = x.size(1), n = out.size(1);
-  const QuantizedRows q = quantize_rows(x.data_ptr<T>(), rows, k);
+  const QuantizedRows q = use_vnni ? quantize_rows_vnni(x.data_ptr<T>(), rows, k)
+                                   : quantize_rows(x.data_ptr<T>(), rows, k);
   const uint8_t* p = packed.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   T* o = out.data_ptr<T>();
