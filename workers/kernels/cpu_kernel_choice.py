@@ -76,11 +76,11 @@ def _seconds_per_call(fn: Callable[[], object]) -> float:
 
 def measure(shape: Shape, kinds: Iterable[str], dtype: torch.dtype) -> Choice:
     """The fastest of `kinds` at each batch size, timed on random weights of `shape`. A
-    weight-only kernel far slower than the best at one batch size is not timed at the bigger
+    quantized kernel far slower than the best at one batch size is not timed at the bigger
     ones: their cost grows with the rows faster than the dense matmul's, which is always
-    timed. a8 runs at every batch size or at none: at every one where that costs less,
-    summed over the batch sizes as a fraction of each one's fastest, than the best of the
-    others at each."""
+    timed. a8 runs at every batch size or at none: at every one where it was timed at all of
+    them and that costs less, summed over the batch sizes as a fraction of each one's
+    fastest, than the best of the others at each."""
     in_features, out_features = shape
     weight = torch.randn(out_features, in_features) * 0.02
     kinds = set(kinds)
@@ -117,9 +117,7 @@ def measure(shape: Shape, kinds: Iterable[str], dtype: torch.dtype) -> Choice:
         timings.append(timed)
         best = min(timed.values())
         kernels = {
-            k: v
-            for k, v in kernels.items()
-            if k == "dense" or k in ACTIVATION_KINDS or timed[k] <= _PRUNE_RATIO * best
+            k: v for k, v in kernels.items() if k == "dense" or timed[k] <= _PRUNE_RATIO * best
         }
     return _pick(timings)
 

@@ -149,9 +149,10 @@ def quantize(
         plans = {name: _gguf_plan(name, layer, stored, model) for name, layer in layers.items()}
     else:
         plans = {name: _on_load_plan(layer, quantization) for name, layer in layers.items()}
-    # a8 runs on the C++ ops, which compute in float32 and bfloat16.
+    # a8 runs on the C++ ops, which compute in float32 and bfloat16. Without AVX512-VNNI its
+    # portable loop is far slower than the other kernels: it runs only where asked for.
     ops = cpu_native.load(cache_dir) if dtype in cpu_native.DTYPES else None
-    if ops is None:
+    if ops is None or (cpu_linear_kernel == "auto" and not ops.block_linear_has_vnni()):
         plans = {name: plan._replace(kinds=plan.kinds - {"a8"}) for name, plan in plans.items()}
     shapes: dict[cpu_kernel_choice.Shape, frozenset[str]] = {}
     for name, plan in plans.items():

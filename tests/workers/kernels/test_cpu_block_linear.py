@@ -183,3 +183,16 @@ def test_measuring_a8_needs_the_ops(monkeypatch):
     monkeypatch.setattr(cpu_kernel_choice, "_seconds_per_call", lambda call: 1.0)
     choice = cpu_kernel_choice.measure((64, 32), ["dense", "a8"], torch.float32)
     assert choice == ("dense",) * len(cpu_kernel_choice.BATCH_SIZES)
+
+
+def test_a8_far_slower_at_one_batch_size_is_not_timed_after_it_nor_picked(monkeypatch):
+    def timed(fn):
+        kernel, x = fn.__defaults__
+        if isinstance(kernel, BlockLinear):
+            return 1.0 if x.shape[0] == 1 else 100.0
+        return 2.0
+
+    monkeypatch.setattr(cpu_kernel_choice, "_seconds_per_call", timed)
+    monkeypatch.setattr(cpu_native, "_ops", cpu_native.load(cache_root()))
+    choice = cpu_kernel_choice.measure((64, 32), ["dense", "a8"], torch.float32)
+    assert choice == ("dense",) * len(cpu_kernel_choice.BATCH_SIZES)

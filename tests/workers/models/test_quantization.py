@@ -111,6 +111,35 @@ def test_a8_runs_the_quantized_weights_on_int8_activations(kind, tiny, tmp_path,
     assert 0 < (a8 - dense).abs().max() < 0.05 * dense.abs().max()
 
 
+class WithoutVnni:
+    """The C++ ops as on a CPU without AVX512-VNNI."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def block_linear_has_vnni(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+
+def test_without_vnni_a8_runs_only_where_asked_for(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    slow = WithoutVnni(cpu_native.loaded())
+    monkeypatch.setattr(quantization.cpu_native, "load", lambda cache_dir: slow)
+    offered = []
+    monkeypatch.setattr(
+        cpu_kernel_choice,
+        "measure",
+        lambda shape, kinds, dtype: offered.append(kinds) or ("dense",) * 4,
+    )
+    load_model(tiny, dtype="float32", quantization="int4")
+    assert offered and all("a8" not in kinds for kinds in offered)
+    model = load_model(tiny, dtype="float32", quantization="int4", cpu_linear_kernel="a8").model
+    assert model.model.layers[0].mlp.down_proj.kernels.a8 is not None
+
+
 def test_a_gguf_runs_its_own_blocks_on_a8():
     """SmolLM2's Q4_1 layers and Q8_0 embedding (its lm_head) as the file stores them: the
     dense copies hold the blocks' values, and the next token is the dequantized model's."""
