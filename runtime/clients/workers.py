@@ -97,8 +97,16 @@ class WorkerClient:
         on_lost: Callable[[int, str], None],
         done: anyio.Event,
     ) -> None:
+        """Read rank `rank`'s replies until its connection closes.
+
+        Cancellation: shielded; it ends when aclose() shuts the connection, which the engine
+        does before its task group exits. A read cancelled just as data arrives fails a
+        callback of anyio's asyncio Unix socket ("invalid state"): an engine closed by
+        cancelling its scope (the server unloading a model) hit it.
+        """
         try:
-            await self._read_until_closed(rank, ms, on_lost)
+            with anyio.CancelScope(shield=True):
+                await self._read_until_closed(rank, ms, on_lost)
         finally:
             done.set()
 

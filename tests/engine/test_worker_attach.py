@@ -1,11 +1,13 @@
 """Attaching to acquired workers: a rank that hangs up or died since WorkersAcquired is a clear
 error (ManagerError naming the socket; EngineDeadError with the manager's report of the death),
-never a bare anyio exception. Every test runs on asyncio and trio."""
+never a bare anyio exception; and the readers of an engine whose scope is cancelled end by
+their connection closing. Every test runs on asyncio and trio."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import tempfile
 from pathlib import Path
 
@@ -17,6 +19,8 @@ from loomllm import Engine, EngineDeadError
 from loomllm.clients.workers import WorkerClient
 from loomllm.engine import replica as replica_module
 from loomllm.errors import ManagerError
+from loomllm.protocols.connection import MessageStream
+from loomllm.protocols.messages import Ack
 
 pytestmark = pytest.mark.anyio
 
@@ -33,6 +37,29 @@ async def test_a_rank_that_hangs_up_is_a_manager_error_naming_its_socket():
             with pytest.raises(ManagerError, match=f"could not attach to worker socket {path}: "):
                 await WorkerClient.connect([path], b"lease")
             tg.cancel_scope.cancel()
+
+
+async def test_a_cancelled_engine_scope_leaves_its_readers_to_end_by_the_close():
+    """Data arrives in the very loop iteration in which the engine's scope is cancelled: a
+    reader cancelled then failed a callback of anyio's asyncio Unix socket (InvalidStateError,
+    which anyio's test runner raises here). Shielded, it reads on until aclose() shuts the
+    connection, as the engine's exit does before its task group ends."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX)
+    client = WorkerClient([MessageStream(await anyio.abc.UNIXSocketStream.from_socket(ours))])
+    lost: list[str] = []
+    with theirs, anyio.CancelScope() as engine_scope:
+        async with anyio.create_task_group() as tg:
+            try:
+                client.start_readers(tg, lambda rank, why: lost.append(why))
+                await anyio.sleep(0.05)  # the reader waits for data
+                theirs.sendall(client.ranks[0].frame(Ack()))  # readable from the next poll on
+                await anyio.lowlevel.checkpoint()  # this task runs first in that iteration
+                engine_scope.cancel()
+                await anyio.sleep_forever()
+            finally:
+                await client.aclose()
+    assert engine_scope.cancelled_caught
+    assert lost == []  # closed by us: not a lost worker
 
 
 async def test_worker_dying_before_attach_is_engine_dead_with_its_report(
