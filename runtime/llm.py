@@ -90,16 +90,7 @@ class LLM:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts), self.engine)
-        calls = [
-            (partial(self.engine.generate, priority=rank, lora_request=lora), p, sp)
-            for p, sp, rank, lora in zip(
-                prompts,
-                params,
-                _priorities(priority, len(prompts)),
-                _loras(lora_request, len(prompts)),
-                strict=True,
-            )
-        ]
+        calls = _calls(self.engine.generate, prompts, params, priority, lora_request)
         return self._run(calls, use_tqdm)
 
     def chat(
@@ -127,16 +118,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
         )
-        calls = [
-            (partial(chat, priority=rank, lora_request=lora), m, sp)
-            for m, sp, rank, lora in zip(
-                conversations,
-                params,
-                _priorities(priority, len(conversations)),
-                _loras(lora_request, len(conversations)),
-                strict=True,
-            )
-        ]
+        calls = _calls(chat, conversations, params, priority, lora_request)
         return self._run(calls, use_tqdm)
 
     def embed(
@@ -267,6 +249,21 @@ def _per_prompt(
             raise ValueError(f"got {len(chosen)} sampling_params for {count} prompts")
     # Only the final output matters here; skip building the intermediate ones.
     return [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in chosen]
+
+
+def _calls(
+    submit: Callable[..., Any],
+    inputs: Sequence[Any],
+    params: list[SamplingParams],
+    priority: int | Sequence[int] | None,
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+) -> list[tuple[Any, Any, SamplingParams]]:
+    """(submit with the input's priority and adapter, the input, its params), per input."""
+    ranks, loras = _priorities(priority, len(inputs)), _loras(lora_request, len(inputs))
+    return [
+        (partial(submit, priority=rank, lora_request=lora), item, sp)
+        for item, sp, rank, lora in zip(inputs, params, ranks, loras, strict=True)
+    ]
 
 
 def _priorities(priority: int | Sequence[int] | None, count: int) -> list[int]:
