@@ -1,7 +1,12 @@
 // Decode attention on the CPU: each decode row's query heads over its context, read from the
-// paged K/V cache where it lies (no gather), in float32.
+// paged K/V cache where it lies (no gather), in float32 (a bfloat16 cache's scores from
+// bfloat16 dot products where the CPU has them).
 
 #include "cpu_ops.h"
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 namespace loom_cpu {
 
@@ -41,30 +46,64 @@ inline void prefetch_row(const T* row, int64_t dim) {
   }
 }
 
-// One decode row and KV head: its group of query heads over the row's context in the cache.
-// DIM > 0 is the head size known when compiled (the loops over it unrolled), 0 any other.
-template <typename T, int64_t DIM>
-void attend_group(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
-                  int64_t slot_stride, const int64_t* slots, int64_t begin, int64_t end,
-                  int64_t group, int64_t head_dim, float scale, float softcap, const float* sinks,
-                  T* out, int64_t out_head_stride, std::vector<float>& buf) {
-  const int64_t keys = end - begin, dim = DIM > 0 ? DIM : head_dim;
-  buf.resize(group * dim * 2 + dim + group * keys);
-  float* qf = buf.data();           // [group, dim]
-  float* acc = qf + group * dim;    // [group, dim]
-  float* row = acc + group * dim;   // [dim]: one key or value in float
-  float* scores = row + dim;        // [group, keys]
-  for (int64_t g = 0; g < group; ++g) to_float(q + g * q_head_stride, qf + g * dim, dim);
-  // Rows are fetched a few keys ahead: their slots are known, the hardware cannot guess them.
-  constexpr int64_t ahead = 8;
-  // Key by key: each key row converted once for the whole group.
-  for (int64_t j = 0; j < keys; ++j) {
-    if (j + ahead < keys) prefetch_row(k_cache + slots[begin + j + ahead] * slot_stride, dim);
-    to_float(k_cache + slots[begin + j] * slot_stride, row, dim);
-    for (int64_t g = 0; g < group; ++g) scores[g * keys + j] = dot(qf + g * dim, row, dim);
+// Thirty-two values from memory as two vectors of floats, in the lane order each type loads
+// fastest: float32 as it lies; bfloat16 (a float's upper half) as its 32-bit words' lower and
+// upper halves, the even and the odd elements, by a shift and a mask without widening.
+template <typename T>
+[[gnu::always_inline]] inline void load32(const T* x, v16& first, v16& second) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&first, x, sizeof first);
+    std::memcpy(&second, x + 16, sizeof second);
+  } else {
+    typedef uint32_t v16u32 __attribute__((vector_size(64)));
+    v16u32 words;
+    std::memcpy(&words, x, sizeof words);
+    first = reinterpret_cast<v16>(words << 16);
+    second = reinterpret_cast<v16>(words & 0xffff0000u);
   }
-  std::fill(acc, acc + group * dim, 0.0f);
-  std::vector<float> sums(group);
+}
+
+// Which of a row's values lane i of its vector c holds, as load32 loads the row.
+template <typename T>
+constexpr int64_t source_of(int64_t c, int64_t i) {
+  const int64_t block = c / 2 * 32, half = c % 2;
+  return std::is_same_v<T, float> ? block + half * 16 + i : block + 2 * i + half;
+}
+
+// Lane j of the result is horizontal_sum(parts[j]), added in the same order, for sixteen
+// vectors at once: halves are paired across vectors, so no sum waits on a lone shuffle chain.
+inline v16 lane_sums(const v16* parts) {
+  v16 pairs[8], quads[4], octets[2];
+  for (int m = 0; m < 8; ++m) {  // lanes i and i + 8 of each vector: two vectors' eight sums
+    const v16 a = parts[2 * m], b = parts[2 * m + 1];
+    pairs[m] =
+        __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+        __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int m = 0; m < 4; ++m) {  // then i and i + 4 of those: four vectors' four
+    const v16 a = pairs[2 * m], b = pairs[2 * m + 1];
+    quads[m] =
+        __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+        __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int m = 0; m < 2; ++m) {  // then i and i + 2: eight vectors' two
+    const v16 a = quads[2 * m], b = quads[2 * m + 1];
+    octets[m] =
+        __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+        __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  const v16 a = octets[0], b = octets[1];  // then the two: sixteen vectors' one
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Rows are fetched a few keys ahead: their slots are known, the hardware cannot guess them.
+constexpr int64_t AHEAD = 16;
+
+// The softmax of each of a group's rows of scores, in place: scaled, capped, less their
+// maximum, exponentiated; the sums (sinks included) go to `sums`.
+inline void softmax_rows(float* scores, int64_t group, int64_t keys, float scale, float softcap,
+                         const float* sinks, float* sums) {
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * keys;
     for (int64_t j = 0; j < keys; ++j) s[j] *= scale;
@@ -76,24 +115,176 @@ void attend_group(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
     for (int64_t j = 0; j < keys; ++j) s[j] = fast_exp(s[j] - top);
     sums[g] = sum_of(s, keys) + (sinks ? fast_exp(sink - top) : 0.0f);
   }
-  // One query head at a time, its sums in registers where DIM is known: each value row is
-  // read once from memory and again, from the L1 cache, for the group's other heads.
+}
+
+// HEADS query heads' weighted sums of the value rows of keys [j0, j1), added to `acc` (in
+// load32's lane order) and held in registers meanwhile: each value row is loaded once for all.
+template <typename T, int64_t DIM, int64_t HEADS>
+void weigh_values(const float* probs, int64_t keys, int64_t j0, int64_t j1, const T* v_cache,
+                  int64_t slot_stride, const int64_t* slots, float* acc) {
+  constexpr int64_t C = DIM / 16;
+  v16 sum[HEADS][C];
+  std::memcpy(sum, acc, sizeof sum);
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* v = v_cache + slots[j] * slot_stride;
+    v16 row[C];
+    for (int64_t c = 0; c < C; c += 2) load32(v + c * 16, row[c], row[c + 1]);
+    for (int64_t h = 0; h < HEADS; ++h) {
+      const float p = probs[h * keys + j];
+      for (int64_t c = 0; c < C; ++c) sum[h][c] += p * row[c];
+    }
+  }
+  std::memcpy(acc, sum, sizeof sum);
+}
+
+// Where the CPU has bfloat16 dot products (AVX512-BF16; the library is compiled for the CPU it
+// runs on), a bfloat16 cache's scores are summed from them: products of bfloat16 values are
+// exact in float, and neither query nor key is widened first.
+#ifdef __AVX512BF16__
+template <typename T>
+constexpr bool BF16_DOTS = std::is_same_v<T, c10::BFloat16>;
+#else
+template <typename T>
+constexpr bool BF16_DOTS = false;
+#endif
+
+// Keys are taken sixteen at a time: a vector of their scores at once, their value rows from
+// the L1 cache for the heads after the first few.
+constexpr int64_t CHUNK = 16;
+
+// One decode row and KV head: its group of `heads` query heads over the row's context in the
+// cache, for a head size known when compiled (a multiple of 32). Sixteen keys' scores are summed at
+// once; the value rows are weighed in registers, a few query heads at a time.
+template <typename T, int64_t DIM>
+void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
+                  int64_t slot_stride, const int64_t* slots, int64_t begin, int64_t end,
+                  int64_t heads, float scale, float softcap, const float* sinks, T* out,
+                  int64_t out_head_stride, std::vector<v16>& buf) {
+  static_assert(DIM % 32 == 0);
+  constexpr int64_t C = DIM / 16, TILE = DIM <= 64 ? 4 : 2;  // 4 or 2 heads: 16 registers
+  const int64_t keys = end - begin;
+  slots += begin;
+  buf.resize(heads * CHUNK + (heads * DIM * 2 + heads * keys + heads) / 16 + 1);
+  v16* parts = buf.data();                                      // [heads, CHUNK keys]
+  float* qf = reinterpret_cast<float*>(parts + heads * CHUNK);  // [heads, DIM]
+  float* acc = qf + heads * DIM;                                // [heads, DIM]
+  float* scores = acc + heads * DIM;                            // [heads, keys]
+  float* sums = scores + heads * keys;                          // [heads]
+  if constexpr (!BF16_DOTS<T>) {
+    for (int64_t h = 0; h < heads; ++h) {
+      v16* row = reinterpret_cast<v16*>(qf + h * DIM);
+      for (int64_t c = 0; c < C; c += 2) load32(q + h * q_head_stride + c * 16, row[c], row[c + 1]);
+    }
+  }
+  for (int64_t j0 = 0; j0 < keys; j0 += CHUNK) {
+    const int64_t n = std::min(CHUNK, keys - j0);
+    for (int64_t t = 0; t < CHUNK; ++t) {
+      const int64_t j = j0 + t;
+      if (t >= n) {  // past the last key: lanes summed and dropped
+        for (int64_t h = 0; h < heads; ++h) parts[h * CHUNK + t] = v16{};
+        continue;
+      }
+      if (j + AHEAD < keys) prefetch_row(k_cache + slots[j + AHEAD] * slot_stride, DIM);
+      const T* k = k_cache + slots[j] * slot_stride;
+      if constexpr (BF16_DOTS<T>) {
+#ifdef __AVX512BF16__
+        __m512i row[C / 2];
+        for (int64_t c = 0; c < C / 2; ++c) row[c] = _mm512_loadu_si512(k + c * 32);
+        for (int64_t h = 0; h < heads; ++h) {
+          __m512 part = _mm512_setzero_ps();
+          for (int64_t c = 0; c < C / 2; ++c) {
+            const __m512i words = _mm512_loadu_si512(q + h * q_head_stride + c * 32);
+            part = _mm512_dpbf16_ps(part, reinterpret_cast<__m512bh>(words),
+                                    reinterpret_cast<__m512bh>(row[c]));
+          }
+          parts[h * CHUNK + t] = reinterpret_cast<v16>(part);
+        }
+#endif
+      } else {
+        v16 row[C];
+        for (int64_t c = 0; c < C; c += 2) load32(k + c * 16, row[c], row[c + 1]);
+        for (int64_t h = 0; h < heads; ++h) {
+          const v16* qv = reinterpret_cast<const v16*>(qf + h * DIM);
+          v16 part = qv[0] * row[0];
+          for (int64_t c = 1; c < C; ++c) part += qv[c] * row[c];
+          parts[h * CHUNK + t] = part;
+        }
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const v16 s = lane_sums(parts + h * CHUNK);
+      if (n == CHUNK) {
+        std::memcpy(scores + h * keys + j0, &s, sizeof s);
+      } else {
+        for (int64_t t = 0; t < n; ++t) scores[h * keys + j0 + t] = s[t];
+      }
+    }
+  }
+  softmax_rows(scores, heads, keys, scale, softcap, sinks, sums);
+  std::fill(acc, acc + heads * DIM, 0.0f);
+  for (int64_t j0 = 0; j0 < keys; j0 += CHUNK) {
+    const int64_t j1 = std::min(j0 + CHUNK, keys);
+    for (int64_t j = j0 + AHEAD; j < std::min(j1 + AHEAD, keys); ++j) {
+      prefetch_row(v_cache + slots[j] * slot_stride, DIM);
+    }
+    for (int64_t h = 0; h < heads; h += TILE) {
+      const int64_t tile = std::min(TILE, heads - h);
+      const float* p = scores + h * keys;
+      float* a = acc + h * DIM;
+      if (tile == TILE) {
+        weigh_values<T, DIM, TILE>(p, keys, j0, j1, v_cache, slot_stride, slots, a);
+      } else if (tile == 1) {
+        weigh_values<T, DIM, 1>(p, keys, j0, j1, v_cache, slot_stride, slots, a);
+      } else if constexpr (TILE == 4) {
+        if (tile == 2) {
+          weigh_values<T, DIM, 2>(p, keys, j0, j1, v_cache, slot_stride, slots, a);
+        } else {
+          weigh_values<T, DIM, 3>(p, keys, j0, j1, v_cache, slot_stride, slots, a);
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = 1.0f / sums[h];
+    for (int64_t d = 0; d < DIM; ++d) {
+      out[h * out_head_stride + source_of<T>(d / 16, d % 16)] = to<T>(acc[h * DIM + d] * inv);
+    }
+  }
+}
+
+// One decode row and KV head: its group of query heads over the row's context in the cache,
+// for any head size.
+template <typename T>
+void attend_group(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
+                  int64_t slot_stride, const int64_t* slots, int64_t begin, int64_t end,
+                  int64_t group, int64_t dim, float scale, float softcap, const float* sinks,
+                  T* out, int64_t out_head_stride, std::vector<v16>& buf) {
+  const int64_t keys = end - begin;
+  buf.resize((group * dim * 2 + dim + group * keys + group) / 16 + 1);
+  float* qf = reinterpret_cast<float*>(buf.data());  // [group, dim]
+  float* acc = qf + group * dim;    // [group, dim]
+  float* row = acc + group * dim;   // [dim]: one key or value in float
+  float* scores = row + dim;        // [group, keys]
+  float* sums = scores + group * keys;  // [group]
+  for (int64_t g = 0; g < group; ++g) to_float(q + g * q_head_stride, qf + g * dim, dim);
+  // Key by key: each key row converted once for the whole group.
+  for (int64_t j = 0; j < keys; ++j) {
+    if (j + AHEAD < keys) prefetch_row(k_cache + slots[begin + j + AHEAD] * slot_stride, dim);
+    to_float(k_cache + slots[begin + j] * slot_stride, row, dim);
+    for (int64_t g = 0; g < group; ++g) scores[g * keys + j] = dot(qf + g * dim, row, dim);
+  }
+  softmax_rows(scores, group, keys, scale, softcap, sinks, sums);
+  std::fill(acc, acc + group * dim, 0.0f);
   for (int64_t g = 0; g < group; ++g) {
     const float* p = scores + g * keys;
     float* a = acc + g * dim;
-    float sum[DIM > 0 ? DIM : 1] = {};
     for (int64_t j = 0; j < keys; ++j) {
-      if (g == 0 && j + ahead < keys) {
-        prefetch_row(v_cache + slots[begin + j + ahead] * slot_stride, dim);
+      if (g == 0 && j + AHEAD < keys) {
+        prefetch_row(v_cache + slots[begin + j + AHEAD] * slot_stride, dim);
       }
       const T* v = v_cache + slots[begin + j] * slot_stride;
-      if constexpr (DIM > 0) {
-        for (int64_t d = 0; d < DIM; ++d) sum[d] += p[j] * f32(v[d]);
-      } else {
-        for (int64_t d = 0; d < dim; ++d) a[d] += p[j] * f32(v[d]);
-      }
+      for (int64_t d = 0; d < dim; ++d) a[d] += p[j] * f32(v[d]);
     }
-    if constexpr (DIM > 0) std::copy(sum, sum + DIM, a);
   }
   for (int64_t g = 0; g < group; ++g) {
     const float inv = 1.0f / sums[g];
@@ -154,25 +345,36 @@ at::Tensor decode_attention_rows(const at::Tensor& q_in, const at::Tensor& k_cac
   }
   const float* sinkp = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({rows, heads, dim}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
-    using T = scalar_t;
+  const auto run = [&](auto type) {
+    using T = decltype(type);
     const T *qp = q.data_ptr<T>(), *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
     T* op = out.data_ptr<T>();
     at::parallel_for(0, rows * kv_heads, 1, [&](int64_t b0, int64_t e0) {
-      std::vector<float> buf;
+      std::vector<v16> buf;  // each thread's scratch
       for (int64_t item = b0; item < e0; ++item) {
         const int64_t b = item / kv_heads, h = item % kv_heads, len = lp[b];
         const int64_t begin = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-        const auto attend = dim == 64 ? attend_group<T, 64>
-                            : dim == 128 ? attend_group<T, 128> : attend_group<T, 0>;
-        attend(qp + b * q.stride(0) + h * group * q.stride(1), q.stride(1),
-                        kc + h * dim, vc + h * dim, kv_heads * dim, sp + b * width, begin, len,
-                        group, dim, static_cast<float>(scale), static_cast<float>(softcap),
-                        sinkp ? sinkp + h * group : nullptr, op + (b * heads + h * group) * dim,
-                        dim, buf);
+        const T* row_q = qp + b * q.stride(0) + h * group * q.stride(1);
+        const T *keys = kc + h * dim, *values = vc + h * dim;
+        const float* head_sinks = sinkp ? sinkp + h * group : nullptr;
+        T* row_out = op + (b * heads + h * group) * dim;
+        const int64_t stride = kv_heads * dim;
+        const auto cap = static_cast<float>(softcap), s = static_cast<float>(scale);
+        if (dim == 64) {
+          attend_heads<T, 64>(row_q, q.stride(1), keys, values, stride, sp + b * width, begin,
+                              len, group, s, cap, head_sinks, row_out, dim, buf);
+        } else if (dim == 128) {
+          attend_heads<T, 128>(row_q, q.stride(1), keys, values, stride, sp + b * width, begin,
+                               len, group, s, cap, head_sinks, row_out, dim, buf);
+        } else {
+          attend_group<T>(row_q, q.stride(1), keys, values, stride, sp + b * width, begin, len,
+                          group, dim, s, cap, head_sinks, row_out, dim, buf);
+        }
       }
     });
-  });
+  };
+  // check_dtype let float32 and bfloat16 through.
+  q.scalar_type() == at::kFloat ? run(float{}) : run(c10::BFloat16{});
   return out;
 }
 

@@ -123,16 +123,21 @@ def attention_reference(q, k_cache, v_cache, slots, lens, scale, window, softcap
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 1, 128), (4, 4, 80)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim",
+    [(9, 3, 64), (12, 2, 64), (2, 2, 64), (8, 1, 128), (5, 1, 128), (4, 4, 80)],
+)
 @pytest.mark.parametrize(
     "window, softcap, with_sinks", [(0, 0.0, False), (20, 0.0, False), (0, 5.0, True)]
 )
 def test_decode_attention_matches_float64(
     ops, dtype, heads, kv_heads, dim, window, softcap, with_sinks
 ):
-    """Rows of different lengths (one key, a window's worth, hundreds) over slots scattered
-    through the cache, q a strided view; head sizes the kernel knows when compiled and one
-    it does not; GQA groups of 1 to 8; a window, Gemma 2's softcap, gpt-oss' sinks."""
+    """Rows of different lengths (one key, a window's worth, hundreds; not all whole chunks of
+    16 keys) over slots scattered through the cache, q a strided view; head sizes the kernel
+    knows when compiled and one it does not; GQA groups of 1 to 8, so that the query heads
+    weighing values together come 1, 2, 3 and 4 at a time; a window, Gemma 2's softcap,
+    gpt-oss' sinks."""
     torch.manual_seed(dim + heads)
     num_slots, width = 700, 260
     k_cache = torch.randn(num_slots, kv_heads, dim).to(dtype)
