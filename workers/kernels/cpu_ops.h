@@ -139,6 +139,9 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
 
 // cpu_sample.cpp
 std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits);
+std::tuple<at::Tensor, at::Tensor> random_sample(const at::Tensor& logits,
+                                                 const at::Tensor& temperatures,
+                                                 const at::Tensor& uniforms);
 
 // cpu_block_linear.cpp
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,

@@ -1,5 +1,6 @@
-// Greedy sampling on the CPU in two passes over each row of logits: the first largest logit's
-// id, and its log-softmax, where torch's path copies the rows to float32 and makes four more.
+// Sampling on the CPU in a few passes over each row of logits, where torch's path copies the
+// rows to float32 and makes many more: greedy (the first largest logit's id and its
+// log-softmax), and a draw at a temperature.
 
 #include "cpu_ops.h"
 
@@ -77,6 +78,74 @@ std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits_in) {
             }
           }
         }
+      }
+    });
+  });
+  return {ids, logprobs};
+}
+
+// logits [B, V]; temperatures [B] float32, 0 for a greedy row; uniforms [B] float64 in
+// [0, 1). Each row's id [B] int64 drawn from softmax(logits / temperature): the first id
+// whose weight, summed in float64 in order, reaches 1 - u of the row's total (a weight of 0 is
+// never drawn), or its greedy id. With its logprob [B] float32 in the raw logits, as
+// greedy_sample's.
+std::tuple<at::Tensor, at::Tensor> random_sample(const at::Tensor& logits_in,
+                                                 const at::Tensor& temperatures_in,
+                                                 const at::Tensor& uniforms_in) {
+  check_dtype("random_sample", logits_in);
+  TORCH_CHECK(logits_in.dim() == 2 && logits_in.size(1) > 0, "random_sample: logits ",
+              logits_in.sizes(), " are not [B, V]");
+  const int64_t rows = logits_in.size(0), vocab = logits_in.size(1);
+  TORCH_CHECK(temperatures_in.numel() == rows && uniforms_in.numel() == rows,
+              "random_sample: ", temperatures_in.numel(), " temperatures and ",
+              uniforms_in.numel(), " uniforms for ", rows, " rows");
+  const at::Tensor logits = logits_in.contiguous();
+  const at::Tensor temperatures = temperatures_in.to(at::kFloat).contiguous();
+  const at::Tensor uniforms = uniforms_in.to(at::kDouble).contiguous();
+  at::Tensor ids = at::empty({rows}, logits.options().dtype(at::kLong));
+  at::Tensor logprobs = at::empty({rows}, logits.options().dtype(at::kFloat));
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* lp = logprobs.data_ptr<float>();
+  const float* tp = temperatures.data_ptr<float>();
+  const double* up = uniforms.data_ptr<double>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "random_sample", [&] {
+    const scalar_t* in = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(vocab), weight(vocab);
+      for (int64_t r = begin; r < end; ++r) {
+        to_float(in + r * vocab, row.data(), vocab);
+        const int64_t best = first_argmax(row.data(), vocab);
+        const float top = row[best];
+        for (int64_t i = 0; i < vocab; ++i) weight[i] = fast_exp(row[i] - top);
+        const float raw_sum = sum_of(weight.data(), vocab);
+        int64_t id = best;
+        if (std::isnan(raw_sum)) {  // a NaN logit: greedy_sample's pick, and the logprob NaN
+          for (int64_t j = 0; j < vocab; ++j) {
+            if (std::isnan(row[j])) {
+              id = j;
+              break;
+            }
+          }
+        } else if (tp[r] > 0.0f) {
+          const float inverse = 1.0f / tp[r];
+          for (int64_t i = 0; i < vocab; ++i) weight[i] = fast_exp((row[i] - top) * inverse);
+          double total = 0.0;
+          for (int64_t i = 0; i < vocab; ++i) total += weight[i];
+          const double reach = (1.0 - up[r]) * total;
+          double sum = 0.0;
+          int64_t last = best;  // the last id of weight above 0, should rounding not reach
+          for (int64_t i = 0; i < vocab; ++i) {
+            sum += weight[i];
+            if (weight[i] > 0.0f) last = i;
+            if (sum >= reach) {
+              last = i;
+              break;
+            }
+          }
+          id = last;
+        }
+        ip[r] = id;
+        lp[r] = (row[id] - top) - std::log(raw_sum);
       }
     });
   });

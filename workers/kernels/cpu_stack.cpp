@@ -120,6 +120,7 @@ TORCH_LIBRARY(loom_cpu, m) {
       "Tensor sin, Tensor slots, Tensor decode_slots, Tensor decode_lens, float scale, "
       "int window) -> (Tensor, Tensor)");
   m.def("greedy_sample(Tensor logits) -> (Tensor, Tensor)");
+  m.def("random_sample(Tensor logits, Tensor temperatures, Tensor uniforms) -> (Tensor, Tensor)");
   m.def(
       "block_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int bits, "
       "bool portable_only) -> Tensor");
@@ -134,6 +135,7 @@ TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
   m.impl("decode_attention", &loom_cpu::decode_attention);
   m.impl("decode_layers", &loom_cpu::decode_layers);
   m.impl("greedy_sample", &loom_cpu::greedy_sample);
+  m.impl("random_sample", &loom_cpu::random_sample);
   m.impl("block_linear", &loom_cpu::block_linear);
 }
 

@@ -149,9 +149,15 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     """Sample one token per row of `logits` [B, V] (any float dtype; computed in float32)."""
     ops = cpu_native.loaded()
     on_cpu = logits.device.type == "cpu" and logits.dtype in cpu_native.DTYPES
-    if ops is not None and on_cpu and _plain_greedy(meta):
-        # The C++ kernel: two passes over each row, no float32 copy.
-        sampled, logprobs = ops.greedy_sample(logits)
+    if ops is not None and on_cpu and _plain(meta):
+        # The C++ kernels: a few passes over each row, no float32 copy.
+        if meta.is_all_greedy:
+            sampled, logprobs = ops.greedy_sample(logits)
+        else:
+            greedy = torch.tensor(meta.is_greedy)
+            temperature = torch.where(greedy, 0.0, meta.temperature)  # [B]; 0: greedy
+            uniforms = _uniforms(meta, logits.device)[:, 0]  # [B]
+            sampled, logprobs = ops.random_sample(logits, temperature, uniforms)
         rows = [None] * len(meta.num_logprobs)
         return SamplerOutput(sampled, logprobs, list(rows), list(rows), None)
     raw = logits.float()  # [B, V]; never modified in place (may be the caller's tensor)
@@ -172,11 +178,12 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     return SamplerOutput(sampled, logprobs, top_ids, top_lps, stuck)
 
 
-def _plain_greedy(meta: SamplingMetadata) -> bool:
-    """Whether every row takes the largest raw logit: greedy, and nothing that changes the
-    logits or asks for more than the sampled token's logprob."""
+def _plain(meta: SamplingMetadata) -> bool:
+    """Whether every row is greedy or draws at a temperature alone: nothing else changes the
+    logits or narrows the draw, and no row asks for more than the sampled token's logprob."""
     return (
-        meta.is_all_greedy
+        not meta.has_top_k_top_p
+        and not meta.has_min_p
         and not meta.has_penalties
         and meta.token_bitmask is None
         and not any(meta.banned_token_ids)
@@ -244,7 +251,8 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
 
 
 def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then an exponential race; greedy rows take argmax."""
+    """Temperature, top-k, top-p, min-p, then one uniform draw a row, taken through the
+    row's cumulative probabilities; greedy rows take argmax."""
     device = x.device
     greedy = device_tensor(meta.is_greedy, torch.bool, device)  # [B]
     temperature = to_device(meta.temperature, device)
@@ -259,20 +267,31 @@ def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     probs = scaled.softmax(dim=-1)  # [B, V]
     if meta.has_min_p:
         threshold = to_device(meta.min_p, device)[:, None] * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)  # the race needs no renormalizing
-    # argmax(p / q) with q ~ Exp(1) draws from p; each seeded row draws only from its own
-    # generator, so its tokens do not depend on which other rows share the batch.
-    q = torch.empty_like(probs)  # [B, V]
-    rows = list(zip(meta.is_greedy, meta.draw_seeds, strict=True))
-    if any(not is_greedy and seed is None for is_greedy, seed in rows):
-        q.exponential_()  # one batched draw from the default RNG for all unseeded rows
-    for i, (is_greedy, seed) in enumerate(rows):
-        if seed is not None and not is_greedy:
-            q[i].exponential_(generator=_seeded_generator(seed, q.device))
-    sampled = (probs / q).argmax(dim=-1)  # [B]
+        probs = probs.masked_fill(probs < threshold, 0.0)  # the draw needs no renormalizing
+    # The first token whose cumulative probability reaches u * total, u uniform in (0, 1]:
+    # a token of probability 0 is never taken. One draw a row, where an exponential race
+    # (argmax of p / q, q ~ Exp(1)) draws one per token: on a CPU that costs more than the
+    # forward of a small model. In float64, so that even the rarest token keeps its mass.
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [B, V]
+    reach = (1.0 - _uniforms(meta, device)) * cdf[:, -1:]  # [B, 1]
+    sampled = torch.searchsorted(cdf, reach).clamp_(max=cdf.shape[-1] - 1)[:, 0]  # [B]
     if any(meta.is_greedy):
         sampled = torch.where(greedy, x.argmax(dim=-1), sampled)
     return sampled
+
+
+def _uniforms(meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
+    """Each random row's uniform draw in [0, 1), float64 [B, 1] (greedy rows' are unset)."""
+    u = torch.empty(len(meta.is_greedy), 1, dtype=torch.float64, device=device)
+    rows = list(zip(meta.is_greedy, meta.draw_seeds, strict=True))
+    if any(not is_greedy and seed is None for is_greedy, seed in rows):
+        u.uniform_()  # one batched draw from the default RNG for all unseeded rows
+    # Each seeded row draws only from its own generator, so its tokens do not depend on
+    # which other rows share the batch.
+    for i, (is_greedy, seed) in enumerate(rows):
+        if seed is not None and not is_greedy:
+            u[i].uniform_(generator=_seeded_generator(seed, device))
+    return u
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

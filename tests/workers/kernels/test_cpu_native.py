@@ -263,6 +263,43 @@ def test_greedy_sample_is_argmax_and_log_softmax(ops, dtype):
     assert logprobs[3].isnan()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_random_sample_takes_the_first_id_whose_cumulative_probability_reaches_the_draw(ops, dtype):
+    """Against softmax(logits / t) in float64: each id brackets 1 - u of its row's mass
+    (within float32's rounding of the weights). Greedy rows (t = 0) take the argmax; ids of
+    -inf are never drawn, at either end of the row or of [0, 1); a NaN is the pick."""
+    torch.manual_seed(3)
+    rows, vocab = 64, 49157
+    logits = (torch.randn(rows, vocab) * 3).to(dtype)
+    temperature = torch.rand(rows) * 2 + 0.05
+    temperature[:4] = 0.0
+    uniforms = torch.rand(rows, dtype=torch.float64)
+    logits[4:8, :100] = float("-inf")  # banned ids at the head, drawn at u close to 1
+    uniforms[4] = 1 - 2**-53
+    logits[8:12, -100:] = float("-inf")  # and at the tail, reached at u = 0
+    uniforms[8] = 0.0
+    logits[12, 5] = float("nan")
+    ids, logprobs = ops.random_sample(logits, temperature, uniforms)
+    raw = logits.double()
+    assert ids[:4].tolist() == raw[:4].argmax(-1).tolist()
+    assert ids[12] == 5 and logprobs[12].isnan()
+    assert not (ids[4:8] < 100).any() and not (ids[8:12] >= vocab - 100).any()
+    for r in [r for r in range(4, rows) if r != 12]:
+        probs = (raw[r] / temperature[r].double()).softmax(-1)
+        cdf = probs.cumsum(-1)
+        reach = 1 - uniforms[r].item()
+        i = ids[r].item()
+        assert probs[i] > 0
+        assert (cdf[i - 1].item() if i else 0.0) <= reach + 1e-6 and cdf[i].item() >= reach - 1e-6
+    expected = raw.log_softmax(-1).gather(1, ids[:, None])[:, 0]
+    finite = torch.arange(rows) != 12
+    torch.testing.assert_close(logprobs[finite].double(), expected[finite], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="random_sample: 3 temperatures and 64 uniforms"):
+        ops.random_sample(logits, temperature[:3], uniforms)
+    again, _ = ops.random_sample(logits, temperature, uniforms)  # and it works after
+    assert torch.equal(again, ids)
+
+
 def test_the_sampler_takes_the_kernel_for_plain_greedy_rows_only(ops, monkeypatch):
     from loomllm.protocols.sampling import SamplingParams
     from loomllm.workers.sample import sampler
@@ -287,6 +324,35 @@ def test_the_sampler_takes_the_kernel_for_plain_greedy_rows_only(ops, monkeypatc
     for options in ({"logprobs": 2}, {"repetition_penalty": 1.5}, {"logit_bias": {3: 5.0}}):
         sampler.sample(logits, meta(**options))
     assert counting.calls["greedy_sample"] == 1
+
+
+def test_the_sampler_takes_the_random_kernel_for_rows_at_a_temperature_alone(ops, monkeypatch):
+    """Seeded rows draw as with torch's ops (the same uniforms, the same rule), greedy rows
+    beside them take the argmax; top-k, top-p, min-p and logprobs rows take torch's path."""
+    from loomllm.protocols.sampling import SamplingParams
+    from loomllm.workers.sample import sampler
+
+    torch.manual_seed(4)
+    logits = torch.randn(8, 3000) * 2
+    counting = CountingOps(ops)
+    monkeypatch.setattr(cpu_native, "_ops", counting)
+
+    def meta(**options):
+        params = [SamplingParams(temperature=0.8, seed=s, **options) for s in range(7)]
+        params.append(SamplingParams(temperature=0.0))
+        return sampler.SamplingMetadata.from_params(params, [5] * 8, [[1]] * 8, [[]] * 8, [[]] * 8)
+
+    fast = sampler.sample(logits, meta())
+    assert counting.calls["random_sample"] == 1
+    assert fast.sampled_token_ids[-1] == logits[-1].argmax()
+    monkeypatch.setattr(cpu_native, "_ops", None)
+    slow = sampler.sample(logits, meta())
+    assert torch.equal(fast.sampled_token_ids, slow.sampled_token_ids)
+    torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(cpu_native, "_ops", counting)
+    for options in ({"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}, {"logprobs": 1}):
+        sampler.sample(logits, meta(**options))
+    assert counting.calls["random_sample"] == 1
 
 
 def test_the_ninja_package_is_found_without_the_venv_on_path(monkeypatch, tmp_path):
