@@ -294,21 +294,64 @@ def _uniforms(meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
     return u
 
 
+# How many of each row's largest logits the CPU takes first for top-k/top-p: the nucleus
+# mostly lies among them, and finding them costs a fraction of sorting the vocabulary.
+_CANDIDATES = 256
+
+
 def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask with -inf all but each row's k largest logits, then all but the smallest set whose
-    probability mass reaches top_p (the top token is always kept). x: [B, V]; top_k, top_p: [B]."""
+    probability mass reaches top_p (the top token is always kept). x: [B, V]; top_k, top_p: [B].
+
+    On the CPU the rows' largest logits are taken first, and a row's vocabulary is sorted
+    only where its nucleus may reach past them."""
     vocab = x.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab)  # [B]
+    if x.device.type == "cpu":
+        width = min(vocab, max(_CANDIDATES, int(top_k.max())))
+        values, order = x.topk(width, dim=-1)  # [B, W], descending
+        # Where k is off, the probabilities are over the whole vocabulary.
+        whole = torch.full_like(top_p, float("nan"))  # [B]
+        if bool((top_k == 0).any()):
+            whole = torch.where(top_k > 0, whole, x.logsumexp(-1))
+        kept, mass = _nucleus(values, k, top_p, whole)
+        off = (top_k == 0) & (top_p >= 1.0)  # [B]: rows that keep their whole vocabulary
+        out = torch.full_like(x, float("-inf")).scatter_(-1, order, kept)
+        out = torch.where(off[:, None], x, out)
+        # Rows whose nucleus may reach past their candidates are sorted whole.
+        past = ~(off | (k <= width) | ((top_p < 1.0) & (mass >= top_p)))  # [B]
+        if bool(past.any()):
+            out[past] = _sorted_nucleus(x[past], k[past], top_p[past])
+        return out
+    return _sorted_nucleus(x, k, top_p)
+
+
+def _sorted_nucleus(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """_apply_top_k_top_p over each row's whole sorted vocabulary; k [B] (vocab where off)."""
     ordered, order = x.sort(dim=-1, descending=True)  # [B, V]
-    position = torch.arange(vocab, device=x.device)  # [V]
-    k = torch.where(top_k > 0, top_k, vocab)[:, None]  # [B, 1]
-    ordered = ordered.masked_fill(position >= k, float("-inf"))
-    probs = ordered.softmax(dim=-1)  # [B, V]
-    mass_before = probs.cumsum(dim=-1) - probs  # [B, V]: mass of strictly more likely tokens
+    kept, _ = _nucleus(ordered, k, top_p, None)
+    return torch.empty_like(x).scatter_(-1, order, kept)
+
+
+def _nucleus(
+    ordered: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, whole: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' logits in descending order [B, W] (all of each row's, or its largest) with -inf
+    past each row's k and where top_p drops them, and the mass of these W [B]. `whole`: each
+    row's log-sum-exp over its vocabulary where its k is off, NaN where on (None: `ordered`
+    holds whole rows)."""
+    position = torch.arange(ordered.shape[-1], device=ordered.device)  # [W]
+    ordered = ordered.masked_fill(position >= k[:, None], float("-inf"))
+    lse = ordered.logsumexp(dim=-1)  # [B]
+    if whole is not None:
+        lse = torch.where(whole.isnan(), lse, whole)
+    probs = (ordered - lse[:, None]).exp()  # [B, W]
+    cumulative = probs.cumsum(dim=-1)  # [B, W]
+    mass_before = cumulative - probs  # [B, W]: mass of strictly more likely tokens
     # top_p = 1 is off outright: rounding in the cumsum must not drop the tail.
     drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
     drop[:, 0] = False  # a top_p that float32 rounds to 0 must not drop the top token too
-    ordered = ordered.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(-1, order, ordered)
+    return ordered.masked_fill(drop, float("-inf")), cumulative[:, -1]
 
 
 def _top_logprobs(

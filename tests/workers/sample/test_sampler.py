@@ -12,6 +12,7 @@ import torch
 from loomllm.protocols.sampling import SamplingParams
 from loomllm.workers.sample.sampler import (
     SamplingMetadata,
+    _apply_top_k_top_p,
     apply_penalties,
     draw_seed,
     sample,
@@ -423,3 +424,40 @@ def test_token_filters_are_built_once_in_their_normal_form() -> None:
     out = sample(torch.zeros(2, V), meta)
     assert out.sampled_token_ids.tolist() == [3, 0]  # 5 is not allowed: its bias is moot
     # (greedy over equal logits takes the lowest allowed id)
+
+
+def _nucleus_reference(row: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The ids top-k then top-p keep, in float64 over the whole sorted row."""
+    ordered, order = row.double().sort(descending=True)
+    if top_k > 0:
+        ordered[top_k:] = float("-inf")
+    probs = ordered.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs
+    keep = ordered > float("-inf")
+    if top_p < 1.0:
+        keep &= mass_before < top_p
+        keep[0] = True
+    return set(order[keep].tolist())
+
+
+def test_top_k_top_p_on_a_large_vocabulary_keep_exactly_the_nucleus() -> None:
+    """Rows whose nucleus lies among the largest logits the CPU takes first (a top_k above
+    their count among them, and rows with either off), alone and beside rows whose nucleus
+    reaches past them (those are sorted whole): each keeps what sorting the whole row in
+    float64 keeps, at its own logits."""
+    torch.manual_seed(11)
+    vocab = 5000
+    scales = torch.tensor([[6.0], [0.1], [4.0], [5.0], [3.0], [6.0], [0.3]])
+    logits = torch.randn(7, vocab) * scales
+    top_k = torch.tensor([0, 0, 300, 40, 0, 7, 0])
+    top_p = torch.tensor([0.9, 0.9, 0.95, 1.0, 1.0, 0.5, 0.5])
+    for past in (1, 6):
+        assert len(_nucleus_reference(logits[past], 0, float(top_p[past]))) > 256
+    for rows in ([0, 1, 2, 3, 4, 5, 6], [0, 2, 3, 4, 5], [6, 1]):
+        out = _apply_top_k_top_p(logits[rows], top_k[rows], top_p[rows])
+        for i, r in enumerate(rows):
+            kept = torch.nonzero(out[i] > float("-inf"))[:, 0]
+            assert set(kept.tolist()) == _nucleus_reference(
+                logits[r], int(top_k[r]), float(top_p[r])
+            )
+            assert torch.equal(out[i][kept], logits[r][kept])
