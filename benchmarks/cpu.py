@@ -178,7 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     if "stream" not in args.skip:
         pp, tg = llama_bench(args.llama_bench, gguf, 128, args.stream_tokens)
         prompt = offline_throughput.make_prompts(1, 100, 49152, 0)[0]
-        _, per_token = offline_throughput.single_stream_loomllm(prompt, args.stream_tokens, "auto")
+        # Five requests, as llama-bench's five runs.
+        _, per_token = offline_throughput.single_stream_loomllm(
+            prompt, args.stream_tokens, "auto", repeats=5
+        )
         row(f"one stream, {args.stream_tokens} tokens, tok/s", 1 / per_token, tg, "llama-bench tg")
 
     if "serving" not in args.skip:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 
 PROG = "loom bench offline"
@@ -128,8 +129,10 @@ def single_stream_loomllm(
     dtype: str,
     weight_dtype: str | None = None,
     model_impl: str = "auto",
+    repeats: int = 1,
 ) -> tuple[float, float]:
-    """(time to first token, decode seconds per token) for one request alone."""
+    """(time to first token, decode seconds per token) for one request alone: their means
+    over `repeats` requests in a row (llama-bench's tg averages 5 runs)."""
     import anyio
 
     from loomllm import Engine, RequestOutputKind, SamplingParams
@@ -139,19 +142,23 @@ def single_stream_loomllm(
     )
 
     async def run() -> tuple[float, float]:
+        firsts, per_tokens = [], []
         async with Engine(
             "smollm2", dtype=dtype, weight_dtype=weight_dtype, model_impl=model_impl
         ) as engine:
             async with engine.generate({"prompt_token_ids": prompt[:8]}, params) as s:
                 async for _ in s:  # warm-up
                     pass
-            start = time.perf_counter()
-            first = None
-            async with engine.generate({"prompt_token_ids": prompt}, params) as s:
-                async for _ in s:
-                    first = first or time.perf_counter()
-            end = time.perf_counter()
-        return first - start, (end - first) / (output_len - 1)
+            for _ in range(repeats):
+                start = time.perf_counter()
+                first = None
+                async with engine.generate({"prompt_token_ids": prompt}, params) as s:
+                    async for _ in s:
+                        first = first or time.perf_counter()
+                end = time.perf_counter()
+                firsts.append(first - start)
+                per_tokens.append((end - first) / (output_len - 1))
+        return statistics.mean(firsts), statistics.mean(per_tokens)
 
     return anyio.run(run)
 
