@@ -43,72 +43,35 @@ int64_t first_argmax(const float* x, int64_t n) {
   return id;
 }
 
-}  // namespace
-
-// logits [B, V]: each row's greedy id [B] int64, and its logprob [B] float32 (the row's
-// log_softmax there: minus the log of the sum of exp(logit - the largest)).
-std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits_in) {
-  check_dtype("greedy_sample", logits_in);
-  TORCH_CHECK(logits_in.dim() == 2 && logits_in.size(1) > 0, "greedy_sample: logits ",
-              logits_in.sizes(), " are not [B, V]");
+// Each row of logits' id and its logprob (the raw logits' log-softmax there: minus the log
+// of the sum of exp(logit - the largest)). The greedy id, or where temperatures[r] > 0 (with
+// `temperatures`), a draw from softmax(logits / temperature): the first id whose weight,
+// summed in float64 in order, reaches 1 - uniforms[r] of the row's total.
+std::tuple<at::Tensor, at::Tensor> sample_rows(const char* op, const at::Tensor& logits_in,
+                                               const std::optional<at::Tensor>& temperatures_in,
+                                               const std::optional<at::Tensor>& uniforms_in) {
+  check_dtype(op, logits_in);
+  TORCH_CHECK(logits_in.dim() == 2 && logits_in.size(1) > 0, op, ": logits ", logits_in.sizes(),
+              " are not [B, V]");
   const at::Tensor logits = logits_in.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const float* temperatures = nullptr;
+  const double* uniforms = nullptr;
+  at::Tensor held_temperatures, held_uniforms;
+  if (temperatures_in.has_value()) {
+    TORCH_CHECK(temperatures_in->numel() == rows && uniforms_in->numel() == rows, op, ": ",
+                temperatures_in->numel(), " temperatures and ", uniforms_in->numel(),
+                " uniforms for ", rows, " rows");
+    held_temperatures = temperatures_in->to(at::kFloat).contiguous();
+    held_uniforms = uniforms_in->to(at::kDouble).contiguous();
+    temperatures = held_temperatures.data_ptr<float>();
+    uniforms = held_uniforms.data_ptr<double>();
+  }
   at::Tensor ids = at::empty({rows}, logits.options().dtype(at::kLong));
   at::Tensor logprobs = at::empty({rows}, logits.options().dtype(at::kFloat));
   int64_t* ip = ids.data_ptr<int64_t>();
   float* lp = logprobs.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "greedy_sample", [&] {
-    const scalar_t* in = logits.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(vocab);
-      for (int64_t r = begin; r < end; ++r) {
-        to_float(in + r * vocab, row.data(), vocab);
-        const int64_t id = first_argmax(row.data(), vocab);
-        const float top = row[id];
-        for (int64_t i = 0; i < vocab; ++i) row[i] = fast_exp(row[i] - top);
-        const float sum = sum_of(row.data(), vocab);
-        ip[r] = id;
-        lp[r] = -std::log(sum);
-        if (std::isnan(sum)) {  // a NaN logit is torch.argmax's pick, and the logprob NaN
-          const scalar_t* x = in + r * vocab;
-          for (int64_t j = 0; j < vocab; ++j) {
-            if (std::isnan(f32(x[j]))) {
-              ip[r] = j;
-              break;
-            }
-          }
-        }
-      }
-    });
-  });
-  return {ids, logprobs};
-}
-
-// logits [B, V]; temperatures [B] float32, 0 for a greedy row; uniforms [B] float64 in
-// [0, 1). Each row's id [B] int64 drawn from softmax(logits / temperature): the first id
-// whose weight, summed in float64 in order, reaches 1 - u of the row's total (a weight of 0 is
-// never drawn), or its greedy id. With its logprob [B] float32 in the raw logits, as
-// greedy_sample's.
-std::tuple<at::Tensor, at::Tensor> random_sample(const at::Tensor& logits_in,
-                                                 const at::Tensor& temperatures_in,
-                                                 const at::Tensor& uniforms_in) {
-  check_dtype("random_sample", logits_in);
-  TORCH_CHECK(logits_in.dim() == 2 && logits_in.size(1) > 0, "random_sample: logits ",
-              logits_in.sizes(), " are not [B, V]");
-  const int64_t rows = logits_in.size(0), vocab = logits_in.size(1);
-  TORCH_CHECK(temperatures_in.numel() == rows && uniforms_in.numel() == rows,
-              "random_sample: ", temperatures_in.numel(), " temperatures and ",
-              uniforms_in.numel(), " uniforms for ", rows, " rows");
-  const at::Tensor logits = logits_in.contiguous();
-  const at::Tensor temperatures = temperatures_in.to(at::kFloat).contiguous();
-  const at::Tensor uniforms = uniforms_in.to(at::kDouble).contiguous();
-  at::Tensor ids = at::empty({rows}, logits.options().dtype(at::kLong));
-  at::Tensor logprobs = at::empty({rows}, logits.options().dtype(at::kFloat));
-  int64_t* ip = ids.data_ptr<int64_t>();
-  float* lp = logprobs.data_ptr<float>();
-  const float* tp = temperatures.data_ptr<float>();
-  const double* up = uniforms.data_ptr<double>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "random_sample", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "sample_rows", [&] {
     const scalar_t* in = logits.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> row(vocab), weight(vocab);
@@ -119,30 +82,28 @@ std::tuple<at::Tensor, at::Tensor> random_sample(const at::Tensor& logits_in,
         for (int64_t i = 0; i < vocab; ++i) weight[i] = fast_exp(row[i] - top);
         const float raw_sum = sum_of(weight.data(), vocab);
         int64_t id = best;
-        if (std::isnan(raw_sum)) {  // a NaN logit: greedy_sample's pick, and the logprob NaN
+        if (std::isnan(raw_sum)) {  // a NaN logit is torch.argmax's pick, and the logprob NaN
           for (int64_t j = 0; j < vocab; ++j) {
             if (std::isnan(row[j])) {
               id = j;
               break;
             }
           }
-        } else if (tp[r] > 0.0f) {
-          const float inverse = 1.0f / tp[r];
+        } else if (temperatures && temperatures[r] > 0.0f) {
+          const float inverse = 1.0f / temperatures[r];
           for (int64_t i = 0; i < vocab; ++i) weight[i] = fast_exp((row[i] - top) * inverse);
           double total = 0.0;
           for (int64_t i = 0; i < vocab; ++i) total += weight[i];
-          const double reach = (1.0 - up[r]) * total;
+          const double reach = (1.0 - uniforms[r]) * total;
           double sum = 0.0;
+          id = -1;
           int64_t last = best;  // the last id of weight above 0, should rounding not reach
-          for (int64_t i = 0; i < vocab; ++i) {
+          for (int64_t i = 0; i < vocab && id < 0; ++i) {
             sum += weight[i];
             if (weight[i] > 0.0f) last = i;
-            if (sum >= reach) {
-              last = i;
-              break;
-            }
+            if (sum >= reach) id = i;
           }
-          id = last;
+          id = id < 0 ? last : id;
         }
         ip[r] = id;
         lp[r] = (row[id] - top) - std::log(raw_sum);
@@ -150,6 +111,23 @@ std::tuple<at::Tensor, at::Tensor> random_sample(const at::Tensor& logits_in,
     });
   });
   return {ids, logprobs};
+}
+
+}  // namespace
+
+// logits [B, V]: each row's greedy id [B] int64 (ties: the smallest, as torch.argmax), and its
+// logprob [B] float32.
+std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits) {
+  return sample_rows("greedy_sample", logits, std::nullopt, std::nullopt);
+}
+
+// logits [B, V]; temperatures [B] float32, 0 for a greedy row; uniforms [B] float64 in
+// [0, 1). Each row's id [B] int64 drawn from softmax(logits / temperature) (a weight of 0 is
+// never drawn), or its greedy id; with its logprob [B] float32, as greedy_sample's.
+std::tuple<at::Tensor, at::Tensor> random_sample(const at::Tensor& logits,
+                                                 const at::Tensor& temperatures,
+                                                 const at::Tensor& uniforms) {
+  return sample_rows("random_sample", logits, temperatures, uniforms);
 }
 
 }  // namespace loom_cpu

@@ -296,6 +296,8 @@ def test_random_sample_takes_the_first_id_whose_cumulative_probability_reaches_t
     torch.testing.assert_close(logprobs[finite].double(), expected[finite], rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="random_sample: 3 temperatures and 64 uniforms"):
         ops.random_sample(logits, temperature[:3], uniforms)
+    with pytest.raises(RuntimeError, match=r"random_sample: logits \[49157\] are not \[B, V\]"):
+        ops.random_sample(logits[0], temperature, uniforms)
     again, _ = ops.random_sample(logits, temperature, uniforms)  # and it works after
     assert torch.equal(again, ids)
 
