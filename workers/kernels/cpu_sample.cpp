@@ -94,16 +94,17 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const char* op, const at::Tensor&
           for (int64_t i = 0; i < vocab; ++i) weight[i] = fast_exp((row[i] - top) * inverse);
           double total = 0.0;
           for (int64_t i = 0; i < vocab; ++i) total += weight[i];
+          // (1 - u) <= 1, so reach <= total: the scan, adding in the same order, reaches it,
+          // at a weight above 0 (reach > 0, as the largest logit's weight is 1).
           const double reach = (1.0 - uniforms[r]) * total;
           double sum = 0.0;
-          id = -1;
-          int64_t last = best;  // the last id of weight above 0, should rounding not reach
-          for (int64_t i = 0; i < vocab && id < 0; ++i) {
+          for (int64_t i = 0; i < vocab; ++i) {
             sum += weight[i];
-            if (weight[i] > 0.0f) last = i;
-            if (sum >= reach) id = i;
+            if (sum >= reach) {
+              id = i;
+              break;
+            }
           }
-          id = id < 0 ? last : id;
         }
         ip[r] = id;
         lp[r] = (row[id] - top) - std::log(raw_sum);
