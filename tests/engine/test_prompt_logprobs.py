@@ -171,7 +171,7 @@ def test_scoring_more_rows_than_one_slice():
     """compute_prompt_logprobs works in slices of rows: the seams must not show."""
     import torch
 
-    from loomllm.workers.sample.sampler import compute_prompt_logprobs
+    from loomllm.workers.sample.prompt_logprobs import compute_prompt_logprobs
 
     logits = torch.randn(2500, 50, generator=torch.Generator().manual_seed(0)).half()  # [N, V]
     targets = torch.arange(2500) % 50

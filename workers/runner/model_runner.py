@@ -34,12 +34,8 @@ from loomllm.workers.runner.lora import LoRALoadError, LoRAManager
 from loomllm.workers.runner.mixed_graphs import MAX_MIXED_TOKENS, MixedGraphs
 from loomllm.workers.runner.pending_step import PendingStep
 from loomllm.workers.runner.pooler import PoolRow, hidden_states, pool
-from loomllm.workers.sample.sampler import (
-    SamplerOutput,
-    SamplingMetadata,
-    sample,
-    score_prompt_chunks,
-)
+from loomllm.workers.sample.prompt_logprobs import score_prompt_chunks
+from loomllm.workers.sample.sampler import SamplerOutput, SamplingMetadata, sample
 from loomllm.workers.sample.structured_output import GrammarCompiler, RequestGrammar, fill_bitmasks
 from loomllm.workers.sample.token_filters import TokenFilters, bad_word_bans
 
