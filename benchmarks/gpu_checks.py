@@ -1,6 +1,7 @@
 """GPU correctness checks: what `make test` checks on the CPU at small shapes, at full ones.
 
-Kernels, CUDA graphs and engines against references; exits 1 on a FAIL. Run: `loom bench gpu-check`.
+Kernels, CUDA graphs and engines against references, then the models and features of
+gpu_model_checks.py; exits 1 on a FAIL. Run: `loom bench gpu-check`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from loomllm.benchmarks import run_manager, wait_for_no_workers
 from loomllm.benchmarks.attention_reference import TOLERANCE, mixed_errors
 from loomllm.benchmarks.gpu_bench import SHAPES, write_model_dir
+from loomllm.benchmarks.gpu_model_checks import FULL, TINY, model_checks
 
 PROG = "loom bench gpu-check"
 
@@ -465,6 +467,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kernel-batches", type=int, default=24)
     p.add_argument("--longest", type=int, default=4096, help="longest context in the kernels")
     p.add_argument("--requests", type=int, default=48)
+    p.add_argument(
+        "--skip",
+        type=lambda text: text.split(","),
+        default=[],
+        help="comma-separated checks to leave out: kernels, fused, graphs, engines, "
+        "architectures, pooling, lora-kernel, lora, speculation",
+    )
     args = p.parse_args(argv)
     import torch
 
@@ -476,17 +485,30 @@ def main(argv: list[str] | None = None) -> None:
         vocab = SHAPES[args.shape]["vocab_size"]
         checks = [
             (
+                "kernels",
                 "Triton kernels",
                 lambda: check_kernels(args.device, args.kernel_batches, args.longest),
             ),
-            ("fused kernels", lambda: check_fused(model, args.device, vocab, args.longest)),
-            ("decode CUDA graphs", lambda: check_graphs(model, args.device, vocab)),
             (
+                "fused",
+                "fused kernels",
+                lambda: check_fused(model, args.device, vocab, args.longest),
+            ),
+            ("graphs", "decode CUDA graphs", lambda: check_graphs(model, args.device, vocab)),
+            (
+                "engines",
                 "engines, async scheduling and graphs on/off",
                 lambda: check_engines(model, args.device, vocab, args.requests),
             ),
+            # The models at their layers' shapes, or at a CPU's with --shape tiny.
+            *model_checks(args.device, Path(tmp), TINY if args.shape == "tiny" else FULL),
         ]
-        for title, check in checks:
+        names = [name for name, *_ in checks]
+        if unknown := sorted(set(args.skip) - set(names)):
+            p.error(f"unknown checks {unknown} in --skip; the checks: {','.join(names)}")
+        for name, title, check in checks:
+            if name in args.skip:
+                continue
             started = time.monotonic()
             try:
                 ok, detail = check()

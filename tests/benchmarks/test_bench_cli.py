@@ -249,7 +249,8 @@ def test_start_benchmark_times_a_cold_start_and_warm_attaches() -> None:
 
 def test_gpu_checks_run_on_the_cpu_as_a_smoke_test() -> None:
     """Every part of what a GPU session checks, at tiny shapes (the kernels in Triton's
-    interpreter: TRITON_INTERPRET=1 is inherited from conftest.py)."""
+    interpreter: TRITON_INTERPRET=1 is inherited from conftest.py), the models' checks
+    against transformers included."""
     done = loom(
         "bench",
         "gpu-check",
@@ -272,6 +273,11 @@ def test_gpu_checks_run_on_the_cpu_as_a_smoke_test() -> None:
         ("PASS", "fused kernels"),
         ("SKIP", "decode CUDA graphs"),
         ("PASS", "engines, async scheduling and graphs on/off"),
+        ("PASS", "architectures"),
+        ("PASS", "pooling"),
+        ("PASS", "the Triton LoRA kernel"),
+        ("PASS", "LoRA adapters in one batch"),
+        ("PASS", "speculative decoding"),
     ], done.stdout
 
 
