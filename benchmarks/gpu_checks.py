@@ -400,7 +400,7 @@ def _rotary_into_cache_is_the_pair(
 
 
 def check_engines(
-    model: str, device: str, vocab: int, num_requests: int
+    model: str, device: str, vocab: int, num_requests: int, socket: Path
 ) -> tuple[bool | None, str]:
     """Greedy tokens of engines with async scheduling and graphs on and off, float32; their
     workers forked from one manager's zygote."""
@@ -444,10 +444,9 @@ def check_engines(
         "async off, eager": dict(async_scheduling=False, enforce_eager=True),
     }
     results = {}
-    with run_manager() as socket:
-        for name, options in variants.items():
-            wait_for_no_workers(socket)  # the last engine's worker gone, its memory freed
-            results[name] = anyio.run(lambda o=options: run(**o))
+    for name, options in variants.items():
+        wait_for_no_workers(socket)  # the last engine's worker gone, its memory freed
+        results[name] = anyio.run(lambda o=options: run(**o))
     reference = results["async off, eager"]
     differ = [name for name, tokens in results.items() if tokens != reference]
     return not differ, (
@@ -480,7 +479,8 @@ def main(argv: list[str] | None = None) -> None:
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     print(f"{PROG} on {name}, model shape {args.shape}")
     failed = False
-    with tempfile.TemporaryDirectory(prefix="loom-gpu-check-") as tmp:
+    # One manager for every engine: each waits for the last one's worker to be gone.
+    with tempfile.TemporaryDirectory(prefix="loom-gpu-check-") as tmp, run_manager() as socket:
         model = write_model_dir(args.shape, Path(tmp))
         vocab = SHAPES[args.shape]["vocab_size"]
         checks = [
@@ -498,10 +498,10 @@ def main(argv: list[str] | None = None) -> None:
             (
                 "engines",
                 "engines, async scheduling and graphs on/off",
-                lambda: check_engines(model, args.device, vocab, args.requests),
+                lambda: check_engines(model, args.device, vocab, args.requests, socket),
             ),
             # The models at their layers' shapes, or at a CPU's with --shape tiny.
-            *model_checks(args.device, Path(tmp), TINY if args.shape == "tiny" else FULL),
+            *model_checks(args.device, Path(tmp), socket, TINY if args.shape == "tiny" else FULL),
         ]
         names = [name for name, *_ in checks]
         if unknown := sorted(set(args.skip) - set(names)):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loomllm.benchmarks import run_manager, save_word_tokenizer, wait_for_no_workers
+from loomllm.benchmarks import save_word_tokenizer, wait_for_no_workers
 
 Check = Callable[[], tuple[bool | None, str]]
 
@@ -351,22 +351,23 @@ def _captured_graphs(worker: Any) -> str:
     return " and ".join(f"{k} graphs" for k, g in kinds if g is not None and g.captured) or "none"
 
 
-def check_architectures(device: str, work: Path, shapes: Shapes) -> tuple[bool | None, str]:
+def check_architectures(
+    device: str, work: Path, shapes: Shapes, socket: Path
+) -> tuple[bool | None, str]:
     """Each architecture's greedy tokens through an Engine (decode graphs on) against
     transformers' eager attention, float32, prompts of every length at once."""
     results, ok = [], True
-    with run_manager() as socket:
-        for seed, (name, (config_name, fields)) in enumerate(shapes.archs.items()):
-            path = work / f"arch-{seed}"
-            reference = _random_model(shapes, config_name, fields, path, device)
-            prompts = shapes.prompts(seed, shapes.prompt_lengths)
-            expected = _greedy_with_scores(reference, prompts)
-            del reference
-            _free(device)
-            tokens, _, graphs = _engine_tokens(str(path), device, socket, prompts)
-            passed, words = _compare(tokens, expected)
-            ok &= passed
-            results.append(f"{name}: {words}, captured: {graphs}")
+    for seed, (name, (config_name, fields)) in enumerate(shapes.archs.items()):
+        path = work / f"arch-{seed}"
+        reference = _random_model(shapes, config_name, fields, path, device)
+        prompts = shapes.prompts(seed, shapes.prompt_lengths)
+        expected = _greedy_with_scores(reference, prompts)
+        del reference
+        _free(device)
+        tokens, _, graphs = _engine_tokens(str(path), device, socket, prompts)
+        passed, words = _compare(tokens, expected)
+        ok &= passed
+        results.append(f"{name}: {words}, captured: {graphs}")
     return ok, "; ".join(results)
 
 
@@ -417,7 +418,7 @@ def _merged_reference(
 
 
 def check_lora(
-    device: str, work: Path, shapes: Shapes, base: str, reference: Any
+    device: str, work: Path, shapes: Shapes, socket: Path, base: str, reference: Any
 ) -> tuple[bool | None, str]:
     """Three adapters (ranks 16, 32, 64 on every projection) and the base model in one batch,
     each request's tokens against transformers with its adapter merged."""
@@ -433,17 +434,16 @@ def check_lora(
     loras = [None] + [
         LoRARequest(f"lora-{r}", i + 1, str(work / f"lora-{r}")) for i, r in enumerate(ranks)
     ]
-    with run_manager() as socket:
-        tokens, _, graphs = _engine_tokens(
-            base,
-            device,
-            socket,
-            [prompt] * len(loras) * 2,  # each twice: its prefix cached within its adapter only
-            loras * 2,
-            enable_lora=True,
-            max_loras=len(ranks),
-            max_lora_rank=max(ranks),
-        )
+    tokens, _, graphs = _engine_tokens(
+        base,
+        device,
+        socket,
+        [prompt] * len(loras) * 2,  # each twice: its prefix cached within its adapter only
+        loras * 2,
+        enable_lora=True,
+        max_loras=len(ranks),
+        max_lora_rank=max(ranks),
+    )
     ok, words = _compare(tokens, expected * 2)
     differ = len({tuple(t) for t, _ in expected}) == len(expected)
     return ok and differ, (
@@ -452,7 +452,11 @@ def check_lora(
 
 
 def check_speculation(
-    device: str, base: str, expected: list[tuple[list[int], Any]], prompts: list[list[int]]
+    device: str,
+    socket: Path,
+    base: str,
+    expected: list[tuple[list[int], Any]],
+    prompts: list[list[int]],
 ) -> tuple[bool | None, str]:
     """Greedy tokens with n-gram and draft-model speculation (the draft: the model itself,
     so every draft is taken) against transformers'."""
@@ -461,16 +465,15 @@ def check_speculation(
         "draft model": {"method": "draft_model", "model": base, "num_speculative_tokens": 3},
     }
     results, ok = [], True
-    with run_manager() as socket:
-        for name, spec in methods.items():
-            tokens, stats, graphs = _engine_tokens(
-                base, device, socket, prompts, speculative_config=spec
-            )
-            passed, words = _compare(tokens, expected)
-            taken = f"{stats.spec_num_accepted_tokens} of {stats.spec_num_draft_tokens} drafts"
-            passed &= stats.spec_num_draft_tokens > 0
-            ok &= passed
-            results.append(f"{name}: {words}, {taken} taken, captured: {graphs}")
+    for name, spec in methods.items():
+        tokens, stats, graphs = _engine_tokens(
+            base, device, socket, prompts, speculative_config=spec
+        )
+        passed, words = _compare(tokens, expected)
+        taken = f"{stats.spec_num_accepted_tokens} of {stats.spec_num_draft_tokens} drafts"
+        passed &= stats.spec_num_draft_tokens > 0
+        ok &= passed
+        results.append(f"{name}: {words}, {taken} taken, captured: {graphs}")
     return ok, "; ".join(results)
 
 
@@ -490,7 +493,7 @@ def _write_pooling_files(path: Path, hidden: int, pooling: str) -> None:
     (path / "1_Pooling" / "config.json").write_text(json.dumps(config))
 
 
-def check_pooling(device: str, work: Path, shapes: Shapes) -> tuple[bool | None, str]:
+def check_pooling(device: str, work: Path, shapes: Shapes, socket: Path) -> tuple[bool | None, str]:
     """Embeddings of a decoder (last token, as Qwen3-Embedding) and an encoder (mean, as
     BERT's), prompts of three lengths together, against transformers' base model pooled and
     normalized, float32."""
@@ -501,59 +504,58 @@ def check_pooling(device: str, work: Path, shapes: Shapes) -> tuple[bool | None,
     from loomllm import Engine
 
     results, ok = [], True
-    with run_manager() as socket:
-        for i, (name, (config_name, fields, pooling)) in enumerate(shapes.pooling.items()):
-            path = work / f"pooling-{i}"
-            torch.manual_seed(i)
-            config = shapes.config(config_name, fields)
-            # A decoder saved as its causal LM, as Qwen3-Embedding is; its base model pools.
-            kind = (
-                transformers.AutoModel
-                if pooling == "mean_tokens"
-                else transformers.AutoModelForCausalLM
-            )
-            kind.from_config(config).save_pretrained(path)
-            save_word_tokenizer(path, shapes.vocab)
-            _write_pooling_files(path, config.hidden_size, pooling)
-            prompts = shapes.prompts(20 + i, shapes.prompt_lengths[:3])
-            if pooling == "mean_tokens":  # an encoder's input: CLS ... SEP
-                prompts = [[1, *p[1:-1], 2] for p in prompts]
-            model = transformers.AutoModel.from_pretrained(path, dtype=torch.float32)
-            model = model.to(device).eval()
-            expected = []
-            with torch.inference_mode():
-                for prompt in prompts:
-                    hidden = model(torch.tensor([prompt], device=device)).last_hidden_state[0]
-                    vector = hidden[-1] if pooling == "lasttoken" else hidden.mean(0)
-                    expected.append(torch.nn.functional.normalize(vector, dim=0).cpu())
-            del model
-            _free(device)
+    for i, (name, (config_name, fields, pooling)) in enumerate(shapes.pooling.items()):
+        path = work / f"pooling-{i}"
+        torch.manual_seed(i)
+        config = shapes.config(config_name, fields)
+        # A decoder saved as its causal LM, as Qwen3-Embedding is; its base model pools.
+        kind = (
+            transformers.AutoModel
+            if pooling == "mean_tokens"
+            else transformers.AutoModelForCausalLM
+        )
+        kind.from_config(config).save_pretrained(path)
+        save_word_tokenizer(path, shapes.vocab)
+        _write_pooling_files(path, config.hidden_size, pooling)
+        prompts = shapes.prompts(20 + i, shapes.prompt_lengths[:3])
+        if pooling == "mean_tokens":  # an encoder's input: CLS ... SEP
+            prompts = [[1, *p[1:-1], 2] for p in prompts]
+        model = transformers.AutoModel.from_pretrained(path, dtype=torch.float32)
+        model = model.to(device).eval()
+        expected = []
+        with torch.inference_mode():
+            for prompt in prompts:
+                hidden = model(torch.tensor([prompt], device=device)).last_hidden_state[0]
+                vector = hidden[-1] if pooling == "lasttoken" else hidden.mean(0)
+                expected.append(torch.nn.functional.normalize(vector, dim=0).cpu())
+        del model
+        _free(device)
 
-            async def run(path: Path = path, prompts: list[list[int]] = prompts) -> list[Any]:
-                async with Engine(
-                    str(path),
-                    runner="pooling",
-                    dtype="float32",
-                    device=device,
-                    keep_alive=0,
-                    manager_socket=socket,
-                ) as engine:
-                    found: list[Any] = [None] * len(prompts)
+        async def run(path: Path = path, prompts: list[list[int]] = prompts) -> list[Any]:
+            async with Engine(
+                str(path),
+                runner="pooling",
+                dtype="float32",
+                device=device,
+                keep_alive=0,
+                manager_socket=socket,
+            ) as engine:
+                found: list[Any] = [None] * len(prompts)
 
-                    async def one(j: int) -> None:
-                        out = await engine.embed({"prompt_token_ids": prompts[j]})
-                        found[j] = torch.tensor(out.outputs.embedding)
+                async def one(j: int) -> None:
+                    out = await engine.embed({"prompt_token_ids": prompts[j]})
+                    found[j] = torch.tensor(out.outputs.embedding)
 
-                    async with anyio.create_task_group() as tg:
-                        for j in range(len(prompts)):
-                            tg.start_soon(one, j)
-                    return found
+                async with anyio.create_task_group() as tg:
+                    for j in range(len(prompts)):
+                        tg.start_soon(one, j)
+                return found
 
-            wait_for_no_workers(socket)
-            ours = anyio.run(run)
-            worst = max((a - b).abs().max().item() for a, b in zip(ours, expected, strict=True))
-            ok &= worst < EMBED_TOLERANCE
-            results.append(f"{name}: worst difference {worst:.1e} (< {EMBED_TOLERANCE:g})")
+        wait_for_no_workers(socket)
+        ours = anyio.run(run)
+        worst = max((a - b).abs().max().item() for a, b in zip(ours, expected, strict=True))
+        ok &= worst < EMBED_TOLERANCE
+        results.append(f"{name}: worst difference {worst:.1e} (< {EMBED_TOLERANCE:g})")
     return ok, "; ".join(results)
 
 
@@ -591,8 +593,11 @@ def check_lora_kernel(device: str, shapes: Shapes) -> tuple[bool | None, str]:
     )
 
 
-def model_checks(device: str, work: Path, shapes: Shapes = FULL) -> list[tuple[str, str, Check]]:
-    """The checks of this module as gpu-check runs them: (name, title, check)."""
+def model_checks(
+    device: str, work: Path, socket: Path, shapes: Shapes = FULL
+) -> list[tuple[str, str, Check]]:
+    """The checks of this module as gpu-check runs them: (name, title, check); their engines
+    start from the manager at `socket`, one after another."""
     base_path = work / "llama-8b-layers"
     shared: dict[str, Any] = {}
 
@@ -604,7 +609,7 @@ def model_checks(device: str, work: Path, shapes: Shapes = FULL) -> list[tuple[s
 
     def lora() -> tuple[bool | None, str]:
         path, model = base()
-        return check_lora(device, work, shapes, path, model)
+        return check_lora(device, work, shapes, socket, path, model)
 
     def speculation() -> tuple[bool | None, str]:
         path, model = base()
@@ -613,15 +618,15 @@ def model_checks(device: str, work: Path, shapes: Shapes = FULL) -> list[tuple[s
         shared.pop("model")
         del model
         _free(device)
-        return check_speculation(device, path, expected, prompts)
+        return check_speculation(device, socket, path, expected, prompts)
 
     return [
         (
             "architectures",
             "architectures: experts, latent attention, sinks, softcap",
-            lambda: check_architectures(device, work, shapes),
+            lambda: check_architectures(device, work, shapes, socket),
         ),
-        ("pooling", "pooling: embeddings", lambda: check_pooling(device, work, shapes)),
+        ("pooling", "pooling: embeddings", lambda: check_pooling(device, work, shapes, socket)),
         ("lora-kernel", "the Triton LoRA kernel", lambda: check_lora_kernel(device, shapes)),
         ("lora", "LoRA adapters in one batch", lora),
         ("speculation", "speculative decoding", speculation),
