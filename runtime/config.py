@@ -192,9 +192,16 @@ class EngineConfig:
                 "quantization"
             )
         if self.speculative_config is not None:
-            SpeculativeConfig.parse(self.speculative_config)
+            spec = SpeculativeConfig.parse(self.speculative_config)
             if self.runner != "generate":
                 raise ValueError("speculative_config is for runner='generate'")
+            if spec.draft_gpu_memory_fraction >= self.gpu_memory_utilization:
+                raise ValueError(
+                    f"speculative_config {DRAFT_GPU_FRACTION_KEY} "
+                    f"({spec.draft_gpu_memory_fraction:g}) must be below "
+                    f"gpu_memory_utilization ({self.gpu_memory_utilization:g}): it is the "
+                    f"draft's share of it"
+                )
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -202,6 +209,14 @@ class EngineConfig:
         if self.speculative_config is None:
             return None
         return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def target_gpu_memory_utilization(self) -> float:
+        """The share of the GPU this engine's own workers may fill: gpu_memory_utilization,
+        less a draft model's share (draft_gpu_memory_fraction), which its engine fills."""
+        spec = self.speculative
+        fraction = spec.draft_gpu_memory_fraction if spec is not None else 0.0
+        return self.gpu_memory_utilization - fraction
 
     def worker_spec(self, data_parallel_rank: int = 0) -> WorkerSpec:
         """What one replica's workers hold; engines with equal specs share warm workers."""
@@ -218,7 +233,7 @@ class EngineConfig:
             "model_impl": self.model_impl,
             "block_size": self.block_size,
             "kv_cache_memory": self.kv_cache_memory,
-            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "gpu_memory_utilization": self.target_gpu_memory_utilization,
             # The biggest step the engine sends: on CUDA its activations are set aside
             # before the KV cache takes the rest (None: 2048 tokens, the chunked default;
             # PROFILE_WHOLE_CONTEXT: the model's whole context, a step holding a prompt).
@@ -259,6 +274,11 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 NGRAM_KEYS = {"prompt_lookup_max", "prompt_lookup_min"}
 # A draft model's own options, as vLLM's speculative_config names them.
 DRAFT_KEYS = {"model", "dtype", "quantization", "max_model_len", "revision"}
+# On CUDA the target's worker sizes its KV cache first, to gpu_memory_utilization of the GPU
+# less this share, which the draft's worker then fills (its weights, KV cache, activations):
+# the two are separate engines, and the first to size would otherwise leave the other none.
+DRAFT_GPU_FRACTION_KEY = "draft_gpu_memory_fraction"
+DEFAULT_DRAFT_GPU_FRACTION = 0.1
 MAX_SPECULATIVE_TOKENS = 16  # a step verifies 1 + k tokens per request
 
 
@@ -271,6 +291,7 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: the model that drafts (its tokenizer the same)
     # draft_model: the draft engine's own options (dtype, quantization, max_model_len).
     draft_options: tuple[tuple[str, Any], ...] = ()
+    draft_gpu_memory_fraction: float = 0.0  # draft_model: the GPU's share set aside for it
 
     @classmethod
     def parse(cls, value: Mapping[str, Any]) -> SpeculativeConfig:
@@ -285,7 +306,7 @@ class SpeculativeConfig:
                 f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                 f"got {method!r}"
             )
-        own = DRAFT_KEYS if method == "draft_model" else NGRAM_KEYS
+        own = DRAFT_KEYS | {DRAFT_GPU_FRACTION_KEY} if method == "draft_model" else NGRAM_KEYS
         unknown = sorted(set(value) - {"method", "num_speculative_tokens", *own})
         if unknown:
             raise ValueError(f"speculative_config has unknown keys for {method}: {unknown}")
@@ -302,7 +323,19 @@ class SpeculativeConfig:
             options = tuple(
                 sorted((key, value[key]) for key in DRAFT_KEYS - {"model"} if key in value)
             )
-            return cls(method, k, model=model, draft_options=options)
+            fraction = value.get(DRAFT_GPU_FRACTION_KEY, DEFAULT_DRAFT_GPU_FRACTION)
+            if not _is_number(fraction) or not 0 < fraction < 1:
+                raise ValueError(
+                    f"speculative_config {DRAFT_GPU_FRACTION_KEY} must be in (0, 1), got "
+                    f"{fraction!r}"
+                )
+            return cls(
+                method,
+                k,
+                model=model,
+                draft_options=options,
+                draft_gpu_memory_fraction=float(fraction),
+            )
         # Defaults: n-grams of 1 token up to k tokens (at least the minimum given).
         low = _lookup(value, "prompt_lookup_min", 1)
         high = _lookup(value, "prompt_lookup_max", max(k, low))

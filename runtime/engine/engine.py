@@ -175,7 +175,12 @@ class Engine(PoolingRequests):
         """The draft model's engine, on the same manager, closed before this one's replicas."""
         cfg = self.config
         assert spec.model is not None
-        options: dict[str, Any] = {"dtype": cfg.dtype, "max_num_seqs": cfg.max_num_seqs}
+        # Its worker sizes after the target's, filling the share the target left it.
+        options: dict[str, Any] = {
+            "dtype": cfg.dtype,
+            "max_num_seqs": cfg.max_num_seqs,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        }
         options.update(spec.draft_options)
         draft = Engine(
             spec.model,

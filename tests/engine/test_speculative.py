@@ -209,3 +209,27 @@ async def test_a_draft_model_with_another_vocabulary_is_refused(
             speculative_config=spec,
         ):
             pass
+
+
+def test_a_draft_model_has_its_share_of_the_gpu_set_aside():
+    """On CUDA the target's workers size their KV cache first: to gpu_memory_utilization
+    less the draft's share, which the draft's worker, sizing second, then finds free (with
+    the whole utilization, the target's cache left it a negative budget)."""
+    from loomllm.config import EngineConfig
+    from loomllm.workers.runner.kv_sizing import gpu_kv_budget
+
+    draft = {"method": "draft_model", "model": "d", "num_speculative_tokens": 2}
+
+    def target_share(spec: dict | None, utilization: float = 0.9) -> float:
+        config = EngineConfig(
+            model="m", speculative_config=spec, gpu_memory_utilization=utilization
+        )
+        return config.worker_spec().options["gpu_memory_utilization"]
+
+    assert target_share(draft) == pytest.approx(0.8)
+    assert target_share({**draft, "draft_gpu_memory_fraction": 0.3}, 0.95) == pytest.approx(0.65)
+    assert target_share(NGRAM) == target_share(None) == 0.9
+    total, draft_weights, peak = 80e9, 2.5e9, 0.5e9
+    target_fills = target_share(draft) * total  # its weights, KV cache and activations
+    left = gpu_kv_budget(total, total - target_fills - draft_weights, peak, 0.9)
+    assert left == pytest.approx(0.1 * total - draft_weights - peak)

@@ -128,6 +128,16 @@ BAD_ENGINE = {
             "num_speculative_tokens": 2,
             "prompt_lookup_max": 2,
         },
+        *(
+            {
+                "method": "draft_model",
+                "model": "m",
+                "num_speculative_tokens": 2,
+                "draft_gpu_memory_fraction": fraction,
+            }
+            # 0.95: past gpu_memory_utilization (0.9), of which it is the draft's share.
+            for fraction in (0, 1, -0.1, 0.95, NAN, "0.1", None)
+        ),
     ],
 }
 
