@@ -17,7 +17,8 @@ from typing import Any
 from loomllm.benchmarks import run_manager, wait_for_no_workers
 from loomllm.benchmarks.attention_reference import TOLERANCE, mixed_errors
 from loomllm.benchmarks.gpu_bench import SHAPES, write_model_dir
-from loomllm.benchmarks.gpu_model_checks import FULL, TINY, model_checks
+from loomllm.benchmarks.gpu_model_checks import model_checks
+from loomllm.benchmarks.gpu_model_shapes import FULL, TINY
 
 PROG = "loom bench gpu-check"
 

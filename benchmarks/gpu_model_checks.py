@@ -5,350 +5,25 @@ transformers or float64. Part of `loom bench gpu-check`.
 
 from __future__ import annotations
 
-import dataclasses
-import gc
 import json
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from loomllm.benchmarks import save_word_tokenizer, wait_for_no_workers
+from loomllm.benchmarks.gpu_model_runs import (
+    compare,
+    engine_tokens,
+    free,
+    greedy_with_scores,
+    random_model,
+)
+from loomllm.benchmarks.gpu_model_shapes import FULL, Shapes
 
 Check = Callable[[], tuple[bool | None, str]]
 
-MAX_TOKENS = 24
-# A divergence from transformers' greedy token is a near-tie when the two tokens' logits
-# differ by less than this fraction of the largest logit: float32 kernels in another order.
-NEAR_TIE = 1e-4
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EMBED_TOLERANCE = 1e-4
-
-
-@dataclasses.dataclass(frozen=True)
-class Shapes:
-    """What the checks build: random models of these configs (two layers each), prompts of
-    these lengths, and the LoRA kernel's [in, out] projections."""
-
-    vocab: int
-    archs: dict[str, tuple[str, dict[str, Any]]]
-    llama: dict[str, Any]  # LoRA's and speculative decoding's base model
-    pooling: dict[str, tuple[str, dict[str, Any], str]]  # with sentence-transformers pooling
-    prompt_lengths: tuple[int, ...]
-    lora_kernel: tuple[tuple[int, int], ...]
-
-    def config(self, name: str, fields: dict[str, Any]) -> Any:
-        import transformers
-
-        common = dict(
-            vocab_size=self.vocab,
-            num_hidden_layers=2,  # a second layer's cache, DeepSeek's dense first layer
-            max_position_embeddings=4096,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-            tie_word_embeddings=False,
-        )
-        return getattr(transformers, name)(**{**common, **fields})
-
-    def prompts(self, seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-        rng = random.Random(seed)
-        return [[rng.randrange(3, self.vocab) for _ in range(n)] for n in lengths]
-
-
-# The released models' layers, with their features set so that they bind: windows shorter
-# than the longest prompt, and Gemma 2's weights wide enough for its softcaps to cap.
-FULL_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
-    "mixtral (Mixtral-8x7B's layers)": (
-        "MixtralConfig",
-        dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            sliding_window=None,
-        ),
-    ),
-    "deepseek_v2 (DeepSeek-V2-Lite's latent attention and experts)": (
-        "DeepseekV2Config",
-        dict(
-            hidden_size=2048,
-            intermediate_size=10944,
-            moe_intermediate_size=1408,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            n_routed_experts=64,
-            n_shared_experts=2,
-            num_experts_per_tok=6,
-            first_k_dense_replace=1,
-            kv_lora_rank=512,
-            q_lora_rank=None,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-        ),
-    ),
-    "gpt_oss (gpt-oss-20b's sinks, window and experts)": (
-        "GptOssConfig",
-        dict(
-            hidden_size=2880,
-            intermediate_size=2880,
-            num_attention_heads=64,
-            num_key_value_heads=8,
-            head_dim=64,
-            num_local_experts=32,
-            num_experts_per_tok=4,
-            sliding_window=128,
-            layer_types=["sliding_attention", "full_attention"],
-        ),
-    ),
-    "gemma2 (Gemma-2-9B's softcaps, window and head size 256)": (
-        "Gemma2Config",
-        dict(
-            hidden_size=3584,
-            intermediate_size=14336,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=256,
-            query_pre_attn_scalar=256,
-            attn_logit_softcapping=50.0,
-            final_logit_softcapping=30.0,
-            sliding_window=256,
-            initializer_range=0.15,
-        ),
-    ),
-}
-FULL_POOLING: dict[str, tuple[str, dict[str, Any], str]] = {
-    "decoder, last token": (
-        "Qwen3Config",
-        dict(
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-        ),
-        "lasttoken",
-    ),
-    "encoder, mean": (
-        "BertConfig",
-        dict(
-            hidden_size=768,
-            intermediate_size=3072,
-            num_attention_heads=12,
-            max_position_embeddings=512,
-            initializer_range=0.2,
-        ),
-        "mean_tokens",
-    ),
-}
-# Llama-3-8B's layers, Qwen3-Embedding-0.6B's and BERT-base's.
-FULL = Shapes(
-    vocab=32000,
-    archs=FULL_ARCHS,
-    llama=dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        rope_theta=500000.0,
-    ),
-    pooling=FULL_POOLING,
-    prompt_lengths=(7, 64, 300, 700, 1100),  # past every window
-    lora_kernel=((4096, 6144), (4096, 28672), (14336, 4096)),  # q|k|v, gate|up, down
-)
-_SMALL: dict[str, Any] = dict(
-    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
-)
-# The same features at a CPU's shapes (`--shape tiny`): the checks' own smoke test.
-TINY = Shapes(
-    vocab=256,
-    archs={
-        "mixtral": ("MixtralConfig", dict(_SMALL, num_local_experts=4, sliding_window=None)),
-        "deepseek_v2": (
-            "DeepseekV2Config",
-            dict(
-                _SMALL,
-                num_key_value_heads=4,
-                moe_intermediate_size=32,
-                n_routed_experts=8,
-                n_shared_experts=1,
-                num_experts_per_tok=2,
-                first_k_dense_replace=1,
-                kv_lora_rank=16,
-                q_lora_rank=None,
-                qk_nope_head_dim=16,
-                qk_rope_head_dim=8,
-                v_head_dim=16,
-            ),
-        ),
-        "gpt_oss": (
-            "GptOssConfig",
-            dict(
-                _SMALL,
-                head_dim=16,
-                num_local_experts=4,
-                num_experts_per_tok=2,
-                sliding_window=8,
-                layer_types=["sliding_attention", "full_attention"],
-            ),
-        ),
-        "gemma2": (
-            "Gemma2Config",
-            dict(
-                _SMALL,
-                head_dim=16,
-                query_pre_attn_scalar=16,
-                attn_logit_softcapping=2.0,
-                final_logit_softcapping=3.0,
-                sliding_window=8,
-                initializer_range=0.2,
-            ),
-        ),
-    },
-    llama=_SMALL,
-    pooling={
-        "decoder, last token": ("Qwen3Config", dict(_SMALL, head_dim=16), "lasttoken"),
-        "encoder, mean": (
-            "BertConfig",
-            dict(_SMALL, max_position_embeddings=130, initializer_range=0.2),
-            "mean_tokens",
-        ),
-    },
-    prompt_lengths=(7, 20, 40),
-    lora_kernel=((64, 96), (100, 48)),
-)
-
-
-def _random_model(
-    shapes: Shapes, config_name: str, fields: dict[str, Any], path: Path, device: str
-) -> Any:
-    """A random-weight causal LM saved in bf16 to `path` with a word-level tokenizer (built on
-    `device`, which is quick); transformers' model of it, float32, eager attention."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    config = shapes.config(config_name, fields)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    save_word_tokenizer(path, shapes.vocab)
-    del model
-    _free(device)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    )
-    return reference.to(device).eval()
-
-
-def _free(device: str) -> None:
-    import torch
-
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-
-
-def _greedy_with_scores(model: Any, prompts: list[list[int]]) -> list[tuple[list[int], Any]]:
-    """transformers' greedy tokens for each prompt, with each step's logits [steps, V]."""
-    import torch
-
-    device = next(model.parameters()).device
-    model.generation_config.eos_token_id = None
-    found = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device=device)
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=MAX_TOKENS,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            logits = torch.cat(out.logits).float().cpu()
-            found.append((out.sequences[0, len(prompt) :].tolist(), logits))
-    return found
-
-
-def _compare(ours: list[list[int]], reference: list[tuple[list[int], Any]]) -> tuple[bool, str]:
-    """Every request's tokens against transformers': identical, or diverging first at a
-    near-tie (NEAR_TIE); the words that say which."""
-    identical, ties, wrong = 0, [], []
-    for i, (tokens, (expected, logits)) in enumerate(zip(ours, reference, strict=True)):
-        if tokens == expected:
-            identical += 1
-            continue
-        at = next(
-            (j for j, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b),
-            min(len(tokens), len(expected)),
-        )
-        if at >= min(len(tokens), len(expected)):
-            wrong.append(f"request {i}: {len(tokens)} tokens, expected {len(expected)}")
-            continue
-        row = logits[at]
-        gap = (row[expected[at]] - row[tokens[at]]).item() / row.abs().max().item()
-        (ties if gap < NEAR_TIE else wrong).append(f"request {i} at token {at} (gap {gap:.1e})")
-    words = f"{identical} of {len(ours)} requests identical to transformers"
-    if ties:
-        words += f"; near-ties: {', '.join(ties)}"
-    if wrong:
-        words += f"; WRONG: {', '.join(wrong)}"
-    return not wrong, words
-
-
-def _engine_tokens(
-    model_dir: str,
-    device: str,
-    socket: Path,
-    prompts: list[list[int]],
-    loras: list[Any] | None = None,
-    **options: Any,
-) -> tuple[list[list[int]], Any, str]:
-    """Greedy tokens of an Engine for every prompt, all started together; its stats; which
-    CUDA graphs its worker captured (a forward that cannot be captured runs eager)."""
-    import anyio
-
-    from loomllm import Engine, SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    loras = loras or [None] * len(prompts)
-
-    async def run() -> tuple[list[list[int]], Any, str]:
-        async with Engine(
-            model_dir,
-            dtype="float32",
-            device=device,
-            keep_alive=0,
-            manager_socket=socket,
-            **options,
-        ) as engine:
-            tokens: list[list[int]] = [[] for _ in prompts]
-
-            async def one(i: int) -> None:
-                request = {"prompt_token_ids": prompts[i]}
-                async for out in engine.generate(request, params, lora_request=loras[i]):
-                    tokens[i] = list(out.outputs[0].token_ids)
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(one, i)
-            (graphs,) = await engine.collective_rpc(_captured_graphs)
-            return tokens, engine.stats(), graphs
-
-    wait_for_no_workers(socket)  # the last engine's worker gone, its memory freed
-    return anyio.run(run)
-
-
-def _captured_graphs(worker: Any) -> str:
-    runner = worker.runner
-    kinds = [("decode", runner.decode_graphs), ("mixed", runner.mixed_graphs)]
-    return " and ".join(f"{k} graphs" for k, g in kinds if g is not None and g.captured) or "none"
 
 
 def check_architectures(
@@ -359,13 +34,13 @@ def check_architectures(
     results, ok = [], True
     for seed, (name, (config_name, fields)) in enumerate(shapes.archs.items()):
         path = work / f"arch-{seed}"
-        reference = _random_model(shapes, config_name, fields, path, device)
+        reference = random_model(shapes, config_name, fields, path, device)
         prompts = shapes.prompts(seed, shapes.prompt_lengths)
-        expected = _greedy_with_scores(reference, prompts)
+        expected = greedy_with_scores(reference, prompts)
         del reference
-        _free(device)
-        tokens, _, graphs = _engine_tokens(str(path), device, socket, prompts)
-        passed, words = _compare(tokens, expected)
+        free(device)
+        tokens, _, graphs = engine_tokens(str(path), device, socket, prompts)
+        passed, words = compare(tokens, expected)
         ok &= passed
         results.append(f"{name}: {words}, captured: {graphs}")
     return ok, "; ".join(results)
@@ -410,7 +85,7 @@ def _merged_reference(
             saved[name] = weight.clone()
             weight += update.to(weight.device)
     try:
-        return _greedy_with_scores(model, prompts)
+        return greedy_with_scores(model, prompts)
     finally:
         with torch.no_grad():
             for name, weight in saved.items():
@@ -434,7 +109,7 @@ def check_lora(
     loras = [None] + [
         LoRARequest(f"lora-{r}", i + 1, str(work / f"lora-{r}")) for i, r in enumerate(ranks)
     ]
-    tokens, _, graphs = _engine_tokens(
+    tokens, _, graphs = engine_tokens(
         base,
         device,
         socket,
@@ -444,7 +119,7 @@ def check_lora(
         max_loras=len(ranks),
         max_lora_rank=max(ranks),
     )
-    ok, words = _compare(tokens, expected * 2)
+    ok, words = compare(tokens, expected * 2)
     differ = len({tuple(t) for t, _ in expected}) == len(expected)
     return ok and differ, (
         f"{words}; every adapter changes the tokens: {differ}; captured: {graphs}"
@@ -466,10 +141,10 @@ def check_speculation(
     }
     results, ok = [], True
     for name, spec in methods.items():
-        tokens, stats, graphs = _engine_tokens(
+        tokens, stats, graphs = engine_tokens(
             base, device, socket, prompts, speculative_config=spec
         )
-        passed, words = _compare(tokens, expected)
+        passed, words = compare(tokens, expected)
         taken = f"{stats.spec_num_accepted_tokens} of {stats.spec_num_draft_tokens} drafts"
         passed &= stats.spec_num_draft_tokens > 0
         ok &= passed
@@ -529,7 +204,7 @@ def check_pooling(device: str, work: Path, shapes: Shapes, socket: Path) -> tupl
                 vector = hidden[-1] if pooling == "lasttoken" else hidden.mean(0)
                 expected.append(torch.nn.functional.normalize(vector, dim=0).cpu())
         del model
-        _free(device)
+        free(device)
 
         async def run(path: Path = path, prompts: list[list[int]] = prompts) -> list[Any]:
             async with Engine(
@@ -604,7 +279,7 @@ def model_checks(
     def base() -> tuple[str, Any]:
         """The llama base model (Llama-3-8B's layers at full shapes), built once."""
         if "model" not in shared:
-            shared["model"] = _random_model(shapes, "LlamaConfig", shapes.llama, base_path, device)
+            shared["model"] = random_model(shapes, "LlamaConfig", shapes.llama, base_path, device)
         return str(base_path), shared["model"]
 
     def lora() -> tuple[bool | None, str]:
@@ -614,10 +289,10 @@ def model_checks(
     def speculation() -> tuple[bool | None, str]:
         path, model = base()
         prompts = shapes.prompts(11, shapes.prompt_lengths[::2])
-        expected = _greedy_with_scores(model, prompts)
+        expected = greedy_with_scores(model, prompts)
         shared.pop("model")
         del model
-        _free(device)
+        free(device)
         return check_speculation(device, socket, path, expected, prompts)
 
     return [
