@@ -61,16 +61,21 @@ def matmul_rate(device: str) -> float:
     return 2 * 8192**3 / best
 
 
-def step_floors(shape: str, batch: int, context: int, copy: float, rate: float) -> str:
-    """What bounds a decode step at `batch`: reading every weight and K/V byte at the copy
-    bandwidth, and the matmuls' FLOPs at the measured matrix rate."""
+def step_floors(
+    shape: str, batch: int, context: int, copy: float, rate: float, prompt_tokens: int = 0
+) -> str:
+    """What bounds a decode step at `batch` (and `prompt_tokens` of a prompt with it): reading
+    every weight and the decodes' K/V bytes at the copy bandwidth, and the matmuls' FLOPs at
+    the measured matrix rate (a prompt's attention left out)."""
     s = SHAPES[shape]
     head_dim = s["hidden_size"] // s["num_attention_heads"]
     weights = decode_weight_bytes(shape, "bfloat16")
     kv = batch * context * s["num_hidden_layers"] * 2 * s["num_key_value_heads"] * head_dim * 2
-    flops = weights * batch  # 2 FLOPs a bf16 weight (2 bytes) a row
+    flops = weights * (batch + prompt_tokens)  # 2 FLOPs a bf16 weight (2 bytes) a row
+    rows = f" and {prompt_tokens} prompt tokens" if prompt_tokens else ""
     return (
-        f"floors at batch {batch}, ~{context} tokens of context: weights {weights / copy * 1e3:.2f}"
+        f"floors at batch {batch}{rows}, ~{context} tokens of context: "
+        f"weights {weights / copy * 1e3:.2f}"
         f" ms, their matmuls' FLOPs {flops / rate * 1e3:.2f} ms at {rate / 1e12:.0f} TFLOP/s, "
         f"K/V {kv / copy * 1e3:.2f} ms; max(weights, FLOPs) + K/V = "
         f"{(max(weights / copy, flops / rate) + kv / copy) * 1e3:.2f} ms"
@@ -95,10 +100,12 @@ def profile_decode(
     what: str,
     prompt_len: int,
     floors: Any = None,
+    mixed_prompt: int = 0,
 ) -> None:
     """Profile `steps` decode steps of `loaded` at each batch size, after the prompts' steps
     and `warmup` decode steps; print the wall time a step, the kernels' device time a step
-    and the `top` kernels."""
+    and the `top` kernels. With `mixed_prompt`, each profiled step also computes a new
+    request's prompt of that many tokens, as a serving step that admits one does."""
     import time
 
     import torch
@@ -127,7 +134,7 @@ def profile_decode(
     for batch in batch_sizes:
         scheduler = Scheduler(
             SchedulerConfig(
-                max_num_seqs=batch,
+                max_num_seqs=batch + (steps if mixed_prompt else 0),
                 max_num_batched_tokens=MAX_STEP_TOKENS,
                 max_model_len=600,
                 block_size=16,
@@ -151,9 +158,15 @@ def profile_decode(
         for _ in range(warmup):
             step()
         sync()
+        first_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         with profile(activities=activities) as prof:
             start = time.perf_counter()
-            for _ in range(steps):
+            for k in range(steps):
+                if mixed_prompt:  # tokens unlike the decodes' prompts: no prefix shared
+                    prompt = [3 + (13 * k + 7 * j) % 500 for j in range(mixed_prompt)]
+                    scheduler.add_request(
+                        Request(f"b{batch}-m{k}", prompt, first_token, frozenset(), 600, 0.0)
+                    )
                 step()
             sync()
             wall_ms = (time.perf_counter() - start) * 1e3 / steps
@@ -163,9 +176,10 @@ def profile_decode(
                 kernels[event.name][0] += event.time_range.elapsed_us() / 1e3 / steps
                 kernels[event.name][1] += 1 / steps
         busy = sum(ms for ms, _ in kernels.values())
+        mixed = f" and a {mixed_prompt}-token prompt" if mixed_prompt else ""
         print(
-            f"\nbatch {batch}, {what}, {'graphs' if graphs else 'eager'}: {wall_ms:.2f} ms a "
-            f"step ({steps} steps, profiled)",
+            f"\nbatch {batch}{mixed}, {what}, {'graphs' if graphs else 'eager'}: {wall_ms:.2f} "
+            f"ms a step ({steps} steps, profiled)",
             end="",
         )
         if not cuda:  # no device kernels to list
@@ -176,7 +190,7 @@ def profile_decode(
         for name, (ms, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
             print(f"| {name[:90]} | {ms:.3f} | {count:.0f} | {100 * ms / busy:.1f}% |", flush=True)
         if cuda:
-            print(floors(batch, prompt_len + warmup + steps // 2))
+            print(floors(batch, prompt_len + warmup + steps // 2, prompt_tokens=mixed_prompt))
             kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
             for name, (ms, count) in kernels.items():
                 kinds[kernel_kind(name)][0] += ms
@@ -342,6 +356,13 @@ def main(argv: list[str] | None = None) -> None:
         help="which steps to profile, comma-separated: transformers (its model and ops), "
         "fused (its model, the fused kernels swapped in), graphs and eager (loomllm's model)",
     )
+    p.add_argument(
+        "--mixed-prompt",
+        type=int,
+        default=0,
+        help="then profile the steps again, each with a new prompt of this many tokens "
+        "(max 599): what a serving step that admits a request costs",
+    )
     p.add_argument("--top", type=int, default=12, help="kernels listed per batch size")
     p.add_argument("--reps", type=int, default=50, help="matmuls per timed graph")
     p.add_argument(
@@ -359,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
         p.error("--warmup must be >= 0 and --steps >= 1")
+    if not 0 <= args.mixed_prompt < 600:
+        p.error("--mixed-prompt must be in [0, 599]: the profile's context is 600 tokens")
     if unknown := sorted(set(args.runs) - set(RUNS)):
         p.error(f"--runs: {', '.join(unknown)} unknown; choose from {', '.join(RUNS)}")
     import torch
@@ -411,6 +434,13 @@ def main(argv: list[str] | None = None) -> None:
             for graphs in (True, False):
                 if ("graphs" if graphs else "eager") in args.runs:
                     profile(loaded, graphs=graphs, what="loomllm's model")
+                    if args.mixed_prompt:
+                        profile(
+                            loaded,
+                            graphs=graphs,
+                            what="loomllm's model",
+                            mixed_prompt=args.mixed_prompt,
+                        )
 
 
 if __name__ == "__main__":

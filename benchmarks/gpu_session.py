@@ -50,9 +50,9 @@ def plan(device: str, big: str, small: str, logs: Path, kernel_cache: Path) -> l
     return [
         Step(
             "check",
-            "kernels, graphs and engines against their references",
+            "kernels, graphs, engines and the models' features against their references",
             bench("gpu-check", *on, "--shape", small),
-            120,
+            300,  # 272 s on an H200, most of it building and loading the models' layers
         ),
         # Every tiling of the decode attention, alone at batch 64 and 256 over 1-2k-token
         # contexts; the fastest is what the steps after it run (LOOM_DECODE_TILING).
@@ -72,7 +72,8 @@ def plan(device: str, big: str, small: str, logs: Path, kernel_cache: Path) -> l
         ),
         Step(
             "profile",
-            "a decode step's kernels at batch 64 and 256, each matmul's bandwidth, the floors",
+            "a decode step's kernels at batch 64 and 256, alone and with a 512-token prompt; "
+            "each matmul's bandwidth; the floors",
             bench(
                 "decode-profile",
                 *on,
@@ -84,8 +85,12 @@ def plan(device: str, big: str, small: str, logs: Path, kernel_cache: Path) -> l
                 "graphs",
                 "--tilings",
                 "",
+                # A step that admits a prompt too: workload (a)'s 160 such steps take twice
+                # their FLOPs, and this says where.
+                "--mixed-prompt",
+                "512",
             ),
-            60,
+            75,
         ),
         # An empty Triton cache: the cold start compiles every kernel, as a machine's first
         # start does (the steps before would otherwise have compiled them).

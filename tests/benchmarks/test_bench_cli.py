@@ -300,6 +300,8 @@ def test_decode_profile_runs_on_the_cpu_as_a_smoke_test() -> None:
         "0",
         "--prompt-len",
         "8",
+        "--mixed-prompt",
+        "8",
         "--tilings",
         "16x256x4x4,32x128x2",
         timeout=300,
@@ -325,6 +327,11 @@ def test_decode_profile_runs_on_the_cpu_as_a_smoke_test() -> None:
         ("loomllm's model", "graphs"),
         ("loomllm's model", "eager"),
     ], done.stdout
+    # loomllm's model again, each profiled step computing a new 8-token prompt too.
+    mixed = re.findall(
+        r"^batch 1 and a 8-token prompt, (.+), (graphs|eager): [\d.]+ ms a step", done.stdout, re.M
+    )
+    assert mixed == [("loomllm's model", "graphs"), ("loomllm's model", "eager")], done.stdout
 
 
 def test_broadcast_benchmark_measures_every_step_and_rank_count() -> None:
