@@ -40,6 +40,7 @@ def random_model(
 
 
 def free(device: str) -> None:
+    """Give the device back what dropped models held, for the next to load."""
     import torch
 
     gc.collect()
@@ -141,6 +142,7 @@ def engine_tokens(
 
 
 def captured_graphs(worker: Any) -> str:
+    """Which CUDA graphs a worker's runner captured, in words (run on the worker)."""
     runner = worker.runner
     kinds = [("decode", runner.decode_graphs), ("mixed", runner.mixed_graphs)]
     return " and ".join(f"{k} graphs" for k, g in kinds if g is not None and g.captured) or "none"
