@@ -43,15 +43,19 @@ def bench(*args: str) -> list[str]:
     return [sys.executable, "-m", "loomllm.cli.main", "bench", *args]
 
 
-def plan(device: str, big: str, small: str, logs: Path, kernel_cache: Path) -> list[Step]:
-    """The session's steps in the order they run: correctness, then the issue's headline
-    figures and what explains them, then what was measured before."""
+def plan(
+    device: str, big: str, small: str, logs: Path, kernel_cache: Path, check_skip: str = ""
+) -> list[Step]:
+    """The session's steps in the order they run: correctness (gpu-check, less the checks in
+    `check_skip`), then the issue's headline figures and what explains them, then what was
+    measured before."""
     on = ["--device", device]
+    skip = ["--skip", check_skip] if check_skip else []
     return [
         Step(
             "check",
             "kernels, graphs, engines and the models' features against their references",
-            bench("gpu-check", *on, "--shape", small),
+            bench("gpu-check", *on, "--shape", small, *skip),
             300,  # 272 s on an H200, most of it building and loading the models' layers
         ),
         # Every tiling of the decode attention, alone at batch 64 and 256 over 1-2k-token
@@ -303,6 +307,11 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds for all the steps; a step is started only while its need fits",
     )
     p.add_argument("--steps", help="comma-separated names: run only these, in plan order")
+    p.add_argument(
+        "--check-skip",
+        default="",
+        help="the check step's checks to leave out, comma-separated (gpu-check's --skip)",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--big", default="llama-8b", help="the shape of the headline figures")
     p.add_argument("--small", default="qwen-0.5b", help="the shape of the checks, host-bound")
@@ -311,7 +320,14 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="loom-gpu-session-") as tmp:
         work = Path(tmp)
-        steps = plan(args.device, args.big, args.small, work / "logs", work / "triton-cache")
+        steps = plan(
+            args.device,
+            args.big,
+            args.small,
+            work / "logs",
+            work / "triton-cache",
+            args.check_skip,
+        )
         names = [s.name for s in steps]
         if args.steps:
             chosen = args.steps.split(",")

@@ -125,3 +125,14 @@ def test_the_attention_steps_fastest_tiling_runs_in_the_steps_after_it(tmp_path:
         "- decode tiling from the attention step on: 32x8x2"
     ]
     assert env == {"LOOM_DECODE_TILING": "32x8x2"}
+
+
+def test_the_check_step_leaves_out_the_checks_it_is_told_to(tmp_path: Path) -> None:
+    from loomllm.benchmarks.gpu_session import plan
+
+    def check_argv(**options: str) -> list[str]:
+        steps = plan("cuda", "llama-8b", "qwen-0.5b", tmp_path, tmp_path, **options)
+        return next(s.argv for s in steps if s.name == "check")
+
+    assert "--skip" not in check_argv()
+    assert check_argv(check_skip="kernels,lora")[-2:] == ["--skip", "kernels,lora"]
