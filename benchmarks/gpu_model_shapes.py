@@ -7,6 +7,8 @@ import dataclasses
 import random
 from typing import Any
 
+from loomllm.benchmarks.gpu_bench import SHAPES
+
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
@@ -131,13 +133,12 @@ FULL_POOLING: dict[str, tuple[str, dict[str, Any], str]] = {
 FULL = Shapes(
     vocab=32000,
     archs=FULL_ARCHS,
-    llama=dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        rope_theta=500000.0,
-    ),
+    # `loom bench gpu`'s 8B shape, less what config() sets for every model.
+    llama={
+        key: value
+        for key, value in SHAPES["llama-8b"].items()
+        if key not in ("arch", "vocab_size", "num_hidden_layers", "max_position_embeddings")
+    },
     pooling=FULL_POOLING,
     prompt_lengths=(7, 64, 300, 700, 1100),  # past every window
     lora_kernel=((4096, 6144), (4096, 28672), (14336, 4096)),  # q|k|v, gate|up, down
