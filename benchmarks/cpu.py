@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -66,9 +67,14 @@ def accuracy_prompts() -> list[list[int]]:
 
 
 def llama_cpp_greedy(
-    args: argparse.Namespace, prompts: list[list[int]], tokens: int, workdir: Path
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    tokens: int,
+    workdir: Path,
+    extra: Sequence[str] = (),
 ) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """llama-server's greedy tokens for each prompt, and its top logprobs at each step."""
+    """llama-server's greedy tokens for each prompt, and its top logprobs at each step; `extra`
+    adds flags to its command."""
     from loomllm.workers.models.sources import resolve_model
 
     gguf = Path(resolve_model("smollm2").path)
@@ -76,7 +82,7 @@ def llama_cpp_greedy(
     options = argparse.Namespace(
         llama_server=args.llama_server, prompt_tokens=max(map(len, prompts)), output_tokens=tokens
     )
-    proc, url, log = serving.serve_llama_cpp(options, gguf, 1, workdir)
+    proc, url, log = serving.serve_llama_cpp(options, gguf, 1, workdir, extra)
     results = []
     try:
         serving.wait_healthy(url, proc, log)
@@ -230,6 +236,12 @@ def main(argv: list[str] | None = None) -> None:
         accuracy = accuracy_prompts()[: args.accuracy_prompts]
         try:
             reference = llama_cpp_greedy(args, accuracy, args.accuracy_tokens, workdir)
+            # llama.cpp against itself: its decode attention without flash attention (on by
+            # default on the CPU) sums in another order and precision. How often that alone
+            # changes its greedy text is the floor any other engine can be held to.
+            flash_off = llama_cpp_greedy(
+                args, accuracy, args.accuracy_tokens, workdir, ("-fa", "off")
+            )
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         quantized = loomllm_greedy(accuracy, args.accuracy_tokens)
@@ -250,6 +262,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  - {note}")
         same_paths = sum(a == b for a, b in zip(quantized, dequantized, strict=True))
         print(f"- loomllm as stored against dequantized: {same_paths} of {n} identical")
+        same, notes = agreement([tokens for tokens, _ in flash_off], reference)
+        print(f"- llama-server itself with flash attention off: {same} of {n} identical")
+        for note in notes:
+            print(f"  - {note}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,7 +183,7 @@ def serve_loom(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Pope
 
 
 def serve_llama_cpp(
-    args: argparse.Namespace, gguf: Path, slots: int, workdir: Path
+    args: argparse.Namespace, gguf: Path, slots: int, workdir: Path, extra: Sequence[str] = ()
 ) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     log = workdir / "llama-server.log"
@@ -203,6 +204,7 @@ def serve_llama_cpp(
         str(port),
         "--alias",
         "smollm2",
+        *extra,
     ]
     with log.open("w") as out:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

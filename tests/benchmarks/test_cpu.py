@@ -3,11 +3,12 @@ clear refusal without the peers."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 
-from loomllm.benchmarks import cpu
+from loomllm.benchmarks import cpu, serving
 
 
 def test_llama_bench_rows_are_read(tmp_path):
@@ -43,3 +44,17 @@ def test_without_its_peers_it_says_how_to_get_them():
         timeout=120,
     )
     assert done.returncode != 0 and "make bench-peers" in done.stderr
+
+
+def test_llama_server_gets_the_extra_flags_after_its_own(tmp_path):
+    # The self-agreement run turns flash attention off this way; a flag given last wins.
+    fake = tmp_path / "llama-server"
+    fake.write_text('#!/bin/sh\necho "$@"\n')
+    fake.chmod(0o755)
+    options = argparse.Namespace(llama_server=fake, prompt_tokens=8, output_tokens=8)
+    proc, _, log = serving.serve_llama_cpp(
+        options, tmp_path / "m.gguf", 1, tmp_path, ("-fa", "off")
+    )
+    assert proc.wait(timeout=30) == 0
+    words = log.read_text().split()
+    assert words[:2] == ["-m", str(tmp_path / "m.gguf")] and words[-2:] == ["-fa", "off"]
