@@ -6,6 +6,7 @@ It dies with the manager: EOF on its lifeline ends it, and PR_SET_PDEATHSIG is t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import hmac
@@ -303,8 +304,10 @@ class DataServer:
 
     def _launch(self, msg: ExecuteStep) -> _Launched | CallFailed:
         start = time.perf_counter()
+        governor = self.worker.cpu_threads
         try:
-            step = self.worker.runner.launch(msg.scheduler_output, msg.call_id)
+            with governor.step() if governor is not None else contextlib.nullcontext():
+                step = self.worker.runner.launch(msg.scheduler_output, msg.call_id)
         except Exception as exc:
             return self._failed(msg.call_id, msg.scheduler_output.step_id, exc)
         return _Launched(msg, step, time.perf_counter() - start)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loomllm.protocols.messages import ModelInfo
+from loomllm.workers.device.cpu_threads import CpuThreadGovernor, adaptive_threads_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class Worker:
     # the attached engine goes away, so the next engine starts clean.
     session: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None  # the engines' `seed`: each one's draws start from it
+    # A CPU worker's OpenMP team, sized step by step to the cores it gets (None elsewhere).
+    cpu_threads: CpuThreadGovernor | None = None
 
     @classmethod
     def start(
@@ -131,6 +134,9 @@ class Worker:
         worker = cls(
             rank, world_size, device, loaded, runner, info, time.time(), seed=options.get("seed")
         )
+        if device == "cpu" and adaptive_threads_enabled():
+            # After the load: its kernel choices were measured with the whole team.
+            worker.cpu_threads = CpuThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
         worker.reseed()
         return worker
 

@@ -5,6 +5,8 @@ the layer-by-layer path, with dense, int4, int8 and a8 linears."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from support.counting_ops import CountingOps
@@ -25,6 +27,7 @@ from loomllm.workers.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.compute
 LAYERS = COMMON["num_hidden_layers"]
+QUANTIZED = [("int4", "int4"), ("int8", "int8"), ("int4", "a8")]
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +70,7 @@ def test_bfloat16_logits_are_transformers_bit_for_bit(variant, tmp_path):
     assert torch.equal(got, expected)
 
 
-def decode_tokens(model, config, dtype) -> dict[str, list[tuple]]:
+def decode_tokens(model, config, dtype, on_schedule=None) -> dict[str, list[tuple]]:
     """Five requests of different lengths through a real scheduler and ModelRunner: each
     one's (tokens, logprobs) per step, over steps of 1 to 5 decode rows."""
     runner = ModelRunner(
@@ -78,7 +81,7 @@ def decode_tokens(model, config, dtype) -> dict[str, list[tuple]]:
         params = SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True)
         prompt = PROMPT[: 4 + 3 * i]
         scheduler.add_request(Request(f"r{i}", prompt, params, frozenset(), 128, 0.0))
-    outputs = drive(scheduler, runner, ahead=False)
+    outputs = drive(scheduler, runner, ahead=False, on_schedule=on_schedule)
     return {r: [(o.new_token_ids, o.new_logprobs) for o in outs] for r, outs in outputs.items()}
 
 
@@ -115,6 +118,41 @@ def test_the_one_call_stack_is_the_layer_by_layer_path(arch, quantization, kerne
     loaded.model.cpu_stack = None
     assert decode_tokens(loaded.model, loaded.config, dtype) == stacked
     assert all(len(steps) > 5 for steps in stacked.values())
+
+
+@pytest.mark.parametrize(
+    "quantization, kernel, dtype",
+    [
+        *[(q, k, d) for q, k in QUANTIZED for d in (torch.float32, torch.bfloat16)],
+        ("none", "auto", torch.bfloat16),
+    ],
+)
+def test_a_thread_count_changed_between_steps_changes_no_token(
+    quantization, kernel, dtype, tmp_path
+):
+    """What the CPU thread governor relies on (device/cpu_threads.py): with the quantized
+    kernels or bfloat16 matmuls, the prompt steps, the one-call stack, attention and
+    sampling give the same tokens and logprobs at 1, 2 or 3 threads, switched from step to
+    step. (float32 matmuls do not: torch's round differently at another thread count.)"""
+    model_dir = make_tiny_model(tmp_path / "model", seed=5)
+    name = str(dtype).removeprefix("torch.")
+    loaded = load_model(model_dir, dtype=name, quantization=quantization, cpu_linear_kernel=kernel)
+    assert install_cpu_kernels(loaded.model, dtype)
+    threads = torch.get_num_threads()
+    steps = itertools.count()
+    try:
+        torch.set_num_threads(2)
+        fixed = decode_tokens(loaded.model, loaded.config, dtype)
+        switched = decode_tokens(
+            loaded.model,
+            loaded.config,
+            dtype,
+            on_schedule=lambda _: torch.set_num_threads(1 + next(steps) % 3),
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert next(steps) > 10
+    assert switched == fixed
 
 
 def test_sixteen_bit_weights_under_float32_run_layer_by_layer(tmp_path):
