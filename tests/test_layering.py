@@ -104,8 +104,10 @@ ALLOWED: dict[str, set[str]] = {
         "loomllm.workers.kernels",
         "loomllm.workers.sample",
     },
+    # The worker sizes a CPU worker's threads to the cores it gets (device/cpu_threads.py).
     "loomllm.workers.worker": {
         "loomllm.protocols",
+        "loomllm.workers.device",
         "loomllm.workers.models",
         "loomllm.workers.runner",
         "loomllm.workers.sample",
