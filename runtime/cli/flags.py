@@ -155,6 +155,7 @@ BENCHMARKS = {
     "spec": "loomllm.benchmarks.spec_decode",
     "eager-step": "loomllm.benchmarks.eager_step",
     "cpu-step": "loomllm.benchmarks.cpu_step",
+    "cpu-contention": "loomllm.benchmarks.cpu_contention",
     "broadcast": "loomllm.benchmarks.step_broadcast",
     "compile": "loomllm.benchmarks.kernel_compile",
     "emulated": "loomllm.benchmarks.emulated_device",

@@ -389,6 +389,22 @@ def test_cpu_step_benchmark_prints_each_way_beside_the_linears() -> None:
         main(["--steps", "0"])
 
 
+def test_cpu_contention_benchmark_prints_both_modes_and_their_ratio(tiny_model) -> None:
+    done = loom(
+        "bench", "cpu-contention", "--model", tiny_model, "--dtype", "float32", "--tokens", "6",
+        "--prompt-tokens", "8", "--rounds", "1", timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    for mode in ("on", "off"):
+        row = rf"^\| {mode} \| [\d.]+ \| [\d.]+ \([\d.]+\) \| x\d+\.\d\d \|$"
+        assert re.search(row, done.stdout, re.M), done.stdout
+    assert re.search(r"^side by side, off / on: x\d+\.\d\d$", done.stdout, re.M), done.stdout
+    with pytest.raises(SystemExit):
+        from loomllm.benchmarks.cpu_contention import main
+
+        main(["--engines", "1"])
+
+
 def test_decode_profile_sorts_kernels_by_kind_and_refuses_unknown_runs() -> None:
     from loomllm.benchmarks.decode_profile import kernel_kind
 
