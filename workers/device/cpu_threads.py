@@ -20,10 +20,10 @@ logger = logging.getLogger(__name__)
 # spell between requests reads as calm and spare: at worst it delays a shrink by a window, or
 # tries one more thread, which the next window takes back if the cores are still taken.
 WINDOW_NS = 100_000_000
-# The team shrinks when its threads spend, on average, this many threads' worth of the
-# window runnable but not running. Alone on its cores a worker measures ~0.1 (its engine's
-# process and the system); beside a second busy worker, ~1.
-SHRINK_WAITING = 0.5
+# Other work holds the cores when a process's threads spend, on average, this many threads'
+# worth of the time runnable but not running: the team then shrinks. Alone on its cores a
+# worker measures ~0.1 (its engine's process and the system); beside a second busy worker, ~1.
+CONTENDED_WAITING = 0.5
 # It grows back at once when a core beyond its team sat this idle over a window, or else
 # tries one more thread after PROBE_NS, doubled after each try that had to shrink again.
 GROW_IDLE = 0.75
@@ -113,7 +113,7 @@ class CpuThreadGovernor:
         if elapsed < WINDOW_NS:
             return
         waiting = (self._read_waiting() - waited) / elapsed
-        if self.threads > 1 and waiting >= SHRINK_WAITING:
+        if self.threads > 1 and waiting >= CONTENDED_WAITING:
             if self._probing:  # the core it tried for is still taken: try later
                 self._probe_ns = min(2 * self._probe_ns, MAX_PROBE_NS)
             self._change(max(1, self.threads - max(1, round(waiting))), now, probing=False)

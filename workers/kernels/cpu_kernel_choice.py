@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from loomllm.workers.device.cpu_features import cpu_identity
+from loomllm.workers.device.cpu_threads import CONTENDED_WAITING, waiting_ns
 from loomllm.workers.kernels import cpu_native
 from loomllm.workers.kernels.cpu_linear import (
     BlockLinear,
@@ -42,7 +43,7 @@ BATCH_SIZES = (1, 8, 32, 128)
 _MEASURE_S = 0.03  # each candidate's timing, over all rounds
 _ROUNDS = 5
 _PRUNE_RATIO = 4.0
-_CACHE_FORMAT = 4  # bumped whenever the measurement changes
+_CACHE_FORMAT = 5  # bumped whenever the measurement changes
 
 Shape = tuple[int, int]  # (in_features, out_features)
 Choice = tuple[str, ...]  # the kind for each of BATCH_SIZES
@@ -189,6 +190,8 @@ def _choose(
     """(the choices, the cache with any new measurements, whether anything was measured)."""
     choices: dict[Shape, Choice] = {}
     measured = False
+    contended: list[str] = []  # the shapes measured while other work held the cores
+    waiting = 0.0
     started = time.perf_counter()
     for shape, kinds in shapes.items():
         if len(kinds) == 1:
@@ -197,12 +200,28 @@ def _choose(
         key = f"{shape[0]}x{shape[1]}:{','.join(sorted(kinds))}"
         found = cached.get(key)
         if found is None or len(found) != len(BATCH_SIZES) or not set(found) <= kinds:
+            waited, began = waiting_ns(), time.monotonic_ns()
             found = list(measure(shape, sorted(kinds), dtype))
-            cached[key] = found
-            measured = True
+            waiting = (waiting_ns() - waited) / max(time.monotonic_ns() - began, 1)
+            if waiting < CONTENDED_WAITING:
+                cached[key] = found
+                measured = True
+            else:
+                # Other work held the cores throughout: the kernel hit hardest by waiting
+                # threads lost, not the slowest. This worker runs what it measured; the
+                # next start measures again.
+                contended.append(f"{shape[0]}x{shape[1]}")
         choices[shape] = tuple(found)
-    if measured:
+    if measured or contended:
         logger.info("CPU linear kernels measured in %.1f s", time.perf_counter() - started)
+    if contended:
+        logger.warning(
+            "CPU linear kernels for %s measured while other work held the cores (%.1f "
+            "threads' worth waited for one at the last): not cached, measured again at the "
+            "next start",
+            ", ".join(contended),
+            waiting,
+        )
     return choices, cached, measured
 
 
