@@ -44,6 +44,8 @@ _MEASURE_S = 0.03  # each candidate's timing, over all rounds
 _ROUNDS = 5
 _PRUNE_RATIO = 4.0
 _CACHE_FORMAT = 5  # bumped whenever the measurement changes
+_TRIES = 4  # timings of a shape while other work holds the cores, a pause apart
+_RETRY_PAUSE_S = 1.0
 
 Shape = tuple[int, int]  # (in_features, out_features)
 Choice = tuple[str, ...]  # the kind for each of BATCH_SIZES
@@ -123,6 +125,24 @@ def measure(shape: Shape, kinds: Iterable[str], dtype: torch.dtype) -> Choice:
     return _pick(timings)
 
 
+def _measure_uncontended(
+    shape: Shape, kinds: frozenset[str], dtype: torch.dtype
+) -> tuple[list[str], float]:
+    """`measure`, tried again while other work holds the cores (a worker's own engine loads
+    its tokenizer as the worker starts): (the choice, the threads' worth that waited for a
+    core during its timing, on average). Threads kept waiting slow the kernel with the most
+    barriers most, so a contended timing picks the wrong kernel."""
+    for attempt in range(_TRIES):
+        if attempt:
+            time.sleep(_RETRY_PAUSE_S)
+        waited, began = waiting_ns(), time.monotonic_ns()
+        found = list(measure(shape, sorted(kinds), dtype))
+        waiting = (waiting_ns() - waited) / max(time.monotonic_ns() - began, 1)
+        if waiting < CONTENDED_WAITING:
+            break
+    return found, waiting
+
+
 def _pick(timings: list[dict[str, float]]) -> Choice:
     """The kind for each batch size from its timings (`measure`'s rule)."""
     weight_only = tuple(
@@ -191,7 +211,7 @@ def _choose(
     choices: dict[Shape, Choice] = {}
     measured = False
     contended: list[str] = []  # the shapes measured while other work held the cores
-    waiting = 0.0
+    worst = 0.0  # the most threads' worth that waited for a core in one of their timings
     started = time.perf_counter()
     for shape, kinds in shapes.items():
         if len(kinds) == 1:
@@ -200,27 +220,25 @@ def _choose(
         key = f"{shape[0]}x{shape[1]}:{','.join(sorted(kinds))}"
         found = cached.get(key)
         if found is None or len(found) != len(BATCH_SIZES) or not set(found) <= kinds:
-            waited, began = waiting_ns(), time.monotonic_ns()
-            found = list(measure(shape, sorted(kinds), dtype))
-            waiting = (waiting_ns() - waited) / max(time.monotonic_ns() - began, 1)
+            found, waiting = _measure_uncontended(shape, kinds, dtype)
             if waiting < CONTENDED_WAITING:
                 cached[key] = found
                 measured = True
             else:
-                # Other work held the cores throughout: the kernel hit hardest by waiting
-                # threads lost, not the slowest. This worker runs what it measured; the
-                # next start measures again.
+                # This worker runs what it measured; the next start measures again.
                 contended.append(f"{shape[0]}x{shape[1]}")
+                worst = max(worst, waiting)
         choices[shape] = tuple(found)
     if measured or contended:
         logger.info("CPU linear kernels measured in %.1f s", time.perf_counter() - started)
     if contended:
         logger.warning(
-            "CPU linear kernels for %s measured while other work held the cores (%.1f "
-            "threads' worth waited for one at the last): not cached, measured again at the "
+            "CPU linear kernels for %s measured while other work held the cores (up to %.1f "
+            "threads' worth waited for one, %d tries each): not cached, measured again at the "
             "next start",
             ", ".join(contended),
-            waiting,
+            worst,
+            _TRIES,
         )
     return choices, cached, measured
 

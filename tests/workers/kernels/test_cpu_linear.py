@@ -93,27 +93,52 @@ def test_choices_are_measured_once_per_machine_then_read_from_the_cache(tmp_path
         cpu_kernel_choice.choose({(64, 32): frozenset({"dense", "int8"})}, torch.float32, tmp_path)
 
 
-def test_a_measurement_while_other_work_held_the_cores_is_used_but_not_cached(
+def contended_for(tries: int):
+    """A fake waiting_ns: each timing of the first `tries` sees 1000 s of waiting, the rest
+    none (it is read before and after each)."""
+    readings = iter([0, 10**12] * tries)
+    return lambda: next(readings, 0)
+
+
+def counting_measure(monkeypatch) -> list[tuple]:
+    measured: list[tuple] = []
+    real = cpu_kernel_choice.measure
+    monkeypatch.setattr(
+        cpu_kernel_choice, "measure", lambda *args: measured.append(args) or real(*args)
+    )
+    return measured
+
+
+def test_a_measurement_while_other_work_holds_the_cores_is_used_but_not_cached(
     tmp_path, monkeypatch, caplog
 ):
     """Threads kept waiting for a core slow the kernel with the most barriers most, so such a
     measurement would stick a wrong choice to the machine for good."""
     shapes = {(64, 32): frozenset({"dense", "int8", "int4"})}
-    waited = iter(range(0, 10**15, 10**12))  # 1000 s of waiting between two readings
-    monkeypatch.setattr(cpu_kernel_choice, "waiting_ns", lambda: next(waited))
+    monkeypatch.setattr(cpu_kernel_choice, "_RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(cpu_kernel_choice, "waiting_ns", contended_for(cpu_kernel_choice._TRIES))
+    measured = counting_measure(monkeypatch)
     with caplog.at_level("WARNING", logger=cpu_kernel_choice.__name__):
         choice = cpu_kernel_choice.choose(shapes, torch.float32, tmp_path)
     assert set(choice[(64, 32)]) <= shapes[(64, 32)]
+    assert len(measured) == cpu_kernel_choice._TRIES
     assert not list(tmp_path.glob("*.json"))
     assert "64x32 measured while other work held the cores" in caplog.text
-    measured = []
+    # The next start measures again, and keeps a timing the cores were free for.
     monkeypatch.setattr(cpu_kernel_choice, "waiting_ns", lambda: 0)
-    real = cpu_kernel_choice.measure
-    monkeypatch.setattr(
-        cpu_kernel_choice, "measure", lambda *args: measured.append(args) or real(*args)
-    )
     cpu_kernel_choice.choose(shapes, torch.float32, tmp_path)
-    assert len(measured) == 1, "the next start did not measure again"
+    assert len(measured) == cpu_kernel_choice._TRIES + 1
+    (cache,) = tmp_path.glob("*.json")
+    assert list(json.loads(cache.read_text())) == ["64x32:dense,int4,int8"]
+
+
+def test_a_measurement_tries_again_once_the_cores_come_free(tmp_path, monkeypatch):
+    shapes = {(64, 32): frozenset({"dense", "int8", "int4"})}
+    monkeypatch.setattr(cpu_kernel_choice, "_RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(cpu_kernel_choice, "waiting_ns", contended_for(1))
+    measured = counting_measure(monkeypatch)
+    cpu_kernel_choice.choose(shapes, torch.float32, tmp_path)
+    assert len(measured) == 2
     (cache,) = tmp_path.glob("*.json")
     assert list(json.loads(cache.read_text())) == ["64x32:dense,int4,int8"]
 
