@@ -34,9 +34,13 @@ ENV = "LOOM_CPU_ADAPTIVE_THREADS"
 
 def waiting_ns() -> int:
     """Nanoseconds this process's threads have spent runnable but not running (the second
-    field of each thread's /proc schedstat)."""
+    field of each thread's /proc schedstat); 0 without /proc (not Linux)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
     total = 0
-    for tid in os.listdir("/proc/self/task"):
+    for tid in tids:
         try:
             with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
                 total += int(f.read().split()[1])
@@ -58,7 +62,10 @@ def idle_ticks() -> int:
 
 
 def adaptive_threads_enabled() -> bool:
-    """False where the environment turns the governor off (`LOOM_CPU_ADAPTIVE_THREADS=0`)."""
+    """False where the environment turns the governor off (`LOOM_CPU_ADAPTIVE_THREADS=0`), or
+    where there is no /proc to read it from."""
+    if not os.path.isdir("/proc/self/task") or not hasattr(os, "sched_getaffinity"):
+        return False
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 

@@ -164,6 +164,23 @@ def test_the_environment_turns_it_off(value, enabled, monkeypatch):
     assert adaptive_threads_enabled() is enabled
 
 
+def test_without_proc_it_stays_off_and_reads_no_waiting(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    real_isdir, real_listdir = os.path.isdir, os.listdir
+
+    def no_proc(path):
+        if str(path).startswith("/proc"):
+            raise FileNotFoundError(path)
+        return real_listdir(path)
+
+    monkeypatch.setattr(
+        os.path, "isdir", lambda p: not str(p).startswith("/proc") and real_isdir(p)
+    )
+    monkeypatch.setattr(os, "listdir", no_proc)
+    assert adaptive_threads_enabled() is False
+    assert cpu_threads.waiting_ns() == 0
+
+
 def test_the_real_readings_move_with_the_machine():
     """A team of three threads on one core keeps two of them runnable and waiting, so the
     process's waiting time grows; idle ticks never go back."""
