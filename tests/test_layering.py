@@ -114,8 +114,10 @@ ALLOWED: dict[str, set[str]] = {
     },
     # The manager places the worker's Ray actor class (which imports no torch) on a cluster,
     # and downloads models from the Hub where its workers load them (models/hub.py).
+    # It sets OpenMP's spin count for its workers (device/cpu_threads.py).
     "loomllm.workers.manager": {
         "loomllm.protocols",
+        "loomllm.workers.device",
         "loomllm.workers.models",
         "loomllm.workers.worker",
     },

@@ -13,6 +13,7 @@ import pytest
 from support.managers import new_manager_handle
 
 from loomllm import Engine, SamplingParams
+from loomllm.workers.device.cpu_threads import GOMP_SPIN_COUNT
 
 # Busy processes on every core: `make test` runs these tests one at a time.
 pytestmark = pytest.mark.serial
@@ -91,5 +92,9 @@ async def test_turned_off_the_worker_keeps_torch_s_threads(tiny_model):
             assert await team(engine) is None
             threads = await engine.collective_rpc(lambda w: __import__("torch").get_num_threads())
             assert threads == [CORES]
+            # The daemon gave its workers a short OpenMP spin, unless the tests' own
+            # environment named one.
+            spin = await engine.collective_rpc(lambda w: os.environ.get("GOMP_SPINCOUNT"))
+            assert spin == [os.environ.get("GOMP_SPINCOUNT", GOMP_SPIN_COUNT)]
     finally:
         handle.stop_and_check_clean()

@@ -30,6 +30,11 @@ GROW_IDLE = 0.75
 PROBE_NS = 2_000_000_000
 MAX_PROBE_NS = 32_000_000_000
 ENV = "LOOM_CPU_ADAPTIVE_THREADS"
+# How many rounds libgomp's threads spin for the next parallel region before they sleep. Its
+# default, 300,000, lasts milliseconds: a worker's helper threads spun through the gap between
+# its steps, on the core its engine's process needed then. This many last a fraction of a
+# millisecond: through the gaps inside a step, not the gap between steps.
+GOMP_SPIN_COUNT = "10000"
 
 
 def waiting_ns() -> int:
@@ -59,6 +64,13 @@ def idle_ticks() -> int:
             if fields and fields[0].decode() in mine:
                 total += int(fields[4]) + int(fields[5])
     return total
+
+
+def default_openmp_spin() -> None:
+    """Give the processes started from here (workers, before they import torch, which reads
+    it) GOMP_SPIN_COUNT, unless the environment sets GOMP_SPINCOUNT or OpenMP's wait policy."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPIN_COUNT)
 
 
 def adaptive_threads_enabled() -> bool:

@@ -135,7 +135,10 @@ def _seconds_or_minus_one(text: str) -> float:
 
 
 def _cmd_serve(args: argparse.Namespace, socket_path: Path) -> int:
+    from loomllm.workers.device.cpu_threads import default_openmp_spin
     from loomllm.workers.manager.daemon import ManagerServer
+
+    default_openmp_spin()  # the zygote and every worker inherit it
 
     logging.basicConfig(
         level=args.log_level.upper(),

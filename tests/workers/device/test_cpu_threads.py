@@ -164,6 +164,23 @@ def test_the_environment_turns_it_off(value, enabled, monkeypatch):
     assert adaptive_threads_enabled() is enabled
 
 
+@pytest.mark.parametrize(
+    "env, spin",
+    [
+        ({}, cpu_threads.GOMP_SPIN_COUNT),
+        ({"GOMP_SPINCOUNT": "5"}, "5"),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, None),
+    ],
+)
+def test_openmp_spins_briefly_unless_the_environment_says_otherwise(env, spin, monkeypatch):
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cpu_threads.default_openmp_spin()
+    assert os.environ.get("GOMP_SPINCOUNT") == spin
+
+
 def test_without_proc_it_stays_off_and_reads_no_waiting(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     real_isdir, real_listdir = os.path.isdir, os.listdir
