@@ -131,7 +131,8 @@ class CpuThreadGovernor:
         elapsed = now - began
         if elapsed < WINDOW_NS:
             return
-        waiting = (self._read_waiting() - waited) / elapsed
+        waited_now, idle_now = self._read_waiting(), self._read_idle()  # once a window
+        waiting = (waited_now - waited) / elapsed
         if self.threads > 1 and waiting >= CONTENDED_WAITING:
             if self._probing:  # the core it tried for is still taken: try later
                 self._probe_ns = min(2 * self._probe_ns, MAX_PROBE_NS)
@@ -141,12 +142,12 @@ class CpuThreadGovernor:
                 self._probing = False
                 self._probe_ns = PROBE_NS
             if self.threads < self.max_threads:
-                spare = (self._read_idle() - idle) / self._ticks_per_s / (elapsed / 1e9)
+                spare = (idle_now - idle) / self._ticks_per_s / (elapsed / 1e9)
                 if spare >= GROW_IDLE:
                     self._change(self.threads + 1, now, probing=False)
                 elif now - self._changed_at >= self._probe_ns:
                     self._change(self.threads + 1, now, probing=True)
-        self._window = (now, self._read_waiting(), self._read_idle())
+        self._window = (now, waited_now, idle_now)
 
     def _change(self, threads: int, now: int, *, probing: bool) -> None:
         level = logging.DEBUG if self._told else logging.INFO
