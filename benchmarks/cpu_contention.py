@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-from loomllm.benchmarks import run_manager
+from loomllm.benchmarks import offline_throughput, run_manager
 
 PROG = "loom bench cpu-contention"
 ENV = "LOOM_CPU_ADAPTIVE_THREADS"
@@ -23,17 +22,7 @@ MODES = {"on": "1", "off": "0"}
 
 async def stream_ms(engine, prompt: list[int], tokens: int) -> float:
     """Milliseconds a token of one greedy stream, from its first token to its last."""
-    from loomllm import RequestOutputKind, SamplingParams
-
-    params = SamplingParams(
-        max_tokens=tokens, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA
-    )
-    first = None
-    async with engine.generate({"prompt_token_ids": prompt}, params) as stream:
-        async for _ in stream:
-            first = first or time.perf_counter()
-    assert first is not None
-    return (time.perf_counter() - first) / (tokens - 1) * 1e3
+    return (await offline_throughput.stream_timing(engine, prompt, tokens))[1] * 1e3
 
 
 async def measure(socket: Path, args: argparse.Namespace) -> tuple[float, list[float]]:

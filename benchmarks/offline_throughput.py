@@ -123,6 +123,24 @@ def run_hf_generate_batch(model, prompts: list[list[int]], output_len: int) -> t
     return elapsed, sum(len(o.generated_tokens) for o in out.values())
 
 
+async def stream_timing(engine, prompt: list[int], output_len: int) -> tuple[float, float]:
+    """(time to first token, decode seconds per token after it) of one greedy request of
+    `output_len` tokens on `engine`."""
+    from loomllm import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=output_len, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA
+    )
+    start = time.perf_counter()
+    first = None
+    async with engine.generate({"prompt_token_ids": prompt}, params) as stream:
+        async for _ in stream:
+            first = first or time.perf_counter()
+    end = time.perf_counter()
+    assert first is not None
+    return first - start, (end - first) / (output_len - 1)
+
+
 def single_stream_loomllm(
     prompt: list[int],
     output_len: int,
@@ -135,29 +153,18 @@ def single_stream_loomllm(
     over `repeats` requests in a row (llama-bench's tg averages 5 runs)."""
     import anyio
 
-    from loomllm import Engine, RequestOutputKind, SamplingParams
-
-    params = SamplingParams(
-        max_tokens=output_len, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA
-    )
+    from loomllm import Engine
 
     async def run() -> tuple[float, float]:
         firsts, per_tokens = [], []
         async with Engine(
             "smollm2", dtype=dtype, weight_dtype=weight_dtype, model_impl=model_impl
         ) as engine:
-            async with engine.generate({"prompt_token_ids": prompt[:8]}, params) as s:
-                async for _ in s:  # warm-up
-                    pass
+            await stream_timing(engine, prompt[:8], output_len)  # warm-up
             for _ in range(repeats):
-                start = time.perf_counter()
-                first = None
-                async with engine.generate({"prompt_token_ids": prompt}, params) as s:
-                    async for _ in s:
-                        first = first or time.perf_counter()
-                end = time.perf_counter()
-                firsts.append(first - start)
-                per_tokens.append((end - first) / (output_len - 1))
+                first, per_token = await stream_timing(engine, prompt, output_len)
+                firsts.append(first)
+                per_tokens.append(per_token)
         return statistics.mean(firsts), statistics.mean(per_tokens)
 
     return anyio.run(run)
