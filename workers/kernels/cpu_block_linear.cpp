@@ -8,7 +8,11 @@
 // vector lane. packed [N / 16, K / 32, bytes]: a column block's group of 32 inputs is 8
 // quads of 4 inputs, each 64 bytes with lane l's 4 codes at 4 * l; 4-bit codes put quads 2p
 // and 2p + 1 in one 64 bytes, as the low and high nibbles. scales [N / 16, K / 32, 2, 16]:
-// each lane's a and b, for w = code * a + b.
+// each lane's a and b, for w = code * a + b; or [N / 16, K / 32, 1, 16], a alone, where
+// b = -2^(bits - 1) * a (Q4_0, Q8_0), whose dot products then take away the offset in
+// integers, as llama.cpp's. Scales are float32, or float16 where they hold exactly (GGUF's
+// are float16): at one row the weights stream from memory, and fewer bytes a weight is
+// faster.
 
 #include <immintrin.h>
 
@@ -35,19 +39,31 @@ typedef int8_t v16c8 __attribute__((vector_size(16)));
 
 inline v16 abs16(v16 x) { return x < 0.0f ? -x : x; }
 
-// x's rows as int8 blocks: the codes q, each block's scale d (x ~ q * d) and d * sum(q),
-// which the weights' offsets b multiply.
+// x's rows as int8 blocks: the codes q, each block's scale d (x ~ q * d), sum(q), and
+// d * sum(q), which the weights' offsets b multiply.
 struct QuantizedRows {
-  std::vector<int8_t> codes;  // [M, K]
-  std::vector<float> scale;   // [M, K / BLOCK]
-  std::vector<float> sum;     // [M, K / BLOCK]
+  std::vector<int8_t> codes;      // [M, K]
+  std::vector<float> scale;       // [M, K / BLOCK]
+  std::vector<int32_t> code_sum;  // [M, K / BLOCK]
+  std::vector<float> sum;         // [M, K / BLOCK]
+};
+
+// How a weight's scales are held: in float32 or float16 (S), with each block's offset b, or
+// without it (symmetric: b = -OFFSET * a).
+template <int BITS_, typename S_, bool SYMMETRIC_>
+struct Format {
+  static constexpr int BITS = BITS_;
+  using S = S_;
+  static constexpr bool SYMMETRIC = SYMMETRIC_;
+  static constexpr int64_t PARTS = SYMMETRIC ? 1 : 2;  // scales a block: a, or a and b
+  static constexpr int32_t OFFSET = 1 << (BITS - 1);
 };
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
   const int64_t blocks = rows * (k / BLOCK);
   QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<float>(blocks),
-                  std::vector<float>(blocks)};
+                  std::vector<int32_t>(blocks), std::vector<float>(blocks)};
   at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float v[BLOCK];
@@ -66,8 +82,10 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
       const v16c8 bytes_hi = __builtin_convertvector(code_hi, v16c8);
       std::memcpy(q.codes.data() + i * BLOCK, &bytes_lo, sizeof bytes_lo);
       std::memcpy(q.codes.data() + i * BLOCK + LANES, &bytes_hi, sizeof bytes_hi);
+      const float code_sum = horizontal_sum(code_lo + code_hi);  // exact: integers below 2^24
       q.scale[i] = d;
-      q.sum[i] = d * horizontal_sum(code_lo + code_hi);  // exact: integers below 2^24
+      q.code_sum[i] = static_cast<int32_t>(code_sum);
+      q.sum[i] = d * code_sum;
     }
   });
   return q;
@@ -91,7 +109,7 @@ template <typename T>
 LOOM_VNNI QuantizedRows quantize_rows_vnni(const T* x, int64_t rows, int64_t k) {
   const int64_t blocks = rows * (k / BLOCK);
   QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<float>(blocks),
-                  std::vector<float>(blocks)};
+                  std::vector<int32_t>(blocks), std::vector<float>(blocks)};
   at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const __m512 lo = load_floats(x + i * BLOCK), hi = load_floats(x + i * BLOCK + LANES);
@@ -104,8 +122,10 @@ LOOM_VNNI QuantizedRows quantize_rows_vnni(const T* x, int64_t rows, int64_t k) 
                        _mm512_cvtepi32_epi8(code_lo));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * BLOCK + LANES),
                        _mm512_cvtepi32_epi8(code_hi));
+      const int32_t code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(code_lo, code_hi));
       q.scale[i] = d;
-      q.sum[i] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(code_lo, code_hi)));
+      q.code_sum[i] = code_sum;
+      q.sum[i] = d * static_cast<float>(code_sum);
     }
   });
   return q;
@@ -123,24 +143,29 @@ inline int32_t code_at(const uint8_t* panel, int64_t lane, int64_t j) {
   }
 }
 
-template <int BITS, typename T>
-void portable(const QuantizedRows& q, const uint8_t* packed, const float* scales, const float* bias,
-              T* out, int64_t rows, int64_t k, int64_t n) {
-  const int64_t groups = k / BLOCK, blocks = n / LANES, panel_bytes = BLOCK * LANES * BITS / 8;
+template <typename F, typename T>
+void portable(const QuantizedRows& q, const uint8_t* packed, const typename F::S* scales,
+              const float* bias, T* out, int64_t rows, int64_t k, int64_t n) {
+  const int64_t groups = k / BLOCK, blocks = n / LANES, panel_bytes = BLOCK * LANES * F::BITS / 8;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
       for (int64_t m = 0; m < rows; ++m) {
         float acc[LANES] = {};
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* panel = packed + (nb * groups + g) * panel_bytes;
-          const float* ab = scales + (nb * groups + g) * 2 * LANES;
+          const typename F::S* ab = scales + (nb * groups + g) * F::PARTS * LANES;
           const int8_t* xq = q.codes.data() + m * k + g * BLOCK;
-          const float d = q.scale[m * groups + g], s = q.sum[m * groups + g];
+          const int64_t i = m * groups + g;
           for (int64_t lane = 0; lane < LANES; ++lane) {
             int32_t dot = 0;
-            for (int64_t j = 0; j < BLOCK; ++j) dot += code_at<BITS>(panel, lane, j) * xq[j];
-            const float ad = ab[lane] * d;
-            acc[lane] = acc[lane] + ad * static_cast<float>(dot) + ab[LANES + lane] * s;
+            for (int64_t j = 0; j < BLOCK; ++j) dot += code_at<F::BITS>(panel, lane, j) * xq[j];
+            const float ad = static_cast<float>(ab[lane]) * q.scale[i];
+            if constexpr (F::SYMMETRIC) {
+              acc[lane] = acc[lane] + ad * static_cast<float>(dot - F::OFFSET * q.code_sum[i]);
+            } else {
+              acc[lane] = acc[lane] + ad * static_cast<float>(dot) +
+                          static_cast<float>(ab[LANES + lane]) * q.sum[i];
+            }
           }
         }
         for (int64_t lane = 0; lane < LANES; ++lane) {
@@ -169,12 +194,23 @@ LOOM_VNNI inline void store16(T* out, __m512 v) {
   }
 }
 
+// A lane's 16 scales, as floats.
+template <typename S>
+LOOM_VNNI inline __m512 load_scales(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
 // Rows m0 .. m0 + R of x against column blocks nb0 .. nb0 + C, over every group. Column
-// block c's group g is BITS-bit codes at w[c] + g * stride.
-template <int BITS, int R, int C, typename T>
+// block c's group g is F::BITS-bit codes at w[c] + g * stride.
+template <typename F, int R, int C, typename T>
 LOOM_VNNI void vnni_tile(const QuantizedRows& q, const uint8_t* const* w, int64_t stride,
-                         const float* scales, const float* bias, T* out, int64_t m0, int64_t nb0,
-                         int64_t k, int64_t n) {
+                         const typename F::S* scales, const float* bias, T* out, int64_t m0,
+                         int64_t nb0, int64_t k, int64_t n) {
+  constexpr int BITS = F::BITS;
   const int64_t groups = k / BLOCK;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[R][C];
@@ -191,7 +227,8 @@ LOOM_VNNI void vnni_tile(const QuantizedRows& q, const uint8_t* const* w, int64_
       for (int64_t off = 0; off < BLOCK * LANES * BITS / 8; off += QUAD_BYTES) {
         _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
       }
-      const float* ab = scales + ((nb0 + c) * groups + g + PREFETCH_GROUPS) * 2 * LANES;
+      const typename F::S* ab =
+          scales + ((nb0 + c) * groups + g + PREFETCH_GROUPS) * F::PARTS * LANES;
       _mm_prefetch(reinterpret_cast<const char*>(ab), _MM_HINT_T0);
     }
     if constexpr (BITS == 4) {
@@ -222,13 +259,20 @@ LOOM_VNNI void vnni_tile(const QuantizedRows& q, const uint8_t* const* w, int64_
       }
     }
     for (int c = 0; c < C; ++c) {
-      const float* ab = scales + ((nb0 + c) * groups + g) * 2 * LANES;
-      const __m512 a = _mm512_loadu_ps(ab), b = _mm512_loadu_ps(ab + LANES);
+      const typename F::S* ab = scales + ((nb0 + c) * groups + g) * F::PARTS * LANES;
+      const __m512 a = load_scales(ab);
       for (int r = 0; r < R; ++r) {
         const int64_t i = (m0 + r) * groups + g;
         const __m512 ad = _mm512_mul_ps(a, _mm512_set1_ps(q.scale[i]));
-        acc[r][c] = _mm512_fmadd_ps(ad, _mm512_cvtepi32_ps(dot[r][c]), acc[r][c]);
-        acc[r][c] = _mm512_fmadd_ps(b, _mm512_set1_ps(q.sum[i]), acc[r][c]);
+        if constexpr (F::SYMMETRIC) {  // the codes' offset taken away in integers
+          const __m512i offset = _mm512_set1_epi32(F::OFFSET * q.code_sum[i]);
+          const __m512i signed_dot = _mm512_sub_epi32(dot[r][c], offset);
+          acc[r][c] = _mm512_fmadd_ps(ad, _mm512_cvtepi32_ps(signed_dot), acc[r][c]);
+        } else {
+          const __m512 b = load_scales(ab + LANES);
+          acc[r][c] = _mm512_fmadd_ps(ad, _mm512_cvtepi32_ps(dot[r][c]), acc[r][c]);
+          acc[r][c] = _mm512_fmadd_ps(b, _mm512_set1_ps(q.sum[i]), acc[r][c]);
+        }
       }
     }
   }
@@ -240,24 +284,23 @@ LOOM_VNNI void vnni_tile(const QuantizedRows& q, const uint8_t* const* w, int64_
 }
 
 // Rows m .. rows of x in tiles of R rows, then what is left in smaller tiles.
-template <int BITS, int R, int C, typename T>
+template <typename F, int R, int C, typename T>
 LOOM_VNNI void vnni_rows(const QuantizedRows& q, const uint8_t* const* w, int64_t stride,
-                         const float* scales, const float* bias, T* out, int64_t m, int64_t rows,
-                         int64_t nb, int64_t k, int64_t n) {
+                         const typename F::S* scales, const float* bias, T* out, int64_t m,
+                         int64_t rows, int64_t nb, int64_t k, int64_t n) {
   for (; m + R <= rows; m += R)
-    vnni_tile<BITS, R, C>(q, w, stride, scales, bias, out, m, nb, k, n);
+    vnni_tile<F, R, C>(q, w, stride, scales, bias, out, m, nb, k, n);
   if constexpr (R > 1) {
-    if (m < rows)
-      vnni_rows<BITS, R - 1, C>(q, w, stride, scales, bias, out, m, rows, nb, k, n);
+    if (m < rows) vnni_rows<F, R - 1, C>(q, w, stride, scales, bias, out, m, rows, nb, k, n);
   }
 }
 
-template <int BITS, typename T>
-LOOM_VNNI void vnni(const QuantizedRows& q, const uint8_t* packed, const float* scales,
+template <typename F, typename T>
+LOOM_VNNI void vnni(const QuantizedRows& q, const uint8_t* packed, const typename F::S* scales,
                     const float* bias, T* out, int64_t rows, int64_t k, int64_t n) {
   constexpr int C = COLUMN_BLOCKS;
   const int64_t groups = k / BLOCK, blocks = n / LANES, tiles = (blocks + C - 1) / C;
-  const int64_t panel_bytes = BLOCK * LANES * BITS / 8, block_bytes = groups * panel_bytes;
+  const int64_t panel_bytes = BLOCK * LANES * F::BITS / 8, block_bytes = groups * panel_bytes;
   // 4-bit panels are unpacked in registers at every tile of rows: unpacking each once into
   // a buffer measured slower, up to 128 rows.
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -266,11 +309,10 @@ LOOM_VNNI void vnni(const QuantizedRows& q, const uint8_t* packed, const float* 
       const uint8_t* w[C];
       for (int c = 0; c < width; ++c) w[c] = packed + (nb + c) * block_bytes;
       if (width == C) {
-        vnni_rows<BITS, ROWS, C>(q, w, panel_bytes, scales, bias, out, 0, rows, nb, k, n);
+        vnni_rows<F, ROWS, C>(q, w, panel_bytes, scales, bias, out, 0, rows, nb, k, n);
       } else {  // the last tile of columns may be narrower: one block at a time
         for (int c = 0; c < width; ++c)
-          vnni_rows<BITS, ROWS, 1>(q, w + c, panel_bytes, scales, bias, out, 0, rows, nb + c, k,
-                                   n);
+          vnni_rows<F, ROWS, 1>(q, w + c, panel_bytes, scales, bias, out, 0, rows, nb + c, k, n);
       }
     }
   });
@@ -283,20 +325,38 @@ bool has_vnni() {
   return supported;
 }
 
+template <typename F, typename T>
+void run_format(const QuantizedRows& q, const at::Tensor& packed, const at::Tensor& scales,
+                const float* bias, at::Tensor& out, int64_t rows, int64_t k, bool use_vnni) {
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  const auto* s = static_cast<const typename F::S*>(scales.data_ptr());
+  T* o = out.data_ptr<T>();
+  const int64_t n = out.size(1);
+  use_vnni ? vnni<F>(q, p, s, bias, o, rows, k, n) : portable<F>(q, p, s, bias, o, rows, k, n);
+}
+
+template <int BITS, typename T>
+void run_bits(const QuantizedRows& q, const at::Tensor& packed, const at::Tensor& scales,
+              const float* bias, at::Tensor& out, int64_t rows, int64_t k, bool use_vnni) {
+  const bool half = scales.scalar_type() == at::kHalf, symmetric = scales.size(2) == 1;
+  auto go = [&](auto format) {
+    run_format<decltype(format), T>(q, packed, scales, bias, out, rows, k, use_vnni);
+  };
+  if (half) {
+    symmetric ? go(Format<BITS, at::Half, true>{}) : go(Format<BITS, at::Half, false>{});
+  } else {
+    symmetric ? go(Format<BITS, float, true>{}) : go(Format<BITS, float, false>{});
+  }
+}
+
 template <typename T>
 void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
          const float* bias, at::Tensor& out, int64_t bits, bool use_vnni) {
-  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1);
+  const int64_t rows = x.size(0), k = x.size(1);
   const QuantizedRows q = use_vnni ? quantize_rows_vnni(x.data_ptr<T>(), rows, k)
                                    : quantize_rows(x.data_ptr<T>(), rows, k);
-  const uint8_t* p = packed.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
-  T* o = out.data_ptr<T>();
-  if (use_vnni) {
-    bits == 4 ? vnni<4>(q, p, s, bias, o, rows, k, n) : vnni<8>(q, p, s, bias, o, rows, k, n);
-  } else {
-    bits == 4 ? portable<4>(q, p, s, bias, o, rows, k, n) : portable<8>(q, p, s, bias, o, rows, k, n);
-  }
+  bits == 4 ? run_bits<4, T>(q, packed, scales, bias, out, rows, k, use_vnni)
+            : run_bits<8, T>(q, packed, scales, bias, out, rows, k, use_vnni);
 }
 
 }  // namespace
@@ -317,10 +377,13 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& packed,
               "block_linear: packed ", packed.sizes(), " ", packed.scalar_type(),
               " is not contiguous uint8 [N / 16, ", groups, ", ", panel_bytes, "]");
   const int64_t blocks = packed.size(0), n = blocks * LANES;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({blocks, groups, 2, LANES}),
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
+                  scales.is_contiguous() && scales.dim() == 4 &&
+                  (scales.size(2) == 1 || scales.size(2) == 2) &&
+                  scales.sizes() == at::IntArrayRef({blocks, groups, scales.size(2), LANES}),
               "block_linear: scales ", scales.sizes(), " ", scales.scalar_type(),
-              " are not contiguous float32 [", blocks, ", ", groups, ", 2, 16]");
+              " are not contiguous float32 or float16 [", blocks, ", ", groups,
+              ", 1 or 2, 16]");
   std::optional<at::Tensor> bias;
   if (bias_in.has_value()) {
     TORCH_CHECK(bias_in->numel() == n, "block_linear: bias of ", bias_in->numel(),

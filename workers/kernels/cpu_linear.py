@@ -168,8 +168,14 @@ class BlockLinear:
         if weight.bits == 4:  # quads 2p and 2p + 1 share bytes: the low and high nibbles
             quads = quads[:, :, 0::2] | (quads[:, :, 1::2] << 4)
         self.packed = quads.reshape(blocks, groups, -1).contiguous()
-        per_lane = [t.view(blocks, 16, groups).transpose(1, 2) for t in (weight.a, weight.b)]
-        self.scales = torch.stack(per_lane, dim=2).float().contiguous()  # [N / 16, K / 32, 2, 16]
+        # Each block's a and b; a alone where b = -2^(bits - 1) * a (Q4_0, Q8_0); in float16
+        # where that holds them exactly (GGUF's scales): fewer bytes to stream at one row.
+        a, b = weight.a.float(), weight.b.float()
+        parts = [a] if torch.equal(b, -(2 ** (weight.bits - 1)) * a) else [a, b]
+        exact_in_half = all(torch.equal(t.half().float(), t) for t in parts)
+        per_lane = [t.view(blocks, 16, groups).transpose(1, 2) for t in parts]
+        scales = torch.stack(per_lane, dim=2)  # [N / 16, K / 32, 1 or 2, 16]
+        self.scales = (scales.half() if exact_in_half else scales).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

@@ -32,12 +32,27 @@ def ops():
     return built
 
 
-def random_blocks(bits: int, n: int, k: int, seed: int) -> CodeBlocks:
+# How a weight's scales are held (see BlockLinear): each block's a and b in float32, or in
+# float16 (GGUF's Q4_1), or a alone where b = -2^(bits - 1) * a, in float16 (Q4_0, Q8_0)
+# or float32.
+FORMS = {
+    "float": (torch.float32, 2),
+    "half": (torch.float16, 2),
+    "symmetric": (torch.float16, 1),
+    "symmetric float": (torch.float32, 1),
+}
+
+
+def random_blocks(bits: int, n: int, k: int, seed: int, form: str = "float") -> CodeBlocks:
     generator = torch.Generator().manual_seed(seed)
     groups = k // 32
     codes = torch.randint(0, 2**bits, (n, k), generator=generator).to(torch.uint8)
     a = torch.rand(n, groups, generator=generator) * 0.02 + 0.001
     b = torch.randn(n, groups, generator=generator) * 0.05
+    if form in ("half", "symmetric"):  # values float16 holds exactly
+        a, b = a.half().float(), b.half().float()
+    if form.startswith("symmetric"):
+        b = -(2 ** (bits - 1)) * a
     return CodeBlocks(codes, a, b, bits)
 
 
@@ -61,14 +76,16 @@ def reference(x: torch.Tensor, weight: CodeBlocks, bias: torch.Tensor | None) ->
     return out if bias is None else out + bias.double()
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("portable", PATHS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
-def test_block_linear_is_its_float64_arithmetic(ops, bits, rows, portable):
+def test_block_linear_is_its_float64_arithmetic(ops, bits, rows, portable, form):
     """64 outputs are four column blocks: one tile of three and one left over; 9 rows are
     two tiles of four and one row."""
-    weight = random_blocks(bits, 64, 96, seed=rows + bits)
+    weight = random_blocks(bits, 64, 96, seed=rows + bits, form=form)
     layer = BlockLinear(weight, ops)
+    assert (layer.scales.dtype, layer.scales.shape[2]) == FORMS[form]
     x = torch.randn(rows, 96) * 3
     x[0, :32] = 0  # a block of zeros quantizes to zeros
     bias = torch.randn(64)
@@ -87,6 +104,20 @@ def test_bfloat16_rows_round_once_at_the_end(ops, portable):
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, as_float.bfloat16())
     torch.testing.assert_close(as_float.double(), reference(x, weight, None), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_scales_are_held_in_float16_and_symmetric_blocks_without_offsets(ops, kind):
+    """GGUF's scales are float16: held as such, and Q4_0's and Q8_0's offsets not at all;
+    the layer computes what it computes with float32 scales."""
+    rng = np.random.default_rng(4)
+    raw = quantize(rng.standard_normal((48, 128)).astype(np.float32), GGMLQuantizationType[kind])
+    weight = gguf_weights.StoredWeight(kind, raw).blocks()
+    layer = BlockLinear(weight, ops)
+    assert layer.scales.dtype == torch.float16
+    assert layer.scales.shape == (3, 4, 2 if kind == "Q4_1" else 1, 16)
+    x = torch.randn(5, 128)
+    torch.testing.assert_close(layer(x).double(), reference(x, weight, None), rtol=1e-5, atol=1e-5)
 
 
 def test_the_layer_takes_any_leading_shape_and_strided_rows(ops):
@@ -149,6 +180,7 @@ def test_bad_input_is_refused_by_name_and_the_op_keeps_working(ops):
         ((x[:, :48], layer.packed, layer.scales, None, 4), "not a multiple of 32"),
         ((x, layer.packed, layer.scales, None, 8), "is not contiguous uint8"),
         ((x, layer.packed, layer.scales.double(), None, 4), "are not contiguous float32"),
+        ((x, layer.packed, layer.scales[:, :, [0, 1, 1]], None, 4), "1 or 2, 16\\]"),
         ((x, layer.packed, layer.scales, torch.zeros(5), 4), "bias of 5 values for 32"),
         ((x[0], layer.packed, layer.scales, None, 4), "is not \\[M, K\\]"),
     ]
