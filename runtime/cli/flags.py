@@ -128,7 +128,8 @@ ENGINE_SWITCHES: list[tuple[str, str]] = [
     ),
     (
         "--async-scheduling",
-        "send step N+1 while step N runs (default: on with CUDA workers, off on the CPU)",
+        "send step N+1 while step N runs (default: on with CUDA workers; on the CPU, for "
+        "steps of one request)",
     ),
     ("--enable-lora", "LoRA adapters per request (--lora-modules, or a request's model)"),
     (

@@ -43,6 +43,7 @@ class EngineCore:
         max_model_len: int,
         *,
         async_scheduling: bool = False,
+        ahead_max_rows: int | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.workers = workers
@@ -50,6 +51,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.async_scheduling = async_scheduling
+        self.ahead_max_rows = ahead_max_rows
         self.num_steps = 0
         self._clock = StepClock()
         self._work = anyio.Event()
@@ -199,6 +201,8 @@ class EngineCore:
         step's outputs are streamed only after the next step is sent: between a reply and the
         next send (what a worker waits for) the engine only updates and schedules. A stop
         string is seen a step later for it: the request computes two dropped tokens, not one.
+        With `ahead_max_rows`, a step of more requests runs alone: the loop takes its reply
+        before it schedules again.
         """
         error: BaseException | None = None
         in_flight: deque[tuple[SchedulerOutput, int]] = deque()  # (step, call id), oldest first
@@ -244,33 +248,22 @@ class EngineCore:
                     self._clock.stream_began()
                     self._stream_unstreamed()
                     self._clock.streamed()
-                if has_work and len(in_flight) < depth:
+                if has_work and len(in_flight) < depth and self._may_run_ahead(scheduler_output):
                     sent_ahead = True
                     continue  # the next step goes out before this one's result is in
-                step, call_id = in_flight.popleft()
-                reply = (await self.workers.collect(call_id))[0]
-                self._clock.replied(reply.worker_time_s if isinstance(reply, StepResult) else 0.0)
-                self.num_steps += 1
-                if isinstance(reply, CallFailed):
-                    self._fallible.clear()  # every running request fails or is drained
-                    self.scheduler.drop_step(step)
-                    self._fail_running(reply)
-                    await self._drain(in_flight)
-                    self._clock.idle()  # the drain's wait is no turnaround
-                else:
-                    assert isinstance(reply, StepResult)
-                    fallible = self._fallible.pop(step.step_id, {})
-                    if reply.request_errors:  # first, so that the update drops their tokens
-                        self._fail_requests(reply.request_errors, fallible)
-                    outputs = self.scheduler.update_from_output(step, reply)
-                    self._clock.updated()
-                    # Held back only while a step is in flight, so that the turn which streams
-                    # them always has a reply to wait for.
-                    if in_flight:
-                        self._unstreamed = (outputs, reply)
-                    else:
-                        self._stream(outputs, reply)
+                await self._collect_oldest(in_flight)
                 self._clock.finish()
+                if in_flight and not self._may_run_ahead(in_flight[-1][0]):
+                    # The step sent last may not overlap the engine's own work: its reply is
+                    # taken too, in a turn of its own, before the loop schedules again.
+                    self._clock.start()
+                    self._clock.scheduled()
+                    self._clock.encoded()
+                    self._clock.stream_began()
+                    self._stream_unstreamed()
+                    self._clock.streamed()
+                    await self._collect_oldest(in_flight)
+                    self._clock.finish()
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else None
             raise
@@ -287,6 +280,33 @@ class EngineCore:
             self._stopped = True
             self._idle.set()  # wakes wait_until_idle: nothing will run here any more
 
+    async def _collect_oldest(self, in_flight: deque[tuple[SchedulerOutput, int]]) -> None:
+        """Take the oldest step's reply: update the scheduler and stream its outputs (or hold
+        them back while a step is still in flight); a failed step fails its requests."""
+        step, call_id = in_flight.popleft()
+        reply = (await self.workers.collect(call_id))[0]
+        self._clock.replied(reply.worker_time_s if isinstance(reply, StepResult) else 0.0)
+        self.num_steps += 1
+        if isinstance(reply, CallFailed):
+            self._fallible.clear()  # every running request fails or is drained
+            self.scheduler.drop_step(step)
+            self._fail_running(reply)
+            await self._drain(in_flight)
+            self._clock.idle()  # the drain's wait is no turnaround
+        else:
+            assert isinstance(reply, StepResult)
+            fallible = self._fallible.pop(step.step_id, {})
+            if reply.request_errors:  # first, so that the update drops their tokens
+                self._fail_requests(reply.request_errors, fallible)
+            outputs = self.scheduler.update_from_output(step, reply)
+            self._clock.updated()
+            # Held back only while a step is in flight, so that the turn which streams
+            # them always has a reply to wait for.
+            if in_flight:
+                self._unstreamed = (outputs, reply)
+            else:
+                self._stream(outputs, reply)
+
     async def _drain(self, in_flight: deque[tuple[SchedulerOutput, int]]) -> None:
         """After a failed step: wait out the step sent behind it (async scheduling).
 
@@ -298,6 +318,11 @@ class EngineCore:
             step, call_id = in_flight.popleft()
             await self.workers.collect(call_id)
             self.scheduler.drop_step(step)
+
+    def _may_run_ahead(self, step: SchedulerOutput) -> bool:
+        """Whether the loop may schedule the next step while `step` runs (async scheduling):
+        always, or while steps have at most `ahead_max_rows` requests."""
+        return self.ahead_max_rows is None or len(step.num_scheduled_tokens) <= self.ahead_max_rows
 
     def _stream_unstreamed(self) -> None:
         if self._unstreamed is not None:

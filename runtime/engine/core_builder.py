@@ -15,6 +15,8 @@ from loomllm.text.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNKED_TOKEN_BUDGET = 2048
+# async_scheduling=None on a CPU worker: steps of at most this many requests run ahead.
+CPU_AHEAD_MAX_ROWS = 1
 
 
 def resolve_max_model_len(cfg: EngineConfig, info: ModelInfo) -> int:
@@ -76,11 +78,16 @@ def build_engine_core(
     )
     if tokenizer is None:
         tokenizer = Tokenizer.from_model_dir(info.model_dir)
-    async_scheduling = cfg.async_scheduling
+    async_scheduling, ahead_max_rows = cfg.async_scheduling, None
     if async_scheduling is None:
         # A request with drafts in flight is not scheduled ahead (it waits for how many are
         # taken), so with speculation the overlap would mostly be lost: off unless asked.
-        async_scheduling = info.device.startswith("cuda") and cfg.speculative is None
+        async_scheduling = cfg.speculative is None
+        if not info.device.startswith("cuda"):
+            # A CPU worker's forward shares the cores with this process: the engine's work
+            # beside it pays for one stream, whose share is small, and stalls the worker's
+            # threads once it grows with the batch (and a server's per-token writes).
+            ahead_max_rows = CPU_AHEAD_MAX_ROWS
     return EngineCore(
         scheduler,
         workers,
@@ -88,4 +95,5 @@ def build_engine_core(
         tokenizer.eos_token_ids,
         max_model_len,
         async_scheduling=async_scheduling,
+        ahead_max_rows=ahead_max_rows,
     )

@@ -261,21 +261,30 @@ async def test_engine_outputs_are_identical_with_async_scheduling_on_and_off(
     tiny_model, shared_manager, anyio_backend
 ):
     runs = {}
-    for mode in ("off", "on", "on, launch ahead"):
+    settings = {"off": False, "on": True, "on, launch ahead": True, "default": None}
+    for mode, setting in settings.items():
         async with Engine(
             tiny_model,
             manager_socket=shared_manager.socket,
             dtype="float32",
-            async_scheduling=mode != "off",
+            async_scheduling=setting,
             seed=11,
         ) as engine:
             if mode == "on, launch ahead":
                 await engine.collective_rpc(launch_ahead)
+            core = engine._replicas[0].core
+            # The default on a CPU worker: only steps of one request run ahead.
+            assert (core.async_scheduling, core.ahead_max_rows) == {
+                False: (False, None),
+                True: (True, None),
+                None: (True, 1),
+            }[setting]
             runs[mode] = await all_outputs(engine)
             stats = engine.stats()
             assert stats.num_free_blocks == stats.num_total_blocks
     assert_same_outputs(runs["on"], runs["off"])
     assert_same_outputs(runs["on, launch ahead"], runs["off"])
+    assert_same_outputs(runs["default"], runs["off"])
     finish_reasons = {c[2] for _, outs, _ in runs["off"] for c in outs}
     assert finish_reasons == {"stop", "length"}
     assert sum(len(lps) for _, _, lps in runs["off"]) > 100

@@ -39,6 +39,8 @@ class InProcessWorkers:
         self.sent: list[int] = []
         self.results: dict[int, StepResult] = {}
         self.sampled: dict[str, int] = {}  # tokens sampled per request, dropped ones too
+        # Per step sent: (its requests, the steps still in flight as it went out)
+        self.depths: list[tuple[int, int]] = []
         self.on_sent: Callable[[], None] | None = None
         self.on_collect: Callable[[], None] | None = None
 
@@ -49,6 +51,7 @@ class InProcessWorkers:
         if on_encoded is not None:
             on_encoded()
         self.sent.append(step.scheduler_output.step_id)
+        self.depths.append((len(step.scheduler_output.num_scheduled_tokens), len(self.results)))
         result = self.worker.execute(step.scheduler_output)
         for req_id in result.req_ids:
             self.sampled[req_id] = self.sampled.get(req_id, 0) + 1
@@ -68,7 +71,9 @@ class InProcessWorkers:
         self.results.pop(call_id, None)
 
 
-def make_core(tmp_path, async_scheduling: bool) -> tuple[EngineCore, InProcessWorkers]:
+def make_core(
+    tmp_path, async_scheduling: bool, ahead_max_rows: int | None = None
+) -> tuple[EngineCore, InProcessWorkers]:
     save_tiny_tokenizer(tmp_path)
     (tmp_path / "config.json").write_text("{}")
     config = SchedulerConfig(
@@ -86,14 +91,17 @@ def make_core(tmp_path, async_scheduling: bool) -> tuple[EngineCore, InProcessWo
         frozenset(),
         MAX_MODEL_LEN,
         async_scheduling=async_scheduling,
+        ahead_max_rows=ahead_max_rows,
     )
     return core, workers
 
 
-def add(core: EngineCore, prompt: list[int], params: SamplingParams) -> RequestOutputCollector:
+def add(
+    core: EngineCore, prompt: list[int], params: SamplingParams, req_id: str = "r"
+) -> RequestOutputCollector:
     collector = RequestOutputCollector(params.output_kind)
     core.add_request(
-        ParentRequest("r", None, prompt, params, collector, RequestMetrics(time.time()))
+        ParentRequest(req_id, None, prompt, params, collector, RequestMetrics(time.time()))
     )
     return collector
 
@@ -209,3 +217,37 @@ async def test_held_outputs_never_reach_a_request_that_took_the_id(tmp_path, any
         tg.cancel_scope.cancel()
     kv = core.scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_total_blocks
+
+
+async def run_two(core: EngineCore, workers: InProcessWorkers) -> list[list[int]]:
+    """A 3-token and a 9-token request added together: each one's tokens."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(core.run)
+        short = add(core, PROMPT, SamplingParams(max_tokens=3, ignore_eos=True), "short")
+        long = add(core, [8, 9], SamplingParams(max_tokens=9, ignore_eos=True), "long")
+        with anyio.fail_after(10):
+            tokens = [(await last_output(c)).outputs[0].token_ids for c in (short, long)]
+            await core.wait_until_idle()
+        tg.cancel_scope.cancel()
+    kv = core.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_total_blocks and not workers.results
+    return tokens
+
+
+@pytest.mark.anyio
+async def test_with_a_row_limit_only_small_steps_run_ahead(tmp_path, anyio_backend):
+    """ahead_max_rows=1 (a CPU worker's default): while both requests run, each step goes
+    out alone; once the long one runs alone, the next step goes out while one is in flight.
+    Tokens are those of the loop without async scheduling."""
+    reference = await run_two(*make_core(tmp_path, async_scheduling=False))
+    core, workers = make_core(tmp_path, async_scheduling=True, ahead_max_rows=1)
+    assert await run_two(core, workers) == reference
+    # Each step's (requests, steps in flight as it went out): the prefill and two decodes of
+    # both alone; then the long one's decodes, the first alone and the rest one ahead; last,
+    # a step that only tells the worker the long one finished.
+    assert workers.depths == [(2, 0)] * 3 + [(1, 0)] + [(1, 1)] * 5 + [(0, 0)]
+
+    # Without the limit, every step after the first went out with one in flight.
+    unlimited, workers = make_core(tmp_path, async_scheduling=True)
+    assert await run_two(unlimited, workers) == reference
+    assert [in_flight for _, in_flight in workers.depths][1:-1] == [1] * (len(workers.depths) - 2)
