@@ -5,9 +5,10 @@
 // same sums.
 //
 // Layout (cpu_linear.py's BlockLinear packs it). Output columns go in blocks of 16, one per
-// vector lane. packed [N / 16, K / 32, bytes]: a column block's group of 32 inputs is 8
-// quads of 4 inputs, each 64 bytes with lane l's 4 codes at 4 * l; 4-bit codes put quads 2p
-// and 2p + 1 in one 64 bytes, as the low and high nibbles. scales [N / 16, K / 32, 2, 16]:
+// vector lane. packed [N / 16, K / 32, bytes], a panel for each column block's group of 32
+// inputs: 8 quads of 4 inputs, each 64 bytes with lane l's 4 codes at 4 * l; 4-bit codes put
+// quads 2p and 2p + 1 in one 64 bytes, as the low and high nibbles. The panels' order is the
+// kernel's tiles' (panel_index), as is the scales'. scales [N / 16, K / 32, 2, 16]:
 // each lane's a and b, for w = code * a + b; or [N / 16, K / 32, 1, 16], a alone, where
 // b = -2^(bits - 1) * a (Q4_0, Q8_0), whose dot products then take away the offset in
 // integers, as llama.cpp's. Scales are float32, or float16 where they hold exactly (GGUF's
@@ -27,7 +28,7 @@ constexpr int64_t QUAD_BYTES = 64;
 // A tile: rows of x, and column blocks, one pass over the weights computes. Measured on
 // SmolLM2's shapes, 4 x 3 was as fast as any other tried (1 to 6 rows, 1 to 4 blocks).
 constexpr int ROWS = 4;
-constexpr int COLUMN_BLOCKS = 3;
+constexpr int COLUMN_BLOCKS = 3;  // cpu_linear.py's TILE_BLOCKS, which packs for it
 constexpr int64_t PREFETCH_GROUPS = 4;
 
 // x rounded to the nearest integers, ties to even, for |x| < 2^22: adding and taking away
@@ -143,6 +144,16 @@ inline int32_t code_at(const uint8_t* panel, int64_t lane, int64_t j) {
   }
 }
 
+// Where column block nb's group g is, in panels (or in scales of a panel): blocks go in
+// tiles of COLUMN_BLOCKS (the last may be narrower), and a tile's groups one after another,
+// each with the tile's blocks' panels in turn. A tile then streams from one place in
+// memory, and a thread's tiles from one run of it.
+inline int64_t panel_index(int64_t nb, int64_t g, int64_t groups, int64_t blocks) {
+  const int64_t first = nb - nb % COLUMN_BLOCKS;
+  const int64_t width = std::min<int64_t>(COLUMN_BLOCKS, blocks - first);
+  return first * groups + g * width + (nb - first);
+}
+
 template <typename F, typename T>
 void portable(const QuantizedRows& q, const uint8_t* packed, const typename F::S* scales,
               const float* bias, T* out, int64_t rows, int64_t k, int64_t n) {
@@ -152,8 +163,9 @@ void portable(const QuantizedRows& q, const uint8_t* packed, const typename F::S
       for (int64_t m = 0; m < rows; ++m) {
         float acc[LANES] = {};
         for (int64_t g = 0; g < groups; ++g) {
-          const uint8_t* panel = packed + (nb * groups + g) * panel_bytes;
-          const typename F::S* ab = scales + (nb * groups + g) * F::PARTS * LANES;
+          const int64_t at = panel_index(nb, g, groups, blocks);
+          const uint8_t* panel = packed + at * panel_bytes;
+          const typename F::S* ab = scales + at * F::PARTS * LANES;
           const int8_t* xq = q.codes.data() + m * k + g * BLOCK;
           const int64_t i = m * groups + g;
           for (int64_t lane = 0; lane < LANES; ++lane) {
@@ -205,11 +217,12 @@ LOOM_VNNI inline __m512 load_scales(const S* p) {
 }
 
 // Rows m0 .. m0 + R of x against column blocks nb0 .. nb0 + C, over every group. Column
-// block c's group g is F::BITS-bit codes at w[c] + g * stride.
+// block c's group g is F::BITS-bit codes at w[c] + g * stride, its scales at
+// s[c] + g * s_stride.
 template <typename F, int R, int C, typename T>
 LOOM_VNNI void vnni_tile(const QuantizedRows& q, const uint8_t* const* w, int64_t stride,
-                         const typename F::S* scales, const float* bias, T* out, int64_t m0,
-                         int64_t nb0, int64_t k, int64_t n) {
+                         const typename F::S* const* s, int64_t s_stride, const float* bias,
+                         T* out, int64_t m0, int64_t nb0, int64_t k, int64_t n) {
   constexpr int BITS = F::BITS;
   const int64_t groups = k / BLOCK;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -227,9 +240,8 @@ LOOM_VNNI void vnni_tile(const QuantizedRows& q, const uint8_t* const* w, int64_
       for (int64_t off = 0; off < BLOCK * LANES * BITS / 8; off += QUAD_BYTES) {
         _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
       }
-      const typename F::S* ab =
-          scales + ((nb0 + c) * groups + g + PREFETCH_GROUPS) * F::PARTS * LANES;
-      _mm_prefetch(reinterpret_cast<const char*>(ab), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(s[c] + (g + PREFETCH_GROUPS) * s_stride),
+                   _MM_HINT_T0);
     }
     if constexpr (BITS == 4) {
       for (int p = 0; p < 4; ++p) {
@@ -259,7 +271,7 @@ LOOM_VNNI void vnni_tile(const QuantizedRows& q, const uint8_t* const* w, int64_
       }
     }
     for (int c = 0; c < C; ++c) {
-      const typename F::S* ab = scales + ((nb0 + c) * groups + g) * F::PARTS * LANES;
+      const typename F::S* ab = s[c] + g * s_stride;
       const __m512 a = load_scales(ab);
       for (int r = 0; r < R; ++r) {
         const int64_t i = (m0 + r) * groups + g;
@@ -286,12 +298,13 @@ LOOM_VNNI void vnni_tile(const QuantizedRows& q, const uint8_t* const* w, int64_
 // Rows m .. rows of x in tiles of R rows, then what is left in smaller tiles.
 template <typename F, int R, int C, typename T>
 LOOM_VNNI void vnni_rows(const QuantizedRows& q, const uint8_t* const* w, int64_t stride,
-                         const typename F::S* scales, const float* bias, T* out, int64_t m,
-                         int64_t rows, int64_t nb, int64_t k, int64_t n) {
+                         const typename F::S* const* s, int64_t s_stride, const float* bias,
+                         T* out, int64_t m, int64_t rows, int64_t nb, int64_t k, int64_t n) {
   for (; m + R <= rows; m += R)
-    vnni_tile<F, R, C>(q, w, stride, scales, bias, out, m, nb, k, n);
+    vnni_tile<F, R, C>(q, w, stride, s, s_stride, bias, out, m, nb, k, n);
   if constexpr (R > 1) {
-    if (m < rows) vnni_rows<F, R - 1, C>(q, w, stride, scales, bias, out, m, rows, nb, k, n);
+    if (m < rows)
+      vnni_rows<F, R - 1, C>(q, w, stride, s, s_stride, bias, out, m, rows, nb, k, n);
   }
 }
 
@@ -300,19 +313,26 @@ LOOM_VNNI void vnni(const QuantizedRows& q, const uint8_t* packed, const typenam
                     const float* bias, T* out, int64_t rows, int64_t k, int64_t n) {
   constexpr int C = COLUMN_BLOCKS;
   const int64_t groups = k / BLOCK, blocks = n / LANES, tiles = (blocks + C - 1) / C;
-  const int64_t panel_bytes = BLOCK * LANES * F::BITS / 8, block_bytes = groups * panel_bytes;
+  const int64_t panel_bytes = BLOCK * LANES * F::BITS / 8, panel_scales = F::PARTS * LANES;
   // 4-bit panels are unpacked in registers at every tile of rows: unpacking each once into
   // a buffer measured slower, up to 128 rows.
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t nb = C * tile, width = std::min<int64_t>(C, blocks - nb);
       const uint8_t* w[C];
-      for (int c = 0; c < width; ++c) w[c] = packed + (nb + c) * block_bytes;
+      const typename F::S* s[C];
+      for (int c = 0; c < width; ++c) {
+        const int64_t at = panel_index(nb + c, 0, groups, blocks);
+        w[c] = packed + at * panel_bytes;
+        s[c] = scales + at * panel_scales;
+      }
+      const int64_t stride = width * panel_bytes, s_stride = width * panel_scales;
       if (width == C) {
-        vnni_rows<F, ROWS, C>(q, w, panel_bytes, scales, bias, out, 0, rows, nb, k, n);
+        vnni_rows<F, ROWS, C>(q, w, stride, s, s_stride, bias, out, 0, rows, nb, k, n);
       } else {  // the last tile of columns may be narrower: one block at a time
         for (int c = 0; c < width; ++c)
-          vnni_rows<F, ROWS, 1>(q, w + c, panel_bytes, scales, bias, out, 0, rows, nb + c, k, n);
+          vnni_rows<F, ROWS, 1>(q, w + c, stride, s + c, s_stride, bias, out, 0, rows, nb + c, k,
+                                n);
       }
     }
   });

@@ -13,6 +13,8 @@ import torch
 GROUP_SIZE = 32
 # The int4 kernel dequantizes a code q as (q - 8) * scale + zero: zero is w at q == 8.
 INT4_MIDPOINT = 8
+# Output blocks of 16 columns that the block kernel computes together (its COLUMN_BLOCKS).
+TILE_BLOCKS = 3
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,17 @@ class Int8Linear:
         return out.view(*x.shape[:-1], self.out_features)
 
 
+def _in_tiles(per_block: torch.Tensor) -> torch.Tensor:
+    """[N / 16, K / 32, ...] in the block kernel's order, same shape: column blocks in tiles
+    of TILE_BLOCKS (the last may be narrower), each tile's groups in turn, with the tile's
+    blocks one after another in each."""
+    blocks = per_block.shape[0]
+    whole = blocks - blocks % TILE_BLOCKS
+    tiles = per_block[:whole].unflatten(0, (-1, TILE_BLOCKS)).transpose(1, 2)
+    rest = per_block[whole:].transpose(0, 1)
+    return torch.cat([tiles.reshape(-1), rest.reshape(-1)]).view(per_block.shape)
+
+
 class BlockLinear:
     """x @ w.T on loomllm's block kernel (the C++ ops' block_linear): w as its blocks, and x
     quantized to int8 in blocks of 32 as it comes in, as llama.cpp computes with Q8_1."""
@@ -167,7 +180,7 @@ class BlockLinear:
         quads = weight.codes.view(blocks, 16, groups, 8, 4).permute(0, 2, 3, 1, 4)
         if weight.bits == 4:  # quads 2p and 2p + 1 share bytes: the low and high nibbles
             quads = quads[:, :, 0::2] | (quads[:, :, 1::2] << 4)
-        self.packed = quads.reshape(blocks, groups, -1).contiguous()
+        self.packed = _in_tiles(quads.reshape(blocks, groups, -1))
         # Each block's a and b; a alone where b = -2^(bits - 1) * a (Q4_0, Q8_0); in float16
         # where that holds them exactly (GGUF's scales): fewer bytes to stream at one row.
         a, b = weight.a.float(), weight.b.float()
@@ -175,7 +188,7 @@ class BlockLinear:
         exact_in_half = all(torch.equal(t.half().float(), t) for t in parts)
         per_lane = [t.view(blocks, 16, groups).transpose(1, 2) for t in parts]
         scales = torch.stack(per_lane, dim=2)  # [N / 16, K / 32, 1 or 2, 16]
-        self.scales = (scales.half() if exact_in_half else scales).contiguous()
+        self.scales = _in_tiles(scales.half() if exact_in_half else scales)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

@@ -81,14 +81,14 @@ def reference(x: torch.Tensor, weight: CodeBlocks, bias: torch.Tensor | None) ->
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
 def test_block_linear_is_its_float64_arithmetic(ops, bits, rows, portable, form):
-    """64 outputs are four column blocks: one tile of three and one left over; 9 rows are
-    two tiles of four and one row."""
-    weight = random_blocks(bits, 64, 96, seed=rows + bits, form=form)
+    """80 outputs are five column blocks: one tile of three and two left over, which the
+    weights' order interleaves by tile; 9 rows are two tiles of four and one row."""
+    weight = random_blocks(bits, 80, 96, seed=rows + bits, form=form)
     layer = BlockLinear(weight, ops)
     assert (layer.scales.dtype, layer.scales.shape[2]) == FORMS[form]
     x = torch.randn(rows, 96) * 3
     x[0, :32] = 0  # a block of zeros quantizes to zeros
-    bias = torch.randn(64)
+    bias = torch.randn(80)
     out = ops.block_linear(x, layer.packed, layer.scales, bias, bits, portable)
     torch.testing.assert_close(out.double(), reference(x, weight, bias), rtol=1e-5, atol=1e-5)
 
