@@ -98,7 +98,15 @@ inline v16 lane_sums(const v16* parts) {
 }
 
 // Rows are fetched a few keys ahead: their slots are known, the hardware cannot guess them.
+// A key's value row is fetched with its key row, so that twice the reads are in flight while
+// the scores are summed, and the weighing of the values finds them in the cache.
 constexpr int64_t AHEAD = 16;
+
+template <typename T>
+inline void prefetch_key(const T* k_cache, const T* v_cache, int64_t slot, int64_t dim) {
+  prefetch_row(k_cache + slot, dim);
+  prefetch_row(v_cache + slot, dim);
+}
 
 // The softmax of each of a group's rows of scores, in place: scaled, capped, less their
 // maximum, exponentiated; the sums (sinks included) go to `sums`.
@@ -170,6 +178,9 @@ void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
   float* acc = qf + heads * DIM;                                // [heads, DIM]
   float* scores = acc + heads * DIM;                            // [heads, keys]
   float* sums = scores + heads * keys;                          // [heads]
+  for (int64_t j = 0; j < std::min(AHEAD, keys); ++j) {
+    prefetch_key(k_cache, v_cache, slots[j] * slot_stride, DIM);
+  }
   if constexpr (!BF16_DOTS<T>) {
     for (int64_t h = 0; h < heads; ++h) {
       v16* row = reinterpret_cast<v16*>(qf + h * DIM);
@@ -184,7 +195,7 @@ void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
         for (int64_t h = 0; h < heads; ++h) parts[h * CHUNK + t] = v16{};
         continue;
       }
-      if (j + AHEAD < keys) prefetch_row(k_cache + slots[j + AHEAD] * slot_stride, DIM);
+      if (j + AHEAD < keys) prefetch_key(k_cache, v_cache, slots[j + AHEAD] * slot_stride, DIM);
       const T* k = k_cache + slots[j] * slot_stride;
       if constexpr (BF16_DOTS<T>) {
 #ifdef __AVX512BF16__
@@ -224,9 +235,6 @@ void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
   std::fill(acc, acc + heads * DIM, 0.0f);
   for (int64_t j0 = 0; j0 < keys; j0 += CHUNK) {
     const int64_t j1 = std::min(j0 + CHUNK, keys);
-    for (int64_t j = j0 + AHEAD; j < std::min(j1 + AHEAD, keys); ++j) {
-      prefetch_row(v_cache + slots[j] * slot_stride, DIM);
-    }
     for (int64_t h = 0; h < heads; h += TILE) {
       const int64_t tile = std::min(TILE, heads - h);
       const float* p = scores + h * keys;
@@ -267,9 +275,14 @@ void attend_group(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
   float* scores = row + dim;        // [group, keys]
   float* sums = scores + group * keys;  // [group]
   for (int64_t g = 0; g < group; ++g) to_float(q + g * q_head_stride, qf + g * dim, dim);
+  for (int64_t j = 0; j < std::min(AHEAD, keys); ++j) {
+    prefetch_key(k_cache, v_cache, slots[begin + j] * slot_stride, dim);
+  }
   // Key by key: each key row converted once for the whole group.
   for (int64_t j = 0; j < keys; ++j) {
-    if (j + AHEAD < keys) prefetch_row(k_cache + slots[begin + j + AHEAD] * slot_stride, dim);
+    if (j + AHEAD < keys) {
+      prefetch_key(k_cache, v_cache, slots[begin + j + AHEAD] * slot_stride, dim);
+    }
     to_float(k_cache + slots[begin + j] * slot_stride, row, dim);
     for (int64_t g = 0; g < group; ++g) scores[g * keys + j] = dot(qf + g * dim, row, dim);
   }
@@ -279,9 +292,6 @@ void attend_group(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
     const float* p = scores + g * keys;
     float* a = acc + g * dim;
     for (int64_t j = 0; j < keys; ++j) {
-      if (g == 0 && j + AHEAD < keys) {
-        prefetch_row(v_cache + slots[begin + j + AHEAD] * slot_stride, dim);
-      }
       const T* v = v_cache + slots[begin + j] * slot_stride;
       for (int64_t d = 0; d < dim; ++d) a[d] += p[j] * f32(v[d]);
     }
