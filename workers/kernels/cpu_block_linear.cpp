@@ -199,10 +199,14 @@ template <typename T>
 LOOM_VNNI inline void store16(T* out, __m512 v) {
   if constexpr (std::is_same_v<T, float>) {
     _mm512_storeu_ps(out, v);
-  } else {
-    alignas(64) float tmp[LANES];
-    _mm512_store_ps(tmp, v);
-    for (int64_t i = 0; i < LANES; ++i) out[i] = to<T>(tmp[i]);
+  } else {  // bf16_bits in vector form: to the nearest, ties to even; NaN stays NaN
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
   }
 }
 
