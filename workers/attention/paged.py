@@ -284,13 +284,8 @@ def _decode(
     extras: _Extras,
 ) -> torch.Tensor:
     bd, num_heads, dim = q.shape
-    ops = cpu_native.loaded()
-    if (
-        ops is not None
-        and q.device.type == "cpu"
-        and q.dtype == k_cache.dtype
-        and q.dtype in cpu_native.DTYPES
-    ):
+    ops = _cpu_ops(q, k_cache)
+    if ops is not None:
         # The C++ kernel reads each row's keys in the cache where they are, no gather.
         return ops.decode_attention(
             q,
@@ -331,6 +326,21 @@ def _prefill(
 ) -> torch.Tensor:
     n, num_heads, dim = q.shape
     seq_len = row.context_slots.numel()
+    ops = _cpu_ops(q, k_cache)
+    if ops is not None:
+        # Each prompt token as a decode row over the keys up to its own, all reading the
+        # prompt's one slot list in the cache: no gather, no mask.
+        return ops.decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            row.context_slots[None],
+            torch.arange(seq_len - n + 1, seq_len + 1),
+            scaling if scaling is not None else dim**-0.5,
+            sliding_window or 0,
+            extras.softcap or 0.0,
+            extras.sinks,
+        )
     k = _gather(k_cache, row.context_slots[None], q.dtype)[0]  # [KVH, L, D]
     v = _gather(v_cache, row.context_slots[None], q.dtype)[0]
     # Query j sits at absolute position seq_len - n + j and sees keys up to it.
@@ -351,6 +361,19 @@ def _prefill(
     else:
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(group, 1), scale=scaling)
     return o.view(num_heads, n, dim).permute(1, 0, 2)  # [n, H, D]
+
+
+def _cpu_ops(q: torch.Tensor, k_cache: torch.Tensor) -> Any | None:
+    """The C++ CPU ops, where they compute this attention (a CPU cache in q's dtype)."""
+    ops = cpu_native.loaded()
+    if (
+        ops is not None
+        and q.device.type == "cpu"
+        and q.dtype == k_cache.dtype
+        and q.dtype in cpu_native.DTYPES
+    ):
+        return ops
+    return None
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -305,7 +305,8 @@ void attend_group(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
 }
 
 // Each decode row's attention, q [B, H, D], over its context: slots [B, L] (the first
-// lens[b] are row b's, in order), in caches [S, KVH, D]. window > 0 keeps each row's last
+// lens[b] are row b's, in order), or [1, L] shared by every row (a prompt's tokens, each over
+// the keys up to its own), in caches [S, KVH, D]. window > 0 keeps each row's last
 // `window` keys; softcap > 0 caps scores as Gemma 2; sinks [H] (gpt-oss) join each softmax's
 // sum and attend to nothing. Computed in float32: [B, H, D] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -333,19 +334,23 @@ at::Tensor decode_attention_rows(const at::Tensor& q_in, const at::Tensor& k_cac
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
   const at::Tensor slots = slots_in.to(at::kLong).contiguous();
   const at::Tensor lens = lens_in.to(at::kLong).contiguous();
-  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == rows && lens.numel() == rows,
+  TORCH_CHECK(slots.dim() == 2 && (slots.size(0) == rows || slots.size(0) == 1) &&
+                  lens.numel() == rows,
               "decode_attention: slots ", slots.sizes(), ", lens ", lens.sizes(), " for ", rows,
               " rows");
   const int64_t width = slots.size(1), num_slots = k_cache.size(0);
+  const int64_t row_stride = slots.size(0) == 1 ? 0 : width;  // shared slots: every row's
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
+  int64_t checked = 0;  // of a shared list, the slots checked so far
   for (int64_t b = 0; b < rows && check_slots; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= width, "decode_attention: row ", b, " has ", lp[b],
                 " keys of ", width);
-    for (int64_t j = 0; j < lp[b]; ++j) {
-      TORCH_CHECK(sp[b * width + j] >= 0 && sp[b * width + j] < num_slots,
-                  "decode_attention: slot ", sp[b * width + j], " outside ", num_slots);
+    for (int64_t j = row_stride == 0 ? checked : 0; j < lp[b]; ++j) {
+      TORCH_CHECK(sp[b * row_stride + j] >= 0 && sp[b * row_stride + j] < num_slots,
+                  "decode_attention: slot ", sp[b * row_stride + j], " outside ", num_slots);
     }
+    checked = std::max(checked, lp[b]);
   }
   at::Tensor sinks;
   if (sinks_in.has_value()) {
@@ -362,7 +367,10 @@ at::Tensor decode_attention_rows(const at::Tensor& q_in, const at::Tensor& k_cac
     at::parallel_for(0, rows * kv_heads, 1, [&](int64_t b0, int64_t e0) {
       std::vector<v16> buf;  // each thread's scratch
       for (int64_t item = b0; item < e0; ++item) {
-        const int64_t b = item / kv_heads, h = item % kv_heads, len = lp[b];
+        // Rows taken first, last, second, second to last...: each thread's run of items has
+        // as many keys as another's where the rows' contexts grow (a prompt's tokens).
+        const int64_t nth = item / kv_heads, h = item % kv_heads;
+        const int64_t b = nth % 2 == 0 ? nth / 2 : rows - 1 - nth / 2, len = lp[b];
         const int64_t begin = window > 0 ? std::max<int64_t>(0, len - window) : 0;
         const T* row_q = qp + b * q.stride(0) + h * group * q.stride(1);
         const T *keys = kc + h * dim, *values = vc + h * dim;
@@ -370,14 +378,15 @@ at::Tensor decode_attention_rows(const at::Tensor& q_in, const at::Tensor& k_cac
         T* row_out = op + (b * heads + h * group) * dim;
         const int64_t stride = kv_heads * dim;
         const auto cap = static_cast<float>(softcap), s = static_cast<float>(scale);
+        const int64_t* row_slots = sp + b * row_stride;
         if (dim == 64) {
-          attend_heads<T, 64>(row_q, q.stride(1), keys, values, stride, sp + b * width, begin,
-                              len, group, s, cap, head_sinks, row_out, dim, buf);
+          attend_heads<T, 64>(row_q, q.stride(1), keys, values, stride, row_slots, begin, len,
+                              group, s, cap, head_sinks, row_out, dim, buf);
         } else if (dim == 128) {
-          attend_heads<T, 128>(row_q, q.stride(1), keys, values, stride, sp + b * width, begin,
-                               len, group, s, cap, head_sinks, row_out, dim, buf);
+          attend_heads<T, 128>(row_q, q.stride(1), keys, values, stride, row_slots, begin, len,
+                               group, s, cap, head_sinks, row_out, dim, buf);
         } else {
-          attend_group<T>(row_q, q.stride(1), keys, values, stride, sp + b * width, begin, len,
+          attend_group<T>(row_q, q.stride(1), keys, values, stride, row_slots, begin, len,
                           group, dim, s, cap, head_sinks, row_out, dim, buf);
         }
       }

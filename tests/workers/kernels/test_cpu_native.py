@@ -154,6 +154,31 @@ def test_decode_attention_matches_float64(
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 7])
+def test_rows_sharing_one_slot_list_attend_each_up_to_its_own_key(ops, dtype, window):
+    """A prompt's tokens (slots [1, L]): token j attends to the keys up to its position, as
+    a causal prefill after a cached prefix of 5 keys; more tokens than one thread's share,
+    so that the rows' interleaved order covers both ends."""
+    torch.manual_seed(window)
+    k_cache = torch.randn(90, 3, 64).to(dtype)
+    v_cache = torch.randn(90, 3, 64).to(dtype)
+    context = torch.randperm(90)[:41]
+    lens = torch.arange(6, 42)  # tokens 5 .. 40 of the context
+    q = torch.randn(len(lens), 9, 64).to(dtype)
+    out = ops.decode_attention(q, k_cache, v_cache, context[None], lens, 0.125, window, 0.0, None)
+    slots = context.expand(len(lens), -1)
+    expected = attention_reference(q, k_cache, v_cache, slots, lens, 0.125, window, 0.0, None)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+    with pytest.raises(RuntimeError, match="row 35 has 42 keys of 41"):
+        ops.decode_attention(q, k_cache, v_cache, context[None], lens + 1, 0.125, 0, 0.0, None)
+    with pytest.raises(RuntimeError, match="slot 90 outside 90"):
+        outside = context.clone()
+        outside[-1] = 90
+        ops.decode_attention(q, k_cache, v_cache, outside[None], lens, 0.125, 0, 0.0, None)
+
+
 def test_bad_input_is_refused_by_name_and_the_ops_keep_working(ops):
     k_cache = torch.randn(50, 2, 16)
     v_cache = torch.randn(50, 2, 16)
