@@ -339,7 +339,7 @@ at::Tensor decode_attention_rows(const at::Tensor& q_in, const at::Tensor& k_cac
               "decode_attention: slots ", slots.sizes(), ", lens ", lens.sizes(), " for ", rows,
               " rows");
   const int64_t width = slots.size(1), num_slots = k_cache.size(0);
-  const int64_t row_stride = slots.size(0) == 1 ? 0 : width;  // shared slots: every row's
+  const int64_t row_stride = slots.size(0) == 1 ? 0 : width;  // 0: one list for every row
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   int64_t checked = 0;  // of a shared list, the slots checked so far
