@@ -5,6 +5,8 @@ The torch backend reads padded context slots, the Triton backend block tables (p
 
 from __future__ import annotations
 
+import itertools
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -92,13 +94,20 @@ def context_metadata(
     prefills: list[PrefillRow],
 ) -> AttentionMetadata:
     """The torch backend's: each decode's context slots, padded, with a mask and a bias."""
-    longest = max((len(c) for c in decode_ctx), default=0)
-    padded = torch.zeros((len(decode_ctx), longest), dtype=torch.long)
-    valid = torch.zeros((len(decode_ctx), longest), dtype=torch.bool)
-    for i, context in enumerate(decode_ctx):
-        padded[i, : len(context)] = torch.tensor(context)
-        valid[i, : len(context)] = True
-    valid = to_device(valid, device)
+    lens = [len(c) for c in decode_ctx]
+    longest = max(lens, default=0)
+    # One buffer of every row's slots, padded, read as one tensor: a tensor a row took
+    # ~1.5 ms a step at 64 rows of 200 slots.
+    flat = array("q")
+    for context, length in zip(decode_ctx, lens, strict=True):
+        flat.extend(context)
+        flat.extend(itertools.repeat(0, longest - length))
+    padded = (
+        torch.frombuffer(flat, dtype=torch.long).view(len(lens), longest)
+        if flat
+        else torch.zeros((len(lens), longest), dtype=torch.long)
+    )
+    valid = to_device(torch.arange(longest) < torch.tensor(lens, dtype=torch.long)[:, None], device)
     bias = torch.zeros(valid.shape, dtype=kv_caches[0][0].dtype, device=device)
     bias.masked_fill_(~valid, float("-inf"))
     return AttentionMetadata(
@@ -107,7 +116,7 @@ def context_metadata(
         decode_token_idx=device_tensor(decode_idx, torch.long, device),
         decode_slots=to_device(padded, device),
         decode_valid=valid,
-        decode_lens=device_tensor([len(c) for c in decode_ctx], torch.long, device),
+        decode_lens=device_tensor(lens, torch.long, device),
         decode_bias=bias[:, None, None, :],
         prefills=prefills,
     )
