@@ -52,11 +52,22 @@ class GroupwiseInt4:
         n, k = weight.shape
         groups = weight.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
         low, high = groups.amin(-1), groups.amax(-1)
-        # A constant group keeps scale 1: its codes are all 0 and zero carries the value.
-        scale = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
+        # Each group's scale and minimum are float16 values where float16 holds them (as
+        # GGUF's Q4_1), so that the block kernel streams them in 2 bytes; the codes are taken
+        # against them. A constant group keeps scale 1 (as one too small for float16): its
+        # codes are all 0 and zero carries the value.
+        scale = _in_half_where_finite((high - low) / 15)
+        scale = torch.where((high > low) & (scale > 0), scale, torch.ones_like(low))
+        low = _in_half_where_finite(low)
         codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
         zero = low + INT4_MIDPOINT * scale
         return GroupwiseInt4(codes.to(torch.int32).view(n, k), scale, zero)
+
+
+def _in_half_where_finite(values: torch.Tensor) -> torch.Tensor:
+    """float32 values rounded to float16's, those beyond its range kept as they are."""
+    half = values.half().float()
+    return torch.where(half.isfinite(), half, values)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ import torch
 
 from loomllm.workers.kernels import cpu_kernel_choice
 from loomllm.workers.kernels.cpu_linear import (
+    BlockLinear,
+    CodeBlocks,
     GroupwiseInt4,
     Int4Linear,
     Int8Linear,
@@ -36,6 +38,28 @@ def test_int4_groups_round_trip_within_half_a_step():
     assert ((groups.dequantize() - weight).abs() <= step / 2 + 1e-6).all()
     constant = GroupwiseInt4.from_dense(torch.full((16, 32), 0.25))
     assert torch.equal(constant.dequantize(), torch.full((16, 32), 0.25))
+
+
+def test_int4_groups_hold_float16_scales_and_minimums_where_they_fit():
+    """Quantized on load, a weight's groups stream as GGUF's Q4_1 do (float16 scales and
+    offsets in the block kernel); a group beyond float16's range keeps float32 values, and
+    its layer float32 scales, still within half a step."""
+    torch.manual_seed(3)
+    weight = torch.randn(32, 64) * 0.05
+    groups = GroupwiseInt4.from_dense(weight)
+    low = weight.view(32, 2, 32).amin(-1)
+    for values in (groups.scale, low.half().float()):
+        assert torch.equal(values.half().float(), values)
+    layer = BlockLinear(CodeBlocks.from_int4(groups), ops=None)
+    assert (layer.scales.dtype, layer.scales.shape[2]) == (torch.float16, 2)
+    huge = weight.clone()
+    huge[0, :32] = torch.linspace(-1e6, 1e6, 32)  # a scale and a minimum beyond float16
+    wide = GroupwiseInt4.from_dense(huge)
+    assert wide.scale[0, 0] == 2e6 / 15 and torch.equal(wide.scale[1:], groups.scale[1:])
+    step = wide.scale.repeat_interleave(32, dim=1)
+    assert ((wide.dequantize() - huge).abs() <= step / 2 + 1e-6 * huge.abs()).all()
+    layer = BlockLinear(CodeBlocks.from_int4(wide), ops=None)
+    assert layer.scales.dtype == torch.float32
 
 
 @pytest.mark.parametrize(("dtype", "bound"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
