@@ -40,13 +40,14 @@ typedef int8_t v16c8 __attribute__((vector_size(16)));
 
 inline v16 abs16(v16 x) { return x < 0.0f ? -x : x; }
 
-// x's rows as int8 blocks: the codes q, each block's scale d (x ~ q * d), sum(q), and
-// d * sum(q), which the weights' offsets b multiply.
+// x's rows as int8 blocks: the codes q, each block's scale d (x ~ q * d) and sum(q); the
+// weights' offsets b multiply d * sum(q).
 struct QuantizedRows {
   std::vector<int8_t> codes;      // [M, K]
   std::vector<float> scale;       // [M, K / BLOCK]
   std::vector<int32_t> code_sum;  // [M, K / BLOCK]
-  std::vector<float> sum;         // [M, K / BLOCK]
+
+  float sum(int64_t i) const { return scale[i] * static_cast<float>(code_sum[i]); }
 };
 
 // How a weight's scales are held: in float32 or float16 (S), with each block's offset b, or
@@ -64,7 +65,7 @@ template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
   const int64_t blocks = rows * (k / BLOCK);
   QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<float>(blocks),
-                  std::vector<int32_t>(blocks), std::vector<float>(blocks)};
+                  std::vector<int32_t>(blocks)};
   at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float v[BLOCK];
@@ -86,7 +87,6 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
       const float code_sum = horizontal_sum(code_lo + code_hi);  // exact: integers below 2^24
       q.scale[i] = d;
       q.code_sum[i] = static_cast<int32_t>(code_sum);
-      q.sum[i] = d * code_sum;
     }
   });
   return q;
@@ -110,7 +110,7 @@ template <typename T>
 LOOM_VNNI QuantizedRows quantize_rows_vnni(const T* x, int64_t rows, int64_t k) {
   const int64_t blocks = rows * (k / BLOCK);
   QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<float>(blocks),
-                  std::vector<int32_t>(blocks), std::vector<float>(blocks)};
+                  std::vector<int32_t>(blocks)};
   at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const __m512 lo = load_floats(x + i * BLOCK), hi = load_floats(x + i * BLOCK + LANES);
@@ -126,7 +126,6 @@ LOOM_VNNI QuantizedRows quantize_rows_vnni(const T* x, int64_t rows, int64_t k) 
       const int32_t code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(code_lo, code_hi));
       q.scale[i] = d;
       q.code_sum[i] = code_sum;
-      q.sum[i] = d * static_cast<float>(code_sum);
     }
   });
   return q;
@@ -176,7 +175,7 @@ void portable(const QuantizedRows& q, const uint8_t* packed, const typename F::S
               acc[lane] = acc[lane] + ad * static_cast<float>(dot - F::OFFSET * q.code_sum[i]);
             } else {
               acc[lane] = acc[lane] + ad * static_cast<float>(dot) +
-                          static_cast<float>(ab[LANES + lane]) * q.sum[i];
+                          static_cast<float>(ab[LANES + lane]) * q.sum(i);
             }
           }
         }
@@ -287,7 +286,7 @@ LOOM_VNNI void vnni_tile(const QuantizedRows& q, const uint8_t* const* w, int64_
         } else {
           const __m512 b = load_scales(ab + LANES);
           acc[r][c] = _mm512_fmadd_ps(ad, _mm512_cvtepi32_ps(dot[r][c]), acc[r][c]);
-          acc[r][c] = _mm512_fmadd_ps(b, _mm512_set1_ps(q.sum[i]), acc[r][c]);
+          acc[r][c] = _mm512_fmadd_ps(b, _mm512_set1_ps(q.sum(i)), acc[r][c]);
         }
       }
     }
