@@ -244,10 +244,7 @@ class EngineCore:
                     in_flight.append((scheduler_output, call_id))
                 else:
                     self._clock.encoded()
-                if self._unstreamed is not None:
-                    self._clock.stream_began()
-                    self._stream_unstreamed()
-                    self._clock.streamed()
+                self._stream_held()
                 if has_work and len(in_flight) < depth and self._may_run_ahead(scheduler_output):
                     sent_ahead = True
                     continue  # the next step goes out before this one's result is in
@@ -259,9 +256,7 @@ class EngineCore:
                     self._clock.start()
                     self._clock.scheduled()
                     self._clock.encoded()
-                    self._clock.stream_began()
-                    self._stream_unstreamed()
-                    self._clock.streamed()
+                    self._stream_held()
                     await self._collect_oldest(in_flight)
                     self._clock.finish()
         except BaseException as exc:
@@ -323,6 +318,13 @@ class EngineCore:
         """Whether the loop may schedule the next step while `step` runs (async scheduling):
         always, or while steps have at most `ahead_max_rows` requests."""
         return self.ahead_max_rows is None or len(step.num_scheduled_tokens) <= self.ahead_max_rows
+
+    def _stream_held(self) -> None:
+        """Stream the held outputs, if any, on the step clock's output phase."""
+        if self._unstreamed is not None:
+            self._clock.stream_began()
+            self._stream_unstreamed()
+            self._clock.streamed()
 
     def _stream_unstreamed(self) -> None:
         if self._unstreamed is not None:
