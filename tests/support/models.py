@@ -27,8 +27,9 @@ TINY_SHAPE: dict[str, Any] = dict(
 )
 
 
-def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0) -> str:
-    """Save a tiny random-weight decoder of architecture `arch`, with a tokenizer, to `path`."""
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **shape: Any) -> str:
+    """Save a tiny random-weight decoder of architecture `arch`, with a tokenizer, to `path`;
+    `shape` overrides entries of TINY_SHAPE."""
     import torch
     import transformers
 
@@ -40,7 +41,7 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0) -> str:
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[arch]
     extra = {"head_dim": 16} if arch == "qwen3" else {}
-    model_cls(config_cls(**TINY_SHAPE, **extra)).save_pretrained(path)
+    model_cls(config_cls(**{**TINY_SHAPE, **extra, **shape})).save_pretrained(path)
     save_tiny_tokenizer(path)
     return str(path)
 
