@@ -4,9 +4,7 @@
 
 #include "cpu_ops.h"
 
-#ifdef __AVX512BF16__
 #include <immintrin.h>
-#endif
 
 namespace loom_cpu {
 
@@ -63,11 +61,24 @@ template <typename T>
   }
 }
 
-// Which of a row's values lane i of its vector c holds, as load32 loads the row.
+// The inverse of load32: two vectors, in its lane order, rounded to T and stored as the
+// thirty-two values they hold (bf16_bits in vector form).
 template <typename T>
-constexpr int64_t source_of(int64_t c, int64_t i) {
-  const int64_t block = c / 2 * 32, half = c % 2;
-  return std::is_same_v<T, float> ? block + half * 16 + i : block + 2 * i + half;
+[[gnu::always_inline]] inline void store32(T* x, v16 first, v16 second) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(x, &first, sizeof first);
+    std::memcpy(x + 16, &second, sizeof second);
+  } else {
+    typedef uint32_t v16u32 __attribute__((vector_size(64)));
+    const auto round = [](v16 v) {
+      const v16u32 bits = reinterpret_cast<v16u32>(v);
+      const v16u32 even = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+      const v16u32 nan = reinterpret_cast<v16u32>(v != v);
+      return (nan & 0x7fc00000u) | (~nan & even);
+    };
+    const v16u32 words = (round(first) >> 16) | round(second);
+    std::memcpy(x, &words, sizeof words);
+  }
 }
 
 // Lane j of the result is horizontal_sum(parts[j]), added in the same order, for sixteen
@@ -99,8 +110,15 @@ inline v16 lane_sums(const v16* parts) {
 
 // Rows are fetched a few keys ahead: their slots are known, the hardware cannot guess them.
 // A key's value row is fetched with its key row, so that twice the reads are in flight while
-// the scores are summed, and the weighing of the values finds them in the cache.
+// the scores are summed, and the weighing of the values finds them in the cache. AHEAD keys
+// for one KV head's rows; half as many for a key's whole record (every KV head's rows, about
+// as many bytes in flight at 2 to 4 KV heads).
 constexpr int64_t AHEAD = 16;
+constexpr int64_t AHEAD_RECORDS = 8;
+// An item of work is a whole row (its keys' records read once, in order, for every KV head)
+// where there are this many rows a thread; else a row's KV head, so that one row or a few
+// still spread over every thread.
+constexpr int64_t WHOLE_ROWS_PER_THREAD = 4;
 
 template <typename T>
 inline void prefetch_key(const T* k_cache, const T* v_cache, int64_t slot, int64_t dim) {
@@ -125,6 +143,17 @@ inline void softmax_rows(float* scores, int64_t group, int64_t keys, float scale
   }
 }
 
+// a * b + c in one rounding where the CPU fuses them, as the weighing below wants.
+[[gnu::always_inline]] inline v16 fma16(v16 a, v16 b, v16 c) {
+#ifdef __AVX512F__
+  return reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
+                                               reinterpret_cast<__m512>(b),
+                                               reinterpret_cast<__m512>(c)));
+#else
+  return a * b + c;
+#endif
+}
+
 // HEADS query heads' weighted sums of the value rows of keys [j0, j1), added to `acc` (in
 // load32's lane order) and held in registers meanwhile: each value row is loaded once for all.
 template <typename T, int64_t DIM, int64_t HEADS>
@@ -138,8 +167,8 @@ void weigh_values(const float* probs, int64_t keys, int64_t j0, int64_t j1, cons
     v16 row[C];
     for (int64_t c = 0; c < C; c += 2) load32(v + c * 16, row[c], row[c + 1]);
     for (int64_t h = 0; h < HEADS; ++h) {
-      const float p = probs[h * keys + j];
-      for (int64_t c = 0; c < C; ++c) sum[h][c] += p * row[c];
+      const v16 p = v16{} + probs[h * keys + j];
+      for (int64_t c = 0; c < C; ++c) sum[h][c] = fma16(p, row[c], sum[h][c]);
     }
   }
   std::memcpy(acc, sum, sizeof sum);
@@ -160,17 +189,19 @@ constexpr bool BF16_DOTS = false;
 // the L1 cache for the heads after the first few.
 constexpr int64_t CHUNK = 16;
 
-// One decode row and KV head: its group of `heads` query heads over the row's context in the
-// cache, for a head size known when compiled (a multiple of 32). Sixteen keys' scores are summed at
-// once; the value rows are weighed in registers, a few query heads at a time.
-template <typename T, int64_t DIM>
+// One decode row's `kv_heads` KV heads from the first at k_cache and v_cache (all of them, or
+// one), each with its `group` query heads, over the row's context in the cache, for a head
+// size known when compiled (a multiple of 32). Sixteen keys' scores are summed at once; the
+// value rows are weighed in registers, a few query heads at a time. Keys are fetched LEAD
+// ahead.
+template <typename T, int64_t DIM, int64_t LEAD>
 void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
                   int64_t slot_stride, const int64_t* slots, int64_t begin, int64_t end,
-                  int64_t heads, float scale, float softcap, const float* sinks, T* out,
-                  int64_t out_head_stride, std::vector<v16>& buf) {
+                  int64_t kv_heads, int64_t group, float scale, float softcap,
+                  const float* sinks, T* out, int64_t out_head_stride, std::vector<v16>& buf) {
   static_assert(DIM % 32 == 0);
   constexpr int64_t C = DIM / 16, TILE = DIM <= 64 ? 4 : 2;  // 4 or 2 heads: 16 registers
-  const int64_t keys = end - begin;
+  const int64_t keys = end - begin, heads = kv_heads * group;
   slots += begin;
   buf.resize(heads * CHUNK + (heads * DIM * 2 + heads * keys + heads) / 16 + 1);
   v16* parts = buf.data();                                      // [heads, CHUNK keys]
@@ -178,8 +209,9 @@ void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
   float* acc = qf + heads * DIM;                                // [heads, DIM]
   float* scores = acc + heads * DIM;                            // [heads, keys]
   float* sums = scores + heads * keys;                          // [heads]
-  for (int64_t j = 0; j < std::min(AHEAD, keys); ++j) {
-    prefetch_key(k_cache, v_cache, slots[j] * slot_stride, DIM);
+  const int64_t record = kv_heads * DIM;
+  for (int64_t j = 0; j < std::min(LEAD, keys); ++j) {
+    prefetch_key(k_cache, v_cache, slots[j] * slot_stride, record);
   }
   if constexpr (!BF16_DOTS<T>) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -195,30 +227,32 @@ void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
         for (int64_t h = 0; h < heads; ++h) parts[h * CHUNK + t] = v16{};
         continue;
       }
-      if (j + AHEAD < keys) prefetch_key(k_cache, v_cache, slots[j + AHEAD] * slot_stride, DIM);
-      const T* k = k_cache + slots[j] * slot_stride;
-      if constexpr (BF16_DOTS<T>) {
+      if (j + LEAD < keys) prefetch_key(k_cache, v_cache, slots[j + LEAD] * slot_stride, record);
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const T* k = k_cache + slots[j] * slot_stride + g * DIM;
+        if constexpr (BF16_DOTS<T>) {
 #ifdef __AVX512BF16__
-        __m512i row[C / 2];
-        for (int64_t c = 0; c < C / 2; ++c) row[c] = _mm512_loadu_si512(k + c * 32);
-        for (int64_t h = 0; h < heads; ++h) {
-          __m512 part = _mm512_setzero_ps();
-          for (int64_t c = 0; c < C / 2; ++c) {
-            const __m512i words = _mm512_loadu_si512(q + h * q_head_stride + c * 32);
-            part = _mm512_dpbf16_ps(part, reinterpret_cast<__m512bh>(words),
-                                    reinterpret_cast<__m512bh>(row[c]));
+          __m512i row[C / 2];
+          for (int64_t c = 0; c < C / 2; ++c) row[c] = _mm512_loadu_si512(k + c * 32);
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            __m512 part = _mm512_setzero_ps();
+            for (int64_t c = 0; c < C / 2; ++c) {
+              const __m512i words = _mm512_loadu_si512(q + h * q_head_stride + c * 32);
+              part = _mm512_dpbf16_ps(part, reinterpret_cast<__m512bh>(words),
+                                      reinterpret_cast<__m512bh>(row[c]));
+            }
+            parts[h * CHUNK + t] = reinterpret_cast<v16>(part);
           }
-          parts[h * CHUNK + t] = reinterpret_cast<v16>(part);
-        }
 #endif
-      } else {
-        v16 row[C];
-        for (int64_t c = 0; c < C; c += 2) load32(k + c * 16, row[c], row[c + 1]);
-        for (int64_t h = 0; h < heads; ++h) {
-          const v16* qv = reinterpret_cast<const v16*>(qf + h * DIM);
-          v16 part = qv[0] * row[0];
-          for (int64_t c = 1; c < C; ++c) part += qv[c] * row[c];
-          parts[h * CHUNK + t] = part;
+        } else {
+          v16 row[C];
+          for (int64_t c = 0; c < C; c += 2) load32(k + c * 16, row[c], row[c + 1]);
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            const v16* qv = reinterpret_cast<const v16*>(qf + h * DIM);
+            v16 part = qv[0] * row[0];
+            for (int64_t c = 1; c < C; ++c) part += qv[c] * row[c];
+            parts[h * CHUNK + t] = part;
+          }
         }
       }
     }
@@ -235,27 +269,31 @@ void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
   std::fill(acc, acc + heads * DIM, 0.0f);
   for (int64_t j0 = 0; j0 < keys; j0 += CHUNK) {
     const int64_t j1 = std::min(j0 + CHUNK, keys);
-    for (int64_t h = 0; h < heads; h += TILE) {
-      const int64_t tile = std::min(TILE, heads - h);
-      const float* p = scores + h * keys;
-      float* a = acc + h * DIM;
-      if (tile == TILE) {
-        weigh_values<T, DIM, TILE>(p, keys, j0, j1, v_cache, slot_stride, slots, a);
-      } else if (tile == 1) {
-        weigh_values<T, DIM, 1>(p, keys, j0, j1, v_cache, slot_stride, slots, a);
-      } else if constexpr (TILE == 4) {
-        if (tile == 2) {
-          weigh_values<T, DIM, 2>(p, keys, j0, j1, v_cache, slot_stride, slots, a);
-        } else {
-          weigh_values<T, DIM, 3>(p, keys, j0, j1, v_cache, slot_stride, slots, a);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      const T* values = v_cache + g * DIM;
+      for (int64_t i = 0; i < group; i += TILE) {
+        const int64_t tile = std::min(TILE, group - i), h = g * group + i;
+        const float* p = scores + h * keys;
+        float* a = acc + h * DIM;
+        if (tile == TILE) {
+          weigh_values<T, DIM, TILE>(p, keys, j0, j1, values, slot_stride, slots, a);
+        } else if (tile == 1) {
+          weigh_values<T, DIM, 1>(p, keys, j0, j1, values, slot_stride, slots, a);
+        } else if constexpr (TILE == 4) {
+          if (tile == 2) {
+            weigh_values<T, DIM, 2>(p, keys, j0, j1, values, slot_stride, slots, a);
+          } else {
+            weigh_values<T, DIM, 3>(p, keys, j0, j1, values, slot_stride, slots, a);
+          }
         }
       }
     }
   }
   for (int64_t h = 0; h < heads; ++h) {
-    const float inv = 1.0f / sums[h];
-    for (int64_t d = 0; d < DIM; ++d) {
-      out[h * out_head_stride + source_of<T>(d / 16, d % 16)] = to<T>(acc[h * DIM + d] * inv);
+    const v16 inv = v16{} + 1.0f / sums[h];
+    const v16* a = reinterpret_cast<const v16*>(acc + h * DIM);
+    for (int64_t c = 0; c < C; c += 2) {
+      store32(out + h * out_head_stride + c * 16, a[c] * inv, a[c + 1] * inv);
     }
   }
 }
@@ -364,12 +402,17 @@ at::Tensor decode_attention_rows(const at::Tensor& q_in, const at::Tensor& k_cac
     using T = decltype(type);
     const T *qp = q.data_ptr<T>(), *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows * kv_heads, 1, [&](int64_t b0, int64_t e0) {
+    // With rows enough for every thread, an item is a whole row: its keys' K and V records
+    // are read once, contiguously, for every KV head. Otherwise an item is a row's KV head.
+    const bool whole_rows =
+        (dim == 64 || dim == 128) && rows >= WHOLE_ROWS_PER_THREAD * at::get_num_threads();
+    const int64_t per_row = whole_rows ? 1 : kv_heads, item_kv_heads = whole_rows ? kv_heads : 1;
+    at::parallel_for(0, rows * per_row, 1, [&](int64_t b0, int64_t e0) {
       std::vector<v16> buf;  // each thread's scratch
       for (int64_t item = b0; item < e0; ++item) {
         // Rows taken first, last, second, second to last...: each thread's run of items has
         // as many keys as another's where the rows' contexts grow (a prompt's tokens).
-        const int64_t nth = item / kv_heads, h = item % kv_heads;
+        const int64_t nth = item / per_row, h = item % per_row;
         const int64_t b = nth % 2 == 0 ? nth / 2 : rows - 1 - nth / 2, len = lp[b];
         const int64_t begin = window > 0 ? std::max<int64_t>(0, len - window) : 0;
         const T* row_q = qp + b * q.stride(0) + h * group * q.stride(1);
@@ -379,12 +422,19 @@ at::Tensor decode_attention_rows(const at::Tensor& q_in, const at::Tensor& k_cac
         const int64_t stride = kv_heads * dim;
         const auto cap = static_cast<float>(softcap), s = static_cast<float>(scale);
         const int64_t* row_slots = sp + b * row_stride;
+        const auto attend = [&](auto dim_tag, auto ahead_tag) {
+          attend_heads<T, decltype(dim_tag)::value, decltype(ahead_tag)::value>(
+              row_q, q.stride(1), keys, values, stride, row_slots, begin, len, item_kv_heads,
+              group, s, cap, head_sinks, row_out, dim, buf);
+        };
+        using Dim64 = std::integral_constant<int64_t, 64>;
+        using Dim128 = std::integral_constant<int64_t, 128>;
+        using Near = std::integral_constant<int64_t, AHEAD_RECORDS>;
+        using Far = std::integral_constant<int64_t, AHEAD>;
         if (dim == 64) {
-          attend_heads<T, 64>(row_q, q.stride(1), keys, values, stride, row_slots, begin, len,
-                              group, s, cap, head_sinks, row_out, dim, buf);
+          whole_rows ? attend(Dim64{}, Near{}) : attend(Dim64{}, Far{});
         } else if (dim == 128) {
-          attend_heads<T, 128>(row_q, q.stride(1), keys, values, stride, row_slots, begin, len,
-                               group, s, cap, head_sinks, row_out, dim, buf);
+          whole_rows ? attend(Dim128{}, Near{}) : attend(Dim128{}, Far{});
         } else {
           attend_group<T>(row_q, q.stride(1), keys, values, stride, row_slots, begin, len,
                           group, dim, s, cap, head_sinks, row_out, dim, buf);

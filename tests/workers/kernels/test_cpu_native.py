@@ -122,6 +122,16 @@ def attention_reference(q, k_cache, v_cache, slots, lens, scale, window, softcap
     return out
 
 
+@pytest.fixture
+def one_thread():
+    """torch at one thread, restored after: the kernel's items are whole rows where there are
+    4 rows a thread, else a row's KV heads, so the number of rows picks the path."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "heads, kv_heads, dim",
@@ -130,19 +140,20 @@ def attention_reference(q, k_cache, v_cache, slots, lens, scale, window, softcap
 @pytest.mark.parametrize(
     "window, softcap, with_sinks", [(0, 0.0, False), (20, 0.0, False), (0, 5.0, True)]
 )
+@pytest.mark.parametrize("lens", [[1, 260, 33], [1, 17, 100, 260, 33, 2, 64, 48]])
 def test_decode_attention_matches_float64(
-    ops, dtype, heads, kv_heads, dim, window, softcap, with_sinks
+    ops, one_thread, dtype, heads, kv_heads, dim, window, softcap, with_sinks, lens
 ):
     """Rows of different lengths (one key, a window's worth, hundreds; not all whole chunks of
     16 keys) over slots scattered through the cache, q a strided view; head sizes the kernel
     knows when compiled and one it does not; GQA groups of 1 to 8, so that the query heads
     weighing values together come 1, 2, 3 and 4 at a time; a window, Gemma 2's softcap,
-    gpt-oss' sinks."""
+    gpt-oss' sinks; 3 rows (a row's KV head an item) and 8 (a whole row an item)."""
     torch.manual_seed(dim + heads)
     num_slots, width = 700, 260
     k_cache = torch.randn(num_slots, kv_heads, dim).to(dtype)
     v_cache = torch.randn(num_slots, kv_heads, dim).to(dtype)
-    lens = torch.tensor([1, 17, 100, 260, 33])
+    lens = torch.tensor(lens)
     slots = torch.stack([torch.randperm(num_slots)[:width] for _ in lens])
     q = torch.randn(heads, len(lens), dim).to(dtype).transpose(0, 1)  # [B, H, D], strided
     sinks = torch.randn(heads).to(dtype) if with_sinks else None
