@@ -106,27 +106,35 @@ LOOM_VNNI inline __m512 load_floats(const T* x) {
   }
 }
 
+// Blocks [begin, end) of 32 inputs: their codes, scales and code sums into q.
+template <typename T>
+LOOM_VNNI void quantize_blocks_vnni(const T* x, int64_t begin, int64_t end, QuantizedRows& q) {
+  for (int64_t i = begin; i < end; ++i) {
+    const __m512 lo = load_floats(x + i * BLOCK), hi = load_floats(x + i * BLOCK + LANES);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m512 scale = _mm512_set1_ps(inverse);
+    const __m512i code_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, scale));
+    const __m512i code_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, scale));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * BLOCK),
+                     _mm512_cvtepi32_epi8(code_lo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * BLOCK + LANES),
+                     _mm512_cvtepi32_epi8(code_hi));
+    q.scale[i] = d;
+    q.code_sum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(code_lo, code_hi));
+  }
+}
+
+// The lambda that at::parallel_for runs does not take its enclosing function's target: the
+// AVX-512 code is in quantize_blocks_vnni, which it calls, so that the library still builds
+// for a CPU without AVX-512 (where nothing calls it).
 template <typename T>
 LOOM_VNNI QuantizedRows quantize_rows_vnni(const T* x, int64_t rows, int64_t k) {
   const int64_t blocks = rows * (k / BLOCK);
   QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<float>(blocks),
                   std::vector<int32_t>(blocks)};
   at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const __m512 lo = load_floats(x + i * BLOCK), hi = load_floats(x + i * BLOCK + LANES);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-      const __m512 scale = _mm512_set1_ps(inverse);
-      const __m512i code_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, scale));
-      const __m512i code_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, scale));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * BLOCK),
-                       _mm512_cvtepi32_epi8(code_lo));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * BLOCK + LANES),
-                       _mm512_cvtepi32_epi8(code_hi));
-      const int32_t code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(code_lo, code_hi));
-      q.scale[i] = d;
-      q.code_sum[i] = code_sum;
-    }
+    quantize_blocks_vnni(x, begin, end, q);
   });
   return q;
 }

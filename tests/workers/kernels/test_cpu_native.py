@@ -399,3 +399,30 @@ def test_the_ninja_package_is_found_without_the_venv_on_path(monkeypatch, tmp_pa
     monkeypatch.setenv("PATH", str(tmp_path))
     cpu_native.ninja_on_path()
     assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or shutil.which("c++") is None,
+    reason="the library is built with the system's c++ on Linux",
+)
+@pytest.mark.parametrize("source", ["cpu_block_linear.cpp", "cpu_attention.cpp"])
+def test_the_kernels_compile_for_a_cpu_without_avx512(source, tmp_path):
+    """Each machine compiles the library for its own CPU (-march=native), so the AVX-512 code
+    must sit behind target attributes or #ifdef: built here for an AVX2-only CPU (Haswell),
+    the sources with intrinsics compile."""
+    import platform
+
+    from torch.utils import cpp_extension
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the intrinsics are x86's")
+    flags = [f for f in cpu_native.CFLAGS if f not in ("-O3", "-march=native")]
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    command = ["c++", "-std=c++17", "-O1", "-march=haswell", *flags, *includes, "-c"]
+    source_path = Path(cpu_native.__file__).parent / source
+    built = subprocess.run(
+        [*command, str(source_path), "-o", str(tmp_path / "kernel.o")],
+        capture_output=True,
+        text=True,
+    )
+    assert built.returncode == 0, built.stderr[-4000:]
