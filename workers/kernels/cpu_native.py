@@ -34,7 +34,7 @@ SOURCES = tuple(
         "cpu_stack.cpp",
     )
 )
-HEADERS = (HERE / "cpu_ops.h",)
+HEADERS = (HERE / "cpu_ops.h", HERE / "cpu_attention_lanes.h")
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
 # "0": run the torch ops instead (the reference the C++ kernels are tested against).
 CPU_KERNELS_ENV = "LOOM_CPU_KERNELS"

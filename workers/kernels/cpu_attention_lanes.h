@@ -1,0 +1,122 @@
+// The vector helpers of the CPU decode attention (cpu_attention.cpp): dot products and maxima
+// over float rows, prefetches, and the lane order in which it loads, sums and stores rows of
+// thirty-two values.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include "cpu_ops.h"
+
+namespace loom_cpu {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  v16 acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16 x, y;
+    std::memcpy(&x, a + i, sizeof x);
+    std::memcpy(&y, b + i, sizeof y);
+    acc += x * y;
+  }
+  float sum = horizontal_sum(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline float max_of(const float* a, int64_t n, float start) {
+  float part[16];
+  std::fill(part, part + 16, start);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int u = 0; u < 16; ++u) part[u] = part[u] > a[i + u] ? part[u] : a[i + u];
+  }
+  float top = start;
+  for (int u = 0; u < 16; ++u) top = top > part[u] ? top : part[u];
+  for (; i < n; ++i) top = top > a[i] ? top : a[i];
+  return top;
+}
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim) {
+  for (int64_t i = 0; i < dim * static_cast<int64_t>(sizeof(T)); i += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + i);
+  }
+}
+
+// Thirty-two values from memory as two vectors of floats, in the lane order each type loads
+// fastest: float32 as it lies; bfloat16 (a float's upper half) as its 32-bit words' lower and
+// upper halves, the even and the odd elements, by a shift and a mask without widening.
+template <typename T>
+[[gnu::always_inline]] inline void load32(const T* x, v16& first, v16& second) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&first, x, sizeof first);
+    std::memcpy(&second, x + 16, sizeof second);
+  } else {
+    typedef uint32_t v16u32 __attribute__((vector_size(64)));
+    v16u32 words;
+    std::memcpy(&words, x, sizeof words);
+    first = reinterpret_cast<v16>(words << 16);
+    second = reinterpret_cast<v16>(words & 0xffff0000u);
+  }
+}
+
+// The inverse of load32: two vectors, in its lane order, rounded to T and stored as the
+// thirty-two values they hold (bf16_bits in vector form).
+template <typename T>
+[[gnu::always_inline]] inline void store32(T* x, v16 first, v16 second) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(x, &first, sizeof first);
+    std::memcpy(x + 16, &second, sizeof second);
+  } else {
+    typedef uint32_t v16u32 __attribute__((vector_size(64)));
+    const auto round = [](v16 v) {
+      const v16u32 bits = reinterpret_cast<v16u32>(v);
+      const v16u32 even = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+      const v16u32 nan = reinterpret_cast<v16u32>(v != v);
+      return (nan & 0x7fc00000u) | (~nan & even);
+    };
+    const v16u32 words = (round(first) >> 16) | round(second);
+    std::memcpy(x, &words, sizeof words);
+  }
+}
+
+// Lane j of the result is horizontal_sum(parts[j]), added in the same order, for sixteen
+// vectors at once: halves are paired across vectors, so no sum waits on a lone shuffle chain.
+inline v16 lane_sums(const v16* parts) {
+  v16 pairs[8], quads[4], octets[2];
+  for (int m = 0; m < 8; ++m) {  // lanes i and i + 8 of each vector: two vectors' eight sums
+    const v16 a = parts[2 * m], b = parts[2 * m + 1];
+    pairs[m] =
+        __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+        __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int m = 0; m < 4; ++m) {  // then i and i + 4 of those: four vectors' four
+    const v16 a = pairs[2 * m], b = pairs[2 * m + 1];
+    quads[m] =
+        __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+        __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int m = 0; m < 2; ++m) {  // then i and i + 2: eight vectors' two
+    const v16 a = quads[2 * m], b = quads[2 * m + 1];
+    octets[m] =
+        __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+        __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  const v16 a = octets[0], b = octets[1];  // then the two: sixteen vectors' one
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// a * b + c in one rounding where the CPU fuses them (the weighing of the value rows).
+[[gnu::always_inline]] inline v16 fma16(v16 a, v16 b, v16 c) {
+#ifdef __AVX512F__
+  return reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
+                                               reinterpret_cast<__m512>(b),
+                                               reinterpret_cast<__m512>(c)));
+#else
+  return a * b + c;
+#endif
+}
+
+}  // namespace loom_cpu
