@@ -1,15 +1,19 @@
 """The a8 kernel (kernels/cpu_block_linear.cpp): a weight's blocks of codes against
 activations quantized to int8 in blocks of 32, against a float64 reference of the same
-arithmetic, on the AVX512-VNNI path and the portable one; GGUF's blocks read exactly; bad
-input refused by name; and the measured choice's rule for it."""
+arithmetic, on the AVX512-VNNI path and the portable one (also as built for an AVX2-only CPU);
+GGUF's blocks read exactly; bad input refused by name; and the measured choice's rule for it."""
 
 from __future__ import annotations
+
+import platform
+import sys
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from support.haswell_build import run_built_for_haswell
 
 from loomllm.workers.kernels import cpu_kernel_choice, cpu_native
 from loomllm.workers.kernels.cpu_linear import BlockLinear, CodeBlocks, GroupwiseInt4
@@ -91,6 +95,31 @@ def test_block_linear_is_its_float64_arithmetic(ops, bits, rows, portable, form)
     bias = torch.randn(80)
     out = ops.block_linear(x, layer.packed, layer.scales, bias, bits, portable)
     torch.testing.assert_close(out.double(), reference(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"),
+    reason="built with the system's c++ for an x86 CPU",
+)
+def test_the_portable_path_built_for_an_avx2_only_cpu_is_its_float64_arithmetic(ops, tmp_path):
+    """A CPU without AVX512-VNNI runs the portable path, compiled for it: built for Haswell,
+    every weight form and width, in float32 and bfloat16, at one row and at a tile and more."""
+    calls, expected = [], []
+    for bits in (4, 8):
+        for form in FORMS:
+            for rows, dtype in [(1, torch.float32), (9, torch.float32), (5, torch.bfloat16)]:
+                weight = random_blocks(bits, 80, 96, seed=rows + bits, form=form)
+                layer = BlockLinear(weight, ops)
+                x = (torch.randn(rows, 96) * 3).to(dtype)
+                bias = torch.randn(80)
+                calls.append(("block_linear", (x, layer.packed, layer.scales, bias, bits, True)))
+                expected.append(reference(x, weight, bias))
+    outs = run_built_for_haswell(calls, tmp_path)
+    for (_, args), theirs, ours in zip(calls, expected, outs, strict=True):
+        assert ours.dtype == args[0].dtype
+        # bf16 rows: the output's rounding, once at the end.
+        tolerance = 1e-5 if ours.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(ours.double(), theirs, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("portable", PATHS)

@@ -1,6 +1,7 @@
 """The CPU's C++ ops (kernels/cpu_ops.cpp): norms, SiLU and the rotary embedding against the
 torch ops they replace (bit for bit in bfloat16), decode attention against a float64
-reference, clear errors for bad input, and the loader's settings."""
+reference, clear errors for bad input, the loader's settings, and a build for an AVX2-only CPU
+held to the same references."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.counting_ops import CountingOps
+from support.haswell_build import run_built_for_haswell
 
 from loomllm.workers.kernels import cpu_native
 from loomllm.workers.models.llama.model import RMSNorm, _rotate
@@ -401,24 +403,6 @@ def test_the_ninja_package_is_found_without_the_venv_on_path(monkeypatch, tmp_pa
     assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
 
 
-# A fresh process builds the library as an AVX2-only CPU's -march=native would, at one thread
-# (so that 3 rows take the per-KV-head items and 8 the whole-row ones), and runs the calls.
-HASWELL_RUN = """
-import sys
-from pathlib import Path
-import torch
-from loomllm.workers.kernels import cpu_native
-cpu_native.CFLAGS = tuple(
-    "-march=haswell" if flag == "-march=native" else flag for flag in cpu_native.CFLAGS
-)
-ops = cpu_native.load(Path(sys.argv[1]))
-assert ops is not None, "the library did not build for Haswell"
-torch.set_num_threads(1)
-calls = torch.load(sys.argv[2])
-torch.save([getattr(ops, name)(*args) for name, args in calls], sys.argv[3])
-"""
-
-
 @pytest.mark.skipif(
     not sys.platform.startswith("linux") or shutil.which("c++") is None,
     reason="the library is built with the system's c++ on Linux",
@@ -458,21 +442,7 @@ def test_a_build_for_a_cpu_without_avx512_computes_as_the_native_one_must(tmp_pa
         gate_up = (torch.randn(64, 2 * 96) * 4).to(dtype)
         calls.append(("silu_mul", (gate_up,)))
         expected.append((F.silu(gate_up[:, :96]) * gate_up[:, 96:], None))
-    torch.save(calls, tmp_path / "calls.pt")
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            HASWELL_RUN,
-            str(tmp_path),
-            *(str(tmp_path / f) for f in ("calls.pt", "outs.pt")),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    outs = torch.load(tmp_path / "outs.pt")
+    outs = run_built_for_haswell(calls, tmp_path)
     for (name, args), (theirs, tolerance), ours in zip(calls, expected, outs, strict=True):
         assert ours.dtype == args[0].dtype, name
         if tolerance is None:
