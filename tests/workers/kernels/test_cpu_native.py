@@ -124,6 +124,19 @@ def attention_reference(q, k_cache, v_cache, slots, lens, scale, window, softcap
     return out
 
 
+def attention_inputs(dtype, heads, kv_heads, dim, lens, with_sinks, seed):
+    """q (a strided view), caches of 700 slots, each row's 260 slots scattered through them,
+    lens and sinks: decode attention's arguments but its scale and options."""
+    torch.manual_seed(seed)
+    num_slots, width = 700, 260
+    k_cache = torch.randn(num_slots, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(num_slots, kv_heads, dim).to(dtype)
+    slots = torch.stack([torch.randperm(num_slots)[:width] for _ in lens])
+    q = torch.randn(heads, len(lens), dim).to(dtype).transpose(0, 1)  # [B, H, D], strided
+    sinks = torch.randn(heads).to(dtype) if with_sinks else None
+    return q, k_cache, v_cache, slots, torch.tensor(lens), sinks
+
+
 @pytest.fixture
 def one_thread():
     """torch at one thread, restored after: the kernel's items are whole rows where there are
@@ -151,14 +164,9 @@ def test_decode_attention_matches_float64(
     knows when compiled and one it does not; GQA groups of 1 to 8, so that the query heads
     weighing values together come 1, 2, 3 and 4 at a time; a window, Gemma 2's softcap,
     gpt-oss' sinks; 3 rows (a row's KV head an item) and 8 (a whole row an item)."""
-    torch.manual_seed(dim + heads)
-    num_slots, width = 700, 260
-    k_cache = torch.randn(num_slots, kv_heads, dim).to(dtype)
-    v_cache = torch.randn(num_slots, kv_heads, dim).to(dtype)
-    lens = torch.tensor(lens)
-    slots = torch.stack([torch.randperm(num_slots)[:width] for _ in lens])
-    q = torch.randn(heads, len(lens), dim).to(dtype).transpose(0, 1)  # [B, H, D], strided
-    sinks = torch.randn(heads).to(dtype) if with_sinks else None
+    q, k_cache, v_cache, slots, lens, sinks = attention_inputs(
+        dtype, heads, kv_heads, dim, lens, with_sinks, seed=dim + heads
+    )
     scale = dim**-0.5
     out = ops.decode_attention(q, k_cache, v_cache, slots, lens, scale, window, softcap, sinks)
     expected = attention_reference(q, k_cache, v_cache, slots, lens, scale, window, softcap, sinks)
@@ -426,13 +434,10 @@ def test_a_build_for_a_cpu_without_avx512_computes_as_the_native_one_must(tmp_pa
             (8, 1, 128, [1, 17, 100, 260, 33, 2, 64, 48], 0, 5.0, True),
             (4, 4, 80, [1, 260, 33], 0, 0.0, False),
         ]:
-            torch.manual_seed(dim + len(lens))
-            k_cache = torch.randn(700, kv_heads, dim).to(dtype)
-            v_cache = torch.randn(700, kv_heads, dim).to(dtype)
-            slots = torch.stack([torch.randperm(700)[:260] for _ in lens])
-            q = torch.randn(heads, len(lens), dim).to(dtype).transpose(0, 1)
-            sinks = torch.randn(heads).to(dtype) if with_sinks else None
-            args = (q, k_cache, v_cache, slots, torch.tensor(lens), dim**-0.5, window, softcap)
+            *tensors, sinks = attention_inputs(
+                dtype, heads, kv_heads, dim, lens, with_sinks, seed=dim + len(lens)
+            )
+            args = (*tensors, dim**-0.5, window, softcap)
             calls.append(("decode_attention", (*args, sinks)))
             expected.append((attention_reference(*args, sinks), tolerance))
         norm = norm_module(576, dtype)
