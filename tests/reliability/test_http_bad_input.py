@@ -19,8 +19,8 @@ import pytest
 from support.models import TINY_VOCAB
 from support.servers import NAME, running
 
-from loomllm.server.app import MAX_JSON_DEPTH
 from loomllm.server.openai.openapi_requests import FLOAT_MAX, INT64_MAX, INT64_MIN
+from loomllm.server.request_body import MAX_JSON_DEPTH
 
 pytestmark = pytest.mark.anyio
 
