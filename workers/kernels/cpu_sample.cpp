@@ -1,5 +1,5 @@
-// Sampling on the CPU in a few passes over each row of logits, where torch's path copies the
-// rows to float32 and makes many more: greedy (the first largest logit's id and its
+// Sampling on the CPU in two passes over each row of logits where it lies, where torch's path
+// copies the rows to float32 and makes many more: greedy (the first largest logit's id and its
 // log-softmax), and a draw at a temperature.
 
 #include "cpu_ops.h"
@@ -8,19 +8,17 @@ namespace loom_cpu {
 namespace {
 
 // The first id of the largest value in a float row (ties: the smallest id, as torch.argmax),
-// through 16 lanes that each keep their own first best, merged at the end.
+// through 16 lanes that each keep their own first best (32-bit positions), merged at the end.
 int64_t first_argmax(const float* x, int64_t n) {
-  float best[16];
-  int64_t where[16];
-  std::fill(best, best + 16, -std::numeric_limits<float>::infinity());
-  std::fill(where, where + 16, -1);
+  v16 best = v16{} - std::numeric_limits<float>::infinity();
+  v16i where = v16i{} - 1, at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    for (int u = 0; u < 16; ++u) {
-      const bool better = x[i + u] > best[u];
-      best[u] = better ? x[i + u] : best[u];
-      where[u] = better ? i + u : where[u];
-    }
+  for (; i + 16 <= n; i += 16, at += 16) {
+    v16 v;
+    std::memcpy(&v, x + i, sizeof v);
+    const v16i better = v > best;
+    best = better ? v : best;
+    where = better ? at : where;
   }
   float top = -std::numeric_limits<float>::infinity();
   int64_t id = -1;
@@ -43,6 +41,20 @@ int64_t first_argmax(const float* x, int64_t n) {
   return id;
 }
 
+// The sum of exp(x - top) over a float row, added as sum_of adds: sixteen lanes, then across.
+float exp_sum(const float* x, int64_t n, float top) {
+  v16 acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16 v;
+    std::memcpy(&v, x + i, sizeof v);
+    acc += fast_exp16(v - top);
+  }
+  float sum = horizontal_sum(acc);
+  for (; i < n; ++i) sum += fast_exp(x[i] - top);
+  return sum;
+}
+
 // Each row of logits' id and its logprob (the raw logits' log-softmax there: minus the log
 // of the sum of exp(logit - the largest)). The greedy id, or where temperatures[r] > 0 (with
 // `temperatures`), a draw from softmax(logits / temperature): the first id whose weight,
@@ -53,6 +65,8 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const char* op, const at::Tensor&
   check_dtype(op, logits_in);
   TORCH_CHECK(logits_in.dim() == 2 && logits_in.size(1) > 0, op, ": logits ", logits_in.sizes(),
               " are not [B, V]");
+  TORCH_CHECK(logits_in.size(1) <= std::numeric_limits<int32_t>::max(), op, ": a vocabulary of ",
+              logits_in.size(1), " ids is beyond 32-bit positions");
   const at::Tensor logits = logits_in.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const float* temperatures = nullptr;
@@ -74,24 +88,25 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const char* op, const at::Tensor&
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "sample_rows", [&] {
     const scalar_t* in = logits.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(vocab), weight(vocab);
+      std::vector<float> floats(vocab), weight;  // the row as floats; a drawing row's weights
       for (int64_t r = begin; r < end; ++r) {
-        to_float(in + r * vocab, row.data(), vocab);
-        const int64_t best = first_argmax(row.data(), vocab);
-        const float top = row[best];
-        for (int64_t i = 0; i < vocab; ++i) weight[i] = fast_exp(row[i] - top);
-        const float raw_sum = sum_of(weight.data(), vocab);
+        to_float(in + r * vocab, floats.data(), vocab);
+        const float* row = floats.data();
+        const int64_t best = first_argmax(row, vocab);
+        const float top = f32(row[best]);
+        const float raw_sum = exp_sum(row, vocab, top);
         int64_t id = best;
         if (std::isnan(raw_sum)) {  // a NaN logit is torch.argmax's pick, and the logprob NaN
           for (int64_t j = 0; j < vocab; ++j) {
-            if (std::isnan(row[j])) {
+            if (std::isnan(f32(row[j]))) {
               id = j;
               break;
             }
           }
         } else if (temperatures && temperatures[r] > 0.0f) {
           const float inverse = 1.0f / temperatures[r];
-          for (int64_t i = 0; i < vocab; ++i) weight[i] = fast_exp((row[i] - top) * inverse);
+          weight.resize(vocab);
+          for (int64_t i = 0; i < vocab; ++i) weight[i] = fast_exp((f32(row[i]) - top) * inverse);
           double total = 0.0;
           for (int64_t i = 0; i < vocab; ++i) total += weight[i];
           // (1 - u) <= 1, so reach <= total: the scan, adding in the same order, reaches it,
@@ -107,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const char* op, const at::Tensor&
           }
         }
         ip[r] = id;
-        lp[r] = (row[id] - top) - std::log(raw_sum);
+        lp[r] = (f32(row[id]) - top) - std::log(raw_sum);
       }
     });
   });
