@@ -26,7 +26,7 @@ from loomllm.protocols.messages import (
     SchedulerOutput,
     StepResult,
 )
-from loomllm.protocols.sampling import replace_checked
+from loomllm.protocols.sampling import RequestOutputKind, replace_checked
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +201,8 @@ class EngineCore:
         step's outputs are streamed only after the next step is sent: between a reply and the
         next send (what a worker waits for) the engine only updates and schedules. A stop
         string is seen a step later for it: the request computes two dropped tokens, not one.
-        With `ahead_max_rows`, a step of more requests runs alone: the loop takes its reply
-        before it schedules again.
+        With `ahead_max_rows`, a step of more requests runs alone, unless every output in it is
+        whole: the loop takes its reply before it schedules again.
         """
         error: BaseException | None = None
         in_flight: deque[tuple[SchedulerOutput, int]] = deque()  # (step, call id), oldest first
@@ -316,8 +316,18 @@ class EngineCore:
 
     def _may_run_ahead(self, step: SchedulerOutput) -> bool:
         """Whether the loop may schedule the next step while `step` runs (async scheduling):
-        always, or while steps have at most `ahead_max_rows` requests."""
-        return self.ahead_max_rows is None or len(step.num_scheduled_tokens) <= self.ahead_max_rows
+        always, or while steps have at most `ahead_max_rows` requests, or hold only requests
+        whose outputs are whole (FINAL_ONLY, as LLM.generate's): for those the engine between
+        steps only updates and schedules, with no output streamed a token at a time."""
+        if self.ahead_max_rows is None or len(step.num_scheduled_tokens) <= self.ahead_max_rows:
+            return True
+        requests = self.scheduler.requests
+        whole = RequestOutputKind.FINAL_ONLY
+        return all(
+            (request := requests.get(req_id)) is not None
+            and request.sampling_params.output_kind is whole
+            for req_id in step.num_scheduled_tokens
+        )
 
     def _stream_held(self) -> None:
         """Stream the held outputs, if any, on the step clock's output phase."""

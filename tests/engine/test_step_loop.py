@@ -25,6 +25,8 @@ from loomllm.protocols.messages import ExecuteStep, StepResult
 from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 from loomllm.text.tokenizer import Tokenizer
 
+CUMULATIVE, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
+
 MAX_MODEL_LEN = 64
 PROMPT = [5, 6, 7]
 
@@ -219,12 +221,19 @@ async def test_held_outputs_never_reach_a_request_that_took_the_id(tmp_path, any
     assert kv.num_free_blocks == kv.num_total_blocks
 
 
-async def run_two(core: EngineCore, workers: InProcessWorkers) -> list[list[int]]:
-    """A 3-token and a 9-token request added together: each one's tokens."""
+async def run_two(
+    core: EngineCore,
+    workers: InProcessWorkers,
+    kinds: tuple[RequestOutputKind, RequestOutputKind] = (CUMULATIVE, CUMULATIVE),
+) -> list[list[int]]:
+    """A 3-token and a 9-token request added together, their outputs of these kinds: each
+    one's tokens."""
     async with anyio.create_task_group() as tg:
         tg.start_soon(core.run)
-        short = add(core, PROMPT, SamplingParams(max_tokens=3, ignore_eos=True), "short")
-        long = add(core, [8, 9], SamplingParams(max_tokens=9, ignore_eos=True), "long")
+        short_params = SamplingParams(max_tokens=3, ignore_eos=True, output_kind=kinds[0])
+        long_params = SamplingParams(max_tokens=9, ignore_eos=True, output_kind=kinds[1])
+        short = add(core, PROMPT, short_params, "short")
+        long = add(core, [8, 9], long_params, "long")
         with anyio.fail_after(10):
             tokens = [(await last_output(c)).outputs[0].token_ids for c in (short, long)]
             await core.wait_until_idle()
@@ -251,3 +260,18 @@ async def test_with_a_row_limit_only_small_steps_run_ahead(tmp_path, anyio_backe
     unlimited, workers = make_core(tmp_path, async_scheduling=True)
     assert await run_two(unlimited, workers) == reference
     assert [in_flight for _, in_flight in workers.depths][1:-1] == [1] * (len(workers.depths) - 2)
+
+
+@pytest.mark.anyio
+async def test_with_a_row_limit_steps_of_whole_outputs_alone_run_ahead(tmp_path, anyio_backend):
+    """ahead_max_rows=1, but both requests' outputs whole (FINAL_ONLY, LLM.generate's):
+    nothing is streamed between steps, so every step after the first goes out while one is
+    in flight. One request streaming its tokens keeps the steps of both alone."""
+    reference = await run_two(*make_core(tmp_path, async_scheduling=False))
+    core, workers = make_core(tmp_path, async_scheduling=True, ahead_max_rows=1)
+    assert await run_two(core, workers, (FINAL_ONLY, FINAL_ONLY)) == reference
+    assert [in_flight for _, in_flight in workers.depths][1:-1] == [1] * (len(workers.depths) - 2)
+
+    core, workers = make_core(tmp_path, async_scheduling=True, ahead_max_rows=1)
+    assert await run_two(core, workers, (FINAL_ONLY, CUMULATIVE)) == reference
+    assert workers.depths == [(2, 0)] * 3 + [(1, 0)] + [(1, 1)] * 5 + [(0, 0)]
