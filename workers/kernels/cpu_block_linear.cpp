@@ -41,13 +41,15 @@ typedef int8_t v16c8 __attribute__((vector_size(16)));
 inline v16 abs16(v16 x) { return x < 0.0f ? -x : x; }
 
 // x's rows as int8 blocks: the codes q, each block's scale d (x ~ q * d) and sum(q); the
-// weights' offsets b multiply d * sum(q).
+// weights' offsets b multiply d * sum(q), held once computed (the kernel's loop over the
+// groups then only broadcasts it).
 struct QuantizedRows {
   std::vector<int8_t> codes;      // [M, K]
   std::vector<float> scale;       // [M, K / BLOCK]
   std::vector<int32_t> code_sum;  // [M, K / BLOCK]
+  std::vector<float> scaled_sum;  // [M, K / BLOCK]: scale * code_sum
 
-  float sum(int64_t i) const { return scale[i] * static_cast<float>(code_sum[i]); }
+  float sum(int64_t i) const { return scaled_sum[i]; }
 };
 
 // How a weight's scales are held: in float32 or float16 (S), with each block's offset b, or
@@ -65,7 +67,7 @@ template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
   const int64_t blocks = rows * (k / BLOCK);
   QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<float>(blocks),
-                  std::vector<int32_t>(blocks)};
+                  std::vector<int32_t>(blocks), std::vector<float>(blocks)};
   at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float v[BLOCK];
@@ -87,6 +89,7 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
       const float code_sum = horizontal_sum(code_lo + code_hi);  // exact: integers below 2^24
       q.scale[i] = d;
       q.code_sum[i] = static_cast<int32_t>(code_sum);
+      q.scaled_sum[i] = d * code_sum;
     }
   });
   return q;
@@ -122,6 +125,7 @@ LOOM_VNNI void quantize_blocks_vnni(const T* x, int64_t begin, int64_t end, Quan
                      _mm512_cvtepi32_epi8(code_hi));
     q.scale[i] = d;
     q.code_sum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(code_lo, code_hi));
+    q.scaled_sum[i] = d * static_cast<float>(q.code_sum[i]);
   }
 }
 
@@ -132,7 +136,7 @@ template <typename T>
 LOOM_VNNI QuantizedRows quantize_rows_vnni(const T* x, int64_t rows, int64_t k) {
   const int64_t blocks = rows * (k / BLOCK);
   QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<float>(blocks),
-                  std::vector<int32_t>(blocks)};
+                  std::vector<int32_t>(blocks), std::vector<float>(blocks)};
   at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
     quantize_blocks_vnni(x, begin, end, q);
   });
