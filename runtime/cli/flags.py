@@ -129,7 +129,7 @@ ENGINE_SWITCHES: list[tuple[str, str]] = [
     (
         "--async-scheduling",
         "send step N+1 while step N runs (default: on with CUDA workers; on the CPU, for "
-        "steps of one request)",
+        "steps of one request or of whole outputs only)",
     ),
     ("--enable-lora", "LoRA adapters per request (--lora-modules, or a request's model)"),
     (

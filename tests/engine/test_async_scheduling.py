@@ -273,7 +273,8 @@ async def test_engine_outputs_are_identical_with_async_scheduling_on_and_off(
             if mode == "on, launch ahead":
                 await engine.collective_rpc(launch_ahead)
             core = engine._replicas[0].core
-            # The default on a CPU worker: only steps of one request run ahead.
+            # The default on a CPU worker: steps of more requests run ahead only when
+            # their outputs are whole (test_step_loop checks which).
             assert (core.async_scheduling, core.ahead_max_rows) == {
                 False: (False, None),
                 True: (True, None),
