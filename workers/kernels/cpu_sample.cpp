@@ -1,5 +1,5 @@
-// Sampling on the CPU in two passes over each row of logits where it lies, where torch's path
-// copies the rows to float32 and makes many more: greedy (the first largest logit's id and its
+// Sampling on the CPU in a few passes over each row of logits, where torch's path copies the
+// rows to float32 and makes many more: greedy (the first largest logit's id and its
 // log-softmax), and a draw at a temperature.
 
 #include "cpu_ops.h"
@@ -88,17 +88,16 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const char* op, const at::Tensor&
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "sample_rows", [&] {
     const scalar_t* in = logits.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> floats(vocab), weight;  // the row as floats; a drawing row's weights
+      std::vector<float> row(vocab), weight;  // weight: filled for a row that draws
       for (int64_t r = begin; r < end; ++r) {
-        to_float(in + r * vocab, floats.data(), vocab);
-        const float* row = floats.data();
-        const int64_t best = first_argmax(row, vocab);
-        const float top = f32(row[best]);
-        const float raw_sum = exp_sum(row, vocab, top);
+        to_float(in + r * vocab, row.data(), vocab);
+        const int64_t best = first_argmax(row.data(), vocab);
+        const float top = row[best];
+        const float raw_sum = exp_sum(row.data(), vocab, top);
         int64_t id = best;
         if (std::isnan(raw_sum)) {  // a NaN logit is torch.argmax's pick, and the logprob NaN
           for (int64_t j = 0; j < vocab; ++j) {
-            if (std::isnan(f32(row[j]))) {
+            if (std::isnan(row[j])) {
               id = j;
               break;
             }
@@ -106,7 +105,7 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const char* op, const at::Tensor&
         } else if (temperatures && temperatures[r] > 0.0f) {
           const float inverse = 1.0f / temperatures[r];
           weight.resize(vocab);
-          for (int64_t i = 0; i < vocab; ++i) weight[i] = fast_exp((f32(row[i]) - top) * inverse);
+          for (int64_t i = 0; i < vocab; ++i) weight[i] = fast_exp((row[i] - top) * inverse);
           double total = 0.0;
           for (int64_t i = 0; i < vocab; ++i) total += weight[i];
           // (1 - u) <= 1, so reach <= total: the scan, adding in the same order, reaches it,
@@ -122,7 +121,7 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const char* op, const at::Tensor&
           }
         }
         ip[r] = id;
-        lp[r] = (f32(row[id]) - top) - std::log(raw_sum);
+        lp[r] = (row[id] - top) - std::log(raw_sum);
       }
     });
   });
