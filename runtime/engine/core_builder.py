@@ -15,7 +15,8 @@ from loomllm.text.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNKED_TOKEN_BUDGET = 2048
-# async_scheduling=None on a CPU worker: steps of at most this many requests run ahead.
+# async_scheduling=None on a CPU worker: steps of at most this many requests run ahead (and
+# larger ones whose outputs are all whole: EngineCore._may_run_ahead).
 CPU_AHEAD_MAX_ROWS = 1
 
 
@@ -85,8 +86,9 @@ def build_engine_core(
         async_scheduling = cfg.speculative is None
         if not info.device.startswith("cuda"):
             # A CPU worker's forward shares the cores with this process: the engine's work
-            # beside it pays for one stream, whose share is small, and stalls the worker's
-            # threads once it grows with the batch (and a server's per-token writes).
+            # beside it pays for one stream, or a batch that streams nothing until it ends,
+            # whose share is small, and stalls the worker's threads once it grows with a
+            # batch's streams (a server's per-token writes).
             ahead_max_rows = CPU_AHEAD_MAX_ROWS
     return EngineCore(
         scheduler,
