@@ -67,20 +67,28 @@ inline void to_float(const T* x, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = f32(x[i]);
 }
 
-// expf written to vectorize: 2^n times a polynomial on the remainder, within 2 ulp of expf
-// over [-87, 88.7]; 0 below (expf's denormals), infinity above (as expf).
-[[gnu::always_inline]] inline float fast_exp(float x) {
-  const float clamped = std::min(std::max(x, -87.0f), 88.72283935546875f);
+// exp(clamped) as 2^n times a polynomial on the remainder: the polynomial, and n (a float
+// holding an integer). V is a float or a vector of them, whose lanes get the same values.
+template <typename V>
+[[gnu::always_inline]] inline V exp_parts(V clamped, V& n) {
   // Rounded to the nearest integer by adding and taking away 1.5 * 2^23 (nearbyint is a call).
-  const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (clamped - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-  float p = 1.9875691500e-4f;
+  n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const V r = (clamped - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  return p * r * r + r + 1.0f;
+}
+
+// expf written to vectorize: 2^n times a polynomial on the remainder, within 2 ulp of expf
+// over [-87, 88.7]; 0 below (expf's denormals), infinity above (as expf).
+[[gnu::always_inline]] inline float fast_exp(float x) {
+  const float clamped = std::min(std::max(x, -87.0f), 88.72283935546875f);
+  float n;
+  float p = exp_parts(clamped, n);
   int32_t bits;
   std::memcpy(&bits, &p, sizeof bits);
   bits += static_cast<int32_t>(n) * (1 << 23);
@@ -100,15 +108,8 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 [[gnu::always_inline]] inline v16 fast_exp16(v16 x) {
   const v16 low = v16{} - 87.0f, high = v16{} + 88.72283935546875f;
   const v16 clamped = x < low ? low : (x > high ? high : x);
-  const v16 n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const v16 r = (clamped - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-  v16 p = v16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  v16 n;
+  const v16 p = exp_parts(clamped, n);
   const v16i bits = reinterpret_cast<v16i>(p) + __builtin_convertvector(n, v16i) * (1 << 23);
   const v16 inf = v16{} + std::numeric_limits<float>::infinity();
   return x < low ? v16{} : (x > high ? inf : reinterpret_cast<v16>(bits));
