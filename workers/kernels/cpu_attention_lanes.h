@@ -1,6 +1,6 @@
-// The vector helpers of the CPU decode attention (cpu_attention.cpp): dot products and maxima
-// over float rows, prefetches, and the lane order in which it loads, sums and stores rows of
-// thirty-two values.
+// The vector helpers of the CPU attention kernels (cpu_attention.cpp): dot products and maxima
+// over float rows, prefetches, the lane order in which they load, sum and store rows of
+// thirty-two values, the softmax of rows of scores and the weighing of value rows.
 
 #pragma once
 
@@ -117,6 +117,43 @@ inline v16 lane_sums(const v16* parts) {
 #else
   return a * b + c;
 #endif
+}
+
+// The softmax of each of a group's rows of scores, in place: scaled, capped, less their
+// maximum, exponentiated; the sums (sinks included) go to `sums`.
+inline void softmax_rows(float* scores, int64_t group, int64_t keys, float scale, float softcap,
+                         const float* sinks, float* sums) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * keys;
+    for (int64_t j = 0; j < keys; ++j) s[j] *= scale;
+    if (softcap > 0) {
+      for (int64_t j = 0; j < keys; ++j) s[j] = std::tanh(s[j] / softcap) * softcap;
+    }
+    const float sink = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
+    const float top = max_of(s, keys, sink);
+    for (int64_t j = 0; j < keys; ++j) s[j] = fast_exp(s[j] - top);
+    sums[g] = sum_of(s, keys) + (sinks ? fast_exp(sink - top) : 0.0f);
+  }
+}
+
+// HEADS query heads' weighted sums of the value rows of keys [j0, j1), added to `acc` (in
+// load32's lane order) and held in registers meanwhile: each value row is loaded once for all.
+template <typename T, int64_t DIM, int64_t HEADS>
+void weigh_values(const float* probs, int64_t keys, int64_t j0, int64_t j1, const T* v_cache,
+                  int64_t slot_stride, const int64_t* slots, float* acc) {
+  constexpr int64_t C = DIM / 16;
+  v16 sum[HEADS][C];
+  std::memcpy(sum, acc, sizeof sum);
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* v = v_cache + slots[j] * slot_stride;
+    v16 row[C];
+    for (int64_t c = 0; c < C; c += 2) load32(v + c * 16, row[c], row[c + 1]);
+    for (int64_t h = 0; h < HEADS; ++h) {
+      const v16 p = v16{} + probs[h * keys + j];
+      for (int64_t c = 0; c < C; ++c) sum[h][c] = fma16(p, row[c], sum[h][c]);
+    }
+  }
+  std::memcpy(acc, sum, sizeof sum);
 }
 
 }  // namespace loom_cpu
