@@ -120,27 +120,57 @@ inline v16 lane_sums(const v16* parts) {
 }
 
 // The softmax of each of a group's rows of scores, in place: scaled, capped, less their
-// maximum, exponentiated; the sums (sinks included) go to `sums`.
+// maximum, exponentiated; the sums (sinks included) go to `sums`. Two passes over a row, each
+// sixteen scores at a time: the scaling with the maximum, then the exponentials (fast_exp's
+// values) with their sum. A row's last few scores make one more vector, its other lanes -inf
+// (whose exponentials are 0).
 inline void softmax_rows(float* scores, int64_t group, int64_t keys, float scale, float softcap,
                          const float* sinks, float* sums) {
+  const float none = -std::numeric_limits<float>::infinity();
+  const int64_t whole = keys / 16 * 16, tail = keys - whole;
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * keys;
-    for (int64_t j = 0; j < keys; ++j) s[j] *= scale;
+    const float sink = sinks ? sinks[g] : none;
     if (softcap > 0) {
-      for (int64_t j = 0; j < keys; ++j) s[j] = std::tanh(s[j] / softcap) * softcap;
+      for (int64_t j = 0; j < keys; ++j) s[j] = std::tanh(s[j] * scale / softcap) * softcap;
     }
-    const float sink = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
-    const float top = max_of(s, keys, sink);
-    for (int64_t j = 0; j < keys; ++j) s[j] = fast_exp(s[j] - top);
-    sums[g] = sum_of(s, keys) + (sinks ? fast_exp(sink - top) : 0.0f);
+    const float factor = softcap > 0 ? 1.0f : scale;  // capped scores are scaled already
+    v16 part = v16{} + sink, last = v16{} + none;
+    for (int64_t j = 0; j < whole; j += 16) {
+      v16 x;
+      std::memcpy(&x, s + j, sizeof x);
+      x *= factor;
+      std::memcpy(s + j, &x, sizeof x);
+      part = part > x ? part : x;
+    }
+    for (int64_t u = 0; u < tail; ++u) last[u] = s[whole + u] *= factor;
+    part = part > last ? part : last;
+    float top = sink;
+    for (int u = 0; u < 16; ++u) top = top > part[u] ? top : part[u];
+    v16 acc = {};
+    for (int64_t j = 0; j < whole; j += 16) {
+      v16 x;
+      std::memcpy(&x, s + j, sizeof x);
+      const v16 e = fast_exp16(x - top);
+      std::memcpy(s + j, &e, sizeof e);
+      acc += e;
+    }
+    if (tail > 0) {
+      const v16 e = fast_exp16(last - top);
+      for (int64_t u = 0; u < tail; ++u) s[whole + u] = e[u];
+      acc += e;
+    }
+    sums[g] = horizontal_sum(acc) + (sinks ? fast_exp(sink - top) : 0.0f);
   }
 }
 
 // HEADS query heads' weighted sums of the value rows of keys [j0, j1), added to `acc` (in
 // load32's lane order) and held in registers meanwhile: each value row is loaded once for all.
+// Out of line: inlined into the prompt kernel's item, GCC kept the sums in memory instead.
 template <typename T, int64_t DIM, int64_t HEADS>
-void weigh_values(const float* probs, int64_t keys, int64_t j0, int64_t j1, const T* v_cache,
-                  int64_t slot_stride, const int64_t* slots, float* acc) {
+[[gnu::noinline]] void weigh_values(const float* probs, int64_t keys, int64_t j0, int64_t j1,
+                                   const T* v_cache, int64_t slot_stride, const int64_t* slots,
+                                   float* acc) {
   constexpr int64_t C = DIM / 16;
   v16 sum[HEADS][C];
   std::memcpy(sum, acc, sizeof sum);
