@@ -103,14 +103,34 @@ def attend_cached(
     group = q.shape[1] // k_cache.shape[1]
     if not meta.prefills:  # decode only: token i is decode row i, no gather or scatter
         return _decode(q, k_cache, v_cache, meta, group, scaling, sliding_window, extras)
-    out = torch.empty_like(q)  # [T, H, D]
+    ops = _cpu_ops(q, k_cache)
+    if ops is not None and meta.prefill_batch is not None:
+        # Every prompt row in one call, each reading its context in the cache where it lies.
+        batch = meta.prefill_batch
+        out = ops.prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            batch.slots,
+            batch.lens,
+            batch.q_starts,
+            batch.q_lens,
+            scaling if scaling is not None else q.shape[-1] ** -0.5,
+            sliding_window or 0,
+            extras.softcap or 0.0,
+            extras.sinks,
+        )
+    else:
+        out = torch.empty_like(q)  # [T, H, D]
+        for row in meta.prefills:
+            rows = slice(row.token_start, row.token_start + row.num_tokens)
+            out[rows] = _prefill(
+                q[rows], k_cache, v_cache, row, group, scaling, sliding_window, extras
+            )
     if meta.decode_token_idx.numel():
         out[meta.decode_token_idx] = _decode(
             q[meta.decode_token_idx], k_cache, v_cache, meta, group, scaling, sliding_window, extras
         )
-    for row in meta.prefills:
-        rows = slice(row.token_start, row.token_start + row.num_tokens)
-        out[rows] = _prefill(q[rows], k_cache, v_cache, row, group, scaling, sliding_window, extras)
     return out
 
 
@@ -326,21 +346,6 @@ def _prefill(
 ) -> torch.Tensor:
     n, num_heads, dim = q.shape
     seq_len = row.context_slots.numel()
-    ops = _cpu_ops(q, k_cache)
-    if ops is not None:
-        # Each prompt token as a decode row over the keys up to its own, all reading the
-        # prompt's one slot list in the cache: no gather, no mask.
-        return ops.decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            row.context_slots[None],
-            torch.arange(seq_len - n + 1, seq_len + 1),
-            scaling if scaling is not None else dim**-0.5,
-            sliding_window or 0,
-            extras.softcap or 0.0,
-            extras.sinks,
-        )
     k = _gather(k_cache, row.context_slots[None], q.dtype)[0]  # [KVH, L, D]
     v = _gather(v_cache, row.context_slots[None], q.dtype)[0]
     # Query j sits at absolute position seq_len - n + j and sees keys up to it.

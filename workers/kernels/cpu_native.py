@@ -1,6 +1,6 @@
-"""loomllm's C++ kernels for the CPU (cpu_ops.cpp, cpu_attention.cpp, cpu_sample.cpp,
-cpu_block_linear.cpp, cpu_stack.cpp): compiled once per machine into the cache dir at a
-worker's start, then loaded as torch.ops.loom_cpu.
+"""loomllm's C++ kernels for the CPU (cpu_ops.cpp, cpu_attention.cpp,
+cpu_prefill_attention.cpp, cpu_sample.cpp, cpu_block_linear.cpp, cpu_stack.cpp): compiled once
+per machine into the cache dir at a worker's start, then loaded as torch.ops.loom_cpu.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ SOURCES = tuple(
     for name in (
         "cpu_ops.cpp",
         "cpu_attention.cpp",
+        "cpu_prefill_attention.cpp",
         "cpu_sample.cpp",
         "cpu_block_linear.cpp",
         "cpu_stack.cpp",

@@ -1,6 +1,6 @@
-// Shared by loomllm's CPU kernels (cpu_ops.cpp, cpu_attention.cpp, cpu_sample.cpp,
-// cpu_block_linear.cpp, cpu_stack.cpp): the roundings and vector-friendly helpers they compute with, and the ops
-// each defines.
+// Shared by loomllm's CPU kernels (cpu_ops.cpp, cpu_attention.cpp, cpu_prefill_attention.cpp,
+// cpu_sample.cpp, cpu_block_linear.cpp, cpu_stack.cpp): the roundings and vector-friendly
+// helpers they compute with, and the ops each defines.
 
 #pragma once
 
@@ -157,6 +157,13 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
                                  const at::Tensor& lens, double scale, int64_t window,
                                  double softcap, const std::optional<at::Tensor>& sinks,
                                  bool check_slots);
+
+// cpu_prefill_attention.cpp
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& slots,
+                             const at::Tensor& lens, const at::Tensor& q_starts,
+                             const at::Tensor& q_lens, double scale, int64_t window,
+                             double softcap, const std::optional<at::Tensor>& sinks);
 
 // cpu_sample.cpp
 std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits);

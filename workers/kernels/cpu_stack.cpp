@@ -115,6 +115,10 @@ TORCH_LIBRARY(loom_cpu, m) {
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, "
       "float scale, int window, float softcap, Tensor? sinks) -> Tensor");
   m.def(
+      "prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, "
+      "Tensor q_starts, Tensor q_lens, float scale, int window, float softcap, Tensor? sinks) "
+      "-> Tensor");
+  m.def(
       "decode_layers(Tensor hidden, Tensor?[] weights, int[] modes, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, float eps, int heads, int kv_heads, int head_dim, Tensor cos, "
       "Tensor sin, Tensor slots, Tensor decode_slots, Tensor decode_lens, float scale, "
@@ -133,6 +137,7 @@ TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
   m.impl("silu_mul", &loom_cpu::silu_mul);
   m.impl("rotary_into_cache", &loom_cpu::rotary_into_cache);
   m.impl("decode_attention", &loom_cpu::decode_attention);
+  m.impl("prefill_attention", &loom_cpu::prefill_attention);
   m.impl("decode_layers", &loom_cpu::decode_layers);
   m.impl("greedy_sample", &loom_cpu::greedy_sample);
   m.impl("random_sample", &loom_cpu::random_sample);

@@ -200,6 +200,113 @@ def test_rows_sharing_one_slot_list_attend_each_up_to_its_own_key(ops, dtype, wi
         ops.decode_attention(q, k_cache, v_cache, outside[None], lens, 0.125, 0, 0.0, None)
 
 
+# Prompts as (context tokens, this step's queries): one whole, one after a cached prefix of 5
+# keys, a one-token chunk, a one-token prompt, and one long enough for several items of query
+# positions and blocks of keys.
+PROMPTS = [(41, 36), (5, 5), (90, 17), (1, 1), (70, 70)]
+
+
+def prefill_inputs(dtype, heads, kv_heads, dim, with_sinks, seed):
+    """q (a strided view) with two rows before the prompts' queries and one after (rows in no
+    prompt, which the kernel leaves zero), caches of 400 slots with each prompt's context
+    scattered through them, and prefill_attention's other tensors: slots (padded), lens,
+    q_starts, q_lens, sinks."""
+    torch.manual_seed(seed)
+    k_cache = torch.randn(400, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(400, kv_heads, dim).to(dtype)
+    order = torch.randperm(400)
+    slots = torch.zeros(len(PROMPTS), max(length for length, _ in PROMPTS), dtype=torch.long)
+    q_starts, taken, token = [], 0, 2
+    for p, (length, queries) in enumerate(PROMPTS):
+        slots[p, :length] = order[taken : taken + length]
+        taken += length
+        q_starts.append(token)
+        token += queries
+    q = torch.randn(heads, token + 1, dim).to(dtype).transpose(0, 1)  # [T, H, D], strided
+    sinks = torch.randn(heads).to(dtype) if with_sinks else None
+    lens = torch.tensor([length for length, _ in PROMPTS])
+    q_lens = torch.tensor([queries for _, queries in PROMPTS])
+    return q, k_cache, v_cache, slots, lens, torch.tensor(q_starts), q_lens, sinks
+
+
+def prefill_reference(q, k_cache, v_cache, slots, lens, q_starts, q_lens, *options):
+    """Each prompt's queries as decode rows over its context up to their own positions, in
+    float64 (attention_reference); zeros for rows in no prompt."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for p in range(len(lens)):
+        length, queries, start = int(lens[p]), int(q_lens[p]), int(q_starts[p])
+        rows = slice(start, start + queries)
+        context = slots[p : p + 1, :length].expand(queries, -1)
+        positions = torch.arange(length - queries + 1, length + 1)
+        out[rows] = attention_reference(q[rows], k_cache, v_cache, context, positions, *options)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim",
+    [(9, 3, 64), (12, 2, 64), (2, 2, 64), (8, 1, 128), (5, 1, 128), (4, 4, 80)],
+)
+@pytest.mark.parametrize(
+    "window, softcap, with_sinks", [(0, 0.0, False), (20, 0.0, False), (0, 5.0, True)]
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_attention_matches_float64(
+    ops, dtype, heads, kv_heads, dim, window, softcap, with_sinks, threads
+):
+    """Prompts of 1 to 90 context tokens, some after a cached prefix, packed among rows of no
+    prompt: each query over its prompt's context up to its own position. GQA groups of 1 to
+    6 (tiles of query rows not whole), head sizes the kernel knows when compiled and one it
+    does not, a window, Gemma 2's softcap, gpt-oss' sinks, at one thread and at two."""
+    tensors = prefill_inputs(dtype, heads, kv_heads, dim, with_sinks, seed=heads + dim)
+    *inputs, sinks = tensors
+    options = (dim**-0.5, window, softcap)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = ops.prefill_attention(*inputs, *options, sinks)
+    finally:
+        torch.set_num_threads(before)
+    expected = prefill_reference(*inputs, *options, sinks)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    assert out.dtype == dtype and out.shape == inputs[0].shape
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_bad_prefill_input_is_refused_by_name_and_the_op_keeps_working(ops):
+    q, k_cache, v_cache, slots, lens, q_starts, q_lens, _ = prefill_inputs(
+        torch.float32, 4, 2, 64, False, seed=1
+    )
+    outside = slots.clone()
+    outside[2, 89] = 400
+    cases = [
+        ((q, k_cache, v_cache, outside, lens, q_starts, q_lens), "slot 400 outside 400"),
+        ((q, k_cache, v_cache, slots, lens, q_starts, q_lens + 1), "prompt 1 has 6 queries of 5"),
+        ((q, k_cache, v_cache, slots, lens + 1, q_starts, q_lens), "prompt 2 has 17 queries of"),
+        (
+            (q, k_cache, v_cache, slots, lens, q_starts + 3, q_lens),
+            "prompt 4's queries 64 to 134 are outside q's 132",
+        ),
+        ((q, k_cache, v_cache, slots, lens[:2], q_starts, q_lens), "not of one prompt count"),
+        ((q.half(), k_cache, v_cache, slots, lens, q_starts, q_lens), "takes float32 or bf"),
+        ((q, k_cache.bfloat16(), v_cache, slots, lens, q_starts, q_lens), "caches BFloat16"),
+    ]
+    for args, words in cases:
+        with pytest.raises(RuntimeError, match=words):
+            ops.prefill_attention(*args, 0.125, 0, 0.0, None)
+    with pytest.raises(RuntimeError, match="3 sinks for 4 heads"):
+        ops.prefill_attention(
+            q, k_cache, v_cache, slots, lens, q_starts, q_lens, 0.125, 0, 0.0, torch.zeros(3)
+        )
+    out = ops.prefill_attention(
+        q, k_cache, v_cache, slots, lens, q_starts, q_lens, 0.125, 0, 0.0, None
+    )
+    expected = prefill_reference(
+        q, k_cache, v_cache, slots, lens, q_starts, q_lens, 0.125, 0, 0.0, None
+    )
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_input_is_refused_by_name_and_the_ops_keep_working(ops):
     k_cache = torch.randn(50, 2, 16)
     v_cache = torch.randn(50, 2, 16)
@@ -440,6 +547,14 @@ def test_a_build_for_a_cpu_without_avx512_computes_as_the_native_one_must(tmp_pa
             args = (*tensors, dim**-0.5, window, softcap)
             calls.append(("decode_attention", (*args, sinks)))
             expected.append((attention_reference(*args, sinks), tolerance))
+        for heads, kv_heads, dim, window, softcap, with_sinks in [
+            (9, 3, 64, 20, 0.0, False),
+            (8, 1, 128, 0, 5.0, True),
+        ]:
+            *tensors, sinks = prefill_inputs(dtype, heads, kv_heads, dim, with_sinks, seed=dim)
+            args = (*tensors, dim**-0.5, window, softcap)
+            calls.append(("prefill_attention", (*args, sinks)))
+            expected.append((prefill_reference(*args, sinks), tolerance))
         norm = norm_module(576, dtype)
         x = torch.randn(33, 576).to(dtype)
         calls.append(("rms_norm", (x, norm.weight, norm.eps)))

@@ -42,8 +42,8 @@ def cpu_kernels(monkeypatch):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_match_transformers(variant, tmp_path, monkeypatch):
     """Every variant (qwen3's norms of q and k, biases, tied embeddings, RoPE scalings): the
-    prompt's step layer by layer, its attention the C++ kernel's (each prompt token a row of
-    it), the decode step in one call."""
+    prompt's step layer by layer, its attention the C++ prompt kernel's (one call a layer), the
+    decode step in one call."""
     model_dir = save_variant(tmp_path, variant)
     loaded = load_model(str(model_dir), dtype="float32", model_impl="loom")
     assert install_cpu_kernels(loaded.model, torch.float32)
@@ -54,7 +54,7 @@ def test_logits_match_transformers(variant, tmp_path, monkeypatch):
     torch.testing.assert_close(ours, hf_logits(model_dir, PROMPT), rtol=1e-4, atol=1e-5)
     assert counting.calls["decode_layers"] == 1
     assert counting.calls["rotary_into_cache"] == LAYERS
-    assert counting.calls["decode_attention"] == LAYERS
+    assert counting.calls["prefill_attention"] == LAYERS
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])

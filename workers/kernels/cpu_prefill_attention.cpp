@@ -1,0 +1,300 @@
+// Causal attention of prompt tokens on the CPU: each prompt's queries over its context in the
+// paged cache, a tile of query positions at a time, so that every block of sixteen keys is
+// read and laid out once for all the tile's query rows (decode attention reads it per row).
+
+#include <atomic>
+
+#include "cpu_attention_lanes.h"
+
+namespace loom_cpu {
+namespace {
+
+constexpr int64_t KEYS = 16;       // a block of keys: one vector of each query row's scores
+constexpr int64_t POSITIONS = 16;  // query positions an item of work takes, each with its group
+constexpr int SCORE_ROWS = 8;      // query rows whose scores one pass over a key block sums
+
+#ifdef __AVX512BF16__
+template <typename T>
+constexpr bool BF16_DOTS = std::is_same_v<T, c10::BFloat16>;
+#else
+template <typename T>
+constexpr bool BF16_DOTS = false;
+#endif
+
+// A block of keys laid out for scoring: with bfloat16 dot products, [DIM / 2][16] words, each
+// key's dims 2p and 2p + 1 in lane p of word row p; else [DIM][16] floats. Keys past the
+// context are zeros.
+template <typename T, int64_t DIM>
+void lay_out_keys(const T* k_cache, int64_t slot_stride, const int64_t* slots, int64_t n,
+                  void* block) {
+  if constexpr (BF16_DOTS<T>) {
+    auto* words = static_cast<uint32_t*>(block);
+    for (int64_t t = 0; t < KEYS; ++t) {
+      uint32_t row[DIM / 2] = {};
+      if (t < n) std::memcpy(row, k_cache + slots[t] * slot_stride, sizeof row);
+      for (int64_t p = 0; p < DIM / 2; ++p) words[p * KEYS + t] = row[p];
+    }
+  } else {
+    auto* floats = static_cast<float*>(block);
+    for (int64_t t = 0; t < KEYS; ++t) {
+      const T* key = t < n ? k_cache + slots[t] * slot_stride : nullptr;
+      for (int64_t d = 0; d < DIM; ++d) floats[d * KEYS + t] = key ? f32(key[d]) : 0.0f;
+    }
+  }
+}
+
+// R query rows' scores against a laid-out block of keys, into scores[r] (sixteen each). q[r]:
+// row r in T (bfloat16 dot products) or in float.
+template <typename T, int64_t DIM, int R>
+void score_block(const void* block, const void* const* q, float* const* scores) {
+  if constexpr (BF16_DOTS<T>) {
+#ifdef __AVX512BF16__
+    const auto* words = static_cast<const uint32_t*>(block);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < DIM / 2; ++p) {
+      const __m512i keys = _mm512_loadu_si512(words + p * KEYS);
+      for (int r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, static_cast<const c10::BFloat16*>(q[r]) + 2 * p, sizeof pair);
+        acc[r] = _mm512_dpbf16_ps(acc[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)),
+                                  reinterpret_cast<__m512bh>(keys));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(scores[r], acc[r]);
+#endif
+  } else {
+    const auto* floats = static_cast<const float*>(block);
+    v16 acc[R] = {};
+    for (int64_t d = 0; d < DIM; ++d) {
+      v16 keys;
+      std::memcpy(&keys, floats + d * KEYS, sizeof keys);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = fma16(v16{} + static_cast<const float*>(q[r])[d], keys, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) std::memcpy(scores[r], &acc[r], sizeof acc[r]);
+  }
+}
+
+template <typename T, int64_t DIM>
+void score_rows(int rows, const void* block, const void* const* q, float* const* scores) {
+  switch (rows) {
+    case 8: return score_block<T, DIM, 8>(block, q, scores);
+    case 7: return score_block<T, DIM, 7>(block, q, scores);
+    case 6: return score_block<T, DIM, 6>(block, q, scores);
+    case 5: return score_block<T, DIM, 5>(block, q, scores);
+    case 4: return score_block<T, DIM, 4>(block, q, scores);
+    case 3: return score_block<T, DIM, 3>(block, q, scores);
+    case 2: return score_block<T, DIM, 2>(block, q, scores);
+    default: return score_block<T, DIM, 1>(block, q, scores);
+  }
+}
+static_assert(SCORE_ROWS == 8, "score_rows dispatches up to eight rows");
+
+// An item of work: a prompt's KV head, over query positions [first, first + count) of the
+// prompt's queries; its cost, the scores it computes.
+struct Item {
+  int64_t prompt, kv_head, first, count, cost;
+};
+
+// What every item reads: the prompts, the caches, the options.
+template <typename T>
+struct Prompts {
+  const T *q, *k_cache, *v_cache;
+  T* out;
+  int64_t q_row_stride, q_head_stride, slot_stride, heads, kv_heads, group;
+  const int64_t *slots, *lens, *q_starts, *q_lens;
+  int64_t slots_width;
+  float scale, softcap;
+  int64_t window;
+  const float* sinks;
+};
+
+// Scratch a thread reuses from item to item.
+struct Scratch {
+  std::vector<v16> keys;  // one laid-out key block
+  std::vector<float> scores, acc, sums, qf;
+};
+
+// One item: its rows are its positions' query heads, position-major. Scores for every key
+// any row sees, then each row's softmax over its own keys (the others' probabilities zero),
+// then the value rows weighed a few query rows at a time, as decode attention does.
+template <typename T, int64_t DIM>
+void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
+  const int64_t p = item.prompt, g = item.kv_head, group = a.group;
+  const int64_t rows = item.count * group, len = a.lens[p];
+  const int64_t first_pos = len - a.q_lens[p] + item.first;  // the first query's position
+  const int64_t last_end = first_pos + item.count;           // keys [.., last_end) seen at all
+  const auto row_begin = [&](int64_t pos) {
+    return a.window > 0 ? std::max<int64_t>(0, pos + 1 - a.window) : int64_t{0};
+  };
+  const int64_t kb = row_begin(first_pos), width = (last_end - kb + KEYS - 1) / KEYS * KEYS;
+  s.keys.resize(DIM * KEYS * sizeof(float) / sizeof(v16));
+  s.scores.resize(rows * width);
+  s.acc.assign(rows * DIM, 0.0f);
+  s.sums.resize(rows);
+  const int64_t* slots = a.slots + p * a.slots_width + kb;
+  const T* k_cache = a.k_cache + g * DIM;
+  std::vector<const void*> q_rows(rows);
+  if constexpr (!BF16_DOTS<T>) s.qf.resize(rows * DIM);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = a.q_starts[p] + item.first + r / group;
+    const T* row = a.q + token * a.q_row_stride + (g * group + r % group) * a.q_head_stride;
+    if constexpr (BF16_DOTS<T>) {
+      q_rows[r] = row;
+    } else {
+      to_float(row, s.qf.data() + r * DIM, DIM);
+      q_rows[r] = s.qf.data() + r * DIM;
+    }
+  }
+  // Scores, key block by key block: rows whose positions come before a block skip it.
+  for (int64_t j0 = 0; j0 < last_end - kb; j0 += KEYS) {
+    lay_out_keys<T, DIM>(k_cache, a.slot_stride, slots + j0, std::min(KEYS, last_end - kb - j0),
+                         s.keys.data());
+    // Row r's position is first_pos + r / group: it sees the block if kb + j0 <= that.
+    const int64_t from = std::max<int64_t>(0, (kb + j0 - first_pos) * group);
+    for (int64_t r0 = from; r0 < rows; r0 += SCORE_ROWS) {
+      const int n = static_cast<int>(std::min<int64_t>(SCORE_ROWS, rows - r0));
+      float* out[SCORE_ROWS];
+      for (int r = 0; r < n; ++r) out[r] = s.scores.data() + (r0 + r) * width + j0;
+      score_rows<T, DIM>(n, s.keys.data(), q_rows.data() + r0, out);
+    }
+  }
+  // Each row's softmax over its own keys [b, e); zeros elsewhere, so that weighing a tile of
+  // rows over the keys any of them sees adds nothing for the others.
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t pos = first_pos + r / group, b = row_begin(pos) - kb, e = pos + 1 - kb;
+    float* row = s.scores.data() + r * width;
+    const float* sink = a.sinks ? a.sinks + g * group + r % group : nullptr;
+    softmax_rows(row + b, 1, e - b, a.scale, a.softcap, sink, s.sums.data() + r);
+    std::fill(row, row + b, 0.0f);
+    std::fill(row + e, row + width, 0.0f);
+  }
+  constexpr int64_t TILE = DIM <= 64 ? 4 : 2;
+  const T* values = a.v_cache + g * DIM;
+  for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+    const int64_t n = std::min(TILE, rows - r0);
+    const int64_t j0 = row_begin(first_pos + r0 / group) - kb;
+    const int64_t j1 = first_pos + (r0 + n - 1) / group + 1 - kb;
+    const float* probs = s.scores.data() + r0 * width;
+    float* acc = s.acc.data() + r0 * DIM;
+    if (n == TILE) {
+      weigh_values<T, DIM, TILE>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
+    } else if (n == 1) {
+      weigh_values<T, DIM, 1>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
+    } else if constexpr (TILE == 4) {
+      if (n == 2) {
+        weigh_values<T, DIM, 2>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
+      } else {
+        weigh_values<T, DIM, 3>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = a.q_starts[p] + item.first + r / group;
+    T* out = a.out + (token * a.heads + g * group + r % group) * DIM;
+    const v16 inv = v16{} + 1.0f / s.sums[r];
+    const v16* acc = reinterpret_cast<const v16*>(s.acc.data() + r * DIM);
+    for (int64_t c = 0; c < DIM / 16; c += 2) store32(out + c * 16, acc[c] * inv, acc[c + 1] * inv);
+  }
+}
+
+// Every item, the costliest first, taken by the threads as each finishes its last: items'
+// costs differ (later positions see more keys), so a fixed split would leave a thread idle.
+template <typename T, int64_t DIM>
+void attend_items(const Prompts<T>& a, std::vector<Item>& items) {
+  std::sort(items.begin(), items.end(),
+            [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t total = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t i = next++; i < total; i = next++) attend_item<T, DIM>(a, items[i], scratch);
+  });
+}
+
+}  // namespace
+
+// Prompt p's q_lens[p] queries are q's rows q_starts[p] onward, the last of its lens[p]
+// context tokens, whose slots are slots[p, :lens[p]]; query i attends to the context up to its
+// own position (its last `window` keys where window > 0). q [T, H, D]; caches [S, KVH, D];
+// softcap and sinks as decode_attention's. Returns [T, H, D]: rows in no prompt are zeros.
+at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& slots_in,
+                             const at::Tensor& lens_in, const at::Tensor& q_starts_in,
+                             const at::Tensor& q_lens_in, double scale, int64_t window,
+                             double softcap, const std::optional<at::Tensor>& sinks_in) {
+  check_dtype("prefill_attention", q_in);
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "prefill_attention: caches ", k_cache.scalar_type(), " for q ", q.scalar_type());
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(1) == 0,
+              "prefill_attention: q ", q.sizes(), ", caches ", k_cache.sizes());
+  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(1), num_slots = k_cache.size(0);
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous();
+  const at::Tensor lens = lens_in.to(at::kLong).contiguous();
+  const at::Tensor q_starts = q_starts_in.to(at::kLong).contiguous();
+  const at::Tensor q_lens = q_lens_in.to(at::kLong).contiguous();
+  const int64_t prompts = lens.numel();
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == prompts && q_starts.numel() == prompts &&
+                  q_lens.numel() == prompts,
+              "prefill_attention: slots ", slots.sizes(), ", lens ", lens.sizes(), ", q_starts ",
+              q_starts.sizes(), ", q_lens ", q_lens.sizes(), " are not of one prompt count");
+  const int64_t width = slots.size(1);
+  const int64_t *sp = slots.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+  const int64_t *qs = q_starts.data_ptr<int64_t>(), *ql = q_lens.data_ptr<int64_t>();
+  for (int64_t p = 0; p < prompts; ++p) {
+    TORCH_CHECK(ql[p] >= 1 && ql[p] <= lp[p] && lp[p] <= width, "prefill_attention: prompt ", p,
+                " has ", ql[p], " queries of ", lp[p], " context tokens, ", width, " slots");
+    TORCH_CHECK(qs[p] >= 0 && qs[p] + ql[p] <= tokens, "prefill_attention: prompt ", p,
+                "'s queries ", qs[p], " to ", qs[p] + ql[p], " are outside q's ", tokens);
+    for (int64_t j = 0; j < lp[p]; ++j) {
+      TORCH_CHECK(sp[p * width + j] >= 0 && sp[p * width + j] < num_slots,
+                  "prefill_attention: slot ", sp[p * width + j], " outside ", num_slots);
+    }
+  }
+  at::Tensor sinks;
+  if (sinks_in.has_value()) {
+    sinks = sinks_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(sinks.numel() == heads, "prefill_attention: ", sinks.numel(), " sinks for ",
+                heads, " heads");
+  }
+  at::Tensor out = at::zeros({tokens, heads, dim}, q.options());
+  if (dim != 64 && dim != 128) {  // head sizes not compiled in: each prompt as decode rows
+    for (int64_t p = 0; p < prompts; ++p) {
+      const at::Tensor positions = at::arange(lp[p] - ql[p] + 1, lp[p] + 1, lens.options());
+      out.narrow(0, qs[p], ql[p])
+          .copy_(decode_attention_rows(q.narrow(0, qs[p], ql[p]), k_cache, v_cache,
+                                       slots.narrow(0, p, 1).narrow(1, 0, lp[p]), positions,
+                                       scale, window, softcap, sinks_in, false));
+    }
+    return out;
+  }
+  const int64_t group = heads / kv_heads;
+  std::vector<Item> items;
+  for (int64_t p = 0; p < prompts; ++p) {
+    for (int64_t first = 0; first < ql[p]; first += POSITIONS) {
+      const int64_t count = std::min(POSITIONS, ql[p] - first);
+      const int64_t end = lp[p] - ql[p] + first + count;
+      const int64_t begin = window > 0 ? std::max<int64_t>(0, end - count + 1 - window) : 0;
+      for (int64_t g = 0; g < kv_heads; ++g) items.push_back({p, g, first, count, end - begin});
+    }
+  }
+  const auto run = [&](auto type) {
+    using T = decltype(type);
+    const Prompts<T> a{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                       out.data_ptr<T>(), q.stride(0), q.stride(1), kv_heads * dim, heads,
+                       kv_heads, group, sp, lp, qs, ql, width, static_cast<float>(scale),
+                       static_cast<float>(softcap), window,
+                       sinks.defined() ? sinks.data_ptr<float>() : nullptr};
+    dim == 64 ? attend_items<T, 64>(a, items) : attend_items<T, 128>(a, items);
+  };
+  q.scalar_type() == at::kFloat ? run(float{}) : run(c10::BFloat16{});
+  return out;
+}
+
+}  // namespace loom_cpu
