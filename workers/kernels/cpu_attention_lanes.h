@@ -1,6 +1,6 @@
-// The vector helpers of the CPU attention kernels (cpu_attention.cpp): dot products and maxima
-// over float rows, prefetches, the lane order in which they load, sum and store rows of
-// thirty-two values, the softmax of rows of scores and the weighing of value rows.
+// The vector helpers of the CPU attention kernels (cpu_attention.cpp, cpu_prefill_attention.cpp):
+// dot products and maxima over float rows, prefetches, sums of sixteen vectors' lanes, the
+// softmax of rows of scores and the weighing of value rows.
 
 #pragma once
 
@@ -41,43 +41,6 @@ template <typename T>
 inline void prefetch_row(const T* row, int64_t dim) {
   for (int64_t i = 0; i < dim * static_cast<int64_t>(sizeof(T)); i += 64) {
     __builtin_prefetch(reinterpret_cast<const char*>(row) + i);
-  }
-}
-
-// Thirty-two values from memory as two vectors of floats, in the lane order each type loads
-// fastest: float32 as it lies; bfloat16 (a float's upper half) as its 32-bit words' lower and
-// upper halves, the even and the odd elements, by a shift and a mask without widening.
-template <typename T>
-[[gnu::always_inline]] inline void load32(const T* x, v16& first, v16& second) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(&first, x, sizeof first);
-    std::memcpy(&second, x + 16, sizeof second);
-  } else {
-    typedef uint32_t v16u32 __attribute__((vector_size(64)));
-    v16u32 words;
-    std::memcpy(&words, x, sizeof words);
-    first = reinterpret_cast<v16>(words << 16);
-    second = reinterpret_cast<v16>(words & 0xffff0000u);
-  }
-}
-
-// The inverse of load32: two vectors, in its lane order, rounded to T and stored as the
-// thirty-two values they hold (bf16_bits in vector form).
-template <typename T>
-[[gnu::always_inline]] inline void store32(T* x, v16 first, v16 second) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(x, &first, sizeof first);
-    std::memcpy(x + 16, &second, sizeof second);
-  } else {
-    typedef uint32_t v16u32 __attribute__((vector_size(64)));
-    const auto round = [](v16 v) {
-      const v16u32 bits = reinterpret_cast<v16u32>(v);
-      const v16u32 even = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-      const v16u32 nan = reinterpret_cast<v16u32>(v != v);
-      return (nan & 0x7fc00000u) | (~nan & even);
-    };
-    const v16u32 words = (round(first) >> 16) | round(second);
-    std::memcpy(x, &words, sizeof words);
   }
 }
 

@@ -115,6 +115,43 @@ typedef int32_t v16i __attribute__((vector_size(64)));
   return x < low ? v16{} : (x > high ? inf : reinterpret_cast<v16>(bits));
 }
 
+// Thirty-two values from memory as two vectors of floats, in the lane order each type loads
+// fastest: float32 as it lies; bfloat16 (a float's upper half) as its 32-bit words' lower and
+// upper halves, the even and the odd elements, by a shift and a mask without widening.
+template <typename T>
+[[gnu::always_inline]] inline void load32(const T* x, v16& first, v16& second) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&first, x, sizeof first);
+    std::memcpy(&second, x + 16, sizeof second);
+  } else {
+    typedef uint32_t v16u32 __attribute__((vector_size(64)));
+    v16u32 words;
+    std::memcpy(&words, x, sizeof words);
+    first = reinterpret_cast<v16>(words << 16);
+    second = reinterpret_cast<v16>(words & 0xffff0000u);
+  }
+}
+
+// The inverse of load32: two vectors, in its lane order, rounded to T and stored as the
+// thirty-two values they hold (bf16_bits in vector form).
+template <typename T>
+[[gnu::always_inline]] inline void store32(T* x, v16 first, v16 second) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(x, &first, sizeof first);
+    std::memcpy(x + 16, &second, sizeof second);
+  } else {
+    typedef uint32_t v16u32 __attribute__((vector_size(64)));
+    const auto round = [](v16 v) {
+      const v16u32 bits = reinterpret_cast<v16u32>(v);
+      const v16u32 even = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+      const v16u32 nan = reinterpret_cast<v16u32>(v != v);
+      return (nan & 0x7fc00000u) | (~nan & even);
+    };
+    const v16u32 words = (round(first) >> 16) | round(second);
+    std::memcpy(x, &words, sizeof words);
+  }
+}
+
 inline float horizontal_sum(v16 v) {
   const v8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
