@@ -1,5 +1,5 @@
-// A decode-only step's whole decoder stack in one call on the CPU (loomllm's Llama family), so
-// that no Python runs between its ops; and the registration of every op as torch.ops.loom_cpu.
+// A step's whole decoder stack in one call on the CPU (loomllm's Llama family), so that no
+// Python runs between its ops; and the registration of every op as torch.ops.loom_cpu.
 
 #include <torch/library.h>
 
@@ -49,15 +49,21 @@ at::Tensor linear(const at::Tensor& x, int64_t mode,
 
 }  // namespace
 
-// hidden [T, size]: the step's embeddings, token i decode row i. Each layer as loomllm's
-// DecoderLayer computes it, with the ops of cpu_ops.cpp and cpu_attention.cpp: (the last
-// layer's MLP output, the residual stream before it), whose add the final norm does.
+// hidden [T, size]: the step's embeddings. Without prompts, token i is decode row i; with
+// them (prefill_slots and the rest, as prefill_attention takes them), the decode rows are the
+// tokens decode_rows names. Each layer as loomllm's DecoderLayer computes it, with the ops of
+// cpu_ops.cpp and the attention kernels: (the last layer's MLP output, the residual stream
+// before it), whose add the final norm does.
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& hidden_in, const c10::List<std::optional<at::Tensor>>& weights,
     at::IntArrayRef modes, at::TensorList k_caches, at::TensorList v_caches, double eps,
     int64_t heads, int64_t kv_heads, int64_t head_dim, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& decode_slots,
-    const at::Tensor& decode_lens, double scale, int64_t window) {
+    const at::Tensor& decode_lens, double scale, int64_t window,
+    const std::optional<at::Tensor>& decode_rows, const std::optional<at::Tensor>& prefill_slots,
+    const std::optional<at::Tensor>& prefill_lens,
+    const std::optional<at::Tensor>& prefill_q_starts,
+    const std::optional<at::Tensor>& prefill_q_lens) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(hidden_in.dim() == 2, "decode_layers: hidden ", hidden_in.sizes(), " is not [T, size]");
   TORCH_CHECK(v_caches.size() == k_caches.size() &&
@@ -65,6 +71,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
                   static_cast<int64_t>(modes.size()) == layers * 4,
               "decode_layers: ", layers, " layers' caches, ", weights.size(), " weights and ",
               modes.size(), " modes");
+  const bool prompts = prefill_slots.has_value();
+  TORCH_CHECK(!prompts || (decode_rows.has_value() && prefill_lens.has_value() &&
+                           prefill_q_starts.has_value() && prefill_q_lens.has_value()),
+              "decode_layers: prefill_slots without decode_rows, prefill_lens, prefill_q_starts "
+              "and prefill_q_lens");
+  const at::Tensor rows = prompts ? decode_rows->to(at::kLong) : at::Tensor();
   const int64_t tokens = hidden_in.size(0), q_size = heads * head_dim;
   const int64_t kv_size = kv_heads * head_dim;
   at::Tensor hidden = hidden_in.contiguous(), residual;
@@ -90,9 +102,22 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     // Every layer reads the same slots: checked at the first, against caches of one size.
     TORCH_CHECK(k_caches[l].size(0) == k_caches[0].size(0), "decode_layers: layer ", l,
                 "'s cache has ", k_caches[l].size(0), " slots, the first's ", k_caches[0].size(0));
-    const at::Tensor attended =
-        decode_attention_rows(rotated, k_caches[l], v_caches[l], decode_slots, decode_lens, scale,
-                              window, 0.0, std::nullopt, l == 0);
+    at::Tensor attended;
+    if (!prompts) {
+      attended = decode_attention_rows(rotated, k_caches[l], v_caches[l], decode_slots,
+                                       decode_lens, scale, window, 0.0, std::nullopt, l == 0);
+    } else {
+      attended = prefill_attention(rotated, k_caches[l], v_caches[l], *prefill_slots,
+                                   *prefill_lens, *prefill_q_starts, *prefill_q_lens, scale,
+                                   window, 0.0, std::nullopt);
+      if (rows.numel() > 0) {
+        attended.index_copy_(
+            0, rows,
+            decode_attention_rows(rotated.index_select(0, rows), k_caches[l], v_caches[l],
+                                  decode_slots, decode_lens, scale, window, 0.0, std::nullopt,
+                                  l == 0));
+      }
+    }
     const at::Tensor o =
         linear(attended.view({tokens, q_size}), mode[1], weights, w + NORMS + TENSORS_PER_LINEAR);
     std::tie(x, residual) = add_rms_norm(o, residual, need(weights, w + 1), eps);
@@ -122,7 +147,9 @@ TORCH_LIBRARY(loom_cpu, m) {
       "decode_layers(Tensor hidden, Tensor?[] weights, int[] modes, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, float eps, int heads, int kv_heads, int head_dim, Tensor cos, "
       "Tensor sin, Tensor slots, Tensor decode_slots, Tensor decode_lens, float scale, "
-      "int window) -> (Tensor, Tensor)");
+      "int window, Tensor? decode_rows=None, Tensor? prefill_slots=None, "
+      "Tensor? prefill_lens=None, Tensor? prefill_q_starts=None, Tensor? prefill_q_lens=None) "
+      "-> (Tensor, Tensor)");
   m.def("greedy_sample(Tensor logits) -> (Tensor, Tensor)");
   m.def("random_sample(Tensor logits, Tensor temperatures, Tensor uniforms) -> (Tensor, Tensor)");
   m.def(

@@ -1,7 +1,7 @@
 """loomllm's own model on the CPU's C++ ops (kernels/cpu_native.py, models/cpu_kernels.py):
 logits against transformers' own model, bit for bit in bf16 against transformers' model
-on our paged attention, and the one-call decoder stack of decode-only steps bit for bit
-the layer-by-layer path, with dense, int4, int8 and a8 linears."""
+on our paged attention, and the one-call decoder stack bit for bit the layer-by-layer path
+(prompt steps, decode steps and steps of both), with dense, int4, int8 and a8 linears."""
 
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ def cpu_kernels(monkeypatch):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_match_transformers(variant, tmp_path, monkeypatch):
     """Every variant (qwen3's norms of q and k, biases, tied embeddings, RoPE scalings): the
-    prompt's step layer by layer, its attention the C++ prompt kernel's (one call a layer), the
-    decode step in one call."""
+    prompt's step and the decode step each in one call of the C++ stack."""
     model_dir = save_variant(tmp_path, variant)
     loaded = load_model(str(model_dir), dtype="float32", model_impl="loom")
     assert install_cpu_kernels(loaded.model, torch.float32)
@@ -52,9 +51,8 @@ def test_logits_match_transformers(variant, tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_native, "_ops", counting)
     ours = paged_logits(loaded.model, loaded.config, PROMPT, "torch")
     torch.testing.assert_close(ours, hf_logits(model_dir, PROMPT), rtol=1e-4, atol=1e-5)
-    assert counting.calls["decode_layers"] == 1
-    assert counting.calls["rotary_into_cache"] == LAYERS
-    assert counting.calls["prefill_attention"] == LAYERS
+    assert counting.calls["decode_layers"] == 2
+    assert counting.calls["rotary_into_cache"] == 0
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])
@@ -73,11 +71,12 @@ def test_bfloat16_logits_are_transformers_bit_for_bit(variant, tmp_path):
 
 def decode_tokens(model, config, dtype, on_schedule=None) -> dict[str, list[tuple]]:
     """Five requests of different lengths through a real scheduler and ModelRunner: each
-    one's (tokens, logprobs) per step, over steps of 1 to 5 decode rows."""
+    one's (tokens, logprobs) per step. 16 tokens a step: prompts come in chunks, in steps
+    beside other requests' decode rows, then steps of 1 to 5 decode rows alone."""
     runner = ModelRunner(
         model, config, device=torch.device("cpu"), dtype=dtype, block_size=16, num_blocks=40
     )
-    scheduler = Scheduler(SchedulerConfig(8, 64, 128, 16, runner.num_blocks))
+    scheduler = Scheduler(SchedulerConfig(8, 16, 128, 16, runner.num_blocks))
     for i in range(5):
         params = SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True)
         prompt = PROMPT[: 4 + 3 * i]
@@ -99,8 +98,9 @@ def decode_tokens(model, config, dtype, on_schedule=None) -> dict[str, list[tupl
     ],
 )
 def test_the_one_call_stack_is_the_layer_by_layer_path(arch, quantization, kernel, dtype, tmp_path):
-    """The same ops in the same order: identical tokens and logprobs, the quantized
-    kernels included (each forced, so every step runs it), and Qwen3's norms of q and k."""
+    """The same ops in the same order: identical tokens and logprobs, in prompt steps,
+    decode steps and steps of both, the quantized kernels included (each forced, so every
+    step runs it), and Qwen3's norms of q and k."""
     model_dir = make_tiny_model(tmp_path / "model", arch, seed=5)
     name = str(dtype).removeprefix("torch.")
     loaded = load_model(model_dir, dtype=name, quantization=quantization, cpu_linear_kernel=kernel)
@@ -115,10 +115,19 @@ def test_the_one_call_stack_is_the_layer_by_layer_path(arch, quantization, kerne
         "a8": cpu_stack.A8,
     }
     assert set(modes) == {expected_mode[kernel]}
-    stacked = decode_tokens(loaded.model, loaded.config, dtype)
+    counting = CountingOps(stack.ops)
+    stack.ops = counting
+    mixed = []  # per step: whether it has a prompt chunk and a decode row both
+
+    def on_schedule(so) -> None:
+        counts = so.num_scheduled_tokens.values()
+        mixed.append(1 in counts and max(counts) > 1)
+
+    stacked = decode_tokens(loaded.model, loaded.config, dtype, on_schedule=on_schedule)
     loaded.model.cpu_stack = None
     assert decode_tokens(loaded.model, loaded.config, dtype) == stacked
     assert all(len(steps) > 5 for steps in stacked.values())
+    assert sum(mixed) >= 2 and counting.calls["decode_layers"] == len(mixed)
 
 
 @pytest.mark.parametrize(
@@ -191,3 +200,6 @@ def test_bad_stack_input_is_refused(tmp_path):
         ops.decode_layers(hidden, [None] + weights[1:], modes, *args, *rest, *lens)
     with pytest.raises(RuntimeError, match="1 layers' caches"):
         ops.decode_layers(hidden, weights, modes, [cache], [cache], *args[2:], *rest, *lens)
+    with pytest.raises(RuntimeError, match="prefill_slots without decode_rows"):
+        prompt = torch.zeros(1, 1, dtype=torch.long)
+        ops.decode_layers(hidden, weights, modes, *args, *rest, *lens, None, prompt)

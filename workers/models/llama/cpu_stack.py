@@ -1,5 +1,5 @@
-"""A decode-only step's decoder layers in one call to the C++ ops on the CPU (cpu_stack.cpp):
-the kernels each linear layer runs at the step's batch size, laid out as that call takes them.
+"""A step's decoder layers in one call to the C++ ops on the CPU (cpu_stack.cpp): the kernels
+each linear layer runs at the step's batch size, laid out as that call takes them.
 """
 
 from __future__ import annotations
@@ -61,9 +61,20 @@ class DecoderStack:
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's MLP output, the residual before it), [T, size] each, of the
-        step's embeddings `hidden` [T, size] and rotary cos, sin [T, D]."""
+        step's embeddings `hidden` [T, size] and rotary cos, sin [T, D]. A step with prompt
+        rows needs the torch backend's PrefillBatch in `meta`."""
         shape = self.shape
         weights, modes = self.plan(hidden.shape[0])
+        prompts: tuple[torch.Tensor | None, ...] = (None,) * 5
+        if meta.prefills:
+            batch = meta.prefill_batch
+            prompts = (
+                meta.decode_token_idx,
+                batch.slots,
+                batch.lens,
+                batch.q_starts,
+                batch.q_lens,
+            )
         return self.ops.decode_layers(
             hidden,
             weights,
@@ -81,4 +92,5 @@ class DecoderStack:
             meta.decode_lens,
             shape.head_dim**-0.5,
             shape.sliding_window or 0,
+            *prompts,
         )

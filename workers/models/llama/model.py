@@ -290,7 +290,7 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
             self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
         # Filled by `build`, in float32 whatever the model's dtype.
         self.register_buffer("inv_freq", torch.empty(shape.head_dim // 2), persistent=False)
-        # On the CPU, with the C++ ops: a decode-only step's layers in one call.
+        # On the CPU, with the C++ ops: a step's layers in one call.
         self.cpu_stack: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def tie_weights(self) -> None:
@@ -329,7 +329,7 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         if (
             self.cpu_stack is not None
             and meta is not None
-            and not meta.prefills
+            and (not meta.prefills or meta.prefill_batch is not None)
             and meta.paged is None
         ):
             hidden, residual = self.cpu_stack(hidden[0], cos[0], sin[0], meta)
@@ -357,8 +357,8 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
     def use_cpu_kernels(self, ops: Any | None) -> tuple[int, int]:
         """Run the CPU's C++ ops (kernels/cpu_native.py's torch.ops.loom_cpu) from now on:
         norms with their residual adds, SiLU times up, the rotary embedding with the K/V
-        cache write, and decode attention over the cache in place; a decode-only step's
-        layers in one call. None: torch's ops again. (RMSNorm modules, layers)."""
+        cache write, and attention over the cache in place; a step's layers in one call.
+        None: torch's ops again. (RMSNorm modules, layers)."""
         from loomllm.workers.models.llama.cpu_stack import DecoderStack
 
         norms = self._use_kernels(ops)
