@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,10 +105,11 @@ def context_metadata(
     device: torch.device,
     slots: list[int],
     decode_idx: list[int],
-    decode_ctx: list[list[int]],
+    decode_ctx: Sequence[Sequence[int]],
     prefills: list[PrefillRow],
 ) -> AttentionMetadata:
-    """The torch backend's: each decode's context slots, padded, with a mask and a bias."""
+    """The torch backend's: each decode's context slots (lists, or arrays of int64, which
+    are copied as memory), padded, with a mask and a bias."""
     lens = [len(c) for c in decode_ctx]
     longest = max(lens, default=0)
     # One buffer of every row's slots, padded, read as one tensor: a tensor a row took

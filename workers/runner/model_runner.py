@@ -6,6 +6,7 @@ Each step: apply the SchedulerOutput diff, pack all tokens into one [1, T] batch
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -61,8 +62,9 @@ class CachedRequestState:
     grammar: RequestGrammar | None = None  # its structured_outputs' matcher
     filters: TokenFilters | None = None  # its allowed ids and logit bias, on the device
     # Cache slot of each position computed so far: block ids never change once given, so
-    # each step extends this instead of recomputing the whole context (the hot path).
-    slots: list[int] = field(default_factory=list)
+    # each step extends this instead of recomputing the whole context (the hot path). An
+    # array: a step copies each decode row's whole context from it, as memory.
+    slots: array[int] = field(default_factory=lambda: array("q"))
     # A pooling runner's partial pool of the prompt chunks computed so far (runner/pooler.py).
     pooled: torch.Tensor | None = None
     token_type_ids: list[int] | None = None  # an encoder's segments of a pair of texts
@@ -280,7 +282,7 @@ class ModelRunner:
         prompt_idx: list[int] = []  # packed index of each position scored for prompt_logprobs
         scored: list[tuple[CachedRequestState, int, int]] = []  # (state, first position, count)
         decode_idx: list[int] = []
-        decode_ctx: list[list[int]] = []
+        decode_ctx: list[array[int]] = []
         decode_states: list[CachedRequestState] = []
         prefills: list[PrefillRow] = []
         prefill_states: list[CachedRequestState] = []
@@ -332,7 +334,11 @@ class ModelRunner:
                 if not triton:
                     decode_ctx.append(state.slots[:end])
             else:
-                ctx = torch.tensor([] if triton else state.slots[:end], dtype=torch.long)
+                ctx = (
+                    torch.zeros(0, dtype=torch.long)
+                    if triton
+                    else torch.frombuffer(state.slots[:end], dtype=torch.long)
+                )
                 prefills.append(PrefillRow(token_start, num_new, ctx))
                 prefill_states.append(state)
             if state.sampling_params.prompt_logprobs is not None and not state.output_token_ids:
