@@ -26,17 +26,6 @@ inline void prefetch_key(const T* k_cache, const T* v_cache, int64_t slot, int64
   prefetch_row(v_cache + slot, dim);
 }
 
-// Where the CPU has bfloat16 dot products (AVX512-BF16; the library is compiled for the CPU it
-// runs on), a bfloat16 cache's scores are summed from them: products of bfloat16 values are
-// exact in float, and neither query nor key is widened first.
-#ifdef __AVX512BF16__
-template <typename T>
-constexpr bool BF16_DOTS = std::is_same_v<T, c10::BFloat16>;
-#else
-template <typename T>
-constexpr bool BF16_DOTS = false;
-#endif
-
 // Keys are taken sixteen at a time: a vector of their scores at once, their value rows from
 // the L1 cache for the heads after the first few.
 constexpr int64_t CHUNK = 16;
@@ -212,14 +201,7 @@ at::Tensor decode_attention_rows(const at::Tensor& q_in, const at::Tensor& k_cac
                                  const at::Tensor& lens_in, double scale, int64_t window,
                                  double softcap, const std::optional<at::Tensor>& sinks_in,
                                  bool check_slots) {
-  check_dtype("decode_attention", q_in);
-  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "decode_attention: caches ", k_cache.scalar_type(), " for q ", q.scalar_type());
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(1) == 0,
-              "decode_attention: q ", q.sizes(), ", caches ", k_cache.sizes());
+  const at::Tensor q = checked_query("decode_attention", q_in, k_cache, v_cache);
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
   const at::Tensor slots = slots_in.to(at::kLong).contiguous();
@@ -242,12 +224,7 @@ at::Tensor decode_attention_rows(const at::Tensor& q_in, const at::Tensor& k_cac
     }
     checked = std::max(checked, lp[b]);
   }
-  at::Tensor sinks;
-  if (sinks_in.has_value()) {
-    sinks = sinks_in->to(at::kFloat).contiguous();
-    TORCH_CHECK(sinks.numel() == heads, "decode_attention: ", sinks.numel(), " sinks for ", heads,
-                " heads");
-  }
+  const at::Tensor sinks = checked_sinks("decode_attention", sinks_in, heads);
   const float* sinkp = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({rows, heads, dim}, q.options());
   const auto run = [&](auto type) {

@@ -10,6 +10,40 @@
 
 namespace loom_cpu {
 
+// Where the CPU has bfloat16 dot products (AVX512-BF16; the library is compiled for the CPU it
+// runs on), a bfloat16 cache's scores are summed from them: products of bfloat16 values are
+// exact in float, and neither query nor key is widened first.
+#ifdef __AVX512BF16__
+template <typename T>
+constexpr bool BF16_DOTS = std::is_same_v<T, c10::BFloat16>;
+#else
+template <typename T>
+constexpr bool BF16_DOTS = false;
+#endif
+
+// q with dense heads, checked against the caches [S, KVH, D] it attends over (errors name op).
+inline at::Tensor checked_query(const char* op, const at::Tensor& q_in, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache) {
+  check_dtype(op, q_in);
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              op, ": caches ", k_cache.scalar_type(), " for q ", q.scalar_type());
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(1) == 0,
+              op, ": q ", q.sizes(), ", caches ", k_cache.sizes());
+  return q;
+}
+
+// A sink logit per query head, in float32 (undefined where there are none).
+inline at::Tensor checked_sinks(const char* op, const std::optional<at::Tensor>& sinks,
+                                int64_t heads) {
+  if (!sinks.has_value()) return at::Tensor();
+  at::Tensor out = sinks->to(at::kFloat).contiguous();
+  TORCH_CHECK(out.numel() == heads, op, ": ", out.numel(), " sinks for ", heads, " heads");
+  return out;
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   v16 acc = {};
   int64_t i = 0;

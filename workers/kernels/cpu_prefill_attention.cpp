@@ -13,14 +13,6 @@ constexpr int64_t KEYS = 16;       // a block of keys: one vector of each query 
 constexpr int64_t POSITIONS = 16;  // query positions an item of work takes, each with its group
 constexpr int SCORE_ROWS = 8;      // query rows whose scores one pass over a key block sums
 
-#ifdef __AVX512BF16__
-template <typename T>
-constexpr bool BF16_DOTS = std::is_same_v<T, c10::BFloat16>;
-#else
-template <typename T>
-constexpr bool BF16_DOTS = false;
-#endif
-
 // A block of keys laid out for scoring: with bfloat16 dot products, [DIM / 2][16] words, each
 // key's dims 2p and 2p + 1 in lane p of word row p; else [DIM][16] floats. Keys past the
 // context are zeros.
@@ -225,14 +217,7 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                              const at::Tensor& lens_in, const at::Tensor& q_starts_in,
                              const at::Tensor& q_lens_in, double scale, int64_t window,
                              double softcap, const std::optional<at::Tensor>& sinks_in) {
-  check_dtype("prefill_attention", q_in);
-  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "prefill_attention: caches ", k_cache.scalar_type(), " for q ", q.scalar_type());
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(1) == 0,
-              "prefill_attention: q ", q.sizes(), ", caches ", k_cache.sizes());
+  const at::Tensor q = checked_query("prefill_attention", q_in, k_cache, v_cache);
   const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(1), num_slots = k_cache.size(0);
   const at::Tensor slots = slots_in.to(at::kLong).contiguous();
@@ -257,12 +242,7 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                   "prefill_attention: slot ", sp[p * width + j], " outside ", num_slots);
     }
   }
-  at::Tensor sinks;
-  if (sinks_in.has_value()) {
-    sinks = sinks_in->to(at::kFloat).contiguous();
-    TORCH_CHECK(sinks.numel() == heads, "prefill_attention: ", sinks.numel(), " sinks for ",
-                heads, " heads");
-  }
+  const at::Tensor sinks = checked_sinks("prefill_attention", sinks_in, heads);
   at::Tensor out = at::zeros({tokens, heads, dim}, q.options());
   if (dim != 64 && dim != 128) {  // head sizes not compiled in: each prompt as decode rows
     for (int64_t p = 0; p < prompts; ++p) {

@@ -103,6 +103,12 @@ def test_rotary_into_cache_is_the_rotary_then_the_write(ops, dtype, heads, kv_he
     assert torch.equal(v_cache[untouched], before_v[untouched])
 
 
+# Attention's head shapes (GQA groups of 1 to 8; head sizes the kernels know when compiled and
+# one they do not) and options (a window; Gemma 2's softcap with gpt-oss' sinks).
+HEAD_SHAPES = [(9, 3, 64), (12, 2, 64), (2, 2, 64), (8, 1, 128), (5, 1, 128), (4, 4, 80)]
+OPTIONS = [(0, 0.0, False), (20, 0.0, False), (0, 5.0, True)]
+
+
 def attention_reference(q, k_cache, v_cache, slots, lens, scale, window, softcap, sinks):
     """Each row's attention in float64, from the cache rows its slots name."""
     rows, heads, dim = q.shape
@@ -148,13 +154,8 @@ def one_thread():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "heads, kv_heads, dim",
-    [(9, 3, 64), (12, 2, 64), (2, 2, 64), (8, 1, 128), (5, 1, 128), (4, 4, 80)],
-)
-@pytest.mark.parametrize(
-    "window, softcap, with_sinks", [(0, 0.0, False), (20, 0.0, False), (0, 5.0, True)]
-)
+@pytest.mark.parametrize("heads, kv_heads, dim", HEAD_SHAPES)
+@pytest.mark.parametrize("window, softcap, with_sinks", OPTIONS)
 @pytest.mark.parametrize("lens", [[1, 260, 33], [1, 17, 100, 260, 33, 2, 64, 48]])
 def test_decode_attention_matches_float64(
     ops, one_thread, dtype, heads, kv_heads, dim, window, softcap, with_sinks, lens
@@ -243,13 +244,8 @@ def prefill_reference(q, k_cache, v_cache, slots, lens, q_starts, q_lens, *optio
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "heads, kv_heads, dim",
-    [(9, 3, 64), (12, 2, 64), (2, 2, 64), (8, 1, 128), (5, 1, 128), (4, 4, 80)],
-)
-@pytest.mark.parametrize(
-    "window, softcap, with_sinks", [(0, 0.0, False), (20, 0.0, False), (0, 5.0, True)]
-)
+@pytest.mark.parametrize("heads, kv_heads, dim", HEAD_SHAPES)
+@pytest.mark.parametrize("window, softcap, with_sinks", OPTIONS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_prefill_attention_matches_float64(
     ops, dtype, heads, kv_heads, dim, window, softcap, with_sinks, threads
