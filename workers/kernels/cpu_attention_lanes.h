@@ -1,6 +1,6 @@
-// The vector helpers of the CPU attention kernels (cpu_attention.cpp, cpu_prefill_attention.cpp):
-// dot products and maxima over float rows, prefetches, sums of sixteen vectors' lanes, the
-// softmax of rows of scores and the weighing of value rows.
+// What the CPU attention kernels share (cpu_attention.cpp, cpu_prefill_attention.cpp): their
+// input checks; dot products and maxima over float rows, prefetches, sums of sixteen vectors'
+// lanes; the softmax of rows of scores and the weighing of value rows.
 
 #pragma once
 
