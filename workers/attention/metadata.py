@@ -77,7 +77,8 @@ class AttentionMetadata:
     # SDPA's CPU kernel takes a float mask ~1.5x faster than a bool one.
     decode_bias: torch.Tensor  # [Bd, 1, 1, L]
     prefills: list[PrefillRow]
-    # The same rows batched, on the torch backend (None on the Triton backend).
+    # The same rows batched, on the torch backend (None without prompt rows, and on the Triton
+    # backend).
     prefill_batch: PrefillBatch | None = None
     # When set, the Triton kernels attend and decode_slots, decode_valid, decode_lens and
     # decode_bias are empty.
@@ -135,20 +136,16 @@ def context_metadata(
         decode_lens=device_tensor(lens, torch.long, device),
         decode_bias=bias[:, None, None, :],
         prefills=prefills,
-        prefill_batch=prefill_batch(prefills),
+        prefill_batch=prefill_batch(prefills) if prefills else None,
     )
 
 
 def prefill_batch(prefills: list[PrefillRow]) -> PrefillBatch:
-    """`prefills` as one PrefillBatch, on the CPU (where the kernel that reads it runs)."""
+    """`prefills` (at least one) as one PrefillBatch, on the CPU (where the kernel that reads
+    it runs)."""
     contexts = [row.context_slots for row in prefills]
-    slots = (
-        torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)
-        if contexts
-        else torch.zeros((0, 0), dtype=torch.long)
-    )
     return PrefillBatch(
-        slots=slots,
+        slots=torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True),
         lens=torch.tensor([c.numel() for c in contexts], dtype=torch.long),
         q_starts=torch.tensor([row.token_start for row in prefills], dtype=torch.long),
         q_lens=torch.tensor([row.num_tokens for row in prefills], dtype=torch.long),

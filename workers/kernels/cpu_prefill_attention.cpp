@@ -107,6 +107,7 @@ struct Prompts {
 struct Scratch {
   std::vector<v16> keys;  // one laid-out key block
   std::vector<float> scores, acc, sums, qf;
+  std::vector<const void*> q_rows;  // each query row: in T (bf16 dot products) or in float
 };
 
 // One item: its rows are its positions' query heads, position-major. Scores for every key
@@ -128,16 +129,16 @@ void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
   s.sums.resize(rows);
   const int64_t* slots = a.slots + p * a.slots_width + kb;
   const T* k_cache = a.k_cache + g * DIM;
-  std::vector<const void*> q_rows(rows);
+  s.q_rows.resize(rows);
   if constexpr (!BF16_DOTS<T>) s.qf.resize(rows * DIM);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t token = a.q_starts[p] + item.first + r / group;
     const T* row = a.q + token * a.q_row_stride + (g * group + r % group) * a.q_head_stride;
     if constexpr (BF16_DOTS<T>) {
-      q_rows[r] = row;
+      s.q_rows[r] = row;
     } else {
       to_float(row, s.qf.data() + r * DIM, DIM);
-      q_rows[r] = s.qf.data() + r * DIM;
+      s.q_rows[r] = s.qf.data() + r * DIM;
     }
   }
   // Scores, key block by key block: rows whose positions come before a block skip it.
@@ -150,7 +151,7 @@ void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
       const int n = static_cast<int>(std::min<int64_t>(SCORE_ROWS, rows - r0));
       float* out[SCORE_ROWS];
       for (int r = 0; r < n; ++r) out[r] = s.scores.data() + (r0 + r) * width + j0;
-      score_rows<T, DIM>(n, s.keys.data(), q_rows.data() + r0, out);
+      score_rows<T, DIM>(n, s.keys.data(), s.q_rows.data() + r0, out);
     }
   }
   // Each row's softmax over its own keys [b, e); zeros elsewhere, so that weighing a tile of
