@@ -72,6 +72,18 @@ def test_silu_mul_rounds_as_transformers_mlp(ops, dtype, rows, width):
     close_or_equal(ops.silu_mul(tails), F.silu(tails[:, :6]) * tails[:, 6:])
 
 
+def test_bf16_silu_mul_is_torchs_for_every_gate_value(ops):
+    """In bfloat16 SiLU is looked up by the gate's bits: every one of the 65,536 values, NaNs
+    and infinities too, gives F.silu's bits, times an up value that rounds the product."""
+    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    up = torch.full_like(gate, 1.3125)
+    ours = ops.silu_mul(torch.cat([gate, up])[None])[0]
+    theirs = F.silu(gate) * up
+    nan = theirs.isnan()
+    assert torch.equal(ours.isnan(), nan)
+    assert torch.equal(ours[~nan], theirs[~nan])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 16), (6, 2, 10)])
 def test_rotary_into_cache_is_the_rotary_then_the_write(ops, dtype, heads, kv_heads, dim):
