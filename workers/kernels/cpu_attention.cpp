@@ -26,6 +26,26 @@ inline void prefetch_key(const T* k_cache, const T* v_cache, int64_t slot, int64
   prefetch_row(v_cache + slot, dim);
 }
 
+// The thread's next item, whose keys' K and V records are fetched while this item is
+// computed, half of them during its scores and half during its values: memory stays busy
+// from one item to the next (the softmax and the values run from the cache). None: keys 0.
+template <typename T>
+struct Upcoming {
+  const T* k_cache = nullptr;
+  const T* v_cache = nullptr;
+  const int64_t* slots = nullptr;  // its keys' slots, from its first key on
+  int64_t keys = 0, slot_stride = 0, record = 0, fetched = 0;
+
+  // Its records up to key `upto` (of `keys`), fetched.
+  void fetch_upto(int64_t upto) {
+    for (; fetched < std::min(upto, keys); ++fetched) {
+      const int64_t at = slots[fetched] * slot_stride;
+      prefetch_row(k_cache + at, record);
+      prefetch_row(v_cache + at, record);
+    }
+  }
+};
+
 // Keys are taken sixteen at a time: a vector of their scores at once, their value rows from
 // the L1 cache for the heads after the first few.
 constexpr int64_t CHUNK = 16;
@@ -39,7 +59,8 @@ template <typename T, int64_t DIM, int64_t LEAD>
 void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
                   int64_t slot_stride, const int64_t* slots, int64_t begin, int64_t end,
                   int64_t kv_heads, int64_t group, float scale, float softcap,
-                  const float* sinks, T* out, int64_t out_head_stride, std::vector<v16>& buf) {
+                  const float* sinks, T* out, int64_t out_head_stride, std::vector<v16>& buf,
+                  Upcoming<T>& upcoming) {
   static_assert(DIM % 32 == 0);
   constexpr int64_t C = DIM / 16, TILE = DIM <= 64 ? 4 : 2;  // 4 or 2 heads: 16 registers
   const int64_t keys = end - begin, heads = kv_heads * group;
@@ -69,6 +90,7 @@ void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
         continue;
       }
       if (j + LEAD < keys) prefetch_key(k_cache, v_cache, slots[j + LEAD] * slot_stride, record);
+      upcoming.fetch_upto((j + 1) * upcoming.keys / (2 * keys));
       for (int64_t g = 0; g < kv_heads; ++g) {
         const T* k = k_cache + slots[j] * slot_stride + g * DIM;
         if constexpr (BF16_DOTS<T>) {
@@ -110,6 +132,8 @@ void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
   std::fill(acc, acc + heads * DIM, 0.0f);
   for (int64_t j0 = 0; j0 < keys; j0 += CHUNK) {
     const int64_t j1 = std::min(j0 + CHUNK, keys);
+    upcoming.fetch_upto(j1 == keys ? upcoming.keys
+                                   : upcoming.keys / 2 + j1 * upcoming.keys / (2 * keys));
     for (int64_t g = 0; g < kv_heads; ++g) {
       const T* values = v_cache + g * DIM;
       for (int64_t i = 0; i < group; i += TILE) {
@@ -236,25 +260,38 @@ at::Tensor decode_attention_rows(const at::Tensor& q_in, const at::Tensor& k_cac
     const bool whole_rows =
         (dim == 64 || dim == 128) && rows >= WHOLE_ROWS_PER_THREAD * at::get_num_threads();
     const int64_t per_row = whole_rows ? 1 : kv_heads, item_kv_heads = whole_rows ? kv_heads : 1;
+    const int64_t stride = kv_heads * dim;
+    // Rows taken first, last, second, second to last...: each thread's run of items has
+    // as many keys as another's where the rows' contexts grow (a prompt's tokens).
+    const auto row_of = [&](int64_t item) {
+      const int64_t nth = item / per_row;
+      return nth % 2 == 0 ? nth / 2 : rows - 1 - nth / 2;
+    };
+    const auto first_key = [&](int64_t len) {
+      return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    };
     at::parallel_for(0, rows * per_row, 1, [&](int64_t b0, int64_t e0) {
       std::vector<v16> buf;  // each thread's scratch
       for (int64_t item = b0; item < e0; ++item) {
-        // Rows taken first, last, second, second to last...: each thread's run of items has
-        // as many keys as another's where the rows' contexts grow (a prompt's tokens).
-        const int64_t nth = item / per_row, h = item % per_row;
-        const int64_t b = nth % 2 == 0 ? nth / 2 : rows - 1 - nth / 2, len = lp[b];
-        const int64_t begin = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        const int64_t h = item % per_row, b = row_of(item), len = lp[b];
+        const int64_t begin = first_key(len);
+        Upcoming<T> upcoming;
+        if (item + 1 < e0) {
+          const int64_t nb = row_of(item + 1), nh = (item + 1) % per_row;
+          const int64_t nbegin = first_key(lp[nb]);
+          upcoming = Upcoming<T>{kc + nh * dim, vc + nh * dim, sp + nb * row_stride + nbegin,
+                                 lp[nb] - nbegin, stride, item_kv_heads * dim, 0};
+        }
         const T* row_q = qp + b * q.stride(0) + h * group * q.stride(1);
         const T *keys = kc + h * dim, *values = vc + h * dim;
         const float* head_sinks = sinkp ? sinkp + h * group : nullptr;
         T* row_out = op + (b * heads + h * group) * dim;
-        const int64_t stride = kv_heads * dim;
         const auto cap = static_cast<float>(softcap), s = static_cast<float>(scale);
         const int64_t* row_slots = sp + b * row_stride;
         const auto attend = [&](auto dim_tag, auto ahead_tag) {
           attend_heads<T, decltype(dim_tag)::value, decltype(ahead_tag)::value>(
               row_q, q.stride(1), keys, values, stride, row_slots, begin, len, item_kv_heads,
-              group, s, cap, head_sinks, row_out, dim, buf);
+              group, s, cap, head_sinks, row_out, dim, buf, upcoming);
         };
         using Dim64 = std::integral_constant<int64_t, 64>;
         using Dim128 = std::integral_constant<int64_t, 128>;
