@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -151,6 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stream-tokens", type=int, default=128)
     p.add_argument("--offline-prompts", type=int, default=64)
     p.add_argument("--offline-tokens", type=int, default=128)
+    p.add_argument(
+        "--offline-rounds",
+        type=int,
+        default=3,
+        help="offline runs of each engine, alternated: the row shows each one's median (the "
+        "host drifts between runs a minute apart)",
+    )
     p.add_argument("--accuracy-prompts", type=int, default=32)
     p.add_argument("--accuracy-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int_list, default=[1, 32])
@@ -161,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         help="parts to leave out: stream,serving,offline,accuracy",
     )
     args = p.parse_args(argv)
+    if args.offline_rounds < 1:
+        p.error(f"--offline-rounds must be at least 1, got {args.offline_rounds}")
     for path, what in ((args.llama_bench, "llama-bench"), (args.llama_server, "llama-server")):
         if not path.exists():
             sys.exit(f"no {what} at {path}: run `make bench-peers`")
@@ -220,16 +230,24 @@ def main(argv: list[str] | None = None) -> None:
 
     if "offline" not in args.skip:
         prompts = offline_throughput.make_prompts(args.offline_prompts, 128, 49152, 0)
-        seconds, tokens = offline_throughput.run_loomllm(prompts, args.offline_tokens, "auto")
-        hf_seconds, hf_tokens = offline_throughput.run_hf(
-            offline_throughput.load_hf(dtype), prompts, args.offline_tokens
-        )
+        model = offline_throughput.load_hf(dtype)
+        rounds: list[tuple[float, float]] = []  # (loomllm, transformers) tok/s
+        for _ in range(args.offline_rounds):
+            seconds, tokens = offline_throughput.run_loomllm(prompts, args.offline_tokens, "auto")
+            hf_seconds, hf_tokens = offline_throughput.run_hf(model, prompts, args.offline_tokens)
+            rounds.append((tokens / seconds, hf_tokens / hf_seconds))
+        median_of = "" if len(rounds) == 1 else f" (median of {len(rounds)} alternated runs)"
         row(
-            f"offline {args.offline_prompts} x {args.offline_tokens}, tok/s",
-            tokens / seconds,
-            hf_tokens / hf_seconds,
+            f"offline {args.offline_prompts} x {args.offline_tokens}, tok/s{median_of}",
+            statistics.median(ours for ours, _ in rounds),
+            statistics.median(theirs for _, theirs in rounds),
             f"transformers generate, {dtype}",
         )
+        if len(rounds) > 1:
+            each = ", ".join(
+                f"{ours:.1f} / {theirs:.1f} = {ours / theirs:.2f}" for ours, theirs in rounds
+            )
+            print(f"\noffline runs, loomllm / transformers tok/s: {each}", flush=True)
 
     if "accuracy" not in args.skip:
         workdir = Path(tempfile.mkdtemp(prefix="loom-bench-cpu-"))

@@ -1,5 +1,5 @@
-"""`loom bench cpu`: its peers' output read right, its greedy agreement counted right, and a
-clear refusal without the peers."""
+"""`loom bench cpu`: its peers' output read right, its greedy agreement counted right, its
+offline runs alternated, and a clear refusal without the peers."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import argparse
 import json
 import subprocess
 import sys
+
+import pytest
 
 from loomllm.benchmarks import cpu, serving
 
@@ -58,3 +60,43 @@ def test_llama_server_gets_the_extra_flags_after_its_own(tmp_path):
     assert proc.wait(timeout=30) == 0
     words = log.read_text().split()
     assert words[:2] == ["-m", str(tmp_path / "m.gguf")] and words[-2:] == ["-fa", "off"]
+
+
+def test_offline_runs_alternate_and_the_row_shows_each_engines_median(
+    tmp_path, monkeypatch, capsys
+):
+    """Each round runs loomllm, then transformers, on the same prompts; the row holds the
+    medians and every run is printed below it."""
+    runs: list[str] = []
+    ours = iter([100.0, 300.0, 200.0])
+    theirs = iter([50.0, 90.0, 70.0])
+
+    def run_loomllm(prompts, output_len, dtype):
+        runs.append("loomllm")
+        return 64 * output_len / next(ours), 64 * output_len
+
+    def run_hf(model, prompts, output_len):
+        assert model == "model"
+        runs.append("transformers")
+        return 64 * output_len / next(theirs), 64 * output_len
+
+    monkeypatch.setattr(cpu.offline_throughput, "run_loomllm", run_loomllm)
+    monkeypatch.setattr(cpu.offline_throughput, "run_hf", run_hf)
+    monkeypatch.setattr(cpu.offline_throughput, "load_hf", lambda dtype: "model")
+    peers = []
+    for name in ("llama-bench", "llama-server"):
+        peers += [f"--{name}", str(tmp_path / name)]
+        (tmp_path / name).touch()
+    cpu.main([*peers, "--skip", "stream,serving,accuracy", "--offline-rounds", "3"])
+    assert runs == ["loomllm", "transformers"] * 3
+    out = capsys.readouterr().out
+    assert "| offline 64 x 128, tok/s (median of 3 alternated runs) | 200.0 | 70.0 (" in out
+    assert "| 2.86 |" in out
+    assert "100.0 / 50.0 = 2.00, 300.0 / 90.0 = 3.33, 200.0 / 70.0 = 2.86" in out
+
+
+def test_offline_rounds_below_one_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cpu.main(["--offline-rounds", "0"])
+    assert exc.value.code == 2
+    assert "--offline-rounds must be at least 1, got 0" in capsys.readouterr().err
