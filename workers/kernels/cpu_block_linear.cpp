@@ -50,7 +50,36 @@ struct QuantizedRows {
   std::vector<float> scaled_sum;  // [M, K / BLOCK]: scale * code_sum
 
   float sum(int64_t i) const { return scaled_sum[i]; }
+
+  // Room for `rows` rows of k inputs, whose values the quantization then writes. The
+  // vectors only grow: a step's many calls neither allocate nor clear them, work the calling
+  // thread did alone while the others waited for it.
+  void hold(int64_t rows, int64_t k) {
+    const auto grow = [](auto& v, int64_t n) {
+      if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    };
+    grow(codes, rows * k);
+    grow(scale, rows * (k / BLOCK));
+    grow(code_sum, rows * (k / BLOCK));
+    grow(scaled_sum, rows * (k / BLOCK));
+  }
 };
+
+// Rows of this many codes and fewer stay held between calls; a larger call's are let go
+// after it (a long prompt's on a big model would otherwise hold a hundred megabytes).
+constexpr int64_t HELD_CODES = 16 << 20;
+
+// The calling thread's rows, reused from call to call (a call's rows are used up within it).
+inline QuantizedRows& held_rows() {
+  thread_local QuantizedRows q;
+  return q;
+}
+
+inline QuantizedRows& held_rows(int64_t rows, int64_t k) {
+  QuantizedRows& q = held_rows();
+  q.hold(rows, k);
+  return q;
+}
 
 // How a weight's scales are held: in float32 or float16 (S), with each block's offset b, or
 // without it (symmetric: b = -OFFSET * a).
@@ -64,10 +93,9 @@ struct Format {
 };
 
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
+const QuantizedRows& quantize_rows(const T* x, int64_t rows, int64_t k) {
   const int64_t blocks = rows * (k / BLOCK);
-  QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<float>(blocks),
-                  std::vector<int32_t>(blocks), std::vector<float>(blocks)};
+  QuantizedRows& q = held_rows(rows, k);
   at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float v[BLOCK];
@@ -133,10 +161,9 @@ LOOM_VNNI void quantize_blocks_vnni(const T* x, int64_t begin, int64_t end, Quan
 // AVX-512 code is in quantize_blocks_vnni, which it calls, so that the library still builds
 // for a CPU without AVX-512 (where nothing calls it).
 template <typename T>
-LOOM_VNNI QuantizedRows quantize_rows_vnni(const T* x, int64_t rows, int64_t k) {
+LOOM_VNNI const QuantizedRows& quantize_rows_vnni(const T* x, int64_t rows, int64_t k) {
   const int64_t blocks = rows * (k / BLOCK);
-  QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<float>(blocks),
-                  std::vector<int32_t>(blocks), std::vector<float>(blocks)};
+  QuantizedRows& q = held_rows(rows, k);
   at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
     quantize_blocks_vnni(x, begin, end, q);
   });
@@ -388,10 +415,11 @@ template <typename T>
 void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
          const float* bias, at::Tensor& out, int64_t bits, bool use_vnni) {
   const int64_t rows = x.size(0), k = x.size(1);
-  const QuantizedRows q = use_vnni ? quantize_rows_vnni(x.data_ptr<T>(), rows, k)
+  const QuantizedRows& q = use_vnni ? quantize_rows_vnni(x.data_ptr<T>(), rows, k)
                                    : quantize_rows(x.data_ptr<T>(), rows, k);
   bits == 4 ? run_bits<4, T>(q, packed, scales, bias, out, rows, k, use_vnni)
             : run_bits<8, T>(q, packed, scales, bias, out, rows, k, use_vnni);
+  if (static_cast<int64_t>(q.codes.size()) > HELD_CODES) held_rows() = QuantizedRows{};
 }
 
 }  // namespace
