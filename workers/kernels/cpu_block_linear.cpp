@@ -92,14 +92,37 @@ struct Format {
   static constexpr int32_t OFFSET = 1 << (BITS - 1);
 };
 
+// Where the kernel's inputs come from, a block of 32 at a time: x's rows [M, K] as they are,
+// or silu(gate) * up of gate_up's rows [M, 2K], rounded as silu_mul rounds it (one block
+// computed into `room`): the product goes to the quantization without a pass through memory.
 template <typename T>
-const QuantizedRows& quantize_rows(const T* x, int64_t rows, int64_t k) {
+struct PlainRows {
+  const T* x;
+  const T* block(int64_t i, T*) const { return x + i * BLOCK; }
+};
+
+template <typename T>
+struct SiluRows {
+  const T* gate_up;
+  int64_t k;
+  const uint16_t* table;  // bf16_silu_table() for bfloat16
+  const T* block(int64_t i, T* room) const {
+    const int64_t groups = k / BLOCK, at = (i / groups) * 2 * k + (i % groups) * BLOCK;
+    float scratch[BLOCK];
+    silu_row<T>(gate_up + at, gate_up + at + k, room, BLOCK, scratch, table);
+    return room;
+  }
+};
+
+template <typename T, typename Rows>
+const QuantizedRows& quantize_rows(const Rows& source, int64_t rows, int64_t k) {
   const int64_t blocks = rows * (k / BLOCK);
   QuantizedRows& q = held_rows(rows, k);
   at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
+    T room[BLOCK];
     for (int64_t i = begin; i < end; ++i) {
       float v[BLOCK];
-      to_float(x + i * BLOCK, v, BLOCK);
+      to_float(source.block(i, room), v, BLOCK);
       v16 lo, hi;  // the block in two vectors: the loops below as vector operations
       std::memcpy(&lo, v, sizeof lo);
       std::memcpy(&hi, v + LANES, sizeof hi);
@@ -138,10 +161,13 @@ LOOM_VNNI inline __m512 load_floats(const T* x) {
 }
 
 // Blocks [begin, end) of 32 inputs: their codes, scales and code sums into q.
-template <typename T>
-LOOM_VNNI void quantize_blocks_vnni(const T* x, int64_t begin, int64_t end, QuantizedRows& q) {
+template <typename T, typename Rows>
+LOOM_VNNI void quantize_blocks_vnni(const Rows& source, int64_t begin, int64_t end,
+                                    QuantizedRows& q) {
+  T room[BLOCK];
   for (int64_t i = begin; i < end; ++i) {
-    const __m512 lo = load_floats(x + i * BLOCK), hi = load_floats(x + i * BLOCK + LANES);
+    const T* x = source.block(i, room);
+    const __m512 lo = load_floats(x), hi = load_floats(x + LANES);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
     const __m512 scale = _mm512_set1_ps(inverse);
@@ -160,12 +186,12 @@ LOOM_VNNI void quantize_blocks_vnni(const T* x, int64_t begin, int64_t end, Quan
 // The lambda that at::parallel_for runs does not take its enclosing function's target: the
 // AVX-512 code is in quantize_blocks_vnni, which it calls, so that the library still builds
 // for a CPU without AVX-512 (where nothing calls it).
-template <typename T>
-LOOM_VNNI const QuantizedRows& quantize_rows_vnni(const T* x, int64_t rows, int64_t k) {
+template <typename T, typename Rows>
+LOOM_VNNI const QuantizedRows& quantize_rows_vnni(const Rows& source, int64_t rows, int64_t k) {
   const int64_t blocks = rows * (k / BLOCK);
   QuantizedRows& q = held_rows(rows, k);
   at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
-    quantize_blocks_vnni(x, begin, end, q);
+    quantize_blocks_vnni<T>(source, begin, end, q);
   });
   return q;
 }
@@ -411,12 +437,12 @@ void run_bits(const QuantizedRows& q, const at::Tensor& packed, const at::Tensor
   }
 }
 
-template <typename T>
-void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-         const float* bias, at::Tensor& out, int64_t bits, bool use_vnni) {
-  const int64_t rows = x.size(0), k = x.size(1);
-  const QuantizedRows& q = use_vnni ? quantize_rows_vnni(x.data_ptr<T>(), rows, k)
-                                   : quantize_rows(x.data_ptr<T>(), rows, k);
+template <typename T, typename Rows>
+void run(const Rows& source, int64_t rows, int64_t k, const at::Tensor& packed,
+         const at::Tensor& scales, const float* bias, at::Tensor& out, int64_t bits,
+         bool use_vnni) {
+  const QuantizedRows& q = use_vnni ? quantize_rows_vnni<T>(source, rows, k)
+                                    : quantize_rows<T>(source, rows, k);
   bits == 4 ? run_bits<4, T>(q, packed, scales, bias, out, rows, k, use_vnni)
             : run_bits<8, T>(q, packed, scales, bias, out, rows, k, use_vnni);
   if (static_cast<int64_t>(q.codes.size()) > HELD_CODES) held_rows() = QuantizedRows{};
@@ -426,43 +452,87 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales
 
 bool block_linear_has_vnni() { return has_vnni(); }
 
-at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& packed,
-                        const at::Tensor& scales, const std::optional<at::Tensor>& bias_in,
-                        int64_t bits, bool portable_only) {
-  check_dtype("block_linear", x_in);
-  TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x_in.dim() == 2, "block_linear: x ", x_in.sizes(), " is not [M, K]");
-  const int64_t k = x_in.size(1), groups = k / BLOCK;
-  TORCH_CHECK(k % BLOCK == 0 && k > 0, "block_linear: K = ", k, " is not a multiple of ", BLOCK);
+namespace {
+
+// The weights' and bias's checks for inputs of k values (errors name op): [N] float32 bias
+// (or none) and N.
+std::tuple<std::optional<at::Tensor>, int64_t> checked_weights(
+    const char* op, int64_t k, const at::Tensor& packed, const at::Tensor& scales,
+    const std::optional<at::Tensor>& bias_in, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
+  const int64_t groups = k / BLOCK;
+  TORCH_CHECK(k % BLOCK == 0 && k > 0, op, ": K = ", k, " is not a multiple of ", BLOCK);
   const int64_t panel_bytes = BLOCK * LANES * bits / 8;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(1) == groups &&
                   packed.size(2) == panel_bytes && packed.is_contiguous(),
-              "block_linear: packed ", packed.sizes(), " ", packed.scalar_type(),
+              op, ": packed ", packed.sizes(), " ", packed.scalar_type(),
               " is not contiguous uint8 [N / 16, ", groups, ", ", panel_bytes, "]");
   const int64_t blocks = packed.size(0), n = blocks * LANES;
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
                   scales.is_contiguous() && scales.dim() == 4 &&
                   (scales.size(2) == 1 || scales.size(2) == 2) &&
                   scales.sizes() == at::IntArrayRef({blocks, groups, scales.size(2), LANES}),
-              "block_linear: scales ", scales.sizes(), " ", scales.scalar_type(),
+              op, ": scales ", scales.sizes(), " ", scales.scalar_type(),
               " are not contiguous float32 or float16 [", blocks, ", ", groups,
               ", 1 or 2, 16]");
   std::optional<at::Tensor> bias;
   if (bias_in.has_value()) {
-    TORCH_CHECK(bias_in->numel() == n, "block_linear: bias of ", bias_in->numel(),
-                " values for ", n, " outputs");
+    TORCH_CHECK(bias_in->numel() == n, op, ": bias of ", bias_in->numel(), " values for ", n,
+                " outputs");
     bias = bias_in->to(at::kFloat).contiguous();
   }
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  return {bias, n};
+}
+
+// `rows` rows of k inputs, in x's dtype, through the weights into a new [rows, N]: the inputs
+// from source_of(T{}) (PlainRows or SiluRows of x for T).
+template <typename SourceOf>
+at::Tensor linear_of(const char* op, const at::Tensor& x, int64_t rows, int64_t k,
+                     const at::Tensor& packed, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& bias_in, int64_t bits, bool portable_only,
+                     const SourceOf& source_of) {
+  const auto [bias, n] = checked_weights(op, k, packed, scales, bias_in, bits);
+  at::Tensor out = at::empty({rows, n}, x.options());
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const bool use_vnni = has_vnni() && !portable_only;
-  if (x.scalar_type() == at::kBFloat16) {
-    run<c10::BFloat16>(x, packed, scales, b, out, bits, use_vnni);
-  } else {
-    run<float>(x, packed, scales, b, out, bits, use_vnni);
-  }
+  const auto go = [&](auto type) {
+    using T = decltype(type);
+    run<T>(source_of(type), rows, k, packed, scales, b, out, bits, use_vnni);
+  };
+  x.scalar_type() == at::kBFloat16 ? go(c10::BFloat16{}) : go(float{});
   return out;
+}
+
+}  // namespace
+
+at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& packed,
+                        const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+                        int64_t bits, bool portable_only) {
+  check_dtype("block_linear", x_in);
+  TORCH_CHECK(x_in.dim() == 2, "block_linear: x ", x_in.sizes(), " is not [M, K]");
+  const at::Tensor x = x_in.contiguous();
+  return linear_of("block_linear", x, x.size(0), x.size(1), packed, scales, bias, bits,
+                   portable_only, [&](auto type) {
+                     using T = decltype(type);
+                     return PlainRows<T>{x.data_ptr<T>()};
+                   });
+}
+
+at::Tensor silu_block_linear(const at::Tensor& gate_up_in, const at::Tensor& packed,
+                             const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+                             int64_t bits, bool portable_only) {
+  check_dtype("silu_block_linear", gate_up_in);
+  TORCH_CHECK(gate_up_in.dim() == 2 && gate_up_in.size(1) % 2 == 0,
+              "silu_block_linear: gate_up ", gate_up_in.sizes(), " is not [M, 2K]");
+  const at::Tensor gate_up = gate_up_in.contiguous();
+  const int64_t k = gate_up.size(1) / 2;
+  return linear_of("silu_block_linear", gate_up, gate_up.size(0), k, packed, scales, bias, bits,
+                   portable_only, [&](auto type) {
+                     using T = decltype(type);
+                     const bool bf16 = std::is_same_v<T, c10::BFloat16>;
+                     return SiluRows<T>{gate_up.data_ptr<T>(), k,
+                                        bf16 ? bf16_silu_table() : nullptr};
+                   });
 }
 
 }  // namespace loom_cpu

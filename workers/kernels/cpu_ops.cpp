@@ -86,12 +86,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
 
 // ---- SiLU times up ---------------------------------------------------------------------------
 
-// silu(x) as F.silu computes it, x / (1 + exp(-x)) in float, rounded to T.
-template <typename T>
-[[gnu::always_inline]] inline float silu(float x) {
-  return rounded<T>(x / (1.0f + fast_exp(-x)));
-}
-
 // silu of every bfloat16, by its bits, built once: a lookup costs less than the exp and the
 // division, and gives the same values.
 const uint16_t* bf16_silu_table() {
@@ -108,24 +102,6 @@ const uint16_t* bf16_silu_table() {
   return table.data();
 }
 
-// silu(gate) * up of gate_up [..., 2I] (gate first): F.silu rounds, then the product rounds.
-// In passes over a float row, which the compiler vectorizes (one loop of all three it did not).
-template <typename T>
-void silu_row(const T* gate, const T* up, T* out, int64_t n, float* scratch) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const uint16_t* table = bf16_silu_table();
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t word = static_cast<uint32_t>(table[gate[i].x]) << 16;
-      std::memcpy(scratch + i, &word, sizeof word);
-    }
-    for (int64_t i = 0; i < n; ++i) out[i] = to<T>(scratch[i] * f32(up[i]));
-  } else {
-    to_float(gate, scratch, n);
-    for (int64_t i = 0; i < n; ++i) scratch[i] = silu<T>(scratch[i]);
-    for (int64_t i = 0; i < n; ++i) out[i] = to<T>(scratch[i] * f32(up[i]));
-  }
-}
-
 at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   check_dtype("silu_mul", gate_up_in);
   TORCH_CHECK(gate_up_in.size(-1) % 2 == 0, "silu_mul: an odd last dimension, ",
@@ -139,11 +115,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
     using T = scalar_t;
     const T* in = gate_up.data_ptr<T>();
     T* op = out.data_ptr<T>();
+    const uint16_t* table = std::is_same_v<T, c10::BFloat16> ? bf16_silu_table() : nullptr;
     at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / width), [&](int64_t b, int64_t e) {
       std::vector<float> scratch(width);
       for (int64_t r = b; r < e; ++r) {
         silu_row<T>(in + r * 2 * width, in + r * 2 * width + width, op + r * width, width,
-                    scratch.data());
+                    scratch.data(), table);
       }
     });
   });

@@ -173,6 +173,35 @@ inline float sum_of(const float* a, int64_t n) {
   return sum;
 }
 
+// silu(x) as F.silu computes it, x / (1 + exp(-x)) in float, rounded to T.
+template <typename T>
+[[gnu::always_inline]] inline float silu(float x) {
+  return rounded<T>(x / (1.0f + fast_exp(-x)));
+}
+
+// silu of every bfloat16, by its bits (cpu_ops.cpp): a lookup costs less than the exp and the
+// division, and gives the same values.
+const uint16_t* bf16_silu_table();
+
+// silu(gate) * up of gate_up [..., 2I] (gate first): F.silu rounds, then the product rounds.
+// In passes over a float row, which the compiler vectorizes (one loop of all three it did not).
+// table: bf16_silu_table() for bfloat16 (fetched once by the caller), else unused.
+template <typename T>
+inline void silu_row(const T* gate, const T* up, T* out, int64_t n, float* scratch,
+                     const uint16_t* table) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t word = static_cast<uint32_t>(table[gate[i].x]) << 16;
+      std::memcpy(scratch + i, &word, sizeof word);
+    }
+    for (int64_t i = 0; i < n; ++i) out[i] = to<T>(scratch[i] * f32(up[i]));
+  } else {
+    to_float(gate, scratch, n);
+    for (int64_t i = 0; i < n; ++i) scratch[i] = silu<T>(scratch[i]);
+    for (int64_t i = 0; i < n; ++i) out[i] = to<T>(scratch[i] * f32(up[i]));
+  }
+}
+
 // cpu_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
@@ -211,6 +240,11 @@ std::tuple<at::Tensor, at::Tensor> random_sample(const at::Tensor& logits,
 // cpu_block_linear.cpp
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         const std::optional<at::Tensor>& bias, int64_t bits, bool portable_only);
+// block_linear(silu_mul(gate_up), ...), the same values, for gate_up [M, 2K] (gate first):
+// the product is quantized as it is computed, never written out.
+at::Tensor silu_block_linear(const at::Tensor& gate_up, const at::Tensor& packed,
+                             const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+                             int64_t bits, bool portable_only);
 bool block_linear_has_vnni();
 
 }  // namespace loom_cpu

@@ -122,7 +122,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
         linear(attended.view({tokens, q_size}), mode[1], weights, w + NORMS + TENSORS_PER_LINEAR);
     std::tie(x, residual) = add_rms_norm(o, residual, need(weights, w + 1), eps);
     const at::Tensor gate_up = linear(x, mode[2], weights, w + NORMS + 2 * TENSORS_PER_LINEAR);
-    hidden = linear(silu_mul(gate_up), mode[3], weights, w + NORMS + 3 * TENSORS_PER_LINEAR);
+    const int64_t down = w + NORMS + 3 * TENSORS_PER_LINEAR;
+    if (mode[3] == A8) {  // the product quantized as it is computed
+      const at::Tensor codes = need(weights, down);
+      hidden = silu_block_linear(gate_up, codes, need(weights, down + 1), weights.get(down + 2),
+                                 codes.size(-1) / 64, false);
+    } else {
+      hidden = linear(silu_mul(gate_up), mode[3], weights, down);
+    }
   }
   return {hidden, residual};
 }
@@ -155,6 +162,9 @@ TORCH_LIBRARY(loom_cpu, m) {
   m.def(
       "block_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int bits, "
       "bool portable_only) -> Tensor");
+  m.def(
+      "silu_block_linear(Tensor gate_up, Tensor packed, Tensor scales, Tensor? bias, int bits, "
+      "bool portable_only) -> Tensor");
   m.def("block_linear_has_vnni() -> bool", &loom_cpu::block_linear_has_vnni);
 }
 
@@ -169,5 +179,6 @@ TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
   m.impl("greedy_sample", &loom_cpu::greedy_sample);
   m.impl("random_sample", &loom_cpu::random_sample);
   m.impl("block_linear", &loom_cpu::block_linear);
+  m.impl("silu_block_linear", &loom_cpu::silu_block_linear);
 }
 

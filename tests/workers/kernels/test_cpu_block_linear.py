@@ -114,12 +114,60 @@ def test_the_portable_path_built_for_an_avx2_only_cpu_is_its_float64_arithmetic(
                 bias = torch.randn(80)
                 calls.append(("block_linear", (x, layer.packed, layer.scales, bias, bits, True)))
                 expected.append(reference(x, weight, bias))
+                gate_up = (torch.randn(rows, 192) * 3).to(dtype)
+                calls.append(
+                    ("silu_block_linear", (gate_up, layer.packed, layer.scales, bias, bits, True))
+                )
+                expected.append(reference(ops.silu_mul(gate_up), weight, bias))
     outs = run_built_for_haswell(calls, tmp_path)
     for (_, args), theirs, ours in zip(calls, expected, outs, strict=True):
         assert ours.dtype == args[0].dtype
         # bf16 rows: the output's rounding, once at the end.
         tolerance = 1e-5 if ours.dtype == torch.float32 else 1e-2
         torch.testing.assert_close(ours.double(), theirs, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["half", "symmetric"])
+@pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_silu_block_linear_is_block_linear_of_silu_mul_bit_for_bit(
+    ops, bits, portable, form, dtype
+):
+    """The down projection's input quantized as silu_mul computes it: the same bits as
+    silu_mul's output through block_linear, at one row, a tile and more, with a bias."""
+    weight = random_blocks(bits, 80, 96, seed=bits, form=form)
+    layer = BlockLinear(weight, ops)
+    bias = torch.randn(80)
+    for rows in (1, 4, 9):
+        gate_up = (torch.randn(rows, 192) * 3).to(dtype)
+        gate_up[0, 96:128] = 0  # a block of zeros quantizes to zeros
+        fused = ops.silu_block_linear(gate_up, layer.packed, layer.scales, bias, bits, portable)
+        apart = ops.block_linear(
+            ops.silu_mul(gate_up), layer.packed, layer.scales, bias, bits, portable
+        )
+        assert fused.dtype == dtype and fused.shape == (rows, 80)
+        assert torch.equal(fused.view(torch.uint8), apart.view(torch.uint8))
+
+
+def test_bad_silu_block_linear_input_is_refused_by_name_and_the_op_keeps_working(ops):
+    layer = BlockLinear(random_blocks(4, 32, 64, seed=12), ops)
+    gate_up = torch.randn(2, 128)
+    cases = [
+        ((gate_up.half(), layer.packed, layer.scales, None, 4), "takes float32 or bfloat16"),
+        ((gate_up[:, :127], layer.packed, layer.scales, None, 4), "is not \\[M, 2K\\]"),
+        ((gate_up[0], layer.packed, layer.scales, None, 4), "is not \\[M, 2K\\]"),
+        ((gate_up[:, :96], layer.packed, layer.scales, None, 4), "not a multiple of 32"),
+        ((gate_up[:, :64], layer.packed, layer.scales, None, 4), "silu_block_linear: packed"),
+        ((gate_up, layer.packed, layer.scales, torch.zeros(5), 4), "bias of 5 values for 32"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ops.silu_block_linear(*args, False)
+    assert ops.silu_block_linear(gate_up, layer.packed, layer.scales, None, 4, False).shape == (
+        2,
+        32,
+    )
 
 
 @pytest.mark.parametrize("portable", PATHS)
