@@ -2,7 +2,8 @@
 // Q8_0, or weights quantized on load) and x quantized to int8 in blocks of 32 as it comes in,
 // as llama.cpp's Q8_1: each block's integer dot product is exact, then scaled in float. On
 // CPUs with AVX512-VNNI the dot products are vpdpbusd; elsewhere a portable loop computes the
-// same sums.
+// same sums. silu_block_linear takes the MLP's gate|up instead of x and quantizes
+// silu(gate) * up as it computes it.
 //
 // Layout (cpu_linear.py's BlockLinear packs it). Output columns go in blocks of 16, one per
 // vector lane. packed [N / 16, K / 32, bytes], a panel for each column block's group of 32
