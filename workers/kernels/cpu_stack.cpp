@@ -25,22 +25,30 @@ at::Tensor need(const c10::List<std::optional<at::Tensor>>& weights, int64_t i) 
   return *t;
 }
 
+// With `gated`, x is the MLP's gate|up and the layer takes silu(gate) * up: the a8 kernel
+// quantizes the product as it computes it, the others take silu_mul's.
 at::Tensor linear(const at::Tensor& x, int64_t mode,
-                  const c10::List<std::optional<at::Tensor>>& weights, int64_t first) {
+                  const c10::List<std::optional<at::Tensor>>& weights, int64_t first,
+                  bool gated = false) {
   const at::Tensor a = need(weights, first);
   const std::optional<at::Tensor> bias = weights.get(first + 2);
+  const auto input = [&] { return gated ? silu_mul(x) : x; };
   at::Tensor out;
   switch (mode) {
     case DENSE:
-      return at::linear(x, a, bias);
+      return at::linear(input(), a, bias);
     case INT4:
-      out = at::_weight_int4pack_mm_for_cpu(x, a, INT4_GROUP, need(weights, first + 1));
+      out = at::_weight_int4pack_mm_for_cpu(input(), a, INT4_GROUP, need(weights, first + 1));
       break;
     case INT8:
-      out = at::_weight_int8pack_mm(x, a, need(weights, first + 1));
+      out = at::_weight_int8pack_mm(input(), a, need(weights, first + 1));
       break;
-    case A8:  // a group of 32 inputs packs into 64 bytes per bit of its codes
-      return block_linear(x, a, need(weights, first + 1), bias, a.size(-1) / 64, false);
+    case A8: {  // a group of 32 inputs packs into 64 bytes per bit of its codes
+      const int64_t bits = a.size(-1) / 64;
+      const at::Tensor scales = need(weights, first + 1);
+      return gated ? silu_block_linear(x, a, scales, bias, bits, false)
+                   : block_linear(x, a, scales, bias, bits, false);
+    }
     default:
       TORCH_CHECK(false, "decode_layers: linear mode ", mode, " is none of 0, 1, 2, 3");
   }
@@ -122,14 +130,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
         linear(attended.view({tokens, q_size}), mode[1], weights, w + NORMS + TENSORS_PER_LINEAR);
     std::tie(x, residual) = add_rms_norm(o, residual, need(weights, w + 1), eps);
     const at::Tensor gate_up = linear(x, mode[2], weights, w + NORMS + 2 * TENSORS_PER_LINEAR);
-    const int64_t down = w + NORMS + 3 * TENSORS_PER_LINEAR;
-    if (mode[3] == A8) {  // the product quantized as it is computed
-      const at::Tensor codes = need(weights, down);
-      hidden = silu_block_linear(gate_up, codes, need(weights, down + 1), weights.get(down + 2),
-                                 codes.size(-1) / 64, false);
-    } else {
-      hidden = linear(silu_mul(gate_up), mode[3], weights, down);
-    }
+    hidden = linear(gate_up, mode[3], weights, w + NORMS + 3 * TENSORS_PER_LINEAR, true);
   }
   return {hidden, residual};
 }
