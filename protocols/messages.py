@@ -442,7 +442,9 @@ class StepResult:
     call_id: int
     req_ids: list[str]
     sampled_token_ids: list[int]
-    logprobs: list[float]  # of each sampled token, from the raw logits
+    # Of each sampled token, from the raw logits; None where the step's sampler skipped
+    # them (no request of the step asked for `logprobs`).
+    logprobs: list[float | None]
     top_logprobs: list[TopLogprobs | None]  # for requests that asked for `logprobs`
     # This step's prompt positions of the requests that asked for `prompt_logprobs`,
     # sampled this step or not.
@@ -459,7 +461,7 @@ class StepResult:
     # Speculative decoding: per request in req_ids, the logprob of each of its draft tokens
     # that was accepted; its tokens this step are those drafts, then its sampled token.
     # Empty: no request had drafts.
-    draft_logprobs: list[list[float]] = field(default_factory=list)
+    draft_logprobs: list[list[float | None]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None
+    cumulative_logprob: float | None  # the tokens' summed logprobs, if logprobs were asked for
     logprobs: list[dict[int, Logprob]] | None  # one dict per generated token, if asked for
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

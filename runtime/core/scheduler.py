@@ -100,7 +100,7 @@ class EngineCoreOutput:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[float]  # logprob of each new token
+    new_logprobs: list[float | None]  # logprob of each new token (None: not computed)
     new_top_logprobs: list[TopLogprobs | None]
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     stop_reason: int | str | None  # the stop token id (or string) that ended it

@@ -112,7 +112,9 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float = 0.0
+    # As vLLM's: summed where the request asked for logprobs (the sampler computes them for
+    # its rows only), else None.
+    cumulative_logprob: float | None = None
     num_sent_tokens: int = 0  # for DELTA outputs
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -149,6 +151,7 @@ class OutputProcessor:
                     min_tokens=params.min_tokens,
                 ),
                 logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
         return child_ids
 
@@ -289,7 +292,8 @@ class OutputProcessor:
                 self.metrics.record_tokens(len(tokens), last_time is None, since, now)
             metrics.last_token_time = state.last_token_time = now
         state.token_ids.extend(tokens)
-        state.cumulative_logprob += sum(logprobs)
+        if state.cumulative_logprob is not None:
+            state.cumulative_logprob += sum(logprobs)
         if state.logprobs is not None:
             for token_id, lp, top in zip(tokens, logprobs, tops, strict=True):
                 state.logprobs.append(self._logprob_entry(token_id, lp, top))

@@ -70,6 +70,33 @@ async def test_logprobs_match_hf_log_softmax(engine, tiny_model):
     assert math.isclose(completion.cumulative_logprob, total, abs_tol=1e-3)
 
 
+async def test_cumulative_logprob_is_given_where_logprobs_are_asked_for(engine):
+    """As vLLM's: None without `logprobs` (the greedy kernel skips them), alone or beside a
+    request that asks; with `logprobs=0`, the sum of the tokens' logprobs."""
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = await final(engine, PROMPT, plain)
+    assert alone.outputs[0].cumulative_logprob is None and alone.outputs[0].logprobs is None
+    results = {}
+
+    async def run(name, p):
+        results[name] = await final(engine, PROMPT, p)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, "plain", plain)
+        tg.start_soon(
+            run, "asked", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+        )
+    asked = results["asked"].outputs[0]
+    assert results["plain"].outputs[0].cumulative_logprob is None
+    assert results["plain"].outputs[0].token_ids == asked.token_ids == alone.outputs[0].token_ids
+    total = sum(
+        entry[tid].logprob for tid, entry in zip(asked.token_ids, asked.logprobs, strict=True)
+    )
+    assert asked.cumulative_logprob < 0 and math.isclose(
+        asked.cumulative_logprob, total, abs_tol=1e-4
+    )
+
+
 async def test_logit_bias_and_allowed_token_ids_match_hf_generate(engine, tiny_model):
     """Greedy tokens with a bias and with an allowed list, batched beside a plain request,
     against HF generate's sequence_bias and prefix_allowed_tokens_fn one at a time."""

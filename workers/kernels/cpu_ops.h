@@ -232,7 +232,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              double softcap, const std::optional<at::Tensor>& sinks);
 
 // cpu_sample.cpp
-std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits);
+at::Tensor greedy_ids(const at::Tensor& logits);
 std::tuple<at::Tensor, at::Tensor> random_sample(const at::Tensor& logits,
                                                  const at::Tensor& temperatures,
                                                  const at::Tensor& uniforms);

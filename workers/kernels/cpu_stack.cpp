@@ -158,7 +158,7 @@ TORCH_LIBRARY(loom_cpu, m) {
       "int window, Tensor? decode_rows=None, Tensor? prefill_slots=None, "
       "Tensor? prefill_lens=None, Tensor? prefill_q_starts=None, Tensor? prefill_q_lens=None) "
       "-> (Tensor, Tensor)");
-  m.def("greedy_sample(Tensor logits) -> (Tensor, Tensor)");
+  m.def("greedy_ids(Tensor logits) -> Tensor");
   m.def("random_sample(Tensor logits, Tensor temperatures, Tensor uniforms) -> (Tensor, Tensor)");
   m.def(
       "block_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int bits, "
@@ -177,7 +177,7 @@ TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
   m.impl("decode_attention", &loom_cpu::decode_attention);
   m.impl("prefill_attention", &loom_cpu::prefill_attention);
   m.impl("decode_layers", &loom_cpu::decode_layers);
-  m.impl("greedy_sample", &loom_cpu::greedy_sample);
+  m.impl("greedy_ids", &loom_cpu::greedy_ids);
   m.impl("random_sample", &loom_cpu::random_sample);
   m.impl("block_linear", &loom_cpu::block_linear);
   m.impl("silu_block_linear", &loom_cpu::silu_block_linear);

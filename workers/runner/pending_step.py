@@ -31,7 +31,7 @@ class PendingStep:
     call_id: int
     samplers: list[Any]  # the CachedRequestState of each sampled row, in row order
     sampled: torch.Tensor  # [B] int64 on the device: what the next step's decodes read
-    logprobs: torch.Tensor  # [B] float32
+    logprobs: torch.Tensor | None  # [B] float32; None: not computed (no row asked for them)
     top_logprobs: list[TopLogprobs | None]
     prompt_logprobs: list[PromptLogprobs]
     request_errors: list[RequestError] = field(default_factory=list)
@@ -44,7 +44,7 @@ class PendingStep:
     # id() of each sampled request's state -> its row in `sampled`: by identity, since a
     # new request may take a finished one's id while this step is still unread.
     rows: dict[int, int] = field(init=False)
-    _host: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] = field(init=False)
+    _host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] = field(init=False)
     _copied: Any = field(init=False, default=None)  # torch.cuda.Event of the copy
     _result: StepResult | None = field(init=False, default=None)
 
@@ -54,9 +54,10 @@ class PendingStep:
             # Start the copy now, on the current stream, without blocking the host: the
             # next step's kernels queue up behind it and the host waits only in result().
             stuck = None if self.stuck is None else self.stuck.to("cpu", non_blocking=True)
+            logprobs = self.logprobs
             self._host = (
                 self.sampled.to("cpu", non_blocking=True),
-                self.logprobs.to("cpu", non_blocking=True),
+                None if logprobs is None else logprobs.to("cpu", non_blocking=True),
                 stuck,
             )
             self._copied = torch.cuda.Event()
@@ -78,7 +79,8 @@ class PendingStep:
         if self._result is None:
             self.wait()
             token_ids = self._host[0].tolist()
-            logprobs = self._host[1].tolist()
+            # None for each token where no request asked for logprobs.
+            logprobs = [None] * len(token_ids) if self._host[1] is None else self._host[1].tolist()
             stuck = self._host[2].tolist() if self._host[2] is not None else None
             spec = self.spec or [(row, []) for row in range(len(self.samplers))]
             states, sampled, sampled_lps, tops, draft_lps = [], [], [], [], []

@@ -112,7 +112,9 @@ class SamplerOutput:
     """One step's sampled token of each row, with its logprob and the top logprobs asked for."""
 
     sampled_token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor  # [B] float32: raw log_softmax (before penalties) at the sampled id
+    # [B] float32: raw log_softmax (before penalties) at the sampled id; None where no row
+    # asked for logprobs and the kernel that sampled skipped them (the greedy one's exp pass).
+    logprobs: torch.Tensor | None
     top_token_ids: list[list[int] | None]  # per row, sorted by logprob desc; None: not asked
     top_logprobs: list[list[float] | None]
     # [B] bool: rows whose filters left no token (a token was drawn anyway); None: no row
@@ -150,7 +152,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     if ops is not None and on_cpu and _plain(meta):
         # The C++ kernels: a few passes over each row, no float32 copy.
         if meta.is_all_greedy:
-            sampled, logprobs = ops.greedy_sample(logits)
+            sampled, logprobs = ops.greedy_ids(logits), None
         else:
             greedy = torch.tensor(meta.is_greedy)
             temperature = torch.where(greedy, 0.0, meta.temperature)  # [B]; 0: greedy

@@ -406,22 +406,37 @@ def test_a_build_cut_short_by_a_killed_worker_is_redone(ops, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_greedy_sample_is_argmax_and_log_softmax(ops, dtype):
-    """Ties go to the first id (as torch.argmax), a row of -inf to id 0, a NaN is the pick."""
+def test_greedy_ids_are_torch_argmax(ops, dtype):
+    """Ties go to the first id, a row of -inf to id 0, a NaN is the pick (the first of
+    several, in the row's body or its tail past the last 16), as torch.argmax."""
     torch.manual_seed(1)
-    logits = (torch.randn(6, 49157) * 3).to(dtype)
+    logits = (torch.randn(9, 49157) * 3).to(dtype)
     logits[1, 7] = logits[1, 40000] = logits[1].max() + 1  # a tie
     logits[2] = float("-inf")
-    logits[3, 11] = float("nan")
+    logits[3, 11] = logits[3, 30] = float("nan")
     logits[4, -1] = logits[4].max() + 1  # the largest in the tail past the last 16
-    ids, logprobs = ops.greedy_sample(logits)
-    raw = logits.float()
-    assert ids.tolist() == raw.argmax(-1).tolist()
-    assert ids[1] == 7 and ids[3] == 11
-    expected = raw.log_softmax(-1).gather(1, ids[:, None])[:, 0]
-    finite = torch.tensor([True, True, False, False, True, True])
-    torch.testing.assert_close(logprobs[finite], expected[finite], rtol=1e-5, atol=1e-5)
-    assert logprobs[3].isnan()
+    logits[5, -2] = float("nan")  # a NaN in the tail alone
+    logits[6, :16] = float("-inf")  # the first lanes' best found later
+    logits[7, 20000] = float("inf")
+    ids = ops.greedy_ids(logits)
+    assert ids.dtype == torch.long
+    assert ids.tolist() == logits.float().argmax(-1).tolist()
+    assert ids[1] == 7 and ids[2] == 0 and ids[3] == 11 and ids[5] == 49155 and ids[7] == 20000
+    short = logits[:, :5].contiguous()  # fewer ids than a vector's lanes
+    assert ops.greedy_ids(short).tolist() == short.float().argmax(-1).tolist()
+    strided = logits[:, ::2]
+    assert ops.greedy_ids(strided).tolist() == strided.float().argmax(-1).tolist()
+
+
+def test_bad_greedy_ids_input_is_refused_by_name_and_the_op_keeps_working(ops):
+    logits = torch.randn(3, 100)
+    with pytest.raises(RuntimeError, match=r"greedy_ids: logits \[100\] are not \[B, V\]"):
+        ops.greedy_ids(logits[0])
+    with pytest.raises(RuntimeError, match=r"greedy_ids: logits \[3, 0\] are not \[B, V\]"):
+        ops.greedy_ids(logits[:, :0])
+    with pytest.raises(RuntimeError, match="greedy_ids takes float32 or bfloat16, got Half"):
+        ops.greedy_ids(logits.half())
+    assert ops.greedy_ids(logits).tolist() == logits.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -477,16 +492,22 @@ def test_the_sampler_takes_the_kernel_for_plain_greedy_rows_only(ops, monkeypatc
         return sampler.SamplingMetadata.from_params(params, [0] * 3, [[1]] * 3, [[2]] * 3, [[]] * 3)
 
     fast = sampler.sample(logits, meta())
-    assert counting.calls["greedy_sample"] == 1
+    assert counting.calls["greedy_ids"] == 1
     monkeypatch.setattr(cpu_native, "_ops", None)
     slow = sampler.sample(logits, meta())
     assert torch.equal(fast.sampled_token_ids, slow.sampled_token_ids)
-    torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=1e-5, atol=1e-5)
+    assert fast.logprobs is None  # no row asked for them: the kernel skips them
     assert fast.top_token_ids == slow.top_token_ids == [None] * 3
     monkeypatch.setattr(cpu_native, "_ops", counting)
-    for options in ({"logprobs": 2}, {"repetition_penalty": 1.5}, {"logit_bias": {3: 5.0}}):
-        sampler.sample(logits, meta(**options))
-    assert counting.calls["greedy_sample"] == 1
+    for options in (
+        {"logprobs": 2},
+        {"logprobs": 0},
+        {"repetition_penalty": 1.5},
+        {"logit_bias": {3: 5.0}},
+    ):
+        asked = sampler.sample(logits, meta(**options))
+        assert asked.logprobs is not None
+    assert counting.calls["greedy_ids"] == 1
 
 
 def test_the_sampler_takes_the_random_kernel_for_rows_at_a_temperature_alone(ops, monkeypatch):

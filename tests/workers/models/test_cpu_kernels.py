@@ -78,7 +78,8 @@ def decode_tokens(model, config, dtype, on_schedule=None) -> dict[str, list[tupl
     )
     scheduler = Scheduler(SchedulerConfig(8, 16, 128, 16, runner.num_blocks))
     for i in range(5):
-        params = SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True)
+        # logprobs=0: each token's logprob, which the paths must agree on too.
+        params = SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True, logprobs=0)
         prompt = PROMPT[: 4 + 3 * i]
         scheduler.add_request(Request(f"r{i}", prompt, params, frozenset(), 128, 0.0))
     outputs = drive(scheduler, runner, ahead=False, on_schedule=on_schedule)
