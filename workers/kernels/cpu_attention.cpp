@@ -50,6 +50,101 @@ struct Upcoming {
 // the L1 cache for the heads after the first few.
 constexpr int64_t CHUNK = 16;
 
+// Keys j0 .. j0 + n of a chunk, each one's partial scores (sixteen lanes a query head) into
+// parts [heads, CHUNK], from the float query rows qf [heads, DIM]; keys past n give zeros.
+// Each key's K and V records are fetched LEAD keys ahead, and the next item's meanwhile.
+template <typename T, int64_t DIM, int64_t LEAD>
+[[gnu::always_inline]] inline void score_keys(const float* qf, const T* k_cache, const T* v_cache,
+                                              int64_t slot_stride, const int64_t* slots,
+                                              int64_t j0, int64_t n, int64_t keys,
+                                              int64_t kv_heads, int64_t group, int64_t record,
+                                              v16* parts, Upcoming<T>& upcoming) {
+  constexpr int64_t C = DIM / 16;
+  const int64_t heads = kv_heads * group;
+  for (int64_t t = 0; t < CHUNK; ++t) {
+    const int64_t j = j0 + t;
+    if (t >= n) {  // past the last key: lanes summed and dropped
+      for (int64_t h = 0; h < heads; ++h) parts[h * CHUNK + t] = v16{};
+      continue;
+    }
+    if (j + LEAD < keys) prefetch_key(k_cache, v_cache, slots[j + LEAD] * slot_stride, record);
+    upcoming.fetch_upto((j + 1) * upcoming.keys / (2 * keys));
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      const T* k = k_cache + slots[j] * slot_stride + g * DIM;
+      v16 row[C];
+      for (int64_t c = 0; c < C; c += 2) load32(k + c * 16, row[c], row[c + 1]);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const v16* qv = reinterpret_cast<const v16*>(qf + h * DIM);
+        v16 part = qv[0] * row[0];
+        for (int64_t c = 1; c < C; ++c) part += qv[c] * row[c];
+        parts[h * CHUNK + t] = part;
+      }
+    }
+  }
+}
+
+// A bfloat16 query row's sixteen dims at a time, each sixteen twice (in both halves of a
+// vector): qq[i] holds dims 16i .. 16i + 15, for score_pairs. (Called where the CPU has
+// bfloat16 dot products alone, as score_pairs.)
+template <int64_t DIM>
+[[gnu::always_inline]] inline void twice_sixteen(const c10::BFloat16* q, v16* qq) {
+#ifdef __AVX512BF16__
+  for (int64_t c = 0; c < DIM / 32; ++c) {
+    const __m512i row = _mm512_loadu_si512(q + c * 32);
+    qq[2 * c] = reinterpret_cast<v16>(_mm512_shuffle_i64x2(row, row, 0x44));
+    qq[2 * c + 1] = reinterpret_cast<v16>(_mm512_shuffle_i64x2(row, row, 0xEE));
+  }
+#endif
+}
+
+// As score_keys, with bfloat16 dot products, two keys a vector: a pair's sixteen dims side by
+// side (the first key's in lanes 0-7, the second's in 8-15) against the query's twice
+// (twice_sixteen), so that a pair's partial scores come in one vector and their lane sums
+// start a step in (lane_sums_of_pairs). parts [heads, CHUNK / 2].
+template <typename T, int64_t DIM, int64_t LEAD>
+[[gnu::always_inline]] inline void score_pairs(const v16* qq, const T* k_cache,
+                                               const T* v_cache, int64_t slot_stride,
+                                               const int64_t* slots, int64_t j0, int64_t n,
+                                               int64_t keys, int64_t kv_heads, int64_t group,
+                                               int64_t record, v16* parts,
+                                               Upcoming<T>& upcoming) {
+#ifdef __AVX512BF16__
+  constexpr int64_t C = DIM / 16;
+  const int64_t heads = kv_heads * group;
+  for (int64_t t = 0; t < CHUNK; t += 2) {
+    const int64_t j = j0 + t;
+    if (t >= n) {  // past the last key: lanes summed and dropped
+      for (int64_t h = 0; h < heads; ++h) parts[h * CHUNK / 2 + t / 2] = v16{};
+      continue;
+    }
+    for (int64_t u = j; u < std::min(j + 2, j0 + n); ++u) {
+      if (u + LEAD < keys) prefetch_key(k_cache, v_cache, slots[u + LEAD] * slot_stride, record);
+      upcoming.fetch_upto((u + 1) * upcoming.keys / (2 * keys));
+    }
+    const bool second = t + 1 < n;
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      const T* a = k_cache + slots[j] * slot_stride + g * DIM;
+      const T* b = second ? k_cache + slots[j + 1] * slot_stride + g * DIM : nullptr;
+      __m512i side[C];  // side[i]: dims 16i .. 16i + 15 of the first key, then the second's
+      for (int64_t c = 0; c < C / 2; ++c) {
+        const __m512i x = _mm512_loadu_si512(a + c * 32);
+        const __m512i y = second ? _mm512_loadu_si512(b + c * 32) : _mm512_setzero_si512();
+        side[2 * c] = _mm512_shuffle_i64x2(x, y, 0x44);
+        side[2 * c + 1] = _mm512_shuffle_i64x2(x, y, 0xEE);
+      }
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        __m512 part = _mm512_setzero_ps();
+        for (int64_t i = 0; i < C; ++i) {
+          part = _mm512_dpbf16_ps(part, reinterpret_cast<__m512bh>(qq[h * C + i]),
+                                  reinterpret_cast<__m512bh>(side[i]));
+        }
+        parts[h * CHUNK / 2 + t / 2] = reinterpret_cast<v16>(part);
+      }
+    }
+  }
+#endif
+}
+
 // One decode row's `kv_heads` KV heads from the first at k_cache and v_cache (all of them, or
 // one), each with its `group` query heads, over the row's context in the cache, for a head
 // size known when compiled (a multiple of 32). Sixteen keys' scores are summed at once; the
@@ -75,52 +170,29 @@ void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
   for (int64_t j = 0; j < std::min(LEAD, keys); ++j) {
     prefetch_key(k_cache, v_cache, slots[j] * slot_stride, record);
   }
-  if constexpr (!BF16_DOTS<T>) {
-    for (int64_t h = 0; h < heads; ++h) {
+  // With bfloat16 dot products, qq [heads, DIM / 16]: each sixteen dims of a query head twice,
+  // as a pair of keys' are laid side by side (score_pairs); else each head's row in float.
+  v16* qq = reinterpret_cast<v16*>(qf);
+  for (int64_t h = 0; h < heads; ++h) {
+    if constexpr (BF16_DOTS<T>) {
+      twice_sixteen<DIM>(q + h * q_head_stride, qq + h * C);
+    } else {
       v16* row = reinterpret_cast<v16*>(qf + h * DIM);
       for (int64_t c = 0; c < C; c += 2) load32(q + h * q_head_stride + c * 16, row[c], row[c + 1]);
     }
   }
   for (int64_t j0 = 0; j0 < keys; j0 += CHUNK) {
     const int64_t n = std::min(CHUNK, keys - j0);
-    for (int64_t t = 0; t < CHUNK; ++t) {
-      const int64_t j = j0 + t;
-      if (t >= n) {  // past the last key: lanes summed and dropped
-        for (int64_t h = 0; h < heads; ++h) parts[h * CHUNK + t] = v16{};
-        continue;
-      }
-      if (j + LEAD < keys) prefetch_key(k_cache, v_cache, slots[j + LEAD] * slot_stride, record);
-      upcoming.fetch_upto((j + 1) * upcoming.keys / (2 * keys));
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        const T* k = k_cache + slots[j] * slot_stride + g * DIM;
-        if constexpr (BF16_DOTS<T>) {
-#ifdef __AVX512BF16__
-          __m512i row[C / 2];
-          for (int64_t c = 0; c < C / 2; ++c) row[c] = _mm512_loadu_si512(k + c * 32);
-          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-            __m512 part = _mm512_setzero_ps();
-            for (int64_t c = 0; c < C / 2; ++c) {
-              const __m512i words = _mm512_loadu_si512(q + h * q_head_stride + c * 32);
-              part = _mm512_dpbf16_ps(part, reinterpret_cast<__m512bh>(words),
-                                      reinterpret_cast<__m512bh>(row[c]));
-            }
-            parts[h * CHUNK + t] = reinterpret_cast<v16>(part);
-          }
-#endif
-        } else {
-          v16 row[C];
-          for (int64_t c = 0; c < C; c += 2) load32(k + c * 16, row[c], row[c + 1]);
-          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-            const v16* qv = reinterpret_cast<const v16*>(qf + h * DIM);
-            v16 part = qv[0] * row[0];
-            for (int64_t c = 1; c < C; ++c) part += qv[c] * row[c];
-            parts[h * CHUNK + t] = part;
-          }
-        }
-      }
+    if constexpr (BF16_DOTS<T>) {
+      score_pairs<T, DIM, LEAD>(qq, k_cache, v_cache, slot_stride, slots, j0, n, keys, kv_heads,
+                                group, record, parts, upcoming);
+    } else {
+      score_keys<T, DIM, LEAD>(qf, k_cache, v_cache, slot_stride, slots, j0, n, keys, kv_heads,
+                               group, record, parts, upcoming);
     }
     for (int64_t h = 0; h < heads; ++h) {
-      const v16 s = lane_sums(parts + h * CHUNK);
+      const v16 s =
+          BF16_DOTS<T> ? lane_sums_of_pairs(parts + h * CHUNK / 2) : lane_sums(parts + h * CHUNK);
       if (n == CHUNK) {
         std::memcpy(scores + h * keys + j0, &s, sizeof s);
       } else {

@@ -78,17 +78,12 @@ inline void prefetch_row(const T* row, int64_t dim) {
   }
 }
 
-// Lane j of the result is horizontal_sum(parts[j]), added in the same order, for sixteen
-// vectors at once: halves are paired across vectors, so no sum waits on a lone shuffle chain.
-inline v16 lane_sums(const v16* parts) {
-  v16 pairs[8], quads[4], octets[2];
-  for (int m = 0; m < 8; ++m) {  // lanes i and i + 8 of each vector: two vectors' eight sums
-    const v16 a = parts[2 * m], b = parts[2 * m + 1];
-    pairs[m] =
-        __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-        __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-  for (int m = 0; m < 4; ++m) {  // then i and i + 4 of those: four vectors' four
+// Lane j of the result is the sum of key j's partial sums, for sixteen keys whose partials
+// come in pairs: vector m holds key 2m's eight in lanes 0-7 and key 2m + 1's in lanes 8-15.
+// Halves are paired across vectors, so no sum waits on a lone shuffle chain.
+inline v16 lane_sums_of_pairs(const v16* pairs) {
+  v16 quads[4], octets[2];
+  for (int m = 0; m < 4; ++m) {  // lanes i and i + 4 of each half: four vectors' four
     const v16 a = pairs[2 * m], b = pairs[2 * m + 1];
     quads[m] =
         __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
@@ -103,6 +98,19 @@ inline v16 lane_sums(const v16* parts) {
   const v16 a = octets[0], b = octets[1];  // then the two: sixteen vectors' one
   return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Lane j of the result is horizontal_sum(parts[j]), for sixteen vectors at once: lanes i and
+// i + 8 of two vectors make a pair's, then as lane_sums_of_pairs.
+inline v16 lane_sums(const v16* parts) {
+  v16 pairs[8];
+  for (int m = 0; m < 8; ++m) {
+    const v16 a = parts[2 * m], b = parts[2 * m + 1];
+    pairs[m] =
+        __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+        __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  return lane_sums_of_pairs(pairs);
 }
 
 // a * b + c in one rounding where the CPU fuses them (the weighing of the value rows).
