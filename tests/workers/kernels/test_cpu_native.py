@@ -555,7 +555,7 @@ def test_a_build_for_a_cpu_without_avx512_computes_as_the_native_one_must(tmp_pa
     """Each machine builds the library for its own CPU (-march=native), so the AVX-512 code
     sits behind target attributes or #ifdef, and an AVX2-only CPU runs the other paths: bf16
     attention without bf16 dot products, float vectors of two halves. Built here for Haswell,
-    its attention, norms and SiLU meet the references the native build is held to."""
+    its attention, norms, SiLU and greedy ids meet the references the native build is held to."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -591,8 +591,16 @@ def test_a_build_for_a_cpu_without_avx512_computes_as_the_native_one_must(tmp_pa
         gate_up = (torch.randn(64, 2 * 96) * 4).to(dtype)
         calls.append(("silu_mul", (gate_up,)))
         expected.append((F.silu(gate_up[:, :96]) * gate_up[:, 96:], None))
+        logits = (torch.randn(5, 1003) * 3).to(dtype)
+        logits[1, 7] = logits[1, 900] = logits[1].max() + 1  # a tie: the first id
+        logits[2, 500] = float("nan")
+        calls.append(("greedy_ids", (logits,)))
+        expected.append((logits.float().argmax(-1), None))
     outs = run_built_for_haswell(calls, tmp_path)
     for (name, args), (theirs, tolerance), ours in zip(calls, expected, outs, strict=True):
+        if name == "greedy_ids":
+            assert ours.tolist() == theirs.tolist()
+            continue
         assert ours.dtype == args[0].dtype, name
         if tolerance is None:
             close_or_equal(ours, theirs)
