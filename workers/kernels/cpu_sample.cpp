@@ -109,14 +109,9 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const char* op, const at::Tensor&
         const float top = row[best];
         const float raw_sum = exp_sum(row.data(), vocab, top);
         int64_t id = best;
-        if (std::isnan(raw_sum)) {  // a NaN logit is torch.argmax's pick, and the logprob NaN
-          for (int64_t j = 0; j < vocab; ++j) {
-            if (std::isnan(row[j])) {
-              id = j;
-              break;
-            }
-          }
-        } else if (temperatures && temperatures[r] > 0.0f) {
+        // A NaN logit (first_argmax_of's pick, as torch.argmax's) makes the sum and the
+        // logprob NaN: nothing is drawn then.
+        if (!std::isnan(raw_sum) && temperatures && temperatures[r] > 0.0f) {
           const float inverse = 1.0f / temperatures[r];
           weight.resize(vocab);
           for (int64_t i = 0; i < vocab; ++i) weight[i] = fast_exp((row[i] - top) * inverse);
