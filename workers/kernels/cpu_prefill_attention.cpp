@@ -1,8 +1,9 @@
 // Causal attention of prompt tokens on the CPU: each prompt's queries over its context in the
-// paged cache, a tile of query positions at a time, so that every block of sixteen keys is
-// read and laid out once for all the tile's query rows (decode attention reads it per row).
+// paged cache, a tile of query positions at a time. Every block of sixteen keys is read from
+// the cache and laid out once a call, for all the query rows that score it.
 
 #include <atomic>
+#include <memory>
 
 #include "cpu_attention_lanes.h"
 
@@ -90,22 +91,37 @@ struct Item {
   int64_t prompt, kv_head, first, count, cost;
 };
 
-// What every item reads: the prompts, the caches, the options.
+// What every item reads: the prompts, the caches, the options, the laid-out keys.
 template <typename T>
 struct Prompts {
   const T *q, *k_cache, *v_cache;
   T* out;
   int64_t q_row_stride, q_head_stride, slot_stride, heads, kv_heads, group;
   const int64_t *slots, *lens, *q_starts, *q_lens;
-  int64_t slots_width;
+  int64_t prompts, slots_width;
   float scale, softcap;
   int64_t window;
   const float* sinks;
+  // Each prompt's keys for each KV head, in blocks (lay_out_keys' layout) from its first
+  // query's first key down to a multiple of sixteen, first_keys[p], to its last key: prompt
+  // p's head g's first block at key_blocks + (block_starts[p] * kv_heads + g * blocks of p)
+  // * BLOCK_VECTORS.
+  const v16* key_blocks = nullptr;
+  const int64_t *first_keys = nullptr, *block_starts = nullptr;
+
+  // The first key that a query at position pos sees.
+  int64_t row_begin(int64_t pos) const {
+    return window > 0 ? std::max<int64_t>(0, pos + 1 - window) : int64_t{0};
+  }
 };
+
+// A laid-out key block's size in vectors: DIM / 2 words of two bfloat16, or DIM floats, for
+// each of its sixteen keys.
+template <typename T, int64_t DIM>
+constexpr int64_t BLOCK_VECTORS = (BF16_DOTS<T> ? DIM / 2 : DIM) * KEYS * 4 / sizeof(v16);
 
 // Scratch a thread reuses from item to item.
 struct Scratch {
-  std::vector<v16> keys;  // one laid-out key block
   std::vector<float> scores, acc, sums, qf;
   std::vector<const void*> q_rows;  // each query row: in T (bf16 dot products) or in float
 };
@@ -119,16 +135,17 @@ void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
   const int64_t rows = item.count * group, len = a.lens[p];
   const int64_t first_pos = len - a.q_lens[p] + item.first;  // the first query's position
   const int64_t last_end = first_pos + item.count;           // keys [.., last_end) seen at all
-  const auto row_begin = [&](int64_t pos) {
-    return a.window > 0 ? std::max<int64_t>(0, pos + 1 - a.window) : int64_t{0};
-  };
-  const int64_t kb = row_begin(first_pos), width = (last_end - kb + KEYS - 1) / KEYS * KEYS;
-  s.keys.resize(DIM * KEYS * sizeof(float) / sizeof(v16));
+  // The first key any row sees, down to its block's first, as the keys are laid out.
+  const int64_t kb = a.row_begin(first_pos) / KEYS * KEYS;
+  const int64_t width = (last_end - kb + KEYS - 1) / KEYS * KEYS;
   s.scores.resize(rows * width);
   s.acc.assign(rows * DIM, 0.0f);
   s.sums.resize(rows);
   const int64_t* slots = a.slots + p * a.slots_width + kb;
-  const T* k_cache = a.k_cache + g * DIM;
+  const int64_t blocks = a.block_starts[p + 1] - a.block_starts[p];
+  const int64_t first_block =
+      a.block_starts[p] * a.kv_heads + g * blocks + (kb - a.first_keys[p]) / KEYS;
+  const v16* key_blocks = a.key_blocks + first_block * BLOCK_VECTORS<T, DIM>;
   s.q_rows.resize(rows);
   if constexpr (!BF16_DOTS<T>) s.qf.resize(rows * DIM);
   for (int64_t r = 0; r < rows; ++r) {
@@ -143,21 +160,20 @@ void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
   }
   // Scores, key block by key block: rows whose positions come before a block skip it.
   for (int64_t j0 = 0; j0 < last_end - kb; j0 += KEYS) {
-    lay_out_keys<T, DIM>(k_cache, a.slot_stride, slots + j0, std::min(KEYS, last_end - kb - j0),
-                         s.keys.data());
+    const v16* block = key_blocks + j0 / KEYS * BLOCK_VECTORS<T, DIM>;
     // Row r's position is first_pos + r / group: it sees the block if kb + j0 <= that.
     const int64_t from = std::max<int64_t>(0, (kb + j0 - first_pos) * group);
     for (int64_t r0 = from; r0 < rows; r0 += SCORE_ROWS) {
       const int n = static_cast<int>(std::min<int64_t>(SCORE_ROWS, rows - r0));
       float* out[SCORE_ROWS];
       for (int r = 0; r < n; ++r) out[r] = s.scores.data() + (r0 + r) * width + j0;
-      score_rows<T, DIM>(n, s.keys.data(), s.q_rows.data() + r0, out);
+      score_rows<T, DIM>(n, block, s.q_rows.data() + r0, out);
     }
   }
   // Each row's softmax over its own keys [b, e); zeros elsewhere, so that weighing a tile of
   // rows over the keys any of them sees adds nothing for the others.
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t pos = first_pos + r / group, b = row_begin(pos) - kb, e = pos + 1 - kb;
+    const int64_t pos = first_pos + r / group, b = a.row_begin(pos) - kb, e = pos + 1 - kb;
     float* row = s.scores.data() + r * width;
     const float* sink = a.sinks ? a.sinks + g * group + r % group : nullptr;
     softmax_rows(row + b, 1, e - b, a.scale, a.softcap, sink, s.sums.data() + r);
@@ -168,7 +184,7 @@ void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
   const T* values = a.v_cache + g * DIM;
   for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
     const int64_t n = std::min(TILE, rows - r0);
-    const int64_t j0 = row_begin(first_pos + r0 / group) - kb;
+    const int64_t j0 = a.row_begin(first_pos + r0 / group) - kb;
     const int64_t j1 = first_pos + (r0 + n - 1) / group + 1 - kb;
     const float* probs = s.scores.data() + r0 * width;
     float* acc = s.acc.data() + r0 * DIM;
@@ -193,10 +209,34 @@ void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
   }
 }
 
-// Every item, the costliest first, taken by the threads as each finishes its last: items'
-// costs differ (later positions see more keys), so a fixed split would leave a thread idle.
+// Every prompt's keys laid out, a block for each KV head, then every item, the costliest
+// first, taken by the threads as each finishes its last: items' costs differ (later positions
+// see more keys), so a fixed split would leave a thread idle.
 template <typename T, int64_t DIM>
-void attend_items(const Prompts<T>& a, std::vector<Item>& items) {
+void attend_items(Prompts<T> a, std::vector<Item>& items) {
+  std::vector<int64_t> firsts(a.prompts), starts(a.prompts + 1, 0);
+  for (int64_t p = 0; p < a.prompts; ++p) {
+    firsts[p] = a.row_begin(a.lens[p] - a.q_lens[p]) / KEYS * KEYS;
+    starts[p + 1] = starts[p] + (a.lens[p] - firsts[p] + KEYS - 1) / KEYS;
+  }
+  const int64_t all_blocks = starts[a.prompts] * a.kv_heads;
+  // Not zeroed first: lay_out_keys writes every vector of a block.
+  const std::unique_ptr<v16[]> key_blocks(new v16[all_blocks * BLOCK_VECTORS<T, DIM>]);
+  at::parallel_for(0, all_blocks, 16, [&](int64_t begin, int64_t end) {
+    int64_t p = std::upper_bound(starts.begin(), starts.end(), begin / a.kv_heads) -
+                starts.begin() - 1;
+    for (int64_t i = begin; i < end; ++i) {
+      while (i >= starts[p + 1] * a.kv_heads) ++p;
+      const int64_t blocks = starts[p + 1] - starts[p], at = i - starts[p] * a.kv_heads;
+      const int64_t g = at / blocks, j0 = firsts[p] + at % blocks * KEYS;
+      lay_out_keys<T, DIM>(a.k_cache + g * DIM, a.slot_stride, a.slots + p * a.slots_width + j0,
+                           std::min(KEYS, a.lens[p] - j0),
+                           key_blocks.get() + i * BLOCK_VECTORS<T, DIM>);
+    }
+  });
+  a.key_blocks = key_blocks.get();
+  a.first_keys = firsts.data();
+  a.block_starts = starts.data();
   std::sort(items.begin(), items.end(),
             [](const Item& x, const Item& y) { return x.cost > y.cost; });
   std::atomic<int64_t> next{0};
@@ -269,8 +309,8 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
     using T = decltype(type);
     const Prompts<T> a{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                        out.data_ptr<T>(), q.stride(0), q.stride(1), kv_heads * dim, heads,
-                       kv_heads, group, sp, lp, qs, ql, width, static_cast<float>(scale),
-                       static_cast<float>(softcap), window,
+                       kv_heads, group, sp, lp, qs, ql, prompts, width,
+                       static_cast<float>(scale), static_cast<float>(softcap), window,
                        sinks.defined() ? sinks.data_ptr<float>() : nullptr};
     dim == 64 ? attend_items<T, 64>(a, items) : attend_items<T, 128>(a, items);
   };
