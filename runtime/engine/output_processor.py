@@ -292,11 +292,19 @@ class OutputProcessor:
                 self.metrics.record_tokens(len(tokens), last_time is None, since, now)
             metrics.last_token_time = state.last_token_time = now
         state.token_ids.extend(tokens)
-        if state.cumulative_logprob is not None:
-            state.cumulative_logprob += sum(logprobs)
-        if state.logprobs is not None:
-            for token_id, lp, top in zip(tokens, logprobs, tops, strict=True):
-                state.logprobs.append(self._logprob_entry(token_id, lp, top))
+        if state.cumulative_logprob is not None or state.logprobs is not None:
+            # The sampler computes a logprob for every row whose request asks for them.
+            values = [lp for lp in logprobs if lp is not None]
+            if len(values) != len(logprobs):
+                raise RuntimeError(
+                    f"request {state.parent.request_id!r} asked for logprobs, and a token "
+                    "came without one"
+                )
+            if state.cumulative_logprob is not None:
+                state.cumulative_logprob += sum(values)
+            if state.logprobs is not None:
+                for token_id, lp, top in zip(tokens, values, tops, strict=True):
+                    state.logprobs.append(self._logprob_entry(token_id, lp, top))
         if out.finish_reason is not None and not cut:
             state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
         elif stop_string is not None:
