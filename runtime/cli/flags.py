@@ -157,6 +157,7 @@ BENCHMARKS = {
     "eager-step": "loomllm.benchmarks.eager_step",
     "cpu-step": "loomllm.benchmarks.cpu_step",
     "cpu-contention": "loomllm.benchmarks.cpu_contention",
+    "cpu-prefill-attention": "loomllm.benchmarks.cpu_prefill_attention",
     "broadcast": "loomllm.benchmarks.step_broadcast",
     "compile": "loomllm.benchmarks.kernel_compile",
     "emulated": "loomllm.benchmarks.emulated_device",

@@ -389,6 +389,19 @@ def test_cpu_step_benchmark_prints_each_way_beside_the_linears() -> None:
         main(["--steps", "0"])
 
 
+def test_cpu_prefill_attention_benchmark_agrees_with_sdpa_and_prints_the_ratio() -> None:
+    done = loom("bench", "cpu-prefill-attention", "--shapes", "40x2,17x1", "--rounds", "1")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    for length, prompts in ((40, 2), (17, 1)):
+        row = rf"^ +{length}x{prompts} +[\d.]+ +[\d.]+ +\d+ +\d+\.\d\d +([\d.e+-]+)$"
+        found = re.search(row, done.stdout, re.M)
+        assert found, done.stdout
+        # Against SDPA's output: bfloat16's rounding of values of about 1 at most.
+        assert float(found.group(1)) < 2e-2, done.stdout
+    refused = loom("bench", "cpu-prefill-attention", "--shapes", "40by2")
+    assert refused.returncode == 2 and "LENGTHxPROMPTS" in refused.stderr
+
+
 def test_cpu_contention_benchmark_prints_both_modes_and_their_ratio(tiny_model) -> None:
     done = loom(
         "bench", "cpu-contention", "--model", tiny_model, "--dtype", "float32", "--tokens", "6",
