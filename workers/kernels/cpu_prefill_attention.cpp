@@ -1,6 +1,7 @@
 // Causal attention of prompt tokens on the CPU: each prompt's queries over its context in the
-// paged cache, a tile of query positions at a time. Every block of sixteen keys is read from
-// the cache and laid out once a call, for all the query rows that score it.
+// paged cache, a tile of query positions at a time. Every block of sixteen keys (and, with
+// bfloat16 dot products, of sixteen value rows) is read from the cache and laid out once a
+// call, for all the query rows that use it.
 
 #include <atomic>
 #include <memory>
@@ -85,6 +86,82 @@ void score_rows(int rows, const void* block, const void* const* q, float* const*
 }
 static_assert(SCORE_ROWS == 8, "score_rows dispatches up to eight rows");
 
+// With bfloat16 dot products, the values are weighed by them too, with the probabilities
+// rounded to bfloat16 (as torch's CPU flash attention does for bfloat16 inputs): a block of
+// sixteen value rows laid out as eight pairs of keys, [8][DIM] words, each word a dim of the
+// pair's two rows (the first in its lower half), the dims of each sixteen words in load32's
+// lane order, so that the sums come out as weigh_values leaves them. Keys past the context
+// are zeros.
+template <int64_t DIM>
+void lay_out_values(const c10::BFloat16* v_cache, int64_t slot_stride, const int64_t* slots,
+                    int64_t n, uint32_t* block) {
+  for (int64_t i = 0; i < KEYS / 2; ++i) {
+    uint16_t pair[2][DIM] = {};
+    for (int64_t t = 0; t < 2; ++t) {
+      if (2 * i + t < n) std::memcpy(pair[t], v_cache + slots[2 * i + t] * slot_stride, DIM * 2);
+    }
+    for (int64_t c = 0; c < DIM / 16; ++c) {
+      for (int64_t l = 0; l < 16; ++l) {
+        const int64_t d = 32 * (c / 2) + 2 * l + c % 2;  // load32's lane l of vector c
+        block[(i * DIM / 16 + c) * 16 + l] = pair[0][d] | static_cast<uint32_t>(pair[1][d]) << 16;
+      }
+    }
+  }
+}
+
+#ifdef __AVX512BF16__
+// R rows' weighted sums of the laid-out value pairs [i0, i1), added to acc [R, DIM]; probs:
+// the rows' probabilities in bfloat16, `width` apart, a pair of keys a 32-bit word.
+template <int64_t DIM, int R>
+void weigh_value_pairs(const uint16_t* probs, int64_t width, int64_t i0, int64_t i1,
+                       const uint32_t* pairs, float* acc) {
+  constexpr int64_t C = DIM / 16;
+  __m512 sum[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < C; ++c) sum[r][c] = _mm512_loadu_ps(acc + (r * C + c) * 16);
+  }
+  for (int64_t i = i0; i < i1; ++i) {
+    __m512i values[C];
+    for (int64_t c = 0; c < C; ++c) values[c] = _mm512_loadu_si512(pairs + (i * C + c) * 16);
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, probs + r * width + 2 * i, sizeof pair);
+      const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      for (int64_t c = 0; c < C; ++c) {
+        sum[r][c] = _mm512_dpbf16_ps(sum[r][c], p, reinterpret_cast<__m512bh>(values[c]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + (r * C + c) * 16, sum[r][c]);
+  }
+}
+
+// weigh_value_pairs for n rows, n up to PAIR_ROWS.
+template <int64_t DIM>
+constexpr int PAIR_ROWS = DIM <= 64 ? 4 : 2;
+
+template <int64_t DIM>
+void weigh_pair_rows(int n, const uint16_t* probs, int64_t width, int64_t i0, int64_t i1,
+                     const uint32_t* pairs, float* acc) {
+  if constexpr (PAIR_ROWS<DIM> == 4) {
+    if (n == 4) return weigh_value_pairs<DIM, 4>(probs, width, i0, i1, pairs, acc);
+    if (n == 3) return weigh_value_pairs<DIM, 3>(probs, width, i0, i1, pairs, acc);
+  }
+  n == 2 ? weigh_value_pairs<DIM, 2>(probs, width, i0, i1, pairs, acc)
+         : weigh_value_pairs<DIM, 1>(probs, width, i0, i1, pairs, acc);
+}
+
+// A row's probabilities rounded to bfloat16 (to nearest even), 32 at a time.
+inline void round_probabilities(const float* probs, int64_t n, uint16_t* out) {
+  for (int64_t j = 0; j < n; j += 32) {
+    const __m512bh bf = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(probs + j + 16),
+                                            _mm512_loadu_ps(probs + j));
+    _mm512_storeu_si512(out + j, reinterpret_cast<__m512i>(bf));
+  }
+}
+#endif
+
 // An item of work: a prompt's KV head, over query positions [first, first + count) of the
 // prompt's queries; its cost, the scores it computes.
 struct Item {
@@ -108,6 +185,8 @@ struct Prompts {
   // * BLOCK_VECTORS.
   const v16* key_blocks = nullptr;
   const int64_t *first_keys = nullptr, *block_starts = nullptr;
+  // With bfloat16 dot products, the value rows likewise (lay_out_values' layout).
+  const v16* value_blocks = nullptr;
 
   // The first key that a query at position pos sees.
   int64_t row_begin(int64_t pos) const {
@@ -123,12 +202,14 @@ constexpr int64_t BLOCK_VECTORS = (BF16_DOTS<T> ? DIM / 2 : DIM) * KEYS * 4 / si
 // Scratch a thread reuses from item to item.
 struct Scratch {
   std::vector<float> scores, acc, sums, qf;
+  std::vector<uint16_t> probs;  // the rows' probabilities in bfloat16 (bfloat16 dot products)
   std::vector<const void*> q_rows;  // each query row: in T (bf16 dot products) or in float
 };
 
 // One item: its rows are its positions' query heads, position-major. Scores for every key
 // any row sees, then each row's softmax over its own keys (the others' probabilities zero),
-// then the value rows weighed a few query rows at a time, as decode attention does.
+// then the value rows weighed a few query rows at a time: by bfloat16 dot products over the
+// laid-out value pairs where the scores came from them, else as decode attention does.
 template <typename T, int64_t DIM>
 void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
   const int64_t p = item.prompt, g = item.kv_head, group = a.group;
@@ -138,7 +219,7 @@ void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
   // The first key any row sees, down to its block's first, as the keys are laid out.
   const int64_t kb = a.row_begin(first_pos) / KEYS * KEYS;
   const int64_t width = (last_end - kb + KEYS - 1) / KEYS * KEYS;
-  s.scores.resize(rows * width);
+  s.scores.resize(rows * width + 16);  // round_probabilities reads 32 at a time
   s.acc.assign(rows * DIM, 0.0f);
   s.sums.resize(rows);
   const int64_t* slots = a.slots + p * a.slots_width + kb;
@@ -180,23 +261,41 @@ void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
     std::fill(row, row + b, 0.0f);
     std::fill(row + e, row + width, 0.0f);
   }
-  constexpr int64_t TILE = DIM <= 64 ? 4 : 2;
-  const T* values = a.v_cache + g * DIM;
-  for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
-    const int64_t n = std::min(TILE, rows - r0);
-    const int64_t j0 = a.row_begin(first_pos + r0 / group) - kb;
-    const int64_t j1 = first_pos + (r0 + n - 1) / group + 1 - kb;
-    const float* probs = s.scores.data() + r0 * width;
-    float* acc = s.acc.data() + r0 * DIM;
-    if (n == TILE) {
-      weigh_values<T, DIM, TILE>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
-    } else if (n == 1) {
-      weigh_values<T, DIM, 1>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
-    } else if constexpr (TILE == 4) {
-      if (n == 2) {
-        weigh_values<T, DIM, 2>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
-      } else {
-        weigh_values<T, DIM, 3>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
+  if constexpr (BF16_DOTS<T>) {
+#ifdef __AVX512BF16__
+    s.probs.resize(rows * width + 16);
+    for (int64_t r = 0; r < rows; ++r) {
+      round_probabilities(s.scores.data() + r * width, width, s.probs.data() + r * width);
+    }
+    const auto* pairs = reinterpret_cast<const uint32_t*>(a.value_blocks +
+                                                          first_block * BLOCK_VECTORS<T, DIM>);
+    for (int64_t r0 = 0; r0 < rows; r0 += PAIR_ROWS<DIM>) {
+      const int n = static_cast<int>(std::min<int64_t>(PAIR_ROWS<DIM>, rows - r0));
+      const int64_t j0 = a.row_begin(first_pos + r0 / group) - kb;
+      const int64_t j1 = first_pos + (r0 + n - 1) / group + 1 - kb;
+      weigh_pair_rows<DIM>(n, s.probs.data() + r0 * width, width, j0 / 2, (j1 + 1) / 2, pairs,
+                           s.acc.data() + r0 * DIM);
+    }
+#endif
+  } else {
+    constexpr int64_t TILE = DIM <= 64 ? 4 : 2;
+    const T* values = a.v_cache + g * DIM;
+    for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+      const int64_t n = std::min(TILE, rows - r0);
+      const int64_t j0 = a.row_begin(first_pos + r0 / group) - kb;
+      const int64_t j1 = first_pos + (r0 + n - 1) / group + 1 - kb;
+      const float* probs = s.scores.data() + r0 * width;
+      float* acc = s.acc.data() + r0 * DIM;
+      if (n == TILE) {
+        weigh_values<T, DIM, TILE>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
+      } else if (n == 1) {
+        weigh_values<T, DIM, 1>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
+      } else if constexpr (TILE == 4) {
+        if (n == 2) {
+          weigh_values<T, DIM, 2>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
+        } else {
+          weigh_values<T, DIM, 3>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
+        }
       }
     }
   }
@@ -222,6 +321,8 @@ void attend_items(Prompts<T> a, std::vector<Item>& items) {
   const int64_t all_blocks = starts[a.prompts] * a.kv_heads;
   // Not zeroed first: lay_out_keys writes every vector of a block.
   const std::unique_ptr<v16[]> key_blocks(new v16[all_blocks * BLOCK_VECTORS<T, DIM>]);
+  const std::unique_ptr<v16[]> value_blocks(
+      BF16_DOTS<T> ? new v16[all_blocks * BLOCK_VECTORS<T, DIM>] : nullptr);
   at::parallel_for(0, all_blocks, 16, [&](int64_t begin, int64_t end) {
     int64_t p = std::upper_bound(starts.begin(), starts.end(), begin / a.kv_heads) -
                 starts.begin() - 1;
@@ -229,12 +330,19 @@ void attend_items(Prompts<T> a, std::vector<Item>& items) {
       while (i >= starts[p + 1] * a.kv_heads) ++p;
       const int64_t blocks = starts[p + 1] - starts[p], at = i - starts[p] * a.kv_heads;
       const int64_t g = at / blocks, j0 = firsts[p] + at % blocks * KEYS;
-      lay_out_keys<T, DIM>(a.k_cache + g * DIM, a.slot_stride, a.slots + p * a.slots_width + j0,
-                           std::min(KEYS, a.lens[p] - j0),
+      const int64_t* slots = a.slots + p * a.slots_width + j0;
+      const int64_t n = std::min(KEYS, a.lens[p] - j0);
+      lay_out_keys<T, DIM>(a.k_cache + g * DIM, a.slot_stride, slots, n,
                            key_blocks.get() + i * BLOCK_VECTORS<T, DIM>);
+      if constexpr (BF16_DOTS<T>) {
+        lay_out_values<DIM>(a.v_cache + g * DIM, a.slot_stride, slots, n,
+                            reinterpret_cast<uint32_t*>(value_blocks.get() +
+                                                        i * BLOCK_VECTORS<T, DIM>));
+      }
     }
   });
   a.key_blocks = key_blocks.get();
+  a.value_blocks = value_blocks.get();
   a.first_keys = firsts.data();
   a.block_starts = starts.data();
   std::sort(items.begin(), items.end(),
