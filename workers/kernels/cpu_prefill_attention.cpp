@@ -222,7 +222,6 @@ void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
   s.scores.resize(rows * width + 16);  // round_probabilities reads 32 at a time
   s.acc.assign(rows * DIM, 0.0f);
   s.sums.resize(rows);
-  const int64_t* slots = a.slots + p * a.slots_width + kb;
   const int64_t blocks = a.block_starts[p + 1] - a.block_starts[p];
   const int64_t first_block =
       a.block_starts[p] * a.kv_heads + g * blocks + (kb - a.first_keys[p]) / KEYS;
@@ -280,6 +279,7 @@ void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
   } else {
     constexpr int64_t TILE = DIM <= 64 ? 4 : 2;
     const T* values = a.v_cache + g * DIM;
+    const int64_t* slots = a.slots + p * a.slots_width + kb;
     for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
       const int64_t n = std::min(TILE, rows - r0);
       const int64_t j0 = a.row_begin(first_pos + r0 / group) - kb;
