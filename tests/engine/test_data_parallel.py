@@ -39,9 +39,15 @@ def make_engine(tiny_model, shared_manager, **options) -> Engine:
         tiny_model,
         manager_socket=shared_manager.socket,
         dtype="float32",
-        max_num_seqs=17,
-        **options,
+        **{"max_num_seqs": 17, **options},
     )
+
+
+def split_params(k: int) -> SamplingParams:
+    """Request k's: 4 to 12 tokens. Requests of one length that start in one step finish in
+    one step, and a replica whose whole batch finished takes the next ones in a run; with
+    equal lengths the split then hangs on which replica's batch ended last."""
+    return SamplingParams(max_tokens=4 + (7 * k) % 9, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +76,9 @@ async def final_tokens(stream) -> list[int]:
 async def test_200_requests_at_concurrency_50_each_answered_once_split_within_60_40(
     replica_bound_model, shared_manager
 ):
+    longest = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     async with make_engine(replica_bound_model, shared_manager) as one:
-        expected = [await final_tokens(one.generate(p, GREEDY)) for p in PROMPTS]
+        expected = [await final_tokens(one.generate(p, longest)) for p in PROMPTS]
     answers: Counter[str] = Counter()
     placed: Counter[int] = Counter()
     wrong: list[str] = []
@@ -80,15 +87,20 @@ async def test_200_requests_at_concurrency_50_each_answered_once_split_within_60
     async def run(k: int, dp: Engine) -> None:
         async with limit:
             request_id = f"r{k}"
-            stream = dp.generate(PROMPTS[k % len(PROMPTS)], GREEDY, request_id=request_id)
+            params = split_params(k)
+            stream = dp.generate(PROMPTS[k % len(PROMPTS)], params, request_id=request_id)
             placed[dp.replica_index(request_id)] += 1
             async for out in stream:
                 if out.finished:
                     answers[request_id] += 1
-                    if out.outputs[0].token_ids != expected[k % len(PROMPTS)]:
+                    want = expected[k % len(PROMPTS)][: params.max_tokens]
+                    if out.outputs[0].token_ids != want:
                         wrong.append(request_id)
 
-    async with make_engine(replica_bound_model, shared_manager, data_parallel_size=2) as dp:
+    # Batches of 9: a replica's batch that ends together hands it at most 9 requests in a run.
+    async with make_engine(
+        replica_bound_model, shared_manager, data_parallel_size=2, max_num_seqs=9
+    ) as dp:
         assert len(set(dp.worker_pids)) == 2
         async with anyio.create_task_group() as tg:
             for k in range(NUM_REQUESTS):
@@ -101,7 +113,8 @@ async def test_200_requests_at_concurrency_50_each_answered_once_split_within_60
     finished = [sum(r.num_finished.values()) for r in stats.replicas]
     assert finished == [placed[0], placed[1]]
     assert sum(stats.num_finished.values()) == NUM_REQUESTS
-    assert stats.num_generation_tokens == NUM_REQUESTS * GREEDY.max_tokens
+    lengths = sum(split_params(k).max_tokens for k in range(NUM_REQUESTS))
+    assert stats.num_generation_tokens == lengths
     assert stats.e2e_request_latency.count == NUM_REQUESTS
     assert stats.num_total_blocks == sum(r.num_total_blocks for r in stats.replicas)
 
