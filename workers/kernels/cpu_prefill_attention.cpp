@@ -162,6 +162,11 @@ inline void round_probabilities(const float* probs, int64_t n, uint16_t* out) {
 }
 #endif
 
+// The first key that a query at position pos sees: its last `window` keys where window > 0.
+inline int64_t first_key(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos + 1 - window) : int64_t{0};
+}
+
 // An item of work: a prompt's KV head, over query positions [first, first + count) of the
 // prompt's queries; its cost, the scores it computes.
 struct Item {
@@ -189,9 +194,7 @@ struct Prompts {
   const v16* value_blocks = nullptr;
 
   // The first key that a query at position pos sees.
-  int64_t row_begin(int64_t pos) const {
-    return window > 0 ? std::max<int64_t>(0, pos + 1 - window) : int64_t{0};
-  }
+  int64_t row_begin(int64_t pos) const { return first_key(pos, window); }
 };
 
 // A laid-out key block's size in vectors: DIM / 2 words of two bfloat16, or DIM floats, for
@@ -409,7 +412,7 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
     for (int64_t first = 0; first < ql[p]; first += POSITIONS) {
       const int64_t count = std::min(POSITIONS, ql[p] - first);
       const int64_t end = lp[p] - ql[p] + first + count;
-      const int64_t begin = window > 0 ? std::max<int64_t>(0, end - count + 1 - window) : 0;
+      const int64_t begin = first_key(end - count, window);
       for (int64_t g = 0; g < kv_heads; ++g) items.push_back({p, g, first, count, end - begin});
     }
   }
