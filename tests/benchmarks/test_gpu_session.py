@@ -116,6 +116,7 @@ def test_the_attention_steps_fastest_tiling_runs_in_the_steps_after_it(tmp_path:
 
     names = [s.name for s in plan("cuda", "llama-8b", "qwen-0.5b", tmp_path, tmp_path)]
     assert names.index("check") < names.index("attention") < names.index("throughput")
+    assert names.index("throughput") < names.index("seqs-512")
     env: dict[str, str] = {}
     attention = Step("attention", "", [], 0)
     assert take_best_tiling(attention, tmp_path, env) == [] and env == {}  # it wrote none
