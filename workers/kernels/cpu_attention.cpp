@@ -157,7 +157,7 @@ void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
                   const float* sinks, T* out, int64_t out_head_stride, std::vector<v16>& buf,
                   Upcoming<T>& upcoming) {
   static_assert(DIM % 32 == 0);
-  constexpr int64_t C = DIM / 16, TILE = DIM <= 64 ? 4 : 2;  // 4 or 2 heads: 16 registers
+  constexpr int64_t C = DIM / 16;
   const int64_t keys = end - begin, heads = kv_heads * group;
   slots += begin;
   buf.resize(heads * CHUNK + (heads * DIM * 2 + heads * keys + heads) / 16 + 1);
@@ -208,21 +208,10 @@ void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
                                    : upcoming.keys / 2 + j1 * upcoming.keys / (2 * keys));
     for (int64_t g = 0; g < kv_heads; ++g) {
       const T* values = v_cache + g * DIM;
-      for (int64_t i = 0; i < group; i += TILE) {
-        const int64_t tile = std::min(TILE, group - i), h = g * group + i;
-        const float* p = scores + h * keys;
-        float* a = acc + h * DIM;
-        if (tile == TILE) {
-          weigh_values<T, DIM, TILE>(p, keys, j0, j1, values, slot_stride, slots, a);
-        } else if (tile == 1) {
-          weigh_values<T, DIM, 1>(p, keys, j0, j1, values, slot_stride, slots, a);
-        } else if constexpr (TILE == 4) {
-          if (tile == 2) {
-            weigh_values<T, DIM, 2>(p, keys, j0, j1, values, slot_stride, slots, a);
-          } else {
-            weigh_values<T, DIM, 3>(p, keys, j0, j1, values, slot_stride, slots, a);
-          }
-        }
+      for (int64_t i = 0; i < group; i += VALUE_ROWS<DIM>) {
+        const int64_t h = g * group + i;
+        weigh_value_rows<T, DIM>(std::min(VALUE_ROWS<DIM>, group - i), scores + h * keys, keys,
+                                 j0, j1, values, slot_stride, slots, acc + h * DIM);
       }
     }
   }

@@ -197,4 +197,25 @@ template <typename T, int64_t DIM, int64_t HEADS>
   }
 }
 
+// Query rows weighed in one pass over the value rows: 4, or 2 past 64 dims, so that their
+// sums fill sixteen registers.
+template <int64_t DIM>
+constexpr int64_t VALUE_ROWS = DIM <= 64 ? 4 : 2;
+
+// weigh_values for n query rows, n from 1 to VALUE_ROWS<DIM>.
+template <typename T, int64_t DIM>
+void weigh_value_rows(int64_t n, const float* probs, int64_t keys, int64_t j0, int64_t j1,
+                      const T* v_cache, int64_t slot_stride, const int64_t* slots, float* acc) {
+  if constexpr (VALUE_ROWS<DIM> == 4) {
+    if (n == 4) {
+      return weigh_values<T, DIM, 4>(probs, keys, j0, j1, v_cache, slot_stride, slots, acc);
+    }
+    if (n == 3) {
+      return weigh_values<T, DIM, 3>(probs, keys, j0, j1, v_cache, slot_stride, slots, acc);
+    }
+  }
+  if (n == 2) return weigh_values<T, DIM, 2>(probs, keys, j0, j1, v_cache, slot_stride, slots, acc);
+  weigh_values<T, DIM, 1>(probs, keys, j0, j1, v_cache, slot_stride, slots, acc);
+}
+
 }  // namespace loom_cpu

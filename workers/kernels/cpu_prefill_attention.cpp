@@ -137,14 +137,11 @@ void weigh_value_pairs(const uint16_t* probs, int64_t width, int64_t i0, int64_t
   }
 }
 
-// weigh_value_pairs for n rows, n up to PAIR_ROWS.
+// weigh_value_pairs for n rows, n from 1 to VALUE_ROWS<DIM>.
 template <int64_t DIM>
-constexpr int PAIR_ROWS = DIM <= 64 ? 4 : 2;
-
-template <int64_t DIM>
-void weigh_pair_rows(int n, const uint16_t* probs, int64_t width, int64_t i0, int64_t i1,
+void weigh_pair_rows(int64_t n, const uint16_t* probs, int64_t width, int64_t i0, int64_t i1,
                      const uint32_t* pairs, float* acc) {
-  if constexpr (PAIR_ROWS<DIM> == 4) {
+  if constexpr (VALUE_ROWS<DIM> == 4) {
     if (n == 4) return weigh_value_pairs<DIM, 4>(probs, width, i0, i1, pairs, acc);
     if (n == 3) return weigh_value_pairs<DIM, 3>(probs, width, i0, i1, pairs, acc);
   }
@@ -205,7 +202,7 @@ constexpr int64_t BLOCK_VECTORS = (BF16_DOTS<T> ? DIM / 2 : DIM) * KEYS * 4 / si
 // Scratch a thread reuses from item to item.
 struct Scratch {
   std::vector<float> scores, acc, sums, qf;
-  std::vector<uint16_t> probs;  // the rows' probabilities in bfloat16 (bfloat16 dot products)
+  std::vector<uint16_t> probs;  // a pass's rows' probabilities in bfloat16 (bf16 dot products)
   std::vector<const void*> q_rows;  // each query row: in T (bf16 dot products) or in float
 };
 
@@ -263,43 +260,26 @@ void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
     std::fill(row, row + b, 0.0f);
     std::fill(row + e, row + width, 0.0f);
   }
-  if constexpr (BF16_DOTS<T>) {
+  const T* values = a.v_cache + g * DIM;
+  const int64_t* slots = a.slots + p * a.slots_width + kb;
+  if constexpr (BF16_DOTS<T>) s.probs.resize(VALUE_ROWS<DIM> * width + 16);
+  for (int64_t r0 = 0; r0 < rows; r0 += VALUE_ROWS<DIM>) {
+    const int64_t n = std::min(VALUE_ROWS<DIM>, rows - r0);
+    const int64_t j0 = a.row_begin(first_pos + r0 / group) - kb;
+    const int64_t j1 = first_pos + (r0 + n - 1) / group + 1 - kb;
+    float* acc = s.acc.data() + r0 * DIM;
+    if constexpr (BF16_DOTS<T>) {
 #ifdef __AVX512BF16__
-    s.probs.resize(rows * width + 16);
-    for (int64_t r = 0; r < rows; ++r) {
-      round_probabilities(s.scores.data() + r * width, width, s.probs.data() + r * width);
-    }
-    const auto* pairs = reinterpret_cast<const uint32_t*>(a.value_blocks +
-                                                          first_block * BLOCK_VECTORS<T, DIM>);
-    for (int64_t r0 = 0; r0 < rows; r0 += PAIR_ROWS<DIM>) {
-      const int n = static_cast<int>(std::min<int64_t>(PAIR_ROWS<DIM>, rows - r0));
-      const int64_t j0 = a.row_begin(first_pos + r0 / group) - kb;
-      const int64_t j1 = first_pos + (r0 + n - 1) / group + 1 - kb;
-      weigh_pair_rows<DIM>(n, s.probs.data() + r0 * width, width, j0 / 2, (j1 + 1) / 2, pairs,
-                           s.acc.data() + r0 * DIM);
-    }
-#endif
-  } else {
-    constexpr int64_t TILE = DIM <= 64 ? 4 : 2;
-    const T* values = a.v_cache + g * DIM;
-    const int64_t* slots = a.slots + p * a.slots_width + kb;
-    for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
-      const int64_t n = std::min(TILE, rows - r0);
-      const int64_t j0 = a.row_begin(first_pos + r0 / group) - kb;
-      const int64_t j1 = first_pos + (r0 + n - 1) / group + 1 - kb;
-      const float* probs = s.scores.data() + r0 * width;
-      float* acc = s.acc.data() + r0 * DIM;
-      if (n == TILE) {
-        weigh_values<T, DIM, TILE>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
-      } else if (n == 1) {
-        weigh_values<T, DIM, 1>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
-      } else if constexpr (TILE == 4) {
-        if (n == 2) {
-          weigh_values<T, DIM, 2>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
-        } else {
-          weigh_values<T, DIM, 3>(probs, width, j0, j1, values, a.slot_stride, slots, acc);
-        }
+      for (int64_t r = 0; r < n; ++r) {
+        round_probabilities(s.scores.data() + (r0 + r) * width, width, s.probs.data() + r * width);
       }
+      const auto* pairs = reinterpret_cast<const uint32_t*>(a.value_blocks +
+                                                            first_block * BLOCK_VECTORS<T, DIM>);
+      weigh_pair_rows<DIM>(n, s.probs.data(), width, j0 / 2, (j1 + 1) / 2, pairs, acc);
+#endif
+    } else {
+      weigh_value_rows<T, DIM>(n, s.scores.data() + r0 * width, width, j0, j1, values,
+                               a.slot_stride, slots, acc);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
