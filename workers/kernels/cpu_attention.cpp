@@ -328,18 +328,15 @@ at::Tensor decode_attention_rows(const at::Tensor& q_in, const at::Tensor& k_cac
       const int64_t nth = item / per_row;
       return nth % 2 == 0 ? nth / 2 : rows - 1 - nth / 2;
     };
-    const auto first_key = [&](int64_t len) {
-      return window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    };
     at::parallel_for(0, rows * per_row, 1, [&](int64_t b0, int64_t e0) {
       std::vector<v16> buf;  // each thread's scratch
       for (int64_t item = b0; item < e0; ++item) {
         const int64_t h = item % per_row, b = row_of(item), len = lp[b];
-        const int64_t begin = first_key(len);
+        const int64_t begin = first_key(len - 1, window);  // the row's query is at len - 1
         Upcoming<T> upcoming;
         if (item + 1 < e0) {
           const int64_t nb = row_of(item + 1), nh = (item + 1) % per_row;
-          const int64_t nbegin = first_key(lp[nb]);
+          const int64_t nbegin = first_key(lp[nb] - 1, window);
           upcoming = Upcoming<T>{kc + nh * dim, vc + nh * dim, sp + nb * row_stride + nbegin,
                                  lp[nb] - nbegin, stride, item_kv_heads * dim, 0};
         }

@@ -1,6 +1,7 @@
 // What the CPU attention kernels share (cpu_attention.cpp, cpu_prefill_attention.cpp): their
-// input checks; dot products and maxima over float rows, prefetches, sums of sixteen vectors'
-// lanes; the softmax of rows of scores and the weighing of value rows.
+// input checks; a sliding window's first key; dot products and maxima over float rows,
+// prefetches, sums of sixteen vectors' lanes; the softmax of rows of scores and the weighing
+// of value rows.
 
 #pragma once
 
@@ -20,6 +21,11 @@ constexpr bool BF16_DOTS = std::is_same_v<T, c10::BFloat16>;
 template <typename T>
 constexpr bool BF16_DOTS = false;
 #endif
+
+// The first key that a query at position pos sees: its last `window` keys where window > 0.
+inline int64_t first_key(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos + 1 - window) : int64_t{0};
+}
 
 // q with dense heads, checked against the caches [S, KVH, D] it attends over (errors name op).
 inline at::Tensor checked_query(const char* op, const at::Tensor& q_in, const at::Tensor& k_cache,

@@ -159,11 +159,6 @@ inline void round_probabilities(const float* probs, int64_t n, uint16_t* out) {
 }
 #endif
 
-// The first key that a query at position pos sees: its last `window` keys where window > 0.
-inline int64_t first_key(int64_t pos, int64_t window) {
-  return window > 0 ? std::max<int64_t>(0, pos + 1 - window) : int64_t{0};
-}
-
 // An item of work: a prompt's KV head, over query positions [first, first + count) of the
 // prompt's queries; its cost, the scores it computes.
 struct Item {
@@ -189,9 +184,6 @@ struct Prompts {
   const int64_t *first_keys = nullptr, *block_starts = nullptr;
   // With bfloat16 dot products, the value rows likewise (lay_out_values' layout).
   const v16* value_blocks = nullptr;
-
-  // The first key that a query at position pos sees.
-  int64_t row_begin(int64_t pos) const { return first_key(pos, window); }
 };
 
 // A laid-out key block's size in vectors: DIM / 2 words of two bfloat16, or DIM floats, for
@@ -217,7 +209,7 @@ void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
   const int64_t first_pos = len - a.q_lens[p] + item.first;  // the first query's position
   const int64_t last_end = first_pos + item.count;           // keys [.., last_end) seen at all
   // The first key any row sees, down to its block's first, as the keys are laid out.
-  const int64_t kb = a.row_begin(first_pos) / KEYS * KEYS;
+  const int64_t kb = first_key(first_pos, a.window) / KEYS * KEYS;
   const int64_t width = (last_end - kb + KEYS - 1) / KEYS * KEYS;
   s.scores.resize(rows * width + 16);  // round_probabilities reads 32 at a time
   s.acc.assign(rows * DIM, 0.0f);
@@ -253,7 +245,8 @@ void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
   // Each row's softmax over its own keys [b, e); zeros elsewhere, so that weighing a tile of
   // rows over the keys any of them sees adds nothing for the others.
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t pos = first_pos + r / group, b = a.row_begin(pos) - kb, e = pos + 1 - kb;
+    const int64_t pos = first_pos + r / group;
+    const int64_t b = first_key(pos, a.window) - kb, e = pos + 1 - kb;
     float* row = s.scores.data() + r * width;
     const float* sink = a.sinks ? a.sinks + g * group + r % group : nullptr;
     softmax_rows(row + b, 1, e - b, a.scale, a.softcap, sink, s.sums.data() + r);
@@ -265,7 +258,7 @@ void attend_item(const Prompts<T>& a, const Item& item, Scratch& s) {
   if constexpr (BF16_DOTS<T>) s.probs.resize(VALUE_ROWS<DIM> * width + 16);
   for (int64_t r0 = 0; r0 < rows; r0 += VALUE_ROWS<DIM>) {
     const int64_t n = std::min(VALUE_ROWS<DIM>, rows - r0);
-    const int64_t j0 = a.row_begin(first_pos + r0 / group) - kb;
+    const int64_t j0 = first_key(first_pos + r0 / group, a.window) - kb;
     const int64_t j1 = first_pos + (r0 + n - 1) / group + 1 - kb;
     float* acc = s.acc.data() + r0 * DIM;
     if constexpr (BF16_DOTS<T>) {
@@ -298,7 +291,7 @@ template <typename T, int64_t DIM>
 void attend_items(Prompts<T> a, std::vector<Item>& items) {
   std::vector<int64_t> firsts(a.prompts), starts(a.prompts + 1, 0);
   for (int64_t p = 0; p < a.prompts; ++p) {
-    firsts[p] = a.row_begin(a.lens[p] - a.q_lens[p]) / KEYS * KEYS;
+    firsts[p] = first_key(a.lens[p] - a.q_lens[p], a.window) / KEYS * KEYS;
     starts[p + 1] = starts[p] + (a.lens[p] - firsts[p] + KEYS - 1) / KEYS;
   }
   const int64_t all_blocks = starts[a.prompts] * a.kv_heads;
