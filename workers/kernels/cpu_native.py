@@ -50,8 +50,16 @@ LDFLAGS = ("-fopenmp",)
 
 def build_key() -> str:
     """What the library depends on: its sources, torch, the compiler's flags, the CPU."""
-    code = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    text = "\0".join([*code, torch.__version__, *CFLAGS, *LDFLAGS, cpu_identity()])
+    return _key(_read_code())
+
+
+def _read_code() -> dict[str, str]:
+    """Each source and header file's name and text."""
+    return {path.name: path.read_text() for path in (*SOURCES, *HEADERS)}
+
+
+def _key(code: dict[str, str]) -> str:
+    text = "\0".join([*code.values(), torch.__version__, *CFLAGS, *LDFLAGS, cpu_identity()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -74,7 +82,8 @@ def load(cache_dir: Path) -> Any | None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         logger.warning("CPU kernels: torch's ops, slower: no C++ compiler (c++ or $CXX) found")
         return None
-    key = build_key()
+    code = _read_code()
+    key = _key(code)
     build_dir = cache_dir / "cpu_ops" / key
     started = time.perf_counter()
     try:
@@ -85,25 +94,9 @@ def load(cache_dir: Path) -> Any | None:
         return None
     with lock:
         # One process builds at a time, under a lock the kernel drops when its holder dies.
-        # torch's own lock file would stay behind a worker killed mid-build and stall every
-        # later build, so one found while we hold ours is such a leftover.
         fcntl.flock(lock, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        library = build_dir / f"loom_cpu_{key}.so"
-        if library.exists() and not _marked_complete(build_dir, library):
-            # A build cut short (a worker killed while linking) can leave a truncated library
-            # that looks up to date, and loading it kills the process: build from nothing.
-            logger.info("CPU kernels: %s was not finished; building it again", build_dir)
-            shutil.rmtree(build_dir, ignore_errors=True)
-            build_dir.mkdir(parents=True, exist_ok=True)
-        if not library.exists():
-            logger.info("CPU kernels: compiling them for this machine, once (10-20 s)")
-        try:
-            _build(build_dir, key)
-        except Exception as exc:  # a compiler, linker or loader error
-            logger.warning("CPU kernels: torch's ops, slower: building them failed: %s", exc)
+        if not _load_or_build(build_dir, key, code):
             return None
-        (build_dir / COMPLETE).write_text(_stamp(library))
     logger.info(
         "CPU kernels: loomllm's C++ ops from %s (%.1f s)", build_dir, time.perf_counter() - started
     )
@@ -111,15 +104,54 @@ def load(cache_dir: Path) -> Any | None:
     return _ops
 
 
-def _build(build_dir: Path, key: str) -> None:
-    """Compile what changed since the last build in `build_dir` (nothing, mostly) and load it."""
+def _load_or_build(build_dir: Path, key: str, code: dict[str, str]) -> bool:
+    """Under the build lock: load the library built in `build_dir`, building it first where
+    no finished build is there; False (logged) where that failed."""
+    # torch's own lock file would stay behind a worker killed mid-build and stall every later
+    # build, so one found while we hold ours is such a leftover.
+    (build_dir / "lock").unlink(missing_ok=True)
+    library = build_dir / f"loom_cpu_{key}.so"
+    if library.exists() and not _marked_complete(build_dir, library):
+        # A build cut short (a worker killed while linking) can leave a truncated library
+        # that looks up to date, and loading it kills the process: build from nothing.
+        logger.info("CPU kernels: %s was not finished; building it again", build_dir)
+        shutil.rmtree(build_dir, ignore_errors=True)
+        build_dir.mkdir(parents=True, exist_ok=True)
+    if library.exists():
+        # Loaded as it is: torch's loader would run ninja, which compiles everything again
+        # when build.ninja names another checkout's or venv's paths or a source is newer.
+        try:
+            torch.ops.load_library(str(library))
+        except Exception as exc:  # the dynamic loader's error
+            logger.warning("CPU kernels: torch's ops, slower: loading %s failed: %s", library, exc)
+            return False
+        return True
+    logger.info("CPU kernels: compiling them for this machine, once (a minute or two)")
+    try:
+        _build(build_dir, key, code)
+    except Exception as exc:  # a compiler, linker or loader error
+        logger.warning("CPU kernels: torch's ops, slower: building them failed: %s", exc)
+        return False
+    (build_dir / COMPLETE).write_text(_stamp(library))
+    return True
+
+
+def _build(build_dir: Path, key: str, code: dict[str, str]) -> None:
+    """Compile `code` in `build_dir` (what a build cut short left undone) and load it."""
     from torch.utils import cpp_extension  # a big import, for CPU workers only
 
     ninja_on_path()
-
+    # From copies in the build's own directory: build.ninja then names the same files whichever
+    # checkout asks, and they are never newer than what a build cut short compiled.
+    source_dir = build_dir / "src"
+    source_dir.mkdir(exist_ok=True)
+    for name, text in code.items():
+        copy = source_dir / name
+        if not copy.exists() or copy.read_text() != text:
+            copy.write_text(text)
     cpp_extension.load(
         name=f"loom_cpu_{key}",
-        sources=[str(path) for path in SOURCES],
+        sources=[str(source_dir / path.name) for path in SOURCES],
         build_directory=str(build_dir),
         extra_cflags=list(CFLAGS),
         extra_ldflags=list(LDFLAGS),
