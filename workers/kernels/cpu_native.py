@@ -1,6 +1,5 @@
-"""loomllm's C++ kernels for the CPU (cpu_ops.cpp, cpu_attention.cpp,
-cpu_prefill_attention.cpp, cpu_sample.cpp, cpu_block_linear.cpp, cpu_stack.cpp): compiled once
-per machine into the cache dir at a worker's start, then loaded as torch.ops.loom_cpu.
+"""loomllm's C++ kernels for the CPU (the .cpp files of SOURCES): compiled once per machine
+into the cache dir at a worker's start, then loaded as torch.ops.loom_cpu.
 """
 
 from __future__ import annotations
@@ -32,10 +31,14 @@ SOURCES = tuple(
         "cpu_prefill_attention.cpp",
         "cpu_sample.cpp",
         "cpu_block_linear.cpp",
+        "cpu_gguf_linear.cpp",
         "cpu_stack.cpp",
     )
 )
-HEADERS = (HERE / "cpu_ops.h", HERE / "cpu_attention_lanes.h")
+HEADERS = tuple(
+    HERE / name
+    for name in ("cpu_ops.h", "cpu_attention_lanes.h", "cpu_gguf_blocks.h", "cpu_gguf_avx512.h")
+)
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
 # "0": run the torch ops instead (the reference the C++ kernels are tested against).
 CPU_KERNELS_ENV = "LOOM_CPU_KERNELS"

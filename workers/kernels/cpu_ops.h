@@ -1,5 +1,4 @@
-// Shared by loomllm's CPU kernels (cpu_ops.cpp, cpu_attention.cpp, cpu_prefill_attention.cpp,
-// cpu_sample.cpp, cpu_block_linear.cpp, cpu_stack.cpp): the roundings and vector-friendly
+// Shared by loomllm's CPU kernels (cpu_native.py's SOURCES): the roundings and vector-friendly
 // helpers they compute with, and the ops each defines.
 
 #pragma once
@@ -246,5 +245,18 @@ at::Tensor silu_block_linear(const at::Tensor& gate_up, const at::Tensor& packed
                              const at::Tensor& scales, const std::optional<at::Tensor>& bias,
                              int64_t bits, bool portable_only);
 bool block_linear_has_vnni();
+
+// cpu_gguf_linear.cpp: x @ w.T for w as GGUF blocks, stacked from parts (rows [N_i, bytes] of
+// ggml type types[i]; heads[i] > 0 undoes llama.cpp's rotary row order of q and k).
+at::Tensor gguf_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
+                       at::IntArrayRef heads, const std::optional<at::Tensor>& bias,
+                       bool portable);
+// gguf_linear(silu_mul(gate_up), ...), the same values, for gate_up [M, 2K] (gate first).
+at::Tensor silu_gguf_linear(const at::Tensor& gate_up, at::TensorList weights,
+                            at::IntArrayRef types, at::IntArrayRef heads,
+                            const std::optional<at::Tensor>& bias, bool portable);
+// The rows (all, or those `rows` names) of a [N, bytes] tensor of blocks as [rows, k] floats.
+at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t k,
+                           const std::optional<at::Tensor>& rows, at::ScalarType dtype);
 
 }  // namespace loom_cpu

@@ -10,8 +10,9 @@ namespace {
 
 // Which kernel a linear layer runs this step (the Python side picks it for the step's rows):
 // its tensors are (weight, -) for DENSE, (packed, scales and zeros) for INT4, (codes, scales)
-// for INT8, (packed blocks, their scales) for A8; then its bias, if any.
-enum LinearMode : int64_t { DENSE = 0, INT4 = 1, INT8 = 2, A8 = 3 };
+// for INT8, (packed blocks, their scales) for A8, (-, -) for GGUF, whose parts are in the
+// gguf lists; then its bias, if any.
+enum LinearMode : int64_t { DENSE = 0, INT4 = 1, INT8 = 2, A8 = 3, GGUF = 4 };
 constexpr int64_t INT4_GROUP = 32;
 constexpr int64_t TENSORS_PER_LINEAR = 3;
 // A layer: its two norms' weights, q's and k's norms' (Qwen3; else none), then q|k|v, o,
@@ -25,11 +26,23 @@ at::Tensor need(const c10::List<std::optional<at::Tensor>>& weights, int64_t i) 
   return *t;
 }
 
-// With `gated`, x is the MLP's gate|up and the layer takes silu(gate) * up: the a8 kernel
-// quantizes the product as it computes it, the others take silu_mul's.
+// A GGUF layer's parts: its blocks' tensors, their types and rotary heads (cpu_gguf_linear.cpp).
+struct GgufParts {
+  std::vector<at::Tensor> weights;
+  std::vector<int64_t> types, heads;
+};
+
+// With `gated`, x is the MLP's gate|up and the layer takes silu(gate) * up: the a8 and GGUF
+// kernels quantize the product as they compute it, the others take silu_mul's.
 at::Tensor linear(const at::Tensor& x, int64_t mode,
                   const c10::List<std::optional<at::Tensor>>& weights, int64_t first,
-                  bool gated = false) {
+                  const GgufParts* gguf, bool gated = false) {
+  if (mode == GGUF) {
+    TORCH_CHECK(gguf != nullptr, "decode_layers: a GGUF layer without parts");
+    const std::optional<at::Tensor> bias = weights.get(first + 2);
+    return gated ? silu_gguf_linear(x, gguf->weights, gguf->types, gguf->heads, bias, false)
+                 : gguf_linear(x, gguf->weights, gguf->types, gguf->heads, bias, false);
+  }
   const at::Tensor a = need(weights, first);
   const std::optional<at::Tensor> bias = weights.get(first + 2);
   const auto input = [&] { return gated ? silu_mul(x) : x; };
@@ -50,7 +63,7 @@ at::Tensor linear(const at::Tensor& x, int64_t mode,
                    : block_linear(x, a, scales, bias, bits, false);
     }
     default:
-      TORCH_CHECK(false, "decode_layers: linear mode ", mode, " is none of 0, 1, 2, 3");
+      TORCH_CHECK(false, "decode_layers: linear mode ", mode, " is none of 0, 1, 2, 3, 4");
   }
   return bias.has_value() ? out.add_(*bias) : out;
 }
@@ -71,7 +84,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const std::optional<at::Tensor>& decode_rows, const std::optional<at::Tensor>& prefill_slots,
     const std::optional<at::Tensor>& prefill_lens,
     const std::optional<at::Tensor>& prefill_q_starts,
-    const std::optional<at::Tensor>& prefill_q_lens) {
+    const std::optional<at::Tensor>& prefill_q_lens, at::TensorList gguf_weights,
+    at::IntArrayRef gguf_types, at::IntArrayRef gguf_heads, at::IntArrayRef gguf_counts) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(hidden_in.dim() == 2, "decode_layers: hidden ", hidden_in.sizes(), " is not [T, size]");
   TORCH_CHECK(v_caches.size() == k_caches.size() &&
@@ -79,6 +93,24 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
                   static_cast<int64_t>(modes.size()) == layers * 4,
               "decode_layers: ", layers, " layers' caches, ", weights.size(), " weights and ",
               modes.size(), " modes");
+  // Each GGUF layer's parts, in the order of the modes: gguf_counts[j] parts for the j-th.
+  std::vector<GgufParts> parts(modes.size());
+  TORCH_CHECK(gguf_types.size() == gguf_weights.size() && gguf_heads.size() == gguf_weights.size(),
+              "decode_layers: ", gguf_weights.size(), " GGUF parts, ", gguf_types.size(),
+              " types and ", gguf_heads.size(), " head counts");
+  size_t next_part = 0, next_count = 0;
+  for (size_t i = 0; i < modes.size(); ++i) {
+    if (modes[i] != GGUF) continue;
+    TORCH_CHECK(next_count < gguf_counts.size(), "decode_layers: too few gguf_counts");
+    const int64_t count = gguf_counts[next_count++];
+    TORCH_CHECK(count > 0 && next_part + count <= gguf_weights.size(),
+                "decode_layers: too few GGUF parts");
+    for (int64_t j = 0; j < count; ++j, ++next_part) {
+      parts[i].weights.push_back(gguf_weights[next_part]);
+      parts[i].types.push_back(gguf_types[next_part]);
+      parts[i].heads.push_back(gguf_heads[next_part]);
+    }
+  }
   const bool prompts = prefill_slots.has_value();
   TORCH_CHECK(!prompts || (decode_rows.has_value() && prefill_lens.has_value() &&
                            prefill_q_starts.has_value() && prefill_q_lens.has_value()),
@@ -91,6 +123,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t w = l * TENSORS_PER_LAYER;
     const int64_t* mode = modes.data() + l * 4;
+    const GgufParts* part = parts.data() + l * 4;
     at::Tensor x;
     if (l == 0) {
       residual = hidden;
@@ -98,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     } else {
       std::tie(x, residual) = add_rms_norm(hidden, residual, need(weights, w), eps);
     }
-    const at::Tensor qkv = linear(x, mode[0], weights, w + NORMS);
+    const at::Tensor qkv = linear(x, mode[0], weights, w + NORMS, part);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
     if (weights.get(w + 2).has_value()) {  // Qwen3: an RMSNorm over each head of q and k
@@ -126,11 +159,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
                                   l == 0));
       }
     }
-    const at::Tensor o =
-        linear(attended.view({tokens, q_size}), mode[1], weights, w + NORMS + TENSORS_PER_LINEAR);
+    const at::Tensor o = linear(attended.view({tokens, q_size}), mode[1], weights,
+                                w + NORMS + TENSORS_PER_LINEAR, part + 1);
     std::tie(x, residual) = add_rms_norm(o, residual, need(weights, w + 1), eps);
-    const at::Tensor gate_up = linear(x, mode[2], weights, w + NORMS + 2 * TENSORS_PER_LINEAR);
-    hidden = linear(gate_up, mode[3], weights, w + NORMS + 3 * TENSORS_PER_LINEAR, true);
+    const at::Tensor gate_up =
+        linear(x, mode[2], weights, w + NORMS + 2 * TENSORS_PER_LINEAR, part + 2);
+    hidden = linear(gate_up, mode[3], weights, w + NORMS + 3 * TENSORS_PER_LINEAR, part + 3, true);
   }
   return {hidden, residual};
 }
@@ -156,7 +190,8 @@ TORCH_LIBRARY(loom_cpu, m) {
       "Tensor(b!)[] v_caches, float eps, int heads, int kv_heads, int head_dim, Tensor cos, "
       "Tensor sin, Tensor slots, Tensor decode_slots, Tensor decode_lens, float scale, "
       "int window, Tensor? decode_rows=None, Tensor? prefill_slots=None, "
-      "Tensor? prefill_lens=None, Tensor? prefill_q_starts=None, Tensor? prefill_q_lens=None) "
+      "Tensor? prefill_lens=None, Tensor? prefill_q_starts=None, Tensor? prefill_q_lens=None, "
+      "Tensor[] gguf_weights, int[] gguf_types, int[] gguf_heads, int[] gguf_counts) "
       "-> (Tensor, Tensor)");
   m.def("greedy_ids(Tensor logits) -> Tensor");
   m.def("random_sample(Tensor logits, Tensor temperatures, Tensor uniforms) -> (Tensor, Tensor)");
@@ -167,6 +202,14 @@ TORCH_LIBRARY(loom_cpu, m) {
       "silu_block_linear(Tensor gate_up, Tensor packed, Tensor scales, Tensor? bias, int bits, "
       "bool portable_only) -> Tensor");
   m.def("block_linear_has_vnni() -> bool", &loom_cpu::block_linear_has_vnni);
+  m.def(
+      "gguf_linear(Tensor x, Tensor[] weights, int[] types, int[] heads, Tensor? bias, "
+      "bool portable) -> Tensor");
+  m.def(
+      "silu_gguf_linear(Tensor gate_up, Tensor[] weights, int[] types, int[] heads, Tensor? bias, "
+      "bool portable) -> Tensor");
+  m.def(
+      "gguf_dequantize(Tensor weight, int type, int k, Tensor? rows, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
@@ -181,5 +224,8 @@ TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
   m.impl("random_sample", &loom_cpu::random_sample);
   m.impl("block_linear", &loom_cpu::block_linear);
   m.impl("silu_block_linear", &loom_cpu::silu_block_linear);
+  m.impl("gguf_linear", &loom_cpu::gguf_linear);
+  m.impl("silu_gguf_linear", &loom_cpu::silu_gguf_linear);
+  m.impl("gguf_dequantize", &loom_cpu::gguf_dequantize);
 }
 

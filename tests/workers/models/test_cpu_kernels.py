@@ -195,12 +195,15 @@ def test_bad_stack_input_is_refused(tmp_path):
     args = [[cache] * layers, [cache] * layers, 1e-5, *heads, torch.ones(1, shape.head_dim)]
     rest = [torch.zeros(1, shape.head_dim), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.long)]
     lens = [torch.tensor([1]), 0.25, 0]
+    gguf = dict(gguf_weights=[], gguf_types=[], gguf_heads=[], gguf_counts=[])
     with pytest.raises(RuntimeError, match="linear mode 7 is none of 0, 1, 2"):
-        ops.decode_layers(hidden, weights, [7] + modes[1:], *args, *rest, *lens)
+        ops.decode_layers(hidden, weights, [7] + modes[1:], *args, *rest, *lens, **gguf)
     with pytest.raises(RuntimeError, match="weight 0 is missing"):
-        ops.decode_layers(hidden, [None] + weights[1:], modes, *args, *rest, *lens)
+        ops.decode_layers(hidden, [None] + weights[1:], modes, *args, *rest, *lens, **gguf)
     with pytest.raises(RuntimeError, match="1 layers' caches"):
-        ops.decode_layers(hidden, weights, modes, [cache], [cache], *args[2:], *rest, *lens)
+        ops.decode_layers(hidden, weights, modes, [cache], [cache], *args[2:], *rest, *lens, **gguf)
     with pytest.raises(RuntimeError, match="prefill_slots without decode_rows"):
         prompt = torch.zeros(1, 1, dtype=torch.long)
-        ops.decode_layers(hidden, weights, modes, *args, *rest, *lens, None, prompt)
+        ops.decode_layers(hidden, weights, modes, *args, *rest, *lens, None, prompt, **gguf)
+    with pytest.raises(RuntimeError, match="too few gguf_counts"):  # a GGUF layer, no parts
+        ops.decode_layers(hidden, weights, [4] + modes[1:], *args, *rest, *lens, **gguf)

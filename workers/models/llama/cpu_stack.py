@@ -9,13 +9,17 @@ from typing import Any
 import torch
 
 from loomllm.workers.kernels import cpu_kernel_choice
+from loomllm.workers.kernels.gguf_linear import GgufLinear
 
-DENSE, INT4, INT8, A8 = 0, 1, 2, 3  # cpu_stack.cpp's LinearMode
+DENSE, INT4, INT8, A8, GGUF = 0, 1, 2, 3, 4  # cpu_stack.cpp's LinearMode
 
 
-def linear_args(linear: torch.nn.Linear, rows: int) -> tuple[int, list[torch.Tensor | None]]:
+def linear_args(linear: torch.nn.Module, rows: int) -> tuple[int, list[torch.Tensor | None]]:
     """(mode, its three tensors) of the kernel `linear` runs on `rows` rows, as its forward
-    picks it (models/quantization.py's QuantizedKernels, or the dense weight)."""
+    picks it (models/quantization.py's QuantizedKernels, or the dense weight); a GGUF layer's
+    parts are GgufParts's."""
+    if isinstance(linear, GgufLinear):
+        return GGUF, [None, None, linear.bias]
     kernels = getattr(linear, "kernels", None)
     if kernels is not None:
         kind = kernels.choice[cpu_kernel_choice.batch_index(rows)]
@@ -28,6 +32,24 @@ def linear_args(linear: torch.nn.Linear, rows: int) -> tuple[int, list[torch.Ten
     return DENSE, [linear.weight, None, linear.bias]
 
 
+class GgufParts:
+    """The GGUF layers' parts, in the order of their modes, as decode_layers takes them."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.weights: list[torch.Tensor] = []
+        self.types: list[int] = []
+        self.heads: list[int] = []
+        self.counts: list[int] = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if isinstance(linear, GgufLinear):
+                    self.weights += linear.tensors
+                    self.types += linear.types
+                    self.heads += linear.heads
+                    self.counts.append(len(linear.tensors))
+
+
 class DecoderStack:
     """The layers' tensors and kernel modes for each calibrated batch size, built on first
     use (the weights never change once loaded)."""
@@ -36,6 +58,7 @@ class DecoderStack:
         self.layers = model.model.layers
         self.shape = model.shape
         self.ops = ops
+        self.gguf = GgufParts(model)
         self._plans: dict[int, tuple[list[torch.Tensor | None], list[int]]] = {}
 
     def plan(self, rows: int) -> tuple[list[torch.Tensor | None], list[int]]:
@@ -93,4 +116,8 @@ class DecoderStack:
             shape.head_dim**-0.5,
             shape.sliding_window or 0,
             *prompts,
+            self.gguf.weights,
+            self.gguf.types,
+            self.gguf.heads,
+            self.gguf.counts,
         )

@@ -1,0 +1,317 @@
+// GGUF's blocks decoded in AVX-512 registers, as cpu_gguf_blocks.h's portable decoders decode
+// them into memory, and their dot products with quantized rows (vpdpbusd). Included by
+// cpu_gguf_linear.cpp where the CPU has AVX512-VNNI.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include "cpu_gguf_blocks.h"
+
+namespace loom_cpu::gguf::avx512 {
+
+// A K-quant super-block in registers: codes of weights 64c .. 64c + 63 in codes[c] (their
+// natural order), scale[c] the integer scale of each of its sixteen 4-weight lanes, mins the
+// integer offset of each 16-weight part, d and dm as in KGroup.
+struct KRegs {
+  __m512i codes[4];
+  __m512i scale[4];
+  __m512i mins;
+  float d, dm;
+};
+
+// The lanes' parts for the c-th 64 codes, where a scale covers 16 weights (4 lanes each) or
+// 32 (8 lanes each); and each 16-weight part's 32-weight scale.
+inline __m512i spread16(int c) {
+  const int b = 4 * c;
+  return _mm512_set_epi32(b + 3, b + 3, b + 3, b + 3, b + 2, b + 2, b + 2, b + 2, b + 1, b + 1,
+                          b + 1, b + 1, b, b, b, b);
+}
+inline __m512i spread32(int c, int first = 0) {
+  const int b = first + 2 * c;
+  return _mm512_set_epi32(b + 1, b + 1, b + 1, b + 1, b + 1, b + 1, b + 1, b + 1, b, b, b, b, b, b,
+                          b, b);
+}
+inline __m512i pairs_of(int first) {
+  const int b = first;
+  return _mm512_set_epi32(b + 7, b + 7, b + 6, b + 6, b + 5, b + 5, b + 4, b + 4, b + 3, b + 3,
+                          b + 2, b + 2, b + 1, b + 1, b, b);
+}
+
+// 32 bytes in both halves of a vector, shifted right by `low` bits in the lower half and by
+// `high` in the upper (16-bit shifts: the masks after them keep each byte's own bits).
+inline __m512i halves_shifted(const uint8_t* p, int low, int high) {
+  const __m512i both =
+      _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(low)),
+                                           _mm256_set1_epi16(static_cast<int16_t>(high)), 1);
+  return _mm512_srlv_epi16(both, shift);
+}
+
+// Q4_K's and Q5_K's 128 bytes of nibbles as codes in natural order: a 32-byte chunk holds
+// weights 64c + i (low nibbles) and 64c + 32 + i (high).
+inline void k4_nibble_codes(const uint8_t* qs, __m512i* codes) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = _mm512_loadu_si512(qs + 64 * h);
+    const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    codes[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
+    codes[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
+  }
+}
+
+// Q4_K's and Q5_K's eight 6-bit scales, then eight mins, as 16 bytes (llama.cpp's trick on
+// 32-bit words: each mask keeps its byte's own bits).
+inline __m128i k4_scale_bytes(const uint8_t* s) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+  const uint32_t mins = u[1] & low6;
+  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+  u[2] = mins;
+  u[0] &= low6;
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+}
+
+inline void k4_scales(const uint8_t* s, KRegs& k) {
+  const __m512i both = _mm512_cvtepu8_epi32(k4_scale_bytes(s));  // 8 scales, then 8 mins
+  for (int c = 0; c < 4; ++c) k.scale[c] = _mm512_permutexvar_epi32(spread32(c), both);
+  k.mins = _mm512_permutexvar_epi32(pairs_of(8), both);
+}
+
+// Q3_K's sixteen 6-bit scales as bytes, before the offset of 32.
+inline __m128i k3_scale_bytes(const uint8_t* s) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  const uint32_t top = u[2];
+  u[2] = ((u[0] >> 4) & low4) | (((top >> 4) & low2) << 4);
+  u[3] = ((u[1] >> 4) & low4) | (((top >> 6) & low2) << 4);
+  u[0] = (u[0] & low4) | ((top & low2) << 4);
+  u[1] = (u[1] & low4) | (((top >> 2) & low2) << 4);
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+}
+
+template <int64_t TYPE>
+inline void decode(const uint8_t* block, KRegs& k) {
+  const __m512i one = _mm512_set1_epi8(1), three = _mm512_set1_epi8(3);
+  if constexpr (TYPE == Q2_K) {  // scales[16], qs[64], d, dmin
+    const uint8_t* qs = block + 16;
+    for (int c = 0; c < 4; ++c) {
+      const int s = 4 * (c % 2);
+      k.codes[c] = _mm512_and_si512(halves_shifted(qs + 32 * (c / 2), s, s + 2), three);
+    }
+    const __m512i raw =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+    const __m512i sc = _mm512_and_si512(raw, _mm512_set1_epi32(0x0F));
+    for (int c = 0; c < 4; ++c) k.scale[c] = _mm512_permutexvar_epi32(spread16(c), sc);
+    k.mins = _mm512_srli_epi32(raw, 4);
+    k.d = half_at(block + 80), k.dm = -half_at(block + 82);
+  } else if constexpr (TYPE == Q3_K) {  // hmask[32], qs[64], scales[12], d
+    const uint8_t *hmask = block, *qs = block + 32;
+    for (int c = 0; c < 4; ++c) {
+      const int s = 4 * (c % 2);
+      const __m512i low = _mm512_and_si512(halves_shifted(qs + 32 * (c / 2), s, s + 2), three);
+      const __m512i high = _mm512_and_si512(halves_shifted(hmask, 2 * c, 2 * c + 1), one);
+      k.codes[c] = _mm512_or_si512(low, _mm512_slli_epi16(high, 2));
+    }
+    const __m512i sc =
+        _mm512_sub_epi32(_mm512_cvtepu8_epi32(k3_scale_bytes(block + 96)), _mm512_set1_epi32(32));
+    for (int c = 0; c < 4; ++c) k.scale[c] = _mm512_permutexvar_epi32(spread16(c), sc);
+    k.mins = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sc, 2));
+    k.d = k.dm = half_at(block + 108);
+  } else if constexpr (TYPE == Q4_K) {  // d, dmin, scales[12], qs[128]
+    k4_nibble_codes(block + 16, k.codes);
+    k4_scales(block + 4, k);
+    k.d = half_at(block), k.dm = -half_at(block + 2);
+  } else if constexpr (TYPE == Q5_K) {  // d, dmin, scales[12], qh[32], qs[128]
+    k4_nibble_codes(block + 48, k.codes);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i high = _mm512_and_si512(halves_shifted(block + 16, 2 * c, 2 * c + 1), one);
+      k.codes[c] = _mm512_or_si512(k.codes[c], _mm512_slli_epi16(high, 4));
+    }
+    k4_scales(block + 4, k);
+    k.d = half_at(block), k.dm = -half_at(block + 2);
+  } else if constexpr (TYPE == Q6_K) {  // ql[128], qh[64], scales[16] (int8), d
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const int half = c / 2, upper = c % 2;
+      const __m512i ql = _mm512_loadu_si512(block + 64 * half);
+      const __m512i low =
+          upper ? _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4) : _mm512_and_si512(ql, m4);
+      const __m512i high = _mm512_and_si512(
+          halves_shifted(block + 128 + 32 * half, 4 * upper, 4 * upper + 2), three);
+      k.codes[c] = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+    }
+    const __m512i sc =
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
+    for (int c = 0; c < 4; ++c) k.scale[c] = _mm512_permutexvar_epi32(spread16(c), sc);
+    k.mins = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), sc), 5);
+    k.d = k.dm = half_at(block + 208);
+  } else {
+    static_assert(TYPE == IQ4_XS);  // d, scales_h (16 bits), scales_l[4], qs[128]
+    const __m512i table =
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_CODES)));
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    // Each 16 bytes of qs are 32 weights, low nibbles first: lanes [p, p, q, q] of two 16-byte
+    // pieces, shifted by 0 and 4.
+    const __m512i order = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
+    const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0, 0,
+                                           0x0004000400040004, 0x0004000400040004, 0, 0);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i pieces = _mm512_permutexvar_epi64(
+          order, _mm512_castsi256_si512(
+                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 8 + 32 * c))));
+      const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi16(pieces, shift), m4);
+      k.codes[c] = _mm512_shuffle_epi8(table, nibbles);
+    }
+    uint16_t high;
+    std::memcpy(&high, block + 2, sizeof high);
+    alignas(16) int8_t sc8[16] = {};
+    for (int i = 0; i < 8; ++i) {
+      sc8[i] = static_cast<int8_t>(
+          (((block[4 + i / 2] >> (4 * (i % 2))) & 0x0F) | (((high >> (2 * i)) & 3) << 4)) - 32);
+    }
+    const __m512i sc = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc8)));
+    for (int c = 0; c < 4; ++c) k.scale[c] = _mm512_permutexvar_epi32(spread32(c), sc);
+    k.mins = _mm512_slli_epi32(
+        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_permutexvar_epi32(pairs_of(0), sc)), 7);
+    k.d = k.dm = half_at(block);
+  }
+}
+
+// Whether a type's offsets are scaled by d itself (dm == d): its two integer sums then add
+// before the one conversion to float.
+constexpr bool same_scale(int64_t type) {
+  return type != Q2_K && type != Q4_K && type != Q5_K;
+}
+
+// R rows of x (from row m0) against one output's row of super-blocks.
+template <int64_t TYPE, int R>
+inline void k_dot(const uint8_t* row, int64_t groups, int64_t block_bytes, const int8_t* codes,
+                  const float* scales, const int32_t* sums, int64_t m0, int64_t kp, float* result) {
+  const int64_t per_row = kp / GROUP;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    KRegs k;
+    decode<TYPE>(row + g * block_bytes, k);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r, at = m * per_row + g;
+      const int8_t* x = codes + m * kp + g * GROUP;
+      __m512i dot = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        const __m512i part =
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), k.codes[c], _mm512_loadu_si512(x + 64 * c));
+        dot = _mm512_add_epi32(dot, _mm512_mullo_epi32(part, k.scale[c]));
+      }
+      const __m512i offset = _mm512_mullo_epi32(k.mins, _mm512_loadu_si512(sums + at * 16));
+      const float dx = scales[at];
+      if constexpr (same_scale(TYPE)) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot, offset)),
+                                 _mm512_set1_ps(k.d * dx), acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(k.d * dx), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(offset), _mm512_set1_ps(k.dm * dx), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) result[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// ---- legacy blocks, two at a time ------------------------------------------------------
+
+// Two 16-byte pieces of nibbles (blocks p and q) as [lo p | hi p | lo q | hi q].
+inline __m512i nibble_pair(const uint8_t* p, const uint8_t* q) {
+  const __m512i pieces = _mm512_inserti32x4(
+      _mm512_inserti32x4(
+          _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), 1),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), 2);
+  const __m512i all =
+      _mm512_inserti32x4(pieces, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), 3);
+  const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0, 0,
+                                         0x0004000400040004, 0x0004000400040004, 0, 0);
+  return _mm512_and_si512(_mm512_srlv_epi16(all, shift), _mm512_set1_epi8(0x0F));
+}
+
+// Q5's fifth bits of a block (32 bits, weight i at bit i) as 0x10 in each weight's byte.
+inline __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, sizeof bits);
+  return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(0x10));
+}
+
+// Blocks b and b + 1 (the second of them absent where `two` is false: zero codes, a and b 0).
+template <int64_t TYPE>
+inline __m512i decode_pair(const uint8_t* first, bool two, float* a, float* b) {
+  constexpr int64_t bytes = type_info(TYPE).block_bytes;
+  const uint8_t* second = two ? first + bytes : first;
+  __m512i codes;
+  for (int i = 0; i < 2; ++i) {
+    const uint8_t* block = i == 0 ? first : second;
+    const float d = half_at(block);
+    a[i] = d;
+    if constexpr (TYPE == Q4_1 || TYPE == Q5_1) {
+      b[i] = half_at(block + 2);
+    } else {
+      b[i] = (TYPE == Q4_0 ? -8.0f : TYPE == Q5_0 ? -16.0f : -128.0f) * d;
+    }
+  }
+  if constexpr (TYPE == Q8_0) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + 2));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + 2));
+    codes = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
+                             _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    constexpr int64_t at = TYPE == Q4_0 || TYPE == IQ4_NL ? 2
+                           : TYPE == Q4_1                 ? 4
+                           : TYPE == Q5_0                 ? 6
+                                                          : 8;
+    codes = nibble_pair(first + at, second + at);
+    if constexpr (TYPE == IQ4_NL) {
+      const __m512i table =
+          _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_CODES)));
+      codes = _mm512_shuffle_epi8(table, codes);
+    } else if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+      constexpr int64_t qh = TYPE == Q5_0 ? 2 : 4;
+      codes =
+          _mm512_or_si512(codes, _mm512_inserti64x4(_mm512_castsi256_si512(fifth_bits(first + qh)),
+                                                    fifth_bits(second + qh), 1));
+    }
+  }
+  if (!two) {
+    codes = _mm512_maskz_mov_epi8(0xFFFFFFFFull, codes);
+    a[1] = b[1] = 0.0f;
+  }
+  return codes;
+}
+
+// R rows of x against one output's row of legacy blocks (`blocks` of them): x's codes, each
+// block's scale and scale times its codes' sum, [M, Kp / 32] each.
+template <int64_t TYPE, int R>
+inline void l_dot(const uint8_t* row, int64_t blocks, int64_t block_bytes, const int8_t* codes,
+                  const float* scales, const float* scaled_sums, int64_t m0, int64_t kp,
+                  float* result) {
+  const int64_t per_row = kp / LEGACY;
+  __m512 acc[R];
+  float offsets[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), offsets[r] = 0.0f;
+  for (int64_t p = 0; p < blocks; p += 2) {
+    float a[2], b[2];
+    const __m512i w = decode_pair<TYPE>(row + p * block_bytes, p + 1 < blocks, a, b);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r, at = m * per_row + p;
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                              _mm512_loadu_si512(codes + m * kp + p * LEGACY));
+      const __m512 scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a[0] * scales[at]),
+                                                _mm512_set1_ps(a[1] * scales[at + 1]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+      offsets[r] += b[0] * scaled_sums[at] + b[1] * scaled_sums[at + 1];
+    }
+  }
+  for (int r = 0; r < R; ++r) result[r] = _mm512_reduce_add_ps(acc[r]) + offsets[r];
+}
+
+}  // namespace loom_cpu::gguf::avx512

@@ -1,0 +1,107 @@
+"""Linear layers and embeddings that compute from a GGUF file's blocks (cpu_gguf_linear.cpp's
+gguf_linear and gguf_dequantize), as loomllm's own model runs a GGUF file on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class GgufPart:
+    """One stored tensor of a layer's weight, rows in the file's order: the whole weight, or
+    q, k or v of q|k|v, gate or up of gate|up. `heads` > 0: llama.cpp's converter interleaved
+    the rotary halves of each of these heads' rows, which the kernel reads back in
+    transformers' order."""
+
+    data: torch.Tensor  # uint8 [rows, bytes a row]: the blocks, a view of the mapped file
+    type_id: int  # ggml's type id (models/gguf_file.py's KERNEL_TYPES)
+    heads: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+
+class GgufLinear(torch.nn.Module):
+    """x @ w.T + bias with w as the parts' blocks, stacked along the output."""
+
+    def __init__(
+        self, in_features: int, parts: list[GgufPart], bias: torch.Tensor | None, ops: Any
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = sum(p.rows for p in parts)
+        self.parts = parts
+        self.ops = ops
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        # The op's arguments, built once: a call then passes them as they are.
+        self.tensors = [p.data for p in parts]
+        self.types = [p.type_id for p in parts]
+        self.heads = [p.heads for p in parts]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = self.ops.gguf_linear(rows, self.tensors, self.types, self.heads, self.bias, False)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out_features, in_features] in `dtype` (float paths and tests)."""
+        return torch.cat(
+            [
+                in_transformers_order(
+                    self.ops.gguf_dequantize(p.data, p.type_id, self.in_features, None, dtype),
+                    p.heads,
+                )
+                for p in self.parts
+            ]
+        )
+
+    def extra_repr(self) -> str:
+        from loomllm.workers.models.gguf_file import type_name
+
+        kinds = "|".join(type_name(p.type_id) for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kinds}"
+
+
+class GgufEmbedding(torch.nn.Module):
+    """An embedding table's rows dequantized from its blocks as tokens look them up."""
+
+    def __init__(self, part: GgufPart, embedding_dim: int, dtype: torch.dtype, ops: Any) -> None:
+        super().__init__()
+        self.part = part
+        self.num_embeddings, self.embedding_dim = part.rows, embedding_dim
+        self.dtype, self.ops = dtype, ops
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        p = self.part
+        rows = self.ops.gguf_dequantize(
+            p.data, p.type_id, self.embedding_dim, ids.reshape(-1), self.dtype
+        )
+        return rows.view(*ids.shape, self.embedding_dim)
+
+
+class DenseEmbedding(torch.nn.Module):
+    """A float embedding table as the file stores it (F32 as a view, F16 and BF16 rows
+    converted as tokens look them up)."""
+
+    def __init__(self, table: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype
+        self.num_embeddings, self.embedding_dim = table.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.table).to(self.dtype)
+
+
+def in_transformers_order(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows (or a bias's values) in the file's order put in transformers' (GgufPart.heads)."""
+    if heads == 0:
+        return rows
+    n = rows.shape[0]
+    order = torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
+    return rows[order]
