@@ -14,7 +14,7 @@ import torch
 
 from loomllm.workers.attention.geometry import kv_geometry
 from loomllm.workers.device.dtype import DTYPES, pick_dtype, resolve_device, stored_dtype
-from loomllm.workers.models import architectures, encoders, llama4
+from loomllm.workers.models import architectures, encoders, gguf_model, llama4
 from loomllm.workers.models import quantization as quantize
 from loomllm.workers.models.half_weights import WEIGHT_DTYPES, store_linear_weights_in
 from loomllm.workers.models.llama import config as llama_config
@@ -119,6 +119,7 @@ def load_model(
         if (
             shape is not None
             and load_format != "dummy"
+            and source.kind != "gguf"
             and not llama_weights.safetensors_files(model_dir)
         ):
             shape, why_not = None, "no safetensors checkpoint"
@@ -137,17 +138,24 @@ def load_model(
         raise ValueError(f"cpu_linear_kernel must be one of {allowed}; got {cpu_linear_kernel!r}")
     if shape is not None:
         loaded = _load_llama_family(
-            model, source, model_dir, shape, dtype, torch_device, weight_dtype, load_format
+            model,
+            source,
+            model_dir,
+            shape,
+            dtype,
+            torch_device,
+            weight_dtype,
+            load_format,
+            quantization,
         )
-        if quantization != "none":
+        if quantization in ("int8", "int4"):
             assert isinstance(loaded.model, LlamaFamilyForCausalLM)
-            gguf_path = Path(source.path) if source.kind == "gguf" else None
             with torch.no_grad():
-                quantize.quantize(
-                    loaded.model, quantization, gguf_path, cpu_linear_kernel, cache_root()
-                )
+                quantize.quantize(loaded.model, quantization, cpu_linear_kernel, cache_root())
         return loaded
     logger.info("loading %s with transformers' modeling code: %s", model, why_not)
+    if source.kind == "gguf":
+        model_dir = prepare_model_dir(source, dense_weights=True)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -245,11 +253,20 @@ def _load_llama_family(
     device: torch.device,
     weight_dtype: str | None,
     load_format: str,
+    quantization: str,
 ) -> LoadedModel:
     started = time.perf_counter()
     try:
         torch_dtype = pick_dtype(dtype, shape.dtype, device)
-        module = llama_weights.build(shape, torch_dtype, device, model_dir, load_format)
+        if source.kind == "gguf" and load_format != "dummy":
+            module = gguf_model.build(
+                shape, torch_dtype, device, Path(source.path), quantization == "gguf"
+            )
+            load_format = "GGUF" if quantization == "gguf" else "dequantized GGUF"
+        else:
+            module = llama_weights.build(shape, torch_dtype, device, model_dir, load_format)
+    except gguf_model.UnsupportedTensorType as exc:
+        raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
     except Exception as exc:
         raise ModelLoadError(
             f"could not load model {model!r} from {model_dir}: {exc} "

@@ -1,7 +1,6 @@
-"""Quantization of a loaded model's linear layers on the CPU: GGUF weights run as they are
-stored, float checkpoints are quantized on load, and each layer picks its kernel (dense, int8,
-int4, or a8, which quantizes the activations too) from what was measured fastest on this
-machine.
+"""Quantization of a float checkpoint's linear layers on load, on the CPU: each layer picks its
+kernel (dense, int8, int4, or a8, which quantizes the activations too) from what was measured
+fastest on this machine. (A GGUF file runs as stored: models/gguf_model.py.)
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from loomllm.workers.kernels.cpu_linear import (
     fits_int8,
     int4_values,
 )
-from loomllm.workers.models.gguf_weights import BLOCK_TYPES, StoredWeight, read_stored_weights
 from loomllm.workers.models.llama.model import Linear, LlamaFamilyForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -35,22 +33,15 @@ logger = logging.getLogger(__name__)
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 # Which kernels may run a layer: "auto" lets the measurement pick among those its weights allow.
 CPU_LINEAR_KERNELS = ("auto", *cpu_kernel_choice.KINDS)
-_INT8_TYPES = ("Q8_0",)
 
 
 class Plan(NamedTuple):
     """The kernels a layer's weights allow, and how to get its int4 groups and its blocks:
-    read from the file only if the measurement picks a kernel that needs them."""
+    computed only if the measurement picks a kernel that needs them."""
 
     kinds: frozenset[str]
     groups: Callable[[], GroupwiseInt4] | None = None
     blocks: Callable[[], CodeBlocks] | None = None
-
-
-_PACKED_PARTS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
 
 
 class QuantizedKernels:
@@ -130,25 +121,13 @@ def resolve(
 
 
 def quantize(
-    model: LlamaFamilyForCausalLM,
-    quantization: str,
-    gguf_path: Path | None,
-    cpu_linear_kernel: str,
-    cache_dir: Path,
+    model: LlamaFamilyForCausalLM, quantization: str, cpu_linear_kernel: str, cache_dir: Path
 ) -> str:
-    """Give `model`'s linear layers their quantized kernels; a description for the log.
-    `cpu_linear_kernel` is one of CPU_LINEAR_KERNELS (the loader checks it)."""
+    """Give `model`'s linear layers their quantized kernels ("int8" or "int4"); a description
+    for the log. `cpu_linear_kernel` is one of CPU_LINEAR_KERNELS (the loader checks it)."""
     dtype = model.model.embed_tokens.weight.dtype
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    if quantization == "gguf":
-        assert gguf_path is not None
-        shape = model.shape
-        _, stored = read_stored_weights(
-            gguf_path, shape.num_attention_heads, shape.num_key_value_heads
-        )
-        plans = {name: _gguf_plan(name, layer, stored, model) for name, layer in layers.items()}
-    else:
-        plans = {name: _on_load_plan(layer, quantization) for name, layer in layers.items()}
+    plans = {name: _on_load_plan(layer, quantization) for name, layer in layers.items()}
     # a8 runs on the C++ ops, which compute in float32 and bfloat16. Without AVX512-VNNI its
     # portable loop is far slower than the other kernels: it runs only where asked for.
     ops = cpu_native.load(cache_dir) if dtype in cpu_native.DTYPES else None
@@ -166,30 +145,24 @@ def quantize(
             logger.warning("cpu_linear_kernel=%s: no layer's weights allow it", cpu_linear_kernel)
         shapes = {shape: wanted & kinds or frozenset({"dense"}) for shape, kinds in shapes.items()}
     choices = cpu_kernel_choice.choose(shapes, dtype, cache_dir / "cpu_kernels")
-    on_load = quantization in ("int8", "int4")
     for name, plan in plans.items():
         layer = layers[name]
         choice = choices[(layer.in_features, layer.out_features)]
         runs = set(choice) & plan.kinds
         int4 = int8 = a8 = None
         values = None
-        # A float checkpoint quantized on load computes with its quantized weights at every
-        # batch size; a GGUF layer keeps the file's values unless a kernel that rounds them
-        # differently runs it at some batch size. Either way the dense fallback then holds
-        # what the kernel computes with, so a request's tokens do not depend on its batch.
+        # The layer computes with its quantized weights at every batch size: the dense fallback
+        # then holds what the kernel computes with, so a request's tokens do not depend on its
+        # batch.
         if "a8" in runs and plan.blocks is not None:
             blocks = plan.blocks()
             values = blocks.dequantize()
-            if quantization == "gguf":
-                _check_same_weights(name, values, layer.weight)
             a8 = BlockLinear(blocks, ops)
-        elif "int4" in plan.kinds and plan.groups is not None and ("int4" in runs or on_load):
+        elif "int4" in plan.kinds and plan.groups is not None:
             weights = plan.groups()
-            if quantization == "gguf":
-                _check_same_weights(name, weights.dequantize(), layer.weight)
             int4 = Int4Linear(weights, dtype)
             values = int4_values(weights, dtype)
-        elif "int8" in plan.kinds and ("int8" in runs or on_load):
+        elif "int8" in plan.kinds:
             int8 = Int8Linear(layer.weight.detach(), dtype)
             values = int8.dequantize()
         if values is not None:
@@ -211,44 +184,6 @@ def quantize(
         summary,
     )
     return summary
-
-
-def _gguf_plan(
-    name: str, layer: Linear, stored: dict[str, StoredWeight], model: LlamaFamilyForCausalLM
-) -> Plan:
-    """The kernels a layer's GGUF storage allows, and how to read its int4 groups."""
-    prefix, _, module = name.rpartition(".")
-    parts = _PACKED_PARTS.get(module, (module,))
-    if name == "lm_head" and model.shape.tie_word_embeddings:
-        names = ["model.embed_tokens.weight"]
-    else:
-        names = [f"{prefix}.{part}.weight" if prefix else f"{part}.weight" for part in parts]
-    found = [stored[n] for n in names if n in stored]
-    if len(found) < len(names):
-        return Plan(frozenset({"dense"}))
-    fits = fits_int4(layer.in_features, layer.out_features)  # a8's blocks fit as int4's do
-    a8 = frozenset({"a8"}) if fits and all(w.gguf_type in BLOCK_TYPES for w in found) else None
-
-    def blocks() -> CodeBlocks:
-        return CodeBlocks.cat([w.blocks() for w in found])
-
-    if all(w.is_int4 for w in found) and fits:
-        return Plan(
-            frozenset({"dense", "int4"}) | (a8 or frozenset()),
-            lambda: GroupwiseInt4.cat([w.int4() for w in found]),
-            blocks,
-        )
-    if all(w.gguf_type in _INT8_TYPES for w in found) and fits_int8(layer.in_features):
-        return Plan(frozenset({"dense", "int8"}) | (a8 or frozenset()), None, blocks)
-    return Plan(frozenset({"dense"}) | (a8 or frozenset()), None, blocks if a8 else None)
-
-
-def _check_same_weights(name: str, values: torch.Tensor, dense: torch.Tensor) -> None:
-    """The file's blocks must be the weights the dense layer was loaded with (from the same
-    file, through transformers' conversion): a mismatch is a mapping bug, never run."""
-    error = (values - dense.float()).abs().max()
-    if error > 0.01 * dense.float().abs().max():
-        raise ValueError(f"the GGUF blocks of {name} do not match its converted weights")
 
 
 def _on_load_plan(layer: Linear, quantization: str) -> Plan:

@@ -1,5 +1,5 @@
 """Where a model string's files are (an alias's packaged GGUF, a local file or directory, a
-cached hub snapshot), and a GGUF converted once into the cache as an HF directory.
+cached hub snapshot), and a GGUF's config and tokenizer written once into the cache.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ DEFAULT_MODEL_ALIASES: dict[str, PackagedGguf] = {
 
 
 # Bump when the conversion changes, so caches written by an older loader are not reused.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -128,17 +128,20 @@ def _find_cached_hub_snapshot(repo_id: str, revision: str | None) -> Path:
     return snapshot
 
 
-def prepare_model_dir(source: ModelSource) -> Path:
-    """A directory in HF format for `source`; a GGUF file is converted once into cache_root().
+def prepare_model_dir(source: ModelSource, *, dense_weights: bool = False) -> Path:
+    """A directory in HF format for `source`. A GGUF file's config and tokenizer are written
+    once into cache_root() (its weights stay in the file, where loomllm's kernels read them);
+    with `dense_weights`, its tensors too, dequantized to float32 safetensors, for
+    transformers' modeling code, which reads float weights only.
 
-    Safe across processes: the conversion runs under an flock and lands by atomic rename, so a
+    Safe across processes: a conversion runs under an flock and lands by atomic rename, so a
     concurrent caller waits and then reuses the result, and a crash leaves nothing half-written.
     """
     if source.kind != "gguf":
         return Path(source.path)
     gguf_path = Path(source.path)
     target = _converted_dir(gguf_path)
-    if (target / "config.json").is_file():
+    if _is_ready(target, dense_weights):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f"{target.name}.lock", "w") as lock:
@@ -148,7 +151,7 @@ def prepare_model_dir(source: ModelSource) -> Path:
             logger.info("waiting for another process converting %s", gguf_path)
             fcntl.flock(lock, fcntl.LOCK_EX)
         # Closing the file releases the lock; the lock file stays (unlinking it would race).
-        if (target / "config.json").is_file():
+        if _is_ready(target, dense_weights):
             return target
         # Under the lock nobody else writes this target, so leftovers are from a crashed process.
         for stale in target.parent.glob(f".{target.name}.tmp-*"):
@@ -157,14 +160,33 @@ def prepare_model_dir(source: ModelSource) -> Path:
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         try:
             started = time.perf_counter()
-            logger.info("converting %s into %s (once; later loads reuse it)", gguf_path, target)
-            _convert_gguf(gguf_path, tmp)
-            os.rename(tmp, target)
+            if (target / "config.json").is_file():  # the config and tokenizer are there
+                logger.info(
+                    "dequantizing %s into float32 safetensors in %s, for transformers' modeling "
+                    "code (once; later loads reuse it)",
+                    gguf_path,
+                    target,
+                )
+                _write_dense_weights(gguf_path, tmp)
+                os.rename(tmp / "model.safetensors", target / "model.safetensors")
+                shutil.rmtree(tmp)
+            else:
+                logger.info("reading %s's config and tokenizer into %s (once)", gguf_path, target)
+                _write_config_and_tokenizer(gguf_path, tmp)
+                if dense_weights:
+                    _write_dense_weights(gguf_path, tmp)
+                os.rename(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
+        logger.info("prepared %s in %.1f s", gguf_path.name, time.perf_counter() - started)
     return target
+
+
+def _is_ready(target: Path, dense_weights: bool) -> bool:
+    if not (target / "config.json").is_file():
+        return False
+    return not dense_weights or (target / "model.safetensors").is_file()
 
 
 def _converted_dir(gguf_path: Path) -> Path:
@@ -177,14 +199,35 @@ def _converted_dir(gguf_path: Path) -> Path:
     return cache_root() / "models" / f"{slug}-{digest}"
 
 
-def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize `gguf_path` into float32 safetensors plus tokenizer files in `out_dir`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+def _write_config_and_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    """`gguf_path`'s config, generation config and tokenizer as HF files in `out_dir`."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     where, name = str(gguf_path.parent), gguf_path.name
     try:
+        config = AutoConfig.from_pretrained(where, gguf_file=name)
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+        config.save_pretrained(out_dir)
+        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        reloaded = AutoTokenizer.from_pretrained(out_dir)
+        if tokenizer.chat_template is not None:
+            # The chat template is what makes an instruct model usable: fail now, not per request.
+            if reloaded.chat_template != tokenizer.chat_template:
+                raise ValueError("the chat template did not survive save_pretrained")
+            reloaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    except Exception as exc:
+        raise ModelLoadError(f"could not read GGUF file {gguf_path}: {exc}") from exc
+
+
+def _write_dense_weights(gguf_path: Path, out_dir: Path) -> None:
+    """`gguf_path`'s tensors dequantized to float32, as transformers names them, into
+    `out_dir/model.safetensors` (one file, whatever its size)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    where, name = str(gguf_path.parent), gguf_path.name
+    try:
         # dequantize=True: otherwise transformers keeps an hf_quantizer on the model (or packed
         # GGUF layers where `kernels` is installed) and save_pretrained refuses to write it.
         model = AutoModelForCausalLM.from_pretrained(
@@ -193,13 +236,8 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             dtype=torch.float32,
             quantization_config=GgufConfig(dequantize=True),
         )
-        tokenizer.save_pretrained(out_dir)
-        model.save_pretrained(out_dir)
-        reloaded = AutoTokenizer.from_pretrained(out_dir)
-        if tokenizer.chat_template is not None:
-            # The chat template is what makes an instruct model usable: fail now, not per request.
-            if reloaded.chat_template != tokenizer.chat_template:
-                raise ValueError("the chat template did not survive save_pretrained")
-            reloaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        with tempfile.TemporaryDirectory(dir=out_dir) as saved:
+            model.save_pretrained(saved, max_shard_size="100TB")
+            os.rename(Path(saved) / "model.safetensors", out_dir / "model.safetensors")
     except Exception as exc:
-        raise ModelLoadError(f"could not convert GGUF file {gguf_path}: {exc}") from exc
+        raise ModelLoadError(f"could not dequantize GGUF file {gguf_path}: {exc}") from exc

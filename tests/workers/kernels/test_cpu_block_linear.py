@@ -1,7 +1,7 @@
 """The a8 kernel (kernels/cpu_block_linear.cpp): a weight's blocks of codes against
 activations quantized to int8 in blocks of 32, against a float64 reference of the same
 arithmetic, on the AVX512-VNNI path and the portable one (also as built for an AVX2-only CPU);
-GGUF's blocks read exactly; bad input refused by name; and the measured choice's rule for it."""
+bad input refused by name; and the measured choice's rule for it."""
 
 from __future__ import annotations
 
@@ -11,13 +11,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
 from support.haswell_build import run_built_for_haswell
 
 from loomllm.workers.kernels import cpu_kernel_choice, cpu_native
 from loomllm.workers.kernels.cpu_linear import BlockLinear, CodeBlocks, GroupwiseInt4
-from loomllm.workers.models import gguf_weights
 from loomllm.workers.models.sources import cache_root
 
 pytestmark = pytest.mark.compute
@@ -183,16 +180,15 @@ def test_bfloat16_rows_round_once_at_the_end(ops, portable):
     torch.testing.assert_close(as_float.double(), reference(x, weight, None), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_scales_are_held_in_float16_and_symmetric_blocks_without_offsets(ops, kind):
-    """GGUF's scales are float16: held as such, and Q4_0's and Q8_0's offsets not at all;
-    the layer computes what it computes with float32 scales."""
-    rng = np.random.default_rng(4)
-    raw = quantize(rng.standard_normal((48, 128)).astype(np.float32), GGMLQuantizationType[kind])
-    weight = gguf_weights.StoredWeight(kind, raw).blocks()
+@pytest.mark.parametrize(("form", "bits"), [("half", 4), ("symmetric", 4), ("symmetric", 8)])
+def test_float16_scales_are_held_so_and_symmetric_blocks_without_offsets(ops, form, bits):
+    """Scales float16 holds exactly (on-load int4's, as GGUF's Q4_1) are held in float16, and
+    a symmetric block's offset (Q4_0's, Q8_0's) not at all; the layer computes what it
+    computes with float32 scales."""
+    weight = random_blocks(bits, 48, 128, seed=4, form=form)
     layer = BlockLinear(weight, ops)
     assert layer.scales.dtype == torch.float16
-    assert layer.scales.shape == (3, 4, 2 if kind == "Q4_1" else 1, 16)
+    assert layer.scales.shape == (3, 4, 2 if form == "half" else 1, 16)
     x = torch.randn(5, 128)
     torch.testing.assert_close(layer(x).double(), reference(x, weight, None), rtol=1e-5, atol=1e-5)
 
@@ -214,28 +210,6 @@ def test_the_activation_quantization_stays_close_to_the_float_product(ops):
     exact = x.double() @ weight.dequantize().double().T
     error = (BlockLinear(weight, ops)(x).double() - exact).abs().max()
     assert error < 0.01 * exact.abs().max()
-
-
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_blocks_are_read_exactly(kind):
-    rng = np.random.default_rng(2)
-    values = rng.standard_normal((16, 128)).astype(np.float32)
-    raw = quantize(values, GGMLQuantizationType[kind])
-    stored = gguf_weights.StoredWeight(kind, raw)
-    blocks = stored.blocks()
-    assert blocks.bits == (8 if kind == "Q8_0" else 4)
-    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32))
-    torch.testing.assert_close(blocks.dequantize(), want, rtol=1e-6, atol=1e-6)
-
-
-def test_q8_0_rows_are_unpermuted_as_the_int4_ones():
-    rng = np.random.default_rng(3)
-    values = rng.standard_normal((64, 64)).astype(np.float32)
-    raw = quantize(values, GGMLQuantizationType.Q8_0)
-    plain = gguf_weights.StoredWeight("Q8_0", raw).blocks()
-    permuted = gguf_weights.StoredWeight("Q8_0", raw, unpermute_heads=4).blocks()
-    rows = gguf_weights._unpermute_rows(64, 4)
-    assert torch.equal(permuted.dequantize(), plain.dequantize()[rows])
 
 
 def test_mixed_widths_stack_as_8_bits(ops):

@@ -177,7 +177,7 @@ def _write_fake_conversion(gguf_path: Path, out_dir: Path) -> None:
 
 
 def test_corrupt_gguf_names_the_path_and_leaves_no_cache(fake_gguf: ModelSource) -> None:
-    with pytest.raises(ModelLoadError, match=r"could not convert GGUF file .*Fake-Model\.Q4\.gguf"):
+    with pytest.raises(ModelLoadError, match=r"could not read GGUF file .*Fake-Model\.Q4\.gguf"):
         prepare_model_dir(fake_gguf)
     models = sources.cache_root() / "models"
     assert [p.suffix for p in models.iterdir()] == [".lock"]
@@ -190,7 +190,7 @@ def test_failed_conversion_is_never_reused(
         _write_fake_conversion(gguf_path, out_dir)
         raise RuntimeError("killed halfway")
 
-    monkeypatch.setattr(sources, "_convert_gguf", half_then_crash)
+    monkeypatch.setattr(sources, "_write_config_and_tokenizer", half_then_crash)
     with pytest.raises(RuntimeError, match="killed halfway"):
         prepare_model_dir(fake_gguf)
     # What a process killed mid-conversion leaves behind; the next conversion clears it.
@@ -198,7 +198,9 @@ def test_failed_conversion_is_never_reused(
     (target.parent / f".{target.name}.tmp-killed").mkdir()
     calls: list[Path] = []
     monkeypatch.setattr(
-        sources, "_convert_gguf", lambda g, o: (calls.append(o), _write_fake_conversion(g, o))
+        sources,
+        "_write_config_and_tokenizer",
+        lambda g, o: (calls.append(o), _write_fake_conversion(g, o)),
     )
     model_dir = prepare_model_dir(fake_gguf)
     assert len(calls) == 1
@@ -240,7 +242,7 @@ def test_concurrent_prepare_converts_once(
         _write_fake_conversion(gguf_path, out_dir)
         threads.append(second)
 
-    monkeypatch.setattr(sources, "_convert_gguf", slow_convert)
+    monkeypatch.setattr(sources, "_write_config_and_tokenizer", slow_convert)
     try:
         first = prepare_model_dir(fake_gguf)
         threads[0].join(timeout=30)
@@ -265,6 +267,17 @@ def smollm2_cache() -> Iterator[Path]:
 
 
 @pytest.mark.slow
+def test_a_gguf_s_cache_holds_no_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config and tokenizer alone: the weights stay in the file, where the kernels read
+    them; transformers' modeling code alone asks for dense ones."""
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    model_dir = prepare_model_dir(resolve_model("smollm2"))
+    assert (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file()
+    assert not list(model_dir.glob("*.safetensors"))
+    assert sum(f.stat().st_size for f in model_dir.iterdir()) < 10_000_000
+
+
+@pytest.mark.slow
 def test_smollm2_second_prepare_uses_the_cache(
     smollm2_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -274,11 +287,10 @@ def test_smollm2_second_prepare_uses_the_cache(
         raise AssertionError("converted again despite the cache")
 
     first = prepare_model_dir(resolve_model("smollm2"))
-    monkeypatch.setattr(sources, "_convert_gguf", must_not_convert)
+    monkeypatch.setattr(sources, "_write_config_and_tokenizer", must_not_convert)
     second = prepare_model_dir(resolve_model("SmolLM2"))
     assert second == first
     assert second.parent == smollm2_cache / "models"
-    assert list(second.glob("*.safetensors"))
     assert (second / "config.json").is_file()
     tokenizer = AutoTokenizer.from_pretrained(second)
     chat = tokenizer.apply_chat_template(
@@ -296,6 +308,7 @@ def test_smollm2_cache_matches_the_gguf(
     # "auto" may be bfloat16 on this CPU. transformers' model, to call it as it is (the
     # engine's greedy tokens on loomllm's own: tests/e2e/test_generation_parity.py).
     loaded = load_model("smollm2", dtype="float32", model_impl="transformers")
+    assert (loaded.model_dir / "model.safetensors").is_file()  # dense, for transformers alone
     assert (loaded.vocab_size, loaded.max_model_len, loaded.num_layers) == (49152, 8192, 30)
     assert (loaded.num_kv_heads, loaded.head_dim, loaded.dtype) == (3, 64, "float32")
     gguf = Path(loaded.source.path)

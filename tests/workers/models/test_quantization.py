@@ -140,21 +140,23 @@ def test_without_vnni_a8_runs_only_where_asked_for(tiny, tmp_path, monkeypatch):
     assert model.model.layers[0].mlp.down_proj.kernels.a8 is not None
 
 
-def test_a_gguf_runs_its_own_blocks_on_a8():
-    """SmolLM2's Q4_1 layers and Q8_0 embedding (its lm_head) as the file stores them: the
-    dense copies hold the blocks' values, and the next token is the dequantized model's."""
-    quantized = load_model("smollm2", dtype="float32", cpu_linear_kernel="a8").model
+def test_smollm2_runs_its_own_blocks():
+    """SmolLM2's Q4_1 layers and Q8_0 embedding (its lm_head) computed from the file's blocks,
+    and the next token is the dequantized model's."""
+    from loomllm.workers.kernels.gguf_linear import GgufLinear
+
+    stored = load_model("smollm2", dtype="float32").model
     reference = load_model("smollm2", dtype="float32", quantization="none").model
-    head = quantized.lm_head.kernels.a8
-    assert head is not None and head.bits == 8
-    assert quantized.model.layers[0].mlp.down_proj.kernels.a8.bits == 4
-    for layer in (quantized.lm_head, quantized.model.layers[3].self_attn.qkv_proj):
-        blocks = torch.randn(1, layer.in_features)
-        exact = blocks.double() @ layer.weight.double().T
-        assert (layer(blocks).double() - exact).abs().max() < 0.02 * exact.abs().max()
+    assert isinstance(stored.lm_head, GgufLinear) and stored.lm_head.types == [8]  # Q8_0
+    assert stored.model.layers[0].mlp.down_proj.types == [3]  # Q4_1
+    for name in ("lm_head", "model.layers.3.self_attn.qkv_proj"):
+        layer, dense = stored.get_submodule(name), reference.get_submodule(name)
+        x = torch.randn(1, layer.in_features)
+        exact = x.double() @ dense.weight.double().T
+        assert (layer(x).double() - exact).abs().max() < 0.02 * exact.abs().max()
     ids = torch.tensor([[1, 504, 3458, 314, 4224, 282, 4649, 314]])
     with torch.no_grad():
-        ours, theirs = quantized(ids).logits[0, -1], reference(ids).logits[0, -1]
+        ours, theirs = stored(ids).logits[0, -1], reference(ids).logits[0, -1]
     assert ours.argmax() == theirs.argmax()
     assert (ours - theirs).abs().max() < 0.1 * theirs.abs().max()
 

@@ -1,0 +1,103 @@
+"""GGUF files run as stored: tiny models in each common mix of quant types (and one of the
+rarer types) through a real Engine, against the same file dequantized to float32; the weights
+are views of the file; unsupported types are refused by name; `quantization="none"`
+dequantizes. asyncio and trio."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support.gguf_models import MIXES, make_tiny_gguf
+from support.streams import final
+
+from loomllm import Engine, SamplingParams
+from loomllm.workers.kernels.gguf_linear import GgufEmbedding, GgufLinear
+from loomllm.workers.models.gguf_file import GgufFile
+from loomllm.workers.models.llama.model import Linear
+from loomllm.workers.models.loader import load_model
+from loomllm.workers.models.sources import ModelLoadError
+
+PROMPT = list(range(1000, 2000, 25))
+# Mean |difference| of the prompt's logprobs (nats), stored against dequantized: the kernels'
+# int8 activations and a bfloat16 model stay within a few hundredths; the same mix of another
+# seed is ~5 off, so a wiring error (a row order, a part, a bias) cannot hide under it.
+TOLERANCE = 0.3
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gguf")
+
+
+def reference_logprobs(path: Path) -> np.ndarray:
+    """The dequantized float32 model's logprob of each prompt token after the first."""
+    model = load_model(str(path), dtype="float32", quantization="none").model
+    with torch.no_grad():
+        rows = model(torch.tensor([PROMPT])).logits[0].log_softmax(-1)
+    return np.array([rows[i, PROMPT[i + 1]].item() for i in range(len(PROMPT) - 1)])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("mix", "architecture"), [*((mix, "llama") for mix in MIXES), ("Q4_K_M", "qwen2")]
+)
+async def test_each_mix_through_the_engine_matches_the_dequantized_model(
+    mix, architecture, gguf_dir, shared_manager
+):
+    path = gguf_dir / f"{mix}-{architecture}.gguf"
+    if not path.exists():
+        make_tiny_gguf(path, mix, architecture=architecture)
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0)
+    async with Engine(str(path), manager_socket=shared_manager.socket) as engine:
+        out = await final(engine, {"prompt_token_ids": PROMPT}, params)
+    got = np.array([next(iter(row.values())).logprob for row in out.prompt_logprobs[1:]])
+    assert np.abs(got - reference_logprobs(path)).mean() < TOLERANCE
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_another_seed_is_far_outside_the_tolerance(gguf_dir):
+    """The test above can fail: the same mix drawn again differs by far more."""
+    one, other = (make_tiny_gguf(gguf_dir / f"seed-{s}.gguf", "Q4_K_M", seed=s) for s in (0, 1))
+    assert np.abs(reference_logprobs(one) - reference_logprobs(other)).mean() > 10 * TOLERANCE
+
+
+def test_the_weights_are_the_file_s_pages(gguf_dir):
+    """Every linear layer and the embedding compute from views of the mapped file: nothing
+    the size of a weight is copied (the norms are)."""
+    path = make_tiny_gguf(gguf_dir / "views.gguf", "Q4_K_M")
+    model = load_model(str(path)).model
+    linears = [m for m in model.modules() if isinstance(m, GgufLinear)]
+    assert len(linears) == 2 * 4 + 1  # every layer's four, and the LM head
+    assert not any(isinstance(m, Linear) for m in model.modules())
+    assert isinstance(model.model.embed_tokens, GgufEmbedding)
+    views = [p.data for m in linears for p in m.parts] + [model.model.embed_tokens.part.data]
+    assert all(mapped_from(v, path) for v in views)
+    copied = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert copied < 0.01 * path.stat().st_size
+
+
+def mapped_from(tensor: torch.Tensor, path: Path) -> bool:
+    """Whether the tensor's bytes lie in a mapping of `path` (this process's /proc maps)."""
+    start = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(path.resolve()):
+            low, high = (int(a, 16) for a in fields[0].split("-"))
+            if low <= start and start + tensor.numel() <= high:
+                return True
+    return False
+
+
+def test_a_type_the_kernels_do_not_read_is_refused_by_name(gguf_dir):
+    """An IQ2_XXS tensor: refused at load, naming it; quantization="none" dequantizes it."""
+    from gguf import GGMLQuantizationType
+
+    path = make_tiny_gguf(gguf_dir / "iq2.gguf", ("Q4_K", "IQ2_XXS", "Q4_K", "Q6_K"))
+    assert GgufFile(path).tensors["blk.0.attn_v.weight"].type_id == GGMLQuantizationType.IQ2_XXS
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.attn_v\.weight is stored as IQ2_XXS"):
+        load_model(str(path))
+    dense = load_model(str(path), dtype="float32", quantization="none").model
+    assert not any(isinstance(m, GgufLinear) for m in dense.modules())
