@@ -76,7 +76,7 @@ class ModelInfo:
     """Facts about the loaded model that the engine needs (sent in READY)."""
 
     model: str
-    model_dir: str  # HF-format directory: config, weights, tokenizer files
+    model_dir: str  # HF-format directory: config, tokenizer files (weights, unless a GGUF's)
     vocab_size: int
     max_model_len: int
     num_layers: int
@@ -88,6 +88,7 @@ class ModelInfo:
     num_kv_blocks: int  # paged KV cache size the worker allocated, in blocks
     block_size: int  # tokens per KV block
     pooling: Pooling | None = None  # runner="pooling": how the worker pools; else None
+    weights_path: str = ""  # where the weights are read from: a GGUF file; "": model_dir
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,6 +117,7 @@ class Worker:
             num_kv_blocks=runner.num_blocks,
             block_size=runner.block_size,
             pooling=pooling,
+            weights_path=loaded.source.path if loaded.source.kind == "gguf" else "",
         )
         logger.info(
             "loaded %s on %s in %.1fs; KV cache: %d blocks of %d tokens",

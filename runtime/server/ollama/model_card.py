@@ -22,7 +22,7 @@ def details(engine: Engine) -> dict[str, Any]:
     family = str(_config(engine).get("model_type") or "")
     return {
         "parent_model": "",
-        "format": "safetensors",
+        "format": "gguf" if engine.model_info.weights_path.endswith(".gguf") else "safetensors",
         "family": family,
         "families": [family] if family else [],
         "parameter_size": "",

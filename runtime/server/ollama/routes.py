@@ -333,7 +333,8 @@ def _done(served: str, out: RequestOutput, key: str, text: str) -> dict:
 def _listing(entry: ServedModel, engine: Engine | None) -> dict[str, Any]:
     """The model as /api/tags lists it; read from its files where they are on this machine
     (all of it once loaded, else a local folder or GGUF file)."""
-    path = Path(engine.model_info.model_dir if engine is not None else entry.model)
+    info = engine.model_info if engine is not None else None
+    path = Path((info.weights_path or info.model_dir) if info is not None else entry.model)
     files = (
         [path] if path.is_file() else list(path.glob("*.safetensors")) + list(path.glob("*.gguf"))
     )
