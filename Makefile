@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo serve test test-fast soak lint clean bench-peers bench-tools gpu-wheels
+.PHONY: setup demo serve test test-fast soak lint clean bench-peers bench-models bench-tools gpu-wheels
 
 setup: $(STAMP)
 
@@ -40,30 +40,42 @@ soak: setup
 	LOOM_SOAK_SECONDS=300 $(PY) -m pytest -q -p no:cacheprovider -s --timeout 600 \
 		tests/reliability/test_soak.py
 
-# Peers for benchmarks/serving.py, outside the test path: llama.cpp's `llama-server` and
-# `llama-bench` built from the source the llama-cpp-python sdist carries (~5 min on 2 cores),
-# and guidellm in a venv of its own so its pins never touch ours.
+# Peers for benchmarks/serving.py and cpu.py, outside the test path: llama.cpp's `llama-server`,
+# `llama-bench`, `llama-quantize` and `llama-perplexity` built from the source the
+# llama-cpp-python sdist carries (5–12 min on 2 cores), and guidellm in a venv of its own so its
+# pins never touch ours. benchmarks/peers_build.py picks the build for this CPU (AMX off where
+# a native build crashes), records it in .peers/llama-build.json, and rebuilds only when the
+# binaries are missing or were built for another CPU.
 PEERS := .peers
 LLAMA_CPP_PY := 0.3.36
 LLAMA_SRC := $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp
-LLAMA_SERVER := $(LLAMA_SRC)/build/bin/llama-server
 GUIDELLM := $(PEERS)/guidellm-venv/bin/guidellm
 # benchmarks/serving.py writes guidellm's scenario schema of this version.
 GUIDELLM_VERSION := 0.8.1
 
-bench-peers: $(LLAMA_SERVER) $(GUIDELLM)
+bench-peers: $(LLAMA_SRC)/CMakeLists.txt $(GUIDELLM)
+	$(PYTHON) benchmarks/peers_build.py --source $(LLAMA_SRC) --record $(PEERS)/llama-build.json
 
-$(LLAMA_SERVER):
+$(LLAMA_SRC)/CMakeLists.txt:
 	mkdir -p $(PEERS)
 	$(PYTHON) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PY) -d $(PEERS)
 	tar xzf $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PY).tar.gz -C $(PEERS)
-	cmake -S $(LLAMA_SRC) -B $(LLAMA_SRC)/build -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON \
-		-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF > $(PEERS)/cmake.log
-	cmake --build $(LLAMA_SRC)/build --target llama-server llama-bench -j2 > $(PEERS)/build.log
 
 $(GUIDELLM):
 	$(PYTHON) -m venv $(PEERS)/guidellm-venv
 	$(PEERS)/guidellm-venv/bin/python -m pip install -q -c constraints.txt guidellm==$(GUIDELLM_VERSION)
+
+# Random-weight GGUFs at real shapes (SmolLM2-1.7B, Llama-3.1-8B) in Q4_K_M and Q8_0, and the
+# embedded SmolLM2-135M requantized to Q4_K_M, Q6_K and F32, into .peers/models
+# (benchmarks/bench_models.py; ~13 min on 2 cores, ~2.5 GB of memory at most, ~30 GB of disk
+# while the 8B is made). llama.cpp's converter runs on our venv, plus the sentencepiece it
+# imports in a folder of its own. E.g. MODELS_ARGS="--only smollm2-1.7b-q4_k_m".
+CONVERT_DEPS := $(PEERS)/convert-deps
+bench-models: bench-peers setup $(CONVERT_DEPS)/sentencepiece
+	$(VENV)/bin/loom bench models $(MODELS_ARGS)
+
+$(CONVERT_DEPS)/sentencepiece:
+	$(PY) -m pip install -q --no-deps --target $(CONVERT_DEPS) sentencepiece==0.2.3
 
 # mypy reads loomllm through a tree of links (build/typecheck/loomllm): the package maps
 # several folders onto one name (pyproject.toml), and mypy finds modules by directory only.

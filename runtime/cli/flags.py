@@ -163,6 +163,7 @@ BENCHMARKS = {
     "emulated": "loomllm.benchmarks.emulated_device",
     "gpu-session": "loomllm.benchmarks.gpu_session",
     "structured": "loomllm.benchmarks.structured_overhead",
+    "models": "loomllm.benchmarks.bench_models",
 }
 
 
