@@ -1,6 +1,7 @@
 """The CPU in one run, one GGUF for every engine: loomllm against llama.cpp and transformers.
 
-Run: `make bench-peers` once (llama.cpp and guidellm), then `loom bench cpu`.
+Run: `make bench-peers` once (llama.cpp and guidellm), then `loom bench cpu [--model PATH]`;
+`make bench-models` writes GGUFs at real shapes. A peer that fails is a row that says so.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from pathlib import Path
 
 import httpx
 
-from loomllm.benchmarks import int_list, offline_throughput, serving
+from loomllm.benchmarks import int_list, offline_throughput, peers_build, serving
+from loomllm.benchmarks.serving import PeerFailed
 
 PROG = "loom bench cpu"
+DEFAULT_MODEL = "smollm2"
 DEFAULT_LLAMA_BENCH = serving.DEFAULT_LLAMA_SERVER.with_name("llama-bench")
+LLAMA_BUILD_RECORD = serving.PEERS / "llama-build.json"
 SUBJECTS = [
     "the ocean",
     "a violin",
@@ -41,13 +45,35 @@ FORMS = [
 
 
 def llama_bench(binary: Path, gguf: Path, prompt: int, output: int) -> tuple[float, float]:
-    """llama-bench's (prompt tok/s, generation tok/s) on two threads."""
+    """llama-bench's (prompt tok/s, generation tok/s) on two threads. PeerFailed where it
+    exits with an error or a signal, or prints no figures."""
     cmd = [str(binary), "-m", str(gguf), "-t", "2", "-p", str(prompt), "-n", str(output)]
-    done = subprocess.run([*cmd, "-o", "json"], capture_output=True, text=True, check=True)
-    rows = json.loads(done.stdout)
-    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
-    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
+    done = subprocess.run([*cmd, "-o", "json"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise PeerFailed("llama-bench", serving.failure_reason(done.returncode, done.stderr))
+    try:
+        rows = json.loads(done.stdout)
+        pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
+        tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
+    except (ValueError, KeyError, StopIteration) as exc:
+        reason = f"no figures in its output: {serving.last_line(done.stdout or done.stderr)}"
+        raise PeerFailed("llama-bench", reason) from exc
     return pp, tg
+
+
+def vocab_size(gguf: Path) -> int:
+    """The number of tokens in the GGUF's vocabulary, to draw random prompts from."""
+    from gguf import GGUFReader
+
+    return len(GGUFReader(gguf).fields["tokenizer.ggml.tokens"].data)
+
+
+def row(figure: str, ours: float, theirs: float | PeerFailed, peer: str) -> None:
+    """One line of the table; a peer that failed is named in its cell, with no ratio."""
+    if isinstance(theirs, PeerFailed):
+        print(f"| {figure} | {ours:.1f} | {theirs} | — |", flush=True)
+        return
+    print(f"| {figure} | {ours:.1f} | {theirs:.1f} ({peer}) | {ours / theirs:.2f} |", flush=True)
 
 
 def compute_dtype() -> str:
@@ -69,43 +95,55 @@ def accuracy_prompts() -> list[list[int]]:
 
 def llama_cpp_greedy(
     args: argparse.Namespace,
+    gguf: Path,
     prompts: list[list[int]],
     tokens: int,
     workdir: Path,
     extra: Sequence[str] = (),
 ) -> list[tuple[list[int], list[dict[int, float]]]]:
     """llama-server's greedy tokens for each prompt, and its top logprobs at each step; `extra`
-    adds flags to its command."""
-    from loomllm.workers.models.sources import resolve_model
-
-    gguf = Path(resolve_model("smollm2").path)
+    adds flags to its command. PeerFailed where the server exits or stops answering."""
     # One slot, its context long enough for a prompt and its tokens.
     options = argparse.Namespace(
         llama_server=args.llama_server, prompt_tokens=max(map(len, prompts)), output_tokens=tokens
     )
     proc, url, log = serving.serve_llama_cpp(options, gguf, 1, workdir, extra)
-    results = []
     try:
         serving.wait_healthy(url, proc, log)
-        for prompt in prompts:
-            body = {
-                "prompt": prompt,
-                "n_predict": tokens,
-                "temperature": 0,
-                # Both stop at the end of the text: llama.cpp's ignore_eos bans EOS tokens, where
-                # vLLM's (and loomllm's) only keeps going past them.
-                "n_probs": 5,
-                "cache_prompt": False,
-                "return_tokens": True,
-            }
-            answer = httpx.post(f"{url}/completion", json=body, timeout=120).json()
-            tops = [
-                {top["id"]: top["logprob"] for top in step["top_logprobs"]}
-                for step in answer["completion_probabilities"]
-            ]
-            results.append((answer["tokens"], tops))
+        results = llama_cpp_answers(url, prompts, tokens)
+    except httpx.TransportError as exc:
+        try:  # a crash drops the connection a moment before the process is gone
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            raise PeerFailed("llama-server", f"no answer: {exc!r}") from exc
+        raise serving.server_exited(proc, log) from exc
     finally:
         serving.stop(proc)
+    return results
+
+
+def llama_cpp_answers(
+    url: str, prompts: list[list[int]], tokens: int
+) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """The running llama-server's greedy tokens and top logprobs for each prompt."""
+    results = []
+    for prompt in prompts:
+        body = {
+            "prompt": prompt,
+            "n_predict": tokens,
+            "temperature": 0,
+            # Both stop at the end of the text: llama.cpp's ignore_eos bans EOS tokens, where
+            # vLLM's (and loomllm's) only keeps going past them.
+            "n_probs": 5,
+            "cache_prompt": False,
+            "return_tokens": True,
+        }
+        answer = httpx.post(f"{url}/completion", json=body, timeout=120).json()
+        tops = [
+            {top["id"]: top["logprob"] for top in step["top_logprobs"]}
+            for step in answer["completion_probabilities"]
+        ]
+        results.append((answer["tokens"], tops))
     return results
 
 
@@ -146,6 +184,12 @@ def agreement(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="a GGUF file every engine runs (default: the embedded SmolLM2-135M-Instruct); the "
+        "accuracy part runs on the default only",
+    )
     p.add_argument("--llama-bench", type=Path, default=DEFAULT_LLAMA_BENCH)
     p.add_argument("--llama-server", type=Path, default=serving.DEFAULT_LLAMA_SERVER)
     p.add_argument("--guidellm", type=Path, default=serving.DEFAULT_GUIDELLM)
@@ -166,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         "--skip",
         type=lambda s: set(s.split(",")),
         default=set(),
-        help="parts to leave out: stream,serving,offline,accuracy",
+        help="parts to leave out: stream,serving,offline,accuracy (offline holds transformers' "
+        "float copy of the model in memory)",
     )
     args = p.parse_args(argv)
     if args.offline_rounds < 1:
@@ -179,29 +224,35 @@ def main(argv: list[str] | None = None) -> None:
 
     from loomllm.workers.models.sources import resolve_model
 
-    gguf = Path(resolve_model("smollm2").path)
+    source = resolve_model(args.model)
+    if source.kind != "gguf":
+        p.error(f"--model must be a GGUF file (llama.cpp runs it too), got {args.model!r}")
+    gguf = Path(source.path)
+    is_default = gguf == Path(resolve_model(DEFAULT_MODEL).path)
     dtype = compute_dtype()
     print(
-        f"SmolLM2-135M-Instruct, {gguf.name}; llama.cpp -t 2, loomllm torch's {os.cpu_count()} "
-        f"cores; loomllm dtype auto ({dtype})"
+        f"{gguf.name} ({gguf.stat().st_size / 1e9:.2f} GB); llama.cpp -t 2, loomllm torch's "
+        f"{os.cpu_count()} cores; loomllm dtype auto ({dtype})"
     )
+    print(peers_build.note_for(args.llama_bench, LLAMA_BUILD_RECORD))
     print("\n| figure | loomllm | peer | loomllm / peer |\n|---|---|---|---|", flush=True)
 
-    def row(figure: str, ours: float, theirs: float, peer: str, unit: str = "") -> None:
-        print(f"| {figure} | {ours:.1f}{unit} | {theirs:.1f} ({peer}) | {ours / theirs:.2f} |")
-        sys.stdout.flush()
-
     if "stream" not in args.skip:
-        pp, tg = llama_bench(args.llama_bench, gguf, 128, args.stream_tokens)
-        prompt = offline_throughput.make_prompts(1, 100, 49152, 0)[0]
+        tg: float | PeerFailed
+        try:
+            _, tg = llama_bench(args.llama_bench, gguf, 128, args.stream_tokens)
+        except PeerFailed as exc:
+            tg = exc
+        prompt = offline_throughput.make_prompts(1, 100, vocab_size(gguf), 0)[0]
         # Five requests, as llama-bench's five runs.
         _, per_token = offline_throughput.single_stream_loomllm(
-            prompt, args.stream_tokens, "auto", repeats=5
+            prompt, args.stream_tokens, "auto", repeats=5, model=args.model
         )
         row(f"one stream, {args.stream_tokens} tokens, tok/s", 1 / per_token, tg, "llama-bench tg")
 
     if "serving" not in args.skip:
         options = argparse.Namespace(
+            model=args.model,
             prompt_tokens=128,
             output_tokens=64,
             requests=2,
@@ -213,77 +264,92 @@ def main(argv: list[str] | None = None) -> None:
             skip_llama_cpp=False,
         )
         served = serving.compare(options, args.concurrency)
+        ours, theirs = served["loomllm"], served["llama.cpp"]
+        assert not isinstance(ours, PeerFailed)  # compare raises where loomllm fails
         for i, level in enumerate(args.concurrency):
-            mine, theirs = served["loomllm"][i], served["llama.cpp"][i]
-            row(
-                f"serving c={level}, output tok/s",
-                mine.output_tok_s,
-                theirs.output_tok_s,
-                "llama-server",
-            )
+            failed = isinstance(theirs, PeerFailed)
+            tok_s = theirs if failed else theirs[i].output_tok_s
+            itl = theirs if failed else theirs[i].itl_p50_ms
+            row(f"serving c={level}, output tok/s", ours[i].output_tok_s, tok_s, "llama-server")
             row(
                 f"serving c={level}, ITL p50 ms (lower wins)",
-                mine.itl_p50_ms,
-                theirs.itl_p50_ms,
+                ours[i].itl_p50_ms,
+                itl,
                 "llama-server",
             )
 
     if "offline" not in args.skip:
-        prompts = offline_throughput.make_prompts(args.offline_prompts, 128, 49152, 0)
-        model = offline_throughput.load_hf(dtype)
-        rounds: list[tuple[float, float]] = []  # (loomllm, transformers) tok/s
-        for _ in range(args.offline_rounds):
-            seconds, tokens = offline_throughput.run_loomllm(prompts, args.offline_tokens, "auto")
-            hf_seconds, hf_tokens = offline_throughput.run_hf(model, prompts, args.offline_tokens)
-            rounds.append((tokens / seconds, hf_tokens / hf_seconds))
-        median_of = "" if len(rounds) == 1 else f" (median of {len(rounds)} alternated runs)"
-        row(
-            f"offline {args.offline_prompts} x {args.offline_tokens}, tok/s{median_of}",
-            statistics.median(ours for ours, _ in rounds),
-            statistics.median(theirs for _, theirs in rounds),
-            f"transformers generate, {dtype}",
-        )
-        if len(rounds) > 1:
-            each = ", ".join(
-                f"{ours:.1f} / {theirs:.1f} = {ours / theirs:.2f}" for ours, theirs in rounds
-            )
-            print(f"\noffline runs, loomllm / transformers tok/s: {each}", flush=True)
+        offline(args, vocab_size(gguf), dtype)
 
     if "accuracy" not in args.skip:
-        workdir = Path(tempfile.mkdtemp(prefix="loom-bench-cpu-"))
-        accuracy = accuracy_prompts()[: args.accuracy_prompts]
-        try:
-            reference = llama_cpp_greedy(args, accuracy, args.accuracy_tokens, workdir)
-            # llama.cpp against itself: its decode attention without flash attention (on by
-            # default on the CPU) sums in another order and precision. How often that alone
-            # changes its greedy text is the floor any other engine can be held to.
-            flash_off = llama_cpp_greedy(
-                args, accuracy, args.accuracy_tokens, workdir, ("-fa", "off")
+        if is_default:
+            accuracy(args, gguf, dtype)
+        else:
+            print(
+                f"\ngreedy agreement: skipped, its prompts are {DEFAULT_MODEL}'s (--model {gguf})"
             )
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-        quantized = loomllm_greedy(accuracy, args.accuracy_tokens)
-        runs = [(f"as stored ({dtype})", quantized)]
-        if dtype != "float32":  # llama.cpp's activations are float32 between its matmuls
-            stored_f32 = loomllm_greedy(accuracy, args.accuracy_tokens, dtype="float32")
-            runs.append(("as stored, float32", stored_f32))
-        dequantized = loomllm_greedy(
-            accuracy, args.accuracy_tokens, dtype="float32", quantization="none"
+
+
+def offline(args: argparse.Namespace, vocab: int, dtype: str) -> None:
+    """The offline row: loomllm and transformers alternated, each one's median."""
+    prompts = offline_throughput.make_prompts(args.offline_prompts, 128, vocab, 0)
+    model = offline_throughput.load_hf(dtype, model=args.model)
+    rounds: list[tuple[float, float]] = []  # (loomllm, transformers) tok/s
+    for _ in range(args.offline_rounds):
+        seconds, tokens = offline_throughput.run_loomllm(
+            prompts, args.offline_tokens, "auto", model=args.model
         )
-        runs.append(("dequantized, float32", dequantized))
-        n, t = len(accuracy), args.accuracy_tokens
-        print(f"\ngreedy agreement with llama-server (temperature 0), {n} prompts x {t} tokens:")
-        for name, ours in runs:
-            same, notes = agreement(ours, reference)
-            print(f"- loomllm {name}: {same} of {n} identical")
-            for note in notes:
-                print(f"  - {note}")
-        same_paths = sum(a == b for a, b in zip(quantized, dequantized, strict=True))
-        print(f"- loomllm as stored against dequantized: {same_paths} of {n} identical")
-        same, notes = agreement([tokens for tokens, _ in flash_off], reference)
-        print(f"- llama-server itself with flash attention off: {same} of {n} identical")
+        hf_seconds, hf_tokens = offline_throughput.run_hf(model, prompts, args.offline_tokens)
+        rounds.append((tokens / seconds, hf_tokens / hf_seconds))
+    median_of = "" if len(rounds) == 1 else f" (median of {len(rounds)} alternated runs)"
+    row(
+        f"offline {args.offline_prompts} x {args.offline_tokens}, tok/s{median_of}",
+        statistics.median(ours for ours, _ in rounds),
+        statistics.median(theirs for _, theirs in rounds),
+        f"transformers generate, {dtype}",
+    )
+    if len(rounds) > 1:
+        each = ", ".join(
+            f"{ours:.1f} / {theirs:.1f} = {ours / theirs:.2f}" for ours, theirs in rounds
+        )
+        print(f"\noffline runs, loomllm / transformers tok/s: {each}", flush=True)
+
+
+def accuracy(args: argparse.Namespace, gguf: Path, dtype: str) -> None:
+    """Greedy agreement with llama-server on SmolLM2's prompts, and llama-server's with itself."""
+    workdir = Path(tempfile.mkdtemp(prefix="loom-bench-cpu-"))
+    prompts = accuracy_prompts()[: args.accuracy_prompts]
+    tokens = args.accuracy_tokens
+    try:
+        reference = llama_cpp_greedy(args, gguf, prompts, tokens, workdir)
+        # llama.cpp against itself: its decode attention without flash attention (on by
+        # default on the CPU) sums in another order and precision. How often that alone
+        # changes its greedy text is the floor any other engine can be held to.
+        flash_off = llama_cpp_greedy(args, gguf, prompts, tokens, workdir, ("-fa", "off"))
+    except PeerFailed as exc:
+        print(f"\ngreedy agreement with llama-server: skipped, {exc}")
+        return
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    quantized = loomllm_greedy(prompts, tokens)
+    runs = [(f"as stored ({dtype})", quantized)]
+    if dtype != "float32":  # llama.cpp's activations are float32 between its matmuls
+        runs.append(("as stored, float32", loomllm_greedy(prompts, tokens, dtype="float32")))
+    dequantized = loomllm_greedy(prompts, tokens, dtype="float32", quantization="none")
+    runs.append(("dequantized, float32", dequantized))
+    n = len(prompts)
+    print(f"\ngreedy agreement with llama-server (temperature 0), {n} prompts x {tokens} tokens:")
+    for name, ours in runs:
+        same, notes = agreement(ours, reference)
+        print(f"- loomllm {name}: {same} of {n} identical")
         for note in notes:
             print(f"  - {note}")
+    same_paths = sum(a == b for a, b in zip(quantized, dequantized, strict=True))
+    print(f"- loomllm as stored against dequantized: {same_paths} of {n} identical")
+    same, notes = agreement([ids for ids, _ in flash_off], reference)
+    print(f"- llama-server itself with flash attention off: {same} of {n} identical")
+    for note in notes:
+        print(f"  - {note}")
 
 
 if __name__ == "__main__":

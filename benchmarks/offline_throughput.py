@@ -28,6 +28,7 @@ def run_loomllm(
     dtype: str,
     weight_dtype: str | None = None,
     model_impl: str = "auto",
+    model: str = "smollm2",
 ) -> tuple[float, int]:
     from loomllm import LLM, SamplingParams
 
@@ -36,7 +37,7 @@ def run_loomllm(
     options = dict(
         dtype=dtype, weight_dtype=weight_dtype, max_num_seqs=len(prompts), model_impl=model_impl
     )
-    with LLM("smollm2", **options) as llm:
+    with LLM(model, **options) as llm:
         llm.generate(
             [{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False
         )  # warm-up
@@ -73,13 +74,13 @@ def weight_dtype_accuracy(
     return identical, sum(shares) / len(shares), sum(drifts) / max(len(drifts), 1)
 
 
-def load_hf(dtype: str):
+def load_hf(dtype: str, model: str = "smollm2"):
     import torch
     from transformers import AutoModelForCausalLM
 
     from loomllm.workers.models.sources import prepare_model_dir, resolve_model
 
-    model_dir = prepare_model_dir(resolve_model("smollm2"))
+    model_dir = prepare_model_dir(resolve_model(model))
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 
 
@@ -148,6 +149,7 @@ def single_stream_loomllm(
     weight_dtype: str | None = None,
     model_impl: str = "auto",
     repeats: int = 1,
+    model: str = "smollm2",
 ) -> tuple[float, float]:
     """(time to first token, decode seconds per token) for one request alone: their means
     over `repeats` requests in a row (llama-bench's tg averages 5 runs)."""
@@ -158,7 +160,7 @@ def single_stream_loomllm(
     async def run() -> tuple[float, float]:
         firsts, per_tokens = [], []
         async with Engine(
-            "smollm2", dtype=dtype, weight_dtype=weight_dtype, model_impl=model_impl
+            model, dtype=dtype, weight_dtype=weight_dtype, model_impl=model_impl
         ) as engine:
             await stream_timing(engine, prompt[:8], output_len)  # warm-up
             for _ in range(repeats):

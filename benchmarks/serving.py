@@ -17,10 +17,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from loomllm.benchmarks import int_list
+
+if TYPE_CHECKING:
+    from loomllm.workers.models.sources import ModelSource
 
 PROG = "loom bench serving"
 
@@ -44,18 +48,59 @@ class Level:
     itl_p99_ms: float
 
 
+class PeerFailed(RuntimeError):
+    """A peer that exited with an error or a signal, or gave no figures: "llama-bench failed:
+    SIGSEGV (-11): …", one line for a table row."""
+
+    def __init__(self, peer: str, reason: str) -> None:
+        super().__init__(f"{peer} failed: {reason}")
+        self.peer = peer
+        self.reason = reason
+
+
+def exit_reason(returncode: int) -> str:
+    """A process's end in words: the signal that killed it (SIGSEGV (-11)), else its status."""
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    try:
+        return f"{signal.Signals(-returncode).name} ({returncode})"
+    except ValueError:
+        return f"signal {-returncode} ({returncode})"
+
+
+def last_line(text: str, limit: int = 160) -> str:
+    """The last non-empty line of a tool's output, cut to `limit` characters."""
+    line = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def failure_reason(returncode: int, output: str) -> str:
+    """How a tool ended, and the last line it printed: "SIGSEGV (-11): loading model"."""
+    line = last_line(output)
+    return f"{exit_reason(returncode)}: {line}" if line else exit_reason(returncode)
+
+
+def server_exited(proc: subprocess.Popen, log: Path) -> PeerFailed:
+    """The error for a server that has exited: its log's end goes to stderr, its exit and
+    last line into the message."""
+    text = log.read_text(errors="replace")
+    print(f"{proc.args[0]} exited; the end of its log:\n{text[-3000:]}", file=sys.stderr)
+    return PeerFailed(Path(proc.args[0]).name, failure_reason(proc.returncode, text))
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    """Block until the server at `url` answers /health; PeerFailed if it exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            raise server_exited(proc, log)
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"server at {url} not healthy after {timeout} s")
+    raise PeerFailed(Path(proc.args[0]).name, f"not healthy after {timeout} s at {url}")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -168,7 +213,7 @@ def serve_loom(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Pope
     cmd = [
         str(Path(sys.executable).parent / "loom"),
         "serve",
-        "smollm2",
+        args.model,
         "--port",
         str(port),
         "--served-model-name",
@@ -211,40 +256,89 @@ def serve_llama_cpp(
     return proc, f"http://127.0.0.1:{port}", log
 
 
-def print_table(levels: list[int], results: dict[str, list[Level]]) -> None:
-    names = list(results)
+def print_table(levels: list[int], results: dict[str, list[Level] | PeerFailed]) -> None:
+    measured = {name: r for name, r in results.items() if not isinstance(r, PeerFailed)}
+    for name, result in results.items():
+        if isinstance(result, PeerFailed):
+            print(f"\n{name}: {result}")
     print(
         "\n| server | concurrency | requests (errors) | output tok/s | TTFT p50 ms | "
         "ITL p50 ms | TTFT p99 ms | ITL p99 ms |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for i, level in enumerate(levels):
-        for name in names:
-            r = results[name][i]
+        for name, rows in measured.items():
+            r = rows[i]
             print(
                 f"| {name} | {level} | {r.requests} ({r.errors}) | {r.output_tok_s:.1f} | "
                 f"{r.ttft_p50_ms:.0f} | {r.itl_p50_ms:.1f} | {r.ttft_p99_ms:.0f} | "
                 f"{r.itl_p99_ms:.1f} |"
             )
-    if len(names) == 2:
-        a, b = names
+    if len(measured) == 2:
+        (a, rows_a), (b, rows_b) = measured.items()
         print(f"\n| concurrency | {a} / {b} output tok/s | {a} / {b} ITL p50 (lower is better) |")
         print("|---|---|---|")
-        for i, level in enumerate(levels):
-            ra, rb = results[a][i], results[b][i]
+        for level, ra, rb in zip(levels, rows_a, rows_b, strict=True):
             print(
                 f"| {level} | {ra.output_tok_s / rb.output_tok_s:.2f} | "
                 f"{ra.itl_p50_ms / rb.itl_p50_ms:.2f} |"
             )
 
 
-def compare(args: argparse.Namespace, levels: list[int]) -> dict[str, list[Level]]:
-    """guidellm's figures for `loom serve`, then (unless skipped) llama-server, one at a time."""
-    from loomllm.workers.models.sources import prepare_model_dir, resolve_model
+def tokenizer_dir(source: ModelSource, workdir: Path) -> Path:
+    """A folder guidellm loads the tokenizer from. A GGUF's tokenizer is saved alone: the
+    model's folder would be its weights dequantized, 32 GB for an 8B file."""
+    if source.kind != "gguf":
+        return Path(source.path)
+    from transformers import AutoTokenizer
 
-    source = resolve_model("smollm2")
-    tokenizer_dir = prepare_model_dir(source)
-    results: dict[str, list[Level]] = {}
+    gguf = Path(source.path)
+    folder = workdir / "tokenizer"
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    return folder
+
+
+def measure(
+    args: argparse.Namespace,
+    name: str,
+    server: tuple[subprocess.Popen, str, Path],
+    tokenizer: Path,
+    levels: list[int],
+    workdir: Path,
+) -> list[Level]:
+    """guidellm's figures for one running server, stopped at the end. PeerFailed where the
+    server exits, or no request of a level succeeds."""
+    proc, url, log = server
+    try:
+        wait_healthy(url, proc, log)
+        print(f"{name}: serving at {url}; guidellm at concurrency {levels}", file=sys.stderr)
+        try:
+            results = run_guidellm(
+                args.guidellm, tokenizer, url, "smollm2", args, levels, workdir, name
+            )
+        except RuntimeError as exc:
+            if proc.poll() is not None:  # the server died under guidellm's requests
+                raise server_exited(proc, log) from exc
+            reason = f"against {Path(proc.args[0]).name}: {last_line(str(exc))}"
+            raise PeerFailed("guidellm", reason) from exc
+        if proc.poll() is not None:
+            raise server_exited(proc, log)
+    finally:
+        stop(proc)
+    for level in results:
+        if level.requests == 0:
+            reason = f"no request succeeded at c={level.concurrency}: {level.errors} errors"
+            raise PeerFailed(Path(proc.args[0]).name, reason)
+    return results
+
+
+def compare(args: argparse.Namespace, levels: list[int]) -> dict[str, list[Level] | PeerFailed]:
+    """guidellm's figures for `loom serve` on `args.model`, then (unless skipped) llama-server;
+    one at a time. A llama-server that fails is its PeerFailed, not an exception."""
+    from loomllm.workers.models.sources import resolve_model
+
+    source = resolve_model(args.model)
+    results: dict[str, list[Level] | PeerFailed] = {}
     workdir = Path(tempfile.mkdtemp(prefix="loom-bench-serving-"))
     servers = [("loomllm", lambda: serve_loom(args, workdir))]
     if not args.skip_llama_cpp:
@@ -253,20 +347,14 @@ def compare(args: argparse.Namespace, levels: list[int]) -> dict[str, list[Level
         )
     # One server at a time: together they would share the same few cores.
     try:
+        tokenizer = tokenizer_dir(source, workdir)
         for name, start in servers:
-            proc, url, log = start()
             try:
-                wait_healthy(url, proc, log)
-                print(
-                    f"{name}: serving at {url}; guidellm at concurrency {levels}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                results[name] = run_guidellm(
-                    args.guidellm, tokenizer_dir, url, "smollm2", args, levels, workdir, name
-                )
-            finally:
-                stop(proc)
+                results[name] = measure(args, name, start(), tokenizer, levels, workdir)
+            except PeerFailed as exc:
+                if name == "loomllm":
+                    raise
+                results[name] = exc
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return results
@@ -274,6 +362,7 @@ def compare(args: argparse.Namespace, levels: list[int]) -> dict[str, list[Level
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2", help="a GGUF file, or an alias")
     p.add_argument("--concurrency", type=int_list, default=[1, 8, 32])
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=64)

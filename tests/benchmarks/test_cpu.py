@@ -71,7 +71,8 @@ def test_offline_runs_alternate_and_the_row_shows_each_engines_median(
     ours = iter([100.0, 300.0, 200.0])
     theirs = iter([50.0, 90.0, 70.0])
 
-    def run_loomllm(prompts, output_len, dtype):
+    def run_loomllm(prompts, output_len, dtype, model):
+        assert model == "smollm2"
         runs.append("loomllm")
         return 64 * output_len / next(ours), 64 * output_len
 
@@ -82,7 +83,7 @@ def test_offline_runs_alternate_and_the_row_shows_each_engines_median(
 
     monkeypatch.setattr(cpu.offline_throughput, "run_loomllm", run_loomllm)
     monkeypatch.setattr(cpu.offline_throughput, "run_hf", run_hf)
-    monkeypatch.setattr(cpu.offline_throughput, "load_hf", lambda dtype: "model")
+    monkeypatch.setattr(cpu.offline_throughput, "load_hf", lambda dtype, model: "model")
     peers = []
     for name in ("llama-bench", "llama-server"):
         peers += [f"--{name}", str(tmp_path / name)]
