@@ -9,6 +9,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LOOM_GGUF_VNNI 1
 #include "cpu_gguf_avx512.h"
+#include "cpu_gguf_panels.h"
 #endif
 
 namespace loom_cpu {
@@ -23,6 +24,7 @@ struct Activations {
   std::vector<int8_t> codes;
   std::vector<float> scale;
   std::vector<int32_t> sums;
+  std::vector<int32_t> pairs;  // K-quants: the sums of parts 2t and 2t + 1 as two int16
   std::vector<float> scaled_sums;
 
   template <typename V>
@@ -70,6 +72,7 @@ const Activations& quantize(const Row& row, int64_t rows, int64_t k, bool k_fami
   Activations::grow(a.scale, rows * blocks);
   Activations::grow(a.sums, rows * (kp / SUB));
   Activations::grow(a.scaled_sums, rows * blocks);
+  if (k_family) Activations::grow(a.pairs, rows * (kp / (2 * SUB)));
   const int64_t grain = std::max<int64_t>(1, 8192 / kp);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> v(kp);
@@ -82,7 +85,13 @@ const Activations& quantize(const Row& row, int64_t rows, int64_t k, bool k_fami
         const float d = quantize_block(v.data() + b * block, block, codes + b * block,
                                        sums + b * (block / SUB));
         a.scale[m * blocks + b] = d;
-        if (!k_family) {
+        if (k_family) {
+          for (int64_t t = 0; t < GROUP / SUB / 2; ++t) {
+            const int32_t* two = sums + b * (GROUP / SUB) + 2 * t;
+            a.pairs[m * (kp / (2 * SUB)) + b * (GROUP / SUB / 2) + t] = static_cast<int32_t>(
+                (static_cast<uint32_t>(two[1]) << 16) | (static_cast<uint32_t>(two[0]) & 0xFFFFu));
+          }
+        } else {
           a.scaled_sums[m * blocks + b] =
               d * static_cast<float>(sums[b * (block / SUB)] + sums[b * (block / SUB) + 1]);
         }
@@ -90,6 +99,15 @@ const Activations& quantize(const Row& row, int64_t rows, int64_t k, bool k_fami
     }
   });
   return a;
+}
+
+// Lets the held activations go where they grew past HELD_CODES.
+void release(const Activations* k_family, const Activations* legacy) {
+  for (const Activations* a : {k_family, legacy}) {
+    if (a != nullptr && static_cast<int64_t>(a->codes.size()) > HELD_CODES) {
+      held_activations(a == k_family) = Activations{};
+    }
+  }
 }
 
 // One part of a linear layer's weight (q, k or v of q|k|v; gate or up of gate|up): its rows'
@@ -260,6 +278,100 @@ void part_columns(const Part& p, int64_t begin, int64_t end, const Activations& 
   }
 }
 
+#ifdef LOOM_GGUF_VNNI
+// Rows of x from which a layer runs on panels rather than each output's blocks decoded for
+// every ROWS rows.
+constexpr int64_t PANEL_ROWS = 8;
+
+// 16 lanes of v into columns [column, column + count) of row m, with the bias.
+template <typename T>
+void store_lanes(T* out, int64_t ldo, int64_t m, int64_t column, int64_t count, __m512 v,
+                 const float* bias) {
+  const __mmask16 mask = count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + column));
+  T* at = out + m * ldo + column;
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_mask_storeu_ps(at, mask, v);
+  } else {  // bf16_bits in vector form: to the nearest, ties to even; NaN stays NaN
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+    _mm256_mask_storeu_epi16(at, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  }
+}
+
+template <int64_t TYPE, int R, int C>
+void panel_tile(const void* const* packed, int64_t k, const panels::Rows& x, int64_t m0,
+                __m512 (&acc)[R][C]) {
+  if constexpr (is_k_quant(TYPE)) {
+    constexpr int sub = TYPE == Q4_K || TYPE == Q5_K || TYPE == IQ4_XS ? 32 : 16;
+    panels::k_tile<R, C, sub, avx512::same_scale(TYPE)>(
+        reinterpret_cast<const panels::KPanel* const*>(packed), k / GROUP, x, m0, acc);
+  } else {
+    panels::l_tile<R, C>(reinterpret_cast<const panels::LPanel* const*>(packed), k / LEGACY, x, m0,
+                         acc);
+  }
+}
+
+// Every row of x against C panels (of `count` outputs from `column`), ROWS rows at a time.
+template <int64_t TYPE, typename T, int C>
+void panel_rows(const void* const* packed, int64_t column, int64_t count, const panels::Rows& x,
+                int64_t rows, int64_t k, T* out, int64_t ldo, const float* bias) {
+  const auto tile = [&](auto rows_constant, int64_t m0) {
+    constexpr int R = decltype(rows_constant)::value;
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    panel_tile<TYPE, R, C>(packed, k, x, m0, acc);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) {
+        const int64_t first = column + c * panels::LANES;
+        store_lanes(out, ldo, m0 + r, first, count - c * panels::LANES, acc[r][c], bias);
+      }
+  };
+  int64_t m = 0;
+  for (; m + panels::ROWS <= rows; m += panels::ROWS) tile(std::integral_constant<int, 4>{}, m);
+  switch (rows - m) {
+    case 3: tile(std::integral_constant<int, 3>{}, m); break;
+    case 2: tile(std::integral_constant<int, 2>{}, m); break;
+    case 1: tile(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
+// Columns [begin, end) of part p (at most PANELS panels' worth) packed, then every row.
+template <int64_t TYPE, typename T>
+void panel_columns(const Part& p, int64_t begin, int64_t end, const Activations& a, int64_t rows,
+                   int64_t k, T* out, int64_t ldo, const float* bias) {
+  using Panel = std::conditional_t<is_k_quant(TYPE), panels::KPanel, panels::LPanel>;
+  const int64_t per_panel = is_k_quant(TYPE) ? k / GROUP : k / LEGACY;
+  thread_local std::vector<Panel> held;
+  if (static_cast<int64_t>(held.size()) < panels::PANELS * per_panel) {
+    held.resize(panels::PANELS * per_panel);
+  }
+  const auto row_of = [&](int64_t column) {
+    return p.data + stored_row(p, column - p.first_column) * p.row_bytes;
+  };
+  const void* packed[panels::PANELS];
+  const int64_t count = end - begin;
+  int used = 0;
+  for (int64_t first = begin; first < end; first += panels::LANES, ++used) {
+    Panel* panel = held.data() + used * per_panel;
+    panels::pack<TYPE>(row_of, first, std::min<int64_t>(panels::LANES, end - first), k, panel);
+    packed[used] = panel;
+  }
+  const int64_t kp = (k + GROUP - 1) / GROUP * GROUP;
+  const panels::Rows x{a.codes.data(), a.scale.data(), a.pairs.data(), a.scaled_sums.data(), kp};
+  if (used == 2) {
+    panel_rows<TYPE, T, 2>(packed, begin, count, x, rows, k, out, ldo, bias);
+  } else {
+    panel_rows<TYPE, T, 1>(packed, begin, count, x, rows, k, out, ldo, bias);
+  }
+}
+#endif
+
 std::vector<Part> checked_parts(const char* op, int64_t k, at::TensorList weights,
                                 at::IntArrayRef types, at::IntArrayRef heads) {
   TORCH_CHECK(!weights.empty() && weights.size() == types.size() && types.size() == heads.size(),
@@ -306,6 +418,29 @@ at::Tensor run(const char* op, const Row& row, int64_t rows, int64_t k,
   at::Tensor out = at::empty({rows, n}, options);
   T* o = out.data_ptr<T>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+#ifdef LOOM_GGUF_VNNI
+  if (!portable && rows >= PANEL_ROWS) {
+    // Tasks of PANELS panels of one part each: a part's last may be narrower.
+    std::vector<std::pair<const Part*, int64_t>> units;
+    constexpr int64_t width = panels::PANELS * panels::LANES;
+    for (const Part& p : parts) {
+      for (int64_t c = 0; c < p.rows; c += width) units.emplace_back(&p, p.first_column + c);
+    }
+    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const Part& p = *units[u].first;
+        const int64_t first = units[u].second;
+        const int64_t last = std::min(first + width, p.first_column + p.rows);
+        with_type(p.type, [&](auto type) {
+          constexpr int64_t TYPE = decltype(type)::value;
+          panel_columns<TYPE, T>(p, first, last, is_k_quant(TYPE) ? *ka : *la, rows, k, o, n, b);
+        });
+      }
+    });
+    release(ka, la);
+    return out;
+  }
+#endif
   // A few columns a task: a thread's columns are then one run of the file's rows.
   at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
     for (const Part& p : parts) {
@@ -325,11 +460,7 @@ at::Tensor run(const char* op, const Row& row, int64_t rows, int64_t k,
       });
     }
   });
-  for (const Activations* a : {ka, la}) {
-    if (a != nullptr && static_cast<int64_t>(a->codes.size()) > HELD_CODES) {
-      held_activations(a == ka) = Activations{};
-    }
-  }
+  release(ka, la);
   return out;
 }
 

@@ -37,7 +37,13 @@ SOURCES = tuple(
 )
 HEADERS = tuple(
     HERE / name
-    for name in ("cpu_ops.h", "cpu_attention_lanes.h", "cpu_gguf_blocks.h", "cpu_gguf_avx512.h")
+    for name in (
+        "cpu_ops.h",
+        "cpu_attention_lanes.h",
+        "cpu_gguf_blocks.h",
+        "cpu_gguf_avx512.h",
+        "cpu_gguf_panels.h",
+    )
 )
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
 # "0": run the torch ops instead (the reference the C++ kernels are tested against).
