@@ -66,10 +66,15 @@ def random_blocks(kind: str, rows: int, columns: int, std: float, rng: np.random
 
 
 def make_tiny_gguf(
-    path: Path, mix: str | tuple[str, str, str, str], seed: int = 0, architecture: str = "llama"
+    path: Path,
+    mix: str | tuple[str, str, str, str],
+    seed: int = 0,
+    architecture: str = "llama",
+    rope_factors: np.ndarray | None = None,
 ) -> Path:
     """A tiny Llama (or Qwen2, with q|k|v biases) of random blocks at `path`, in a mix of
-    MIXES or one given as MIXES's are."""
+    MIXES or one given as MIXES's are; `rope_factors`: Llama 3's RoPE frequency factors, as
+    llama.cpp's converter writes them (`rope_freqs.weight`)."""
     rng = np.random.default_rng(seed)
     main, wide, embedding, output = MIXES[mix] if isinstance(mix, str) else mix
     cycle = iter(REST_CYCLE * 8)
@@ -96,6 +101,8 @@ def make_tiny_gguf(
         writer.add_tensor(name, values.astype(np.float32))
 
     head_dim = HIDDEN // HEADS
+    if rope_factors is not None:
+        add_floats("rope_freqs.weight", rope_factors)
     add("token_embd.weight", embedding, VOCAB, HIDDEN, 1.0)
     for i in range(LAYERS):
         add_floats(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))

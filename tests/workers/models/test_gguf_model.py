@@ -101,3 +101,13 @@ def test_a_type_the_kernels_do_not_read_is_refused_by_name(gguf_dir):
         load_model(str(path))
     dense = load_model(str(path), dtype="float32", quantization="none").model
     assert not any(isinstance(m, GgufLinear) for m in dense.modules())
+
+
+def test_llama3_rope_factors_divide_the_frequencies(gguf_dir):
+    """llama.cpp's converter stores Llama 3's scaled RoPE as `rope_freqs.weight`, which
+    transformers' config from a GGUF leaves out; the model divides its frequencies by them."""
+    factors = np.linspace(1.0, 8.0, 32).astype(np.float32)
+    plain = load_model(str(make_tiny_gguf(gguf_dir / "rope-1.gguf", "Q8_0"))).model
+    scaled = make_tiny_gguf(gguf_dir / "rope-2.gguf", "Q8_0", rope_factors=factors)
+    model = load_model(str(scaled)).model
+    torch.testing.assert_close(model.inv_freq, plain.inv_freq / torch.from_numpy(factors))

@@ -157,6 +157,12 @@ def build(
     head = "output" if "output.weight" in gguf.tensors else "token_embd"
     model.lm_head = read.linear([head], [shape.vocab_size], [0], shape.hidden_size, False)
     model.inv_freq = inverse_frequencies(shape)
+    if "rope_freqs.weight" in gguf.tensors:
+        # Llama 3's scaled RoPE, as llama.cpp's converter stores it (transformers' config
+        # from a GGUF drops it): each frequency divided by its factor.
+        model.inv_freq = (
+            model.inv_freq / read.tensor("rope_freqs.weight", (shape.head_dim // 2,))[0]
+        )
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not left, f"not filled from the GGUF file: {left}"
     if read.dense_layers:
