@@ -125,6 +125,14 @@ inline int64_t stored_row(const Part& p, int64_t n) {
   return head * dim + (i < half ? 2 * i : 2 * (i - half) + 1);
 }
 
+// The output column of a part's stored row f (the inverse of stored_row): rows read in the
+// file's order stream from memory, where every other one would not.
+inline int64_t output_of(const Part& p, int64_t f) {
+  if (p.heads == 0) return f;
+  const int64_t dim = p.rows / p.heads, half = dim / 2, head = f / dim, j = f % dim;
+  return head * dim + (j % 2 == 0 ? j / 2 : half + j / 2);
+}
+
 // ---- dot products of decoded groups with quantized rows --------------------------------
 
 // R rows of x (from row m0) against one output's decoded groups: result[r] the dot product.
@@ -242,9 +250,9 @@ void fused_rows(const uint8_t* row, int64_t k, const Activations& a, int64_t m0,
 }
 #endif
 
-// Output columns [begin, end) of part p (columns counted over all parts) for every row: on
-// AVX512-VNNI each output's blocks decoded in registers for every ROWS rows of x, elsewhere
-// decoded once into memory for all of them.
+// Stored rows [begin, end) of part p (counted over all parts, as its columns are) for every
+// row of x, each into its output's column: on AVX512-VNNI each output's blocks decoded in
+// registers for every ROWS rows of x, elsewhere decoded once into memory for all of them.
 template <int64_t TYPE, typename T, bool VNNI>
 void part_columns(const Part& p, int64_t begin, int64_t end, const Activations& a, int64_t rows,
                   int64_t k, T* out, int64_t ldo, const float* bias) {
@@ -252,8 +260,9 @@ void part_columns(const Part& p, int64_t begin, int64_t end, const Activations& 
   float values[ROWS];
   if constexpr (VNNI) {
 #ifdef LOOM_GGUF_VNNI
-    for (int64_t column = begin; column < end; ++column) {
-      const uint8_t* row = p.data + stored_row(p, column - p.first_column) * p.row_bytes;
+    for (int64_t stored = begin - p.first_column; stored < end - p.first_column; ++stored) {
+      const uint8_t* row = p.data + stored * p.row_bytes;
+      const int64_t column = p.first_column + output_of(p, stored);
       for (int64_t m = 0; m < rows; m += ROWS) {
         const int tile = static_cast<int>(std::min<int64_t>(ROWS, rows - m));
         fused_rows<TYPE>(row, k, a, m, tile, kp, values);
@@ -267,9 +276,9 @@ void part_columns(const Part& p, int64_t begin, int64_t end, const Activations& 
   thread_local std::vector<Group> held;
   if (static_cast<int64_t>(held.size()) < groups) held.resize(groups);
   Group* gs = held.data();
-  for (int64_t column = begin; column < end; ++column) {
-    const int64_t n = column - p.first_column;
-    decode_row<TYPE>(p.data + stored_row(p, n) * p.row_bytes, k, gs);
+  for (int64_t stored = begin - p.first_column; stored < end - p.first_column; ++stored) {
+    const int64_t column = p.first_column + output_of(p, stored);
+    decode_row<TYPE>(p.data + stored * p.row_bytes, k, gs);
     for (int64_t m = 0; m < rows; m += ROWS) {
       const int tile = static_cast<int>(std::min<int64_t>(ROWS, rows - m));
       portable_dot<Group>(tile)(gs, groups, a, m, kp, values);
