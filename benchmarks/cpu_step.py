@@ -1,12 +1,14 @@
-"""A SmolLM2 decode step on the CPU with torch's ops, the C++ ops layer by layer, and the C++
-decoder stack, beside the time of its linear layers alone, alternated in one process.
+"""A decode step of a GGUF model (SmolLM2-135M unless --model) on the CPU with torch's ops, the
+C++ ops layer by layer, and the C++ decoder stack, beside the time of its linear layers alone,
+alternated in one process.
 
-Run: `loom bench cpu-step`. The GGUF runs as stored (int4/int8 kernels where measured faster).
+Run: `loom bench cpu-step [--model PATH]`. The GGUF runs as stored.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -20,7 +22,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=30, help="steps timed a round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--context", type=int, default=100, help="each request's prompt tokens")
+    p.add_argument("--model", default="smollm2", help="a GGUF file, or the embedded smollm2")
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"the ways to run a step, comma-separated: {', '.join(MODES)}",
+    )
     args = p.parse_args(argv)
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        p.error(f"--modes takes {', '.join(MODES)}; got {args.modes!r}")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if min(batch_sizes + [args.steps, args.rounds, args.context]) < 1:
         p.error("batch sizes, --steps, --rounds and --context must be >= 1")
@@ -31,38 +42,39 @@ def main(argv: list[str] | None = None) -> None:
     from loomllm.workers.models.cpu_kernels import install_cpu_kernels
     from loomllm.workers.models.loader import load_model
 
-    loaded = load_model("smollm2", dtype="auto", device="cpu")
+    loaded = load_model(args.model, dtype="auto", device="cpu")
     model = loaded.model
     dtype = getattr(torch, loaded.dtype)
     if not install_cpu_kernels(model, dtype):
         raise SystemExit(f"{PROG}: the C++ ops are unavailable here (see the log)")
     ops = cpu_native.loaded()
     print(
-        f"{PROG}: SmolLM2-135M-Instruct GGUF as stored, {loaded.dtype} "
+        f"{PROG}: {args.model} as stored, {loaded.dtype} "
         f"({cpu_supports_bf16()[1]}), {torch.get_num_threads()} threads, "
         f"{args.context}-token contexts, median of {args.rounds} rounds of {args.steps} steps"
     )
     print(
-        "\n| batch | " + " | ".join(f"{m}, ms" for m in MODES) + " | linears alone, ms "
+        "\n| batch | " + " | ".join(f"{m}, ms" for m in modes) + " | linears alone, ms "
         "| torch ops / C++ stack | C++ stack beyond its linears, ms |"
     )
-    print("|---|" + "---|" * (len(MODES) + 3))
+    print("|---|" + "---|" * (len(modes) + 3))
     for batch in batch_sizes:
-        times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
         linears = []
         for _ in range(args.rounds):
-            for mode in MODES:
+            for mode in modes:
                 use(model, ops, mode)
                 times[mode].append(step_ms(model, loaded.config, dtype, batch, args))
             linears.append(linears_ms(model, dtype, batch, args.steps))
         use(model, ops, "C++ stack")
         median = {mode: statistics.median(t) for mode, t in times.items()}
         alone = statistics.median(linears)
+        stack = median.get("C++ stack", math.nan)
         print(
             f"| {batch} | "
-            + " | ".join(f"{median[m]:.2f}" for m in MODES)
-            + f" | {alone:.2f} | x{median['torch ops'] / median['C++ stack']:.2f}"
-            + f" | {median['C++ stack'] - alone:.2f} |"
+            + " | ".join(f"{median[m]:.2f}" for m in modes)
+            + f" | {alone:.2f} | x{median.get('torch ops', math.nan) / stack:.2f}"
+            + f" | {stack - alone:.2f} |"
         )
 
 
