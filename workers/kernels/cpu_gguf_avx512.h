@@ -11,26 +11,21 @@
 namespace loom_cpu::gguf::avx512 {
 
 // A K-quant super-block in registers: codes of weights 64c .. 64c + 63 in codes[c] (their
-// natural order), scale[c] the integer scale of each of its sixteen 4-weight lanes, mins the
-// integer offset of each 16-weight part, d and dm as in KGroup.
+// natural order), the integer scale and offset of each 16-weight part (lane j: part j), d and
+// dm as in KGroup.
 struct KRegs {
   __m512i codes[4];
-  __m512i scale[4];
+  __m512i sc;
   __m512i mins;
   float d, dm;
 };
 
-// The lanes' parts for the c-th 64 codes, where a scale covers 16 weights (4 lanes each) or
-// 32 (8 lanes each); and each 16-weight part's 32-weight scale.
+// The lanes' 16-weight parts for the c-th 64 codes (4 lanes each); and lanes 2i and 2i + 1
+// taking lane `first` + i (a 32-weight scale for both of its 16-weight parts).
 inline __m512i spread16(int c) {
   const int b = 4 * c;
   return _mm512_set_epi32(b + 3, b + 3, b + 3, b + 3, b + 2, b + 2, b + 2, b + 2, b + 1, b + 1,
                           b + 1, b + 1, b, b, b, b);
-}
-inline __m512i spread32(int c, int first = 0) {
-  const int b = first + 2 * c;
-  return _mm512_set_epi32(b + 1, b + 1, b + 1, b + 1, b + 1, b + 1, b + 1, b + 1, b, b, b, b, b, b,
-                          b, b);
 }
 inline __m512i pairs_of(int first) {
   const int b = first;
@@ -76,7 +71,7 @@ inline __m128i k4_scale_bytes(const uint8_t* s) {
 
 inline void k4_scales(const uint8_t* s, KRegs& k) {
   const __m512i both = _mm512_cvtepu8_epi32(k4_scale_bytes(s));  // 8 scales, then 8 mins
-  for (int c = 0; c < 4; ++c) k.scale[c] = _mm512_permutexvar_epi32(spread32(c), both);
+  k.sc = _mm512_permutexvar_epi32(pairs_of(0), both);
   k.mins = _mm512_permutexvar_epi32(pairs_of(8), both);
 }
 
@@ -104,8 +99,7 @@ inline void decode(const uint8_t* block, KRegs& k) {
     }
     const __m512i raw =
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
-    const __m512i sc = _mm512_and_si512(raw, _mm512_set1_epi32(0x0F));
-    for (int c = 0; c < 4; ++c) k.scale[c] = _mm512_permutexvar_epi32(spread16(c), sc);
+    k.sc = _mm512_and_si512(raw, _mm512_set1_epi32(0x0F));
     k.mins = _mm512_srli_epi32(raw, 4);
     k.d = half_at(block + 80), k.dm = -half_at(block + 82);
   } else if constexpr (TYPE == Q3_K) {  // hmask[32], qs[64], scales[12], d
@@ -118,7 +112,7 @@ inline void decode(const uint8_t* block, KRegs& k) {
     }
     const __m512i sc =
         _mm512_sub_epi32(_mm512_cvtepu8_epi32(k3_scale_bytes(block + 96)), _mm512_set1_epi32(32));
-    for (int c = 0; c < 4; ++c) k.scale[c] = _mm512_permutexvar_epi32(spread16(c), sc);
+    k.sc = sc;
     k.mins = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sc, 2));
     k.d = k.dm = half_at(block + 108);
   } else if constexpr (TYPE == Q4_K) {  // d, dmin, scales[12], qs[128]
@@ -146,7 +140,7 @@ inline void decode(const uint8_t* block, KRegs& k) {
     }
     const __m512i sc =
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
-    for (int c = 0; c < 4; ++c) k.scale[c] = _mm512_permutexvar_epi32(spread16(c), sc);
+    k.sc = sc;
     k.mins = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), sc), 5);
     k.d = k.dm = half_at(block + 208);
   } else {
@@ -174,9 +168,8 @@ inline void decode(const uint8_t* block, KRegs& k) {
           (((block[4 + i / 2] >> (4 * (i % 2))) & 0x0F) | (((high >> (2 * i)) & 3) << 4)) - 32);
     }
     const __m512i sc = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc8)));
-    for (int c = 0; c < 4; ++c) k.scale[c] = _mm512_permutexvar_epi32(spread32(c), sc);
-    k.mins = _mm512_slli_epi32(
-        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_permutexvar_epi32(pairs_of(0), sc)), 7);
+    k.sc = _mm512_permutexvar_epi32(pairs_of(0), sc);
+    k.mins = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), k.sc), 7);
     k.d = k.dm = half_at(block);
   }
 }
@@ -197,6 +190,8 @@ inline void k_dot(const uint8_t* row, int64_t groups, int64_t block_bytes, const
   for (int64_t g = 0; g < groups; ++g) {
     KRegs k;
     decode<TYPE>(row + g * block_bytes, k);
+    __m512i scale[4];  // each lane's part's scale, for the c-th 64 codes
+    for (int c = 0; c < 4; ++c) scale[c] = _mm512_permutexvar_epi32(spread16(c), k.sc);
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r, at = m * per_row + g;
       const int8_t* x = codes + m * kp + g * GROUP;
@@ -204,7 +199,7 @@ inline void k_dot(const uint8_t* row, int64_t groups, int64_t block_bytes, const
       for (int c = 0; c < 4; ++c) {
         const __m512i part =
             _mm512_dpbusd_epi32(_mm512_setzero_si512(), k.codes[c], _mm512_loadu_si512(x + 64 * c));
-        dot = _mm512_add_epi32(dot, _mm512_mullo_epi32(part, k.scale[c]));
+        dot = _mm512_add_epi32(dot, _mm512_mullo_epi32(part, scale[c]));
       }
       const __m512i offset = _mm512_mullo_epi32(k.mins, _mm512_loadu_si512(sums + at * 16));
       const float dx = scales[at];
@@ -220,20 +215,17 @@ inline void k_dot(const uint8_t* row, int64_t groups, int64_t block_bytes, const
   for (int r = 0; r < R; ++r) result[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-// ---- legacy blocks, two at a time ------------------------------------------------------
+// ---- legacy blocks, eight at a time --------------------------------------------------
 
 // Two 16-byte pieces of nibbles (blocks p and q) as [lo p | hi p | lo q | hi q].
 inline __m512i nibble_pair(const uint8_t* p, const uint8_t* q) {
-  const __m512i pieces = _mm512_inserti32x4(
-      _mm512_inserti32x4(
-          _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), 1),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), 2);
-  const __m512i all =
-      _mm512_inserti32x4(pieces, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), 3);
+  const __m512i both = _mm512_inserti64x4(
+      _mm512_castsi256_si512(
+          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))),
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), 1);
   const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0, 0,
                                          0x0004000400040004, 0x0004000400040004, 0, 0);
-  return _mm512_and_si512(_mm512_srlv_epi16(all, shift), _mm512_set1_epi8(0x0F));
+  return _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(0x0F));
 }
 
 // Q5's fifth bits of a block (32 bits, weight i at bit i) as 0x10 in each weight's byte.
@@ -243,22 +235,12 @@ inline __m256i fifth_bits(const uint8_t* qh) {
   return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(0x10));
 }
 
-// Blocks b and b + 1 (the second of them absent where `two` is false: zero codes, a and b 0).
+// The codes of blocks `first` and `first` + 1 (the second one's zero where `two` is false).
 template <int64_t TYPE>
-inline __m512i decode_pair(const uint8_t* first, bool two, float* a, float* b) {
+inline __m512i pair_codes(const uint8_t* first, bool two) {
   constexpr int64_t bytes = type_info(TYPE).block_bytes;
   const uint8_t* second = two ? first + bytes : first;
   __m512i codes;
-  for (int i = 0; i < 2; ++i) {
-    const uint8_t* block = i == 0 ? first : second;
-    const float d = half_at(block);
-    a[i] = d;
-    if constexpr (TYPE == Q4_1 || TYPE == Q5_1) {
-      b[i] = half_at(block + 2);
-    } else {
-      b[i] = (TYPE == Q4_0 ? -8.0f : TYPE == Q5_0 ? -16.0f : -128.0f) * d;
-    }
-  }
   if constexpr (TYPE == Q8_0) {
     const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + 2));
     const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + 2));
@@ -281,11 +263,26 @@ inline __m512i decode_pair(const uint8_t* first, bool two, float* a, float* b) {
                                                     fifth_bits(second + qh), 1));
     }
   }
-  if (!two) {
-    codes = _mm512_maskz_mov_epi8(0xFFFFFFFFull, codes);
-    a[1] = b[1] = 0.0f;
+  return two ? codes : _mm512_maskz_mov_epi8(0xFFFFFFFFull, codes);
+}
+
+// The a and b of `count` (1 to 8) blocks from `first`, 0 past them: their float16 scales (and
+// Q4_1's and Q5_1's minimums) converted eight at a time.
+template <int64_t TYPE>
+inline void legacy_scales(const uint8_t* first, int64_t count, __m256& a, __m256& b) {
+  constexpr int64_t bytes = type_info(TYPE).block_bytes;
+  constexpr bool has_min = TYPE == Q4_1 || TYPE == Q5_1;
+  alignas(16) uint16_t d[BLOCKS] = {}, m[BLOCKS] = {};
+  for (int64_t i = 0; i < count; ++i) {
+    std::memcpy(&d[i], first + i * bytes, 2);
+    if constexpr (has_min) std::memcpy(&m[i], first + i * bytes + 2, 2);
   }
-  return codes;
+  a = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(d)));
+  if constexpr (has_min) {
+    b = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(m)));
+  } else {
+    b = _mm256_mul_ps(a, _mm256_set1_ps(TYPE == Q4_0 ? -8.0f : TYPE == Q5_0 ? -16.0f : -128.0f));
+  }
 }
 
 // R rows of x against one output's row of legacy blocks (`blocks` of them): x's codes, each
@@ -294,24 +291,43 @@ template <int64_t TYPE, int R>
 inline void l_dot(const uint8_t* row, int64_t blocks, int64_t block_bytes, const int8_t* codes,
                   const float* scales, const float* scaled_sums, int64_t m0, int64_t kp,
                   float* result) {
+  // Sixty-four codes are two blocks, eight lanes each: each lane's block, for the p-th pair.
+  const __m512i spread[4] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                             _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
+                             _mm512_set_epi32(5, 5, 5, 5, 5, 5, 5, 5, 4, 4, 4, 4, 4, 4, 4, 4),
+                             _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 6, 6, 6, 6, 6, 6, 6, 6)};
   const int64_t per_row = kp / LEGACY;
   __m512 acc[R];
-  float offsets[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), offsets[r] = 0.0f;
-  for (int64_t p = 0; p < blocks; p += 2) {
-    float a[2], b[2];
-    const __m512i w = decode_pair<TYPE>(row + p * block_bytes, p + 1 < blocks, a, b);
+  __m256 offsets[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), offsets[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < blocks; g += BLOCKS) {
+    const int64_t count = std::min<int64_t>(BLOCKS, blocks - g), pairs = (count + 1) / 2;
+    const uint8_t* first = row + g * block_bytes;
+    __m256 a, b;
+    legacy_scales<TYPE>(first, count, a, b);
+    __m512i w[4];
+    for (int64_t p = 0; p < pairs; ++p)
+      w[p] = pair_codes<TYPE>(first + 2 * p * block_bytes, 2 * p + 1 < count);
     for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r, at = m * per_row + p;
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
-                                              _mm512_loadu_si512(codes + m * kp + p * LEGACY));
-      const __m512 scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a[0] * scales[at]),
-                                                _mm512_set1_ps(a[1] * scales[at + 1]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
-      offsets[r] += b[0] * scaled_sums[at] + b[1] * scaled_sums[at + 1];
+      const int64_t m = m0 + r, at = m * per_row + g;
+      const __m512 ad = _mm512_castps256_ps512(_mm256_mul_ps(a, _mm256_loadu_ps(scales + at)));
+      for (int64_t p = 0; p < pairs; ++p) {
+        const __m512i dot =
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[p],
+                                _mm512_loadu_si512(codes + m * kp + (g + 2 * p) * LEGACY));
+        acc[r] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread[p], ad), acc[r]);
+      }
+      offsets[r] = _mm256_fmadd_ps(b, _mm256_loadu_ps(scaled_sums + at), offsets[r]);
     }
   }
-  for (int r = 0; r < R; ++r) result[r] = _mm512_reduce_add_ps(acc[r]) + offsets[r];
+  for (int r = 0; r < R; ++r) {
+    const __m128 four =
+        _mm_add_ps(_mm256_castps256_ps128(offsets[r]), _mm256_extractf128_ps(offsets[r], 1));
+    alignas(16) float rest[4];
+    _mm_store_ps(rest, four);
+    result[r] = _mm512_reduce_add_ps(acc[r]) + ((rest[0] + rest[2]) + (rest[1] + rest[3]));
+  }
 }
 
 }  // namespace loom_cpu::gguf::avx512

@@ -3,6 +3,10 @@
 
 #pragma once
 
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
@@ -82,7 +86,11 @@ constexpr TypeInfo type_info(int64_t type) {
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof bits);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);  // one instruction, where c10's conversion is a dozen
+#else
   return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
 }
 
 // IQ4's sixteen values, plus 128: unsigned codes.

@@ -7,8 +7,10 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <vector>
 
+#include "cpu_gguf_avx512.h"
 #include "cpu_gguf_blocks.h"
 
 namespace loom_cpu::gguf::panels {
@@ -36,49 +38,152 @@ struct LPanel {
   alignas(64) float b[LANES];
 };
 
+// Sixteen vectors of sixteen 32-bit words, transposed in place: 4x4 blocks within each
+// 128-bit lane by unpacks, then the lanes by shuffles (a butterfly of permutes across whole
+// vectors took six times as long).
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8) {
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// What pack decodes each output's row into first, a row at a time (reading the file's rows
+// one after another streams them; 16 rows a block apart at once did not).
+struct Staging {
+  std::vector<uint8_t> codes;   // [16 lanes][Kp]
+  std::vector<int32_t> sc, mn;  // K-quants: [16][groups][16]; mn as int16 pairs in [..][8]
+  std::vector<float> d, dm;     // K-quants: [16][groups]; legacy: a and b, [16][blocks]
+
+  void hold(int64_t kp, int64_t scales) {
+    codes.resize(LANES * kp);
+    sc.resize(LANES * scales * 16), mn.resize(LANES * scales * 16);
+    d.resize(LANES * scales), dm.resize(LANES * scales);
+  }
+};
+
+inline Staging& staging() {
+  thread_local Staging held;
+  return held;
+}
+
 // Outputs [first, first + count) (count <= 16; the other lanes zero) of a part's rows into
 // panels, one per group of 256 inputs (K-quants) or block of 32 (legacy): `row(n)` is the
-// file's row of output n.
+// file's row of output n. Each output's blocks are decoded in registers, and 16 outputs'
+// words transposed into the lanes.
 template <int64_t TYPE, typename RowOf>
 void pack(const RowOf& row, int64_t first, int64_t count, int64_t k, void* out) {
   constexpr TypeInfo info = type_info(TYPE);
+  const int64_t kp = (k + GROUP - 1) / GROUP * GROUP;
+  Staging& st = staging();
   if constexpr (info.k_quant) {
-    KPanel* panels = static_cast<KPanel*>(out);
     const int64_t groups = k / GROUP;
-    std::memset(panels, 0, sizeof(KPanel) * groups);
-    KGroup g;
-    for (int64_t lane = 0; lane < count; ++lane) {
+    st.hold(kp, groups);
+    for (int64_t lane = 0; lane < LANES; ++lane) {
+      uint8_t* codes = st.codes.data() + lane * kp;
+      if (lane >= count) {
+        std::memset(codes, 0, kp);
+        std::fill_n(st.sc.data() + lane * groups * 16, groups * 16, 0);
+        std::fill_n(st.mn.data() + lane * groups * 16, groups * 16, 0);
+        std::fill_n(st.d.data() + lane * groups, groups, 0.0f);
+        std::fill_n(st.dm.data() + lane * groups, groups, 0.0f);
+        continue;
+      }
       const uint8_t* blocks = row(first + lane);
-      for (int64_t i = 0; i < groups; ++i) {
-        decode_k<TYPE>(blocks + i * info.block_bytes, g);
-        KPanel& p = panels[i];
-        for (int64_t q = 0; q < GROUP / QUAD; ++q) {
-          std::memcpy(p.codes[q][lane], g.codes + QUAD * q, QUAD);
-        }
-        for (int64_t j = 0; j < GROUP / SUB; ++j) {
-          p.sc[j][lane] = g.sc[j];
-          p.mn[j / 2][lane][j % 2] = static_cast<int16_t>(g.mn[j]);
-        }
-        p.d[lane] = g.d, p.dm[lane] = g.dm;
+      for (int64_t g = 0; g < groups; ++g) {
+        avx512::KRegs regs;
+        avx512::decode<TYPE>(blocks + g * info.block_bytes, regs);
+        for (int c = 0; c < 4; ++c) _mm512_storeu_si512(codes + g * GROUP + 64 * c, regs.codes[c]);
+        const int64_t at = lane * groups + g;
+        _mm512_storeu_si512(st.sc.data() + at * 16, regs.sc);
+        // The offsets as int16 pairs: parts 2t and 2t + 1 in 32-bit word t.
+        _mm512_storeu_si512(st.mn.data() + at * 16,
+                            _mm512_castsi256_si512(_mm512_cvtepi32_epi16(regs.mins)));
+        st.d[at] = regs.d, st.dm[at] = regs.dm;
       }
     }
-  } else {
-    LPanel* panels = static_cast<LPanel*>(out);
-    const int64_t blocks = k / LEGACY;
-    std::memset(panels, 0, sizeof(LPanel) * blocks);
-    LGroup g;
-    for (int64_t lane = 0; lane < count; ++lane) {
-      const uint8_t* row_blocks = row(first + lane);
-      for (int64_t b0 = 0; b0 < blocks; b0 += BLOCKS) {
-        const int64_t n = std::min<int64_t>(BLOCKS, blocks - b0);
-        decode_legacy<TYPE>(row_blocks + b0 * info.block_bytes, n, g);
-        for (int64_t i = 0; i < n; ++i) {
-          LPanel& p = panels[b0 + i];
-          for (int64_t q = 0; q < LEGACY / QUAD; ++q) {
-            std::memcpy(p.codes[q][lane], g.codes + i * LEGACY + QUAD * q, QUAD);
-          }
-          p.a[lane] = g.a[i], p.b[lane] = g.b[i];
+    KPanel* panels = static_cast<KPanel*>(out);
+    for (int64_t g = 0; g < groups; ++g) {
+      KPanel& p = panels[g];
+      __m512i r[LANES];
+      for (int c = 0; c < 4; ++c) {
+        for (int64_t lane = 0; lane < LANES; ++lane) {
+          r[lane] = _mm512_loadu_si512(st.codes.data() + lane * kp + g * GROUP + 64 * c);
         }
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_store_si512(p.codes[16 * c + i], r[i]);
+      }
+      for (int64_t lane = 0; lane < LANES; ++lane) {
+        r[lane] = _mm512_loadu_si512(st.sc.data() + (lane * groups + g) * 16);
+      }
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(p.sc[j], r[j]);
+      for (int64_t lane = 0; lane < LANES; ++lane) {
+        r[lane] = _mm512_loadu_si512(st.mn.data() + (lane * groups + g) * 16);
+        p.d[lane] = st.d[lane * groups + g], p.dm[lane] = st.dm[lane * groups + g];
+      }
+      transpose16(r);
+      for (int t = 0; t < 8; ++t) _mm512_store_si512(p.mn[t], r[t]);
+    }
+  } else {
+    const int64_t blocks = k / LEGACY;
+    st.hold(kp, blocks);
+    for (int64_t lane = 0; lane < LANES; ++lane) {
+      uint8_t* codes = st.codes.data() + lane * kp;
+      float *a = st.d.data() + lane * blocks, *b = st.dm.data() + lane * blocks;
+      if (lane >= count) {
+        std::memset(codes, 0, kp);
+        std::fill_n(a, blocks, 0.0f), std::fill_n(b, blocks, 0.0f);
+        continue;
+      }
+      const uint8_t* row_blocks = row(first + lane);
+      for (int64_t g = 0; g < blocks; g += BLOCKS) {
+        const int64_t in_group = std::min<int64_t>(BLOCKS, blocks - g);
+        __m256 la, lb;
+        avx512::legacy_scales<TYPE>(row_blocks + g * info.block_bytes, in_group, la, lb);
+        alignas(32) float ga[BLOCKS], gb[BLOCKS];
+        _mm256_store_ps(ga, la), _mm256_store_ps(gb, lb);
+        std::copy_n(ga, in_group, a + g), std::copy_n(gb, in_group, b + g);
+        for (int64_t pair = 0; 2 * pair < in_group; ++pair) {
+          const __m512i w = avx512::pair_codes<TYPE>(row_blocks + (g + 2 * pair) * info.block_bytes,
+                                                     2 * pair + 1 < in_group);
+          _mm512_storeu_si512(codes + (g + 2 * pair) * LEGACY, w);
+        }
+      }
+    }
+    LPanel* panels = static_cast<LPanel*>(out);
+    for (int64_t pair = 0; 2 * pair < blocks; ++pair) {
+      __m512i r[LANES];
+      for (int64_t lane = 0; lane < LANES; ++lane) {
+        r[lane] = _mm512_loadu_si512(st.codes.data() + lane * kp + 2 * pair * LEGACY);
+      }
+      transpose16(r);  // word i: quad i of the pair's first block, then of its second
+      const bool two = 2 * pair + 1 < blocks;
+      for (int q = 0; q < 8; ++q) {
+        _mm512_store_si512(panels[2 * pair].codes[q], r[q]);
+        if (two) _mm512_store_si512(panels[2 * pair + 1].codes[q], r[8 + q]);
+      }
+    }
+    for (int64_t i = 0; i < blocks; ++i) {
+      for (int64_t lane = 0; lane < LANES; ++lane) {
+        panels[i].a[lane] = st.d[lane * blocks + i], panels[i].b[lane] = st.dm[lane * blocks + i];
       }
     }
   }
