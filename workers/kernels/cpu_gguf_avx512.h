@@ -58,15 +58,14 @@ inline void k4_nibble_codes(const uint8_t* qs, __m512i* codes) {
 // Q4_K's and Q5_K's eight 6-bit scales, then eight mins, as 16 bytes (llama.cpp's trick on
 // 32-bit words: each mask keeps its byte's own bits).
 inline __m128i k4_scale_bytes(const uint8_t* s) {
-  uint32_t u[4];
+  uint32_t u[3];
   std::memcpy(u, s, 12);
   constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
-  const uint32_t mins = u[1] & low6;
-  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
-  u[2] = mins;
-  u[0] &= low6;
-  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  const uint32_t high_mins = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+  const uint32_t high_scales = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+  // Built in registers: a vector loaded from four 32-bit stores just made would stall.
+  return _mm_set_epi32(static_cast<int>(high_mins), static_cast<int>(u[1] & low6),
+                       static_cast<int>(high_scales), static_cast<int>(u[0] & low6));
 }
 
 inline void k4_scales(const uint8_t* s, KRegs& k) {
@@ -77,15 +76,14 @@ inline void k4_scales(const uint8_t* s, KRegs& k) {
 
 // Q3_K's sixteen 6-bit scales as bytes, before the offset of 32.
 inline __m128i k3_scale_bytes(const uint8_t* s) {
-  uint32_t u[4];
+  uint32_t u[3];
   std::memcpy(u, s, 12);
   constexpr uint32_t low4 = 0x0f0f0f0f, low2 = 0x03030303;
   const uint32_t top = u[2];
-  u[2] = ((u[0] >> 4) & low4) | (((top >> 4) & low2) << 4);
-  u[3] = ((u[1] >> 4) & low4) | (((top >> 6) & low2) << 4);
-  u[0] = (u[0] & low4) | ((top & low2) << 4);
-  u[1] = (u[1] & low4) | (((top >> 2) & low2) << 4);
-  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  return _mm_set_epi32(static_cast<int>(((u[1] >> 4) & low4) | (((top >> 6) & low2) << 4)),
+                       static_cast<int>(((u[0] >> 4) & low4) | (((top >> 4) & low2) << 4)),
+                       static_cast<int>((u[1] & low4) | (((top >> 2) & low2) << 4)),
+                       static_cast<int>((u[0] & low4) | ((top & low2) << 4)));
 }
 
 template <int64_t TYPE>
@@ -160,14 +158,22 @@ inline void decode(const uint8_t* block, KRegs& k) {
       const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi16(pieces, shift), m4);
       k.codes[c] = _mm512_shuffle_epi8(table, nibbles);
     }
-    uint16_t high;
-    std::memcpy(&high, block + 2, sizeof high);
-    alignas(16) int8_t sc8[16] = {};
-    for (int i = 0; i < 8; ++i) {
-      sc8[i] = static_cast<int8_t>(
-          (((block[4 + i / 2] >> (4 * (i % 2))) & 0x0F) | (((high >> (2 * i)) & 3) << 4)) - 32);
-    }
-    const __m512i sc = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc8)));
+    // Each 32 weights' scale, (low | high << 4) - 32: the low nibbles of scales_l's bytes,
+    // and 2 bits of scales_h each, spread over 8 lanes.
+    uint16_t high_bits;
+    uint32_t low_bytes;
+    std::memcpy(&high_bits, block + 2, sizeof high_bits);
+    std::memcpy(&low_bytes, block + 4, sizeof low_bytes);
+    const __m512i lane = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i low =
+        _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(low_bytes)),
+                                           _mm512_slli_epi32(lane, 2)),  // nibble i at bit 4i
+                         _mm512_set1_epi32(0x0F));
+    const __m512i high = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_set1_epi32(high_bits), _mm512_slli_epi32(lane, 1)),
+        _mm512_set1_epi32(3));
+    const __m512i sc =
+        _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
     k.sc = _mm512_permutexvar_epi32(pairs_of(0), sc);
     k.mins = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), k.sc), 7);
     k.d = k.dm = half_at(block);
@@ -266,20 +272,40 @@ inline __m512i pair_codes(const uint8_t* first, bool two) {
   return two ? codes : _mm512_maskz_mov_epi8(0xFFFFFFFFull, codes);
 }
 
+// v with its 16-bit word i set to h (vpinsrw takes its index as an immediate).
+inline __m128i insert16(__m128i v, uint16_t h, int64_t i) {
+  switch (i) {
+    case 0: return _mm_insert_epi16(v, h, 0);
+    case 1: return _mm_insert_epi16(v, h, 1);
+    case 2: return _mm_insert_epi16(v, h, 2);
+    case 3: return _mm_insert_epi16(v, h, 3);
+    case 4: return _mm_insert_epi16(v, h, 4);
+    case 5: return _mm_insert_epi16(v, h, 5);
+    case 6: return _mm_insert_epi16(v, h, 6);
+    default: return _mm_insert_epi16(v, h, 7);
+  }
+}
+
 // The a and b of `count` (1 to 8) blocks from `first`, 0 past them: their float16 scales (and
 // Q4_1's and Q5_1's minimums) converted eight at a time.
 template <int64_t TYPE>
 inline void legacy_scales(const uint8_t* first, int64_t count, __m256& a, __m256& b) {
   constexpr int64_t bytes = type_info(TYPE).block_bytes;
   constexpr bool has_min = TYPE == Q4_1 || TYPE == Q5_1;
-  alignas(16) uint16_t d[BLOCKS] = {}, m[BLOCKS] = {};
+  // Gathered into a register: a vector loaded from eight 16-bit stores just made would stall.
+  __m128i d = _mm_setzero_si128(), m = _mm_setzero_si128();
   for (int64_t i = 0; i < count; ++i) {
-    std::memcpy(&d[i], first + i * bytes, 2);
-    if constexpr (has_min) std::memcpy(&m[i], first + i * bytes + 2, 2);
+    uint16_t h;
+    std::memcpy(&h, first + i * bytes, 2);
+    d = insert16(d, h, i);
+    if constexpr (has_min) {
+      std::memcpy(&h, first + i * bytes + 2, 2);
+      m = insert16(m, h, i);
+    }
   }
-  a = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(d)));
+  a = _mm256_cvtph_ps(d);
   if constexpr (has_min) {
-    b = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(m)));
+    b = _mm256_cvtph_ps(m);
   } else {
     b = _mm256_mul_ps(a, _mm256_set1_ps(TYPE == Q4_0 ? -8.0f : TYPE == Q5_0 ? -16.0f : -128.0f));
   }

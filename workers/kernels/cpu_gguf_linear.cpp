@@ -8,8 +8,12 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LOOM_GGUF_VNNI 1
+#define LOOM_GGUF_FUSED 1
 #include "cpu_gguf_avx512.h"
 #include "cpu_gguf_panels.h"
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define LOOM_GGUF_FUSED 1
+#include "cpu_gguf_avx2.h"
 #endif
 
 namespace loom_cpu {
@@ -222,19 +226,26 @@ void store(T* out, int64_t ldo, int64_t m0, int rows, int64_t column, const floa
   for (int r = 0; r < rows; ++r) out[(m0 + r) * ldo + column] = to<T>(values[r] + add);
 }
 
-#ifdef LOOM_GGUF_VNNI
+#ifdef LOOM_GGUF_FUSED
 // `rows` rows of x (from m0, at most ROWS) against one output's row of blocks, decoded in
-// registers as they are read.
+// registers as they are read (AVX512-VNNI, else AVX2).
 template <int64_t TYPE, int R>
 void fused_dot(const uint8_t* row, int64_t k, const Activations& a, int64_t m0, int64_t kp,
                float* values) {
   constexpr int64_t bytes = type_info(TYPE).block_bytes;
+#ifdef LOOM_GGUF_VNNI
+  namespace simd = avx512;
+  const int32_t* sums = a.sums.data();  // per 16, as int32
+#else
+  namespace simd = avx2;
+  const int32_t* sums = a.pairs.data();  // per 16, as int16 pairs
+#endif
   if constexpr (is_k_quant(TYPE)) {
-    avx512::k_dot<TYPE, R>(row, k / GROUP, bytes, a.codes.data(), a.scale.data(), a.sums.data(), m0,
-                           kp, values);
+    simd::k_dot<TYPE, R>(row, k / GROUP, bytes, a.codes.data(), a.scale.data(), sums, m0, kp,
+                         values);
   } else {
-    avx512::l_dot<TYPE, R>(row, k / LEGACY, bytes, a.codes.data(), a.scale.data(),
-                           a.scaled_sums.data(), m0, kp, values);
+    simd::l_dot<TYPE, R>(row, k / LEGACY, bytes, a.codes.data(), a.scale.data(),
+                         a.scaled_sums.data(), m0, kp, values);
   }
 }
 
@@ -251,15 +262,15 @@ void fused_rows(const uint8_t* row, int64_t k, const Activations& a, int64_t m0,
 #endif
 
 // Stored rows [begin, end) of part p (counted over all parts, as its columns are) for every
-// row of x, each into its output's column: on AVX512-VNNI each output's blocks decoded in
-// registers for every ROWS rows of x, elsewhere decoded once into memory for all of them.
-template <int64_t TYPE, typename T, bool VNNI>
+// row of x, each into its output's column: with AVX512-VNNI or AVX2 (FUSED) each output's
+// blocks decoded in registers for every ROWS rows of x, elsewhere decoded once into memory.
+template <int64_t TYPE, typename T, bool FUSED>
 void part_columns(const Part& p, int64_t begin, int64_t end, const Activations& a, int64_t rows,
                   int64_t k, T* out, int64_t ldo, const float* bias) {
   const int64_t kp = (k + GROUP - 1) / GROUP * GROUP, groups = kp / GROUP;
   float values[ROWS];
-  if constexpr (VNNI) {
-#ifdef LOOM_GGUF_VNNI
+  if constexpr (FUSED) {
+#ifdef LOOM_GGUF_FUSED
     for (int64_t stored = begin - p.first_column; stored < end - p.first_column; ++stored) {
       const uint8_t* row = p.data + stored * p.row_bytes;
       const int64_t column = p.first_column + output_of(p, stored);
@@ -459,7 +470,7 @@ at::Tensor run(const char* op, const Row& row, int64_t rows, int64_t k,
       with_type(p.type, [&](auto type) {
         constexpr int64_t TYPE = decltype(type)::value;
         const Activations& a = is_k_quant(TYPE) ? *ka : *la;
-#ifdef LOOM_GGUF_VNNI
+#ifdef LOOM_GGUF_FUSED
         if (!portable) {
           part_columns<TYPE, T, true>(p, lo, hi, a, rows, k, o, n, b);
           return;

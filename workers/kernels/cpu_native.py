@@ -42,6 +42,7 @@ HEADERS = tuple(
         "cpu_attention_lanes.h",
         "cpu_gguf_blocks.h",
         "cpu_gguf_avx512.h",
+        "cpu_gguf_avx2.h",
         "cpu_gguf_panels.h",
     )
 )

@@ -166,17 +166,22 @@ def test_silu_variant_equals_silu_mul_then_the_linear(ops, dtype):
 
 
 def test_built_for_an_avx2_only_cpu_it_computes_the_same(ops, tmp_path):
+    """Every type on the AVX2 path (and its portable one), rows in one pass and in several."""
     cases = []
-    for name in ("Q4_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "IQ4_XS"):
+    for name in TYPES:
         k = width(name)
         raw = torch.from_numpy(random_blocks(name, 32, k, seed=9))
-        cases.append((name, raw, torch.randn(5, k)))
+        for rows in (1, 6):
+            cases.append((name, raw, torch.randn(rows, k)))
     calls = [
-        ("gguf_linear", (x, [raw], [GGMLQuantizationType[n].value], [0], None, False))
+        ("gguf_linear", (x, [raw], [GGMLQuantizationType[n].value], [0], None, portable))
         for n, raw, x in cases
+        for portable in (False, True)
     ]
-    for (name, raw, x), got in zip(cases, run_built_for_haswell(calls, tmp_path), strict=True):
-        close(got, reference(name, x, raw.numpy()), x, dequantized(name, raw.numpy()))
+    got = run_built_for_haswell(calls, tmp_path)
+    for i, (name, raw, x) in enumerate(cases):
+        for out in got[2 * i : 2 * i + 2]:
+            close(out, reference(name, x, raw.numpy()), x, dequantized(name, raw.numpy()))
 
 
 def test_bad_input_is_refused_by_name_and_the_op_keeps_working(ops):
