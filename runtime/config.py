@@ -53,6 +53,9 @@ class EngineConfig:
     weight_dtype: str | None = None
     quantization: str | None = None  # QUANTIZATIONS
     cpu_linear_kernel: str = "auto"  # CPU_LINEAR_KERNELS
+    # A GGUF file on the CPU: one linear kernel at every batch size, so that a request's
+    # tokens do not depend on the batch it runs in (vLLM's name); slower prompts and batches.
+    batch_invariant: bool = False
     device: str = "auto"
     # "auto": the Triton kernels on CUDA, the torch reference on the CPU.
     attention_backend: str = "auto"
@@ -227,6 +230,7 @@ class EngineConfig:
             "weight_dtype": self.weight_dtype,
             "quantization": self.quantization,
             "cpu_linear_kernel": self.cpu_linear_kernel,
+            "batch_invariant": self.batch_invariant,
             "device": self.device,
             "attention_backend": self.attention_backend,
             "load_format": self.load_format,

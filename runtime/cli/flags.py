@@ -133,6 +133,12 @@ ENGINE_SWITCHES: list[tuple[str, str]] = [
     ),
     ("--enable-lora", "LoRA adapters per request (--lora-modules, or a request's model)"),
     (
+        "--batch-invariant",
+        "a GGUF on the CPU: one linear kernel at every batch size, so that a request's "
+        "tokens do not depend on its batch; slower prompts and batches "
+        f"(default: {_on_off('batch_invariant')})",
+    ),
+    (
         "--enforce-eager",
         f"CUDA: run every step eager, no decode CUDA graphs (default: {_on_off('enforce_eager')})",
     ),

@@ -187,6 +187,12 @@ void l_dot_portable(const LGroup* gs, int64_t groups, const Activations& a, int6
 
 // ---- the layer: output columns over the threads -----------------------------------------
 
+// The op's `kernel`: AUTO runs many rows of x on panels (where the CPU has them) and few on
+// each output's blocks; ROWS runs every row on each output's blocks, so that a row's result
+// does not depend on how many others it came with (batch invariance); PORTABLE runs the
+// portable loop (the tests' reference for the vector paths).
+enum Kernel : int64_t { AUTO = 0, ROWS_ALWAYS = 1, PORTABLE = 2 };
+
 constexpr int ROWS = 4;  // rows of x one pass over an output's decoded groups takes
 
 template <typename Group>
@@ -422,7 +428,10 @@ std::vector<Part> checked_parts(const char* op, int64_t k, at::TensorList weight
 template <typename T, typename Row>
 at::Tensor run(const char* op, const Row& row, int64_t rows, int64_t k,
                const at::TensorOptions& options, at::TensorList weights, at::IntArrayRef types,
-               at::IntArrayRef heads, const std::optional<at::Tensor>& bias_in, bool portable) {
+               at::IntArrayRef heads, const std::optional<at::Tensor>& bias_in, int64_t kernel) {
+  TORCH_CHECK(kernel == AUTO || kernel == ROWS_ALWAYS || kernel == PORTABLE, op, ": kernel ",
+              kernel, " is none of 0 (auto), 1 (rows) and 2 (portable)");
+  const bool portable = kernel == PORTABLE;
   const std::vector<Part> parts = checked_parts(op, k, weights, types, heads);
   const int64_t n = parts.back().first_column + parts.back().rows;
   std::optional<at::Tensor> bias;
@@ -439,7 +448,7 @@ at::Tensor run(const char* op, const Row& row, int64_t rows, int64_t k,
   T* o = out.data_ptr<T>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
 #ifdef LOOM_GGUF_VNNI
-  if (!portable && rows >= PANEL_ROWS) {
+  if (kernel == AUTO && rows >= PANEL_ROWS) {
     // Tasks of PANELS panels of one part each: a part's last may be narrower.
     std::vector<std::pair<const Part*, int64_t>> units;
     constexpr int64_t width = panels::PANELS * panels::LANES;
@@ -488,7 +497,7 @@ at::Tensor run(const char* op, const Row& row, int64_t rows, int64_t k,
 
 at::Tensor gguf_linear(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef types,
                        at::IntArrayRef heads, const std::optional<at::Tensor>& bias,
-                       bool portable) {
+                       int64_t kernel) {
   check_dtype("gguf_linear", x_in);
   TORCH_CHECK(x_in.dim() == 2, "gguf_linear: x ", x_in.sizes(), " is not [M, K]");
   const at::Tensor x = x_in.contiguous();
@@ -498,7 +507,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, at::TensorList weights, at::IntAr
     using T = decltype(type);
     const T* xp = x.data_ptr<T>();
     const auto row = [&](int64_t m, float* v) { to_float(xp + m * k, v, k); };
-    out = run<T>("gguf_linear", row, rows, k, x.options(), weights, types, heads, bias, portable);
+    out = run<T>("gguf_linear", row, rows, k, x.options(), weights, types, heads, bias, kernel);
   };
   x.scalar_type() == at::kBFloat16 ? go(c10::BFloat16{}) : go(float{});
   return out;
@@ -506,7 +515,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, at::TensorList weights, at::IntAr
 
 at::Tensor silu_gguf_linear(const at::Tensor& gate_up_in, at::TensorList weights,
                             at::IntArrayRef types, at::IntArrayRef heads,
-                            const std::optional<at::Tensor>& bias, bool portable) {
+                            const std::optional<at::Tensor>& bias, int64_t kernel) {
   check_dtype("silu_gguf_linear", gate_up_in);
   TORCH_CHECK(gate_up_in.dim() == 2 && gate_up_in.size(1) % 2 == 0, "silu_gguf_linear: gate_up ",
               gate_up_in.sizes(), " is not [M, 2K]");
@@ -524,7 +533,7 @@ at::Tensor silu_gguf_linear(const at::Tensor& gate_up_in, at::TensorList weights
       to_float(product.data(), v, k);
     };
     out = run<T>("silu_gguf_linear", row, rows, k, gate_up.options(), weights, types, heads, bias,
-                 portable);
+                 kernel);
   };
   gate_up.scalar_type() == at::kBFloat16 ? go(c10::BFloat16{}) : go(float{});
   return out;

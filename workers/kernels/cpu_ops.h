@@ -247,14 +247,16 @@ at::Tensor silu_block_linear(const at::Tensor& gate_up, const at::Tensor& packed
 bool block_linear_has_vnni();
 
 // cpu_gguf_linear.cpp: x @ w.T for w as GGUF blocks, stacked from parts (rows [N_i, bytes] of
-// ggml type types[i]; heads[i] > 0 undoes llama.cpp's rotary row order of q and k).
+// ggml type types[i]; heads[i] > 0 undoes llama.cpp's rotary row order of q and k). kernel:
+// 0 the fastest for the rows, 1 one kernel at every number of rows (batch-invariant), 2 the
+// portable loop.
 at::Tensor gguf_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
                        at::IntArrayRef heads, const std::optional<at::Tensor>& bias,
-                       bool portable);
+                       int64_t kernel);
 // gguf_linear(silu_mul(gate_up), ...), the same values, for gate_up [M, 2K] (gate first).
 at::Tensor silu_gguf_linear(const at::Tensor& gate_up, at::TensorList weights,
                             at::IntArrayRef types, at::IntArrayRef heads,
-                            const std::optional<at::Tensor>& bias, bool portable);
+                            const std::optional<at::Tensor>& bias, int64_t kernel);
 // The rows (all, or those `rows` names) of a [N, bytes] tensor of blocks as [rows, k] floats.
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t k,
                            const std::optional<at::Tensor>& rows, at::ScalarType dtype);

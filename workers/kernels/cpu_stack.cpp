@@ -30,6 +30,7 @@ at::Tensor need(const c10::List<std::optional<at::Tensor>>& weights, int64_t i) 
 struct GgufParts {
   std::vector<at::Tensor> weights;
   std::vector<int64_t> types, heads;
+  int64_t kernel = 0;  // gguf_linear's
 };
 
 // With `gated`, x is the MLP's gate|up and the layer takes silu(gate) * up: the a8 and GGUF
@@ -40,8 +41,8 @@ at::Tensor linear(const at::Tensor& x, int64_t mode,
   if (mode == GGUF) {
     TORCH_CHECK(gguf != nullptr, "decode_layers: a GGUF layer without parts");
     const std::optional<at::Tensor> bias = weights.get(first + 2);
-    return gated ? silu_gguf_linear(x, gguf->weights, gguf->types, gguf->heads, bias, false)
-                 : gguf_linear(x, gguf->weights, gguf->types, gguf->heads, bias, false);
+    return gated ? silu_gguf_linear(x, gguf->weights, gguf->types, gguf->heads, bias, gguf->kernel)
+                 : gguf_linear(x, gguf->weights, gguf->types, gguf->heads, bias, gguf->kernel);
   }
   const at::Tensor a = need(weights, first);
   const std::optional<at::Tensor> bias = weights.get(first + 2);
@@ -85,7 +86,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const std::optional<at::Tensor>& prefill_lens,
     const std::optional<at::Tensor>& prefill_q_starts,
     const std::optional<at::Tensor>& prefill_q_lens, at::TensorList gguf_weights,
-    at::IntArrayRef gguf_types, at::IntArrayRef gguf_heads, at::IntArrayRef gguf_counts) {
+    at::IntArrayRef gguf_types, at::IntArrayRef gguf_heads, at::IntArrayRef gguf_counts,
+    int64_t gguf_kernel) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(hidden_in.dim() == 2, "decode_layers: hidden ", hidden_in.sizes(), " is not [T, size]");
   TORCH_CHECK(v_caches.size() == k_caches.size() &&
@@ -103,6 +105,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     if (modes[i] != GGUF) continue;
     TORCH_CHECK(next_count < gguf_counts.size(), "decode_layers: too few gguf_counts");
     const int64_t count = gguf_counts[next_count++];
+    parts[i].kernel = gguf_kernel;
     TORCH_CHECK(count > 0 && next_part + count <= gguf_weights.size(),
                 "decode_layers: too few GGUF parts");
     for (int64_t j = 0; j < count; ++j, ++next_part) {
@@ -191,8 +194,8 @@ TORCH_LIBRARY(loom_cpu, m) {
       "Tensor sin, Tensor slots, Tensor decode_slots, Tensor decode_lens, float scale, "
       "int window, Tensor? decode_rows=None, Tensor? prefill_slots=None, "
       "Tensor? prefill_lens=None, Tensor? prefill_q_starts=None, Tensor? prefill_q_lens=None, "
-      "Tensor[] gguf_weights, int[] gguf_types, int[] gguf_heads, int[] gguf_counts) "
-      "-> (Tensor, Tensor)");
+      "Tensor[] gguf_weights, int[] gguf_types, int[] gguf_heads, int[] gguf_counts, "
+      "int gguf_kernel=0) -> (Tensor, Tensor)");
   m.def("greedy_ids(Tensor logits) -> Tensor");
   m.def("random_sample(Tensor logits, Tensor temperatures, Tensor uniforms) -> (Tensor, Tensor)");
   m.def(
@@ -204,10 +207,10 @@ TORCH_LIBRARY(loom_cpu, m) {
   m.def("block_linear_has_vnni() -> bool", &loom_cpu::block_linear_has_vnni);
   m.def(
       "gguf_linear(Tensor x, Tensor[] weights, int[] types, int[] heads, Tensor? bias, "
-      "bool portable) -> Tensor");
+      "int kernel) -> Tensor");
   m.def(
       "silu_gguf_linear(Tensor gate_up, Tensor[] weights, int[] types, int[] heads, Tensor? bias, "
-      "bool portable) -> Tensor");
+      "int kernel) -> Tensor");
   m.def(
       "gguf_dequantize(Tensor weight, int type, int k, Tensor? rows, ScalarType dtype) -> Tensor");
 }

@@ -27,8 +27,15 @@ class GgufPart:
         return self.data.shape[0]
 
 
+# gguf_linear's `kernel`: the fastest for each number of rows, or one kernel at every number
+# of rows, so that a row's result does not depend on the batch it came in (batch invariance).
+FASTEST, BATCH_INVARIANT = 0, 1
+
+
 class GgufLinear(torch.nn.Module):
     """x @ w.T + bias with w as the parts' blocks, stacked along the output."""
+
+    kernel = FASTEST
 
     def __init__(
         self, in_features: int, parts: list[GgufPart], bias: torch.Tensor | None, ops: Any
@@ -46,7 +53,9 @@ class GgufLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        out = self.ops.gguf_linear(rows, self.tensors, self.types, self.heads, self.bias, False)
+        out = self.ops.gguf_linear(
+            rows, self.tensors, self.types, self.heads, self.bias, self.kernel
+        )
         return out.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:

@@ -11,7 +11,12 @@ import numpy as np
 import torch
 
 from loomllm.workers.kernels import cpu_native
-from loomllm.workers.kernels.gguf_linear import DenseEmbedding, GgufEmbedding, GgufLinear
+from loomllm.workers.kernels.gguf_linear import (
+    BATCH_INVARIANT,
+    DenseEmbedding,
+    GgufEmbedding,
+    GgufLinear,
+)
 from loomllm.workers.models.gguf_file import GgufFile, UnsupportedTensorType
 from loomllm.workers.models.llama import gguf_build
 from loomllm.workers.models.llama.config import DecoderShape
@@ -24,10 +29,16 @@ __all__ = ["UnsupportedTensorType", "build"]
 
 
 def build(
-    shape: DecoderShape, dtype: torch.dtype, device: torch.device, path: Path, as_stored: bool
+    shape: DecoderShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    path: Path,
+    as_stored: bool,
+    batch_invariant: bool = False,
 ) -> LlamaFamilyForCausalLM:
     """The model over `path`'s tensors: computing from their blocks (`as_stored`, on the CPU,
-    in float32 or bfloat16), else with their values dequantized to `dtype` on `device`."""
+    in float32 or bfloat16; with `batch_invariant`, on one kernel at every batch size), else
+    with their values dequantized to `dtype` on `device`."""
     gguf = GgufFile(path)
     ops = None
     if as_stored:
@@ -46,6 +57,10 @@ def build(
             )
             as_stored = False
     model = gguf_build.build(shape, dtype, gguf, ops or NumpyBlocks(), as_stored)
+    if batch_invariant:
+        for module in model.modules():
+            if isinstance(module, GgufLinear):
+                module.kernel = BATCH_INVARIANT
     if not as_stored:
         logger.info("%s dequantized to %s on %s (quantization='none')", path.name, dtype, device)
         _dequantize_in_place(model, dtype, device)

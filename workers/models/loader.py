@@ -67,6 +67,7 @@ def load_model(
     model_impl: str = "auto",
     quantization: str | None = None,
     cpu_linear_kernel: str = "auto",
+    batch_invariant: bool = False,
     revision: str | None = None,
 ) -> LoadedModel:
     """Resolve, prepare and load `model` in eval mode on `device`.
@@ -84,6 +85,8 @@ def load_model(
     model_impl: see MODEL_IMPLS; tensor parallelism runs transformers' modeling code.
     quantization: see models/quantization.py (None: a GGUF file runs as it is stored, on
     the CPU, with loomllm's own model); cpu_linear_kernel overrides the measured choice.
+    batch_invariant: a GGUF run as stored computes every batch size on one kernel, so that a
+    row's result does not depend on its batch.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(
@@ -147,6 +150,7 @@ def load_model(
             weight_dtype,
             load_format,
             quantization,
+            batch_invariant,
         )
         if quantization in ("int8", "int4"):
             assert isinstance(loaded.model, LlamaFamilyForCausalLM)
@@ -254,13 +258,19 @@ def _load_llama_family(
     weight_dtype: str | None,
     load_format: str,
     quantization: str,
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     started = time.perf_counter()
     try:
         torch_dtype = pick_dtype(dtype, shape.dtype, device)
         if source.kind == "gguf" and load_format != "dummy":
             module = gguf_model.build(
-                shape, torch_dtype, device, Path(source.path), quantization == "gguf"
+                shape,
+                torch_dtype,
+                device,
+                Path(source.path),
+                quantization == "gguf",
+                batch_invariant=batch_invariant,
             )
             load_format = "GGUF" if quantization == "gguf" else "dequantized GGUF"
         else:

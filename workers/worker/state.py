@@ -86,6 +86,7 @@ class Worker:
             model_impl=options.get("model_impl", "auto"),
             quantization=options.get("quantization"),
             cpu_linear_kernel=options.get("cpu_linear_kernel", "auto"),
+            batch_invariant=bool(options.get("batch_invariant", False)),
             revision=options.get("revision"),
         )
         pooling = None

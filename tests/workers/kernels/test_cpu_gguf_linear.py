@@ -19,7 +19,8 @@ from loomllm.workers.models.sources import cache_root
 
 pytestmark = pytest.mark.compute
 TYPES = [name for name, _, _ in KERNEL_TYPES.values()]
-PATHS = [pytest.param(False, id="native"), pytest.param(True, id="portable")]
+# gguf_linear's kernel: the fastest for the rows, one at every number of rows, portable.
+PATHS = [pytest.param(0, id="native"), pytest.param(1, id="rows"), pytest.param(2, id="portable")]
 # Where each type's float16 scales lie in its block: random bytes there could be NaN.
 HALF_AT = {
     "Q4_0": [0],
@@ -118,12 +119,29 @@ def test_linear_equals_the_float64_reference(ops, name, portable):
         close(out, reference(name, x, raw), x, dequantized(name, raw))
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
+def test_batch_invariant_kernel_gives_a_row_the_same_bits_in_any_batch(ops, name):
+    """kernel 1 runs every row on the same kernel: a row's output is the same bits alone or
+    with 8 or 31 others (kernel 0 switches to panels from 8 rows, which sum in another
+    order, and stays within the reference's tolerance)."""
+    k = width(name)
+    raw = torch.from_numpy(random_blocks(name, 48, k, seed=11))
+    type_id = GGMLQuantizationType[name].value
+    x = torch.randn(32, k)
+    alone = ops.gguf_linear(x[:1], [raw], [type_id], [0], None, 1)
+    for rows in (9, 32):
+        batch = ops.gguf_linear(x[:rows], [raw], [type_id], [0], None, 1)
+        assert torch.equal(batch[:1], alone)
+        fastest = ops.gguf_linear(x[:rows], [raw], [type_id], [0], None, 0)
+        close(fastest, reference(name, x[:rows], raw.numpy()), x, dequantized(name, raw.numpy()))
+
+
 def test_bfloat16_rows_compute_as_their_float_values(ops):
     raw = torch.from_numpy(random_blocks("Q4_K", 32, 256, seed=3))
     x = torch.randn(5, 256).bfloat16()
-    out = ops.gguf_linear(x, [raw], [12], [0], None, False)
+    out = ops.gguf_linear(x, [raw], [12], [0], None, 0)
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out, ops.gguf_linear(x.float(), [raw], [12], [0], None, False).bfloat16())
+    assert torch.equal(out, ops.gguf_linear(x.float(), [raw], [12], [0], None, 0).bfloat16())
 
 
 def test_parts_stack_along_the_output_with_their_own_types_and_a_bias(ops):
@@ -135,9 +153,9 @@ def test_parts_stack_along_the_output_with_their_own_types_and_a_bias(ops):
     types = [GGMLQuantizationType[n].value for n in names]
     x = torch.randn(3, k)
     bias = torch.randn(sum(r.shape[0] for r in raws))
-    out = ops.gguf_linear(x, [torch.from_numpy(r) for r in raws], types, [0, 0, 0], bias, False)
+    out = ops.gguf_linear(x, [torch.from_numpy(r) for r in raws], types, [0, 0, 0], bias, 0)
     alone = [
-        ops.gguf_linear(x, [torch.from_numpy(r)], [t], [0], None, False)
+        ops.gguf_linear(x, [torch.from_numpy(r)], [t], [0], None, 0)
         for r, t in zip(raws, types, strict=True)
     ]
     torch.testing.assert_close(out, torch.cat(alone, dim=1) + bias, rtol=0, atol=1e-5)
@@ -150,8 +168,8 @@ def test_rotary_rows_come_back_in_transformers_order(ops):
 
     raw = random_blocks("Q5_K", 64, 256, seed=7)
     x = torch.randn(2, 256)
-    plain = ops.gguf_linear(x, [torch.from_numpy(raw)], [13], [0], None, False)
-    permuted = ops.gguf_linear(x, [torch.from_numpy(raw)], [13], [4], None, False)
+    plain = ops.gguf_linear(x, [torch.from_numpy(raw)], [13], [0], None, 0)
+    permuted = ops.gguf_linear(x, [torch.from_numpy(raw)], [13], [4], None, 0)
     order = TENSOR_PROCESSORS["llama"]()._reverse_permute_weights(np.arange(64)[:, None], 4, 4)
     assert torch.equal(permuted, plain[:, order[:, 0]])
     assert torch.equal(in_transformers_order(torch.arange(64), 4), torch.from_numpy(order[:, 0]))
@@ -161,8 +179,8 @@ def test_rotary_rows_come_back_in_transformers_order(ops):
 def test_silu_variant_equals_silu_mul_then_the_linear(ops, dtype):
     raw = torch.from_numpy(random_blocks("Q6_K", 48, 512, seed=8))
     gate_up = torch.randn(6, 1024).to(dtype)
-    fused = ops.silu_gguf_linear(gate_up, [raw], [14], [0], None, False)
-    assert torch.equal(fused, ops.gguf_linear(ops.silu_mul(gate_up), [raw], [14], [0], None, False))
+    fused = ops.silu_gguf_linear(gate_up, [raw], [14], [0], None, 0)
+    assert torch.equal(fused, ops.gguf_linear(ops.silu_mul(gate_up), [raw], [14], [0], None, 0))
 
 
 def test_built_for_an_avx2_only_cpu_it_computes_the_same(ops, tmp_path):
@@ -176,7 +194,7 @@ def test_built_for_an_avx2_only_cpu_it_computes_the_same(ops, tmp_path):
     calls = [
         ("gguf_linear", (x, [raw], [GGMLQuantizationType[n].value], [0], None, portable))
         for n, raw, x in cases
-        for portable in (False, True)
+        for portable in (0, 2)
     ]
     got = run_built_for_haswell(calls, tmp_path)
     for i, (name, raw, x) in enumerate(cases):
@@ -188,14 +206,15 @@ def test_bad_input_is_refused_by_name_and_the_op_keeps_working(ops):
     raw = torch.from_numpy(random_blocks("Q4_K", 32, 256, seed=10))
     x = torch.randn(2, 256)
     cases = [
-        ((x.half(), [raw], [12], [0], None, False), "takes float32 or bfloat16"),
-        ((x, [raw], [16], [0], None, False), "GGUF type 16 is not one loomllm's kernels read"),
-        ((x[:, :128], [raw], [12], [0], None, False), "are not whole blocks of 256"),
-        ((x, [raw], [8], [0], None, False), "is not contiguous uint8 rows of 272 bytes"),
-        ((x, [raw[:, ::2]], [12], [0], None, False), "is not contiguous uint8 rows"),
-        ((x, [raw], [12], [3], None, False), "are not 3 heads of pairs"),
-        ((x, [raw], [12, 12], [0], None, False), "1 weights, 2 types"),
-        ((x, [raw], [12], [0], torch.zeros(5), False), "bias of 5 values for 32 outputs"),
+        ((x.half(), [raw], [12], [0], None, 0), "takes float32 or bfloat16"),
+        ((x, [raw], [16], [0], None, 0), "GGUF type 16 is not one loomllm's kernels read"),
+        ((x[:, :128], [raw], [12], [0], None, 0), "are not whole blocks of 256"),
+        ((x, [raw], [8], [0], None, 0), "is not contiguous uint8 rows of 272 bytes"),
+        ((x, [raw[:, ::2]], [12], [0], None, 0), "is not contiguous uint8 rows"),
+        ((x, [raw], [12], [3], None, 0), "are not 3 heads of pairs"),
+        ((x, [raw], [12, 12], [0], None, 0), "1 weights, 2 types"),
+        ((x, [raw], [12], [0], torch.zeros(5), 0), "bias of 5 values for 32 outputs"),
+        ((x, [raw], [12], [0], None, 3), "kernel 3 is none of 0 .auto., 1 .rows. and 2"),
     ]
     for args, says in cases:
         with pytest.raises(RuntimeError, match=says):
@@ -204,5 +223,5 @@ def test_bad_input_is_refused_by_name_and_the_op_keeps_working(ops):
         ops.gguf_dequantize(raw, 12, 256, torch.tensor([32]), torch.float32)
     with pytest.raises(RuntimeError, match="dtype must be float32 or bfloat16"):
         ops.gguf_dequantize(raw, 12, 256, None, torch.float16)
-    out = ops.gguf_linear(x, [raw], [12], [0], None, False)
+    out = ops.gguf_linear(x, [raw], [12], [0], None, 0)
     close(out, reference("Q4_K", x, raw.numpy()), x, dequantized("Q4_K", raw.numpy()))

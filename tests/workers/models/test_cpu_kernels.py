@@ -195,7 +195,7 @@ def test_bad_stack_input_is_refused(tmp_path):
     args = [[cache] * layers, [cache] * layers, 1e-5, *heads, torch.ones(1, shape.head_dim)]
     rest = [torch.zeros(1, shape.head_dim), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.long)]
     lens = [torch.tensor([1]), 0.25, 0]
-    gguf = dict(gguf_weights=[], gguf_types=[], gguf_heads=[], gguf_counts=[])
+    gguf = dict(gguf_weights=[], gguf_types=[], gguf_heads=[], gguf_counts=[], gguf_kernel=0)
     with pytest.raises(RuntimeError, match="linear mode 7 is none of 0, 1, 2"):
         ops.decode_layers(hidden, weights, [7] + modes[1:], *args, *rest, *lens, **gguf)
     with pytest.raises(RuntimeError, match="weight 0 is missing"):

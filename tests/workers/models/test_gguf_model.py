@@ -111,3 +111,34 @@ def test_llama3_rope_factors_divide_the_frequencies(gguf_dir):
     scaled = make_tiny_gguf(gguf_dir / "rope-2.gguf", "Q8_0", rope_factors=factors)
     model = load_model(str(scaled)).model
     torch.testing.assert_close(model.inv_freq, plain.inv_freq / torch.from_numpy(factors))
+
+
+@pytest.mark.anyio
+async def test_batch_invariant_tokens_do_not_depend_on_the_batch(gguf_dir, shared_manager):
+    """With batch_invariant, a request alone and the same request among 11 others (a step of
+    12 rows: panels, without the option) give the same tokens and logprobs, bit for bit (in
+    float32, where no rounding to bfloat16 hides the last bits' differences)."""
+    import anyio
+
+    path = gguf_dir / "invariant.gguf"
+    if not path.exists():
+        make_tiny_gguf(path, "Q4_K_M")
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1000 + 37 * i + j for j in range(12)]} for i in range(12)]
+    async with Engine(
+        str(path), manager_socket=shared_manager.socket, dtype="float32", batch_invariant=True
+    ) as engine:
+        alone = await final(engine, prompts[0], params)
+        outs: dict[int, object] = {}
+
+        async def one(i: int) -> None:
+            outs[i] = await final(engine, prompts[i], params)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(12):
+                tg.start_soon(one, i)
+    together = outs[0].outputs[0]
+    assert together.token_ids == alone.outputs[0].token_ids
+    assert [{k: v.logprob for k, v in row.items()} for row in together.logprobs] == [
+        {k: v.logprob for k, v in row.items()} for row in alone.outputs[0].logprobs
+    ]

@@ -40,6 +40,7 @@ class GgufParts:
         self.types: list[int] = []
         self.heads: list[int] = []
         self.counts: list[int] = []
+        self.kernel = 0  # gguf_linear's, the same for every layer
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -48,6 +49,7 @@ class GgufParts:
                     self.types += linear.types
                     self.heads += linear.heads
                     self.counts.append(len(linear.tensors))
+                    self.kernel = linear.kernel
 
 
 class DecoderStack:
@@ -120,4 +122,5 @@ class DecoderStack:
             self.gguf.types,
             self.gguf.heads,
             self.gguf.counts,
+            self.gguf.kernel,
         )
