@@ -163,7 +163,12 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+        for name in (
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "enforce_eager",
+            "batch_invariant",
+        ):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not (self.async_scheduling is None or type(self.async_scheduling) is bool):

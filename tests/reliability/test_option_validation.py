@@ -78,6 +78,7 @@ BAD_ENGINE = {
     "weight_dtype": ["float32", "int8", "", 5],
     "quantization": ["gptq", "", 5, "NONE", "fp8"],
     "cpu_linear_kernel": ["fp32", "", None, 5, "INT8"],
+    "batch_invariant": [1, "yes", None],
     "device": ["tpu", "", None, 5],
     "attention_backend": ["flash", "", None, 5, "Triton"],
     "load_format": ["pt", "", None, 5, "DUMMY"],
