@@ -17,8 +17,8 @@ from loomllm.workers.kernels.gguf_linear import (
     GgufEmbedding,
     GgufLinear,
 )
+from loomllm.workers.models import gguf_build
 from loomllm.workers.models.gguf_file import GgufFile, UnsupportedTensorType
-from loomllm.workers.models.llama import gguf_build
 from loomllm.workers.models.llama.config import DecoderShape
 from loomllm.workers.models.llama.model import Embedding, Linear, LlamaFamilyForCausalLM
 from loomllm.workers.models.sources import cache_root
