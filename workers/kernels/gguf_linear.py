@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from loomllm.workers.kernels.gguf_types import type_name
+
 
 @dataclass(frozen=True, slots=True)
 class GgufPart:
@@ -19,7 +21,7 @@ class GgufPart:
     transformers' order."""
 
     data: torch.Tensor  # uint8 [rows, bytes a row]: the blocks, a view of the mapped file
-    type_id: int  # ggml's type id (models/gguf_file.py's KERNEL_TYPES)
+    type_id: int  # ggml's type id (gguf_types.py's KERNEL_TYPES)
     heads: int = 0
 
     @property
@@ -71,8 +73,6 @@ class GgufLinear(torch.nn.Module):
         )
 
     def extra_repr(self) -> str:
-        from loomllm.workers.models.gguf_file import type_name
-
         kinds = "|".join(type_name(p.type_id) for p in self.parts)
         return f"in_features={self.in_features}, out_features={self.out_features}, {kinds}"
 

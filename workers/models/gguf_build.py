@@ -16,14 +16,8 @@ from loomllm.workers.kernels.gguf_linear import (
     GgufPart,
     in_transformers_order,
 )
-from loomllm.workers.models.gguf_file import (
-    FLOAT_TYPES,
-    KERNEL_TYPES,
-    GgufFile,
-    UnsupportedTensorType,
-    kernel_type_names,
-    type_name,
-)
+from loomllm.workers.kernels.gguf_types import KERNEL_TYPES, kernel_type_names, type_name
+from loomllm.workers.models.gguf_file import FLOAT_TYPES, GgufFile, UnsupportedTensorType
 from loomllm.workers.models.llama.config import DecoderShape, inverse_frequencies
 from loomllm.workers.models.llama.model import Linear, LlamaFamilyForCausalLM
 

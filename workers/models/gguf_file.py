@@ -11,38 +11,11 @@ from pathlib import Path
 
 import torch
 
-# ggml's type ids of the quantized types loomllm's CPU kernels compute with (kernels/
-# cpu_gguf_blocks.h), with (weights, bytes) a block; and the float types, which are dense. The
-# other quantized types are read for dequantizing only (gguf's own dequantizer).
-KERNEL_TYPES = {
-    2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24),
-    8: ("Q8_0", 32, 34),
-    10: ("Q2_K", 256, 84),
-    11: ("Q3_K", 256, 110),
-    12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210),
-    20: ("IQ4_NL", 32, 18),
-    23: ("IQ4_XS", 256, 136),
-}
+from loomllm.workers.kernels.gguf_types import KERNEL_TYPES, type_name
+
+# GGUF's float types, which are dense: (name, dtype). The quantized types the kernels do not
+# compute with are read for dequantizing only (gguf's own dequantizer).
 FLOAT_TYPES = {0: ("F32", torch.float32), 1: ("F16", torch.float16), 30: ("BF16", torch.bfloat16)}
-
-
-def type_name(type_id: int) -> str:
-    """ggml's name of a type id (as llama.cpp prints it), or `type <id>`."""
-    if type_id in KERNEL_TYPES:
-        return KERNEL_TYPES[type_id][0]
-    if type_id in FLOAT_TYPES:
-        return FLOAT_TYPES[type_id][0]
-    from gguf import GGMLQuantizationType
-
-    try:
-        return GGMLQuantizationType(type_id).name
-    except ValueError:
-        return f"type {type_id}"
 
 
 class UnsupportedTensorType(ValueError):
@@ -104,11 +77,6 @@ class GgufFile:
         raise UnsupportedTensorType(
             f"{self.path.name}: {name} is {type_name(info.type_id)}, a type loomllm cannot read"
         )
-
-
-def kernel_type_names() -> list[str]:
-    """The quantized types loomllm's kernels compute with, by name."""
-    return [name for name, _, _ in KERNEL_TYPES.values()]
 
 
 def _block_size(type_id: int) -> tuple[int, int] | None:

@@ -14,7 +14,7 @@ from support.haswell_build import run_built_for_haswell
 
 from loomllm.workers.kernels import cpu_native
 from loomllm.workers.kernels.gguf_linear import in_transformers_order
-from loomllm.workers.models.gguf_file import KERNEL_TYPES
+from loomllm.workers.kernels.gguf_types import KERNEL_TYPES
 from loomllm.workers.models.sources import cache_root
 
 pytestmark = pytest.mark.compute
