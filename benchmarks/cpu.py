@@ -9,15 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
-from collections.abc import Sequence
 from pathlib import Path
-
-import httpx
 
 from loomllm.benchmarks import int_list, offline_throughput, peers_build, serving
 from loomllm.benchmarks.serving import PeerFailed
@@ -26,22 +21,6 @@ PROG = "loom bench cpu"
 DEFAULT_MODEL = "smollm2"
 DEFAULT_LLAMA_BENCH = serving.DEFAULT_LLAMA_SERVER.with_name("llama-bench")
 LLAMA_BUILD_RECORD = serving.PEERS / "llama-build.json"
-SUBJECTS = [
-    "the ocean",
-    "a violin",
-    "the city of Rome",
-    "photosynthesis",
-    "a mountain bike",
-    "the history of tea",
-    "volcanoes",
-    "a lighthouse",
-]
-FORMS = [
-    "Write a short paragraph about {}.",
-    "Here are three facts about {}:",
-    "Explain {} to a child.",
-    "The most surprising thing about {} is",
-]
 
 
 def llama_bench(binary: Path, gguf: Path, prompt: int, output: int) -> tuple[float, float]:
@@ -85,103 +64,6 @@ def compute_dtype() -> str:
     return str(pick_dtype("auto", None, torch.device("cpu"))).removeprefix("torch.")
 
 
-def accuracy_prompts() -> list[list[int]]:
-    from loomllm.text.tokenizer import Tokenizer
-    from loomllm.workers.models.sources import prepare_model_dir, resolve_model
-
-    tokenizer = Tokenizer.from_model_dir(str(prepare_model_dir(resolve_model("smollm2"))))
-    return [tokenizer.encode(form.format(s)) for s in SUBJECTS for form in FORMS]
-
-
-def llama_cpp_greedy(
-    args: argparse.Namespace,
-    gguf: Path,
-    prompts: list[list[int]],
-    tokens: int,
-    workdir: Path,
-    extra: Sequence[str] = (),
-) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """llama-server's greedy tokens for each prompt, and its top logprobs at each step; `extra`
-    adds flags to its command. PeerFailed where the server exits or stops answering."""
-    # One slot, its context long enough for a prompt and its tokens.
-    options = argparse.Namespace(
-        llama_server=args.llama_server, prompt_tokens=max(map(len, prompts)), output_tokens=tokens
-    )
-    proc, url, log = serving.serve_llama_cpp(options, gguf, 1, workdir, extra)
-    try:
-        serving.wait_healthy(url, proc, log)
-        results = llama_cpp_answers(url, prompts, tokens)
-    except httpx.TransportError as exc:
-        try:  # a crash drops the connection a moment before the process is gone
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            raise PeerFailed("llama-server", f"no answer: {exc!r}") from exc
-        raise serving.server_exited(proc, log) from exc
-    finally:
-        serving.stop(proc)
-    return results
-
-
-def llama_cpp_answers(
-    url: str, prompts: list[list[int]], tokens: int
-) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """The running llama-server's greedy tokens and top logprobs for each prompt."""
-    results = []
-    for prompt in prompts:
-        body = {
-            "prompt": prompt,
-            "n_predict": tokens,
-            "temperature": 0,
-            # Both stop at the end of the text: llama.cpp's ignore_eos bans EOS tokens, where
-            # vLLM's (and loomllm's) only keeps going past them.
-            "n_probs": 5,
-            "cache_prompt": False,
-            "return_tokens": True,
-        }
-        answer = httpx.post(f"{url}/completion", json=body, timeout=120).json()
-        tops = [
-            {top["id"]: top["logprob"] for top in step["top_logprobs"]}
-            for step in answer["completion_probabilities"]
-        ]
-        results.append((answer["tokens"], tops))
-    return results
-
-
-def loomllm_greedy(prompts: list[list[int]], tokens: int, **options) -> list[list[int]]:
-    from loomllm import LLM, SamplingParams
-
-    params = SamplingParams(max_tokens=tokens, temperature=0.0)
-    with LLM("smollm2", **options) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(out.outputs[0].token_ids) for out in outputs]
-
-
-def agreement(
-    ours: list[list[int]], reference: list[tuple[list[int], list[dict[int, float]]]]
-) -> tuple[int, list[str]]:
-    """(identical outputs, a line for each other one: where it diverges, and llama.cpp's
-    logprob gap there between its token and ours, where ours is in its top 5)."""
-    identical, notes = 0, []
-    for k, (mine, (theirs, tops)) in enumerate(zip(ours, reference, strict=True)):
-        if mine == theirs:
-            identical += 1
-            continue
-        at = next(
-            (i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
-            min(len(mine), len(theirs)),
-        )
-        if at >= min(len(mine), len(theirs)):  # one stopped (EOS) where the other went on
-            notes.append(f"prompt {k}: one ends at token {at}, the other goes on")
-            continue
-        top = tops[at]
-        gap = top[theirs[at]] - top[mine[at]] if mine[at] in top else None
-        where = f"prompt {k}: diverges at token {at}"
-        notes.append(
-            f"{where}, logprob gap {gap:.3f}" if gap is not None else f"{where}, ours not in top 5"
-        )
-    return identical, notes
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument(
@@ -203,8 +85,6 @@ def main(argv: list[str] | None = None) -> None:
         help="offline runs of each engine, alternated: the row shows each one's median (the "
         "host drifts between runs a minute apart)",
     )
-    p.add_argument("--accuracy-prompts", type=int, default=32)
-    p.add_argument("--accuracy-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int_list, default=[1, 32])
     p.add_argument(
         "--skip",
@@ -285,9 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         if is_default:
             accuracy(args, gguf, dtype)
         else:
-            print(
-                f"\ngreedy agreement: skipped, its prompts are {DEFAULT_MODEL}'s (--model {gguf})"
-            )
+            print(f"\naccuracy: skipped, it runs on {DEFAULT_MODEL} (--model {gguf})")
 
 
 def offline(args: argparse.Namespace, vocab: int, dtype: str) -> None:
@@ -316,40 +194,26 @@ def offline(args: argparse.Namespace, vocab: int, dtype: str) -> None:
 
 
 def accuracy(args: argparse.Namespace, gguf: Path, dtype: str) -> None:
-    """Greedy agreement with llama-server on SmolLM2's prompts, and llama-server's with itself."""
-    workdir = Path(tempfile.mkdtemp(prefix="loom-bench-cpu-"))
-    prompts = accuracy_prompts()[: args.accuracy_prompts]
-    tokens = args.accuracy_tokens
-    try:
-        reference = llama_cpp_greedy(args, gguf, prompts, tokens, workdir)
-        # llama.cpp against itself: its decode attention without flash attention (on by
-        # default on the CPU) sums in another order and precision. How often that alone
-        # changes its greedy text is the floor any other engine can be held to.
-        flash_off = llama_cpp_greedy(args, gguf, prompts, tokens, workdir, ("-fa", "off"))
-    except PeerFailed as exc:
-        print(f"\ngreedy agreement with llama-server: skipped, {exc}")
+    """Perplexity and KL divergence to the float32 reference, loomllm's and llama.cpp's, as
+    `loom bench accuracy` measures them, on the default model; skipped, saying why, where
+    llama-perplexity or the reference is missing, or llama.cpp's reference run fails."""
+    from loomllm.benchmarks import accuracy as perplexity
+
+    binary = args.llama_bench.with_name("llama-perplexity")
+    if not binary.exists():
+        print(f"\naccuracy: skipped, no llama-perplexity at {binary}: run `make bench-peers`")
         return
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    quantized = loomllm_greedy(prompts, tokens)
-    runs = [(f"as stored ({dtype})", quantized)]
-    if dtype != "float32":  # llama.cpp's activations are float32 between its matmuls
-        runs.append(("as stored, float32", loomllm_greedy(prompts, tokens, dtype="float32")))
-    dequantized = loomllm_greedy(prompts, tokens, dtype="float32", quantization="none")
-    runs.append(("dequantized, float32", dequantized))
-    n = len(prompts)
-    print(f"\ngreedy agreement with llama-server (temperature 0), {n} prompts x {tokens} tokens:")
-    for name, ours in runs:
-        same, notes = agreement(ours, reference)
-        print(f"- loomllm {name}: {same} of {n} identical")
-        for note in notes:
-            print(f"  - {note}")
-    same_paths = sum(a == b for a, b in zip(quantized, dequantized, strict=True))
-    print(f"- loomllm as stored against dequantized: {same_paths} of {n} identical")
-    same, notes = agreement([ids for ids, _ in flash_off], reference)
-    print(f"- llama-server itself with flash attention off: {same} of {n} identical")
-    for note in notes:
-        print(f"  - {note}")
+    if not perplexity.DEFAULT_REFERENCE.exists():
+        where = perplexity.DEFAULT_REFERENCE
+        print(f"\naccuracy: skipped, no float32 reference at {where}: run `make bench-models`")
+        return
+    print(f"\naccuracy as llama-perplexity measures it, {gguf.name}:")
+    # llama.cpp's activations are float32 between its matmuls: loomllm in float32 too.
+    dtypes = ("auto",) if dtype == "float32" else ("auto", "float32")
+    try:
+        perplexity.compare(binary, perplexity.DEFAULT_REFERENCE, [str(gguf)], dtypes=dtypes)
+    except PeerFailed as exc:
+        print(f"accuracy: skipped, llama.cpp's reference run: {exc}")
 
 
 if __name__ == "__main__":

@@ -148,6 +148,7 @@ ENGINE_SWITCHES: list[tuple[str, str]] = [
 # `loom bench NAME`: the module in benchmarks/ that runs it.
 BENCHMARKS = {
     "cpu": "loomllm.benchmarks.cpu",
+    "accuracy": "loomllm.benchmarks.accuracy",
     "offline": "loomllm.benchmarks.offline_throughput",
     "overhead": "loomllm.benchmarks.engine_overhead",
     "serving": "loomllm.benchmarks.serving",

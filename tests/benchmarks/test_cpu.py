@@ -1,5 +1,5 @@
-"""`loom bench cpu`: its peers' output read right, its greedy agreement counted right, its
-offline runs alternated, and a clear refusal without the peers."""
+"""`loom bench cpu`: its peers' output read right, its offline runs alternated, and a clear
+refusal without the peers."""
 
 from __future__ import annotations
 
@@ -24,20 +24,6 @@ def test_llama_bench_rows_are_read(tmp_path):
     assert cpu.llama_bench(fake, tmp_path / "m.gguf", 128, 128) == (400.5, 170.25)
 
 
-def test_agreement_counts_identical_outputs_and_explains_the_others():
-    reference = [
-        ([1, 2, 3], [{1: -0.1}, {2: -0.2}, {3: -0.3}]),
-        ([1, 2, 3], [{1: -0.1}, {2: -0.5, 7: -0.9}, {3: -0.3}]),
-        ([4, 5], [{4: -0.1, 6: -2.0}, {5: -0.1}]),
-    ]
-    identical, notes = cpu.agreement([[1, 2, 3], [1, 7, 3], [9, 5]], reference)
-    assert identical == 1
-    assert notes == [
-        "prompt 1: diverges at token 1, logprob gap 0.400",
-        "prompt 2: diverges at token 0, ours not in top 5",
-    ]
-
-
 def test_without_its_peers_it_says_how_to_get_them():
     done = subprocess.run(
         [sys.executable, "-m", "loomllm.cli.main", "bench", "cpu", "--llama-bench", "/nonexistent"],
@@ -49,7 +35,7 @@ def test_without_its_peers_it_says_how_to_get_them():
 
 
 def test_llama_server_gets_the_extra_flags_after_its_own(tmp_path):
-    # The self-agreement run turns flash attention off this way; a flag given last wins.
+    # A flag given last wins: a run can turn one of llama-server's own off.
     fake = tmp_path / "llama-server"
     fake.write_text('#!/bin/sh\necho "$@"\n')
     fake.chmod(0o755)

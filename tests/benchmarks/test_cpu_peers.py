@@ -110,21 +110,6 @@ def test_a_server_that_dies_at_start_is_its_exit_and_last_line(tmp_path):
     assert str(exc.value) == "llama-server failed: SIGSEGV (-11): main: loading model"
 
 
-def test_the_accuracy_part_is_skipped_when_llama_server_fails(tmp_path, monkeypatch, capsys):
-    def greedy(*args, **kwargs):
-        raise PeerFailed("llama-server", "SIGSEGV (-11): x")
-
-    def never(*args, **kwargs):
-        raise AssertionError("loomllm runs with nothing to compare against")
-
-    monkeypatch.setattr(cpu, "llama_cpp_greedy", greedy)
-    monkeypatch.setattr(cpu, "loomllm_greedy", never)
-    monkeypatch.setattr(cpu, "accuracy_prompts", lambda: [[1, 2, 3]])
-    cpu.main([*peers(tmp_path), "--skip", "stream,serving,offline"])
-    out = capsys.readouterr().out
-    assert "greedy agreement with llama-server: skipped, llama-server failed: SIGSEGV" in out
-
-
 def test_model_reaches_every_engine_and_skips_the_accuracy_part(tmp_path, monkeypatch, capsys):
     gguf = tmp_path / "other.gguf"
     shutil.copyfile(resolve_model("smollm2").path, gguf)
@@ -155,7 +140,7 @@ def test_model_reaches_every_engine_and_skips_the_accuracy_part(tmp_path, monkey
     assert models == [("stream", str(gguf)), ("transformers", str(gguf)), ("offline", str(gguf))]
     assert out.startswith("other.gguf (0.")
     assert "| one stream, 128 tokens, tok/s | 10.0 | 5.0 (llama-bench tg) | 2.00 |" in out
-    assert "greedy agreement: skipped, its prompts are smollm2's" in out
+    assert "accuracy: skipped, it runs on smollm2" in out
 
 
 def test_a_model_that_is_not_a_gguf_is_refused(tmp_path, capsys):
