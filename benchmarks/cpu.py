@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from loomllm.benchmarks import int_list, offline_throughput, peers_build, serving
+from loomllm.benchmarks import cpu_footprint, int_list, offline_throughput, peers_build, serving
 from loomllm.benchmarks.serving import PeerFailed
 
 PROG = "loom bench cpu"
@@ -24,16 +25,20 @@ LLAMA_BUILD_RECORD = serving.PEERS / "llama-build.json"
 
 
 def llama_bench(binary: Path, gguf: Path, prompt: int, output: int) -> tuple[float, float]:
-    """llama-bench's (prompt tok/s, generation tok/s) on two threads. PeerFailed where it
-    exits with an error or a signal, or prints no figures."""
+    """llama-bench's (prompt tok/s, generation tok/s) on two threads (nan for a part asked
+    with 0 tokens). PeerFailed where it exits with an error or a signal, or prints no
+    figures."""
     cmd = [str(binary), "-m", str(gguf), "-t", "2", "-p", str(prompt), "-n", str(output)]
     done = subprocess.run([*cmd, "-o", "json"], capture_output=True, text=True)
     if done.returncode != 0:
         raise PeerFailed("llama-bench", serving.failure_reason(done.returncode, done.stderr))
     try:
         rows = json.loads(done.stdout)
-        pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
-        tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
+        pp = tg = math.nan
+        if prompt:
+            pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
+        if output:
+            tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
     except (ValueError, KeyError, StopIteration) as exc:
         reason = f"no figures in its output: {serving.last_line(done.stdout or done.stderr)}"
         raise PeerFailed("llama-bench", reason) from exc
@@ -90,8 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         "--skip",
         type=lambda s: set(s.split(",")),
         default=set(),
-        help="parts to leave out: stream,serving,offline,accuracy (offline holds transformers' "
-        "float copy of the model in memory)",
+        help="parts to leave out: stream,footprint,serving,offline,accuracy (offline holds "
+        "transformers' float copy of the model in memory)",
     )
     args = p.parse_args(argv)
     if args.offline_rounds < 1:
@@ -129,6 +134,16 @@ def main(argv: list[str] | None = None) -> None:
             prompt, args.stream_tokens, "auto", repeats=5, model=args.model
         )
         row(f"one stream, {args.stream_tokens} tokens, tok/s", 1 / per_token, tg, "llama-bench tg")
+        streamed, read_s = cpu_footprint.plain_read(gguf)
+        row(
+            "one stream, weights read, GB/s",
+            streamed / per_token / 1e9,
+            streamed / read_s / 1e9,
+            "a plain 2-thread read of the same bytes",
+        )
+
+    if "footprint" not in args.skip:
+        footprint(args, gguf)
 
     if "serving" not in args.skip:
         options = argparse.Namespace(
@@ -166,6 +181,35 @@ def main(argv: list[str] | None = None) -> None:
             accuracy(args, gguf, dtype)
         else:
             print(f"\naccuracy: skipped, it runs on {DEFAULT_MODEL} (--model {gguf})")
+
+
+def footprint(args: argparse.Namespace, gguf: Path) -> None:
+    """A prompt of 512, load times and worker memory: loomllm's beside llama.cpp's."""
+    pp: float | PeerFailed
+    rss: float | PeerFailed
+    try:
+        pp, _ = llama_bench(args.llama_bench, gguf, 512, 0)
+    except PeerFailed as exc:
+        pp = exc
+    try:
+        rss = cpu_footprint.llama_bench_peak_rss(args.llama_bench, gguf) / 1e9
+    except PeerFailed as exc:
+        rss = exc
+    ours = cpu_footprint.loomllm_footprint(gguf)
+    row(f"prompt of {ours.prompt}, tok/s", ours.prompt_tok_s, pp, f"llama-bench pp{ours.prompt}")
+    weights = gguf.stat().st_size
+    held = weights + ours.kv_bytes
+    row("worker memory, GB (RSS)", ours.rss / 1e9, rss, "llama-bench peak RSS")
+    rest = ours.anonymous - ours.kv_bytes  # the interpreter, torch, and the ops' buffers
+    print(
+        f"\nloomllm's worker: RSS {ours.rss / 1e9:.2f} GB, {ours.rss / held:.2f}x the file "
+        f"({weights / 1e9:.2f} GB) and its KV cache ({ours.kv_bytes / 1e9:.2f} GB): the file's "
+        f"pages {(ours.rss - ours.anonymous) / 1e9:.2f} GB, the KV cache, and {rest / 1e9:.2f} GB "
+        f"more. Load: {ours.cold_s:.1f} s the first time (the file's config and tokenizer read), "
+        f"{ours.warm_s:.1f} s the next (a new worker, which reports {ours.worker_load_s:.2f} s "
+        "of its own).",
+        flush=True,
+    )
 
 
 def offline(args: argparse.Namespace, vocab: int, dtype: str) -> None:

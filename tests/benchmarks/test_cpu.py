@@ -74,7 +74,7 @@ def test_offline_runs_alternate_and_the_row_shows_each_engines_median(
     for name in ("llama-bench", "llama-server"):
         peers += [f"--{name}", str(tmp_path / name)]
         (tmp_path / name).touch()
-    cpu.main([*peers, "--skip", "stream,serving,accuracy", "--offline-rounds", "3"])
+    cpu.main([*peers, "--skip", "stream,footprint,serving,accuracy", "--offline-rounds", "3"])
     assert runs == ["loomllm", "transformers"] * 3
     out = capsys.readouterr().out
     assert "| offline 64 x 128, tok/s (median of 3 alternated runs) | 200.0 | 70.0 (" in out

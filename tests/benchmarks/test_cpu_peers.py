@@ -54,11 +54,16 @@ def test_a_crashing_llama_bench_is_a_row_and_the_build_is_printed(tmp_path, monk
         return 0.5, 0.01
 
     monkeypatch.setattr(cpu.offline_throughput, "single_stream_loomllm", single_stream)
+    monkeypatch.setattr(cpu.cpu_footprint, "plain_read", lambda path: (2_000_000_000, 0.04))
+    ours = cpu.cpu_footprint.Footprint(5.0, 0.5, 0.2, 3 * 10**9, 2 * 10**9, 10**9, 300.0, 512)
+    monkeypatch.setattr(cpu.cpu_footprint, "loomllm_footprint", lambda path: ours)
     cpu.main([*argv, "--skip", "serving,offline,accuracy"])
     out = capsys.readouterr().out
-    assert (
-        "| one stream, 128 tokens, tok/s | 100.0 | llama-bench failed: SIGSEGV (-11) | — |" in out
-    )
+    failed = "llama-bench failed: SIGSEGV (-11) | — |"
+    assert f"| one stream, 128 tokens, tok/s | 100.0 | {failed}" in out
+    assert f"| prompt of 512, tok/s | 300.0 | {failed}" in out
+    assert f"| worker memory, GB (RSS) | 3.0 | {failed}" in out
+    assert "the file's pages 1.00 GB, the KV cache, and 1.00 GB more" in out
     assert "\nllama.cpp build: " in out
     assert seen["model"] == "smollm2" and seen["max_id"] < 49152
 
@@ -72,7 +77,7 @@ def test_a_failed_llama_server_is_a_row_in_the_serving_part(tmp_path, monkeypatc
     monkeypatch.setattr(cpu.serving, "compare", compare)
     (tmp_path / "guidellm").touch()
     argv = [*peers(tmp_path), "--guidellm", str(tmp_path / "guidellm")]
-    cpu.main([*argv, "--skip", "stream,offline,accuracy", "--concurrency", "1,4"])
+    cpu.main([*argv, "--skip", "stream,footprint,offline,accuracy", "--concurrency", "1,4"])
     out = capsys.readouterr().out
     failed = "llama-server failed: SIGSEGV (-11): x | — |"
     assert f"| serving c=1, output tok/s | 50.0 | {failed}" in out
@@ -135,11 +140,15 @@ def test_model_reaches_every_engine_and_skips_the_accuracy_part(tmp_path, monkey
     monkeypatch.setattr(cpu.offline_throughput, "run_loomllm", run_loomllm)
     monkeypatch.setattr(cpu.offline_throughput, "load_hf", load_hf)
     monkeypatch.setattr(cpu.offline_throughput, "run_hf", lambda model, prompts, tokens: (2.0, 100))
-    cpu.main([*argv, "--model", str(gguf), "--skip", "serving", "--offline-rounds", "1"])
+    # 2 GB a token's step reads, read plainly in 0.04 s: 50 GB/s.
+    monkeypatch.setattr(cpu.cpu_footprint, "plain_read", lambda path: (2_000_000_000, 0.04))
+    cpu.main([*argv, "--model", str(gguf), "--skip", "serving,footprint", "--offline-rounds", "1"])
     out = capsys.readouterr().out
     assert models == [("stream", str(gguf)), ("transformers", str(gguf)), ("offline", str(gguf))]
     assert out.startswith("other.gguf (0.")
     assert "| one stream, 128 tokens, tok/s | 10.0 | 5.0 (llama-bench tg) | 2.00 |" in out
+    row = "| one stream, weights read, GB/s | 20.0 | 50.0 (a plain 2-thread read of the same bytes)"
+    assert f"{row} | 0.40 |" in out
     assert "accuracy: skipped, it runs on smollm2" in out
 
 

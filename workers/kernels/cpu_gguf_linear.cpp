@@ -1,7 +1,10 @@
 // x @ w.T with w a GGUF file's quantized tensor, read from its blocks where they lie (the
 // memory-mapped file), as llama.cpp computes: x quantized to int8 per 256 inputs for K-quants
 // (its Q8_K) or per 32 for legacy blocks (Q8_1), exact integer dot products, then floats. Also
-// the blocks dequantized, for an embedding's rows and for float paths.
+// the blocks dequantized, for an embedding's rows and for float paths, and a plain read of
+// them, the bandwidth the one-row kernels are measured against.
+
+#include <atomic>
 
 #include "cpu_gguf_blocks.h"
 #include "cpu_ops.h"
@@ -585,6 +588,32 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t k,
   };
   dtype == at::kBFloat16 ? go(c10::BFloat16{}) : go(float{});
   return out;
+}
+
+int64_t read_bytes(at::TensorList tensors) {
+  typedef uint64_t v8 __attribute__((vector_size(64)));
+  std::atomic<uint64_t> total{0};
+  for (const at::Tensor& t : tensors) {
+    TORCH_CHECK(t.is_contiguous(), "read_bytes: a tensor of ", t.sizes(), " is not contiguous");
+    const uint8_t* p = static_cast<const uint8_t*>(t.data_ptr());
+    constexpr int64_t chunk = 4096;
+    const int64_t chunks = static_cast<int64_t>(t.nbytes()) / chunk;
+    // As the kernels split a weight: a run of it a thread, a task a few kilobytes.
+    at::parallel_for(0, chunks, 16, [&](int64_t begin, int64_t end) {
+      v8 a = {}, b = {};
+      for (int64_t i = begin * chunk; i < end * chunk; i += 128) {
+        v8 x, y;
+        std::memcpy(&x, p + i, sizeof x);
+        std::memcpy(&y, p + i + 64, sizeof y);
+        a ^= x, b ^= y;
+      }
+      a ^= b;
+      uint64_t folded = 0;
+      for (int j = 0; j < 8; ++j) folded ^= a[j];
+      total ^= folded;
+    });
+  }
+  return static_cast<int64_t>(total.load());
 }
 
 }  // namespace loom_cpu

@@ -260,5 +260,8 @@ at::Tensor silu_gguf_linear(const at::Tensor& gate_up, at::TensorList weights,
 // The rows (all, or those `rows` names) of a [N, bytes] tensor of blocks as [rows, k] floats.
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t k,
                            const std::optional<at::Tensor>& rows, at::ScalarType dtype);
+// Every byte of the tensors read once, on the threads as the kernels read a weight (an XOR of
+// them, so that the reads happen): the bandwidth the one-row kernels are held to.
+int64_t read_bytes(at::TensorList tensors);
 
 }  // namespace loom_cpu

@@ -213,6 +213,7 @@ TORCH_LIBRARY(loom_cpu, m) {
       "int kernel) -> Tensor");
   m.def(
       "gguf_dequantize(Tensor weight, int type, int k, Tensor? rows, ScalarType dtype) -> Tensor");
+  m.def("read_bytes(Tensor[] tensors) -> int", &loom_cpu::read_bytes);
 }
 
 TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
