@@ -80,7 +80,8 @@ def load_hf(dtype: str, model: str = "smollm2"):
 
     from loomllm.workers.models.sources import prepare_model_dir, resolve_model
 
-    model_dir = prepare_model_dir(resolve_model(model))
+    # transformers reads float weights: a GGUF's are dequantized into the cache for it.
+    model_dir = prepare_model_dir(resolve_model(model), dense_weights=True)
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 
 
