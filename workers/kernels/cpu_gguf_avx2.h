@@ -141,9 +141,10 @@ inline float sum8(__m256 v) {
 // R rows of x (from row m0) against one output's row of super-blocks; `pairs` holds each
 // row's sums per 16 inputs as int16 ([M, Kp / 32] words of two).
 template <int64_t TYPE, int R>
-inline void k_dot(const uint8_t* row, int64_t groups, int64_t block_bytes, const int8_t* codes,
-                  const float* scales, const int32_t* pairs, int64_t m0, int64_t kp,
-                  float* result) {
+[[gnu::always_inline]] inline void k_dot(const uint8_t* row, int64_t groups, int64_t block_bytes,
+                                         const int8_t* codes, const float* scales,
+                                         const int32_t* pairs, int64_t m0, int64_t kp,
+                                         float* result) {
   constexpr bool same_scale = TYPE != Q2_K && TYPE != Q4_K && TYPE != Q5_K;
   const int64_t per_row = kp / GROUP;
   __m256 acc[R];
@@ -237,9 +238,10 @@ inline void legacy_scales(const uint8_t* first, int64_t count, __m256& a, __m256
 
 // R rows of x against one output's row of legacy blocks (`blocks` of them).
 template <int64_t TYPE, int R>
-inline void l_dot(const uint8_t* row, int64_t blocks, int64_t block_bytes, const int8_t* codes,
-                  const float* scales, const float* scaled_sums, int64_t m0, int64_t kp,
-                  float* result) {
+[[gnu::always_inline]] inline void l_dot(const uint8_t* row, int64_t blocks, int64_t block_bytes,
+                                         const int8_t* codes, const float* scales,
+                                         const float* scaled_sums, int64_t m0, int64_t kp,
+                                         float* result) {
   const int64_t per_row = kp / LEGACY;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R], offsets[R];

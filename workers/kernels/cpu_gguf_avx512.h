@@ -188,8 +188,10 @@ constexpr bool same_scale(int64_t type) {
 
 // R rows of x (from row m0) against one output's row of super-blocks.
 template <int64_t TYPE, int R>
-inline void k_dot(const uint8_t* row, int64_t groups, int64_t block_bytes, const int8_t* codes,
-                  const float* scales, const int32_t* sums, int64_t m0, int64_t kp, float* result) {
+[[gnu::always_inline]] inline void k_dot(const uint8_t* row, int64_t groups, int64_t block_bytes,
+                                         const int8_t* codes, const float* scales,
+                                         const int32_t* sums, int64_t m0, int64_t kp,
+                                         float* result) {
   const int64_t per_row = kp / GROUP;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -292,15 +294,25 @@ template <int64_t TYPE>
 inline void legacy_scales(const uint8_t* first, int64_t count, __m256& a, __m256& b) {
   constexpr int64_t bytes = type_info(TYPE).block_bytes;
   constexpr bool has_min = TYPE == Q4_1 || TYPE == Q5_1;
-  // Gathered into a register: a vector loaded from eight 16-bit stores just made would stall.
+  // Inserted into a vector one at a time: a vector loaded from eight 16-bit stores just made
+  // would stall. A whole group's eight, the common case, without the loop's branches.
   __m128i d = _mm_setzero_si128(), m = _mm_setzero_si128();
-  for (int64_t i = 0; i < count; ++i) {
+  const auto half = [&](int64_t i, int64_t at) {
     uint16_t h;
-    std::memcpy(&h, first + i * bytes, 2);
-    d = insert16(d, h, i);
+    std::memcpy(&h, first + i * bytes + at, 2);
+    return h;
+  };
+  if (count == BLOCKS) {
+    d = _mm_setr_epi16(half(0, 0), half(1, 0), half(2, 0), half(3, 0), half(4, 0), half(5, 0),
+                       half(6, 0), half(7, 0));
     if constexpr (has_min) {
-      std::memcpy(&h, first + i * bytes + 2, 2);
-      m = insert16(m, h, i);
+      m = _mm_setr_epi16(half(0, 2), half(1, 2), half(2, 2), half(3, 2), half(4, 2), half(5, 2),
+                         half(6, 2), half(7, 2));
+    }
+  } else {
+    for (int64_t i = 0; i < count; ++i) {
+      d = insert16(d, half(i, 0), i);
+      if constexpr (has_min) m = insert16(m, half(i, 2), i);
     }
   }
   a = _mm256_cvtph_ps(d);
@@ -314,9 +326,10 @@ inline void legacy_scales(const uint8_t* first, int64_t count, __m256& a, __m256
 // R rows of x against one output's row of legacy blocks (`blocks` of them): x's codes, each
 // block's scale and scale times its codes' sum, [M, Kp / 32] each.
 template <int64_t TYPE, int R>
-inline void l_dot(const uint8_t* row, int64_t blocks, int64_t block_bytes, const int8_t* codes,
-                  const float* scales, const float* scaled_sums, int64_t m0, int64_t kp,
-                  float* result) {
+[[gnu::always_inline]] inline void l_dot(const uint8_t* row, int64_t blocks, int64_t block_bytes,
+                                         const int8_t* codes, const float* scales,
+                                         const float* scaled_sums, int64_t m0, int64_t kp,
+                                         float* result) {
   // Sixty-four codes are two blocks, eight lanes each: each lane's block, for the p-th pair.
   const __m512i spread[4] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
                              _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),

@@ -239,8 +239,8 @@ void store(T* out, int64_t ldo, int64_t m0, int rows, int64_t column, const floa
 // `rows` rows of x (from m0, at most ROWS) against one output's row of blocks, decoded in
 // registers as they are read (AVX512-VNNI, else AVX2).
 template <int64_t TYPE, int R>
-void fused_dot(const uint8_t* row, int64_t k, const Activations& a, int64_t m0, int64_t kp,
-               float* values) {
+[[gnu::always_inline]] inline void fused_dot(const uint8_t* row, int64_t k, const Activations& a,
+                                             int64_t m0, int64_t kp, float* values) {
   constexpr int64_t bytes = type_info(TYPE).block_bytes;
 #ifdef LOOM_GGUF_VNNI
   namespace simd = avx512;
@@ -259,8 +259,8 @@ void fused_dot(const uint8_t* row, int64_t k, const Activations& a, int64_t m0, 
 }
 
 template <int64_t TYPE>
-void fused_rows(const uint8_t* row, int64_t k, const Activations& a, int64_t m0, int rows,
-                int64_t kp, float* values) {
+[[gnu::always_inline]] inline void fused_rows(const uint8_t* row, int64_t k, const Activations& a,
+                                              int64_t m0, int rows, int64_t kp, float* values) {
   switch (rows) {
     case 1: return fused_dot<TYPE, 1>(row, k, a, m0, kp, values);
     case 2: return fused_dot<TYPE, 2>(row, k, a, m0, kp, values);
