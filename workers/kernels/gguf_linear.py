@@ -114,3 +114,56 @@ def in_transformers_order(rows: torch.Tensor, heads: int) -> torch.Tensor:
     n = rows.shape[0]
     order = torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
     return rows[order]
+
+
+# Legacy types whose blocks the a8 kernel's panels hold in the same bytes (4-bit or 8-bit codes,
+# float16 scales): Q4_0, Q4_1, Q8_0.
+REPACKED_TYPES = (2, 3, 8)
+
+
+def legacy_code_blocks(part: GgufPart) -> Any:
+    """A Q4_0, Q4_1 or Q8_0 part's blocks as cpu_linear's CodeBlocks (w = code * a + b per 32
+    inputs), exactly, rows in transformers' order."""
+    from loomllm.workers.kernels.cpu_linear import CodeBlocks
+
+    raw = part.data
+    rows = raw.shape[0]
+    size = {2: 18, 3: 20, 8: 34}[part.type_id]
+    blocks = raw.view(rows, -1, size)
+
+    def half_at(at: int) -> torch.Tensor:  # [rows, blocks] float32
+        return blocks[..., at : at + 2].contiguous().view(torch.float16)[..., 0].float()
+
+    d = half_at(0)
+    if part.type_id == 8:  # int8 q, w = d * q
+        codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1)
+        weights = CodeBlocks.from_int8(codes, d)
+    else:  # nibbles: weight i low, 16 + i high; w = d * q - 8d (Q4_0) or d * q + m (Q4_1)
+        qs = blocks[..., size - 16 :]
+        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(rows, -1)
+        offset = -8.0 * d if part.type_id == 2 else half_at(2)
+        weights = CodeBlocks(codes, d, offset, 4)
+    order = in_transformers_order(torch.arange(rows), part.heads)
+    return CodeBlocks(weights.codes[order], weights.a[order], weights.b[order], weights.bits)
+
+
+class RepackedLinear(torch.nn.Module):
+    """A layer of Q4_0, Q4_1 and Q8_0 blocks, repacked once at load into the a8 kernel's panels
+    (cpu_linear.BlockLinear): the same bytes, laid out so that one row of x streams them as
+    fast as many rows, where the blocks as stored cost a scale's handling per 32 weights."""
+
+    def __init__(
+        self, in_features: int, parts: list[GgufPart], bias: torch.Tensor | None, ops: Any
+    ) -> None:
+        from loomllm.workers.kernels.cpu_linear import BlockLinear, CodeBlocks
+
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = sum(p.rows for p in parts)
+        self.types = [p.type_id for p in parts]
+        self.a8 = BlockLinear(CodeBlocks.cat([legacy_code_blocks(p) for p in parts]), ops)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.a8(x)
+        return out if self.bias is None else out + self.bias

@@ -10,10 +10,12 @@ from typing import Any
 import torch
 
 from loomllm.workers.kernels.gguf_linear import (
+    REPACKED_TYPES,
     DenseEmbedding,
     GgufEmbedding,
     GgufLinear,
     GgufPart,
+    RepackedLinear,
     in_transformers_order,
 )
 from loomllm.workers.kernels.gguf_types import KERNEL_TYPES, kernel_type_names, type_name
@@ -55,7 +57,12 @@ class _Reader:
 
     def __init__(self, gguf: GgufFile, dtype: torch.dtype, ops: Any, check_kernels: bool) -> None:
         self.gguf, self.dtype, self.ops, self.check_kernels = gguf, dtype, ops, check_kernels
-        self.dense_layers = 0
+        self.dense_layers = self.repacked_layers = 0
+        # Q4_0, Q4_1 and Q8_0 layers run on the a8 kernel's panels where it has its vector
+        # path (AVX512-VNNI): blocks of 32 with a float16 scale each cost more to stream as
+        # stored than the same bytes laid out for it.
+        has_vnni = getattr(ops, "block_linear_has_vnni", None)
+        self.repack = check_kernels and has_vnni is not None and has_vnni()
 
     def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         info = self.gguf.tensors.get(name)
@@ -104,6 +111,12 @@ class _Reader:
                 linear.bias = torch.nn.Parameter(biases, requires_grad=False)
             return linear
         parts = [GgufPart(t, k, h) for t, k, h in zip(tensors, types, heads, strict=True)]
+        if self.repack and all(t in REPACKED_TYPES for t in types):
+            self.repacked_layers += 1
+            layer = RepackedLinear(in_features, parts, biases, self.ops)
+            for name in names:  # read once: its pages may leave this process's memory
+                self.gguf.release(f"{name}.weight")
+            return layer
         return GgufLinear(in_features, parts, biases, self.ops)
 
     def norm(self, norm: torch.nn.Module, name: str) -> None:
@@ -161,6 +174,11 @@ def build(
     assert not left, f"not filled from the GGUF file: {left}"
     if read.dense_layers:
         logger.info("%d linear layers stored in float types run dense", read.dense_layers)
+    if read.repacked_layers:
+        logger.info(
+            "%d linear layers of Q4_0, Q4_1 or Q8_0 blocks repacked for the a8 kernel",
+            read.repacked_layers,
+        )
     return model.eval()
 
 

@@ -78,6 +78,19 @@ class GgufFile:
             f"{self.path.name}: {name} is {type_name(info.type_id)}, a type loomllm cannot read"
         )
 
+    def release(self, name: str) -> None:
+        """Let the pages of tensor `name` leave this process's memory (they stay the page
+        cache's): for a tensor read once, into a layout of loomllm's own. A view of them read
+        later reads them from the file again."""
+        info = self.tensors[name]
+        view = self.tensor(name)
+        end = info.offset + view.numel() * view.element_size()
+        # Whole pages inside the tensor only: its neighbours' may be in use.
+        first = -(-info.offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+
 
 def _block_size(type_id: int) -> tuple[int, int] | None:
     """(weights, bytes) a block of a quantized type, from gguf's table; None if unknown."""

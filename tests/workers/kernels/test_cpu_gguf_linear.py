@@ -136,6 +136,27 @@ def test_batch_invariant_kernel_gives_a_row_the_same_bits_in_any_batch(ops, name
         close(fastest, reference(name, x[:rows], raw.numpy()), x, dequantized(name, raw.numpy()))
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_repacked_legacy_blocks_hold_the_same_weights(ops, name):
+    """Q4_0, Q4_1 and Q8_0 blocks as the a8 kernel's codes: gguf's values exactly, rows in
+    transformers' order where the part's heads say so; the repacked layer computes as the
+    blocks as stored do (both quantize x per 32)."""
+    from gguf.quants import quantize
+
+    from loomllm.workers.kernels.gguf_linear import GgufPart, RepackedLinear, legacy_code_blocks
+
+    kind = GGMLQuantizationType[name]
+    raw = quantize(np.random.default_rng(12).standard_normal((64, 96)).astype(np.float32), kind)
+    blocks = legacy_code_blocks(GgufPart(torch.from_numpy(raw), kind.value, 4))
+    want = in_transformers_order(torch.from_numpy(dequantized(name, raw)), 4)
+    assert torch.equal(blocks.dequantize().double(), want)
+    if ops.block_linear_has_vnni():
+        layer = RepackedLinear(96, [GgufPart(torch.from_numpy(raw), kind.value, 4)], None, ops)
+        x = torch.randn(3, 96)
+        stored = ops.gguf_linear(x, [torch.from_numpy(raw)], [kind.value], [4], None, 0)
+        torch.testing.assert_close(layer(x), stored, rtol=1e-5, atol=1e-5)
+
+
 def test_bfloat16_rows_compute_as_their_float_values(ops):
     raw = torch.from_numpy(random_blocks("Q4_K", 32, 256, seed=3))
     x = torch.randn(5, 256).bfloat16()

@@ -141,16 +141,21 @@ def test_without_vnni_a8_runs_only_where_asked_for(tiny, tmp_path, monkeypatch):
 
 
 def test_smollm2_runs_its_own_blocks():
-    """SmolLM2's Q4_1 layers and Q8_0 embedding (its lm_head) computed from the file's blocks,
-    and the next token is the dequantized model's."""
-    from loomllm.workers.kernels.gguf_linear import GgufLinear
+    """SmolLM2's Q4_1 layers and Q8_0 embedding (its lm_head) as the file stores them (on
+    AVX512-VNNI repacked for the a8 kernel, in the same bytes), and the next token is the
+    dequantized model's."""
+    from loomllm.workers.kernels import cpu_native
+    from loomllm.workers.kernels.gguf_linear import GgufLinear, RepackedLinear
 
     stored = load_model("smollm2", dtype="float32").model
     reference = load_model("smollm2", dtype="float32", quantization="none").model
-    assert isinstance(stored.lm_head, GgufLinear) and stored.lm_head.types == [8]  # Q8_0
+    repacked = cpu_native.loaded().block_linear_has_vnni()
+    kind = RepackedLinear if repacked else GgufLinear
+    assert isinstance(stored.lm_head, kind) and stored.lm_head.types == [8]  # Q8_0
     assert stored.model.layers[0].mlp.down_proj.types == [3]  # Q4_1
     for name in ("lm_head", "model.layers.3.self_attn.qkv_proj"):
         layer, dense = stored.get_submodule(name), reference.get_submodule(name)
+        assert isinstance(layer, kind)
         x = torch.randn(1, layer.in_features)
         exact = x.double() @ dense.weight.double().T
         assert (layer(x).double() - exact).abs().max() < 0.02 * exact.abs().max()

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from loomllm.workers.kernels import cpu_kernel_choice
-from loomllm.workers.kernels.gguf_linear import GgufLinear
+from loomllm.workers.kernels.gguf_linear import GgufLinear, RepackedLinear
 
 DENSE, INT4, INT8, A8, GGUF = 0, 1, 2, 3, 4  # cpu_stack.cpp's LinearMode
 
@@ -20,6 +20,8 @@ def linear_args(linear: torch.nn.Module, rows: int) -> tuple[int, list[torch.Ten
     parts are GgufParts's."""
     if isinstance(linear, GgufLinear):
         return GGUF, [None, None, linear.bias]
+    if isinstance(linear, RepackedLinear):
+        return A8, [linear.a8.packed, linear.a8.scales, linear.bias]
     kernels = getattr(linear, "kernels", None)
     if kernels is not None:
         kind = kernels.choice[cpu_kernel_choice.batch_index(rows)]
