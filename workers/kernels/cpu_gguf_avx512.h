@@ -196,6 +196,7 @@ template <int64_t TYPE, int R>
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    prefetch_ahead(row + g * block_bytes, block_bytes);
     KRegs k;
     decode<TYPE>(row + g * block_bytes, k);
     __m512i scale[4];  // each lane's part's scale, for the c-th 64 codes
