@@ -101,17 +101,17 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.offline_rounds < 1:
         p.error(f"--offline-rounds must be at least 1, got {args.offline_rounds}")
-    for path, what in ((args.llama_bench, "llama-bench"), (args.llama_server, "llama-server")):
-        if not path.exists():
-            sys.exit(f"no {what} at {path}: run `make bench-peers`")
-    if "serving" not in args.skip and not args.guidellm.exists():
-        sys.exit(f"no guidellm at {args.guidellm}: run `make bench-peers` (or --skip serving)")
 
     from loomllm.workers.models.sources import resolve_model
 
     source = resolve_model(args.model)
     if source.kind != "gguf":
         p.error(f"--model must be a GGUF file (llama.cpp runs it too), got {args.model!r}")
+    for path, what in ((args.llama_bench, "llama-bench"), (args.llama_server, "llama-server")):
+        if not path.exists():
+            sys.exit(f"no {what} at {path}: run `make bench-peers`")
+    if "serving" not in args.skip and not args.guidellm.exists():
+        sys.exit(f"no guidellm at {args.guidellm}: run `make bench-peers` (or --skip serving)")
     gguf = Path(source.path)
     is_default = gguf == Path(resolve_model(DEFAULT_MODEL).path)
     dtype = compute_dtype()
