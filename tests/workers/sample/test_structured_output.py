@@ -273,7 +273,7 @@ def test_smollm2_json_schema_matches_hf_with_xgrammar(shared_manager, async_sche
     from loomllm.text.tokenizer import Tokenizer
     from loomllm.workers.models.sources import prepare_model_dir, resolve_model
 
-    model_dir = str(prepare_model_dir(resolve_model("smollm2")))
+    model_dir = str(prepare_model_dir(resolve_model("smollm2"), dense_weights=True))
     tok = Tokenizer.from_model_dir(model_dir)
     asks = [
         "Describe a pirate",
