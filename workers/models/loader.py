@@ -84,7 +84,8 @@ def load_model(
     torch.distributed group the caller has initialized); heads must split evenly.
     model_impl: see MODEL_IMPLS; tensor parallelism runs transformers' modeling code.
     quantization: see models/quantization.py (None: a GGUF file runs as it is stored, on
-    the CPU, with loomllm's own model); cpu_linear_kernel overrides the measured choice.
+    the CPU, with loomllm's own model); cpu_linear_kernel overrides the measured choice of
+    "int8" and "int4", and is refused elsewhere.
     batch_invariant: a GGUF run as stored computes every batch size on one kernel, so that a
     row's result does not depend on its batch.
     """
@@ -139,6 +140,14 @@ def load_model(
     if cpu_linear_kernel not in quantize.CPU_LINEAR_KERNELS:
         allowed = ", ".join(quantize.CPU_LINEAR_KERNELS)
         raise ValueError(f"cpu_linear_kernel must be one of {allowed}; got {cpu_linear_kernel!r}")
+    if cpu_linear_kernel != "auto" and quantization not in ("int8", "int4"):
+        # A GGUF's blocks run on the GGUF kernels, a float model's weights on dense matmuls:
+        # neither has a kernel to choose, and ignoring the option would hide that.
+        raise ValueError(
+            f"cpu_linear_kernel={cpu_linear_kernel!r} chooses the kernel of weights quantized "
+            f"on load (quantization 'int8' or 'int4'); this load's quantization is "
+            f"{quantization!r}"
+        )
     if shape is not None:
         loaded = _load_llama_family(
             model,

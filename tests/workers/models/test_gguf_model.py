@@ -103,6 +103,15 @@ def test_a_type_the_kernels_do_not_read_is_refused_by_name(gguf_dir):
     assert not any(isinstance(m, GgufLinear) for m in dense.modules())
 
 
+@pytest.mark.parametrize("quantization", [None, "gguf", "none"])
+def test_a_kernel_choice_for_a_gguf_is_refused_by_name(quantization, gguf_dir):
+    """cpu_linear_kernel picks among kernels of weights quantized on load: a GGUF's blocks
+    (or its dequantized weights) have none to pick, and the option is not silently dropped."""
+    path = make_tiny_gguf(gguf_dir / "kernel.gguf", "Q4_0")
+    with pytest.raises(ValueError, match=r"cpu_linear_kernel='int4' chooses the kernel"):
+        load_model(str(path), quantization=quantization, cpu_linear_kernel="int4")
+
+
 def test_llama3_rope_factors_divide_the_frequencies(gguf_dir):
     """llama.cpp's converter stores Llama 3's scaled RoPE as `rope_freqs.weight`, which
     transformers' config from a GGUF leaves out; the model divides its frequencies by them."""
