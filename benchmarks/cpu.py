@@ -205,7 +205,9 @@ def footprint(args: argparse.Namespace, gguf: Path) -> None:
         f"\nloomllm's worker: RSS {ours.rss / 1e9:.2f} GB, {ours.rss / held:.2f}x the file "
         f"({weights / 1e9:.2f} GB) and its KV cache ({ours.kv_bytes / 1e9:.2f} GB): the file's "
         f"pages {(ours.rss - ours.anonymous) / 1e9:.2f} GB, the KV cache, and {rest / 1e9:.2f} GB "
-        f"more. Load: {ours.cold_s:.1f} s the first time (the file's config and tokenizer read), "
+        f"more; {ours.shared / 1e9:.2f} GB of the RSS are pages other processes map too (the "
+        "imports it inherits from the zygote that forked it, shared libraries). "
+        f"Load: {ours.cold_s:.1f} s the first time (the file's config and tokenizer read), "
         f"{ours.warm_s:.1f} s the next (a new worker, which reports {ours.worker_load_s:.2f} s "
         "of its own).",
         flush=True,

@@ -79,6 +79,7 @@ class Footprint:
     worker_load_s: float  # the warm worker's own load, as it reports it
     rss: int  # the worker's resident bytes after prompts of `prompt` and a stream
     anonymous: int  # of them, its memory's (the rest: files' pages, the GGUF's mostly)
+    shared: int  # of them, pages other processes map too: the zygote's imports, libraries
     kv_bytes: int  # its KV cache's
     prompt_tok_s: float  # a prompt of `prompt` tokens, alone, computed
     prompt: int
@@ -99,13 +100,13 @@ def loomllm_footprint(gguf: Path, prompt: int = 512, tokens: int = 128) -> Footp
 
     async def start(
         socket: Path, measure: bool
-    ) -> tuple[float, float, tuple[int, int], int, float]:
+    ) -> tuple[float, float, tuple[int, int, int], int, float]:
         started = time.perf_counter()
         async with Engine(str(gguf), manager_socket=socket, keep_alive=0) as engine:
             took = time.perf_counter() - started
             info = engine.model_info
             if not measure:
-                return took, info.load_seconds, (0, 0), 0, 0.0
+                return took, info.load_seconds, (0, 0, 0), 0, 0.0
             await offline_throughput.stream_timing(engine, prompts[0], 2)  # warm-up
             firsts = [
                 (await offline_throughput.stream_timing(engine, p, 2))[0] for p in prompts[1:4]
@@ -113,11 +114,12 @@ def loomllm_footprint(gguf: Path, prompt: int = 512, tokens: int = 128) -> Footp
             await offline_throughput.stream_timing(engine, prompts[4][:100], tokens)
             workers = await list_workers(socket)
             rss = sum(w.rss_bytes for w in workers)
-            anonymous = sum(anonymous_bytes(w.pid) for w in workers)
+            anonymous = sum(rollup_bytes(w.pid, "Anonymous") for w in workers)
+            shared = sum(rollup_bytes(w.pid, "Shared_Clean", "Shared_Dirty") for w in workers)
             return (
                 took,
                 info.load_seconds,
-                (rss, anonymous),
+                (rss, anonymous, shared),
                 kv_cache_bytes(info),
                 prompt / statistics.median(firsts),
             )
@@ -126,21 +128,23 @@ def loomllm_footprint(gguf: Path, prompt: int = 512, tokens: int = 128) -> Footp
         wait_for_no_workers(socket)
         cold_s, _, _, _, _ = anyio.run(start, socket, False)
         wait_for_no_workers(socket)
-        warm_s, load_s, (rss, anonymous), kv, prompt_tok_s = anyio.run(start, socket, True)
-    return Footprint(cold_s, warm_s, load_s, rss, anonymous, kv, prompt_tok_s, prompt)
+        warm_s, load_s, (rss, anonymous, shared), kv, prompt_tok_s = anyio.run(start, socket, True)
+    return Footprint(cold_s, warm_s, load_s, rss, anonymous, shared, kv, prompt_tok_s, prompt)
 
 
-def anonymous_bytes(pid: int) -> int:
-    """A process's resident anonymous memory (/proc's smaps_rollup), in bytes; 0 where it
-    cannot be read."""
+def rollup_bytes(pid: int, *fields: str) -> int:
+    """The sum of a process's `fields` in /proc's smaps_rollup ("Anonymous", "Shared_Dirty"
+    ...), in bytes; 0 where it cannot be read."""
+    total = 0
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Anonymous:"):
-                    return int(line.split()[1]) * 1024
+                name, _, rest = line.partition(":")
+                if name in fields:
+                    total += int(rest.split()[0]) * 1024
     except (OSError, ValueError):
-        pass
-    return 0
+        return 0
+    return total
 
 
 def kv_cache_bytes(info) -> int:

@@ -58,9 +58,12 @@ def test_kv_cache_bytes_from_ready_s_facts():
     assert cpu_footprint.kv_cache_bytes(info) == 341 * 16 * 2 * 24 * 32 * 64 * 2
 
 
-def test_anonymous_bytes_of_this_process_and_of_none():
-    assert cpu_footprint.anonymous_bytes(os.getpid()) > 0
-    assert cpu_footprint.anonymous_bytes(2**22 + 12345) == 0  # no such process
+def test_rollup_bytes_of_this_process_and_of_none():
+    anonymous = cpu_footprint.rollup_bytes(os.getpid(), "Anonymous")
+    assert anonymous > 0
+    both = cpu_footprint.rollup_bytes(os.getpid(), "Anonymous", "Private_Dirty")
+    assert both > anonymous
+    assert cpu_footprint.rollup_bytes(2**22 + 12345, "Anonymous") == 0  # no such process
 
 
 def test_a_peer_s_peak_memory_and_its_failure(tmp_path):

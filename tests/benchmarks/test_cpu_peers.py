@@ -55,7 +55,9 @@ def test_a_crashing_llama_bench_is_a_row_and_the_build_is_printed(tmp_path, monk
 
     monkeypatch.setattr(cpu.offline_throughput, "single_stream_loomllm", single_stream)
     monkeypatch.setattr(cpu.cpu_footprint, "plain_read", lambda path: (2_000_000_000, 0.04))
-    ours = cpu.cpu_footprint.Footprint(5.0, 0.5, 0.2, 3 * 10**9, 2 * 10**9, 10**9, 300.0, 512)
+    ours = cpu.cpu_footprint.Footprint(
+        5.0, 0.5, 0.2, 3 * 10**9, 2 * 10**9, 2 * 10**8, 10**9, 300.0, 512
+    )
     monkeypatch.setattr(cpu.cpu_footprint, "loomllm_footprint", lambda path: ours)
     cpu.main([*argv, "--skip", "serving,offline,accuracy"])
     out = capsys.readouterr().out
