@@ -21,6 +21,14 @@ from loomllm.workers.kernels.cpu_linear import (
 )
 
 
+@pytest.fixture(autouse=True)
+def idle_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The contention probe reads 0: a busy host (CI's, a build beside the tests) would make the
+    kernel choice decline to cache, rightly, and the cache tests fail. The tests of contention
+    give their own probe."""
+    monkeypatch.setattr(cpu_kernel_choice, "waiting_ns", lambda: 0)
+
+
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.double() @ weight.double().t()
 
