@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from loomllm.benchmarks.gpu_bench import SHAPES, write_model_dir
-from loomllm.config import MODEL_IMPLS
+from loomllm.protocols.choices import MODEL_IMPLS
 from loomllm.protocols.rundir import log_path, workers_dir
 
 PROG = "loom bench start"

@@ -12,29 +12,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loomllm.protocols.choices import (
+    ATTENTION_BACKENDS,
+    CPU_LINEAR_KERNELS,
+    DEVICES,
+    DTYPES,
+    LOAD_FORMATS,
+    MODEL_IMPLS,
+    QUANTIZATIONS,
+    RUNNERS,
+    WEIGHT_DTYPES,
+)
 from loomllm.protocols.messages import PROFILE_WHOLE_CONTEXT, WorkerSpec
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-WEIGHT_DTYPES = (None, "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
 MANAGER_MODES = ("auto", "private")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-LOAD_FORMATS = ("auto", "dummy")
-# "auto": loomllm's own Llama-family model where it runs the checkpoint, else transformers'
-# modeling code; "loom": its own or an error; "transformers": transformers' (vLLM's option).
-MODEL_IMPLS = ("auto", "loom", "transformers")
-# Weight-only quantization on the CPU (vLLM's option name). None: a GGUF file runs as it is
-# stored; "none": dequantized; "int8" / "int4": a float checkpoint quantized on load.
-QUANTIZATIONS = (None, "none", "gguf", "int8", "int4")
-# The CPU linear kernel: "auto" runs what was measured fastest for each shape and batch size.
-CPU_LINEAR_KERNELS = ("auto", "dense", "int8", "int4", "a8")
 # "local": ranks are processes the engine-manager starts on this machine; "ray": actors
 # it places in an existing Ray cluster (address: $RAY_ADDRESS, else the local node's).
 EXECUTOR_BACKENDS = ("local", "ray")
 # Which waiting request runs first: "fcfs" (arrival order) or "priority" (a request's
 # `priority`, lower first, then arrival; preemption gives up the lowest first), as vLLM's.
 SCHEDULING_POLICIES = ("fcfs", "priority")
-RUNNERS = ("generate", "pooling")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,14 +118,10 @@ class EngineConfig:
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("load_format", self.load_format, LOAD_FORMATS)
         _one_of("model_impl", self.model_impl, MODEL_IMPLS)
-        if self.weight_dtype not in WEIGHT_DTYPES:
-            raise ValueError(
-                f"weight_dtype must be bfloat16, float16 or None; got {self.weight_dtype!r}"
-            )
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be none, gguf, int8, int4 or None; got {self.quantization!r}"
-            )
+        if self.weight_dtype is not None:
+            _one_of("weight_dtype", self.weight_dtype, WEIGHT_DTYPES, "or None")
+        if self.quantization is not None:
+            _one_of("quantization", self.quantization, QUANTIZATIONS, "or None")
         _one_of("cpu_linear_kernel", self.cpu_linear_kernel, CPU_LINEAR_KERNELS)
         _one_of("manager", self.manager, MANAGER_MODES)
         _one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
@@ -394,6 +387,7 @@ def _socket_path(value: object) -> Path:
     return Path(os.fsdecode(path))
 
 
-def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
+def _one_of(name: str, value: object, allowed: tuple[str, ...], also: str = "") -> None:
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+        also = f" {also}" if also else ""
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}{also}; got {value!r}")

@@ -80,7 +80,8 @@ ALLOWED: dict[str, set[str]] = {
         "loomllm.server.fleet",
     },
     # The device side.
-    "loomllm.workers.device": set(),
+    # protocols/choices.py names the dtypes a model may load in.
+    "loomllm.workers.device": {"loomllm.protocols"},
     "loomllm.workers.kernels": {"loomllm.workers.device"},
     "loomllm.workers.attention": {"loomllm.workers.device", "loomllm.workers.kernels"},
     "loomllm.workers.sample": {

@@ -12,6 +12,22 @@ from pathlib import Path
 from typing import Any
 
 from loomllm.config import EngineConfig
+from loomllm.protocols.choices import (
+    ATTENTION_BACKENDS,
+    CPU_LINEAR_KERNELS,
+    DEVICES,
+    DTYPES,
+    LOAD_FORMATS,
+    MODEL_IMPLS,
+    QUANTIZATIONS,
+    RUNNERS,
+    WEIGHT_DTYPES,
+)
+
+
+def _alts(values: tuple[str, ...]) -> str:
+    """An option's allowed values, as the help shows them."""
+    return " | ".join(values)
 
 
 def _default(name: str) -> Any:
@@ -44,32 +60,44 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     (
         "--runner",
         str,
-        f"generate | pooling (embeddings: /v1/embeddings; default {_default('runner')})",
+        f"{_alts(RUNNERS)} (embeddings: /v1/embeddings; default {_default('runner')})",
     ),
     ("--revision", str, "a hub model's branch, tag or commit (default: its default branch)"),
-    ("--dtype", str, "auto | float32 | bfloat16 | float16"),
-    ("--load-format", str, "auto | dummy (random weights from the config, for benchmarks)"),
+    ("--dtype", str, _alts(DTYPES)),
+    (
+        "--load-format",
+        str,
+        f"{_alts(LOAD_FORMATS)} (dummy: random weights from the config, for benchmarks)",
+    ),
     (
         "--model-impl",
         str,
-        "auto | loom | transformers (auto: loomllm's own Llama-family "
+        f"{_alts(MODEL_IMPLS)} (auto: loomllm's own Llama-family "
         "model where it runs the checkpoint, else transformers')",
     ),
-    ("--weight-dtype", str, "bfloat16 | float16: a float32 model's linear weights in 16 bits"),
+    (
+        "--weight-dtype",
+        str,
+        f"{_alts(WEIGHT_DTYPES)}: a float32 model's linear weights in 16 bits",
+    ),
     (
         "--quantization",
         str,
-        "none | gguf | int8 | int4: on the CPU (default: a GGUF file runs "
+        f"{_alts(QUANTIZATIONS)}: on the CPU (default: a GGUF file runs "
         "as it is stored; none dequantizes it; int8 | int4 quantize a float checkpoint)",
     ),
     (
         "--cpu-linear-kernel",
         str,
-        "auto | dense | int8 | int4 | a8: the CPU's linear kernel (auto: the fastest "
+        f"{_alts(CPU_LINEAR_KERNELS)}: the CPU's linear kernel (auto: the fastest "
         "measured for each shape and batch size; a8 quantizes the activations to int8 too)",
     ),
-    ("--device", str, "auto | cpu | cuda"),
-    ("--attention-backend", str, "auto | torch | triton (auto: triton on CUDA, torch on CPU)"),
+    ("--device", str, _alts(DEVICES)),
+    (
+        "--attention-backend",
+        str,
+        f"{_alts(ATTENTION_BACKENDS)} (auto: triton on CUDA, torch on CPU)",
+    ),
     ("--max-model-len", int, "longest prompt + output, in tokens"),
     ("--max-num-seqs", int, "most requests in one batch"),
     ("--max-num-batched-tokens", int, "most tokens in one step"),

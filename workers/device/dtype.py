@@ -7,15 +7,13 @@ from typing import Any
 
 import torch
 
+from loomllm.protocols import choices
 from loomllm.workers.device.cpu_features import cpu_supports_bf16
 
 logger = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# The dtypes a model computes in, "auto" resolved (pick_dtype).
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in choices.DTYPES[1:]}
 
 
 def resolve_device(device: str) -> torch.device:

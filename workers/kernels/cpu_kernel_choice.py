@@ -33,10 +33,8 @@ from loomllm.workers.kernels.cpu_linear import (
 
 logger = logging.getLogger(__name__)
 
-# a8: the weights' blocks against activations quantized to int8 (llama.cpp's arithmetic), on
-# the C++ ops. Its rounding differs from the others', so a layer runs it at every batch size
-# or at none: a request's tokens then do not depend on the batch it ran in.
-KINDS = ("dense", "int8", "int4", "a8")
+# a8's rounding differs from the other kinds', so a layer runs it at every batch size or at
+# none: a request's tokens then do not depend on the batch it ran in.
 ACTIVATION_KINDS = frozenset({"a8"})
 # The batch sizes a choice is made for; a step of M rows uses the nearest one.
 BATCH_SIZES = (1, 8, 32, 128)

@@ -10,9 +10,13 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from loomllm.protocols import choices
+
 logger = logging.getLogger(__name__)
 
-WEIGHT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHT_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in choices.WEIGHT_DTYPES
+}
 # Up to this many rows a linear layer runs as a 16-bit GEMV/GEMM; above, as a float32 GEMM,
 # because larger batches are compute-bound and CPUs without native bf16 emulate 16-bit math.
 MAX_HALF_ROWS = 4

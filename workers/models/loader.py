@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from loomllm.protocols.choices import CPU_LINEAR_KERNELS, LOAD_FORMATS, MODEL_IMPLS
 from loomllm.workers.attention.geometry import kv_geometry
 from loomllm.workers.device.dtype import DTYPES, pick_dtype, resolve_device, stored_dtype
 from loomllm.workers.models import architectures, encoders, gguf_model, llama4
@@ -29,12 +30,6 @@ from loomllm.workers.models.sources import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-LOAD_FORMATS = ("auto", "dummy")
-# "auto": loomllm's own Llama (models/llama/) where it runs the model, else transformers'
-# modeling code; "loom": loomllm's own or an error saying why not; "transformers": always.
-MODEL_IMPLS = ("auto", "loom", "transformers")
 
 
 @dataclass(slots=True)
@@ -137,8 +132,8 @@ def load_model(
         weight_dtype=weight_dtype,
         dummy=load_format == "dummy",
     )
-    if cpu_linear_kernel not in quantize.CPU_LINEAR_KERNELS:
-        allowed = ", ".join(quantize.CPU_LINEAR_KERNELS)
+    if cpu_linear_kernel not in CPU_LINEAR_KERNELS:
+        allowed = ", ".join(CPU_LINEAR_KERNELS)
         raise ValueError(f"cpu_linear_kernel must be one of {allowed}; got {cpu_linear_kernel!r}")
     if cpu_linear_kernel != "auto" and quantization not in ("int8", "int4"):
         # A GGUF's blocks run on the GGUF kernels, a float model's weights on dense matmuls:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from loomllm.protocols.choices import QUANTIZATIONS
 from loomllm.workers.kernels import cpu_kernel_choice, cpu_native
 from loomllm.workers.kernels.cpu_linear import (
     GROUP_SIZE,
@@ -28,11 +29,6 @@ from loomllm.workers.kernels.cpu_linear import (
 from loomllm.workers.models.llama.model import Linear, LlamaFamilyForCausalLM
 
 logger = logging.getLogger(__name__)
-
-# vLLM's option name; None: "gguf" for a GGUF file on the CPU, else "none".
-QUANTIZATIONS = ("none", "gguf", "int8", "int4")
-# Which kernels may run a layer: "auto" lets the measurement pick among those its weights allow.
-CPU_LINEAR_KERNELS = ("auto", *cpu_kernel_choice.KINDS)
 
 
 class Plan(NamedTuple):

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 import torch
 
+from loomllm.protocols.choices import ATTENTION_BACKENDS
 from loomllm.protocols.lora import LoRARequest
 from loomllm.protocols.messages import (
     NewRequestData,
@@ -42,9 +43,8 @@ from loomllm.workers.sample.token_filters import TokenFilters, bad_word_bans
 
 logger = logging.getLogger(__name__)
 G = TypeVar("G", DecodeGraphs, MixedGraphs)
-
-# torch: the reference, and the CPU's backend; triton: attention/triton_kernels.py (CUDA).
-ATTENTION_BACKENDS = ("torch", "triton")
+# What a step runs with: worker/state.py resolves "auto" to one of these before.
+RESOLVED_BACKENDS = tuple(b for b in ATTENTION_BACKENDS if b != "auto")
 
 
 @dataclass(slots=True)
@@ -91,9 +91,9 @@ class ModelRunner:
         pooling: Pooling | None = None,
         lora: LoRAManager | None = None,
     ) -> None:
-        if attention_backend not in ATTENTION_BACKENDS:
+        if attention_backend not in RESOLVED_BACKENDS:
             raise ValueError(
-                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"attention_backend must be one of {', '.join(RESOLVED_BACKENDS)}, "
                 f"got {attention_backend!r}"
             )
         if attention_backend == "triton" and (block_size < 16 or block_size & (block_size - 1)):

@@ -51,7 +51,7 @@ def test_tiny_model_swaps_every_linear_and_stays_close(tiny_model):
 
 
 def test_weight_dtype_is_validated():
-    with pytest.raises(ValueError, match="weight_dtype must be bfloat16, float16 or None"):
+    with pytest.raises(ValueError, match="weight_dtype must be one of bfloat16, float16 or None"):
         EngineConfig(weight_dtype="int8")
     with pytest.raises(ValueError, match="weight_dtype must be one of"):
         load_model("smollm2", weight_dtype="float32")
