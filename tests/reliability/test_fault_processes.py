@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.models import make_tiny_model
 from support.processes import is_alive, wait_gone
 from support.servers import loom_serve
 
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.serial
 TRIALS = 10
 DETECT_S = 1.0
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+LONG_STREAM = 16_000  # tokens: ten seconds and more of the tiny model's steps
 
 
 class Stream:
@@ -94,12 +96,21 @@ def busy_worker(manager) -> int:
     return pid
 
 
-def test_worker_killed_under_loom_serve(tiny_model, shared_manager, fault_report):
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory) -> str:
+    """The tiny model with a context no stream of a trial finishes in before its kill, however
+    slowly a busy host gets the kill to it (400 tokens did finish first, at times)."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("long"), max_position_embeddings=LONG_STREAM + 16
+    )
+
+
+def test_worker_killed_under_loom_serve(long_model, shared_manager, fault_report):
     """Streams end with an SSE error within 1 s, /health turns 503, the server restarts
     the engine (default restart_on_failure) and the next request succeeds."""
     # More restarts than the default crash-loop limit (5 in 10 minutes) allows.
     with loom_serve(
-        tiny_model,
+        long_model,
         shared_manager.socket,
         "tiny",
         "asyncio",
@@ -111,7 +122,7 @@ def test_worker_killed_under_loom_serve(tiny_model, shared_manager, fault_report
         base = server.base_url
 
         def trial(_: int) -> float:
-            streams = [Stream(base, 400, f"w{5 + k} w6") for k in range(3)]
+            streams = [Stream(base, LONG_STREAM, f"w{5 + k} w6") for k in range(3)]
             wait_until(lambda: all(s.events for s in streams), what="every stream to begin")
             pid = busy_worker(shared_manager)
             killed_at = time.monotonic()
