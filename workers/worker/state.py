@@ -10,10 +10,14 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loomllm.protocols.messages import ModelInfo
 from loomllm.workers.device.cpu_threads import CpuThreadGovernor, adaptive_threads_enabled
+
+if TYPE_CHECKING:  # for types only: both import torch, which this module leaves to the load
+    from loomllm.workers.models.loader import LoadedModel
+    from loomllm.workers.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +29,8 @@ class Worker:
     rank: int
     world_size: int
     device: str
-    loaded: Any  # loomllm.workers.models.loader.LoadedModel
-    runner: Any  # loomllm.workers.runner.model_runner.ModelRunner
+    loaded: LoadedModel
+    runner: ModelRunner
     model_info: ModelInfo
     loaded_at: float  # time.time() when the weights finished loading
     # Per-engine state (requests, their KV blocks, user RPC scratch): dropped whenever
@@ -198,7 +202,7 @@ def _share_cores(num_replicas: int) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // num_replicas))
 
 
-def _make_runner(loaded: Any, options: dict[str, Any], pooling: Any = None) -> Any:
+def _make_runner(loaded: LoadedModel, options: dict[str, Any], pooling: Any = None) -> ModelRunner:
     """Size the paged KV cache from the options and build the model runner (a pooling one
     where `pooling` is set)."""
     import torch
