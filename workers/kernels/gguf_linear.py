@@ -34,7 +34,23 @@ class GgufPart:
 FASTEST, BATCH_INVARIANT = 0, 1
 
 
-class GgufLinear(torch.nn.Module):
+class GgufLayer(torch.nn.Module):
+    """What a linear layer of a GGUF's blocks holds however it computes: its shape, its parts'
+    types and its bias."""
+
+    def __init__(self, in_features: int, parts: list[GgufPart], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = sum(p.rows for p in parts)
+        self.types = [p.type_id for p in parts]
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def extra_repr(self) -> str:
+        kinds = "|".join(type_name(t) for t in self.types)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kinds}"
+
+
+class GgufLinear(GgufLayer):
     """x @ w.T + bias with w as the parts' blocks, stacked along the output."""
 
     kernel = FASTEST
@@ -42,15 +58,11 @@ class GgufLinear(torch.nn.Module):
     def __init__(
         self, in_features: int, parts: list[GgufPart], bias: torch.Tensor | None, ops: Any
     ) -> None:
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = sum(p.rows for p in parts)
+        super().__init__(in_features, parts, bias)
         self.parts = parts
         self.ops = ops
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         # The op's arguments, built once: a call then passes them as they are.
         self.tensors = [p.data for p in parts]
-        self.types = [p.type_id for p in parts]
         self.heads = [p.heads for p in parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,10 +83,6 @@ class GgufLinear(torch.nn.Module):
                 for p in self.parts
             ]
         )
-
-    def extra_repr(self) -> str:
-        kinds = "|".join(type_name(p.type_id) for p in self.parts)
-        return f"in_features={self.in_features}, out_features={self.out_features}, {kinds}"
 
 
 class GgufEmbedding(torch.nn.Module):
@@ -147,7 +155,7 @@ def legacy_code_blocks(part: GgufPart) -> Any:
     return CodeBlocks(weights.codes[order], weights.a[order], weights.b[order], weights.bits)
 
 
-class RepackedLinear(torch.nn.Module):
+class RepackedLinear(GgufLayer):
     """A layer of Q4_0, Q4_1 and Q8_0 blocks, repacked once at load into the a8 kernel's panels
     (cpu_linear.BlockLinear): the same bytes, laid out so that one row of x streams them as
     fast as many rows, where the blocks as stored cost a scale's handling per 32 weights."""
@@ -157,12 +165,8 @@ class RepackedLinear(torch.nn.Module):
     ) -> None:
         from loomllm.workers.kernels.cpu_linear import BlockLinear, CodeBlocks
 
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = sum(p.rows for p in parts)
-        self.types = [p.type_id for p in parts]
+        super().__init__(in_features, parts, bias)
         self.a8 = BlockLinear(CodeBlocks.cat([legacy_code_blocks(p) for p in parts]), ops)
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.a8(x)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from loomllm.workers.attention import paged as attention
 from loomllm.workers.attention.metadata import AttentionMetadata
-from loomllm.workers.kernels.gguf_linear import GgufLinear, RepackedLinear
+from loomllm.workers.kernels.gguf_linear import GgufLayer
 from loomllm.workers.models.llama.config import DecoderShape
 
 
@@ -368,9 +368,7 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         # 16-bit weights under a float32 model (weight_dtype's HalfWeightLinear) are not in
         # the one-call stack: their layers run one by one.
         linears = [m for m in self.model.layers.modules() if hasattr(m, "in_features")]
-        stacked = ops is not None and all(
-            isinstance(m, (Linear, GgufLinear, RepackedLinear)) for m in linears
-        )
+        stacked = ops is not None and all(isinstance(m, (Linear, GgufLayer)) for m in linears)
         self.cpu_stack = DecoderStack(self, ops) if stacked else None
         return norms, len(self.model.layers)
 
