@@ -12,17 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from loomllm.config import EngineConfig
-from loomllm.protocols.choices import (
-    ATTENTION_BACKENDS,
-    CPU_LINEAR_KERNELS,
-    DEVICES,
-    DTYPES,
-    LOAD_FORMATS,
-    MODEL_IMPLS,
-    QUANTIZATIONS,
-    RUNNERS,
-    WEIGHT_DTYPES,
-)
+from loomllm.protocols import choices
 
 
 def _alts(values: tuple[str, ...]) -> str:
@@ -60,43 +50,43 @@ ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     (
         "--runner",
         str,
-        f"{_alts(RUNNERS)} (embeddings: /v1/embeddings; default {_default('runner')})",
+        f"{_alts(choices.RUNNERS)} (embeddings: /v1/embeddings; default {_default('runner')})",
     ),
     ("--revision", str, "a hub model's branch, tag or commit (default: its default branch)"),
-    ("--dtype", str, _alts(DTYPES)),
+    ("--dtype", str, _alts(choices.DTYPES)),
     (
         "--load-format",
         str,
-        f"{_alts(LOAD_FORMATS)} (dummy: random weights from the config, for benchmarks)",
+        f"{_alts(choices.LOAD_FORMATS)} (dummy: random weights from the config, for benchmarks)",
     ),
     (
         "--model-impl",
         str,
-        f"{_alts(MODEL_IMPLS)} (auto: loomllm's own Llama-family "
+        f"{_alts(choices.MODEL_IMPLS)} (auto: loomllm's own Llama-family "
         "model where it runs the checkpoint, else transformers')",
     ),
     (
         "--weight-dtype",
         str,
-        f"{_alts(WEIGHT_DTYPES)}: a float32 model's linear weights in 16 bits",
+        f"{_alts(choices.WEIGHT_DTYPES)}: a float32 model's linear weights in 16 bits",
     ),
     (
         "--quantization",
         str,
-        f"{_alts(QUANTIZATIONS)}: on the CPU (default: a GGUF file runs "
+        f"{_alts(choices.QUANTIZATIONS)}: on the CPU (default: a GGUF file runs "
         "as it is stored; none dequantizes it; int8 | int4 quantize a float checkpoint)",
     ),
     (
         "--cpu-linear-kernel",
         str,
-        f"{_alts(CPU_LINEAR_KERNELS)}: the CPU's linear kernel (auto: the fastest "
+        f"{_alts(choices.CPU_LINEAR_KERNELS)}: the CPU's linear kernel (auto: the fastest "
         "measured for each shape and batch size; a8 quantizes the activations to int8 too)",
     ),
-    ("--device", str, _alts(DEVICES)),
+    ("--device", str, _alts(choices.DEVICES)),
     (
         "--attention-backend",
         str,
-        f"{_alts(ATTENTION_BACKENDS)} (auto: triton on CUDA, torch on CPU)",
+        f"{_alts(choices.ATTENTION_BACKENDS)} (auto: triton on CUDA, torch on CPU)",
     ),
     ("--max-model-len", int, "longest prompt + output, in tokens"),
     ("--max-num-seqs", int, "most requests in one batch"),
