@@ -20,6 +20,7 @@ from typing import Any
 from unittest import mock
 
 from loomllm.benchmarks.gpu_bench import shape_config
+from loomllm.config import EngineConfig
 
 PROG = "loom bench compile"
 # 512, 128256 and 151936 specialize alike (> 1, multiples of 16): the same variants compile.
@@ -234,7 +235,9 @@ def worker_start(shape: str, model_impl: str, census: Census) -> None:
                 attention_backend="triton",
             )
 
-        step_tokens = kv_sizing.largest_step_tokens({}, loaded.max_model_len)
+        # The step the workers of an engine with default options profile.
+        options = EngineConfig().worker_spec().options
+        step_tokens = kv_sizing.largest_step_tokens(options, loaded.max_model_len)
         census.step = "profile"
         kv_sizing.profile_activation_bytes(
             torch.device("cpu"), step_tokens, BLOCK_SIZE, VOCAB, loaded.max_model_len, make_runner

@@ -86,6 +86,17 @@ def decode(body: bytes) -> Any:
     return _decode_dataclass(cls, fields, cls.__name__)
 
 
+def dataclass_fields(obj: Any) -> list[Any]:
+    """A dataclass's fields as a plain list (what a frame holds for it), for JSON."""
+    return _encode_dataclass(obj)
+
+
+def from_dataclass_fields(cls: type[T], fields: Any) -> T:
+    """The inverse of dataclass_fields, every field checked: MalformedMessageError naming
+    the first one that does not fit its annotation."""
+    return _decode_dataclass(cls, fields, cls.__name__)  # type: ignore[no-any-return]
+
+
 # -- fields -------------------------------------------------------------------------
 #
 # Decoders take the value and `where`, the path to it for error messages. The path is
@@ -154,6 +165,12 @@ def _compile(tp: Any) -> tuple[Encoder | None, Decoder]:
         return None, lambda v, where: v
     if origin in (typing.Union, types.UnionType):
         return _compile_union(typing.get_args(tp))
+    if origin is typing.Literal:
+        allowed = frozenset((type(value), value) for value in typing.get_args(tp))
+        names = ", ".join(map(repr, typing.get_args(tp)))
+        return None, _checker(
+            lambda v: isinstance(v, str | int) and (type(v), v) in allowed, f"one of {names}"
+        )
     if origin in (list, tuple):
         item_t = typing.get_args(tp)[0]
         make = list if origin is list else tuple

@@ -6,17 +6,17 @@ Three conversations, each opened by Hello/Welcome: engine-manager, manager-worke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from loomllm.protocols.codec import message
 from loomllm.protocols.lora import LoRARequest
 from loomllm.protocols.sampling import SamplingParams
+from loomllm.protocols.worker_options import WorkerOptions
 
 # Raise it whenever a message, a field or a type code changes: the handshake then refuses a
 # peer from another release instead of misreading its frames.
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
 
 # -- handshake and errors (all connections) -------------------------------------------
@@ -62,13 +62,8 @@ class WorkerSpec:
     """What a worker group is: two engines with equal specs may share warm workers."""
 
     model: str
-    world_size: int = 1
-    # Loader and cache options that change what the worker holds (dtype, device, ...).
-    options: dict[str, Any] | None = None
-
-
-# options["profile_tokens"] for "a step holds a whole context" (chunked prefill off).
-PROFILE_WHOLE_CONTEXT = -1
+    world_size: int
+    options: WorkerOptions
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,84 +17,177 @@ from loomllm.protocols.choices import (
     CPU_LINEAR_KERNELS,
     DEVICES,
     DTYPES,
+    EXECUTOR_BACKENDS,
     LOAD_FORMATS,
+    MANAGER_MODES,
     MODEL_IMPLS,
     QUANTIZATIONS,
     RUNNERS,
+    SCHEDULING_POLICIES,
     WEIGHT_DTYPES,
+    AttentionBackend,
+    CpuLinearKernel,
+    Device,
+    Dtype,
+    ExecutorBackend,
+    LoadFormat,
+    ManagerMode,
+    ModelImpl,
+    Quantization,
+    Runner,
+    SchedulingPolicy,
+    WeightDtype,
 )
-from loomllm.protocols.messages import PROFILE_WHOLE_CONTEXT, WorkerSpec
+from loomllm.protocols.messages import WorkerSpec
+from loomllm.protocols.worker_options import PROFILE_WHOLE_CONTEXT, WorkerOptions
 
-MANAGER_MODES = ("auto", "private")
-# "local": ranks are processes the engine-manager starts on this machine; "ray": actors
-# it places in an existing Ray cluster (address: $RAY_ADDRESS, else the local node's).
-EXECUTOR_BACKENDS = ("local", "ray")
-# Which waiting request runs first: "fcfs" (arrival order) or "priority" (a request's
-# `priority`, lower first, then arrival; preemption gives up the lowest first), as vLLM's.
-SCHEDULING_POLICIES = ("fcfs", "priority")
+# max_num_batched_tokens when it is not given and prompts are chunked.
+DEFAULT_CHUNKED_TOKEN_BUDGET = 2048
+
+
+def option(
+    default: Any, help: str, *, default_text: str = "", see: str = "", flag: bool = True
+) -> Any:
+    """An EngineConfig field with what `loom`'s flag and docs/options.md say of it: `help`,
+    the default in words where its value says little, and where the docs say more ("below",
+    an anchor of options.md, or another page)."""
+    metadata = {"help": help, "default_text": default_text, "see": see, "flag": flag}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str = "smollm2"
-    # "generate": text out; "pooling": embeddings (Engine.embed), as vLLM's --runner.
-    runner: str = "generate"
-    # A hub model's branch, tag or commit (as vLLM's); None: its default branch.
-    revision: str | None = None
-    # "dummy": random weights from the model's config, for benchmarks (as vLLM's).
-    load_format: str = "auto"
-    model_impl: str = "auto"
-    dtype: str = "auto"
-    # A float32 model's linear weights stored in 16 bits (workers/models/half_weights.py):
-    # faster decode on CPUs, at some accuracy cost. None: as `dtype`.
-    weight_dtype: str | None = None
-    quantization: str | None = None  # QUANTIZATIONS
-    cpu_linear_kernel: str = "auto"  # CPU_LINEAR_KERNELS
-    # A GGUF file on the CPU: one linear kernel at every batch size, so that a request's
-    # tokens do not depend on the batch it runs in (vLLM's name); slower prompts and batches.
-    batch_invariant: bool = False
-    device: str = "auto"
-    # "auto": the Triton kernels on CUDA, the torch reference on the CPU.
-    attention_backend: str = "auto"
-    max_model_len: int | None = None  # default: the model's, capped by the KV cache
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: 2048 (chunked) or max_model_len
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; default 1 GiB on CPU
-    gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU the worker may fill
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES
-    # Sampling defaults for requests that leave a field out (vLLM's option): "auto", the
-    # model's generation_config.json; "vllm", SamplingParams' own; or a directory holding
-    # a generation_config.json.
-    generation_config: str = "auto"
-    # Schedule and send step N+1 while step N runs (its sampled ids stay on the worker's
-    # device). None: on where the workers run on CUDA (the engine's work then overlaps
-    # the forward); off on the CPU, where the engine would take cores from the forward.
-    async_scheduling: bool | None = None
-    # vLLM's speculative decoding options, e.g. {"method": "ngram",
-    # "num_speculative_tokens": 4, "prompt_lookup_max": 4}: core/ngram_proposer.py and
-    # engine/draft_proposer.py draft, the workers verify.
-    speculative_config: dict[str, Any] | None = None
-    # LoRA adapters per request (vLLM's options): at most max_loras different ones in a step,
-    # each of rank <= max_lora_rank, beside the base model.
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    # CUDA: no decode graphs (workers/runner/cuda_graphs.py), every step eager (vLLM's option).
-    enforce_eager: bool = False
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    # Independent replicas (each tensor_parallel_size ranks, its own scheduler and KV cache)
-    # behind this one engine; each request goes to the least loaded.
-    data_parallel_size: int = 1
-    distributed_executor_backend: str = "local"
-    # Seconds the workers stay warm after the engine closes; 0: exit with it; -1: pinned.
-    keep_alive: float = 300.0
-    # "auto": use (or start) the shared per-user daemon; "private": one that dies with us.
-    manager: str = "auto"
-    manager_socket: Path | None = None  # default: loomllm.protocols.rundir.default_socket_path()
+    model: str = option(
+        "smollm2", "a path, a GGUF file, a hub id or smollm2 (the embedded one)", flag=False
+    )
+    runner: Runner = option(
+        "generate", "pooling: embeddings (/v1/embeddings)", see="#embeddings-runnerpooling"
+    )
+    revision: str | None = option(
+        None, "a hub model's branch, tag or commit", default_text="its default branch"
+    )
+    load_format: LoadFormat = option(
+        "auto", "dummy: random weights from config.json, for benchmarks", see="below"
+    )
+    model_impl: ModelImpl = option(
+        "auto",
+        "auto: loomllm's own Llama-family model where it runs the checkpoint, else "
+        "transformers'; loom: its own or an error",
+        see="below",
+    )
+    dtype: Dtype = option(
+        "auto", "auto: bfloat16 on a CPU that computes it natively, else float32", see="below"
+    )
+    weight_dtype: WeightDtype | None = option(
+        None,
+        "a float32 model's linear weights stored in 16 bits: faster decode on CPUs, at some "
+        "accuracy cost",
+        default_text="as dtype",
+        see="below",
+    )
+    quantization: Quantization | None = option(
+        None,
+        "on the CPU: none dequantizes a GGUF; int8 and int4 quantize a float checkpoint",
+        default_text="a GGUF as stored",
+        see="below",
+    )
+    cpu_linear_kernel: CpuLinearKernel = option(
+        "auto",
+        "the CPU's linear kernel with int8/int4: auto, the fastest measured for each shape "
+        "and batch size; a8 quantizes the activations to int8 too",
+        see="below",
+    )
+    batch_invariant: bool = option(
+        False,
+        "a GGUF on the CPU: one linear kernel at every batch size, so that a request's "
+        "tokens do not depend on its batch; slower prompts and batches",
+        see="below",
+    )
+    device: Device = option("auto", "auto: CUDA if there is one, else the CPU")
+    attention_backend: AttentionBackend = option(
+        "auto", "auto: the Triton kernels on CUDA, the torch reference on the CPU", see="gpu.md"
+    )
+    max_model_len: int | None = option(
+        None,
+        "longest prompt + output of one request, in tokens, capped by the KV cache",
+        default_text="the model's",
+    )
+    max_num_seqs: int = option(256, "most requests running at once")
+    max_num_batched_tokens: int | None = option(
+        None,
+        "most tokens computed in one step, all requests together",
+        default_text="2048; max_model_len without chunked prefill",
+    )
+    block_size: int = option(16, "tokens per KV block")
+    kv_cache_memory: int | None = option(
+        None,
+        "KV cache size in bytes",
+        default_text="1 GiB on the CPU; on CUDA from gpu_memory_utilization",
+    )
+    gpu_memory_utilization: float = option(
+        0.9, "CUDA: the share of the GPU's memory the workers may fill, in (0, 1]"
+    )
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of a shared prompt prefix")
+    enable_chunked_prefill: bool = option(
+        True, "split long prompts over steps, with decodes alongside"
+    )
+    scheduling_policy: SchedulingPolicy = option(
+        "fcfs",
+        "priority: a request's priority, lower first, decides what runs and what is preempted",
+        see="#the-async-engine",
+    )
+    generation_config: str = option(
+        "auto",
+        "sampling defaults for the fields a request leaves out: auto, the model's "
+        "generation_config.json; vllm, SamplingParams' own; or a directory holding one",
+        see="below",
+    )
+    # Off on the CPU by default: the engine's work would take cores from the forward.
+    async_scheduling: bool | None = option(
+        None,
+        "schedule and send step N+1 while step N runs",
+        default_text="on with CUDA workers",
+        see="below",
+    )
+    speculative_config: dict[str, Any] | None = option(
+        None,
+        'speculative decoding, as vLLM\'s dict: {"method": "ngram", "num_speculative_tokens": 4}',
+        see="#speculative-decoding-speculative_config",
+    )
+    enable_lora: bool = option(
+        False,
+        "LoRA adapters per request (--lora-modules, or a request's model)",
+        see="#lora-adapters-enable_lora",
+    )
+    max_loras: int = option(1, "with enable_lora: most different adapters in one step")
+    max_lora_rank: int = option(16, "with enable_lora: the largest adapter rank")
+    enforce_eager: bool = option(
+        False, "CUDA: every step eager, no CUDA graphs nor fused kernels", see="gpu.md"
+    )
+    seed: int = option(0, "seeds the unseeded requests' generator")
+    tensor_parallel_size: int = option(
+        1, "ranks each layer's weights and KV heads are split over", see="scaling.md"
+    )
+    data_parallel_size: int = option(
+        1,
+        "independent replicas, each with its own scheduler and KV cache; a request goes to "
+        "the least loaded",
+        see="scaling.md",
+    )
+    distributed_executor_backend: ExecutorBackend = option(
+        "local",
+        "ray: ranks as actors of the Ray cluster at $RAY_ADDRESS (pip install 'loomllm[ray]')",
+        see="scaling.md",
+    )
+    keep_alive: float = option(
+        300.0, "seconds the workers stay warm after the engine closes; 0: exit with it; -1: pinned"
+    )
+    manager: ManagerMode = option(
+        "auto", "auto: the shared per-user daemon; private: one that dies with us", see="daemon.md"
+    )
+    manager_socket: Path | None = option(
+        None, "another engine-manager's socket", default_text="the per-user one", see="daemon.md"
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -221,52 +314,41 @@ class EngineConfig:
 
     def worker_spec(self, data_parallel_rank: int = 0) -> WorkerSpec:
         """What one replica's workers hold; engines with equal specs share warm workers."""
-        options = {
-            "runner": self.runner,
-            "revision": self.revision,
-            "dtype": self.dtype,
-            "weight_dtype": self.weight_dtype,
-            "quantization": self.quantization,
-            "cpu_linear_kernel": self.cpu_linear_kernel,
-            "batch_invariant": self.batch_invariant,
-            "device": self.device,
-            "attention_backend": self.attention_backend,
-            "load_format": self.load_format,
-            "model_impl": self.model_impl,
-            "block_size": self.block_size,
-            "kv_cache_memory": self.kv_cache_memory,
-            "gpu_memory_utilization": self.target_gpu_memory_utilization,
-            # The biggest step the engine sends: on CUDA its activations are set aside
-            # before the KV cache takes the rest (None: 2048 tokens, the chunked default;
-            # PROFILE_WHOLE_CONTEXT: the model's whole context, a step holding a prompt).
-            "profile_tokens": self.max_num_batched_tokens
+        lora = self.enable_lora
+        ray = self.distributed_executor_backend == "ray"
+        options = WorkerOptions(
+            runner=self.runner,
+            revision=self.revision,
+            dtype=self.dtype,
+            weight_dtype=self.weight_dtype,
+            # LoRA runs transformers' model, eager: each adapter's layers wrap its linears.
+            quantization="none" if lora else self.quantization,
+            cpu_linear_kernel=self.cpu_linear_kernel,
+            batch_invariant=self.batch_invariant,
+            device=self.device,
+            attention_backend=self.attention_backend,
+            load_format=self.load_format,
+            model_impl="transformers" if lora else self.model_impl,
+            block_size=self.block_size,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.target_gpu_memory_utilization,
+            profile_tokens=self.max_num_batched_tokens
             or (
-                None if self.enable_chunked_prefill else self.max_model_len or PROFILE_WHOLE_CONTEXT
+                DEFAULT_CHUNKED_TOKEN_BUDGET
+                if self.enable_chunked_prefill
+                else self.max_model_len or PROFILE_WHOLE_CONTEXT
             ),
-            "seed": self.seed,
-            # Decode graphs are captured for batch sizes up to this, unless enforce_eager.
-            "max_num_seqs": self.max_num_seqs,
-            "enforce_eager": self.enforce_eager,
-            # On CUDA, replica r's ranks take the devices after those of replicas 0..r-1;
-            # on the CPU the engine's ranks share the cores.
-            "data_parallel_rank": data_parallel_rank,
-            "data_parallel_size": self.data_parallel_size,
-            "distributed_executor_backend": self.distributed_executor_backend,
-        }
-        if self.enable_lora:
-            # transformers' model, eager: each adapter's layers wrap its linears.
-            options.update(
-                max_loras=self.max_loras,
-                max_lora_rank=self.max_lora_rank,
-                model_impl="transformers",
-                quantization="none",
-                enforce_eager=True,
-            )
-        if self.distributed_executor_backend == "ray":
-            options["ray_address"] = os.environ.get("RAY_ADDRESS") or "auto"
-            # This machine's address in the cluster, where Ray cannot find it (vLLM's
-            # VLLM_HOST_IP): the manager's node runs a raylet at that address.
-            options["ray_node_ip_address"] = os.environ.get("LOOM_HOST_IP")
+            seed=self.seed,
+            max_num_seqs=self.max_num_seqs,
+            enforce_eager=self.enforce_eager or lora,
+            data_parallel_rank=data_parallel_rank,
+            data_parallel_size=self.data_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            max_loras=self.max_loras if lora else 0,
+            max_lora_rank=self.max_lora_rank if lora else 0,
+            ray_address=(os.environ.get("RAY_ADDRESS") or "auto") if ray else None,
+            ray_node_ip_address=os.environ.get("LOOM_HOST_IP") if ray else None,
+        )
         return WorkerSpec(self.model, self.tensor_parallel_size, options)
 
 

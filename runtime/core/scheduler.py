@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from loomllm.config import SCHEDULING_POLICIES, SpeculativeConfig
+from loomllm.config import SpeculativeConfig
 from loomllm.core.kv_blocks import KVCacheManager
 from loomllm.core.ngram_proposer import NgramIndex
 from loomllm.core.request import Request, RequestStatus
 from loomllm.core.waiting_queue import waiting_queue
+from loomllm.protocols.choices import SCHEDULING_POLICIES, SchedulingPolicy
 from loomllm.protocols.messages import (
     CachedRequests,
     NewRequestData,
@@ -37,7 +38,7 @@ class SchedulerConfig:
     num_blocks: int  # KV blocks the workers allocated
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"  # config.SCHEDULING_POLICIES
+    scheduling_policy: SchedulingPolicy = "fcfs"
     speculative: SpeculativeConfig | None = None  # drafts for decoding requests
     max_loras: int | None = None  # LoRA adapters running at once (None: LoRA is off)
 

@@ -1,4 +1,4 @@
-"""The scheduler's waiting queue, by policy (config.SCHEDULING_POLICIES): "fcfs" (arrival
+"""The scheduler's waiting queue, by policy (choices.SCHEDULING_POLICIES): "fcfs" (arrival
 order, a preempted request first again) or "priority" (vLLM's: lower `priority` first, then
 earlier arrival), and the running request that policy gives up first when KV blocks run out.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from loomllm.clients.workers import WorkerClient
-from loomllm.config import EngineConfig
+from loomllm.config import DEFAULT_CHUNKED_TOKEN_BUDGET, EngineConfig
 from loomllm.core.scheduler import Scheduler, SchedulerConfig
 from loomllm.engine.core import EngineCore
 from loomllm.engine.output_processor import OutputProcessor
@@ -14,7 +14,6 @@ from loomllm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNKED_TOKEN_BUDGET = 2048
 # async_scheduling=None on a CPU worker: steps of at most this many requests run ahead (and
 # larger ones whose outputs are all whole: EngineCore._may_run_ahead).
 CPU_AHEAD_MAX_ROWS = 1

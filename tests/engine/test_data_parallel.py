@@ -19,7 +19,7 @@ import pytest
 from support.models import make_tiny_model
 from support.servers import loom_serve
 
-from loomllm import Engine, EngineDeadError, SamplingParams
+from loomllm import Engine, EngineConfig, EngineDeadError, SamplingParams
 from loomllm.metrics.counters import HistogramSnapshot
 from loomllm.metrics.stats import EngineStats, merge_stats
 
@@ -275,10 +275,13 @@ def test_merged_stats_add_up_and_keep_the_breakdown():
 def test_each_cuda_rank_gets_a_gpu_of_its_own():
     from loomllm.workers.worker.state import cuda_device_index
 
-    dp2_tp2 = {"data_parallel_size": 2, "data_parallel_rank": 1}
+    def options(data_parallel_rank: int = 0, **engine_options):
+        return EngineConfig("m", **engine_options).worker_spec(data_parallel_rank).options
+
+    dp2_tp2 = options(1, data_parallel_size=2, tensor_parallel_size=2)
     assert [cuda_device_index(dp2_tp2, rank, 2, 4) for rank in (0, 1)] == [2, 3]
-    assert cuda_device_index({}, 1, 2, 2) == 1
-    assert cuda_device_index({"distributed_executor_backend": "ray"}, 1, 2, 1) == 0
+    assert cuda_device_index(options(), 1, 2, 2) == 1
+    assert cuda_device_index(options(distributed_executor_backend="ray"), 1, 2, 1) == 0
     with pytest.raises(
         ValueError,
         match=r"2 x 2 ranks need 4 GPUs, one each; this machine "

@@ -224,7 +224,7 @@ def test_a_draft_model_has_its_share_of_the_gpu_set_aside():
         config = EngineConfig(
             model="m", speculative_config=spec, gpu_memory_utilization=utilization
         )
-        return config.worker_spec().options["gpu_memory_utilization"]
+        return config.worker_spec().options.gpu_memory_utilization
 
     assert target_share(draft) == pytest.approx(0.8)
     assert target_share({**draft, "draft_gpu_memory_fraction": 0.3}, 0.95) == pytest.approx(0.65)

@@ -158,6 +158,8 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         return st.one_of(*(strategy_for(a) for a in args))
+    if origin is typing.Literal:
+        return st.sampled_from(args)
     if origin is list:
         return st.lists(strategy_for(args[0]), max_size=4)
     if origin is tuple:

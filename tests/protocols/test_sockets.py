@@ -10,6 +10,7 @@ One tiny worker, kept warm in the session's shared manager, serves the whole mod
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -17,7 +18,7 @@ import msgpack
 import pytest
 from support.sockets import REPLY_S, answers_to
 
-from loomllm import Engine
+from loomllm import Engine, EngineConfig
 from loomllm.protocols.codec import encode
 from loomllm.protocols.connection import open_unix_connection
 from loomllm.protocols.framing import HEADER, encode_frame
@@ -27,7 +28,6 @@ from loomllm.protocols.messages import (
     ErrorReply,
     Hello,
     StatusRequest,
-    WorkerSpec,
 )
 
 pytestmark = pytest.mark.anyio
@@ -92,10 +92,17 @@ async def test_version_mismatch_names_both_versions(shared_manager) -> None:
     assert f"version {PROTOCOL_VERSION}," in message and "version 999" in message
 
 
+SPEC = EngineConfig("tiny").worker_spec()
+
+
 @pytest.mark.parametrize(
     "spec",
-    [WorkerSpec("tiny\x00model"), WorkerSpec("tiny", 1, {"dtype": b"bytes"})],
-    ids=["nul_in_model", "bytes_in_options"],
+    [
+        replace(SPEC, model="tiny\x00model"),
+        replace(SPEC, options=replace(SPEC.options, dtype=b"bytes")),
+        replace(SPEC, options=replace(SPEC.options, dtype="float8")),
+    ],
+    ids=["nul_in_model", "bytes_in_options", "unknown_dtype"],
 )
 async def test_manager_survives_unlaunchable_acquire(manager, tiny_model, spec) -> None:
     await anyio.to_thread.run_sync(manager.start)

@@ -282,7 +282,7 @@ class ManagerServer:
 
     async def _launch(self, group: WorkerGroup) -> None:
         assert self._tg is not None
-        if (group.spec.options or {}).get("distributed_executor_backend") == "ray":
+        if group.spec.options.distributed_executor_backend == "ray":
             await launch_ray_group(group, self.ray)
         else:
             await launch_group(group, self.workdir, self.zygote)

@@ -6,7 +6,6 @@ The manager is the Ray driver (the user's process never imports ray); engines at
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import secrets
 from functools import partial
@@ -109,10 +108,8 @@ async def launch_ray_group(group: WorkerGroup, driver: RayDriver) -> None:
     Anything that fails on the way is a WorkerStartError naming the cause; the manager
     then stops the group, which removes its placement group and with it every actor.
     """
-    options = group.spec.options or {}
-    ray = await driver.connect(
-        str(options.get("ray_address") or "auto"), options.get("ray_node_ip_address")
-    )
+    options = group.spec.options
+    ray = await driver.connect(options.ray_address or "auto", options.ray_node_ip_address)
     try:
         with anyio.fail_after(PLACEMENT_TIMEOUT_S + CONNECT_TIMEOUT_S):
             placed = await anyio.to_thread.run_sync(
@@ -147,9 +144,8 @@ def _place_ranks(ray: Any, group: WorkerGroup) -> list[tuple[Any, Any, tuple, by
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    options = group.spec.options or {}
     world_size = group.spec.world_size
-    on_gpu = options.get("device") != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
+    on_gpu = group.spec.options.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
     bundle = {"GPU": 1} if on_gpu else {"CPU": 1}
     # PACK: ranks share a node where they fit (fast collectives), spill over where not.
     pg = placement_group([bundle] * world_size, strategy="PACK")
@@ -181,7 +177,7 @@ def _place_ranks(ray: Any, group: WorkerGroup) -> list[tuple[Any, Any, tuple, by
     for rank, (actor, bind) in enumerate(zip(actors, binds, strict=True)):
         secret = secrets.token_bytes(32)  # this rank's alone: its lifeline's key
         serve_ref = actor.serve.remote(
-            group.spec.model, json.dumps(options), rank, world_size, dist_init, secret
+            group.spec.model, group.spec.options.to_json(), rank, world_size, dist_init, secret
         )
         placed.append((actor, serve_ref, tuple(bind), secret))
     return placed

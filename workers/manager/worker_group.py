@@ -5,7 +5,6 @@ Each rank is forked by the zygote (or started fresh) in its own session, held by
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -129,10 +128,7 @@ class WorkerGroup:
         expires = None
         if self.state == "idle" and self.keep_alive > 0 and self.idle_since is not None:
             expires = max(0.0, self.idle_since + self.keep_alive - now)
-        if self.model_info is not None:
-            dtype = self.model_info.dtype
-        else:
-            dtype = str((self.spec.options or {}).get("dtype", "auto"))
+        dtype = self.model_info.dtype if self.model_info is not None else self.spec.options.dtype
         return [
             WorkerInfo(
                 self.group_id,
@@ -157,10 +153,6 @@ def spec_problem(spec: WorkerSpec) -> str | None:
         return f"world_size must be >= 1, got {spec.world_size}"
     if not spec.model or "\x00" in spec.model:
         return "model must be a non-empty string without NUL characters"
-    try:
-        json.dumps(spec.options or {})
-    except (TypeError, ValueError) as exc:
-        return f"options must be JSON values: {exc}"
     return None
 
 
@@ -180,7 +172,7 @@ async def launch_rank(
         "--model",
         group.spec.model,
         "--options",
-        json.dumps(group.spec.options or {}),
+        group.spec.options.to_json(),
         "--rank",
         str(rank),
         "--world-size",

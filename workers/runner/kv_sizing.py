@@ -7,25 +7,24 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from loomllm.protocols.messages import PROFILE_WHOLE_CONTEXT
+from loomllm.protocols.worker_options import PROFILE_WHOLE_CONTEXT, WorkerOptions
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-DEFAULT_PROFILE_TOKENS = 2048  # the engine's default max_num_batched_tokens (chunked prefill)
 GiB = float(1 << 30)
 
 
-def largest_step_tokens(options: dict[str, Any], max_model_len: int) -> int:
+def largest_step_tokens(options: WorkerOptions, max_model_len: int) -> int:
     """The most tokens one step of the engine computes (its `profile_tokens` option)."""
-    tokens = int(options.get("profile_tokens") or DEFAULT_PROFILE_TOKENS)
+    tokens = options.profile_tokens
     if tokens == PROFILE_WHOLE_CONTEXT:  # no chunked prefill: a step holds a whole prompt
         return max_model_len
     return tokens
 
 
 def kv_cache_budget(
-    loaded: Any, options: dict[str, Any], block_size: int, per_block: int, make_runner: Any
+    loaded: Any, options: WorkerOptions, block_size: int, per_block: int, make_runner: Any
 ) -> float:
     """Bytes for the KV cache. `make_runner(num_blocks)` builds a ModelRunner.
 
@@ -34,11 +33,11 @@ def kv_cache_budget(
     counting all that is in use on the device (weights, the CUDA context, other processes)."""
     import torch
 
-    if options.get("kv_cache_memory") is not None:
-        return float(options["kv_cache_memory"])
+    if options.kv_cache_memory is not None:
+        return float(options.kv_cache_memory)
     device = torch.device(loaded.device)
     if device.type == "cuda":
-        utilization = float(options.get("gpu_memory_utilization") or 0.9)
+        utilization = options.gpu_memory_utilization
         tokens = largest_step_tokens(options, loaded.max_model_len)
         peak = profile_activation_bytes(
             device, tokens, block_size, loaded.vocab_size, loaded.max_model_len, make_runner

@@ -10,7 +10,6 @@ import contextlib
 import ctypes
 import dataclasses
 import hmac
-import json
 import logging
 import math
 import os
@@ -45,6 +44,7 @@ from loomllm.protocols.messages import (
     WorkerReady,
 )
 from loomllm.protocols.peer_auth import describe_peer, refusal
+from loomllm.protocols.worker_options import WorkerOptions
 from loomllm.workers.runner.pending_step import PendingStep
 from loomllm.workers.worker.state import Worker
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     """The worker's command line; only the manager starts it (`python -m` or the zygote)."""
     p = argparse.ArgumentParser(prog="python -m loomllm.workers.worker.main")
     p.add_argument("--model", required=True)
-    p.add_argument("--options", default="{}", help="JSON: dtype, device, ...")
+    p.add_argument("--options", required=True, help="WorkerOptions, as JSON")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--dist-init-file", required=True)
@@ -88,7 +88,7 @@ async def _run(args: argparse.Namespace) -> int:
     def start() -> Worker:
         return Worker.start(
             args.model,
-            json.loads(args.options),
+            WorkerOptions.from_json(args.options),
             args.rank,
             args.world_size,
             f"file://{args.dist_init_file}",

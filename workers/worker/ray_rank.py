@@ -6,7 +6,6 @@ The manager wraps RankActor with ray.remote, so this module imports no ray at mo
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 import socket
@@ -18,6 +17,7 @@ from anyio.abc import Listener, SocketAttribute, SocketListener, SocketStream, T
 from loomllm.protocols.connection import MessageStream, tcp_address
 from loomllm.protocols.framing import DEFAULT_MAX_FRAME_SIZE, OPENING_MAX_FRAME_SIZE
 from loomllm.protocols.messages import Attach
+from loomllm.protocols.worker_options import WorkerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,8 @@ async def _serve(
     control = await accept_lifeline(await SocketListener.from_socket(lifeline), secret)
 
     def start() -> Worker:
-        return Worker.start(model, json.loads(options_json), rank, world_size, dist_init_method)
+        options = WorkerOptions.from_json(options_json)
+        return Worker.start(model, options, rank, world_size, dist_init_method)
 
     async def open_listener() -> tuple[Listener[Any], str]:
         listener = await anyio.create_tcp_listener(local_host=host, local_port=0)

@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from loomllm.protocols.messages import ModelInfo
+from loomllm.protocols.messages import ModelInfo, Pooling
+from loomllm.protocols.worker_options import WorkerOptions
 from loomllm.workers.device.cpu_threads import CpuThreadGovernor, adaptive_threads_enabled
 
 if TYPE_CHECKING:  # for types only: both import torch, which this module leaves to the load
@@ -33,10 +34,10 @@ class Worker:
     runner: ModelRunner
     model_info: ModelInfo
     loaded_at: float  # time.time() when the weights finished loading
+    seed: int  # the engines' `seed`: each one's draws start from it
     # Per-engine state (requests, their KV blocks, user RPC scratch): dropped whenever
     # the attached engine goes away, so the next engine starts clean.
     session: dict[str, Any] = field(default_factory=dict)
-    seed: int | None = None  # the engines' `seed`: each one's draws start from it
     # A CPU worker's OpenMP team, sized step by step to the cores it gets (None elsewhere).
     cpu_threads: CpuThreadGovernor | None = None
 
@@ -44,7 +45,7 @@ class Worker:
     def start(
         cls,
         model: str,
-        options: dict[str, Any],
+        options: WorkerOptions,
         rank: int,
         world_size: int,
         dist_init_method: str,
@@ -57,7 +58,7 @@ class Worker:
         from loomllm.workers.models.loader import load_model
         from loomllm.workers.models.sources import ModelLoadError
 
-        device = options.get("device", "auto")
+        device: str = options.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         local_rank = rank
@@ -65,10 +66,9 @@ class Worker:
             local_rank = cuda_device_index(options, rank, world_size, torch.cuda.device_count())
             torch.cuda.set_device(local_rank)
         else:
-            _share_cores(int(options.get("data_parallel_size") or 1))
+            _share_cores(options.data_parallel_size)
         started = time.monotonic()
-        if options.get("seed") is not None:
-            torch.manual_seed(options["seed"])  # unseeded requests draw from this RNG
+        torch.manual_seed(options.seed)  # unseeded requests draw from this RNG
         if world_size > 1:
             # Before the load: transformers shards the weights over this group (tp_plan).
             os.environ.update(
@@ -82,19 +82,19 @@ class Worker:
             )
         loaded = load_model(
             model,
-            dtype=options.get("dtype", "auto"),
+            dtype=options.dtype,
             device=device,
-            weight_dtype=options.get("weight_dtype"),
-            load_format=options.get("load_format", "auto"),
+            weight_dtype=options.weight_dtype,
+            load_format=options.load_format,
             tensor_parallel_size=world_size,
-            model_impl=options.get("model_impl", "auto"),
-            quantization=options.get("quantization"),
-            cpu_linear_kernel=options.get("cpu_linear_kernel", "auto"),
-            batch_invariant=bool(options.get("batch_invariant", False)),
-            revision=options.get("revision"),
+            model_impl=options.model_impl,
+            quantization=options.quantization,
+            cpu_linear_kernel=options.cpu_linear_kernel,
+            batch_invariant=options.batch_invariant,
+            revision=options.revision,
         )
         pooling = None
-        if options.get("runner", "generate") == "pooling":
+        if options.runner == "pooling":
             from loomllm.workers.models.pooling import read_classifier, read_pooling
 
             text = getattr(loaded.config, "get_text_config", lambda: loaded.config)()
@@ -137,9 +137,7 @@ class Worker:
         # Collected first, so that the loading's garbage cycles are not frozen with them.
         gc.collect()
         gc.freeze()
-        worker = cls(
-            rank, world_size, device, loaded, runner, info, time.time(), seed=options.get("seed")
-        )
+        worker = cls(rank, world_size, device, loaded, runner, info, time.time(), options.seed)
         if device == "cpu" and adaptive_threads_enabled():
             # After the load: its kernel choices were measured with the whole team.
             worker.cpu_threads = CpuThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
@@ -156,10 +154,9 @@ class Worker:
         """Unseeded requests draw from torch's RNG: with a `seed`, every engine that
         attaches finds it as a new worker would (vLLM seeds once per engine), not where the
         last engine, or the load's random weights, left it."""
-        if self.seed is not None:
-            import torch
+        import torch
 
-            torch.manual_seed(self.seed)
+        torch.manual_seed(self.seed)
 
     def shutdown(self) -> None:
         """Leave the torch.distributed group, if this rank joined one."""
@@ -169,25 +166,20 @@ class Worker:
             dist.destroy_process_group()
 
 
-DEFAULT_BLOCK_SIZE = 16
-
-
-def cuda_device_index(
-    options: dict[str, Any], rank: int, world_size: int, device_count: int
-) -> int:
+def cuda_device_index(options: WorkerOptions, rank: int, world_size: int, device_count: int) -> int:
     """This rank's GPU: data-parallel replica r's ranks take the GPUs after those of
     replicas 0..r-1, one each (each sizes its KV cache as if the GPU were its own). A Ray
     rank sees only the GPU of its bundle: index 0."""
-    if options.get("distributed_executor_backend") == "ray":
+    if options.distributed_executor_backend == "ray":
         return 0
-    num_replicas = int(options.get("data_parallel_size") or 1)
+    num_replicas = options.data_parallel_size
     needed = num_replicas * world_size
     if needed > device_count:
         raise ValueError(
             f"data_parallel_size x tensor_parallel_size = {num_replicas} x {world_size} ranks "
             f"need {needed} GPUs, one each; this machine has {device_count}"
         )
-    return int(options.get("data_parallel_rank") or 0) * world_size + rank
+    return options.data_parallel_rank * world_size + rank
 
 
 def _share_cores(num_replicas: int) -> None:
@@ -202,7 +194,9 @@ def _share_cores(num_replicas: int) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // num_replicas))
 
 
-def _make_runner(loaded: LoadedModel, options: dict[str, Any], pooling: Any = None) -> ModelRunner:
+def _make_runner(
+    loaded: LoadedModel, options: WorkerOptions, pooling: Pooling | None = None
+) -> ModelRunner:
     """Size the paged KV cache from the options and build the model runner (a pooling one
     where `pooling` is set)."""
     import torch
@@ -211,10 +205,10 @@ def _make_runner(loaded: LoadedModel, options: dict[str, Any], pooling: Any = No
     from loomllm.workers.runner.model_runner import ModelRunner
     from loomllm.workers.sample.structured_output import GrammarCompiler
 
-    block_size = int(options.get("block_size") or DEFAULT_BLOCK_SIZE)
+    block_size = options.block_size
     dtype = getattr(torch, loaded.dtype)  # the model's: weight_dtype leaves it as it is
     device = torch.device(loaded.device)
-    backend = _attention_backend(options.get("attention_backend"), device)
+    backend = _attention_backend(options.attention_backend, device)
     # CUDA graphs and fused kernels: one rank only (HF's tensor-parallel collectives inside
     # a capture, and DTensor weights in the kernels, are untried), and not under
     # enforce_eager, which runs the model's plain torch ops eagerly (for debugging).
@@ -222,23 +216,23 @@ def _make_runner(loaded: LoadedModel, options: dict[str, Any], pooling: Any = No
         device.type == "cuda"
         and backend == "triton"
         and loaded.tp_size == 1
-        and not options.get("enforce_eager")
+        and not options.enforce_eager
     )
     if fast_path:
         from loomllm.workers.models.fused_layers import install_fused_ops
 
         install_fused_ops(loaded.model)  # before the profiling pass: the model as it runs
-    elif device.type == "cpu" and backend == "torch" and not options.get("enforce_eager"):
+    elif device.type == "cpu" and backend == "torch" and not options.enforce_eager:
         from loomllm.workers.models.cpu_kernels import install_cpu_kernels
 
         install_cpu_kernels(loaded.model, dtype)
 
     lora = None
-    if options.get("max_loras"):
+    if options.max_loras:
         from loomllm.workers.runner.lora import LoRAManager
 
         # Its layers wrap the model's linears: once, before any runner is made.
-        lora = LoRAManager(loaded.model, int(options["max_loras"]), int(options["max_lora_rank"]))
+        lora = LoRAManager(loaded.model, options.max_loras, options.max_lora_rank)
 
     def make_runner(num_blocks: int) -> ModelRunner:
         return ModelRunner(
@@ -262,7 +256,7 @@ def _make_runner(loaded: LoadedModel, options: dict[str, Any], pooling: Any = No
     if num_blocks < 1:
         where = (
             "kv_cache_memory"
-            if options.get("kv_cache_memory") is not None
+            if options.kv_cache_memory is not None
             else (
                 "the default KV cache budget (on CUDA: gpu_memory_utilization of the GPU, less "
                 "what is in use and a step's activations)"
@@ -273,7 +267,7 @@ def _make_runner(loaded: LoadedModel, options: dict[str, Any], pooling: Any = No
     runner.grammars = GrammarCompiler(str(loaded.model_dir), loaded.vocab_size)
     if fast_path and pooling is None:  # a pooling step is prompts only: no decode graphs
         runner.enable_graphs(
-            int(options.get("max_num_seqs") or 256),
+            options.max_num_seqs,
             loaded.max_model_len,
             capture=True,
             max_step_tokens=largest_step_tokens(options, loaded.max_model_len),
@@ -281,9 +275,9 @@ def _make_runner(loaded: LoadedModel, options: dict[str, Any], pooling: Any = No
     return runner
 
 
-def _attention_backend(asked: str | None, device: Any) -> str:
+def _attention_backend(asked: str, device: Any) -> str:
     """ "auto": Triton's kernels on CUDA, the torch reference on the CPU (faster there)."""
-    if asked in (None, "auto"):
+    if asked == "auto":
         return "triton" if device.type == "cuda" else "torch"
     if asked == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(

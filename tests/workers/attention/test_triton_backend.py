@@ -114,7 +114,7 @@ def test_unknown_backend_and_odd_block_sizes_are_refused(tiny_model):
 
 def test_auto_picks_triton_on_cuda_only(monkeypatch):
     assert _attention_backend("auto", torch.device("cuda")) == "triton"
-    assert _attention_backend(None, torch.device("cpu")) == "torch"
+    assert _attention_backend("auto", torch.device("cpu")) == "torch"
     assert _attention_backend("torch", torch.device("cuda")) == "torch"
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="needs a CUDA device"):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from loomllm.config import EngineConfig
 from loomllm.workers.device.cpu_features import CPU_BF16_ENV, cpu_supports_bf16
 from loomllm.workers.models.loader import load_model
 from loomllm.workers.models.sources import ModelLoadError
@@ -118,7 +119,8 @@ def test_kv_cache_and_model_info_follow_the_weights(
     tiny_model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(CPU_BF16_ENV, "1")
-    worker = Worker.start(tiny_model, {"dtype": "auto", "device": "cpu"}, 0, 1, "")
+    options = EngineConfig(tiny_model, device="cpu").worker_spec().options
+    worker = Worker.start(tiny_model, options, 0, 1, "")
     try:
         assert worker.model_info.dtype == "bfloat16"  # what the engine and `loom models` show
         assert {t.dtype for kv in worker.runner.kv_caches for t in kv} == {torch.bfloat16}

@@ -268,8 +268,10 @@ def test_a_worker_on_it_never_imports_transformers_modeling_code(tiny_model):
     torch._dynamo, torch.distributed.tensor and sympy imports they bring."""
     script = (
         "import sys\n"
+        "from loomllm.config import EngineConfig\n"
         "from loomllm.workers.worker.state import Worker\n"
-        f"w = Worker.start({tiny_model!r}, {{'device': 'cpu', 'dtype': 'float32'}}, 0, 1, '')\n"
+        f"c = EngineConfig({tiny_model!r}, device='cpu', dtype='float32')\n"
+        "w = Worker.start(c.model, c.worker_spec().options, 0, 1, '')\n"
         "print(type(w.loaded.model).__name__)\n"
         "print(sorted(m for m in ('transformers', 'torch._dynamo', 'sympy',\n"
         "             'torch.distributed.tensor') if m in sys.modules))\n"

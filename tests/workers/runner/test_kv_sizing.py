@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from loomllm.config import EngineConfig
 from loomllm.workers.runner.kv_sizing import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     gpu_kv_budget,
@@ -24,9 +25,11 @@ def test_explicit_bytes_win_and_the_cpu_default_is_bounded():
     small = SimpleNamespace(device="cpu", max_model_len=512)
     big = SimpleNamespace(device="cpu", max_model_len=131072)
     per_block = 16 * 4096  # 16 tokens of 4 KiB
-    assert kv_cache_budget(small, {"kv_cache_memory": 12345}, 16, per_block, never) == 12345
-    assert kv_cache_budget(small, {}, 16, per_block, never) == 32 * 512 * 4096
-    assert kv_cache_budget(big, {}, 16, per_block, never) == DEFAULT_CPU_KV_CACHE_BYTES
+    given = EngineConfig("m", kv_cache_memory=12345).worker_spec().options
+    default = EngineConfig("m").worker_spec().options
+    assert kv_cache_budget(small, given, 16, per_block, never) == 12345
+    assert kv_cache_budget(small, default, 16, per_block, never) == 32 * 512 * 4096
+    assert kv_cache_budget(big, default, 16, per_block, never) == DEFAULT_CPU_KV_CACHE_BYTES
 
 
 def test_gpu_budget_is_the_allowed_share_less_what_is_used_and_the_peak():
