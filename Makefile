@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo serve test test-fast soak lint clean bench-peers bench-models bench-tools gpu-wheels
+.PHONY: setup demo serve test test-fast soak lint options-doc clean bench-peers bench-models bench-tools gpu-wheels
 
 setup: $(STAMP)
 
@@ -89,6 +89,10 @@ lint: setup
 	cp -rs $(CURDIR)/workers $(TYPECHECK)/loomllm/workers
 	cd $(TYPECHECK) && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml \
 		--exclude '^loomllm/(workers|benchmarks)/' loomllm
+
+# docs/options.md's table of engine options, from EngineConfig's fields.
+options-doc: setup
+	$(PY) -m loomllm.cli.options_doc docs/options.md
 
 # Wheels for a GPU machine with torch, transformers and triton but no package index
 # (Python 3.12): what `loom bench gpu` needs there beyond them, `loom serve` included, and

@@ -7,27 +7,15 @@ import argparse
 import json
 import math
 import os
-from dataclasses import fields
+import types
+import typing
+from dataclasses import Field, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from loomllm.config import EngineConfig
-from loomllm.protocols import choices
-
-
-def _alts(values: tuple[str, ...]) -> str:
-    """An option's allowed values, as the help shows them."""
-    return " | ".join(values)
-
-
-def _default(name: str) -> Any:
-    """EngineConfig's default for the option `name`, for help texts: the flags themselves
-    default to None (not given), so that EngineConfig alone decides."""
-    return next(field.default for field in fields(EngineConfig) if field.name == name)
-
-
-def _on_off(name: str) -> str:
-    return "on" if _default(name) else "off"
+from loomllm.server.parsers.reasoning import PARSERS as REASONING_PARSERS
+from loomllm.server.parsers.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -41,126 +29,61 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
-MANAGER_SOCKET_FLAG = (
-    "--manager-socket",
-    Path,
-    "engine-manager socket (default: the per-user one)",
-)
-ENGINE_FLAGS: list[tuple[str, Any, str]] = [
-    (
-        "--runner",
-        str,
-        f"{_alts(choices.RUNNERS)} (embeddings: /v1/embeddings; default {_default('runner')})",
-    ),
-    ("--revision", str, "a hub model's branch, tag or commit (default: its default branch)"),
-    ("--dtype", str, _alts(choices.DTYPES)),
-    (
-        "--load-format",
-        str,
-        f"{_alts(choices.LOAD_FORMATS)} (dummy: random weights from the config, for benchmarks)",
-    ),
-    (
-        "--model-impl",
-        str,
-        f"{_alts(choices.MODEL_IMPLS)} (auto: loomllm's own Llama-family "
-        "model where it runs the checkpoint, else transformers')",
-    ),
-    (
-        "--weight-dtype",
-        str,
-        f"{_alts(choices.WEIGHT_DTYPES)}: a float32 model's linear weights in 16 bits",
-    ),
-    (
-        "--quantization",
-        str,
-        f"{_alts(choices.QUANTIZATIONS)}: on the CPU (default: a GGUF file runs "
-        "as it is stored; none dequantizes it; int8 | int4 quantize a float checkpoint)",
-    ),
-    (
-        "--cpu-linear-kernel",
-        str,
-        f"{_alts(choices.CPU_LINEAR_KERNELS)}: the CPU's linear kernel (auto: the fastest "
-        "measured for each shape and batch size; a8 quantizes the activations to int8 too)",
-    ),
-    ("--device", str, _alts(choices.DEVICES)),
-    (
-        "--attention-backend",
-        str,
-        f"{_alts(choices.ATTENTION_BACKENDS)} (auto: triton on CUDA, torch on CPU)",
-    ),
-    ("--max-model-len", int, "longest prompt + output, in tokens"),
-    ("--max-num-seqs", int, "most requests in one batch"),
-    ("--max-num-batched-tokens", int, "most tokens in one step"),
-    ("--kv-cache-memory", int, "KV cache size in bytes"),
-    ("--block-size", int, "tokens per KV block"),
-    ("--seed", int, "engine seed"),
-    (
-        "--generation-config",
-        str,
-        "sampling defaults for fields a request leaves out: auto "
-        "(the model's generation_config.json) | vllm (none) | a directory holding one",
-    ),
-    (
-        "--scheduling-policy",
-        str,
-        "fcfs | priority (a request's priority: lower runs first; "
-        f"default {_default('scheduling_policy')})",
-    ),
-    ("--tensor-parallel-size", int, "ranks each layer's weights and KV heads are split over"),
-    ("--data-parallel-size", int, "independent replicas, each request to the least loaded"),
-    (
-        "--distributed-executor-backend",
-        str,
-        "local | ray (ranks as actors of a Ray cluster "
-        "at $RAY_ADDRESS; pip install 'loomllm[ray]')",
-    ),
-    ("--keep-alive", float, "seconds the workers stay warm after exit (-1: pinned)"),
-    ("--max-loras", int, "with --enable-lora: LoRA adapters in a step at most"),
-    ("--max-lora-rank", int, "with --enable-lora: the largest adapter rank"),
-    (
-        "--speculative-config",
-        json_object,
-        'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4}',
-    ),
-    (
-        "--gpu-memory-utilization",
-        float,
-        "CUDA: share of the GPU's memory the worker may "
-        f"fill, in (0, 1] (default {_default('gpu_memory_utilization')})",
-    ),
-    MANAGER_SOCKET_FLAG,
-]
+# What argparse reads a flag's text into, by the option's type (a Literal is read as str).
+_FLAG_TYPES: dict[Any, Any] = {int: int, float: float, str: str, Path: Path, dict: json_object}
 
 
-# On/off engine options: --NAME and --no-NAME (None when neither: EngineConfig's default).
-ENGINE_SWITCHES: list[tuple[str, str]] = [
-    (
-        "--enable-prefix-caching",
-        "reuse the KV blocks of a shared prompt prefix "
-        f"(default: {_on_off('enable_prefix_caching')})",
-    ),
-    (
-        "--enable-chunked-prefill",
-        "split long prompts over steps, with decodes alongside "
-        f"(default: {_on_off('enable_chunked_prefill')})",
-    ),
-    (
-        "--async-scheduling",
-        "send step N+1 while step N runs (default: on with CUDA workers; on the CPU, for "
-        "steps of one request or of whole outputs only)",
-    ),
-    ("--enable-lora", "LoRA adapters per request (--lora-modules, or a request's model)"),
-    (
-        "--batch-invariant",
-        "a GGUF on the CPU: one linear kernel at every batch size, so that a request's "
-        "tokens do not depend on its batch; slower prompts and batches "
-        f"(default: {_on_off('batch_invariant')})",
-    ),
-    (
-        "--enforce-eager",
-        f"CUDA: run every step eager, no decode CUDA graphs (default: {_on_off('enforce_eager')})",
-    ),
-]
+@dataclass(frozen=True, slots=True)
+class EngineFlag:
+    """One EngineConfig option as a `loom` flag: its type, choices and help come from the
+    field, and it defaults to None (not given), so that EngineConfig alone decides."""
+
+    name: str  # the option's name: the flag is --name-with-dashes
+    kwargs: dict[str, Any]  # for argparse's add_argument
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def option_type(annotation: Any) -> Any:
+    """An option's type without its `| None`."""
+    kinds = [t for t in typing.get_args(annotation) if t is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(kinds) == 1:
+        return kinds[0]
+    return annotation
+
+
+def default_text(option: Field[Any]) -> str:
+    """An option's default in words: the field's own words, else its value."""
+    if option.metadata["default_text"]:
+        return str(option.metadata["default_text"])
+    if option_type(option.type) is bool or type(option.default) is bool:
+        return "on" if option.default else "off"
+    return "" if option.default is None else str(option.default)
+
+
+def engine_flags() -> list[EngineFlag]:
+    hints = typing.get_type_hints(EngineConfig)
+    flags = []
+    for option in fields(EngineConfig):
+        if not option.metadata["flag"]:
+            continue
+        kind = option_type(hints[option.name])
+        default = default_text(option)
+        help_ = option.metadata["help"] + (f" (default: {default})" if default else "")
+        kwargs: dict[str, Any] = {"default": None, "help": help_.replace("%", "%%")}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is typing.Literal:
+            kwargs.update(type=str, choices=typing.get_args(kind))
+        else:
+            kwargs["type"] = _FLAG_TYPES[typing.get_origin(kind) or kind]
+        flags.append(EngineFlag(option.name, kwargs))
+    return flags
+
+
+ENGINE_FLAGS = engine_flags()
 
 
 # `loom bench NAME`: the module in benchmarks/ that runs it.
@@ -197,16 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def engine_args(p: argparse.ArgumentParser) -> None:
-        for flag, kind, help_ in ENGINE_FLAGS:
-            p.add_argument(flag, type=kind, default=None, help=help_)
-        for flag, help_ in ENGINE_SWITCHES:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
-        p.add_argument(
-            "--manager",
-            choices=["auto", "private"],
-            default=None,
-            help="auto: the shared daemon; private: one that dies with us",
-        )
+        for option in ENGINE_FLAGS:
+            p.add_argument(option.flag, **option.kwargs)
         p.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio")
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -288,18 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
         help='tool_choice "auto" (the default with tools): calls are read out '
         "of the model's text with --tool-call-parser",
     )
-    # The choices mirror loomllm.server.parsers.tool_parsers.PARSERS; importing that here
-    # would load starlette.
     serve.add_argument(
         "--tool-call-parser",
-        choices=["hermes"],
+        choices=TOOL_CALL_PARSERS,
         default=None,
         help="the model family's tool-call syntax (hermes: Qwen2.5, Qwen3, Hermes)",
     )
-    # The choices mirror loomllm.server.parsers.reasoning.PARSERS.
     serve.add_argument(
         "--reasoning-parser",
-        choices=["deepseek_r1", "qwen3"],
+        choices=REASONING_PARSERS,
         default=None,
         help="split a thinking model's <think>...</think> out of chat answers "
         "into the message's reasoning",
@@ -340,9 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("model", help="a hub id, org/name")
     pull.add_argument("--revision", default=None, help="a branch, tag or commit")
     models = sub.add_parser("models", help="list the models the engine-manager keeps warm")
+    socket = next(option for option in ENGINE_FLAGS if option.name == "manager_socket")
     for command in (pull, models):  # they talk to the daemon alone: no engine flags
-        flag, kind, help_ = MANAGER_SOCKET_FLAG
-        command.add_argument(flag, type=kind, default=None, help=help_)
+        command.add_argument(socket.flag, **socket.kwargs)
         command.set_defaults(loop="asyncio")
 
     bench = sub.add_parser(
@@ -409,6 +321,5 @@ def _keep_alive(text: str) -> float:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags that were given, as Engine keyword arguments."""
-    flags = [flag for flag, _, _ in ENGINE_FLAGS] + [flag for flag, _ in ENGINE_SWITCHES]
-    names = [flag[2:].replace("-", "_") for flag in flags] + ["manager"]
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    given = {option.name: getattr(args, option.name) for option in ENGINE_FLAGS}
+    return {name: value for name, value in given.items() if value is not None}

@@ -10,6 +10,7 @@ import errno
 import os
 import socket
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -210,3 +211,22 @@ def test_bad_served_model_names_are_exit_2(argv, words, manager, capsys):
     [line] = capsys.readouterr().err.splitlines()
     assert code == 2 and words in line, line
     assert not manager.socket.exists()
+
+
+def test_the_docs_table_of_options_is_the_one_the_fields_give():
+    from loomllm.cli.options_doc import rewritten
+
+    page = Path(__file__).parents[2] / "docs" / "options.md"
+    text = page.read_text()
+    assert rewritten(text) == text, "docs/options.md's table is stale: run `make options-doc`"
+
+
+def test_each_flag_takes_its_type_and_choices_from_the_option():
+    parser = build_parser()
+    args = parser.parse_args(
+        ["serve", "m", "--dtype", "float32", "--max-num-seqs", "8", "--keep-alive", "-1"]
+    )
+    assert engine_options(args) == {"dtype": "float32", "max_num_seqs": 8, "keep_alive": -1.0}
+    for bad in (["--dtype", "float8"], ["--max-num-seqs", "many"], ["--quantization", "gptq"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "m", *bad])
