@@ -5,8 +5,8 @@ Each step: apply the SchedulerOutput diff, pack all tokens into one [1, T] batch
 
 from __future__ import annotations
 
+import enum
 import logging
-from array import array
 from typing import TypeVar
 
 import torch
@@ -27,14 +27,15 @@ from loomllm.protocols.sampling import SamplingParams
 from loomllm.workers.attention import paged as attention
 from loomllm.workers.attention.bidirectional import route_encoder
 from loomllm.workers.attention.geometry import kv_geometry
-from loomllm.workers.attention.metadata import PrefillRow, context_metadata, paged_metadata
+from loomllm.workers.attention.metadata import AttentionMetadata, context_metadata, paged_metadata
 from loomllm.workers.device.idle_probe import DeviceIdleProbe, DeviceTime
 from loomllm.workers.device.transfer import device_tensor
 from loomllm.workers.runner.cuda_graphs import DecodeGraphs
 from loomllm.workers.runner.lora import LoRALoadError, LoRAManager
 from loomllm.workers.runner.mixed_graphs import MAX_MIXED_TOKENS, MixedGraphs
+from loomllm.workers.runner.packed_step import PackedStep, pack_step
 from loomllm.workers.runner.pending_step import PendingStep
-from loomllm.workers.runner.pooler import PoolRow, hidden_states, pool
+from loomllm.workers.runner.pooler import hidden_states, pool
 from loomllm.workers.runner.request_state import CachedRequestState
 from loomllm.workers.sample.prompt_logprobs import score_prompt_chunks
 from loomllm.workers.sample.sampler import SamplerOutput, SamplingMetadata, sample
@@ -43,6 +44,16 @@ from loomllm.workers.sample.token_filters import TokenFilters, bad_word_bans
 
 logger = logging.getLogger(__name__)
 G = TypeVar("G", DecodeGraphs, MixedGraphs)
+
+
+class Forward(enum.Enum):
+    """How a step's forward runs (ModelRunner._route)."""
+
+    EAGER = "eager"
+    DECODE_GRAPH = "decode graph"  # decodes alone, replayed at a bucketed batch size
+    MIXED_GRAPH = "mixed graph"  # prompt chunks beside decodes, at a bucketed token count
+
+
 # What a step runs with: worker/state.py resolves "auto" to one of these before.
 RESOLVED_BACKENDS = tuple(b for b in ATTENTION_BACKENDS if b != "auto")
 
@@ -245,210 +256,188 @@ class ModelRunner:
             previous = None
         self._update_states(so)
         pending = previous.rows if previous is not None else {}
-        fill_at: list[int] = []  # packed index of each input id the previous step sampled
-        fill_from: list[int] = []  # its row in previous.sampled
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_idx: list[int] = []  # packed index of the last token of each sampling request
-        samplers: list[CachedRequestState] = []
-        prompt_idx: list[int] = []  # packed index of each position scored for prompt_logprobs
-        scored: list[tuple[CachedRequestState, int, int]] = []  # (state, first position, count)
-        decode_idx: list[int] = []
-        decode_ctx: list[array[int]] = []
-        decode_states: list[CachedRequestState] = []
-        prefills: list[PrefillRow] = []
-        prefill_states: list[CachedRequestState] = []
-        pool_rows: list[PoolRow] = []
-        triton = self.attention_backend == "triton"
-        bs = self.block_size
-        fresh = {r.req_id for r in so.new_requests}  # new, or back after a preemption
-        cached = so.cached
-        drafts_of: dict[str, list[int]] = {}
-        if cached.draft_token_ids:  # a column only where the engine speculates
-            drafts_of = dict(zip(cached.req_ids, cached.draft_token_ids, strict=True))
-        # Speculative decoding: each sampling request's first row, and its drafts.
-        spec: list[tuple[int, list[int]]] = []
-        lora_tokens: dict[int, list[int]] = {}  # adapter slot -> its packed tokens
-        for req_id, num_new in so.num_scheduled_tokens.items():
-            state = self.requests[req_id]
-            if state.lora_id is not None and self.lora is not None:
-                slot = self.lora.slots[state.lora_id]
-                lora_tokens.setdefault(slot, []).extend(
-                    range(len(input_ids), len(input_ids) + num_new)
-                )
-            drafts = drafts_of.get(req_id) or []
-            start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
-            known_end = end - len(drafts)  # the drafts follow the request's own tokens
-            token_start = len(input_ids)
-            num_known = len(state.all_token_ids)
-            input_ids.extend(state.all_token_ids[start:known_end])
-            if known_end > num_known:
-                # Its last input is the token the previous step sampled: still on the device.
-                if end != num_known + 1 or id(state) not in pending:
-                    raise RuntimeError(
-                        f"step {so.step_id}: request {req_id!r} computes "
-                        f"position {known_end - 1}, but holds {num_known} tokens"
-                    )
-                fill_at.append(len(input_ids))
-                fill_from.append(pending[id(state)])
-                input_ids.append(0)
-                num_known += 1
-            input_ids.extend(drafts)
-            positions.extend(range(start, end))
-            blocks = state.block_ids
-            state.slots.extend(blocks[p // bs] * bs + p % bs for p in range(len(state.slots), end))
-            slots.extend(state.slots[start:end])
-            # The torch backend gathers each context by slot, Triton's kernels read the
-            # block table. A `fresh` one-token row is a prompt chunk: attend_rotating says why.
-            if num_new == 1 and req_id not in fresh:
-                decode_idx.append(token_start)
-                decode_states.append(state)
-                if not triton:
-                    decode_ctx.append(state.slots[:end])
-            else:
-                ctx = (
-                    torch.zeros(0, dtype=torch.long)
-                    if triton
-                    else torch.frombuffer(state.slots[:end], dtype=torch.long)
-                )
-                prefills.append(PrefillRow(token_start, num_new, ctx))
-                prefill_states.append(state)
-            if state.sampling_params.prompt_logprobs is not None and not state.output_token_ids:
-                # Position p predicts prompt token p + 1: the last prompt position samples.
-                num_scored = min(end, len(state.prompt_token_ids) - 1) - start
-                if num_scored > 0:
-                    prompt_idx.extend(range(token_start, token_start + num_scored))
-                    scored.append((state, start, num_scored))
-            if known_end == num_known:  # prompt complete: this step samples
-                # After its last token, and after each draft, to verify it.
-                first = len(input_ids) - len(drafts) - 1
-                spec.append((len(samplers), drafts))
-                sample_idx.extend(range(first, first + len(drafts) + 1))
-                samplers.extend([state] * (len(drafts) + 1))
-            if self.pooling is not None:
-                pool_rows.append(
-                    PoolRow(state, token_start, start, num_new, known_end == num_known)
-                )
-            state.num_computed_tokens = end
-        if not input_ids:
+        packed = pack_step(
+            so,
+            self.requests,
+            pending,
+            self.block_size,
+            contexts=self.attention_backend != "triton",
+            lora_slots=self.lora.slots if self.lora is not None else None,
+            pooling=self.pooling is not None,
+        )
+        if not packed.input_ids:
             return self._launched(call_id, [], None, [])
         if self.lora is not None:
-            self.lora.set_step(lora_tokens, len(input_ids), self.device)
-        graphs, mixed, rows = self.decode_graphs, self.mixed_graphs, decode_states + prefill_states
-        replay_mixed = (
-            mixed is not None
-            and bool(prefills)
-            and not prompt_idx
-            and mixed.fits(len(input_ids), len(rows), max(len(st.block_ids) for st in rows))
-        )
-        meta = None  # a mixed-step graph builds its metadata from the rows themselves
-        if triton and not replay_mixed:
-            meta = paged_metadata(
-                self.kv_caches,
-                self.device,
-                self.block_size,
-                slots,
-                decode_idx,
-                [st.block_ids for st in decode_states],
-                [st.num_computed_tokens for st in decode_states],  # already advanced
-                prefills,
-                [st.block_ids for st in prefill_states],
-                [st.num_computed_tokens for st in prefill_states],
-            )
-        elif not triton:
-            meta = context_metadata(
-                self.kv_caches, self.device, slots, decode_idx, decode_ctx, prefills
-            )
-        dev = self.device
-        ids = device_tensor(input_ids, torch.long, dev)
-        if fill_at:
-            assert previous is not None
-            ids[device_tensor(fill_at, torch.long, dev)] = previous.sampled[
-                device_tensor(fill_from, torch.long, dev)
-            ]
+            self.lora.set_step(packed.lora_tokens, len(packed.input_ids), self.device)
+        route = self._route(packed)
+        # A mixed-step graph builds its metadata from the rows themselves.
+        meta = None if route is Forward.MIXED_GRAPH else self._attention_metadata(packed)
+        ids = self._input_ids(packed, previous)
         if self.idle_probe is not None:
             self.idle_probe.step_started()
         if self.pooling is not None:
-            positions_t = device_tensor([positions], torch.long, dev)
-            types = None
-            if any(row.state.token_type_ids for row in pool_rows):
-                segments = [0] * len(input_ids)
-                for row in pool_rows:
-                    if row.state.token_type_ids:
-                        at, until = row.start, row.start + row.num_tokens
-                        segments[row.token_start : row.token_start + row.num_tokens] = (
-                            row.state.token_type_ids[at:until]
-                        )
-                types = device_tensor([segments], torch.long, dev)
-            hidden = hidden_states(self.model, ids[None], positions_t, meta, types)
-            pooled = pool(hidden, pool_rows, self.pooling, getattr(self.model, "classify", None))
-            placeholders = torch.zeros(len(samplers), dtype=torch.long, device=dev)
-            nothing: list[None] = [None] * len(samplers)
-            sampled = SamplerOutput(placeholders, placeholders.float(), nothing, nothing)
-            if self.idle_probe is not None:
-                self.idle_probe.step_ended(False, with_prompts=True)
-            return self._launched(call_id, samplers, sampled, [], pooled)
-        replay = (
+            return self._pool(call_id, packed, ids, meta)
+        logits = self._forward(route, packed, ids, meta)
+        return self._sample_step(call_id, packed, logits, previous, pending, route)
+
+    def _route(self, packed: PackedStep) -> Forward:
+        """How the step's forward runs: a captured graph where its shape fits one."""
+        mixed, graphs = self.mixed_graphs, self.decode_graphs
+        if mixed is not None and packed.prefills and not packed.prompt_idx:
+            widest = max(len(state.block_ids) for state in packed.rows)
+            if mixed.fits(len(packed.input_ids), len(packed.rows), widest):
+                return Forward.MIXED_GRAPH
+        if (
             graphs is not None
-            and meta is not None
-            and meta.paged is not None
-            and not prefills
-            and not prompt_idx
-            and len(decode_idx) <= graphs.max_batch
-            and meta.paged.decode_tables.shape[1] <= graphs.max_blocks
-        )
-        if replay_mixed:
-            # Every row through the prefill kernel, a decode as a one-token prompt chunk.
-            logits = mixed.forward(
-                ids,
-                positions,
-                device_tensor(slots, torch.long, dev),
-                [st.block_ids for st in rows],
-                decode_idx + [p.token_start for p in prefills],
-                [1] * len(decode_idx) + [p.num_tokens for p in prefills],
-                [st.num_computed_tokens for st in rows],
-                sample_idx,
+            and not packed.prefills
+            and not packed.prompt_idx
+            and len(packed.decode_idx) <= graphs.max_batch
+            and max(len(state.block_ids) for state in packed.decode_states) <= graphs.max_blocks
+        ):
+            return Forward.DECODE_GRAPH
+        return Forward.EAGER
+
+    def _attention_metadata(self, packed: PackedStep) -> AttentionMetadata:
+        """The Triton kernels read block tables; the torch backend gathers each context."""
+        if self.attention_backend != "triton":
+            return context_metadata(
+                self.kv_caches,
+                self.device,
+                packed.slots,
+                packed.decode_idx,
+                packed.decode_ctx,
+                packed.prefills,
             )
-        elif replay:
+        return paged_metadata(
+            self.kv_caches,
+            self.device,
+            self.block_size,
+            packed.slots,
+            packed.decode_idx,
+            [state.block_ids for state in packed.decode_states],
+            [state.num_computed_tokens for state in packed.decode_states],  # advanced
+            packed.prefills,
+            [state.block_ids for state in packed.prefill_states],
+            [state.num_computed_tokens for state in packed.prefill_states],
+        )
+
+    def _input_ids(self, packed: PackedStep, previous: PendingStep | None) -> torch.Tensor:
+        """The packed ids on the device, with the previous step's samples filled in."""
+        dev = self.device
+        ids = device_tensor(packed.input_ids, torch.long, dev)
+        if packed.fill_at:
+            assert previous is not None
+            ids[device_tensor(packed.fill_at, torch.long, dev)] = previous.sampled[
+                device_tensor(packed.fill_from, torch.long, dev)
+            ]
+        return ids
+
+    def _pool(
+        self,
+        call_id: int,
+        packed: PackedStep,
+        ids: torch.Tensor,
+        meta: AttentionMetadata | None,
+    ) -> PendingStep:
+        """A pooling step: the rows' hidden states pooled, a placeholder token sampled."""
+        assert self.pooling is not None
+        dev = self.device
+        types = None
+        if any(row.state.token_type_ids for row in packed.pool_rows):
+            segments = [0] * len(packed.input_ids)
+            for row in packed.pool_rows:
+                if row.state.token_type_ids:
+                    at, until = row.start, row.start + row.num_tokens
+                    segments[row.token_start : row.token_start + row.num_tokens] = (
+                        row.state.token_type_ids[at:until]
+                    )
+            types = device_tensor([segments], torch.long, dev)
+        positions = device_tensor([packed.positions], torch.long, dev)
+        hidden = hidden_states(self.model, ids[None], positions, meta, types)
+        classify = getattr(self.model, "classify", None)
+        pooled = pool(hidden, packed.pool_rows, self.pooling, classify)
+        placeholders = torch.zeros(len(packed.samplers), dtype=torch.long, device=dev)
+        nothing: list[None] = [None] * len(packed.samplers)
+        sampled = SamplerOutput(placeholders, placeholders.float(), nothing, nothing)
+        if self.idle_probe is not None:
+            self.idle_probe.step_ended(False, with_prompts=True)
+        return self._launched(call_id, packed.samplers, sampled, [], pooled)
+
+    def _forward(
+        self,
+        route: Forward,
+        packed: PackedStep,
+        ids: torch.Tensor,
+        meta: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        """Logits [samplers + scored prompt positions, V], by `route`."""
+        dev = self.device
+        if route is Forward.MIXED_GRAPH:
+            assert self.mixed_graphs is not None
+            # Every row through the prefill kernel, a decode as a one-token prompt chunk.
+            rows, decodes = packed.rows, len(packed.decode_idx)
+            return self.mixed_graphs.forward(
+                ids,
+                packed.positions,
+                device_tensor(packed.slots, torch.long, dev),
+                [state.block_ids for state in rows],
+                packed.decode_idx + [p.token_start for p in packed.prefills],
+                [1] * decodes + [p.num_tokens for p in packed.prefills],
+                [state.num_computed_tokens for state in rows],
+                packed.sample_idx,
+            )
+        assert meta is not None
+        if route is Forward.DECODE_GRAPH:
+            assert self.decode_graphs is not None and meta.paged is not None
             # Decode only: packed token i is decode row i, and the rows that sample are
             # those whose prompt is complete (a 1-token prompt chunk does not).
-            paged = meta.paged
-            logits = graphs.forward(
+            logits = self.decode_graphs.forward(
                 ids,
-                device_tensor(positions, torch.long, dev),
+                device_tensor(packed.positions, torch.long, dev),
                 meta.slot_mapping,
-                paged.decode_tables,
-                paged.decode_lens,
+                meta.paged.decode_tables,
+                meta.paged.decode_lens,
             )
-            if len(sample_idx) < len(decode_idx):
-                logits = logits[device_tensor(sample_idx, torch.long, dev)]
-        else:
-            logits = self.model(
-                input_ids=ids[None],
-                position_ids=device_tensor([positions], torch.long, dev),
-                use_cache=False,
-                attn_metadata=meta,
-                logits_to_keep=device_tensor(sample_idx + prompt_idx, torch.long, dev),
-            ).logits[0]  # [num_samplers + num_prompt_positions, V]
-        prompt_lps = score_prompt_chunks(logits[len(sample_idx) :], scored) if scored else []
+            if len(packed.sample_idx) < len(packed.decode_idx):
+                logits = logits[device_tensor(packed.sample_idx, torch.long, dev)]
+            return logits
+        return self.model(
+            input_ids=ids[None],
+            position_ids=device_tensor([packed.positions], torch.long, dev),
+            use_cache=False,
+            attn_metadata=meta,
+            logits_to_keep=device_tensor(packed.sample_idx + packed.prompt_idx, torch.long, dev),
+        ).logits[0]
+
+    def _sample_step(
+        self,
+        call_id: int,
+        packed: PackedStep,
+        logits: torch.Tensor,
+        previous: PendingStep | None,
+        pending: dict[int, int],
+        route: Forward,
+    ) -> PendingStep:
+        """Score the prompt positions, sample the rows that sample, and hand the step on."""
+        samplers, num_samples = packed.samplers, len(packed.sample_idx)
+        scored = packed.scored
+        prompt_lps = score_prompt_chunks(logits[num_samples:], scored) if scored else []
         if previous is not None and any(
             id(s) in pending and _needs_output_ids(s.sampling_params) for s in samplers
         ):
             previous.result()  # penalties count the output ids: they must be on the host
             pending = {}
+        spec = packed.spec if packed.speculated else None
         sampled = None
-        speculated = len(samplers) > len(spec)  # some request samples after drafts
         if samplers:
-            sampled = self._sample(
-                logits[: len(sample_idx)], samplers, pending, spec if speculated else None
-            )
+            sampled = self._sample(logits[:num_samples], samplers, pending, spec)
         if self.idle_probe is not None:
-            replayed = (replay and graphs.captured) or (replay_mixed and mixed.captured)
-            self.idle_probe.step_ended(replayed, with_prompts=bool(prefills))
-        return self._launched(
-            call_id, samplers, sampled, prompt_lps, spec=spec if speculated else None
-        )
+            graphs: DecodeGraphs | MixedGraphs | None = None
+            if route is not Forward.EAGER:
+                graphs = self.decode_graphs if route is Forward.DECODE_GRAPH else self.mixed_graphs
+            replayed = graphs is not None and graphs.captured
+            self.idle_probe.step_ended(replayed, with_prompts=bool(packed.prefills))
+        return self._launched(call_id, samplers, sampled, prompt_lps, spec=spec)
 
     def _launched(
         self,
