@@ -156,9 +156,9 @@ def cpu_as_cuda_start(census: Census) -> Iterator[None]:
 
     from loomllm.workers.kernels import fused_ops
     from loomllm.workers.models import fused_layers
-    from loomllm.workers.runner import cuda_graphs, mixed_graphs
+    from loomllm.workers.runner import step_graphs
 
-    capture = cuda_graphs.capture_buckets
+    capture = step_graphs.capture_buckets
 
     def named_capture(sizes: list[int], run: Any, pool: Any, what: str) -> Any:
         def named(size: int) -> Any:
@@ -187,8 +187,7 @@ def cpu_as_cuda_start(census: Census) -> Iterator[None]:
         (torch.cuda, "memory_reserved", lambda *a: 0),
         (torch.cuda, "max_memory_reserved", lambda *a: 0),
         (torch.nn.functional, "linear", zeros),
-        (cuda_graphs, "capture_buckets", named_capture),
-        (mixed_graphs, "capture_buckets", named_capture),
+        (step_graphs, "capture_buckets", named_capture),
         (fused_ops, "runs_here", fits),
         (fused_layers, "runs_here", fits),
     ]

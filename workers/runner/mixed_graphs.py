@@ -9,14 +9,9 @@ from typing import Any
 
 import torch
 
-from loomllm.workers.attention.metadata import (
-    AttentionMetadata,
-    PagedBatch,
-    max_tiles,
-    prefill_tiles,
-)
+from loomllm.workers.attention.metadata import PagedBatch, max_tiles, prefill_tiles
 from loomllm.workers.device.transfer import device_tensor
-from loomllm.workers.runner.cuda_graphs import capture_buckets, smallest_holding
+from loomllm.workers.runner.step_graphs import StepGraphs, smallest_holding
 
 SMALL_BUCKET, SMALL_STEPS = 64, 512  # fine buckets where padding would cost most
 LARGE_BUCKET = 256
@@ -34,8 +29,8 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes[: next(i for i, size in enumerate(sizes) if size >= top) + 1]
 
 
-class MixedGraphs:
-    """Static buffers for the largest bucket, and one captured graph per token bucket.
+class MixedGraphs(StepGraphs):
+    """One captured graph per token bucket, for steps with prompt tokens.
 
     With more requests waiting than slots, one is admitted each time one finishes, so many
     steps of a run are mixed. Every row, decodes too, goes through the prefill kernel from a
@@ -54,38 +49,29 @@ class MixedGraphs:
         max_num_seqs: int,
         max_tokens: int = MAX_MIXED_TOKENS,
     ) -> None:
-        self.model = model
-        self.kv_caches = kv_caches
-        self.device = device
-        self.block_size = block_size
+        sizes = token_buckets(max_tokens)
+        super().__init__(
+            model,
+            kv_caches,
+            device=device,
+            block_size=block_size,
+            scratch_block=scratch_block,
+            sizes=sizes,
+        )
         self.max_blocks = max_blocks
-        self.sizes = token_buckets(max_tokens)
-        top = self.sizes[-1]
+        top = sizes[-1]
         self.max_rows = min(max_num_seqs, top)
-        self._scratch_slot = scratch_block * block_size
-
-        def buffer(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.input_ids = buffer(1, top, dtype=torch.long)
-        self.positions = buffer(1, top, dtype=torch.long)
-        self.slots = buffer(top, dtype=torch.long)
-        self.tables = buffer(self.max_rows, max_blocks)
-        self.q_starts = buffer(self.max_rows)
-        self.q_lens = buffer(self.max_rows)
-        self.seq_lens = buffer(self.max_rows)
-        self.tile_reqs = buffer(max_tiles(top, self.max_rows))
-        self.tile_firsts = buffer(max_tiles(top, self.max_rows))
-        self.sample_rows = buffer(self.max_rows, dtype=torch.long)
-        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # size -> (graph, logits)
+        self.tables = self._buffer(self.max_rows, max_blocks)
+        self.q_starts = self._buffer(self.max_rows)
+        self.q_lens = self._buffer(self.max_rows)
+        self.seq_lens = self._buffer(self.max_rows)
+        self.tile_reqs = self._buffer(max_tiles(top, self.max_rows))
+        self.tile_firsts = self._buffer(max_tiles(top, self.max_rows))
+        self.sample_rows = self._buffer(self.max_rows, dtype=torch.long)
 
     @property
     def max_tokens(self) -> int:
         return self.sizes[-1]
-
-    @property
-    def captured(self) -> bool:
-        return bool(self._graphs)
 
     def fits(self, num_tokens: int, num_rows: int, widest_table: int) -> bool:
         """Whether a step of these tokens, rows and widest block table fits a bucket."""
@@ -98,7 +84,9 @@ class MixedGraphs:
 
     def capture(self, pool: Any) -> None:
         """Capture every bucket in the memory pool `pool` (CUDA only)."""
-        self._pad(0, 0, 0)
+        none = self.sample_rows[:0]
+        self._load_tokens(none, none, none)
+        self._pad_rows(0, 0)
         self.tile_reqs.fill_(-1)
         # Every graph writes its logits into this one buffer, because a graph's own output
         # stays allocated as long as the graph, [rows, vocab] for each bucket, while a step
@@ -110,7 +98,7 @@ class MixedGraphs:
         def run(size: int) -> torch.Tensor:
             return logits[: self._rows(size)].copy_(self._forward(size))
 
-        self._graphs = capture_buckets(self.sizes, run, pool, "mixed-step")
+        self._capture(run, pool, "mixed-step")
 
     def forward(
         self,
@@ -130,9 +118,7 @@ class MixedGraphs:
         size = smallest_holding(self.sizes, n)
         width = max(len(t) for t in tables)
         dev = self.device
-        self.input_ids[0, :n].copy_(input_ids)
-        self.positions[0, :n].copy_(device_tensor(positions, torch.long, dev))
-        self.slots[:n].copy_(slots)
+        self._load_tokens(input_ids, device_tensor(positions, torch.long, dev), slots)
         padded = [blocks + [0] * (width - len(blocks)) for blocks in tables]
         self.tables[:rows, :width].copy_(device_tensor(padded, torch.int32, dev))
         self.tables[:rows, width:].zero_()
@@ -147,21 +133,12 @@ class MixedGraphs:
         self.tile_reqs[:num_tiles].copy_(device_tensor(tile_reqs, torch.int32, dev))
         self.tile_firsts[:num_tiles].copy_(device_tensor(tile_firsts, torch.int32, dev))
         self.sample_rows[:samples].copy_(device_tensor(sample_idx, torch.long, dev))
-        self._pad(n, rows, samples)
-        if size in self._graphs:
-            graph, logits = self._graphs[size]
-            graph.replay()
-        else:
-            logits = self._forward(size)
-        return logits[:samples]
+        self._pad_rows(rows, samples)
+        return self._replay(size)[:samples]
 
-    def _pad(self, num_tokens: int, num_rows: int, num_samples: int) -> None:
-        """Tokens from num_tokens compute token 0 at position 0 into the scratch slot (as
-        decode graphs' padded rows do) and no tile reads them; rows from num_rows have no
-        tiles; sampling rows from num_samples read token 0."""
-        self.input_ids[0, num_tokens:].zero_()
-        self.positions[0, num_tokens:].zero_()
-        self.slots[num_tokens:].fill_(self._scratch_slot)
+    def _pad_rows(self, num_rows: int, num_samples: int) -> None:
+        """Rows from num_rows have no tiles (no tile reads the padded tokens); sampling
+        rows from num_samples read token 0."""
         self.tables[num_rows:].zero_()
         self.q_lens[num_rows:].zero_()
         self.seq_lens[num_rows:].zero_()
@@ -184,23 +161,4 @@ class MixedGraphs:
             prefill_tile_firsts=self.tile_firsts[:tiles],
             decode_split_counts=none,
         )
-        empty = self.sample_rows[:0]
-        meta = AttentionMetadata(
-            kv_caches=self.kv_caches,
-            slot_mapping=self.slots[:size],
-            decode_token_idx=empty,
-            decode_slots=empty,
-            decode_valid=empty.bool(),
-            decode_lens=empty,
-            decode_bias=empty,
-            prefills=[],
-            paged=paged,
-        )
-        out = self.model(
-            input_ids=self.input_ids[:, :size],
-            position_ids=self.positions[:, :size],
-            use_cache=False,
-            attn_metadata=meta,
-            logits_to_keep=self.sample_rows[:rows],
-        )
-        return out.logits[0]  # [rows, V]
+        return self._run_model(size, paged, self.sample_rows[:0], self.sample_rows[:rows])
