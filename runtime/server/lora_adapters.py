@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from loomllm.server.fleet.fleet import ModelFleet
 from loomllm.server.openai.api_error import ApiError, bad
+from loomllm.server.request_body import read_body
+from loomllm.server.state import server_state
 
 
-def load_adapter(fleet: ModelFleet, body: dict[str, Any]) -> Response:
+async def load_lora_adapter(request: Request) -> Response:
     """Serve the body's `lora_path` as `lora_name` (on `base_model_name`, else the default)."""
+    body, fleet = await read_body(request), server_state(request).fleet
     name, path = _name(body), body.get("lora_path")
     if not isinstance(path, str) or not path:
         raise bad("lora_path must be a non-empty string", "lora_path")
@@ -23,8 +26,9 @@ def load_adapter(fleet: ModelFleet, body: dict[str, Any]) -> Response:
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
-def unload_adapter(fleet: ModelFleet, body: dict[str, Any]) -> Response:
+async def unload_lora_adapter(request: Request) -> Response:
     """Stop serving `lora_name`: a 404 naming it if the server has no such adapter."""
+    body, fleet = await read_body(request), server_state(request).fleet
     name = _name(body)
     try:
         fleet.remove_adapter(name)

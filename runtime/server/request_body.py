@@ -11,6 +11,7 @@ from typing import Any
 from starlette.requests import Request
 
 from loomllm.server.openai.schemas import ApiError, bad
+from loomllm.server.state import server_state
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a 128k-token prompt as JSON ids is ~1 MB
 DISCARD_BYTES = 64 * 1024 * 1024  # past this an oversized body's connection is just closed
@@ -28,6 +29,11 @@ def too_large(max_bytes: int) -> ApiError:
         "invalid_request_error",
         "request_too_large",
     )
+
+
+async def read_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object, within the server's body limit."""
+    return await read_json(request, server_state(request).max_body_bytes)
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:

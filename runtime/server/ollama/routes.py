@@ -24,6 +24,7 @@ from loomllm.engine.engine import Engine
 from loomllm.engine.request_stream import RequestStream, start_all
 from loomllm.errors import ModelPullError
 from loomllm.outputs import RequestOutput
+from loomllm.server.disconnect import unless_disconnected
 from loomllm.server.fleet.catalog import ServedModel
 from loomllm.server.fleet.fleet import ModelFleet, Served
 from loomllm.server.ollama.keep_alive import keep_alive_seconds
@@ -33,183 +34,175 @@ from loomllm.server.openai.api_error import ApiError, bad
 from loomllm.server.openai.schemas import field
 from loomllm.server.openai.serving import engine_error, final_outputs
 from loomllm.server.openai.sse import EventStreamResponse, Send
+from loomllm.server.request_body import read_body
+from loomllm.server.state import server_state
 
 NDJSON = b"application/x-ndjson"
 FOREVER = "2318-12-31T00:00:00Z"  # Ollama's expires_at for a model kept loaded
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def ollama_routes(
-    fleet: ModelFleet,
-    read_body: Callable[[Request], Awaitable[Any]],
-    unless_disconnected: Callable[[Request, Callable[[], Awaitable[Any]]], Awaitable[Any]],
-) -> list[Route]:
-    """The /api/* routes over the server's models: a body's `model` picks one, loaded on
-    demand, and its `keep_alive` says how long it stays loaded after. `unless_disconnected(
-    request, run)` runs `run()` and aborts it if the client leaves (None)."""
+# A body's `model` picks one of the server's models, loaded on demand, and its `keep_alive`
+# says how long it stays loaded after.
 
-    async def answer(
-        request: Request, served: str, stream: RequestStream, streaming: bool, key: str
-    ) -> Any:
-        """One object (FINAL_ONLY) or an NDJSON stream of deltas whose last one is done."""
-        if streaming:
-            return EventStreamResponse(partial(_lines, served, stream, key), NDJSON)
-        out = await unless_disconnected(request, lambda: _final(stream))
-        if out is None:  # the client left: its request is aborted, nobody reads this
-            return Response(status_code=499)
-        return JSONResponse(_done(served, out, key, out.outputs[0].text))
 
-    @asynccontextmanager
-    async def model_for(body: dict[str, Any]) -> AsyncIterator[Served]:
-        """The body's model, loaded; its keep_alive applied."""
-        name = body.get("model")
-        if not isinstance(name, str) or not name:
-            raise bad("model is required", "model")
-        keep_alive = keep_alive_seconds(body.get("keep_alive"))
-        async with fleet.use(name) as served:
-            if keep_alive is not None:
-                fleet.set_keep_alive(served.name, keep_alive)
-            yield served
+async def answer(
+    request: Request, served: str, stream: RequestStream, streaming: bool, key: str
+) -> Any:
+    """One object (FINAL_ONLY) or an NDJSON stream of deltas whose last one is done."""
+    if streaming:
+        return EventStreamResponse(partial(_lines, served, stream, key), NDJSON)
+    out = await unless_disconnected(request, lambda: _final(stream))
+    if out is None:  # the client left: its request is aborted, nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(_done(served, out, key, out.outputs[0].text))
 
-    async def generate(request: Request) -> Response:
-        body = await read_body(request)
-        async with model_for(body) as served:
-            engine = served.engine
-            prompt = body.get("prompt", "")
-            if not isinstance(prompt, str):
-                raise bad("prompt must be a string", "prompt")
-            _no_images(body.get("images"), "images")
-            stream = field(body, "stream", "bool", True)
-            params = sampling_params(body, engine.sampling_defaults, stream)
-            if not prompt:  # Ollama's way to load a model (or, with keep_alive 0, unload it)
-                unload = keep_alive_seconds(body.get("keep_alive")) == 0
-                reason = "unload" if unload else "load"
-                return JSONResponse(_chunk(served.name, done_reason=reason, response=""))
-            system = field(body, "system", "str")
-            templated = not field(body, "raw", "bool", False) and engine.tokenizer is not None
-            if templated and engine.tokenizer.chat_templates:  # type: ignore[union-attr]
-                messages = [{"role": "system", "content": system}] if system else []
-                messages.append({"role": "user", "content": prompt})
-                run = _started(
-                    lambda: engine.chat(messages, params, lora_request=served.lora), "prompt"
-                )
-            else:
-                text = f"{system}\n\n{prompt}" if system else prompt
-                run = _started(
-                    lambda: engine.generate(text, params, lora_request=served.lora), "prompt"
-                )
-            return await answer(request, served.name, run, stream, "response")
 
-    async def chat(request: Request) -> Response:
-        body = await read_body(request)
-        async with model_for(body) as served:
-            engine = served.engine
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise bad("messages must be a non-empty list", "messages")
-            for i, message in enumerate(messages):
-                if not isinstance(message, dict) or not isinstance(message.get("content", ""), str):
-                    raise bad(f"messages[{i}] must be an object with string content", "messages")
-                _no_images(message.get("images"), f"messages[{i}].images")
-            if body.get("tools"):
-                raise bad(
-                    "tools are not supported on /api/chat yet: use /v1/chat/completions", "tools"
-                )
-            stream = field(body, "stream", "bool", True)
-            params = sampling_params(body, engine.sampling_defaults, stream)
+@asynccontextmanager
+async def model_for(request: Request, body: dict[str, Any]) -> AsyncIterator[Served]:
+    """The body's model, loaded; its keep_alive applied."""
+    fleet = server_state(request).fleet
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise bad("model is required", "model")
+    keep_alive = keep_alive_seconds(body.get("keep_alive"))
+    async with fleet.use(name) as served:
+        if keep_alive is not None:
+            fleet.set_keep_alive(served.name, keep_alive)
+        yield served
+
+
+async def generate(request: Request) -> Response:
+    body = await read_body(request)
+    async with model_for(request, body) as served:
+        engine = served.engine
+        prompt = body.get("prompt", "")
+        if not isinstance(prompt, str):
+            raise bad("prompt must be a string", "prompt")
+        _no_images(body.get("images"), "images")
+        stream = field(body, "stream", "bool", True)
+        params = sampling_params(body, engine.sampling_defaults, stream)
+        if not prompt:  # Ollama's way to load a model (or, with keep_alive 0, unload it)
+            unload = keep_alive_seconds(body.get("keep_alive")) == 0
+            reason = "unload" if unload else "load"
+            return JSONResponse(_chunk(served.name, done_reason=reason, response=""))
+        system = field(body, "system", "str")
+        templated = not field(body, "raw", "bool", False) and engine.tokenizer is not None
+        if templated and engine.tokenizer.chat_templates:  # type: ignore[union-attr]
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append({"role": "user", "content": prompt})
             run = _started(
-                lambda: engine.chat(messages, params, lora_request=served.lora), "messages"
+                lambda: engine.chat(messages, params, lora_request=served.lora), "prompt"
             )
-            return await answer(request, served.name, run, stream, "message")
-
-    async def embed(request: Request) -> Response:
-        body = await read_body(request)
-        async with model_for(body) as served:
-            engine = served.engine
-            inputs = body.get("input")
-            inputs = [inputs] if isinstance(inputs, str) else inputs
-            if not isinstance(inputs, list) or not inputs:
-                raise bad("input must be a string or a non-empty list of strings", "input")
-            if not all(isinstance(text, str) and text for text in inputs):
-                raise bad("input must hold non-empty strings", "input")
-            truncate = field(body, "truncate", "bool", True)
-            dimensions = field(body, "dimensions", "int")
-            started = time.time()
-            keep = engine.max_model_len - 1 if truncate else None
-
-            starts = (
-                partial(
-                    engine.embed_stream, text, dimensions=dimensions, truncate_prompt_tokens=keep
-                )
-                for text in inputs
+        else:
+            text = f"{system}\n\n{prompt}" if system else prompt
+            run = _started(
+                lambda: engine.generate(text, params, lora_request=served.lora), "prompt"
             )
-            streams = _started(lambda: start_all(starts), "input")
-            by_index = await final_outputs(streams)
-            finals = [by_index[i] for i in range(len(streams))]
-            vectors = [engine.embedding(final, dimensions).outputs.embedding for final in finals]
-        return JSONResponse(
-            {
-                "model": served.name,
-                "embeddings": vectors,
-                "total_duration": _ns(time.time() - started),
-                "load_duration": 0,
-                "prompt_eval_count": sum(len(f.prompt_token_ids) for f in finals),
-            }
+        return await answer(request, served.name, run, stream, "response")
+
+
+async def chat(request: Request) -> Response:
+    body = await read_body(request)
+    async with model_for(request, body) as served:
+        engine = served.engine
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad("messages must be a non-empty list", "messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("content", ""), str):
+                raise bad(f"messages[{i}] must be an object with string content", "messages")
+            _no_images(message.get("images"), f"messages[{i}].images")
+        if body.get("tools"):
+            raise bad("tools are not supported on /api/chat yet: use /v1/chat/completions", "tools")
+        stream = field(body, "stream", "bool", True)
+        params = sampling_params(body, engine.sampling_defaults, stream)
+        run = _started(lambda: engine.chat(messages, params, lora_request=served.lora), "messages")
+        return await answer(request, served.name, run, stream, "message")
+
+
+async def embed(request: Request) -> Response:
+    body = await read_body(request)
+    async with model_for(request, body) as served:
+        engine = served.engine
+        inputs = body.get("input")
+        inputs = [inputs] if isinstance(inputs, str) else inputs
+        if not isinstance(inputs, list) or not inputs:
+            raise bad("input must be a string or a non-empty list of strings", "input")
+        if not all(isinstance(text, str) and text for text in inputs):
+            raise bad("input must hold non-empty strings", "input")
+        truncate = field(body, "truncate", "bool", True)
+        dimensions = field(body, "dimensions", "int")
+        started = time.time()
+        keep = engine.max_model_len - 1 if truncate else None
+
+        starts = (
+            partial(engine.embed_stream, text, dimensions=dimensions, truncate_prompt_tokens=keep)
+            for text in inputs
         )
+        streams = _started(lambda: start_all(starts), "input")
+        by_index = await final_outputs(streams)
+        finals = [by_index[i] for i in range(len(streams))]
+        vectors = [engine.embedding(final, dimensions).outputs.embedding for final in finals]
+    return JSONResponse(
+        {
+            "model": served.name,
+            "embeddings": vectors,
+            "total_duration": _ns(time.time() - started),
+            "load_duration": 0,
+            "prompt_eval_count": sum(len(f.prompt_token_ids) for f in finals),
+        }
+    )
 
-    async def tags(request: Request) -> Response:
-        running = {served.name: served.engine for served in fleet.running()}
-        listings = [_listing(entry, running.get(entry.name)) for entry in await fleet.available()]
-        return JSONResponse({"models": listings})
 
-    async def ps(request: Request) -> Response:
-        listings = []
-        for loaded in fleet.loaded():
-            engine = loaded.slot.engine
-            if engine is None or loaded.unloading:
-                continue
-            listing = _listing(loaded.entry, engine)
-            expires = loaded.expires_at()
-            listing.update(
-                # Loaded until evicted or the server stops: Ollama's far-future "forever".
-                expires_at=FOREVER if expires is None else _iso(expires),
-                size_vram=listing["size"] if engine.model_info.device.startswith("cuda") else 0,
-                context_length=engine.max_model_len,
-            )
-            listings.append(listing)
-        return JSONResponse({"models": listings})
+async def tags(request: Request) -> Response:
+    fleet = server_state(request).fleet
+    running = {served.name: served.engine for served in fleet.running()}
+    listings = [_listing(entry, running.get(entry.name)) for entry in await fleet.available()]
+    return JSONResponse({"models": listings})
 
-    async def show_model(request: Request) -> Response:
-        body = await read_body(request)
-        async with model_for(body) as served:
-            return JSONResponse(show(served.engine))
 
-    async def version(request: Request) -> Response:
-        try:
-            return JSONResponse({"version": metadata.version("loomllm")})
-        except metadata.PackageNotFoundError:
-            return JSONResponse({"version": "unknown"})
+async def ps(request: Request) -> Response:
+    listings = []
+    for loaded in server_state(request).fleet.loaded():
+        engine = loaded.slot.engine
+        if engine is None or loaded.unloading:
+            continue
+        listing = _listing(loaded.entry, engine)
+        expires = loaded.expires_at()
+        listing.update(
+            # Loaded until evicted or the server stops: Ollama's far-future "forever".
+            expires_at=FOREVER if expires is None else _iso(expires),
+            size_vram=listing["size"] if engine.model_info.device.startswith("cuda") else 0,
+            context_length=engine.max_model_len,
+        )
+        listings.append(listing)
+    return JSONResponse({"models": listings})
 
-    async def pull(request: Request) -> Response:
-        body = await read_body(request)
-        name = body.get("model") or body.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad("model is required", "model")
-        if not field(body, "stream", "bool", True):
-            await _pulled(fleet, name, lambda report: None)
-            return JSONResponse({"status": "success"})
-        return EventStreamResponse(partial(_pull_lines, fleet, name), NDJSON)  # type: ignore[return-value]
 
-    return [
-        Route("/api/generate", _ollama_errors(generate), methods=["POST"]),
-        Route("/api/pull", _ollama_errors(pull), methods=["POST"]),
-        Route("/api/chat", _ollama_errors(chat), methods=["POST"]),
-        Route("/api/embed", _ollama_errors(embed), methods=["POST"]),
-        Route("/api/tags", _ollama_errors(tags), methods=["GET"]),
-        Route("/api/ps", _ollama_errors(ps), methods=["GET"]),
-        Route("/api/show", _ollama_errors(show_model), methods=["POST"]),
-        Route("/api/version", _ollama_errors(version), methods=["GET"]),
-    ]
+async def show_model(request: Request) -> Response:
+    body = await read_body(request)
+    async with model_for(request, body) as served:
+        return JSONResponse(show(served.engine))
+
+
+async def version(request: Request) -> Response:
+    try:
+        return JSONResponse({"version": metadata.version("loomllm")})
+    except metadata.PackageNotFoundError:
+        return JSONResponse({"version": "unknown"})
+
+
+async def pull(request: Request) -> Response:
+    body = await read_body(request)
+    fleet = server_state(request).fleet
+    name = body.get("model") or body.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad("model is required", "model")
+    if not field(body, "stream", "bool", True):
+        await _pulled(fleet, name, lambda report: None)
+        return JSONResponse({"status": "success"})
+    return EventStreamResponse(partial(_pull_lines, fleet, name), NDJSON)  # type: ignore[return-value]
 
 
 def _ollama_errors(handler: Handler) -> Handler:
@@ -364,3 +357,15 @@ def _iso(seconds: float) -> str:
 
 def _ns(seconds: float) -> int:
     return max(0, int(seconds * 1e9))
+
+
+OLLAMA_ROUTES = [
+    Route("/api/generate", _ollama_errors(generate), methods=["POST"]),
+    Route("/api/pull", _ollama_errors(pull), methods=["POST"]),
+    Route("/api/chat", _ollama_errors(chat), methods=["POST"]),
+    Route("/api/embed", _ollama_errors(embed), methods=["POST"]),
+    Route("/api/tags", _ollama_errors(tags), methods=["GET"]),
+    Route("/api/ps", _ollama_errors(ps), methods=["GET"]),
+    Route("/api/show", _ollama_errors(show_model), methods=["POST"]),
+    Route("/api/version", _ollama_errors(version), methods=["GET"]),
+]
