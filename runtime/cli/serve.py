@@ -41,7 +41,7 @@ async def serve_command(args: argparse.Namespace) -> int:
 
 def served_models(args: argparse.Namespace) -> list[Any]:
     """The models named on the command line, then in --models-file (smollm2 if none)."""
-    from loomllm.server.fleet.catalog import ServedModel, parse_model_arg, read_models_file
+    from loomllm.server.fleet.catalog import ModelEntry, parse_model_arg, read_models_file
 
     options = engine_options(args)
     served = []
@@ -51,11 +51,11 @@ def served_models(args: argparse.Namespace) -> list[Any]:
             if name is not None:
                 raise ValueError(f"{arg!r} names its model already: drop --served-model-name")
             name = args.served_model_name
-        served.append(ServedModel(name or model, model, options))
+        served.append(ModelEntry(name or model, model, options))
     if args.models_file is not None:
         served += read_models_file(args.models_file, options)
     if not served:
-        served.append(ServedModel(args.served_model_name or "smollm2", "smollm2", options))
+        served.append(ModelEntry(args.served_model_name or "smollm2", "smollm2", options))
     if args.lora_modules:
         loras = dict(_lora_module(arg) for arg in args.lora_modules)
         served[0] = dataclasses.replace(served[0], loras={**served[0].loras, **loras})

@@ -19,7 +19,7 @@ from support.processes import wait_gone
 
 from loomllm.clients.manager import list_workers
 from loomllm.server import build_app, serve
-from loomllm.server.fleet.catalog import ServedModel
+from loomllm.server.fleet.catalog import ModelEntry
 from loomllm.server.fleet.fleet import ModelFleet
 
 pytestmark = pytest.mark.anyio
@@ -36,11 +36,11 @@ def three_models(tmp_path_factory) -> dict[str, str]:
     }
 
 
-def served(models: dict[str, str], manager, names: str, **options) -> list[ServedModel]:
+def served(models: dict[str, str], manager, names: str, **options) -> list[ModelEntry]:
     """`names` served from `models`, on fp32, each with workers of its own (its max_num_seqs
     is no other test's), so that an unload stops nobody else's warm worker."""
     return [
-        ServedModel(
+        ModelEntry(
             name,
             models[name],
             {
@@ -165,7 +165,7 @@ async def test_a_busy_model_is_not_evicted_until_its_requests_end(three_models, 
 
 async def test_an_idle_model_is_unloaded_after_its_keep_alive(three_models, shared_manager):
     fleet = ModelFleet(served(three_models, shared_manager, "a"), keep_alive=0.5)
-    fleet.models["b"] = ServedModel(  # as a cached hub model is: loaded on demand
+    fleet.models["b"] = ModelEntry(  # as a cached hub model is: loaded on demand
         "b", three_models["b"], served(three_models, shared_manager, "ab")[1].options, False
     )
     async with fleet_server(fleet) as client:

@@ -35,7 +35,7 @@ from loomllm.metrics.counters import (
 from loomllm.metrics.stats import EngineStats
 from loomllm.outputs import RequestMetrics, RequestOutputCollector
 from loomllm.protocols.sampling import SamplingParams
-from loomllm.server.fleet.fleet import Served
+from loomllm.server.fleet.fleet import ServedModel
 from loomllm.server.loop_tasks import count_loop_tasks
 from loomllm.server.metrics import build_metrics_handler
 from loomllm.text.tokenizer import Tokenizer
@@ -201,7 +201,7 @@ async def test_collector_renders_the_stats():
 
 def fleet_of(*engines: tuple[str, StubEngine]) -> Any:
     """What build_metrics_handler reads of a ModelFleet: its running engines."""
-    return SimpleNamespace(running=lambda: [Served(name, engine) for name, engine in engines])
+    return SimpleNamespace(running=lambda: [ServedModel(name, engine) for name, engine in engines])
 
 
 async def test_each_model_is_one_sample_of_each_family():

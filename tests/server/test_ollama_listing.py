@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from loomllm.protocols.messages import ModelInfo
-from loomllm.server.fleet.catalog import ServedModel
+from loomllm.server.fleet.catalog import ModelEntry
 from loomllm.server.ollama.model_card import details
 from loomllm.server.ollama.routes import _listing
 
@@ -39,7 +39,7 @@ def test_a_gguf_is_listed_at_its_file_s_size_and_format(tmp_path):
     gguf = tmp_path / "m.Q4_K_M.gguf"
     gguf.write_bytes(bytes(1234))
     engine = loaded(model_dir, str(gguf))
-    listing = _listing(ServedModel(name="m", model=str(gguf)), engine)
+    listing = _listing(ModelEntry(name="m", model=str(gguf)), engine)
     assert listing["size"] == 1234
     assert listing["details"]["format"] == "gguf" and listing["details"]["family"] == "llama"
 
@@ -48,5 +48,5 @@ def test_a_folder_is_listed_at_its_safetensors_size(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     (tmp_path / "model.safetensors").write_bytes(bytes(99))
     engine = loaded(tmp_path, "")
-    assert _listing(ServedModel(name="m", model=str(tmp_path)), engine)["size"] == 99
+    assert _listing(ModelEntry(name="m", model=str(tmp_path)), engine)["size"] == 99
     assert details(engine)["format"] == "safetensors"

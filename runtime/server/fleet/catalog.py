@@ -14,7 +14,7 @@ ENGINE_OPTIONS = frozenset(f.name for f in fields(EngineConfig)) - {"model"}
 
 
 @dataclass(frozen=True, slots=True)
-class ServedModel:
+class ModelEntry:
     """One model a server may load: `name` is what clients send, `model` what Engine loads."""
 
     name: str
@@ -40,7 +40,7 @@ def parse_model_arg(arg: str) -> tuple[str | None, str]:
     return name, model
 
 
-def read_models_file(path: Path, defaults: dict[str, Any]) -> list[ServedModel]:
+def read_models_file(path: Path, defaults: dict[str, Any]) -> list[ModelEntry]:
     """The models of a TOML file, in its order, each a table under `models`:
 
         [models.smol]
@@ -71,11 +71,11 @@ def read_models_file(path: Path, defaults: dict[str, Any]) -> list[ServedModel]:
         loras = table.get("loras", {})
         if not isinstance(loras, dict) or not all(isinstance(v, str) for v in loras.values()):
             raise ValueError(f'{path}: [models.{name}] loras must be a table of name = "path"')
-        served.append(ServedModel(name, table["model"], {**defaults, **options}, True, loras))
+        served.append(ModelEntry(name, table["model"], {**defaults, **options}, True, loras))
     return served
 
 
-def check_names(models: list[ServedModel]) -> None:
+def check_names(models: list[ModelEntry]) -> None:
     """ValueError when two models (or LoRA adapters) share a name, a name ends in Ollama's
     `:latest` tag, or a model with adapters runs without enable_lora."""
     seen: set[str] = set()

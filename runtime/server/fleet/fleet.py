@@ -19,7 +19,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from loomllm.engine.engine import Engine
 from loomllm.errors import LoomError
 from loomllm.protocols.lora import LoRARequest
-from loomllm.server.fleet.catalog import ServedModel, check_names
+from loomllm.server.fleet.catalog import ModelEntry, check_names
 from loomllm.server.fleet.supervisor import EngineSlot, drain, supervise
 from loomllm.server.openai.api_error import ApiError
 
@@ -31,7 +31,7 @@ POLL_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
-class Served:
+class ServedModel:
     """The model a request runs on: the name it answers under, its engine, and the LoRA
     adapter that name selects (None: the base model)."""
 
@@ -40,11 +40,11 @@ class Served:
     lora: LoRARequest | None = None
 
 
-class LoadedModel:
+class LoadedEntry:
     """A model in the fleet: its engine's slot (empty while it restarts), its users, its
     keep_alive, and the scope that unloads it."""
 
-    def __init__(self, entry: ServedModel, keep_alive: float, slot: EngineSlot | None = None):
+    def __init__(self, entry: ModelEntry, keep_alive: float, slot: EngineSlot | None = None):
         self.entry = entry
         self.slot = slot or EngineSlot()
         self.keep_alive = keep_alive
@@ -101,7 +101,7 @@ class ModelFleet:
 
     def __init__(
         self,
-        models: Sequence[ServedModel],
+        models: Sequence[ModelEntry],
         *,
         max_loaded: int | None = None,
         keep_alive: float = 300.0,
@@ -123,7 +123,7 @@ class ModelFleet:
         self._cached_options = cached_options or {}
         self._restart_on_failure = restart_on_failure
         self._max_restarts = max_restarts
-        self._loaded: dict[str, LoadedModel] = {}
+        self._loaded: dict[str, LoadedEntry] = {}
         self._loading: dict[str, _Load] = {}
         self._tg: TaskGroup | None = None
         self._wake = anyio.Event()
@@ -141,9 +141,9 @@ class ModelFleet:
     def of(cls, source: Engine | EngineSlot, name: str) -> ModelFleet:
         """A fleet of one running engine (or a slot a supervisor fills), served as `name`."""
         slot = source if isinstance(source, EngineSlot) else EngineSlot(source)
-        entry = ServedModel(name, slot.require().config.model)
+        entry = ModelEntry(name, slot.require().config.model)
         fleet = cls([entry])
-        fleet._loaded[name] = LoadedModel(entry, FOREVER, slot)
+        fleet._loaded[name] = LoadedEntry(entry, FOREVER, slot)
         return fleet
 
     # -- running ------------------------------------------------------------------------
@@ -172,7 +172,7 @@ class ModelFleet:
     # -- requests -----------------------------------------------------------------------
 
     @asynccontextmanager
-    async def use(self, name: str | None) -> AsyncIterator[Served]:
+    async def use(self, name: str | None) -> AsyncIterator[ServedModel]:
         """The model `name` (None: the default), loaded if it is not, kept loaded inside.
 
         ApiError: 404 for a model this server cannot serve, 503 while it restarts or the
@@ -200,13 +200,13 @@ class ModelFleet:
                 raise pending.error
         loaded.leases += 1
         try:
-            yield Served(lora.lora_name if lora else entry.name, engine, lora)
+            yield ServedModel(lora.lora_name if lora else entry.name, engine, lora)
         finally:
             loaded.leases -= 1
             loaded.last_used = time.monotonic()
             self._wake.set()
 
-    async def resolve(self, name: str | None) -> tuple[ServedModel, LoRARequest | None]:
+    async def resolve(self, name: str | None) -> tuple[ModelEntry, LoRARequest | None]:
         """The model a request names (one of ours, or a hub model in the cache) and the
         LoRA adapter the name selects; else 404."""
         if name is None:
@@ -218,7 +218,7 @@ class ModelFleet:
         entry = self.models.get(key)
         if entry is None and self._cached is not None and key.count("/") == 1:
             if key in await self._cached():
-                entry = ServedModel(key, key, dict(self._cached_options), at_start=False)
+                entry = ModelEntry(key, key, dict(self._cached_options), at_start=False)
                 self.models.setdefault(key, entry)
         if entry is None:
             names = ", ".join(repr(n) for n in [*self.models, *self.adapters])
@@ -263,21 +263,21 @@ class ModelFleet:
 
     # -- what is loaded -----------------------------------------------------------------
 
-    def loaded(self) -> list[LoadedModel]:
+    def loaded(self) -> list[LoadedEntry]:
         """The loaded models (those restarting included), most recently used first."""
         return sorted(self._loaded.values(), key=lambda m: m.last_used, reverse=True)
 
-    def running(self) -> list[Served]:
+    def running(self) -> list[ServedModel]:
         """The models whose engine runs now, in the order they were named."""
         order = list(self.models)
         found = [
-            Served(m.name, m.slot.engine)
+            ServedModel(m.name, m.slot.engine)
             for m in self._loaded.values()
             if m.slot.engine is not None and not m.unloading
         ]
         return sorted(found, key=lambda served: order.index(served.name))
 
-    async def available(self) -> list[ServedModel]:
+    async def available(self) -> list[ModelEntry]:
         """Every model a request may name: ours, then the cached hub models not among them."""
         found = list(self.models.values())
         if self._cached is not None:
@@ -287,7 +287,7 @@ class ModelFleet:
                 logger.warning("cannot list the cached hub models: %s", exc)
                 cached = []
             found += [
-                ServedModel(key, key, dict(self._cached_options), at_start=False)
+                ModelEntry(key, key, dict(self._cached_options), at_start=False)
                 for key in cached
                 if key not in self.models
             ]
@@ -295,7 +295,7 @@ class ModelFleet:
 
     # -- loading and unloading ----------------------------------------------------------
 
-    async def _load(self, entry: ServedModel, at_start: bool = False) -> None:
+    async def _load(self, entry: ModelEntry, at_start: bool = False) -> None:
         """Load `entry`, unloading others first where the cap says so. Its failure is an
         ApiError(500) naming it, or at the server's start the engine's own error."""
         assert self._tg is not None, "the fleet is not running"
@@ -303,7 +303,7 @@ class ModelFleet:
         try:
             await self._make_room(entry.name)
             keep_alive = FOREVER if entry.at_start else self.keep_alive
-            loaded = LoadedModel(entry, keep_alive)
+            loaded = LoadedEntry(entry, keep_alive)
             try:
                 await self._tg.start(self._run_model, loaded)
             except Exception as exc:
@@ -320,7 +320,7 @@ class ModelFleet:
             pending.done.set()
 
     async def _run_model(
-        self, loaded: LoadedModel, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+        self, loaded: LoadedEntry, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         entry = loaded.entry
 
@@ -349,7 +349,7 @@ class ModelFleet:
                 del self._loaded[entry.name]
             loaded.done.set()
 
-    async def _unload(self, loaded: LoadedModel, why: str) -> None:
+    async def _unload(self, loaded: LoadedEntry, why: str) -> None:
         """Close the model's engine and stop its workers, freeing their memory."""
         if not loaded.unloading:
             loaded.unloading = True

@@ -25,8 +25,8 @@ from loomllm.engine.request_stream import RequestStream, start_all
 from loomllm.errors import ModelPullError
 from loomllm.outputs import RequestOutput
 from loomllm.server.disconnect import unless_disconnected
-from loomllm.server.fleet.catalog import ServedModel
-from loomllm.server.fleet.fleet import ModelFleet, Served
+from loomllm.server.fleet.catalog import ModelEntry
+from loomllm.server.fleet.fleet import ModelFleet, ServedModel
 from loomllm.server.ollama.keep_alive import keep_alive_seconds
 from loomllm.server.ollama.model_card import details, show
 from loomllm.server.ollama.options import sampling_params
@@ -59,7 +59,7 @@ async def answer(
 
 
 @asynccontextmanager
-async def model_for(request: Request, body: dict[str, Any]) -> AsyncIterator[Served]:
+async def model_for(request: Request, body: dict[str, Any]) -> AsyncIterator[ServedModel]:
     """The body's model, loaded; its keep_alive applied."""
     fleet = server_state(request).fleet
     name = body.get("model")
@@ -323,7 +323,7 @@ def _done(served: str, out: RequestOutput, key: str, text: str) -> dict:
     )
 
 
-def _listing(entry: ServedModel, engine: Engine | None) -> dict[str, Any]:
+def _listing(entry: ModelEntry, engine: Engine | None) -> dict[str, Any]:
     """The model as /api/tags lists it; read from its files where they are on this machine
     (all of it once loaded, else a local folder or GGUF file)."""
     info = engine.model_info if engine is not None else None
