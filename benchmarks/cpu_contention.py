@@ -1,7 +1,7 @@
 """CPU workers side by side: a stream's time a token alone and with every engine decoding at
 once, the workers' adaptive threads on and off, alternated in one run.
 
-Run: `loom bench cpu-contention`. Each mode gets an engine-manager daemon of its own, whose
+Run: `loom bench kernel cpu-contention`. Each mode gets an engine-manager daemon of its own, whose
 workers inherit LOOM_CPU_ADAPTIVE_THREADS from it.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from loomllm.benchmarks import offline_throughput, run_manager
 
-PROG = "loom bench cpu-contention"
+PROG = "loom bench kernel cpu-contention"
 ENV = "LOOM_CPU_ADAPTIVE_THREADS"
 MODES = {"on": "1", "off": "0"}
 

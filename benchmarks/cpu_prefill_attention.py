@@ -1,7 +1,7 @@
 """Prompt attention on the CPU: the C++ ops' prefill_attention over a paged cache against
 torch's causal scaled_dot_product_attention on the same prompts, alternated in one process.
 
-Run: `loom bench cpu-prefill-attention`. SmolLM2-135M's heads by default (9 query heads, 3 KV
+Run: `loom bench kernel cpu-prefill-attention`. SmolLM2-135M's heads by default (9 query heads, 3 KV
 heads of 64 dims), in bfloat16 where the CPU computes it natively, else float32.
 """
 
@@ -12,7 +12,7 @@ import statistics
 import time
 from typing import Any
 
-PROG = "loom bench cpu-prefill-attention"
+PROG = "loom bench kernel cpu-prefill-attention"
 
 
 def prompt_shape(text: str) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 C++ ops layer by layer, and the C++ decoder stack, beside the time of its linear layers alone,
 alternated in one process.
 
-Run: `loom bench cpu-step [--model PATH]`. The GGUF runs as stored.
+Run: `loom bench kernel cpu-step [--model PATH]`. The GGUF runs as stored.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 
-PROG = "loom bench cpu-step"
+PROG = "loom bench kernel cpu-step"
 MODES = ("torch ops", "C++ ops", "C++ stack")
 
 

@@ -1,6 +1,6 @@
 """The paged decode attention alone, against the time to read its KV bytes at copy bandwidth.
 
-Run: `loom bench decode-attention` on CUDA (`--device cpu`: a smoke test in the interpreter).
+Run: `loom bench kernel decode-attention` on CUDA (`--device cpu`: a smoke test in the interpreter).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from loomllm.benchmarks import int_list, parsed_list
 from loomllm.benchmarks.decode_profile import timer
 from loomllm.benchmarks.gpu_bench import SHAPES, copy_bandwidth
 
-PROG = "loom bench decode-attention"
+PROG = "loom bench kernel decode-attention"
 BLOCK_SIZE = 16
 # Keys a step x warps x stages: the 16-key tilings walk a page a step, as the kernel did
-# before it took several; every one compiles for sm_90 with no spill (`loom bench compile`).
+# before it took several; every one compiles for sm_90 with no spill (`loom bench kernel compile`).
 TILINGS = (
     "16x4x3,16x8x2,32x4x2,32x4x3,32x8x2,64x4x1,64x4x2,64x4x3,64x8x2,64x8x3,"
     "128x4x2,128x8x1,128x8x2,128x8x3"

@@ -1,6 +1,6 @@
 """Where a decode step's device time goes: its kernels, and each matmul's bandwidth alone.
 
-Run: `loom bench decode-profile` on CUDA (`--device cpu`: a smoke test).
+Run: `loom bench kernel decode-profile` on CUDA (`--device cpu`: a smoke test).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from loomllm.benchmarks.gpu_bench import (
     write_model_dir,
 )
 
-PROG = "loom bench decode-profile"
+PROG = "loom bench kernel decode-profile"
 MAX_STEP_TOKENS = 8192  # one step's token budget: the prompts' steps are few
 # The skinny kernel's tilings timed by default: its two defaults first, then wider and
 # narrower programs, longer and shorter loads, more and fewer of them in flight, and warps.

@@ -1,6 +1,7 @@
 """Host time of an eager decode step: loomllm's own model against transformers' modeling code.
 
-A deep, narrow random Llama on one CPU thread, alternated over rounds. Run: `loom bench eager-step`.
+A deep, narrow random Llama on one CPU thread, alternated over rounds.
+Run: `loom bench kernel eager-step`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PROG = "loom bench eager-step"
+PROG = "loom bench kernel eager-step"
 IMPLS = ("loom", "transformers")
 
 

@@ -1,7 +1,7 @@
 """Embeddings, timed in one run: loomllm (runner="pooling", every text batched by the engine)
 against sentence-transformers' `encode` on the same model, with how far their vectors differ.
 
-Run: `loom bench embed` (SmolLM2, last-token pooling, normalized: 256 texts of 20-200 tokens,
+Run: `loom bench engine embed` (SmolLM2, last-token pooling, normalized: 256 texts of 20-200 tokens,
 sentence-transformers at batch 64).
 """
 
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-PROG = "loom bench embed"
+PROG = "loom bench engine embed"
 
 
 def texts_of(tokenizer: Any, count: int, low: int, high: int, seed: int) -> list[str]:

@@ -1,6 +1,7 @@
 """Device idle on the CPU: workload (a) against an emulated device that takes a GPU's step time.
 
-Defaults: the 8B shape's kernel times on an H100, behind real host work. Run: `loom bench emulated`.
+Defaults: the 8B shape's kernel times on an H100, behind real host work.
+Run: `loom bench engine emulated`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from loomllm.benchmarks.gpu_bench import SHAPES, sharegpt_like, submit_all, writ
 # The workers cannot import benchmarks/ from every checkout: send the hooks' code itself.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-PROG = "loom bench emulated"
+PROG = "loom bench engine emulated"
 
 
 def install(worker: Any, vocab_size: int, base_ms: float, row_ms: float, token_ms: float) -> None:

@@ -1,6 +1,7 @@
 """Engine overhead: steps/s and where each step's time goes, with a model whose forward is ~free.
 
-Run: `loom bench overhead` (`--model`: a real model; `--async-scheduling both`: on/off ratios).
+Run: `loom bench engine overhead` (`--model`: a real model; `--async-scheduling both`: on/off
+ratios).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from loomllm.protocols.sampling import RequestOutputKind, SamplingParams
 VOCAB = 256
 Row = tuple[int, float, int, StepTimings]  # batch size, seconds, tokens generated, timings
 
-PROG = "loom bench overhead"
+PROG = "loom bench engine overhead"
 
 
 def make_tiny_llama(path: Path) -> str:

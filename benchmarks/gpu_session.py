@@ -63,7 +63,15 @@ def plan(
         Step(
             "attention",
             "the decode attention's tilings against reading its K/V at copy bandwidth",
-            bench("decode-attention", *on, "--shape", big, "--best-to", str(logs / BEST_TILING)),
+            bench(
+                "kernel",
+                "decode-attention",
+                *on,
+                "--shape",
+                big,
+                "--best-to",
+                str(logs / BEST_TILING),
+            ),
             60,
         ),
         # Without the async-off run and the enforce_eager stream: neither is a target, and
@@ -79,6 +87,7 @@ def plan(
             "a decode step's kernels at batch 64 and 256, alone and with a 512-token prompt; "
             "each matmul's bandwidth; the floors",
             bench(
+                "kernel",
                 "decode-profile",
                 *on,
                 "--shape",
@@ -97,7 +106,7 @@ def plan(
             75,
         ),
         # Workload (a) with room for all 500 requests at once: fewer steps carry prompts and
-        # the longest request starts in the first one. `loom bench emulated` with the H200's
+        # the longest request starts in the first one. `loom bench engine emulated` with the H200's
         # step times predicts about 4% less time than at 256; this measures it.
         Step(
             "seqs-512",
@@ -120,6 +129,7 @@ def plan(
             "start",
             "cold start and warm attaches, the imports timed",
             bench(
+                "engine",
                 "start",
                 *on,
                 "--shape",

@@ -1,6 +1,6 @@
 """Every Triton kernel a CUDA worker's start compiles, compiled for a GPU on a host without one.
 
-Exits 1 on a failed compile, a shared-memory overflow or a spill. Run: `loom bench compile`.
+Exits 1 on a failed compile, a shared-memory overflow or a spill. Run: `loom bench kernel compile`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from unittest import mock
 from loomllm.benchmarks.gpu_bench import shape_config
 from loomllm.config import EngineConfig
 
-PROG = "loom bench compile"
+PROG = "loom bench kernel compile"
 # 512, 128256 and 151936 specialize alike (> 1, multiples of 16): the same variants compile.
 VOCAB = 512
 MAX_NUM_SEQS = 256  # the engine's default: decode buckets 1..256

@@ -1,7 +1,7 @@
 """One mixture-of-experts layer two ways, timed in one run: transformers' loop over the experts
 hit ("eager") and its grouped_mm, what loomllm runs Mixtral and Qwen3-MoE with (the default).
 
-Run: `loom bench moe` (`--device cuda` on a GPU; a Mixtral-shaped block by default).
+Run: `loom bench kernel moe` (`--device cuda` on a GPU; a Mixtral-shaped block by default).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from loomllm.benchmarks import int_list
 
-PROG = "loom bench moe"
+PROG = "loom bench kernel moe"
 IMPLEMENTATIONS = ("eager", "grouped_mm")
 
 

@@ -2,7 +2,7 @@
 and with a draft model's, on a task that repeats its input (an edit of a given text) and on
 free writing, with the tokens per second of each, the ratio to plain, and the acceptance.
 
-Run: `loom bench spec` (SmolLM2, 4 prompts x 128 tokens a task, one at a time; k=4, n-grams
+Run: `loom bench engine spec` (SmolLM2, 4 prompts x 128 tokens a task, one at a time; k=4, n-grams
 of 3 to 4 tokens; the draft model SmolLM2 itself unless --draft-model names another).
 """
 
@@ -12,7 +12,7 @@ import argparse
 import time
 from typing import Any
 
-PROG = "loom bench spec"
+PROG = "loom bench engine spec"
 
 PASSAGE = (
     "The loom is a device used to weave cloth and tapestry. The basic purpose of any loom is "

@@ -1,6 +1,7 @@
 """Cold start and warm attach: a new process's `Engine(model)` to its first token.
 
-Cold: no manager runs yet; warm: a new process attaches to a kept worker. Run: `loom bench start`.
+Cold: no manager runs yet; warm: a new process attaches to a kept worker.
+Run: `loom bench engine start`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from loomllm.benchmarks.gpu_bench import SHAPES, write_model_dir
 from loomllm.protocols.choices import MODEL_IMPLS
 from loomllm.protocols.rundir import log_path, workers_dir
 
-PROG = "loom bench start"
+PROG = "loom bench engine start"
 CHILD = """
 import json, sys, time
 import anyio

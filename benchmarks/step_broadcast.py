@@ -1,6 +1,6 @@
 """What sending one step to N tensor-parallel ranks costs the engine: bytes, encode and writes.
 
-Decode and prompt steps written to 1, 2 and 4 Unix sockets. Run: `loom bench broadcast`.
+Decode and prompt steps written to 1, 2 and 4 Unix sockets. Run: `loom bench engine broadcast`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from loomllm.protocols.connection import MessageStream
 from loomllm.protocols.messages import CachedRequests, ExecuteStep, NewRequestData, SchedulerOutput
 from loomllm.protocols.sampling import SamplingParams
 
-PROG = "loom bench broadcast"
+PROG = "loom bench engine broadcast"
 
 
 def decode_step(batch: int) -> SchedulerOutput:

@@ -1,6 +1,6 @@
 """What structured outputs cost: one batch plain, under a regex and under a JSON schema, one run.
 
-One SmolLM2 engine, the three alternated over rounds. Run: `loom bench structured`.
+One SmolLM2 engine, the three alternated over rounds. Run: `loom bench engine structured`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 import statistics
 import time
 
-PROG = "loom bench structured"
+PROG = "loom bench engine structured"
 SCHEMA = {
     "type": "object",
     "properties": {

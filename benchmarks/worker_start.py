@@ -1,6 +1,6 @@
 """Worker start: `Engine(...)` to a usable engine, worker forked by the zygote vs a fresh one.
 
-N engines of differing configs, so none finds a warm worker. Run: `loom bench worker-start`.
+N engines of differing configs, so none finds a warm worker. Run: `loom bench engine worker-start`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from loomllm.benchmarks.engine_overhead import make_tiny_llama
 from loomllm.engine.engine import Engine
 from loomllm.protocols.sampling import SamplingParams
 
-PROG = "loom bench worker-start"
+PROG = "loom bench engine worker-start"
 ZYGOTE_WARMUP_S = 15.0  # longer than the zygote's imports take on a 2-core CPU
 
 

@@ -86,33 +86,51 @@ def engine_flags() -> list[EngineFlag]:
 ENGINE_FLAGS = engine_flags()
 
 
-# `loom bench NAME`: the module in benchmarks/ that runs it.
-BENCHMARKS = {
+# `loom bench NAME` or `loom bench GROUP NAME`: the module in benchmarks/ that runs it. The
+# figures users compare (against peers, on real shapes) are verbs of their own; the engine's
+# internals and the kernel micro-benchmarks are grouped.
+BENCHMARKS: dict[str, str | dict[str, str]] = {
     "cpu": "loomllm.benchmarks.cpu",
-    "accuracy": "loomllm.benchmarks.accuracy",
-    "offline": "loomllm.benchmarks.offline_throughput",
-    "overhead": "loomllm.benchmarks.engine_overhead",
-    "serving": "loomllm.benchmarks.serving",
-    "worker-start": "loomllm.benchmarks.worker_start",
     "gpu": "loomllm.benchmarks.gpu_bench",
-    "gpu-check": "loomllm.benchmarks.gpu_checks",
-    "start": "loomllm.benchmarks.start_times",
-    "decode-profile": "loomllm.benchmarks.decode_profile",
-    "decode-attention": "loomllm.benchmarks.decode_attention",
-    "moe": "loomllm.benchmarks.moe",
-    "embed": "loomllm.benchmarks.embed",
-    "spec": "loomllm.benchmarks.spec_decode",
-    "eager-step": "loomllm.benchmarks.eager_step",
-    "cpu-step": "loomllm.benchmarks.cpu_step",
-    "cpu-contention": "loomllm.benchmarks.cpu_contention",
-    "cpu-prefill-attention": "loomllm.benchmarks.cpu_prefill_attention",
-    "broadcast": "loomllm.benchmarks.step_broadcast",
-    "compile": "loomllm.benchmarks.kernel_compile",
-    "emulated": "loomllm.benchmarks.emulated_device",
-    "gpu-session": "loomllm.benchmarks.gpu_session",
-    "structured": "loomllm.benchmarks.structured_overhead",
+    "serving": "loomllm.benchmarks.serving",
+    "offline": "loomllm.benchmarks.offline_throughput",
+    "accuracy": "loomllm.benchmarks.accuracy",
     "models": "loomllm.benchmarks.bench_models",
+    "gpu-session": "loomllm.benchmarks.gpu_session",
+    "gpu-check": "loomllm.benchmarks.gpu_checks",
+    "engine": {
+        "overhead": "loomllm.benchmarks.engine_overhead",
+        "start": "loomllm.benchmarks.start_times",
+        "worker-start": "loomllm.benchmarks.worker_start",
+        "spec": "loomllm.benchmarks.spec_decode",
+        "structured": "loomllm.benchmarks.structured_overhead",
+        "embed": "loomllm.benchmarks.embed",
+        "broadcast": "loomllm.benchmarks.step_broadcast",
+        "emulated": "loomllm.benchmarks.emulated_device",
+    },
+    "kernel": {
+        "cpu-step": "loomllm.benchmarks.cpu_step",
+        "cpu-prefill-attention": "loomllm.benchmarks.cpu_prefill_attention",
+        "cpu-contention": "loomllm.benchmarks.cpu_contention",
+        "decode-attention": "loomllm.benchmarks.decode_attention",
+        "decode-profile": "loomllm.benchmarks.decode_profile",
+        "eager-step": "loomllm.benchmarks.eager_step",
+        "moe": "loomllm.benchmarks.moe",
+        "compile": "loomllm.benchmarks.kernel_compile",
+    },
 }
+BENCHMARK_GROUPS = {
+    "engine": "the engine's own costs: step overhead, starts, speculation, structured "
+    "outputs, embeddings, the step broadcast, an emulated device",
+    "kernel": "kernel micro-benchmarks: CPU steps and attention, GPU decode attention and "
+    "profiles, MoE, compile times",
+}
+
+
+def benchmark_module(args: argparse.Namespace) -> str:
+    """The module that runs the benchmark `loom bench` was given."""
+    target = BENCHMARKS[args.benchmark]
+    return target if isinstance(target, str) else target[args.member]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,11 +279,35 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="run a benchmark: loomllm and its peers in one run, a table of ratios",
         description="Benchmarks in one run, same prompts for every engine. Flags after the "
-        "name go to the benchmark: `loom bench offline --help`.",
+        "name go to the benchmark: `loom bench offline --help`, `loom bench kernel cpu-step "
+        "--help`.",
     )
-    bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for name, target in BENCHMARKS.items():
+        if isinstance(target, str):
+            _benchmark_parser(benchmarks, name)
+            continue
+        group = benchmarks.add_parser(name, help=BENCHMARK_GROUPS[name])
+        members = group.add_subparsers(dest="member", required=True, metavar="NAME")
+        for member in target:
+            _benchmark_parser(members, member)
     return parser
+
+
+def _benchmark_parser(parent: Any, name: str) -> None:
+    """A benchmark's entry: its own flags are split off before parsing (benchmark_flags)."""
+    parent.add_parser(name, add_help=False)
+
+
+def benchmark_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`bench NAME [MEMBER] FLAGS...`: what `loom`'s parser reads, and the flags that go to
+    the benchmark as they are, its own --help included."""
+    target = BENCHMARKS.get(argv[1]) if len(argv) > 1 and argv[0] == "bench" else None
+    if isinstance(target, str):
+        return argv[:2], argv[2:]
+    if target is not None and len(argv) > 2 and argv[2] in target:
+        return argv[:3], argv[3:]
+    return argv, []
 
 
 def _integer(text: str) -> int:

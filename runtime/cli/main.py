@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 
-from loomllm.cli.flags import BENCHMARKS, build_parser, engine_options
+from loomllm.cli.flags import benchmark_flags, benchmark_module, build_parser, engine_options
 from loomllm.cli.serve import serve_command
 from loomllm.errors import LoomError
 
@@ -81,13 +81,15 @@ def _bench(args: argparse.Namespace) -> int:
     import importlib
 
     # Benchmarks run their own event loops and processes: not inside anyio.run.
-    importlib.import_module(BENCHMARKS[args.benchmark]).main(args.bench_args)
+    importlib.import_module(benchmark_module(args)).main(args.bench_args)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv, bench_args = benchmark_flags(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.bench_args = bench_args
     if args.command == "serve" and args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.command == "bench":

@@ -25,6 +25,7 @@ def test_overhead_benchmark_phases_add_up_and_it_compares_gc_freeze() -> None:
     table for each mode and their ratio."""
     done = loom(
         "bench",
+        "engine",
         "overhead",
         "--batch-sizes",
         "1,3",
@@ -58,13 +59,14 @@ def test_overhead_benchmark_phases_add_up_and_it_compares_gc_freeze() -> None:
 
 
 def test_overhead_benchmark_compares_one_thing_at_a_time() -> None:
-    both = loom("bench", "overhead", "--gc-freeze", "both", "--async-scheduling", "both")
+    both = loom("bench", "engine", "overhead", "--gc-freeze", "both", "--async-scheduling", "both")
     assert both.returncode == 2 and "one thing at a time" in both.stderr
 
 
 def test_emulated_device_holds_each_step_and_idles_only_without_async_scheduling() -> None:
     done = loom(
         "bench",
+        "engine",
         "emulated",
         "--num-requests",
         "6",
@@ -202,6 +204,7 @@ def test_start_benchmark_times_a_cold_start_and_warm_attaches() -> None:
     """A new process each: the first finds no manager (cold), the next reuse its worker."""
     done = loom(
         "bench",
+        "engine",
         "start",
         "--shape",
         "tiny",
@@ -287,6 +290,7 @@ def test_decode_profile_runs_on_the_cpu_as_a_smoke_test() -> None:
     kernel tables need a GPU's profiler."""
     done = loom(
         "bench",
+        "kernel",
         "decode-profile",
         "--device",
         "cpu",
@@ -335,7 +339,9 @@ def test_decode_profile_runs_on_the_cpu_as_a_smoke_test() -> None:
 
 
 def test_broadcast_benchmark_measures_every_step_and_rank_count() -> None:
-    done = loom("bench", "broadcast", "--batch-sizes", "1,8", "--repeats", "3", "--ranks", "1,2")
+    done = loom(
+        "bench", "engine", "broadcast", "--batch-sizes", "1,8", "--repeats", "3", "--ranks", "1,2"
+    )
     assert done.returncode == 0, done.stderr
     rows = [
         line.split("|")[1:-1]
@@ -366,7 +372,16 @@ def test_unknown_benchmark_is_refused() -> None:
 
 def test_eager_step_benchmark_prints_both_models_and_the_ratio() -> None:
     done = loom(
-        "bench", "eager-step", "--layers", "2", "--steps", "3", "--rounds", "1", timeout=300
+        "bench",
+        "kernel",
+        "eager-step",
+        "--layers",
+        "2",
+        "--steps",
+        "3",
+        "--rounds",
+        "1",
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert re.search(r"^model_impl=loom: [\d.]+ ms a step$", done.stdout, re.M), done.stdout
@@ -376,7 +391,7 @@ def test_eager_step_benchmark_prints_both_models_and_the_ratio() -> None:
 
 def test_cpu_step_benchmark_prints_each_way_beside_the_linears() -> None:
     done = loom(
-        "bench", "cpu-step", "--batch-sizes", "1,3", "--steps", "2", "--rounds", "1",
+        "bench", "kernel", "cpu-step", "--batch-sizes", "1,3", "--steps", "2", "--rounds", "1",
         "--context", "4", timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
@@ -390,7 +405,9 @@ def test_cpu_step_benchmark_prints_each_way_beside_the_linears() -> None:
 
 
 def test_cpu_prefill_attention_benchmark_agrees_with_sdpa_and_prints_the_ratio() -> None:
-    done = loom("bench", "cpu-prefill-attention", "--shapes", "40x2,17x1", "--rounds", "1")
+    done = loom(
+        "bench", "kernel", "cpu-prefill-attention", "--shapes", "40x2,17x1", "--rounds", "1"
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     for length, prompts in ((40, 2), (17, 1)):
         row = rf"^ +{length}x{prompts} +[\d.]+ +[\d.]+ +\d+ +\d+\.\d\d +([\d.e+-]+)$"
@@ -398,14 +415,14 @@ def test_cpu_prefill_attention_benchmark_agrees_with_sdpa_and_prints_the_ratio()
         assert found, done.stdout
         # Against SDPA's output: bfloat16's rounding of values of about 1 at most.
         assert float(found.group(1)) < 2e-2, done.stdout
-    refused = loom("bench", "cpu-prefill-attention", "--shapes", "40by2")
+    refused = loom("bench", "kernel", "cpu-prefill-attention", "--shapes", "40by2")
     assert refused.returncode == 2 and "LENGTHxPROMPTS" in refused.stderr
 
 
 def test_cpu_contention_benchmark_prints_both_modes_and_their_ratio(tiny_model) -> None:
     done = loom(
-        "bench", "cpu-contention", "--model", tiny_model, "--dtype", "float32", "--tokens", "6",
-        "--prompt-tokens", "8", "--rounds", "1", timeout=300,
+        "bench", "kernel", "cpu-contention", "--model", tiny_model, "--dtype", "float32",
+        "--tokens", "6", "--prompt-tokens", "8", "--rounds", "1", timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     for mode in ("on", "off"):
@@ -430,13 +447,14 @@ def test_decode_profile_sorts_kernels_by_kind_and_refuses_unknown_runs() -> None
     assert kernel_kind(copy) == "copy or transpose"
     assert kernel_kind("_add_rms_norm_kernel") == "loomllm's Triton"
     assert kernel_kind("void at::native::index_elementwise_kernel<128, 4>") == "other"
-    done = loom("bench", "decode-profile", "--device", "cpu", "--runs", "graphs,bogus")
+    done = loom("bench", "kernel", "decode-profile", "--device", "cpu", "--runs", "graphs,bogus")
     assert done.returncode == 2 and "--runs: bogus unknown" in done.stderr, done.stderr
 
 
 def test_moe_benchmark_times_the_loop_and_grouped_mm_alike() -> None:
     done = loom(
         "bench",
+        "kernel",
         "moe",
         "--hidden",
         "32",
@@ -458,6 +476,7 @@ def test_moe_benchmark_times_the_loop_and_grouped_mm_alike() -> None:
 def test_embed_benchmark_times_loomllm_and_sentence_transformers_alike() -> None:
     done = loom(
         "bench",
+        "engine",
         "embed",
         "--texts",
         "6",
@@ -473,3 +492,14 @@ def test_embed_benchmark_times_loomllm_and_sentence_transformers_alike() -> None
     assert rows == ["loomllm", "sentence-transformers"], done.stdout
     diff = re.search(r"max abs difference (\S+),", done.stdout)
     assert diff is not None and float(diff.group(1)) < 1e-4, done.stdout  # the same vectors
+
+
+def test_benchmarks_are_grouped_and_a_member_takes_its_own_flags() -> None:
+    """The engine's internals and the kernel micro-benchmarks are under a group each; the
+    flags after a benchmark's name go to it, its --help included."""
+    done = loom("bench", "kernel", "cpu-step", "--help")
+    assert done.returncode == 0 and "usage: loom bench kernel cpu-step" in done.stdout
+    done = loom("bench", "kernel", "overhead")
+    assert done.returncode == 2 and "invalid choice: 'overhead'" in done.stderr
+    done = loom("bench", "cpu-step")
+    assert done.returncode == 2 and "invalid choice: 'cpu-step'" in done.stderr

@@ -1,4 +1,4 @@
-"""`loom bench decode-attention`: each tiling timed and checked, the fastest written out."""
+"""`loom bench kernel decode-attention`: each tiling timed and checked, the fastest written out."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.compute
 
 def bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "loomllm.cli.main", "bench", "decode-attention", *args],
+        [sys.executable, "-m", "loomllm.cli.main", "bench", "kernel", "decode-attention", *args],
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,7 +1,7 @@
 """The CUDA path's Triton kernels compile for real GPUs (H100, A100), on a host without one.
 
 The other kernel tests run them in Triton's interpreter, which compiles nothing; here
-`loom bench compile` replays a CUDA worker's start with Triton's compiler and ptxas
+`loom bench kernel compile` replays a CUDA worker's start with Triton's compiler and ptxas
 (benchmarks/kernel_compile.py), in a process without TRITON_INTERPRET.
 """
 
@@ -46,6 +46,7 @@ def test_every_kernel_a_cuda_start_launches_compiles_for_h100_and_a100() -> None
             "-m",
             "loomllm.cli.main",
             "bench",
+            "kernel",
             "compile",
             "--shape",
             "llama-8b,qwen-0.5b",

@@ -67,7 +67,7 @@ def test_the_gated_kernel_is_the_kernel_then_silu_mul_bit_for_bit(dtype, rows, h
 
 @pytest.mark.parametrize("tiling", ["32x128x2x4", "64x64x3x8"])
 def test_other_tilings_compute_the_same_function(tiling):
-    """What `loom bench decode-profile --tilings` times: any tiling, a ragged last load and
+    """What `loom bench kernel decode-profile --tilings` times: any tiling, a ragged last load and
     a partial last program included, is the same matmul (bf16, so each sums in another
     order: as close to float64 as F.linear), and its gated form the same bits as its plain
     one through silu_mul."""
