@@ -51,4 +51,5 @@ def route_encoder(model: torch.nn.Module) -> None:
     from transformers import AttentionInterface  # a big import, for HF models only
 
     AttentionInterface.register(BIDIRECTIONAL_NAME, bidirectional_attention)
-    model.set_attn_implementation(BIDIRECTIONAL_NAME)
+    encoder: Any = model  # models/encoders.py's: nn.Module's type does not know its methods
+    encoder.set_attn_implementation(BIDIRECTIONAL_NAME)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def kv_geometry(config: object, tp_size: int = 1) -> tuple[int, int, int]:
     """(layers, KV heads of one rank, head dim) of an HF decoder config (or its text
@@ -10,7 +12,8 @@ def kv_geometry(config: object, tp_size: int = 1) -> tuple[int, int, int]:
     Multi-head latent attention (DeepSeek-V2/V3) reaches the attention as one K and V per
     query head, K of qk_nope + qk_rope dims and V of v_head_dim: the cache holds both at the
     larger size, the smaller zero-padded (attention/paged.py)."""
-    text = getattr(config, "text_config", None) or config
+    # A transformers config: its fields are set from the checkpoint's JSON, untyped.
+    text: Any = getattr(config, "text_config", None) or config
     if is_latent_attention(text):
         heads = text.num_attention_heads
         head_dim = max(text.qk_nope_head_dim + text.qk_rope_head_dim, text.v_head_dim)

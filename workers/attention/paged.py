@@ -5,12 +5,12 @@ The model calls it per layer on the packed batch; on the Triton backend it runs 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 
-from loomllm.workers.attention.metadata import AttentionMetadata, PrefillRow
+from loomllm.workers.attention.metadata import AttentionMetadata, PagedBatch, PrefillRow
 from loomllm.workers.kernels import cpu_native
 
 ATTENTION_NAME = "loom_paged"
@@ -40,7 +40,9 @@ def paged_attention(
         raise RuntimeError("loom_paged attention needs attn_metadata (run it via ModelRunner)")
     extras = _Extras(softcap or None, s_aux)
     meta = attn_metadata
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    # Every attention module that calls it (transformers' and loomllm's) sets its layer's
+    # index, an int that nn.Module's type cannot tell from a submodule.
+    k_cache, v_cache = meta.kv_caches[cast(int, module.layer_idx)]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     value_dim = value.shape[-1]
@@ -99,7 +101,7 @@ def attend_cached(
     already (`paged_attention` writes them first; loomllm's model on the CPU, with the C++
     rotary_into_cache): [T, H, D]."""
     meta = attn_metadata
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    k_cache, v_cache = meta.kv_caches[cast(int, module.layer_idx)]
     group = q.shape[1] // k_cache.shape[1]
     if not meta.prefills:  # decode only: token i is decode row i, no gather or scatter
         return _decode(q, k_cache, v_cache, meta, group, scaling, sliding_window, extras)
@@ -178,7 +180,7 @@ def attend_written(
     )
 
     meta = attn_metadata
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    k_cache, v_cache = meta.kv_caches[cast(int, module.layer_idx)]
     paged = meta.paged
     assert paged is not None
     bs = paged.block_size
@@ -274,8 +276,8 @@ def _decode_only(
         triton_kernels as triton_attention,  # only where Triton is the backend
     )
 
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
-    paged = meta.paged
+    k_cache, v_cache = meta.kv_caches[cast(int, module.layer_idx)]
+    paged = cast(PagedBatch, meta.paged)  # both callers checked that it is set
     return triton_attention.decode_attention(
         q,
         k_cache,
@@ -404,7 +406,8 @@ def route_transformers_model(model: torch.nn.Module) -> None:
     and has no attention implementations to pick from)."""
     if hasattr(model, "set_attn_implementation"):
         register()
-        model.set_attn_implementation(ATTENTION_NAME)
+        hf: Any = model  # a transformers model: nn.Module's type does not know its methods
+        hf.set_attn_implementation(ATTENTION_NAME)
 
 
 def register() -> None:

@@ -57,7 +57,7 @@ def _tiling_from_env(variable: str, default: str) -> Tiling:
         raise ValueError(f"{variable}={text!r} is not keys x warps x stages: {exc}") from None
 
 
-# Chosen on an H200 by `loom bench decode-attention` (the decode kernel's, among the others
+# Chosen on an H200 by `loom bench kernel decode-attention` (the decode kernel's, among the others
 # it times) and by workload (a)'s prompt steps (the prefill kernel's). LOOM_DECODE_TILING and
 # LOOM_PREFILL_TILING ("64x4x3") set others, for the workers started after they are set.
 DECODE_TILING = _tiling_from_env("LOOM_DECODE_TILING", "64x4x3")

@@ -89,7 +89,11 @@ def measure(shape: Shape, kinds: Iterable[str], dtype: torch.dtype) -> Choice:
     for kind in sorted(kinds):
         if kind == "dense":
             dense = weight.to(dtype)
-            kernels[kind] = lambda x, dense=dense: F.linear(x, dense)
+
+            def run_dense(x: torch.Tensor, dense: torch.Tensor = dense) -> torch.Tensor:
+                return F.linear(x, dense)
+
+            kernels[kind] = run_dense
         elif kind == "int8" and fits_int8(in_features):
             kernels[kind] = Int8Linear(weight, dtype)
         elif kind == "int4" and fits_int4(in_features, out_features):

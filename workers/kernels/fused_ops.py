@@ -561,5 +561,6 @@ def fused_rotary(original: Any) -> Any:
             return rotary(q, k, cos, sin)
         return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
-    apply_rotary_pos_emb.loom_fused = True
-    return apply_rotary_pos_emb
+    fused: Any = apply_rotary_pos_emb  # a function with a flag on it, which types cannot say
+    fused.loom_fused = True
+    return fused

@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import triton
@@ -192,8 +192,23 @@ def graph_seconds(fn: Callable[[], Any], reps: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
+class TimedLinear(Protocol):
+    """What `pick` reads and sets of a linear layer (models/llama/model.py's Linear)."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def bias(self) -> torch.Tensor | None: ...
+
+    @property
+    def gated(self) -> bool: ...
+
+    skinny: bool
+
+
 def pick(
-    linears: Iterable[torch.nn.Module],
+    linears: Iterable[TimedLinear],
     seconds: Callable[[Callable[[], Any]], float] = graph_seconds,
 ) -> dict[tuple, tuple[float, float]]:
     """Which kernel wins depends on the GPU and the shape, so this times them on the worker's
@@ -206,7 +221,7 @@ def pick(
     runs faster at both (a shape it fails on keeps cuBLAS, logged). Returns {(N, K, has
     bias, gated): (cuBLAS time / its time at 1 row, the same at MAX_ROWS, or 0.0 where it
     lost at 1 row)} for every shape timed."""
-    by_shape: dict[tuple, list[torch.nn.Module]] = {}
+    by_shape: dict[tuple, list[TimedLinear]] = {}
     for linear in linears:
         # bf16 only: float32 models keep cuBLAS's sums, which their float32 checks compare
         # against eager steps (the kernel computes float32 too, for the interpreter).

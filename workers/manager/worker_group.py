@@ -184,7 +184,9 @@ async def launch_rank(
     ]
     try:
         with open(log_file, "wb") as log:  # noqa: ASYNC230 (a local file, opened once)
-            process = await zygote.spawn(args, theirs.fileno(), log.fileno())
+            process: Process | ForkedProcess | None = await zygote.spawn(
+                args, theirs.fileno(), log.fileno()
+            )
             if process is None:
                 lifeline = ["--control-fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
                 process = await anyio.open_process(
@@ -293,7 +295,8 @@ async def stop_rank(worker: WorkerProcess) -> None:
     Cancellation: shielded; the process is gone when this returns.
     """
     with anyio.CancelScope(shield=True):
-        await anyio.aclose_forcefully(worker.control)
+        # Its byte stream, which MessageStream.aclose closes: the resource anyio's type takes.
+        await anyio.aclose_forcefully(worker.control.stream)
         with anyio.move_on_after(STOP_GRACE_S):
             await worker.process.wait()
         if worker.process.returncode is None:

@@ -74,7 +74,7 @@ class Encoder(torch.nn.Module):
         super().__init__()
         self.model = model
         self.base: Any = model.base_model if classifier else model
-        self.config = model.config
+        self.config: Any = model.config  # a transformers config
         self.offset = position_offset(model.config)
         self.is_classifier = classifier
 

@@ -9,7 +9,7 @@ import inspect
 import logging
 import sys
 import types
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -76,21 +76,24 @@ def pack_linears(linears: list[torch.nn.Module]) -> PackedLinear | None:
         for m in linears
     ):
         return None
+    dense = cast("list[torch.nn.Linear]", linears)  # as the check above found them
     with torch.no_grad():
-        weight = torch.cat([m.weight for m in linears])
-        bias = None if first.bias is None else torch.cat([m.bias for m in linears])
+        weight = torch.cat([m.weight for m in dense])
+        bias = None if first.bias is None else torch.cat([m.bias for m in dense])
     start = 0
-    for m in linears:
+    for m in dense:
         end = start + m.out_features
         m.weight = torch.nn.Parameter(weight[start:end], requires_grad=False)
         if bias is not None:
             m.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
         start = end
-    return PackedLinear(weight, bias, tuple(m.out_features for m in linears))
+    return PackedLinear(weight, bias, tuple(m.out_features for m in dense))
 
 
+# The forwards below are bound onto transformers' modules, whose parts (and the loom_* ones
+# fuse_layer adds) are found by name at runtime: `self` is typed Any for that.
 def _attention_forward(
-    self: torch.nn.Module,
+    self: Any,
     hidden_states: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     attention_mask: torch.Tensor | None = None,
@@ -138,7 +141,7 @@ def _attention_forward(
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
-def _attention_function(attn: torch.nn.Module) -> Any:
+def _attention_function(attn: Any) -> Any:
     """The attention function transformers would call for this module's implementation."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -149,14 +152,12 @@ def _attention_function(attn: torch.nn.Module) -> Any:
     return eager if implementation in (None, "eager") else ALL_ATTENTION_FUNCTIONS[implementation]
 
 
-def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) with gate|up one matmul and the rest one kernel."""
     return self.down_proj(silu_mul(self.loom_gate_up(x)))
 
 
-def _layer_forward(
-    self: torch.nn.Module, hidden_states: torch.Tensor, **kwargs: Any
-) -> torch.Tensor:
+def _layer_forward(self: Any, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """transformers' Llama decoder layer with the residual add inside the norm after it."""
     residual = hidden_states
     hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
@@ -170,13 +171,15 @@ def _layer_forward(
 def fuse_layer(layer: torch.nn.Module) -> bool:
     """Packed projections and fused forwards for one Llama-family decoder layer whose norms
     are FusedRMSNorm already; False where its parts are not what the forwards expect."""
-    attn, mlp = layer.self_attn, layer.mlp
+    # A transformers layer: its parts are found by name, and it takes attributes of ours.
+    hf_layer: Any = layer
+    attn, mlp = hf_layer.self_attn, hf_layer.mlp
     if (
         getattr(layer, "loom_fused", False)
         or type(attn).__name__ not in SLIDING_WINDOWS
         or type(mlp).__name__ not in LLAMA_MLPS
         or getattr(attn.config, "hidden_act", None) not in SILU
-        or not isinstance(layer.post_attention_layernorm, FusedRMSNorm)
+        or not isinstance(hf_layer.post_attention_layernorm, FusedRMSNorm)
         # _layer_forward returns the hidden states alone, as transformers 5 layers do (4.x:
         # a tuple).
         or inspect.signature(type(layer).forward).return_annotation
@@ -194,7 +197,7 @@ def fuse_layer(layer: torch.nn.Module) -> bool:
     attn.forward = types.MethodType(_attention_forward, attn)
     mlp.forward = types.MethodType(_mlp_forward, mlp)
     layer.forward = types.MethodType(_layer_forward, layer)
-    layer.loom_fused = True
+    hf_layer.loom_fused = True
     return True
 
 
@@ -219,13 +222,13 @@ def install_fused_ops(model: torch.nn.Module) -> FusedModel:
             skinny_matmul.pick(m for m in model.modules() if isinstance(m, Linear))
             torch.cuda.empty_cache()  # the timing graphs' memory, for the KV cache
         return FusedModel(norms, 1, layers)
-    norms = [name for name, m in model.named_modules() if type(m).__name__ in LLAMA_NORMS]
-    for name in norms:
-        old = model.get_submodule(name)
+    norm_names = [name for name, m in model.named_modules() if type(m).__name__ in LLAMA_NORMS]
+    for name in norm_names:
+        old: Any = model.get_submodule(name)  # transformers' RMSNorm: weight, variance_epsilon
         model.set_submodule(name, FusedRMSNorm(old.weight, old.variance_epsilon))
     modeling = {type(m).__module__ for m in model.modules() if type(m).__name__ in SLIDING_WINDOWS}
     for module_name in modeling:
-        module = sys.modules[module_name]
+        module: Any = sys.modules[module_name]  # a modeling module: its functions by name
         if not getattr(module.apply_rotary_pos_emb, "loom_fused", False):
             module.apply_rotary_pos_emb = fused_rotary(module.apply_rotary_pos_emb)
     layers = sum(fuse_layer(m) for m in list(model.modules()) if type(m).__name__ in LLAMA_LAYERS)
@@ -233,8 +236,8 @@ def install_fused_ops(model: torch.nn.Module) -> FusedModel:
         torch.cuda.empty_cache()  # the unpacked weights' memory, for the KV cache
     logger.info(
         "fused kernels: %d RMSNorm modules, rotary embedding in %s, %d decoder layers",
-        len(norms),
+        len(norm_names),
         ", ".join(sorted(modeling)) or "no module",
         layers,
     )
-    return FusedModel(len(norms), len(modeling), layers)
+    return FusedModel(len(norm_names), len(modeling), layers)

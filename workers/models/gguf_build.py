@@ -5,7 +5,7 @@ the embedding compute from the file's blocks, and only the norms and biases are 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -21,7 +21,7 @@ from loomllm.workers.kernels.gguf_linear import (
 from loomllm.workers.kernels.gguf_types import KERNEL_TYPES, kernel_type_names, type_name
 from loomllm.workers.models.gguf_file import FLOAT_TYPES, GgufFile, UnsupportedTensorType
 from loomllm.workers.models.llama.config import DecoderShape, inverse_frequencies
-from loomllm.workers.models.llama.model import Linear, LlamaFamilyForCausalLM
+from loomllm.workers.models.llama.model import Linear, LlamaFamilyForCausalLM, RMSNorm
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class _Reader:
             return layer
         return GgufLinear(in_features, parts, biases, self.ops)
 
-    def norm(self, norm: torch.nn.Module, name: str) -> None:
+    def norm(self, norm: RMSNorm, name: str) -> None:
         weight = self.tensor(f"{name}.weight", (norm.weight.shape[0],))[0]
         norm.weight = torch.nn.Parameter(weight.to(self.dtype).clone(), requires_grad=False)
 
@@ -139,7 +139,7 @@ def build(
     heads = {"attn_q": shape.num_attention_heads, "attn_k": shape.num_key_value_heads}
     for i, layer in enumerate(model.model.layers):
         for module_name, parts in _layer_linears(shape).items():
-            old = layer.get_submodule(module_name)
+            old = cast(Linear, layer.get_submodule(module_name))  # as the model built it
             new = read.linear(
                 [f"blk.{i}.{part}" for part, _ in parts],
                 [rows for _, rows in parts],
@@ -150,19 +150,23 @@ def build(
             replace_module(layer, module_name, new)
         for module_name, gguf_name in _LAYER_NORMS.items():
             if _has_submodule(layer, module_name):
-                read.norm(layer.get_submodule(module_name), f"blk.{i}.{gguf_name}")
+                norm = cast(RMSNorm, layer.get_submodule(module_name))
+                read.norm(norm, f"blk.{i}.{gguf_name}")
     read.norm(model.model.norm, "output_norm")
     table = read.tensor("token_embd.weight", (shape.vocab_size, shape.hidden_size))
     type_id = gguf.tensors["token_embd.weight"].type_id
+    # Put by name, as the layers' linear layers above: the model's class declares the dense
+    # modules these replace.
+    embedding: torch.nn.Module
     if type_id in FLOAT_TYPES:
-        model.model.embed_tokens = DenseEmbedding(table, dtype)
+        embedding = DenseEmbedding(table, dtype)
     else:
-        model.model.embed_tokens = GgufEmbedding(
-            GgufPart(table, type_id), shape.hidden_size, dtype, ops
-        )
+        embedding = GgufEmbedding(GgufPart(table, type_id), shape.hidden_size, dtype, ops)
+    replace_module(model, "model.embed_tokens", embedding)
     # A file without `output` ties the LM head to the embedding, as llama.cpp reads it.
     head = "output" if "output.weight" in gguf.tensors else "token_embd"
-    model.lm_head = read.linear([head], [shape.vocab_size], [0], shape.hidden_size, False)
+    lm_head = read.linear([head], [shape.vocab_size], [0], shape.hidden_size, False)
+    replace_module(model, "lm_head", lm_head)
     model.inv_freq = inverse_frequencies(shape)
     if "rope_freqs.weight" in gguf.tensors:
         # Llama 3's scaled RoPE, as llama.cpp's converter stores it (transformers' config

@@ -33,7 +33,7 @@ def adapt(model: torch.nn.Module) -> None:
     is scaled instead, by the positions the decoder layer is called with; with no rotary
     embedding or norm on those layers, that is the same product."""
     for layer in model.modules():
-        attn = getattr(layer, "self_attn", None)
+        attn: Any = getattr(layer, "self_attn", None)  # transformers' attention, or None
         if type(attn).__name__ != "Llama4TextAttention" or attn.use_rope:
             continue
         if not attn.attn_temperature_tuning:

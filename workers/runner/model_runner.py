@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import TypeVar
+from typing import Any, TypedDict, TypeVar, cast
 
 import torch
 
@@ -44,6 +44,16 @@ from loomllm.workers.sample.token_filters import TokenFilters, bad_word_bans
 
 logger = logging.getLogger(__name__)
 G = TypeVar("G", DecodeGraphs, MixedGraphs)
+
+
+class _GraphArgs(TypedDict):
+    """What decode and mixed-step graphs are both built with (ModelRunner.enable_graphs)."""
+
+    device: torch.device
+    block_size: int
+    scratch_block: int
+    max_num_seqs: int
+    max_blocks: int
 
 
 class Forward(enum.Enum):
@@ -100,7 +110,9 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.vocab_size: int = (getattr(config, "text_config", None) or config).vocab_size
+        # A transformers config: its fields are set from the checkpoint's JSON, untyped.
+        text_config: Any = getattr(config, "text_config", None) or config
+        self.vocab_size: int = text_config.vocab_size
         num_layers, num_kv_heads, head_dim = kv_geometry(config, tp_size)
         # Slot-major, one row a token. The Triton backend's cache has one block more than
         # the scheduler's, scratch for the padded rows of decode graphs (cuda_graphs.py).
@@ -149,13 +161,15 @@ class ModelRunner:
         the torch backend's metadata has no fixed shape."""
         if self.attention_backend != "triton":
             raise ValueError("CUDA graphs need the Triton attention backend")
-        shared = dict(
+        shared = _GraphArgs(
             device=self.device,
             block_size=self.block_size,
             scratch_block=self.num_blocks,
             max_num_seqs=max_num_seqs,
             max_blocks=min(self.num_blocks, -(-max_model_len // self.block_size)),
         )
+        graphs: DecodeGraphs | None  # None: its capture failed
+        mixed: MixedGraphs | None
         graphs = DecodeGraphs(self.model, self.kv_caches, **shared)
         mixed = MixedGraphs(self.model, self.kv_caches, **shared, max_tokens=max_step_tokens)
         if capture:
@@ -357,8 +371,9 @@ class ModelRunner:
         classify = getattr(self.model, "classify", None)
         pooled = pool(hidden, packed.pool_rows, self.pooling, classify)
         placeholders = torch.zeros(len(packed.samplers), dtype=torch.long, device=dev)
-        nothing: list[None] = [None] * len(packed.samplers)
-        sampled = SamplerOutput(placeholders, placeholders.float(), nothing, nothing)
+        no_ids: list[list[int] | None] = [None] * len(packed.samplers)
+        no_lps: list[list[float] | None] = [None] * len(packed.samplers)
+        sampled = SamplerOutput(placeholders, placeholders.float(), no_ids, no_lps)
         if self.idle_probe is not None:
             self.idle_probe.step_ended(False, with_prompts=True)
         return self._launched(call_id, packed.samplers, sampled, [], pooled)
@@ -453,8 +468,9 @@ class ModelRunner:
             none = torch.empty(0, dtype=torch.long)
             step = PendingStep(call_id, [], none, none.float(), [], prompt_lps, errors)
         else:
+            # A row's top logprobs are None exactly where its top ids are (the sampler's).
             top = [
-                None if ids is None else TopLogprobs(ids, lps)
+                None if ids is None else TopLogprobs(ids, cast("list[float]", lps))
                 for ids, lps in zip(sampled.top_token_ids, sampled.top_logprobs, strict=True)
             ]
             step = PendingStep(

@@ -40,7 +40,8 @@ def hidden_states(
         return own(input_ids, positions, meta, token_type_ids)[0]  # type: ignore[misc]
     if own is not None:  # loomllm's own model, or an encoder (models/encoders.py)
         return own(input_ids, positions, meta)[0]
-    decoder = model.get_decoder()  # transformers' base model, under its LM head
+    hf: Any = model  # a transformers model: nn.Module's type does not know its methods
+    decoder = hf.get_decoder()  # transformers' base model, under its LM head
     out = decoder(input_ids=input_ids, position_ids=positions, use_cache=False, attn_metadata=meta)
     return out.last_hidden_state[0]
 

@@ -4,12 +4,16 @@ each linear layer runs at the step's batch size, laid out as that call takes the
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from loomllm.workers.kernels import cpu_kernel_choice
 from loomllm.workers.kernels.gguf_linear import GgufLinear, RepackedLinear
+
+if TYPE_CHECKING:
+    from loomllm.workers.models.llama.model import DecoderLayer, LlamaFamilyForCausalLM
 
 DENSE, INT4, INT8, A8, GGUF = 0, 1, 2, 3, 4  # cpu_stack.cpp's LinearMode
 
@@ -31,21 +35,29 @@ def linear_args(linear: torch.nn.Module, rows: int) -> tuple[int, list[torch.Ten
             return INT8, [kernels.int8.codes, kernels.int8.scale, linear.bias]
         if kind == "a8" and kernels.a8 is not None:
             return A8, [kernels.a8.packed, kernels.a8.scales, linear.bias]
-    return DENSE, [linear.weight, None, linear.bias]
+    dense = cast(torch.nn.Linear, linear)  # the stack takes no other kind of layer
+    return DENSE, [dense.weight, None, dense.bias]
 
 
 class GgufParts:
     """The GGUF layers' parts, in the order of their modes, as decode_layers takes them."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: LlamaFamilyForCausalLM) -> None:
         self.weights: list[torch.Tensor] = []
         self.types: list[int] = []
         self.heads: list[int] = []
         self.counts: list[int] = []
         self.kernel = 0  # gguf_linear's, the same for every layer
-        for layer in model.model.layers:
+        for layer in cast("Iterable[DecoderLayer]", model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            # Typed as modules: the class declares the dense Linear layers GGUF ones replaced.
+            linears: tuple[torch.nn.Module, ...] = (
+                attn.qkv_proj,
+                attn.o_proj,
+                mlp.gate_up_proj,
+                mlp.down_proj,
+            )
+            for linear in linears:
                 if isinstance(linear, GgufLinear):
                     self.weights += linear.tensors
                     self.types += linear.types
@@ -58,8 +70,9 @@ class DecoderStack:
     """The layers' tensors and kernel modes for each calibrated batch size, built on first
     use (the weights never change once loaded)."""
 
-    def __init__(self, model: torch.nn.Module, ops: Any) -> None:
-        self.layers = model.model.layers
+    def __init__(self, model: LlamaFamilyForCausalLM, ops: Any) -> None:
+        # A ModuleList's items are typed as Module: these are DecoderLayers.
+        self.layers = cast("Iterable[DecoderLayer]", model.model.layers)
         self.shape = model.shape
         self.ops = ops
         self.gguf = GgufParts(model)

@@ -5,8 +5,8 @@ Its arithmetic is transformers' eager one, rounding for rounding, so greedy toke
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -145,9 +145,9 @@ class Attention(torch.nn.Module):
             out = attention.attend_cached(self, q, meta, self.scaling, shape.sliding_window)
             return self.o_proj(out.reshape(*tokens, -1))
         if self.fused_rotary and meta is not None and meta.paged is not None:
-            out = self._rotary_into_cache(q[0], k[0], v[0], cos[0], sin[0], meta)
-            if out is not None:
-                return self.o_proj(out.reshape(*tokens, -1))
+            fused = self._rotary_into_cache(q[0], k[0], v[0], cos[0], sin[0], meta)
+            if fused is not None:
+                return self.o_proj(fused.reshape(*tokens, -1))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, D]
         if self.fused_rotary:
             from loomllm.workers.kernels.fused_ops import rotary
@@ -279,6 +279,8 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
     importing transformers' modeling code, with torch._dynamo, torch.distributed.tensor and
     sympy, was most of a worker's cold start."""
 
+    inv_freq: torch.Tensor  # the buffer registered in __init__
+
     def __init__(self, shape: DecoderShape) -> None:
         super().__init__()
         self.shape = shape
@@ -339,6 +341,8 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
             residual = None
             for layer in self.model.layers:
                 hidden, residual = layer(hidden, residual, cos, sin, meta)
+            # The model has layers, so the loop set the residual.
+            residual = cast(torch.Tensor, residual)
         if keep is not None:  # the norm and lm_head only where a logit is used
             hidden, residual = hidden[:, keep], residual[:, keep]
         hidden, _ = self.model.norm.add_forward(hidden, residual)
@@ -350,7 +354,8 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         from loomllm.workers.kernels import fused_ops
 
         norms = self._use_kernels(fused_ops)
-        for layer in self.model.layers:
+        # A ModuleList's items are typed as Module: these are DecoderLayers.
+        for layer in cast("Iterable[DecoderLayer]", self.model.layers):
             head_dim = self.shape.head_dim
             layer.self_attn.fused_rotary = head_dim >= 2 and head_dim & (head_dim - 1) == 0
         return norms, len(self.model.layers)
@@ -363,7 +368,7 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         from loomllm.workers.models.llama.cpu_stack import DecoderStack
 
         norms = self._use_kernels(ops)
-        for layer in self.model.layers:
+        for layer in cast("Iterable[DecoderLayer]", self.model.layers):
             layer.self_attn.cpu_kernels = ops
         # 16-bit weights under a float32 model (weight_dtype's HalfWeightLinear) are not in
         # the one-call stack: their layers run one by one.
@@ -376,6 +381,6 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         norms = [m for m in self.modules() if isinstance(m, RMSNorm)]
         for norm in norms:
             norm.kernels = kernels
-        for layer in self.model.layers:
+        for layer in cast("Iterable[DecoderLayer]", self.model.layers):
             layer.mlp.kernels = kernels
         return len(norms)

@@ -112,7 +112,7 @@ def copy_weights(
             raise ValueError(f"checkpoint tensor {key!r} is there twice")
         seen.add(key)
         name, part = _packed_name(key)
-        target = params.get(name)
+        target: torch.Tensor | None = params.get(name)
         if target is None:
             raise ValueError(f"checkpoint tensor {key!r} has no place in this {shape.architecture}")
         if part is not None:
