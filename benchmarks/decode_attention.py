@@ -84,7 +84,7 @@ def worst_error(out: Any, b: dict[str, Any], scale: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from loomllm.workers.attention.triton_kernels import Tiling
+    from loomllm.workers.attention.triton_kernels import AttentionTiling
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--contexts", type=context_range, default=(1024, 2048))
     p.add_argument(
         "--tilings",
-        type=parsed_list(Tiling.parse, "tilings are keys x warps x stages"),
+        type=parsed_list(AttentionTiling.parse, "tilings are keys x warps x stages"),
         default=TILINGS,
     )
     p.add_argument("--reps", type=int, default=20, help="launches per timed graph")

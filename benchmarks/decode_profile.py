@@ -336,7 +336,7 @@ def skinny_tilings(shape: str, tilings: list[Any], reps: int, device: str) -> No
 
 
 def main(argv: list[str] | None = None) -> None:
-    from loomllm.workers.kernels.skinny_matmul import Tiling
+    from loomllm.workers.kernels.skinny_matmul import MatmulTiling
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--tilings",
-        type=parsed_list(Tiling.parse, "tilings are block_n x block_k x stages [x warps]"),
+        type=parsed_list(MatmulTiling.parse, "tilings are block_n x block_k x stages [x warps]"),
         default=TILINGS,
         help="the skinny kernel's tilings to time, comma-separated "
         "block_n x block_k x stages x warps (none: '')",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loomllm.workers.attention.triton_kernels import Tiling
+from loomllm.workers.attention.triton_kernels import AttentionTiling
 
 pytestmark = pytest.mark.compute
 
@@ -48,7 +48,10 @@ def test_every_tiling_is_timed_and_checked_on_the_cpu(tmp_path: Path) -> None:
     assert [r[0] for r in rows] == ["16x4x3", "32x4x2"] * 2, done.stdout
     assert all(float(error) < 1e-2 and float(ms) > 0 for _, ms, _, error in rows)
     assert re.findall(r"^batch (\d+): fastest", done.stdout, re.M) == ["2", "3"]
-    assert Tiling.parse(best.read_text()) in (Tiling(16, 4, 3), Tiling(32, 4, 2))
+    assert AttentionTiling.parse(best.read_text()) in (
+        AttentionTiling(16, 4, 3),
+        AttentionTiling(32, 4, 2),
+    )
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ MAX_SPLITS = 32
 
 
 @dataclasses.dataclass(frozen=True)
-class Tiling:
+class AttentionTiling:
     """How an attention kernel walks a context: `keys` a step (a power of two >= 16, over
     as many pages as they span), with `warps` warps and `stages` loads in flight."""
 
@@ -40,7 +40,7 @@ class Tiling:
             raise ValueError(f"warps must be 1-16, a power of two, and stages >= 1: {self}")
 
     @classmethod
-    def parse(cls, text: str) -> Tiling:
+    def parse(cls, text: str) -> AttentionTiling:
         """ "64x4x3": keys x warps x stages."""
         keys, warps, stages = (int(part) for part in text.split("x"))
         return cls(keys, warps, stages)
@@ -49,10 +49,10 @@ class Tiling:
         return f"{self.keys}x{self.warps}x{self.stages}"
 
 
-def _tiling_from_env(variable: str, default: str) -> Tiling:
+def _tiling_from_env(variable: str, default: str) -> AttentionTiling:
     text = os.environ.get(variable) or default
     try:
-        return Tiling.parse(text)
+        return AttentionTiling.parse(text)
     except ValueError as exc:
         raise ValueError(f"{variable}={text!r} is not keys x warps x stages: {exc}") from None
 
@@ -442,7 +442,7 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
-    tiling: Tiling = PREFILL_TILING,
+    tiling: AttentionTiling = PREFILL_TILING,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -579,7 +579,7 @@ def decode_attention(
     num_splits: int | None = None,
     split_counts: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, ...] | None = None,
-    tiling: Tiling = DECODE_TILING,
+    tiling: AttentionTiling = DECODE_TILING,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:

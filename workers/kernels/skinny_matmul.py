@@ -25,7 +25,7 @@ H100_L2 = 50 * 2**20  # bytes: the L2 cache assumed where torch does not say the
 
 
 @dataclasses.dataclass(frozen=True)
-class Tiling:
+class MatmulTiling:
     """How the kernel splits the work: output features a program (at least 16, tl.dot's
     minimum), input features a load, loads in flight a program, warps a program."""
 
@@ -35,7 +35,7 @@ class Tiling:
     num_warps: int = 4
 
     @classmethod
-    def parse(cls, text: str) -> Tiling:
+    def parse(cls, text: str) -> MatmulTiling:
         """ "16x256x4x4" (block_n x block_k x stages x warps; the warps may be left out)."""
         return cls(*map(int, text.split("x")))
 
@@ -45,10 +45,10 @@ class Tiling:
 
 # 16 features a program: 256 programs for a 4096-wide output; 256 a load: a 512-byte run of
 # each bf16 weight row; 4 loads in flight: what keeps the memory busy.
-PLAIN = Tiling(16, 256, 4)
+PLAIN = MatmulTiling(16, 256, 4)
 # The gated kernel loads two weight tiles a step: with 3 stages it takes the plain one's
 # 48 KB of shared memory and spills no register on an A100, where 4 stages spill.
-GATED = Tiling(16, 256, 3)
+GATED = MatmulTiling(16, 256, 3)
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -116,7 +116,10 @@ def _skinny_kernel(
 
 
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiling: Tiling = PLAIN
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiling: MatmulTiling = PLAIN,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [..., K] of at most MAX_ROWS rows (weight [N, K],
     bias [N], all of x's dtype; the last dimensions dense). It rounds once from a float32 sum,
@@ -125,7 +128,10 @@ def skinny_linear(
 
 
 def skinny_silu_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiling: Tiling = GATED
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiling: MatmulTiling = GATED,
 ) -> torch.Tensor:
     """`fused_ops.silu_mul(skinny_linear(x, weight, bias))` in one kernel, bit for bit: a
     packed gate|up projection (weight [2I, K], gate's rows first) and its activation,
@@ -138,7 +144,11 @@ def skinny_silu_linear(
 
 
 def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool, tiling: Tiling
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gated: bool,
+    tiling: MatmulTiling,
 ) -> torch.Tensor:
     k_in = x.shape[-1]
     x2 = x.reshape(-1, k_in)

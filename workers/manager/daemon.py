@@ -45,16 +45,16 @@ from loomllm.protocols.rundir import (
 from loomllm.workers.manager.pulls import Pulls
 from loomllm.workers.manager.ray_group import RayDriver, launch_ray_group
 from loomllm.workers.manager.worker_group import (
+    GroupStartError,
     LeaseError,
     WorkerGroup,
     WorkerProcess,
-    WorkerStartError,
     launch_group,
     lease_group,
     spec_problem,
     stop_rank,
 )
-from loomllm.workers.manager.zygote_client import Zygote
+from loomllm.workers.manager.zygote_client import ZygoteClient
 
 logger = logging.getLogger(__name__)
 LEASE_TOKEN_BYTES = 32
@@ -89,7 +89,7 @@ class ManagerServer:
         self._group_ids = itertools.count(1)
         self._tg: TaskGroup | None = None
         self._idle_scope: anyio.CancelScope | None = None
-        self.zygote = Zygote(self.workdir)
+        self.zygote = ZygoteClient(self.workdir)
         self.ray = RayDriver()  # connects when a group asks for distributed_executor_backend=ray
         self.pulls = Pulls()
 
@@ -242,7 +242,7 @@ class ManagerServer:
         self.groups[group.group_id] = group
         try:
             await self._launch(group)
-        except WorkerStartError as exc:
+        except GroupStartError as exc:
             await self._stop_group(group, "failed to start")
             return ErrorReply("worker_start_failed", str(exc))
         except BaseException:

@@ -17,9 +17,9 @@ from loomllm.protocols.connection import MessageStream
 from loomllm.protocols.messages import Attach
 from loomllm.workers.manager.ray_handles import RankHandle, RayPlacement
 from loomllm.workers.manager.worker_group import (
+    GroupStartError,
     WorkerGroup,
     WorkerProcess,
-    WorkerStartError,
     wait_group_ready,
 )
 from loomllm.workers.worker.ray_rank import RankActor
@@ -42,12 +42,12 @@ class RayDriver:
     async def connect(self, address: str, node_ip_address: str | None = None) -> Any:
         """The `ray` module, connected to the cluster at `address` ("auto": the local
         node's) as a driver on the node at `node_ip_address` (None: Ray's guess);
-        WorkerStartError saying why when Ray is missing or no cluster answers."""
+        GroupStartError saying why when Ray is missing or no cluster answers."""
         async with self._lock:
             try:  # off the event loop: importing ray takes a second
                 ray = await anyio.to_thread.run_sync(importlib.import_module, "ray")
             except ImportError as exc:
-                raise WorkerStartError(
+                raise GroupStartError(
                     "distributed_executor_backend='ray' needs Ray where the engine-manager "
                     f"runs, and loomllm on every node: pip install 'loomllm[ray]' ({exc})"
                 ) from None
@@ -68,14 +68,14 @@ class RayDriver:
                     with anyio.fail_after(CONNECT_TIMEOUT_S):
                         await anyio.to_thread.run_sync(init, abandon_on_cancel=True)
                 except Exception as exc:  # ConnectionError, TimeoutError, ...
-                    raise WorkerStartError(
+                    raise GroupStartError(
                         f"no Ray cluster answers at address={address!r} ({type(exc).__name__}: "
                         f"{exc}); start one with `ray start --head`, or set RAY_ADDRESS"
                     ) from None
                 self._address = address
                 logger.info("connected to the Ray cluster at %s", address)
             elif address != self._address:
-                raise WorkerStartError(
+                raise GroupStartError(
                     f"this engine-manager is the driver of the Ray cluster at "
                     f"{self._address!r}; it cannot also use {address!r}"
                 )
@@ -91,7 +91,7 @@ async def _check_reachable(address: str) -> None:
         with anyio.fail_after(PROBE_TIMEOUT_S):
             stream = await anyio.connect_tcp(host, int(port))
     except (OSError, TimeoutError) as exc:
-        raise WorkerStartError(
+        raise GroupStartError(
             f"no Ray cluster answers at address={address!r} ({exc or 'timed out'}); start "
             "one with `ray start --head`, or set RAY_ADDRESS"
         ) from None
@@ -105,7 +105,7 @@ async def launch_ray_group(group: WorkerGroup, driver: RayDriver) -> None:
     TCP connection that the manager opens with a secret given to that actor alone; the ranks
     rendezvous for torch.distributed at rank 0's node.
 
-    Anything that fails on the way is a WorkerStartError naming the cause; the manager
+    Anything that fails on the way is a GroupStartError naming the cause; the manager
     then stops the group, which removes its placement group and with it every actor.
     """
     options = group.spec.options
@@ -121,10 +121,10 @@ async def launch_ray_group(group: WorkerGroup, driver: RayDriver) -> None:
                 handle = RankHandle(ray, actor, pid, serve_ref)
                 group.ranks.append(WorkerProcess(rank, handle, control, None, None))
                 await control.send(Attach(secret))
-    except WorkerStartError:
+    except GroupStartError:
         raise
     except Exception as exc:  # Ray's errors, a lifeline that does not connect (TimeoutError)
-        raise WorkerStartError(
+        raise GroupStartError(
             f"the Ray ranks of {group.spec.model!r} did not start: {type(exc).__name__}: {exc} "
             "(is loomllm installed on every node?)"
         ) from None
@@ -153,7 +153,7 @@ def _place_ranks(ray: Any, group: WorkerGroup) -> list[tuple[Any, Any, tuple, by
     try:
         ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
-        raise WorkerStartError(
+        raise GroupStartError(
             f"the Ray cluster has no room for {world_size} bundle(s) of {bundle} within "
             f"{PLACEMENT_TIMEOUT_S:g} s (available: {ray.available_resources()})"
         ) from None

@@ -31,7 +31,7 @@ from loomllm.protocols.messages import (
     WorkerSpec,
 )
 from loomllm.workers.manager.ray_handles import RankHandle, RayPlacement
-from loomllm.workers.manager.zygote_client import ForkedProcess, Zygote
+from loomllm.workers.manager.zygote_client import ForkedProcess, ZygoteClient
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ STOP_GRACE_S = 5.0
 LEASE_TIMEOUT_S = 10.0
 
 
-class WorkerStartError(Exception):
+class GroupStartError(Exception):
     """A rank could not start; the message says why (its own words or its stderr)."""
 
 
@@ -157,7 +157,7 @@ def spec_problem(spec: WorkerSpec) -> str | None:
 
 
 async def launch_rank(
-    group: WorkerGroup, rank: int, workdir: Path, *, dist_init_file: Path, zygote: Zygote
+    group: WorkerGroup, rank: int, workdir: Path, *, dist_init_file: Path, zygote: ZygoteClient
 ) -> WorkerProcess:
     """Start one rank (forked by the zygote, else a fresh interpreter); return once its
     process exists, not yet READY.
@@ -203,7 +203,7 @@ async def launch_rank(
     return WorkerProcess(rank, process, control, log_file, socket_path)
 
 
-async def launch_group(group: WorkerGroup, workdir: Path, zygote: Zygote) -> None:
+async def launch_group(group: WorkerGroup, workdir: Path, zygote: ZygoteClient) -> None:
     """Start every rank, wait for all READYs (they load and rendezvous together)."""
     dist_file = workdir / f"{group.group_id}.dist"
     dist_file.unlink(missing_ok=True)
@@ -219,7 +219,7 @@ async def launch_group(group: WorkerGroup, workdir: Path, zygote: Zygote) -> Non
 
 async def wait_group_ready(group: WorkerGroup) -> None:
     """Wait for every rank's READY (they load and rendezvous together); note each rank's
-    data address and the model's info. WorkerStartError from the first rank that fails."""
+    data address and the model's info. GroupStartError from the first rank that fails."""
     readies: list[WorkerReady | None] = [None] * len(group.ranks)
 
     async def store_ready(worker: WorkerProcess) -> None:
@@ -230,7 +230,7 @@ async def wait_group_ready(group: WorkerGroup) -> None:
             for worker in group.ranks:
                 tg.start_soon(store_ready, worker)
     except BaseExceptionGroup as eg:
-        start_errors = eg.subgroup(WorkerStartError)
+        start_errors = eg.subgroup(GroupStartError)
         if start_errors is None:
             raise
         raise start_errors.exceptions[0] from None
@@ -242,19 +242,19 @@ async def wait_group_ready(group: WorkerGroup) -> None:
 
 
 async def wait_ready(worker: WorkerProcess) -> WorkerReady:
-    """READY from the rank, or WorkerStartError with its reason or its stderr tail."""
+    """READY from the rank, or GroupStartError with its reason or its stderr tail."""
     try:
         msg = await worker.control.receive()
     except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
         code = await worker.process.wait()
-        raise WorkerStartError(
+        raise GroupStartError(
             f"worker rank {worker.rank} exited with {describe_exit(code)} while starting:\n"
             f"{worker.stderr_tail()}"
         ) from None
     if isinstance(msg, WorkerFailed):
-        raise WorkerStartError(msg.message)
+        raise GroupStartError(msg.message)
     if not isinstance(msg, WorkerReady):
-        raise WorkerStartError(f"worker rank {worker.rank} sent {type(msg).__name__}, not READY")
+        raise GroupStartError(f"worker rank {worker.rank} sent {type(msg).__name__}, not READY")
     return msg
 
 

@@ -48,7 +48,7 @@ class ForkedProcess:
         await self.wait()
 
 
-class Zygote:
+class ZygoteClient:
     """One zygote process at a time; `run()` (re)starts it on demand and pumps its replies."""
 
     def __init__(self, workdir: Path) -> None:

@@ -169,7 +169,7 @@ def test_decode_tilings_agree_with_float64(keys, block_size, num_splits, window,
         window=window,
         seed=keys + block_size,
         num_splits=num_splits,
-        decode_tiling=ta.Tiling(keys, 4, 2),
+        decode_tiling=ta.AttentionTiling(keys, 4, 2),
     )
 
 
@@ -202,7 +202,7 @@ def test_prefill_tilings_agree_with_float64(keys, block_size, window):
         window=window,
         seed=keys + block_size,
         one_kernel=True,
-        prefill_tiling=ta.Tiling(keys, 4, 2),
+        prefill_tiling=ta.AttentionTiling(keys, 4, 2),
     )
 
 
@@ -238,12 +238,12 @@ def test_softcaps_and_sinks_agree_with_float64(softcap, with_sinks, num_splits, 
 
 
 def test_decode_tilings_are_checked():
-    assert ta.Tiling.parse("64x4x3") == ta.Tiling(64, 4, 3)
-    assert str(ta.Tiling(32, 8, 2)) == "32x8x2"
+    assert ta.AttentionTiling.parse("64x4x3") == ta.AttentionTiling(64, 4, 3)
+    assert str(ta.AttentionTiling(32, 8, 2)) == "32x8x2"
     with pytest.raises(ValueError, match="keys must be a power of two >= 16, got 48"):
-        ta.Tiling(48, 4, 2)
+        ta.AttentionTiling(48, 4, 2)
     with pytest.raises(ValueError, match="warps must be 1-16"):
-        ta.Tiling(64, 3, 2)
+        ta.AttentionTiling(64, 3, 2)
 
 
 def test_the_split_counters_are_left_zero_for_the_next_launch():

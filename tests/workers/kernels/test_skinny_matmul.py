@@ -71,7 +71,7 @@ def test_other_tilings_compute_the_same_function(tiling):
     a partial last program included, is the same matmul (bf16, so each sums in another
     order: as close to float64 as F.linear), and its gated form the same bits as its plain
     one through silu_mul."""
-    tiling = skinny_matmul.Tiling.parse(tiling)
+    tiling = skinny_matmul.MatmulTiling.parse(tiling)
     torch.manual_seed(tiling.block_n)
     x = torch.randn(1, 5, 200).to(torch.bfloat16)
     weight = (torch.randn(2 * 40, 200) / 200**0.5).to(torch.bfloat16)
@@ -84,9 +84,9 @@ def test_other_tilings_compute_the_same_function(tiling):
 
 
 def test_a_tiling_reads_and_prints_as_its_four_numbers():
-    tiling = skinny_matmul.Tiling.parse("32x128x2")  # four warps unless said
+    tiling = skinny_matmul.MatmulTiling.parse("32x128x2")  # four warps unless said
     assert (tiling.block_n, tiling.block_k, tiling.num_stages, tiling.num_warps) == (32, 128, 2, 4)
-    assert str(tiling) == "32x128x2x4" and skinny_matmul.Tiling.parse(str(tiling)) == tiling
+    assert str(tiling) == "32x128x2x4" and skinny_matmul.MatmulTiling.parse(str(tiling)) == tiling
 
 
 def test_refuses_what_it_does_not_compute():
