@@ -8,6 +8,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -56,6 +57,17 @@ COMPLETE = "complete"  # written in a build's directory once its library has loa
 # which the library then shares).
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
+
+
+def cpp_enum(source: str, name: str) -> dict[str, int]:
+    """The members of the C++ enum `name` in the kernel file `source`, read from its text, so
+    that the Python side states none of its values again."""
+    text = (HERE / source).read_text()
+    found = re.search(rf"enum\s+{name}\b[^{{]*{{([^}}]*)}}", text)
+    if found is None:
+        raise LookupError(f"no enum {name} in {source}")
+    members = (item.split("=") for item in found.group(1).split(",") if item.strip())
+    return {key.strip(): int(value, 0) for key, value in members}
 
 
 def build_key() -> str:

@@ -88,3 +88,17 @@ def test_two_checkouts_and_three_processes_compile_the_ops_once(tmp_path):
         **{f"{path.stem}.o": 1 for path in cpu_native.SOURCES},
         f"loom_cpu_{key}.so": 1,
     }
+
+
+def test_the_linear_modes_are_read_from_the_cpp_enum(tmp_path, monkeypatch):
+    """cpu_stack.py reads LinearMode's values from cpu_stack.cpp: a renumbered enum moves
+    them both, and a missing one is an error naming it."""
+    from loomllm.workers.kernels import cpu_native
+    from loomllm.workers.models.llama import cpu_stack
+
+    assert cpu_stack.LINEAR_MODES == {"DENSE": 0, "INT4": 1, "INT8": 2, "A8": 3, "GGUF": 4}
+    (tmp_path / "k.cpp").write_text("enum Mode : int64_t { A = 0x2, B = 7 };\nenum Other {C=1};")
+    monkeypatch.setattr(cpu_native, "HERE", tmp_path)
+    assert cpu_native.cpp_enum("k.cpp", "Mode") == {"A": 2, "B": 7}
+    with pytest.raises(LookupError, match="no enum LinearMode in k.cpp"):
+        cpu_native.cpp_enum("k.cpp", "LinearMode")

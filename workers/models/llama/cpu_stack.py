@@ -9,13 +9,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from loomllm.workers.kernels import cpu_kernel_choice
+from loomllm.workers.kernels import cpu_kernel_choice, cpu_native
 from loomllm.workers.kernels.gguf_linear import GgufLinear, RepackedLinear
 
 if TYPE_CHECKING:
     from loomllm.workers.models.llama.model import DecoderLayer, LlamaFamilyForCausalLM
 
-DENSE, INT4, INT8, A8, GGUF = 0, 1, 2, 3, 4  # cpu_stack.cpp's LinearMode
+# How the C++ stack runs each linear layer: cpu_stack.cpp's LinearMode, its one source.
+LINEAR_MODES = cpu_native.cpp_enum("cpu_stack.cpp", "LinearMode")
+DENSE, INT4, INT8, A8, GGUF = (LINEAR_MODES[m] for m in ("DENSE", "INT4", "INT8", "A8", "GGUF"))
 
 
 def linear_args(linear: torch.nn.Module, rows: int) -> tuple[int, list[torch.Tensor | None]]:
