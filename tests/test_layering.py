@@ -64,12 +64,14 @@ ALLOWED: dict[str, set[str]] = {
         "loomllm.engine",
         "loomllm.errors",
         "loomllm.metrics",
+        "loomllm.outputs",
         "loomllm.protocols",
         "loomllm.server.fleet",
         "loomllm.server.ollama",
         "loomllm.server.openai",
         "loomllm.server.parsers",
     },
+    # The flags offer the tool-call and reasoning parsers' names (a light import).
     "loomllm.cli": {
         "loomllm.clients",
         "loomllm.config",
@@ -78,6 +80,7 @@ ALLOWED: dict[str, set[str]] = {
         "loomllm.protocols",
         "loomllm.server",
         "loomllm.server.fleet",
+        "loomllm.server.parsers",
     },
     # The device side.
     # protocols/choices.py names the dtypes a model may load in.

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (and Ollama's) as a Starlette app over a server's models.
 
-The handlers live with their API (openai/routes.py, ollama/routes.py, service_routes.py) and
+The handlers live in openai_routes.py, ollama_routes.py and service_routes.py, and
 read the models and settings from `app.state.server` (state.py).
 """
 
@@ -19,13 +19,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loomllm.engine.engine import Engine
-from loomllm.server import service_routes
+from loomllm.server import openai_routes, service_routes
 from loomllm.server.fleet.fleet import ModelFleet
 from loomllm.server.fleet.supervisor import EngineSlot
 from loomllm.server.lora_adapters import load_lora_adapter, unload_lora_adapter
 from loomllm.server.metrics import build_metrics_handler
-from loomllm.server.ollama.routes import OLLAMA_ROUTES
-from loomllm.server.openai import routes as openai_routes
+from loomllm.server.ollama_routes import OLLAMA_ROUTES
 from loomllm.server.openai.openapi import build_openapi
 from loomllm.server.openai.schemas import ApiError
 from loomllm.server.parsers.reasoning import PARSERS as REASONING_PARSERS

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from loomllm.protocols.messages import ModelInfo
 from loomllm.server.fleet.catalog import ModelEntry
 from loomllm.server.ollama.model_card import details
-from loomllm.server.ollama.routes import _listing
+from loomllm.server.ollama_routes import _listing
 
 
 def loaded(model_dir: Path, weights_path: str) -> SimpleNamespace:
