@@ -31,7 +31,11 @@ from loomllm.protocols.messages import (
     WorkerSpec,
 )
 from loomllm.workers.manager.ray_handles import RankHandle, RayPlacement
-from loomllm.workers.manager.zygote_client import ForkedProcess, ZygoteClient
+from loomllm.workers.manager.zygote_client import (
+    ForkedProcess,
+    ZygoteClient,
+    needs_full_zygote,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -184,8 +188,9 @@ async def launch_rank(
     ]
     try:
         with open(log_file, "wb") as log:  # noqa: ASYNC230 (a local file, opened once)
+            full = needs_full_zygote(group.spec)
             process: Process | ForkedProcess | None = await zygote.spawn(
-                args, theirs.fileno(), log.fileno()
+                args, theirs.fileno(), log.fileno(), full=full
             )
             if process is None:
                 lifeline = ["--control-fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]

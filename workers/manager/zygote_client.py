@@ -17,6 +17,9 @@ from subprocess import DEVNULL
 import anyio
 from anyio.abc import Process
 
+from loomllm.protocols.messages import WorkerSpec
+from loomllm.workers.models.sources import DEFAULT_MODEL_ALIASES
+
 logger = logging.getLogger(__name__)
 # Set to 0 to start every worker as a fresh interpreter (slower; for debugging).
 ENV_SWITCH = "LOOM_WORKER_ZYGOTE"
@@ -76,8 +79,11 @@ class ZygoteClient:
         """Start the zygote now (its imports take seconds): the manager calls this at start."""
         self._wanted.set()
 
-    async def spawn(self, worker_args: list[str], lifeline: int, log: int) -> ForkedProcess | None:
-        """Fork a worker with these arguments (without --control-fd and --parent-pid).
+    async def spawn(
+        self, worker_args: list[str], lifeline: int, log: int, *, full: bool = True
+    ) -> ForkedProcess | None:
+        """Fork a worker with these arguments (without --control-fd and --parent-pid), from
+        the full zygote (transformers' modeling code imported) or the lean one.
 
         None when the zygote cannot start or died: the caller launches a fresh interpreter,
         and the next call starts a new zygote."""
@@ -92,7 +98,8 @@ class ZygoteClient:
             pending = _Pending()
             self._pending.append(pending)
             try:
-                await _send_fds(self._channel, json.dumps(worker_args).encode(), [lifeline, log])
+                request = json.dumps({"args": worker_args, "full": full}).encode()
+                await _send_fds(self._channel, request, [lifeline, log])
             except OSError:
                 self._pending.remove(pending)
                 return None
@@ -179,6 +186,16 @@ class ZygoteClient:
                 pending = self._pending.pop(0)
                 pending.pid = message.get("spawned")
                 pending.done.set()
+
+
+def needs_full_zygote(spec: WorkerSpec) -> bool:
+    """Whether the spec's workers may run transformers' modeling code, and so are forked from
+    the full zygote. Only loomllm's own model on a GGUF file is known not to: a worker forked
+    lean that needs it after all imports it itself (a slower start, the same answers)."""
+    options = spec.options
+    gguf = spec.model in DEFAULT_MODEL_ALIASES or spec.model.endswith(".gguf")
+    own_model = options.model_impl != "transformers" and options.runner == "generate"
+    return not (gguf and own_model and not options.max_loras)
 
 
 @dataclass(eq=False)

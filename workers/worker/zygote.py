@@ -1,6 +1,9 @@
 """The zygote: an interpreter with a worker's imports already done, that forks workers.
 
 Importing torch is most of a worker's start, so each rank is a fork that inherits the imports.
+Two levels: the zygote the manager starts stays lean (PRELOAD only) and forks the workers of
+loomllm's own model; a fork of it, the full zygote, adds transformers' modeling code
+(PRELOAD_LATER) and forks every other worker. A lean worker maps none of those pages.
 """
 
 from __future__ import annotations
@@ -79,9 +82,51 @@ def main(argv: list[str] | None = None) -> None:
     channel = socket.socket(fileno=args.control_fd)
     for name in PRELOAD:
         preload(name)
-    Zygote(channel, later=list(PRELOAD_LATER)).serve()
+    full = fork_full_zygote(channel)
+    Zygote(channel, full=full).serve()
     logging.shutdown()
     os._exit(0)  # skips tearing down torch's imports (seconds): nothing else is left to do
+
+
+def fork_full_zygote(upstream: socket.socket) -> FullZygote | None:
+    """Fork the full zygote: a child that serves the requests the lean one passes on, with
+    the PRELOAD_LATER imports added while it is idle. None (logged) if the fork failed: the
+    lean zygote then forks every worker itself."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    lean = os.getpid()
+    try:
+        pid = os.fork()
+    except OSError:
+        logger.exception("could not fork the full zygote: every worker is forked lean")
+        ours.close()
+        theirs.close()
+        return None
+    if pid == 0:
+        code = 1
+        try:
+            upstream.close()
+            ours.close()
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # it dies with the lean zygote
+            if os.getppid() != lean:  # which died before prctl took effect
+                return None
+            Zygote(theirs, later=list(PRELOAD_LATER)).serve()
+            code = 0
+        finally:
+            logging.shutdown()
+            os._exit(code)
+    theirs.close()
+    return FullZygote(pid, ours)
+
+
+class FullZygote:
+    """The lean zygote's handle on the full one: its pid, its channel, and the workers it
+    forked that still run (reported gone should it die)."""
+
+    def __init__(self, pid: int, channel: socket.socket) -> None:
+        self.pid = pid
+        self.channel = channel
+        self.children: set[int] = set()
 
 
 def preload(name: str) -> None:
@@ -100,15 +145,23 @@ class Zygote:
     """The fork loop: requests from the manager in, children's pids and exits out; the
     `later` imports in between.
 
-    The channel is one end of a SOCK_SEQPACKET socketpair. Each request is a JSON list of
-    worker arguments with two file descriptors attached (the rank's lifeline and its log
-    file); the answer is {"spawned": pid}, and later {"exited": pid, "code": returncode}
-    for every child that ends (a negative code is a signal, as in `subprocess`). EOF from
-    the manager ends the zygote; its children die with it (PR_SET_PDEATHSIG)."""
+    The channel is one end of a SOCK_SEQPACKET socketpair. Each request is a JSON object,
+    {"args": the worker's arguments, "full": whether the full zygote forks it}, with two
+    file descriptors attached (the rank's lifeline and its log file); the answer is
+    {"spawned": pid}, and later {"exited": pid, "code": returncode} for every child that ends
+    (a negative code is a signal, as in `subprocess`). EOF from the manager ends the zygote;
+    its children die with it (PR_SET_PDEATHSIG), the full zygote and its workers too."""
 
-    def __init__(self, channel: socket.socket, later: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        channel: socket.socket,
+        later: list[str] | None = None,
+        full: FullZygote | None = None,
+    ) -> None:
         self.channel = channel
         self.later = later or []
+        # The full zygote the requests for it are passed on to; None: fork them here.
+        self.full = full
         self.later_from = time.monotonic() + LATER_AFTER_S  # brought forward by a fork
         self.children: set[int] = set()
         self._wake_read, self._wake_write = os.pipe()
@@ -123,6 +176,8 @@ class Zygote:
         selector = selectors.DefaultSelector()
         selector.register(self.channel, selectors.EVENT_READ, "request")
         selector.register(self._wake_read, selectors.EVENT_READ, "child")
+        if self.full is not None:
+            selector.register(self.full.channel, selectors.EVENT_READ, "full")
         self._send({"ready": os.getpid()})
         while True:
             wait = max(0.0, self.later_from - time.monotonic()) if self.later else None
@@ -137,6 +192,9 @@ class Zygote:
                 if key.data == "child":
                     os.read(self._wake_read, 4096)
                     self._reap()
+                elif key.data == "full":
+                    if not self._relay_full():
+                        selector.unregister(key.fileobj)
                 elif not self._handle_request():
                     return  # the manager is gone: so are we, and our children with us
 
@@ -149,12 +207,16 @@ class Zygote:
             return False
         try:
             lifeline, log = fds
-            worker_args = json.loads(data)
-        except ValueError:
+            request = json.loads(data)
+            worker_args, wants_full = request["args"], request["full"]
+        except (ValueError, TypeError, KeyError):
             logger.error("bad request from the manager: %r with fds %s", data[:200], fds)
             for fd in fds:
                 os.close(fd)
             self._send({"error": "bad request"})
+            return True
+        if wants_full and self.full is not None:
+            self._pass_on(data, fds)
             return True
         sys.stdout.flush()
         sys.stderr.flush()
@@ -183,6 +245,8 @@ class Zygote:
             for fd in (null, log, self._wake_read, self._wake_write):
                 os.close(fd)
             self.channel.close()
+            if self.full is not None:
+                self.full.channel.close()
             logging.root.handlers.clear()  # the worker sets up its own
             from loomllm.workers.worker import main as worker
 
@@ -208,14 +272,57 @@ class Zygote:
         if self._importing:
             self._reap()
 
+    def _pass_on(self, data: bytes, fds: list[int]) -> None:
+        """A request for the full zygote, sent on as it came; its answer comes back through
+        _relay_full (the manager asks for one worker at a time, so answers keep their order)."""
+        assert self.full is not None
+        try:
+            socket.send_fds(self.full.channel, [data], fds)
+        except OSError:
+            self._send({"error": "the full zygote is gone"})
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _relay_full(self) -> bool:
+        """Pass the full zygote's answers up, keeping count of its workers; False once it is
+        gone, whose workers died with it (PR_SET_PDEATHSIG): reported as exited."""
+        full = self.full
+        assert full is not None
+        try:
+            data = full.channel.recv(MAX_MESSAGE)
+        except OSError:
+            data = b""
+        if not data:
+            logger.warning("the full zygote exited: every worker is forked lean from now on")
+            full.channel.close()
+            self.full = None
+            for pid in sorted(full.children):
+                self._send({"exited": pid, "code": -signal.SIGKILL})
+            return False
+        message = json.loads(data)
+        if "ready" in message:
+            logger.info("full zygote pid %d ready", message["ready"])
+            return True
+        if "spawned" in message:
+            full.children.add(message["spawned"])
+        elif "exited" in message:
+            full.children.discard(message["exited"])
+        self._send(message)
+        return True
+
     def _reap(self) -> None:
-        while self.children:
+        full_pid = self.full.pid if self.full is not None else None
+        while self.children or full_pid is not None:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
+            if pid == full_pid:  # its end of the channel closes too: _relay_full tells
+                full_pid = None
+                continue
             self.children.discard(pid)
             self._send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 

@@ -1,6 +1,6 @@
 """Workers fork from the manager's zygote; without it (dead, or switched off) they still start.
 
-Each test has its own manager: they kill its zygote or start it with the zygote off.
+Each test has its own manager: they kill its zygotes or start it with the zygote off.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from support.gguf_models import make_tiny_gguf
 from support.processes import wait_gone
 
 from loomllm import LLM, EngineDeadError, SamplingParams
@@ -34,20 +35,63 @@ def generate_once(llm: LLM) -> list[int]:
 
 
 def test_a_dead_zygote_takes_its_workers_and_the_next_engine_gets_a_new_one(tiny_model, manager):
+    """The manager's zygote (the lean one) dies: the full zygote it forked, and their
+    workers, die with it."""
     manager.start()
     with pytest.raises(EngineDeadError), LLM(tiny_model, manager_socket=manager.socket) as llm:
         expected = generate_once(llm)
         [worker] = manager.worker_states()
-        zygote = parent_of(worker)
-        assert "loomllm.workers.worker.zygote" in command_line(zygote)
-        assert parent_of(zygote) == manager.pid()
-        os.kill(zygote, signal.SIGKILL)
-        assert wait_gone(worker, timeout=5)
+        full = parent_of(worker)
+        lean = parent_of(full)
+        assert "loomllm.workers.worker.zygote" in command_line(lean)
+        assert parent_of(lean) == manager.pid()
+        os.kill(lean, signal.SIGKILL)
+        assert wait_gone(worker, timeout=5) and wait_gone(full, timeout=5)
         generate_once(llm)
     with LLM(tiny_model, manager_socket=manager.socket) as llm:
         assert generate_once(llm) == expected
         [worker] = manager.worker_states()
-        assert parent_of(worker) not in (zygote, manager.pid())
+        assert parent_of(worker) not in (full, lean, manager.pid())
+
+
+def test_a_gguf_worker_is_forked_lean_and_others_from_the_full_zygote(
+    tiny_model, manager, tmp_path
+):
+    """loomllm's own model on a GGUF file is forked from the lean zygote, which never
+    imports transformers' modeling code; a checkpoint directory's worker from the full one,
+    its fork. When the full zygote dies, its workers go, and the next is forked lean and
+    still works."""
+    gguf = str(make_tiny_gguf(tmp_path / "m.gguf", "Q8_0"))
+
+    def heavy_imports(worker: object) -> list[str]:
+        """The full zygote's imports a worker has: transformers' modeling code and what it
+        brings."""
+        heavy = ("transformers.modeling_utils", "torch._dynamo", "sympy")
+        return [name for name in heavy if name in sys.modules]
+
+    manager.start()
+    # The file's first read writes its config and tokenizer to the cache, with transformers'
+    # help; a load from the cache, in a new worker (keep_alive 0), reads only the file.
+    with LLM(gguf, manager_socket=manager.socket, keep_alive=0) as llm:
+        expected_gguf = generate_once(llm)
+    with LLM(gguf, manager_socket=manager.socket, keep_alive=0) as llm:
+        assert generate_once(llm) == expected_gguf
+        [worker] = llm.engine.worker_pids
+        lean = parent_of(worker)
+        assert parent_of(lean) == manager.pid()
+        assert llm.collective_rpc(heavy_imports) == [[]]
+    with pytest.raises(EngineDeadError), LLM(tiny_model, manager_socket=manager.socket) as llm:
+        expected = generate_once(llm)
+        [worker] = llm.engine.worker_pids
+        full = parent_of(worker)
+        assert full != lean and parent_of(full) == lean
+        os.kill(full, signal.SIGKILL)
+        assert wait_gone(worker, timeout=5)
+        generate_once(llm)
+    with LLM(tiny_model, manager_socket=manager.socket) as llm:
+        assert generate_once(llm) == expected
+        [worker] = llm.engine.worker_pids
+        assert parent_of(worker) == lean
 
 
 def test_without_the_zygote_workers_start_as_fresh_interpreters(tiny_model, manager, monkeypatch):
