@@ -60,6 +60,11 @@ def test_the_wheel_holds_one_top_level_package_with_every_module(wheel):
     assert top == {"loomllm"}
     assert {name for name in names if name.endswith(".py")} == source_modules()
     assert not [name for name in names if "/tests/" in name or name.startswith("tests/")]
+    # The C++ kernels the workers build, from the folders they live in.
+    from loomllm.workers.kernels import cpu_native
+
+    code = (*cpu_native.SOURCES, *cpu_native.HEADERS)
+    assert {f"loomllm/workers/{path.parent.name}/{path.name}" for path in code} <= set(names)
 
 
 def test_installed_from_the_wheel_nothing_old_is_importable(wheel, tmp_path):

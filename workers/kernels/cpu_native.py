@@ -24,28 +24,25 @@ _ops: Any | None = None  # torch.ops.loom_cpu, once `load` has loaded it
 _built: Any | None = None
 
 HERE = Path(__file__).parent
-SOURCES = tuple(
-    HERE / name
-    for name in (
-        "cpu_ops.cpp",
-        "cpu_attention.cpp",
-        "cpu_prefill_attention.cpp",
-        "cpu_sample.cpp",
-        "cpu_block_linear.cpp",
-        "cpu_gguf_linear.cpp",
-        "cpu_stack.cpp",
-    )
+# The attention kernels live with the rest of attention (the Triton kernels, the torch
+# reference); one library holds them all, built from copies side by side.
+ATTENTION = HERE.parent / "attention"
+SOURCES = (
+    HERE / "cpu_ops.cpp",
+    ATTENTION / "cpu_attention.cpp",
+    ATTENTION / "cpu_prefill_attention.cpp",
+    HERE / "cpu_sample.cpp",
+    HERE / "cpu_block_linear.cpp",
+    HERE / "cpu_gguf_linear.cpp",
+    HERE / "cpu_stack.cpp",
 )
-HEADERS = tuple(
-    HERE / name
-    for name in (
-        "cpu_ops.h",
-        "cpu_attention_lanes.h",
-        "cpu_gguf_blocks.h",
-        "cpu_gguf_avx512.h",
-        "cpu_gguf_avx2.h",
-        "cpu_gguf_panels.h",
-    )
+HEADERS = (
+    HERE / "cpu_ops.h",
+    ATTENTION / "cpu_attention_lanes.h",
+    HERE / "cpu_gguf_blocks.h",
+    HERE / "cpu_gguf_avx512.h",
+    HERE / "cpu_gguf_avx2.h",
+    HERE / "cpu_gguf_panels.h",
 )
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
 # "0": run the torch ops instead (the reference the C++ kernels are tested against).

@@ -32,12 +32,14 @@ print(json.dumps([module.build_key(), ops.silu_mul(torch.zeros(1, 2)).tolist()])
 
 
 def checkout(root: Path) -> Path:
-    """A copy of the kernels folder's module and C++ files at `root`: its cpu_native.py."""
-    kernels = root / "workers" / "kernels"
-    kernels.mkdir(parents=True)
+    """A copy of the C++ kernels' module and files, in their folders, at `root`: its
+    cpu_native.py."""
+    workers = Path(cpu_native.__file__).parents[1]
     for path in (Path(cpu_native.__file__), *cpu_native.SOURCES, *cpu_native.HEADERS):
-        shutil.copy2(path, kernels / path.name)
-    return kernels / "cpu_native.py"
+        copy = root / "workers" / path.relative_to(workers)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, copy)
+    return root / "workers" / "kernels" / "cpu_native.py"
 
 
 def start(module: Path, cache_dir: Path) -> subprocess.Popen[str]:
