@@ -37,7 +37,7 @@ class Worker:
     seed: int  # the engines' `seed`: each one's draws start from it
     # Per-engine state (requests, their KV blocks, user RPC scratch): dropped whenever
     # the attached engine goes away, so the next engine starts clean.
-    session: dict[str, Any] = field(default_factory=dict)
+    session: dict[str, object] = field(default_factory=dict)
     # A CPU worker's OpenMP team, sized step by step to the cores it gets (None elsewhere).
     cpu_threads: CpuThreadGovernor | None = None
 
