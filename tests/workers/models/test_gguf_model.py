@@ -151,3 +151,26 @@ async def test_batch_invariant_tokens_do_not_depend_on_the_batch(gguf_dir, share
     assert [{k: v.logprob for k, v in row.items()} for row in together.logprobs] == [
         {k: v.logprob for k, v in row.items()} for row in alone.outputs[0].logprobs
     ]
+
+
+def test_a_gguf_head_writes_float32_logits_in_a_bfloat16_model(gguf_dir):
+    """The head computes from int8 activations whatever the model's dtype: its logits come
+    out in float32, nearer a float64 product of the same activations and dequantized rows
+    than the same logits rounded to bfloat16. A dense head keeps the model's dtype."""
+    path = make_tiny_gguf(gguf_dir / "head.gguf", "Q4_K_M")
+    model = load_model(str(path), dtype="bfloat16").model
+    assert isinstance(model.lm_head, GgufLinear) and model.float32_logits
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+        hidden = model.last_hidden_states(ids)[0]
+        weight = model.lm_head.dequantized(torch.float32).double()  # exact: 16-bit scales
+    assert logits.dtype == torch.float32
+    exact = hidden.double() @ weight.T
+    error = (logits.double() - exact).abs().mean()
+    rounded = (logits.bfloat16().double() - exact).abs().mean()
+    assert error < rounded, (error, rounded)
+    dense = load_model(str(path), dtype="bfloat16", quantization="none").model
+    assert not dense.float32_logits
+    with torch.no_grad():
+        assert dense(ids).logits.dtype == torch.bfloat16

@@ -296,6 +296,13 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         # On the CPU, with the C++ ops: a step's layers in one call.
         self.cpu_stack: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
+    @property
+    def float32_logits(self) -> bool:
+        """Logits in float32 whatever the model's dtype, from a GGUF head: it computes from
+        int8 activations either way and writes float32 as cheaply as bfloat16, so the logits
+        lose no bits to a last rounding."""
+        return isinstance(self.lm_head, GgufLayer)
+
     def tie_weights(self) -> None:
         if self.shape.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -309,6 +316,8 @@ class LlamaFamilyForCausalLM(torch.nn.Module):
         use_cache: bool = False,
     ) -> CausalLMOutput:
         hidden = self.last_hidden_states(input_ids, position_ids, attn_metadata, logits_to_keep)
+        if self.float32_logits:
+            hidden = hidden.float()
         return CausalLMOutput(self.lm_head(hidden))
 
     def last_hidden_states(
