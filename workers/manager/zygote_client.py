@@ -193,7 +193,7 @@ def needs_full_zygote(spec: WorkerSpec) -> bool:
     the full zygote. Only loomllm's own model on a GGUF file is known not to: a worker forked
     lean that needs it after all imports it itself (a slower start, the same answers)."""
     options = spec.options
-    gguf = spec.model in DEFAULT_MODEL_ALIASES or spec.model.endswith(".gguf")
+    gguf = spec.model.lower() in DEFAULT_MODEL_ALIASES or spec.model.lower().endswith(".gguf")
     own_model = options.model_impl != "transformers" and options.runner == "generate"
     return not (gguf and own_model and not options.max_loras)
 

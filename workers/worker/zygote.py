@@ -94,6 +94,8 @@ def fork_full_zygote(upstream: socket.socket) -> FullZygote | None:
     lean zygote then forks every worker itself."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     lean = os.getpid()
+    sys.stdout.flush()  # else what the imports printed is written again by the child
+    sys.stderr.flush()
     try:
         pid = os.fork()
     except OSError:
@@ -112,6 +114,8 @@ def fork_full_zygote(upstream: socket.socket) -> FullZygote | None:
                 return None
             Zygote(theirs, later=list(PRELOAD_LATER)).serve()
             code = 0
+        except BaseException:
+            traceback.print_exc()  # the lean zygote only sees its channel close
         finally:
             logging.shutdown()
             os._exit(code)
@@ -120,13 +124,15 @@ def fork_full_zygote(upstream: socket.socket) -> FullZygote | None:
 
 
 class FullZygote:
-    """The lean zygote's handle on the full one: its pid, its channel, and the workers it
-    forked that still run (reported gone should it die)."""
+    """The lean zygote's handle on the full one: its pid, its channel, the workers it forked
+    that still run, and the requests passed on that it has not answered (both reported
+    should it die)."""
 
     def __init__(self, pid: int, channel: socket.socket) -> None:
         self.pid = pid
         self.channel = channel
         self.children: set[int] = set()
+        self.unanswered = 0
 
 
 def preload(name: str) -> None:
@@ -162,6 +168,8 @@ class Zygote:
         self.later = later or []
         # The full zygote the requests for it are passed on to; None: fork them here.
         self.full = full
+        # Its pid until it is reaped (after its channel closed, maybe): never a worker's exit.
+        self._full_pid = full.pid if full is not None else None
         self.later_from = time.monotonic() + LATER_AFTER_S  # brought forward by a fork
         self.children: set[int] = set()
         self._wake_read, self._wake_write = os.pipe()
@@ -222,7 +230,14 @@ class Zygote:
         sys.stderr.flush()
         # The fork is safe because the zygote never touches CUDA nor runs a torch op: no
         # CUDA context, no OpenMP pool, no other thread.
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # out of processes or memory: the manager starts one itself
+            logger.error("could not fork a worker: %s", exc)
+            os.close(lifeline)
+            os.close(log)
+            self._send({"error": f"fork failed: {exc}"})
+            return True
         if pid == 0:
             self._become_worker(worker_args, lifeline, log)  # never returns
         os.close(lifeline)
@@ -278,6 +293,7 @@ class Zygote:
         assert self.full is not None
         try:
             socket.send_fds(self.full.channel, [data], fds)
+            self.full.unanswered += 1
         except OSError:
             self._send({"error": "the full zygote is gone"})
         finally:
@@ -297,13 +313,18 @@ class Zygote:
             logger.warning("the full zygote exited: every worker is forked lean from now on")
             full.channel.close()
             self.full = None
+            for _ in range(full.unanswered):  # the manager waits for an answer to each
+                self._send({"error": "the full zygote died"})
             for pid in sorted(full.children):
                 self._send({"exited": pid, "code": -signal.SIGKILL})
+            self._reap()  # it, if it exited before its channel closed
             return False
         message = json.loads(data)
         if "ready" in message:
             logger.info("full zygote pid %d ready", message["ready"])
             return True
+        if "spawned" in message or "error" in message:
+            full.unanswered -= 1
         if "spawned" in message:
             full.children.add(message["spawned"])
         elif "exited" in message:
@@ -312,16 +333,15 @@ class Zygote:
         return True
 
     def _reap(self) -> None:
-        full_pid = self.full.pid if self.full is not None else None
-        while self.children or full_pid is not None:
+        while self.children or self._full_pid is not None:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
-            if pid == full_pid:  # its end of the channel closes too: _relay_full tells
-                full_pid = None
+            if pid == self._full_pid:  # its end of the channel closes too: _relay_full tells
+                self._full_pid = None
                 continue
             self.children.discard(pid)
             self._send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})

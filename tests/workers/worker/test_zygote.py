@@ -5,6 +5,7 @@ Each test has its own manager: they kill its zygotes or start it with the zygote
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -147,3 +148,52 @@ def test_later_imports_wait_for_a_first_fork_or_their_delay(tmp_path):
     assert "after: False ['broken_on_import', 'colorsys']" in done.stdout
     cpu = float(done.stdout.split("cpu:")[1])
     assert cpu < 1.0, done.stdout  # a spinning loop would have used the 2 s
+
+
+FULL_DIES_SCRIPT = """
+import json, os, signal, socket, threading
+from loomllm.workers.worker import zygote
+ours, managers = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+full = zygote.fork_full_zygote(ours)
+os.kill(full.pid, signal.SIGSTOP)  # a request passed on waits, as behind a later import
+seen = []
+
+def manager():
+    def ask(wants_full):
+        fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(2)]
+        request = {"args": ["--no-such-flag"], "full": wants_full}
+        socket.send_fds(managers, [json.dumps(request).encode()], fds)
+        for fd in fds:
+            os.close(fd)
+
+    managers.settimeout(20)
+    seen.append(json.loads(managers.recv(4096)))  # ready
+    ask(True)
+    os.kill(full.pid, signal.SIGKILL)
+    seen.append(json.loads(managers.recv(4096)))  # the passed-on request's answer
+    ask(False)  # a lean worker, whose bad flag ends it: its exit is reported
+    while not any("exited" in m for m in seen):
+        seen.append(json.loads(managers.recv(4096)))
+    managers.close()
+
+threading.Thread(target=manager).start()
+zygote.Zygote(ours, full=full).serve()
+print("full:", full.pid)
+print("seen:", json.dumps(seen[1:]))
+"""
+
+
+def test_a_request_the_full_zygote_dies_with_is_answered():
+    """The full zygote dies with a request passed on to it: the manager gets an error for it
+    (it then starts that worker itself) rather than waiting for ever, the lean zygote goes
+    on forking, and the full zygote's own exit is never reported as a worker's."""
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DIES_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    full = int(done.stdout.split("full:")[1].split()[0])
+    answer, spawned, *rest = json.loads(done.stdout.split("seen:")[1])
+    assert answer == {"error": "the full zygote died"}
+    assert set(spawned) == {"spawned"}
+    assert rest[-1] == {"exited": spawned["spawned"], "code": 2}
+    assert all(message.get("exited") != full for message in rest)
