@@ -142,11 +142,11 @@ class EngineConfig:
         "generation_config.json; vllm, SamplingParams' own; or a directory holding one",
         see="below",
     )
-    # Off on the CPU by default: the engine's work would take cores from the forward.
     async_scheduling: bool | None = option(
         None,
         "schedule and send step N+1 while step N runs",
-        default_text="on with CUDA workers",
+        default_text="on, but off with speculative_config; on the CPU for steps of one "
+        "request or of whole outputs only",
         see="below",
     )
     speculative_config: dict[str, Any] | None = option(
