@@ -18,7 +18,7 @@ import anyio
 from anyio.abc import Process
 
 from loomllm.protocols.messages import WorkerSpec
-from loomllm.workers.models.sources import DEFAULT_MODEL_ALIASES
+from loomllm.workers.models.sources import ModelLoadError, resolve_model
 
 logger = logging.getLogger(__name__)
 # Set to 0 to start every worker as a fresh interpreter (slower; for debugging).
@@ -193,9 +193,12 @@ def needs_full_zygote(spec: WorkerSpec) -> bool:
     the full zygote. Only loomllm's own model on a GGUF file is known not to: a worker forked
     lean that needs it after all imports it itself (a slower start, the same answers)."""
     options = spec.options
-    gguf = spec.model.lower() in DEFAULT_MODEL_ALIASES or spec.model.lower().endswith(".gguf")
-    own_model = options.model_impl != "transformers" and options.runner == "generate"
-    return not (gguf and own_model and not options.max_loras)
+    if options.model_impl == "transformers" or options.runner != "generate" or options.max_loras:
+        return True
+    try:  # the worker's own lookup (an alias or a .gguf file; nothing is fetched)
+        return resolve_model(spec.model, options.revision).kind != "gguf"
+    except (ModelLoadError, OSError):
+        return True  # the worker says what is wrong, wherever it is forked
 
 
 @dataclass(eq=False)
