@@ -391,9 +391,19 @@ def test_eager_step_benchmark_prints_both_models_and_the_ratio() -> None:
 
 def test_cpu_step_benchmark_prints_each_way_beside_the_linears() -> None:
     done = loom(
-        "bench", "kernel", "cpu-step", "--batch-sizes", "1,3", "--steps", "2", "--rounds", "1",
-        "--context", "4", timeout=300,
-    )  # fmt: skip
+        "bench",
+        "kernel",
+        "cpu-step",
+        "--batch-sizes",
+        "1,3",
+        "--steps",
+        "2",
+        "--rounds",
+        "1",
+        "--context",
+        "4",
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     for batch in (1, 3):
         row = rf"^\| {batch} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| x\d+\.\d\d \| -?[\d.]+ \|$"
@@ -421,9 +431,21 @@ def test_cpu_prefill_attention_benchmark_agrees_with_sdpa_and_prints_the_ratio()
 
 def test_cpu_contention_benchmark_prints_both_modes_and_their_ratio(tiny_model) -> None:
     done = loom(
-        "bench", "kernel", "cpu-contention", "--model", tiny_model, "--dtype", "float32",
-        "--tokens", "6", "--prompt-tokens", "8", "--rounds", "1", timeout=300,
-    )  # fmt: skip
+        "bench",
+        "kernel",
+        "cpu-contention",
+        "--model",
+        tiny_model,
+        "--dtype",
+        "float32",
+        "--tokens",
+        "6",
+        "--prompt-tokens",
+        "8",
+        "--rounds",
+        "1",
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     for mode in ("on", "off"):
         row = rf"^\| {mode} \| [\d.]+ \| [\d.]+ \([\d.]+\) \| x\d+\.\d\d \|$"
