@@ -10,9 +10,9 @@ import enum
 import json as _json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType, UnionType
+from typing import Any, get_args, get_origin, get_type_hints
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,30 +72,58 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI allows
+MAX_N = 128  # choices per prompt in one request body: more would flood the batch
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """One SamplingParams field's rule, stated once: SamplingParams checks it, and the server's
+    request bodies (runtime/server/bodies/) take a field of the same name with it."""
+
+    low: float | None = None  # of the value, or of each item of a list
+    high: float | None = None
+    low_open: bool = False
+    in_body: bool = True  # OpenAI's and vLLM's bodies set it by this name
+    doc: str = ""  # its description in the server's OpenAPI document
+    body_high: int | None = None  # a request body's cap, tighter than the engine's
+    token_ids: bool = False  # ids of the model's vocabulary (the OpenAPI bounds them)
+    min_items: int = 0  # of a list
+
+
+def spec(default: Any, **rule: Any) -> Any:
+    """A dataclass field with `default` and its FieldSpec (read by field_specs())."""
+    return field(default=default, metadata={"spec": FieldSpec(**rule)})
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop; checked on construction, before any scheduling."""
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: no top-k
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    n: int = spec(1, low=1, body_high=MAX_N, doc="choices per prompt")
+    temperature: float = spec(1.0, low=0.0)
+    top_p: float = spec(1.0, low=0.0, low_open=True, high=1.0)
+    top_k: int = spec(0, low=-1, doc="0 or -1: no top-k")
+    min_p: float = spec(0.0, low=0.0, high=1.0)
+    seed: int | None = spec(
+        None,
+        doc="each of the n choices samples with seed + its index, which must fit in 64 bits too",
+    )
+    presence_penalty: float = spec(0.0, low=-2.0, high=2.0)
+    frequency_penalty: float = spec(0.0, low=-2.0, high=2.0)
+    repetition_penalty: float = spec(1.0, low=0.0, low_open=True)
     stop: tuple[str, ...] = field(default_factory=tuple)
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    max_tokens: int | None = 16  # None: up to max_model_len
-    min_tokens: int = 0
-    logprobs: int | None = None  # number of top logprobs per token, besides the sampled one
+    stop_token_ids: tuple[int, ...] = spec((), low=0, token_ids=True)
+    ignore_eos: bool = spec(False)
+    max_tokens: int | None = spec(16, low=1, in_body=False)  # None: up to max_model_len
+    min_tokens: int = spec(0, low=0, doc="at most max_tokens (else 400)")
+    # Number of top logprobs per token, besides the sampled one.
+    logprobs: int | None = spec(None, low=0, high=MAX_LOGPROBS, in_body=False)
     # Logprob of each prompt token (after the first) plus this many top logprobs at each
     # prompt position; None: off. Such a request skips the prefix cache (all of it is computed).
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = spec(None, low=0, high=MAX_LOGPROBS, in_body=False)
+    skip_special_tokens: bool = spec(True)
+    include_stop_str_in_output: bool = spec(False)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Added to the token's logit before penalties and sampling, every step (OpenAI's
     # logit_bias, in token ids; the server keeps OpenAI's [-100, 100]). Held read-only (a
@@ -103,7 +131,13 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
     # Only these token ids can be sampled (vLLM's), held sorted and once each; None: any.
     # min_tokens still bans eos.
-    allowed_token_ids: tuple[int, ...] | None = None
+    allowed_token_ids: tuple[int, ...] | None = spec(
+        None,
+        low=0,
+        token_ids=True,
+        min_items=1,
+        doc="only these can be sampled; with min_tokens, not only eos and stop_token_ids",
+    )
     structured_outputs: StructuredOutputsParams | None = None
     # Words the model may not write (vLLM's): the engine encodes each, as it is and after a
     # space, into bad_words_token_ids, and the last token of such a sequence is banned
@@ -130,44 +164,20 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _int("n", self.n, low=1)
-        _number("temperature", self.temperature, low=0.0)
-        _number("top_p", self.top_p, low=0.0, low_open=True, high=1.0)
-        _int("top_k", self.top_k, low=-1)
-        _number("min_p", self.min_p, low=0.0, high=1.0)
-        if self.seed is not None:
-            _int("seed", self.seed)
-            # Sequence i of n samples with seed + i (vLLM's rule): each must fit too.
-            if self.seed + self.n - 1 > _INT64[1]:
-                raise ValueError(
-                    f"seed + n - 1 must fit in 64 bits, got seed {self.seed} with n {self.n}"
-                )
-        _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
-        _number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
-        _number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        for name, check in _CHECKS.items():
+            check(name, getattr(self, name))
+        # Sequence i of n samples with seed + i (vLLM's rule): each must fit too.
+        if self.seed is not None and self.seed + self.n - 1 > _INT64[1]:
+            raise ValueError(
+                f"seed + n - 1 must fit in 64 bits, got seed {self.seed} with n {self.n}"
+            )
         stop = self.stop
         if not isinstance(stop, tuple) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-        if not isinstance(self.stop_token_ids, tuple):
-            raise ValueError(
-                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
-            )
-        for token_id in self.stop_token_ids:
-            _int("stop_token_ids", token_id, low=0)
-        _bool("ignore_eos", self.ignore_eos)
-        if self.max_tokens is not None:
-            _int("max_tokens", self.max_tokens, low=1)
-        _int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
-        if self.logprobs is not None:
-            _int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
-        if self.prompt_logprobs is not None:
-            _int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
-        _bool("skip_special_tokens", self.skip_special_tokens)
-        _bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self._validate_token_filters()
         self._validate_bad_words()
         truncate = self.truncate_prompt_tokens
@@ -199,12 +209,6 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", normal)
         allowed = self.allowed_token_ids
         if allowed is not None:
-            if not isinstance(allowed, tuple | list) or not allowed:
-                raise ValueError(
-                    f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}"
-                )
-            for token_id in allowed:
-                _int("allowed_token_ids", token_id, low=0)
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
 
     def _validate_bad_words(self) -> None:
@@ -244,7 +248,6 @@ def replace_checked(params: SamplingParams, **changes: Any) -> SamplingParams:
 
 
 _GREEDY_EPSILON = 1e-5
-MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI allows
 
 
 def _enum(name: str, value: int) -> RequestOutputKind:
@@ -295,3 +298,49 @@ def _range(name: str, value: float, low: float | None, high: float | None, low_o
 def _bool(name: str, value: object) -> None:
     if type(value) is not bool:
         raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def field_specs() -> dict[str, tuple[type, bool, bool, FieldSpec]]:
+    """Each specified field: (its scalar type, whether None is allowed, whether it is a
+    list of them, its FieldSpec), by name."""
+    hints = get_type_hints(SamplingParams)
+    specs = {}
+    for f in fields(SamplingParams):
+        if "spec" not in f.metadata:
+            continue
+        hint = hints[f.name]
+        members = get_args(hint) if isinstance(hint, UnionType) else (hint,)
+        (kind,) = [k for k in members if k is not type(None)]
+        is_list = get_origin(kind) is tuple
+        scalar = get_args(kind)[0] if is_list else kind
+        specs[f.name] = (scalar, type(None) in members, is_list, f.metadata["spec"])
+    return specs
+
+
+def _check_of(scalar: type, optional: bool, is_list: bool, rule: FieldSpec) -> Any:
+    """The check of one specified field's value."""
+
+    def one(name: str, value: object) -> None:
+        if scalar is bool:
+            _bool(name, value)
+        elif scalar is int:
+            _int(name, value, rule.low, rule.high)  # type: ignore[arg-type]
+        else:
+            _number(name, value, rule.low, rule.high, rule.low_open)
+
+    def check(name: str, value: object) -> None:
+        if value is None and optional:
+            return
+        if not is_list:
+            one(name, value)
+            return
+        if not isinstance(value, tuple | list) or len(value) < rule.min_items:
+            least = f" of at least {rule.min_items}" if rule.min_items else ""
+            raise ValueError(f"{name} must be a list{least} of token ids, got {value!r}"[:300])
+        for item in value:
+            one(name, item)
+
+    return check
+
+
+_CHECKS = {name: _check_of(*args) for name, args in field_specs().items()}
