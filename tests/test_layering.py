@@ -36,8 +36,11 @@ ALLOWED: dict[str, set[str]] = {
     # LLM.get_tokenizer() hands out the engine's tokenizer.
     "loomllm.llm": {"loomllm.engine", "loomllm.outputs", "loomllm.protocols", "loomllm.text"},
     "loomllm.server.parsers": set(),
+    # The request bodies' models: SamplingParams' field rules make their sampling fields.
+    "loomllm.server.bodies": {"loomllm.protocols"},
     "loomllm.server.openai": {
         "loomllm.engine",
+        "loomllm.server.bodies",
         "loomllm.errors",
         "loomllm.outputs",
         "loomllm.protocols",
@@ -54,6 +57,7 @@ ALLOWED: dict[str, set[str]] = {
     # Ollama's API builds on the OpenAI routes' request checks and errors.
     "loomllm.server.ollama": {
         "loomllm.engine",
+        "loomllm.server.bodies",
         "loomllm.errors",
         "loomllm.outputs",
         "loomllm.protocols",
@@ -66,6 +70,7 @@ ALLOWED: dict[str, set[str]] = {
         "loomllm.metrics",
         "loomllm.outputs",
         "loomllm.protocols",
+        "loomllm.server.bodies",
         "loomllm.server.fleet",
         "loomllm.server.ollama",
         "loomllm.server.openai",

@@ -90,10 +90,10 @@ def build_app(
         open_paths=OPEN_PATHS,
         template_names=first.tokenizer.chat_templates,
         trust_request_chat_template=trust_request_chat_template,
-        auto_tools=tool_call_parser is not None,
         reasoning=reasoning_parser is not None,
         priority=first.config.scheduling_policy == "priority",
         one_model=len(fleet.models) == 1,
+        pooling=first.model_info.pooling,
     )
     routes = [*openai_routes.ROUTES]
     routes += [

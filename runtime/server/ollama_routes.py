@@ -24,6 +24,13 @@ from loomllm.engine.engine import Engine
 from loomllm.engine.request_stream import RequestStream, start_all
 from loomllm.errors import ModelPullError
 from loomllm.outputs import RequestOutput
+from loomllm.server.bodies.ollama_bodies import (
+    EmbedBody,
+    GenerateBody,
+    OllamaBody,
+    OllamaChatBody,
+    PullBody,
+)
 from loomllm.server.disconnect import unless_disconnected
 from loomllm.server.fleet.catalog import ModelEntry
 from loomllm.server.fleet.fleet import ModelFleet, ServedModel
@@ -31,7 +38,7 @@ from loomllm.server.ollama.keep_alive import keep_alive_seconds
 from loomllm.server.ollama.model_card import details, show
 from loomllm.server.ollama.options import sampling_params
 from loomllm.server.openai.api_error import ApiError, bad
-from loomllm.server.openai.schemas import field
+from loomllm.server.openai.body_parsing import parse
 from loomllm.server.openai.serving import engine_error, final_outputs
 from loomllm.server.openai.sse import EventStreamResponse, Send
 from loomllm.server.request_body import read_body
@@ -59,35 +66,27 @@ async def answer(
 
 
 @asynccontextmanager
-async def model_for(request: Request, body: dict[str, Any]) -> AsyncIterator[ServedModel]:
+async def model_for(request: Request, body: OllamaBody) -> AsyncIterator[ServedModel]:
     """The body's model, loaded; its keep_alive applied."""
     fleet = server_state(request).fleet
-    name = body.get("model")
-    if not isinstance(name, str) or not name:
-        raise bad("model is required", "model")
-    keep_alive = keep_alive_seconds(body.get("keep_alive"))
-    async with fleet.use(name) as served:
+    keep_alive = keep_alive_seconds(body.keep_alive)
+    async with fleet.use(body.model) as served:
         if keep_alive is not None:
             fleet.set_keep_alive(served.name, keep_alive)
         yield served
 
 
 async def generate(request: Request) -> Response:
-    body = await read_body(request)
+    body = parse(GenerateBody, await read_body(request))
     async with model_for(request, body) as served:
         engine = served.engine
-        prompt = body.get("prompt", "")
-        if not isinstance(prompt, str):
-            raise bad("prompt must be a string", "prompt")
-        _no_images(body.get("images"), "images")
-        stream = field(body, "stream", "bool", True)
+        prompt = body.prompt
+        stream = body.stream is not False
         params = sampling_params(body, engine.sampling_defaults, stream)
         if not prompt:  # Ollama's way to load a model (or, with keep_alive 0, unload it)
-            unload = keep_alive_seconds(body.get("keep_alive")) == 0
-            reason = "unload" if unload else "load"
-            return JSONResponse(_chunk(served.name, done_reason=reason, response=""))
-        system = field(body, "system", "str")
-        templated = not field(body, "raw", "bool", False) and engine.tokenizer is not None
+            return _loaded(served.name, body, "response", "")
+        system = body.system
+        templated = not body.raw and engine.tokenizer is not None
         if templated and engine.tokenizer.chat_templates:  # type: ignore[union-attr]
             messages = [{"role": "system", "content": system}] if system else []
             messages.append({"role": "user", "content": prompt})
@@ -103,38 +102,26 @@ async def generate(request: Request) -> Response:
 
 
 async def chat(request: Request) -> Response:
-    body = await read_body(request)
+    body = parse(OllamaChatBody, await read_body(request))
     async with model_for(request, body) as served:
         engine = served.engine
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad("messages must be a non-empty list", "messages")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("content", ""), str):
-                raise bad(f"messages[{i}] must be an object with string content", "messages")
-            _no_images(message.get("images"), f"messages[{i}].images")
-        if body.get("tools"):
-            raise bad("tools are not supported on /api/chat yet: use /v1/chat/completions", "tools")
-        stream = field(body, "stream", "bool", True)
+        messages = body.raw_messages()
+        if not messages:  # as an empty prompt to /api/generate
+            return _loaded(served.name, body, "message", {"role": "assistant", "content": ""})
+        stream = body.stream is not False
         params = sampling_params(body, engine.sampling_defaults, stream)
         run = _started(lambda: engine.chat(messages, params, lora_request=served.lora), "messages")
         return await answer(request, served.name, run, stream, "message")
 
 
 async def embed(request: Request) -> Response:
-    body = await read_body(request)
+    body = parse(EmbedBody, await read_body(request))
     async with model_for(request, body) as served:
         engine = served.engine
-        inputs = body.get("input")
-        inputs = [inputs] if isinstance(inputs, str) else inputs
-        if not isinstance(inputs, list) or not inputs:
-            raise bad("input must be a string or a non-empty list of strings", "input")
-        if not all(isinstance(text, str) and text for text in inputs):
-            raise bad("input must hold non-empty strings", "input")
-        truncate = field(body, "truncate", "bool", True)
-        dimensions = field(body, "dimensions", "int")
+        inputs = [body.input] if isinstance(body.input, str) else body.input
+        dimensions = body.dimensions
         started = time.time()
-        keep = engine.max_model_len - 1 if truncate else None
+        keep = engine.max_model_len - 1 if body.truncate is not False else None
 
         starts = (
             partial(engine.embed_stream, text, dimensions=dimensions, truncate_prompt_tokens=keep)
@@ -181,7 +168,7 @@ async def ps(request: Request) -> Response:
 
 
 async def show_model(request: Request) -> Response:
-    body = await read_body(request)
+    body = parse(OllamaBody, await read_body(request))
     async with model_for(request, body) as served:
         return JSONResponse(show(served.engine))
 
@@ -194,12 +181,12 @@ async def version(request: Request) -> Response:
 
 
 async def pull(request: Request) -> Response:
-    body = await read_body(request)
+    body = parse(PullBody, await read_body(request))
     fleet = server_state(request).fleet
-    name = body.get("model") or body.get("name")
-    if not isinstance(name, str) or not name:
+    name = body.model or body.name
+    if name is None:
         raise bad("model is required", "model")
-    if not field(body, "stream", "bool", True):
+    if body.stream is False:
         await _pulled(fleet, name, lambda report: None)
         return JSONResponse({"status": "success"})
     return EventStreamResponse(partial(_pull_lines, fleet, name), NDJSON)  # type: ignore[return-value]
@@ -215,11 +202,6 @@ def _ollama_errors(handler: Handler) -> Handler:
             return JSONResponse({"error": exc.message}, status_code=exc.status)
 
     return answer
-
-
-def _no_images(images: Any, where: str) -> None:
-    if images:
-        raise bad(f"{where}: this server's model reads text only", where)
 
 
 def _started(start: Callable[[], Any], param: str) -> Any:
@@ -296,6 +278,12 @@ def _text(key: str, text: str) -> dict[str, Any]:
     if key == "message":
         return {"message": {"role": "assistant", "content": text}}
     return {"response": text}
+
+
+def _loaded(served: str, body: OllamaBody, key: str, empty: Any) -> JSONResponse:
+    """The answer to a request that only loads its model (or, with keep_alive 0, unloads it)."""
+    reason = "unload" if keep_alive_seconds(body.keep_alive) == 0 else "load"
+    return JSONResponse(_chunk(served, done_reason=reason, **{key: empty}))
 
 
 def _chunk(served: str, done_reason: str | None = None, **rest: Any) -> dict:

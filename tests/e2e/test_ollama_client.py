@@ -65,6 +65,8 @@ def test_chat_and_generate_streamed_and_not(server, client):
     assert "".join(p.response for p in streamed) == generated.response
     loaded = client.generate(model=NAME, prompt="")  # Ollama's "load the model"
     assert loaded.done and loaded.done_reason == "load"
+    loaded = client.chat(model=NAME, messages=[])  # its other way, on /api/chat
+    assert loaded.done and loaded.done_reason == "load" and loaded.message.content == ""
 
 
 def test_list_ps_and_show(client):

@@ -14,6 +14,8 @@ from support.servers import running
 
 from loomllm import LLM, Engine, SamplingParams
 from loomllm.engine.generation_defaults import sampling_defaults
+from loomllm.server.bodies.openai_bodies import ChatBody, CompletionBody
+from loomllm.server.openai.body_parsing import parse
 from loomllm.server.openai.schemas import parse_chat, parse_completion
 
 RECOMMENDED = {
@@ -55,14 +57,22 @@ def test_the_sampling_keys_are_read_and_bad_ones_left_out(tmp_path, caplog):
 
 def test_the_body_wins_over_the_defaults_and_max_new_tokens_caps():
     defaults = {"temperature": 0.0, "top_k": 20, "max_tokens": 10}
-    params = parse_completion({"prompt": "w5", "temperature": 1.0}, defaults).common.params
+    params = parse_completion(
+        parse(CompletionBody, {"prompt": "w5", "temperature": 1.0}), defaults
+    ).common.params
     assert (params.temperature, params.top_k, params.max_tokens) == (1.0, 20, 10)
-    chat = parse_chat({"messages": [{"role": "user", "content": "w5"}]}, defaults=defaults)
+    chat = parse_chat(
+        parse(ChatBody, {"messages": [{"role": "user", "content": "w5"}]}), defaults=defaults
+    )
     assert (chat.common.params.temperature, chat.common.params.top_k) == (0.0, 20)
     assert chat.common.params.max_tokens == 10  # chat's absent max_tokens: the model's
-    capped = parse_completion({"prompt": "w5", "max_tokens": 99}, defaults).common.params
+    capped = parse_completion(
+        parse(CompletionBody, {"prompt": "w5", "max_tokens": 99}), defaults
+    ).common.params
     assert capped.max_tokens == 10  # as vLLM caps it
-    short = parse_completion({"prompt": "w5", "max_tokens": 3}, defaults).common.params
+    short = parse_completion(
+        parse(CompletionBody, {"prompt": "w5", "max_tokens": 3}), defaults
+    ).common.params
     assert short.max_tokens == 3
 
 

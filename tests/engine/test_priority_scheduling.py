@@ -54,7 +54,7 @@ async def test_fcfs_refuses_a_priority_and_keeps_serving(chat_model, shared_mana
         ok = await client.post("/v1/completions", json={**body, "priority": 0})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
         doc = (await client.get("/openapi.json")).json()["components"]["schemas"]
-        assert doc["CompletionRequest"]["properties"]["priority"]["enum"] == [0, None]
+        assert doc["CompletionBody"]["properties"]["priority"]["enum"] == [0, None]
 
 
 async def test_the_server_takes_a_priority_under_the_priority_policy(chat_model, shared_manager):
@@ -70,7 +70,7 @@ async def test_the_server_takes_a_priority_under_the_priority_policy(chat_model,
             await client.post("/v1/completions", json={**body, "priority": "high"}), 400, "priority"
         )
         doc = (await client.get("/openapi.json")).json()["components"]["schemas"]
-        assert doc["CompletionRequest"]["properties"]["priority"]["type"] == ["integer", "null"]
+        assert doc["CompletionBody"]["properties"]["priority"]["type"] == ["integer", "null"]
 
 
 def test_llm_takes_one_priority_or_one_each(tiny_model, shared_manager):

@@ -19,7 +19,7 @@ import pytest
 from support.models import TINY_VOCAB
 from support.servers import NAME, running
 
-from loomllm.server.openai.openapi_requests import FLOAT_MAX, INT64_MAX, INT64_MIN
+from loomllm.server.bodies.json_types import FLOAT_MAX, INT64_MAX, INT64_MIN
 from loomllm.server.request_body import MAX_JSON_DEPTH
 
 pytestmark = pytest.mark.anyio
@@ -29,7 +29,8 @@ BASE = {
     COMPLETIONS: {"model": NAME, "prompt": "w5 w6", "max_tokens": 2},
     CHAT: {"model": NAME, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2},
 }
-SCHEMA_NAME = {COMPLETIONS: "CompletionRequest", CHAT: "ChatCompletionRequest"}
+SCHEMA_NAME = {COMPLETIONS: "CompletionBody", CHAT: "ChatBody"}
+COMPONENTS: dict[str, Any] = {}  # the document's schemas, which a "$ref" names
 # Fields whose bad values only count next to another field (else the error names that one).
 CONTEXT = {
     (CHAT, "top_logprobs"): {"logprobs": True},
@@ -61,6 +62,8 @@ def with_field(path: str, name: str, value: Any) -> bytes:
 
 def types_of(prop: dict[str, Any]) -> set[str]:
     """The JSON types a property accepts (those of its anyOf members too)."""
+    if "$ref" in prop:
+        prop = COMPONENTS[prop["$ref"].rsplit("/", 1)[1]]
     kinds = prop.get("type", [])
     found = {kinds} if isinstance(kinds, str) else set(kinds)
     for member in prop.get("anyOf", []):
@@ -114,6 +117,7 @@ def bad_values(prop: dict[str, Any]) -> list[Any]:
 
 def field_cases(schema: dict[str, Any]) -> list[Case]:
     """Every property of both request schemas but the prompt and messages (by hand below)."""
+    COMPONENTS.update(schema)
     cases = []
     for path, schema_name in SCHEMA_NAME.items():
         for name, prop in schema[schema_name]["properties"].items():

@@ -514,6 +514,8 @@ def test_an_engine_dead_at_a_requests_start_is_503_and_closes_what_started():
     """The engine's worker died between the request's arrival and its prompts' start: 503
     (retry: the supervisor restarts the engine), as for a death mid-request, not a 500."""
     from loomllm.errors import EngineDeadError
+    from loomllm.server.bodies.openai_bodies import CompletionBody
+    from loomllm.server.openai.body_parsing import parse
     from loomllm.server.openai.schemas import ApiError, parse_completion
     from loomllm.server.openai.serving import start_streams
 
@@ -533,7 +535,7 @@ def test_an_engine_dead_at_a_requests_start_is_503_and_closes_what_started():
                 raise EngineDeadError("the worker died")
             return Stream()
 
-    req = parse_completion({"prompt": ["w5", "w6", "w7"]})
+    req = parse_completion(parse(CompletionBody, {"prompt": ["w5", "w6", "w7"]}))
     with pytest.raises(ApiError) as caught:
         start_streams(DyingEngine(), req.prompts, req, "cmpl-x")
     assert caught.value.status == 503 and "the worker died" in caught.value.message

@@ -1,16 +1,17 @@
 """Schemathesis hooks for server/openai/test_openapi.py, loaded through SCHEMATHESIS_HOOKS.
 
 positive_data_acceptance wants every schema-valid body answered 2xx, but five of the
-server's rules are beyond JSON Schema: a prompt (or the rendered messages) must encode to
-at least one token and leave room in max_model_len for max_tokens (for one token without
-it), min_tokens <= max_tokens, seed + n - 1 fits in 64 bits (choice i samples with seed +
-i), with min_tokens, allowed_token_ids must hold more than eos and the stop ids (which
+server's rules are beyond JSON Schema: a prompt (or the rendered messages) must encode to at
+least one token and leave room in max_model_len for max_tokens (for one token without it),
+min_tokens <= max_tokens, seed + n - 1 fits in 64 bits (choice i samples with seed + i),
+with min_tokens, allowed_token_ids must hold more than eos and the stop ids (which
 min_tokens bans), and continue_final_message needs text content in the final message (on
-/tokenize too). A structured output's grammar must also compile and be spelled by the
-model's vocabulary, which only the workers can tell. Positive cases breaking them are
-dropped before they are sent; tokens are counted by the server's own /tokenize route (with
-the body's chat-template fields, so the same prompt), so the route under test is not its
-own judge. Negative cases are never dropped.
+/tokenize too). A pooling route's every text must fit as a prompt does, and score's text_1
+is one text or one for each text_2. A structured output's grammar must also compile and be
+spelled by the model's vocabulary, which only the workers can tell. Positive cases breaking
+them are dropped before they are sent; tokens are counted by the server's own /tokenize
+route (with the body's chat-template fields, so the same prompt), so the route under test is
+not its own judge. Negative cases are never dropped.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ CLIENT = httpx.Client(  # one client: a new one per call costs a TLS context (~4
 )
 EOS_IDS = {int(t) for t in os.environ["LOOM_TEST_EOS_IDS"].split(",")}
 DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": None}
+# A pooling route's texts: each must encode to 1 to max_model_len - 1 tokens (an embedder's
+# pair is two inputs).
+POOLING_TEXTS = {
+    "/v1/embeddings": ("input",),
+    "/v1/score": ("text_1", "text_2"),
+    "/score": ("text_1", "text_2"),
+    "/v1/rerank": ("query", "documents"),
+    "/rerank": ("query", "documents"),
+}
 
 
 MAX_MODEL_LEN = CLIENT.get("/v1/models").json()["data"][0]["max_model_len"]
@@ -57,6 +67,12 @@ def filter_case(ctx: Any, case: Any) -> bool:
         return True
     if body.get("continue_final_message") and not final_has_text(body.get("messages")):
         return False  # nothing to go on from
+    if path in POOLING_TEXTS:
+        first, second = body.get("text_1"), body.get("text_2")
+        seconds = len(second) if isinstance(second, list) else 1
+        if isinstance(first, list) and len(first) not in (1, seconds):
+            return False  # pairs: one text_1, or one for each text_2
+        return all(pooled_fits(body.get(name)) for name in POOLING_TEXTS[path])
     if path not in DEFAULT_MAX_TOKENS:
         return True
     if path == "/v1/completions":
@@ -86,6 +102,14 @@ def filter_case(ctx: Any, case: Any) -> bool:
     if allowed and min_tokens and set(allowed) <= EOS_IDS | set(body.get("stop_token_ids") or ()):
         return False
     return max_tokens is None or min_tokens <= max_tokens
+
+
+def pooled_fits(value: Any) -> bool:
+    """Whether each input in `value` (a text, token ids, or a list of either) fits."""
+    if value is None:
+        return True
+    one = isinstance(value, str) or (value and isinstance(value[0], int))
+    return all(fits({"prompt": item}, None) for item in ([value] if one else value))
 
 
 def final_has_text(messages: Any) -> bool:

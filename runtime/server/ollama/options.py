@@ -1,26 +1,26 @@
-"""An Ollama request's `options` and `format` as SamplingParams: each option loomllm honours
-mapped to vLLM's name, the ones that only tune Ollama's runner ignored, and any other
-refused by name rather than dropped."""
+"""An Ollama request's `options` and `format` as SamplingParams: SamplingParams' own fields by
+their names, Ollama's other names for them mapped, the options that only tune Ollama's runner
+ignored, and any other refused by name rather than dropped."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from loomllm.protocols.sampling import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from loomllm.protocols.sampling import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    field_specs,
+)
+from loomllm.server.bodies.ollama_bodies import GeneratingBody
 from loomllm.server.openai.api_error import ApiError, bad
 
-# Ollama's option -> SamplingParams' field.
-SAMPLING = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
+# Ollama's options by SamplingParams' names: its own names (temperature, top_p, ...) and the
+# two it names otherwise.
+SAMPLING = {name: name for name, args in field_specs().items() if args[3].in_body} | {
     "stop": "stop",
     "repeat_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
 }
 # How Ollama's runner loads and runs a model: the engine decides those, for every request.
 RUNNER_ONLY = {
@@ -41,12 +41,10 @@ RUNNER_ONLY = {
 NEUTRAL = {"typical_p": 1.0, "mirostat": 0, "tfs_z": 1.0}
 
 
-def sampling_params(body: dict[str, Any], defaults: dict[str, Any], stream: bool) -> SamplingParams:
+def sampling_params(body: GeneratingBody, defaults: dict[str, Any], stream: bool) -> SamplingParams:
     """The request's SamplingParams over the model's defaults (generation_config, as the
     OpenAI routes take them); a 400 naming the option that cannot be honoured."""
-    options = body.get("options") or {}
-    if not isinstance(options, dict):
-        raise bad("options must be an object", "options")
+    options = body.options or {}
     fields: dict[str, Any] = dict(defaults)
     for name, value in options.items():
         if name in SAMPLING:
@@ -61,7 +59,7 @@ def sampling_params(body: dict[str, Any], defaults: dict[str, Any], stream: bool
             raise bad(f"options.{name} is not an option loomllm knows", "options")
     if "stop" in fields and isinstance(fields["stop"], str):
         fields["stop"] = [fields["stop"]]
-    fields["structured_outputs"] = _format(body.get("format"))
+    fields["structured_outputs"] = _format(body.format)
     fields["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
         return SamplingParams(**fields)
@@ -69,12 +67,10 @@ def sampling_params(body: dict[str, Any], defaults: dict[str, Any], stream: bool
         raise ApiError(400, f"options: {exc}", "options") from None
 
 
-def _format(value: Any) -> StructuredOutputsParams | None:
+def _format(value: str | dict[str, Any] | None) -> StructuredOutputsParams | None:
     """Ollama's `format`: "json" (any JSON object) or a JSON schema."""
     if value in (None, ""):
         return None
     if value == "json":
         return StructuredOutputsParams(json_object=True)
-    if isinstance(value, dict):
-        return StructuredOutputsParams(json=json.dumps(value))
-    raise bad('format must be "json" or a JSON schema', "format")
+    return StructuredOutputsParams(json=json.dumps(value))

@@ -9,29 +9,12 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from loomllm.server.bodies.chat_fields import TemplateBody
 from loomllm.server.openai.api_error import bad
 
-FIELDS = (
-    "add_generation_prompt",
-    "continue_final_message",
-    "chat_template",
-    "chat_template_kwargs",
-    "documents",
-)
+FIELDS = tuple(TemplateBody.model_fields)
 # A rendering error that names chat_template (one that does not compile) is a 400 naming it.
 TEMPLATE_ERRORS = {"chat_template": "chat_template", "messages": "messages"}
-# Names the template sees from the body's own fields: chat_template_kwargs cannot set them
-# (chat_template there would pass a template past --trust-request-chat-template).
-RESERVED_VARIABLES = frozenset(
-    {
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-    }
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,57 +49,31 @@ class TemplateFields:
 
 
 def parse_template_fields(
-    body: dict[str, Any], template_names: Collection[str], trust_templates: bool
+    body: TemplateBody, template_names: Collection[str], trust_templates: bool
 ) -> TemplateFields:
-    """The fields of `body`; 400 naming the field for a bad one.
+    """The fields of `body`; a 400 naming chat_template for a template the server does not take.
 
     `chat_template` may name one of the model's templates (`template_names`); a template's
     own text only with `trust_templates` (--trust-request-chat-template, as vLLM has it: a
     template is code, and a sandboxed one can still spin for as long as it likes).
     """
-    flags = {}
-    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
-        value = body.get(name)
-        if value is not None and type(value) is not bool:
-            raise bad(f"{name} must be true or false, got {value!r}"[:300], name)
-        flags[name] = default if value is None else value
-    if flags["add_generation_prompt"] and flags["continue_final_message"]:
+    template = body.chat_template
+    if template is not None and template not in template_names and not trust_templates:
+        names = ", ".join(sorted(template_names)) or "none"
         raise bad(
-            "continue_final_message goes on with the final message, add_generation_prompt "
-            "starts a new one: set add_generation_prompt to false",
-            "continue_final_message",
+            f"chat_template: this server takes the model's own templates only (its "
+            f"names: {names}); start it with --trust-request-chat-template to send a "
+            f"template's text"[:300],
+            "chat_template",
         )
-    template = body.get("chat_template")
-    if template is not None:
-        if not isinstance(template, str) or not template:
-            raise bad("chat_template must be a template's name or text", "chat_template")
-        if template not in template_names and not trust_templates:
-            names = ", ".join(sorted(template_names)) or "none"
-            raise bad(
-                f"chat_template: this server takes the model's own templates only (its "
-                f"names: {names}); start it with --trust-request-chat-template to send a "
-                f"template's text"[:300],
-                "chat_template",
-            )
-    variables = body.get("chat_template_kwargs")
-    if variables is None:
-        variables = {}
-    if not isinstance(variables, dict):
-        raise bad(
-            "chat_template_kwargs must be an object of template variables", "chat_template_kwargs"
-        )
-    if reserved := sorted(RESERVED_VARIABLES.intersection(variables)):
-        raise bad(
-            f"chat_template_kwargs cannot set {', '.join(reserved)}: send the body's own field",
-            "chat_template_kwargs",
-        )
-    documents = body.get("documents")
-    if documents is not None:
-        if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
-            raise bad("documents must be a list of objects", "documents")
-        variables = {**variables, "documents": documents}
+    variables = dict(body.chat_template_kwargs or {})
+    if body.documents is not None:
+        variables["documents"] = body.documents
     return TemplateFields(
-        flags["add_generation_prompt"], flags["continue_final_message"], template, variables
+        body.add_generation_prompt is not False,
+        bool(body.continue_final_message),
+        template,
+        variables,
     )
 
 

@@ -8,13 +8,14 @@ from functools import partial
 from typing import Any
 
 from loomllm.engine.engine import Engine
-from loomllm.server.openai.embeddings import parse_inputs, started
+from loomllm.server.bodies.pooling_bodies import ClassifyBody
+from loomllm.server.openai.embeddings import prompts_of, started
 from loomllm.server.openai.serving import final_outputs
 
 
-async def create_classification(engine: Engine, body: dict[str, Any], model: str) -> dict[str, Any]:
+async def create_classification(engine: Engine, body: ClassifyBody, model: str) -> dict[str, Any]:
     """Every input's probabilities, in input order (a 400 naming the field that is wrong)."""
-    inputs = parse_inputs(body)
+    inputs = prompts_of(body)
     base_id = f"classify-{uuid.uuid4().hex}"
     streams = started(
         partial(engine.classify_stream, prompt, request_id=f"{base_id}-{i}")

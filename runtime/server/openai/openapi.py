@@ -1,6 +1,7 @@
 """The server's OpenAPI 3.1 document, built from its real limits; served at GET /openapi.json.
 
-The request bodies' schemas are openapi_requests.py's; the answers' are here.
+The request bodies' schemas come from their models (bodies/openapi_schemas.py); the answers'
+are here.
 """
 
 from __future__ import annotations
@@ -8,7 +9,25 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from loomllm.server.openai.openapi_requests import Schema, object_of, ref, request_schemas
+from loomllm.protocols.messages import Pooling
+from loomllm.server.bodies.openapi_schemas import (
+    GENERATION_BODIES,
+    POOLING_BODIES,
+    Schema,
+    request_schemas,
+)
+
+
+def ref(name: str) -> Schema:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def object_of(properties: dict[str, Schema], required: list[str] | None = None) -> Schema:
+    schema: Schema = {"type": "object", "properties": properties}
+    if required:
+        schema["required"] = required
+    return schema
+
 
 # "abort": the server shut down mid-request; "tool_calls": tool_choice "required"
 FINISH_REASONS = ["stop", "length", "abort", "tool_calls"]
@@ -147,6 +166,59 @@ def _responses(model: Schema, reasoning: bool) -> dict[str, Schema]:
     }
 
 
+def _pooling_responses(model: Schema) -> dict[str, Schema]:
+    """The pooling routes' answers."""
+    count = {"type": "integer", "minimum": 0}
+    numbers = {"type": "array", "items": {"type": "number"}}
+    usage = object_of(
+        {"prompt_tokens": count, "total_tokens": count}, ["prompt_tokens", "total_tokens"]
+    )
+
+    def listed(item: Schema, with_id: bool) -> Schema:
+        props = {
+            **({"id": {"type": "string"}, "created": {"type": "integer"}} if with_id else {}),
+            "object": {"const": "list"},
+            "model": model,
+            "data": {"type": "array", "items": item},
+            "usage": ref("PoolingUsage"),
+        }
+        return object_of(props, list(props))
+
+    embedding: Schema = {
+        "object": {"const": "embedding"},
+        "index": count,
+        "embedding": {"anyOf": [numbers, {"type": "string", "description": "base64"}]},
+    }
+    score: Schema = {"index": count, "object": {"const": "score"}, "score": {"type": "number"}}
+    label: Schema = {
+        "index": count,
+        "label": {"type": "string"},
+        "probs": numbers,
+        "num_classes": count,
+    }
+    result = object_of(
+        {
+            "index": count,
+            "relevance_score": {"type": "number"},
+            "document": object_of({"text": {"type": "string"}}, ["text"]),
+        },
+        ["index", "relevance_score"],
+    )
+    rerank = {
+        "id": {"type": "string"},
+        "model": model,
+        "usage": ref("PoolingUsage"),
+        "results": {"type": "array", "items": result},
+    }
+    return {
+        "PoolingUsage": usage,
+        "Embeddings": listed(object_of(embedding, list(embedding)), False),
+        "Scores": listed(object_of(score, list(score)), True),
+        "Classifications": listed(object_of(label, list(label)), True),
+        "Rerank": object_of(rerank, list(rerank)),
+    }
+
+
 def _event_stream(chunk: str) -> Schema:
     """SSE: each event's data is a chunk (or an error, then the stream ends) or [DONE]."""
     data = {
@@ -194,17 +266,18 @@ def build_openapi(
     open_paths: Collection[str] = (),
     template_names: Collection[str] = (),
     trust_request_chat_template: bool = False,
-    auto_tools: bool = False,
     reasoning: bool = False,
     priority: bool = False,
     one_model: bool = True,
+    pooling: Pooling | None = None,
 ) -> dict[str, Any]:
     """The OpenAPI 3.1 document of build_app()'s routes, for this model and these limits.
 
     With `needs_api_key`, the routes outside `open_paths` require a Bearer token (else 401).
     `template_names`: the model's chat templates, which a body's chat_template may name.
     With several models (not `one_model`), `model` is the default one: answers may name any,
-    and /v1/models lists unloaded ones without a max_model_len.
+    and /v1/models lists unloaded ones without a max_model_len. A pooling model (`pooling`)
+    has the pooling routes its kind answers instead of completions and chat.
     """
     body_errors = ["400", "404", "413", "415", "500", "503"] + (["401"] if needs_api_key else [])
     get_errors = ["401"] if needs_api_key else []  # /v1/models; /health and /version: open
@@ -249,7 +322,7 @@ def build_openapi(
         "/v1/completions": {
             "post": _operation(
                 "text completion",
-                "CompletionRequest",
+                "CompletionBody",
                 json_(ref("Completion")) | {"text/event-stream": _event_stream("CompletionChunk")},
                 body_errors,
                 examples["completion"],
@@ -258,7 +331,7 @@ def build_openapi(
         "/v1/chat/completions": {
             "post": _operation(
                 "chat completion",
-                "ChatCompletionRequest",
+                "ChatBody",
                 json_(ref("ChatCompletion"))
                 | {"text/event-stream": _event_stream("ChatCompletionChunk")},
                 body_errors,
@@ -268,7 +341,7 @@ def build_openapi(
         "/tokenize": {
             "post": _operation(
                 "text or messages to token ids",
-                "TokenizeRequest",
+                "TokenizeBody",
                 json_(
                     object_of(
                         {
@@ -286,7 +359,7 @@ def build_openapi(
         "/detokenize": {
             "post": _operation(
                 "token ids to text",
-                "DetokenizeRequest",
+                "DetokenizeBody",
                 json_(object_of({"prompt": {"type": "string"}}, ["prompt"])),
                 body_errors,
                 {"model": model, "tokens": [0]},
@@ -302,6 +375,10 @@ def build_openapi(
             )
         },
     }
+    if pooling is not None:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            del paths[path]
+        paths |= _pooling_paths(pooling, body_errors, json_)
     paths["/health"]["get"]["responses"]["503"] = {
         "description": "unhealthy",
         "content": json_(status),
@@ -312,15 +389,17 @@ def build_openapi(
         "paths": paths,
         "components": {
             "schemas": request_schemas(
+                GENERATION_BODIES if pooling is None else GENERATION_BODIES[2:] + POOLING_BODIES,
                 model,
                 max_model_len,
                 vocab_size,
                 template_names,
                 trust_request_chat_template,
-                auto_tools,
                 priority,
+                pooling,
             )
             | _responses(answer_model, reasoning)
+            | _pooling_responses(answer_model)
         },
     }
     if needs_api_key:
@@ -330,3 +409,25 @@ def build_openapi(
                 for operation in item.values():
                     operation["security"] = [{"bearer": []}]
     return doc
+
+
+def _pooling_paths(pooling: Pooling, errors: list[str], json_: Any) -> dict[str, Schema]:
+    """A pooling model's routes: a classifier's classify, an embedder's embeddings; both
+    score and rerank."""
+    text = "Say this is a test"
+
+    def post(summary: str, request: str, answer: str, example: Any) -> Schema:
+        return {"post": _operation(summary, request, json_(ref(answer)), errors, example)}
+
+    score = post("pair scores", "ScoreBody", "Scores", {"text_1": text, "text_2": [text]})
+    rerank = post(
+        "documents by relevance", "RerankBody", "Rerank", {"query": text, "documents": [text]}
+    )
+    paths = {"/v1/score": score, "/score": score, "/v1/rerank": rerank, "/rerank": rerank}
+    if pooling.method == "classify":
+        paths["/classify"] = post(
+            "class probabilities", "ClassifyBody", "Classifications", {"input": text}
+        )
+    else:
+        paths["/v1/embeddings"] = post("embeddings", "EmbeddingBody", "Embeddings", {"input": text})
+    return paths

@@ -9,24 +9,9 @@ from typing import Any
 
 from loomllm.engine.engine import Engine
 from loomllm.errors import EngineClosedError, EngineDeadError
-from loomllm.server.openai.api_error import bad
-from loomllm.server.openai.embeddings import MAX_INPUTS
-from loomllm.server.openai.schemas import field, from_value_error
+from loomllm.server.bodies.pooling_bodies import RerankBody, ScoreBody, as_list
+from loomllm.server.openai.schemas import from_value_error
 from loomllm.server.openai.serving import engine_error
-
-
-def texts(body: dict[str, Any], name: str, one_allowed: bool = True) -> list[str]:
-    """body[name]: a non-empty string (where `one_allowed`) or list of them, checked."""
-    value = body.get(name)
-    if one_allowed and isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not value or len(value) > MAX_INPUTS:
-        what = "a string or a list of strings" if one_allowed else "a list of strings"
-        raise bad(f"{name} must be {what}, 1 to {MAX_INPUTS} of them", name)
-    for i, text in enumerate(value):
-        if not isinstance(text, str) or not text:
-            raise bad(f"{name}[{i}] must be a non-empty string, got {text!r:.40}", name)
-    return value
 
 
 async def scored(engine: Engine, first: list[str], second: list[str], param: str) -> list[Any]:
@@ -39,14 +24,8 @@ async def scored(engine: Engine, first: list[str], second: list[str], param: str
         raise engine_error(exc) from None
 
 
-async def create_scores(engine: Engine, body: dict[str, Any], model: str) -> dict[str, Any]:
-    first, second = texts(body, "text_1"), texts(body, "text_2")
-    if len(first) not in (1, len(second)):
-        raise bad(
-            f"text_1 holds {len(first)} texts and text_2 {len(second)}: give one text_1, or as "
-            "many as text_2",
-            "text_1",
-        )
+async def create_scores(engine: Engine, body: ScoreBody, model: str) -> dict[str, Any]:
+    first, second = as_list(body.text_1), as_list(body.text_2)  # ScoreBody checked the pairing
     outputs = await scored(engine, first, second, "text_1")
     tokens = sum(len(out.prompt_token_ids) for out in outputs)
     return {
@@ -62,16 +41,11 @@ async def create_scores(engine: Engine, body: dict[str, Any], model: str) -> dic
     }
 
 
-async def create_rerank(engine: Engine, body: dict[str, Any], model: str) -> dict[str, Any]:
-    query = body.get("query")
-    if not isinstance(query, str) or not query:
-        raise bad("query must be a non-empty string", "query")
-    documents = texts(body, "documents", one_allowed=False)
-    top_n = field(body, "top_n", "int", len(documents))
-    if top_n < 1:
-        raise bad(f"top_n must be at least 1, got {top_n}", "top_n")
-    with_documents = field(body, "return_documents", "bool", True)
-    outputs = await scored(engine, [query], documents, "documents")
+async def create_rerank(engine: Engine, body: RerankBody, model: str) -> dict[str, Any]:
+    documents = body.documents
+    top_n = len(documents) if body.top_n is None else body.top_n
+    with_documents = body.return_documents is not False
+    outputs = await scored(engine, [body.query], documents, "documents")
     ranked = sorted(range(len(documents)), key=lambda i: -outputs[i].outputs.score)[:top_n]
     results = []
     for i in ranked:

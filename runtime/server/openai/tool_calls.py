@@ -6,17 +6,15 @@ A call `tool_choice` demands ("required" or a named function) is generated under
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from loomllm.protocols.sampling import StructuredOutputsParams
+from loomllm.server.bodies.chat_fields import Tool, ToolsBody
 from loomllm.server.openai.api_error import bad
 from loomllm.server.parsers.tool_parsers import call_id
 
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function name
 NO_PARAMETERS = {"type": "object", "properties": {}}
-MAX_TOOLS = 128  # OpenAI's limit; a "required" grammar over thousands compiles far too slowly
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +53,7 @@ class ToolCalls:
 
 
 def parse_tools(
-    body: dict[str, Any], auto: bool = False
+    body: ToolsBody, auto: bool = False
 ) -> tuple[list[dict[str, Any]] | None, ToolCalls | None, bool]:
     """The tools for the chat template (None: none), the calls tool_choice demands, and
     whether the answer is read for calls the model chose to make ("auto": only when the
@@ -64,17 +62,13 @@ def parse_tools(
     Without such a parser "auto" is a 400, as in vLLM; "none" renders the tools and
     answers in text. Demanded calls are answered as the message's `tool_calls`.
     """
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise bad("parallel_tool_calls must be true or false", "parallel_tool_calls")
-    if not tools:
-        if tools is not None and not isinstance(tools, list):
-            raise bad("tools must be a list of function tools", "tools")
+    choice = body.tool_choice
+    if not body.tools:
         if choice not in (None, "none"):
             raise bad("tool_choice needs tools", "tool_choice")
         return None, None, False
-    schemas = _function_schemas(tools)
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    schemas = _function_schemas(body.tools)
     if choice is None or choice == "auto":
         if auto:
             return tools, None, True
@@ -110,18 +104,12 @@ def parse_tools(
             "$defs": defs,
             "items": {"anyOf": one_call},
         }
-        if parallel is False:
+        if body.parallel_tool_calls is False:
             calls["maxItems"] = 1
         return tools, ToolCalls(None, StructuredOutputsParams(json=json.dumps(calls))), False
-    is_named = isinstance(choice, dict) and choice.get("type") == "function"
-    named = choice.get("function") if is_named else None
-    name = named.get("name") if isinstance(named, dict) else None
-    if not isinstance(name, str) or name not in schemas:
-        raise bad(
-            'tool_choice must be "none", "auto", "required" or {"type": "function", '
-            '"function": {"name": <one of the tools>}}',
-            "tool_choice",
-        )
+    name = choice.function.name
+    if name not in schemas:
+        raise bad(f"tool_choice names {name!r:.80}, which is not one of the tools", "tool_choice")
     return tools, ToolCalls(name, StructuredOutputsParams(json=json.dumps(schemas[name]))), False
 
 
@@ -139,35 +127,14 @@ def _rebased(schema: Any, root: str) -> Any:
     }
 
 
-def _function_schemas(tools: Any) -> dict[str, dict[str, Any]]:
-    """Each function tool's parameters schema (an object's), by name; 400 for anything else."""
-    if not isinstance(tools, list):
-        raise bad("tools must be a list of function tools", "tools")
-    if len(tools) > MAX_TOOLS:
-        raise bad(f"tools holds at most {MAX_TOOLS} functions, got {len(tools)}", "tools")
+def _function_schemas(tools: list[Tool]) -> dict[str, dict[str, Any]]:
+    """Each function tool's parameters schema (an object's), by name; 400 for a name given
+    twice or parameters that describe no object."""
     schemas: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if (
-            not isinstance(tool, dict)
-            or tool.get("type") != "function"
-            or not isinstance(function, dict)
-        ):
-            raise bad(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', "tools")
-        name, parameters = function.get("name"), function.get("parameters")
-        if not isinstance(name, str) or not _NAME.fullmatch(name) or name in schemas:
-            raise bad(
-                f"tools[{i}].function.name must be a unique name of 1 to 64 letters, "
-                f"digits, _ or -",
-                "tools",
-            )
-        if parameters is not None and not isinstance(parameters, dict):
-            raise bad(f"tools[{i}].function.parameters must be a JSON schema (an object)", "tools")
-        description, strict = function.get("description"), function.get("strict")
-        if not isinstance(description, str | None) or not isinstance(strict, bool | None):
-            raise bad(
-                f"tools[{i}].function: description must be a string, strict true or false", "tools"
-            )
+        name, parameters = tool.function.name, tool.function.parameters
+        if name in schemas:
+            raise bad(f"tools[{i}].function.name {name!r} is given twice", "tools")
         if parameters is not None and parameters.get("type", "object") != "object":
             raise bad(
                 f"tools[{i}].function.parameters must describe an object (the call's "

@@ -116,7 +116,7 @@ async def test_bad_template_fields_are_400_and_the_server_goes_on(chat_model, sh
         assert named.status_code == plain.status_code == 200
         assert named.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
         doc = (await client.get("/openapi.json")).json()["components"]["schemas"]
-        assert doc["ChatCompletionRequest"]["properties"]["chat_template"]["enum"] == [
+        assert doc["ChatBody"]["properties"]["chat_template"]["enum"] == [
             "default",
             None,
         ]
@@ -145,7 +145,7 @@ async def test_a_trusted_template_its_variables_and_documents(chat_model, shared
         assert "does not compile" in assert_error(response, 400, "chat_template")["message"]
         assert (await client.post(CHAT, json={**GREEDY, "messages": PREFILLED})).status_code == 200
         doc = (await client.get("/openapi.json")).json()["components"]["schemas"]
-        assert doc["ChatCompletionRequest"]["properties"]["chat_template"]["type"] == [
+        assert doc["ChatBody"]["properties"]["chat_template"]["type"] == [
             "string",
             "null",
         ]

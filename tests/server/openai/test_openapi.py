@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import schemathesis
+from support.models import make_pooling_model
 from support.paths import TESTS_ROOT
 from support.servers import loom_serve
 
@@ -28,6 +29,13 @@ NAME = "tiny"
 KEY = "test-key"
 MAX_MODEL_LEN = 8
 V1 = {"GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions"}
+POOLING = {
+    "POST /v1/embeddings",
+    "POST /v1/score",
+    "POST /v1/rerank",
+    "POST /score",
+    "POST /rerank",
+}
 CHECKS = [
     "not_a_server_error",
     "status_code_conformance",
@@ -71,7 +79,7 @@ def test_built_document_is_valid_openapi_with_the_servers_limits():
     assert labels(doc) >= V1
     assert "securitySchemes" not in doc["components"]
     schemas = doc["components"]["schemas"]
-    untruncated = schemas["CompletionRequest"]["allOf"][1]["else"]  # no truncate_prompt_tokens
+    untruncated = schemas["CompletionBody"]["allOf"][1]["else"]  # no truncate_prompt_tokens
     prompt = untruncated["properties"]["prompt"]["anyOf"]
     ids = [p for p in prompt if p.get("items", {}).get("type") == "integer"]
     assert ids == [
@@ -82,14 +90,14 @@ def test_built_document_is_valid_openapi_with_the_servers_limits():
             "items": {"type": "integer", "minimum": 0, "maximum": 99},
         }
     ]
-    assert schemas["ChatCompletionRequest"]["properties"]["model"]["enum"] == ["m", None]
+    assert schemas["ChatBody"]["properties"]["model"]["enum"] == ["m", None]
     assert "401" not in doc["paths"]["/v1/completions"]["post"]["responses"]
 
 
 @pytest.mark.parametrize("vocab", [1, 2, 10, 11, 100, 101, 256, 1000, 32000, 49152, 151936])
 def test_logit_bias_keys_are_the_vocabulary_s_ids_in_decimal(vocab):
     doc = build_openapi("m", 16, vocab)
-    bias = doc["components"]["schemas"]["CompletionRequest"]["properties"]["logit_bias"]
+    bias = doc["components"]["schemas"]["CompletionBody"]["properties"]["logit_bias"]
     key = re.compile(bias["propertyNames"]["pattern"])
     assert [i for i in range(2 * vocab + 100) if key.search(str(i))] == list(range(vocab))
     assert not any(key.search(k) for k in ("00", "01", "-1", "", "1.0", " 1", "1a", "1\n"))
@@ -138,16 +146,14 @@ def test_what_fuzzing_found_stays_fixed(guarded_server):
         assert response.status_code == 405 and response.headers["allow"] == "POST"
 
 
-def test_schemathesis_finds_no_server_error_and_no_schema_violation(
-    guarded_server, chat_model, tmp_path
-):
-    # Every operation: the /v1 routes the issue names and the four small ones beside them.
+def schemathesis_run(base_url: str, eos: int, tmp_path: Path) -> str:
+    """The schemathesis CLI over every operation of the served document; its report."""
     cmd = [
         sys.executable,
         "-m",
         "schemathesis.cli",
         "run",
-        f"{guarded_server}/openapi.json",
+        f"{base_url}/openapi.json",
         "--checks",
         ",".join(CHECKS),
         "--phases",
@@ -166,11 +172,10 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(
         "--header",
         f"Authorization: Bearer {KEY}",
     ]
-    eos = json.loads((Path(chat_model) / "config.json").read_text())["eos_token_id"]
     env = {
         **os.environ,
         "SCHEMATHESIS_HOOKS": "support.schemathesis_hooks",
-        "LOOM_TEST_BASE_URL": guarded_server,
+        "LOOM_TEST_BASE_URL": base_url,
         "LOOM_TEST_API_KEY": KEY,
         "LOOM_TEST_EOS_IDS": str(eos),
         "PYTHONPATH": os.pathsep.join([str(TESTS_ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -178,5 +183,40 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     print(result.stdout)  # the report, for -s or a failure
     assert result.returncode == 0, result.stdout[-30000:] + result.stderr[-5000:]
-    assert "7 selected / 7 total" in result.stdout
     assert "No issues found" in result.stdout
+    return result.stdout
+
+
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(
+    guarded_server, chat_model, tmp_path
+):
+    # Every operation: the /v1 routes the issue names and the four small ones beside them.
+    eos = json.loads((Path(chat_model) / "config.json").read_text())["eos_token_id"]
+    report = schemathesis_run(guarded_server, eos, tmp_path)
+    assert "7 selected / 7 total" in report
+
+
+@pytest.fixture(scope="module")
+def pooling_server(tmp_path_factory, shared_manager) -> Iterator[str]:
+    """A `loom serve --runner pooling` of a tiny embedding model, with the API key."""
+    model = make_pooling_model(tmp_path_factory.mktemp("pooling"), "qwen3", "mean_tokens")
+    with loom_serve(
+        model,
+        shared_manager.socket,
+        NAME,
+        "trio",
+        "--runner",
+        "pooling",
+        "--api-key",
+        KEY,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+    ) as running:
+        yield running.base_url
+
+
+def test_schemathesis_fuzzes_the_pooling_routes(pooling_server, tmp_path):
+    doc = httpx.get(f"{pooling_server}/openapi.json").json()
+    assert labels(doc) >= POOLING and not labels(doc) & {"POST /v1/completions"}
+    report = schemathesis_run(pooling_server, -1, tmp_path)
+    assert "10 selected / 10 total" in report
