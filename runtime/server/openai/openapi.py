@@ -16,18 +16,8 @@ from loomllm.server.bodies.openapi_schemas import (
     Schema,
     request_schemas,
 )
-
-
-def ref(name: str) -> Schema:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def object_of(properties: dict[str, Schema], required: list[str] | None = None) -> Schema:
-    schema: Schema = {"type": "object", "properties": properties}
-    if required:
-        schema["required"] = required
-    return schema
-
+from loomllm.server.openai.openapi_parts import EXAMPLE_TEXT, json_, object_of, operation, ref
+from loomllm.server.openai.openapi_pooling import pooling_paths, pooling_responses
 
 # "abort": the server shut down mid-request; "tool_calls": tool_choice "required"
 FINISH_REASONS = ["stop", "length", "abort", "tool_calls"]
@@ -166,59 +156,6 @@ def _responses(model: Schema, reasoning: bool) -> dict[str, Schema]:
     }
 
 
-def _pooling_responses(model: Schema) -> dict[str, Schema]:
-    """The pooling routes' answers."""
-    count = {"type": "integer", "minimum": 0}
-    numbers = {"type": "array", "items": {"type": "number"}}
-    usage = object_of(
-        {"prompt_tokens": count, "total_tokens": count}, ["prompt_tokens", "total_tokens"]
-    )
-
-    def listed(item: Schema, with_id: bool) -> Schema:
-        props = {
-            **({"id": {"type": "string"}, "created": {"type": "integer"}} if with_id else {}),
-            "object": {"const": "list"},
-            "model": model,
-            "data": {"type": "array", "items": item},
-            "usage": ref("PoolingUsage"),
-        }
-        return object_of(props, list(props))
-
-    embedding: Schema = {
-        "object": {"const": "embedding"},
-        "index": count,
-        "embedding": {"anyOf": [numbers, {"type": "string", "description": "base64"}]},
-    }
-    score: Schema = {"index": count, "object": {"const": "score"}, "score": {"type": "number"}}
-    label: Schema = {
-        "index": count,
-        "label": {"type": "string"},
-        "probs": numbers,
-        "num_classes": count,
-    }
-    result = object_of(
-        {
-            "index": count,
-            "relevance_score": {"type": "number"},
-            "document": object_of({"text": {"type": "string"}}, ["text"]),
-        },
-        ["index", "relevance_score"],
-    )
-    rerank = {
-        "id": {"type": "string"},
-        "model": model,
-        "usage": ref("PoolingUsage"),
-        "results": {"type": "array", "items": result},
-    }
-    return {
-        "PoolingUsage": usage,
-        "Embeddings": listed(object_of(embedding, list(embedding)), False),
-        "Scores": listed(object_of(score, list(score)), True),
-        "Classifications": listed(object_of(label, list(label)), True),
-        "Rerank": object_of(rerank, list(rerank)),
-    }
-
-
 def _event_stream(chunk: str) -> Schema:
     """SSE: each event's data is a chunk (or an error, then the stream ends) or [DONE]."""
     data = {
@@ -231,30 +168,6 @@ def _event_stream(chunk: str) -> Schema:
         ]
     }
     return {"schema": object_of({"data": data}, ["data"])}
-
-
-ERRORS = {
-    "400": "invalid request: the message names the field (param)",
-    "401": "missing or wrong API key",
-    "404": "no such model",
-    "413": "request body too large",
-    "415": "Content-Type other than application/json",
-    "500": "the engine failed this request",
-    "503": "the engine is restarting or the server is shutting down",
-}
-
-
-def _operation(
-    summary: str, request: str | None, ok: Schema, statuses: list[str], example: Any = None
-) -> Schema:
-    error = {"content": {"application/json": {"schema": ref("Error")}}}
-    responses: dict[str, Any] = {"200": {"description": "OK", "content": ok}}
-    responses |= {s: {"description": ERRORS[s], **error} for s in statuses}
-    operation: Schema = {"summary": summary, "responses": responses}
-    if request is not None:
-        media = {"schema": ref(request), "example": example}
-        operation["requestBody"] = {"required": True, "content": {"application/json": media}}
-    return operation
 
 
 def build_openapi(
@@ -282,9 +195,6 @@ def build_openapi(
     body_errors = ["400", "404", "413", "415", "500", "503"] + (["401"] if needs_api_key else [])
     get_errors = ["401"] if needs_api_key else []  # /v1/models; /health and /version: open
 
-    def json_(schema: Schema) -> Schema:
-        return {"application/json": {"schema": schema}}
-
     answer_model: Schema = {"const": model} if one_model else {"type": "string"}
     card = object_of(
         {
@@ -302,7 +212,7 @@ def build_openapi(
     models = object_of(
         {"object": {"const": "list"}, "data": {"type": "array", "items": card}}, ["object", "data"]
     )
-    text = "Say this is a test"
+    text = EXAMPLE_TEXT
     # OpenAI's example asks 7 tokens; a short context leaves room for fewer beside the prompt.
     example_max_tokens = min(7, max(1, max_model_len // 4))
     examples = {
@@ -318,9 +228,9 @@ def build_openapi(
         {"status": {"enum": ["ok", "unhealthy"]}, "error": {"type": "string"}}, ["status"]
     )
     paths = {
-        "/v1/models": {"get": _operation("the served model", None, json_(models), get_errors)},
+        "/v1/models": {"get": operation("the served model", None, json_(models), get_errors)},
         "/v1/completions": {
-            "post": _operation(
+            "post": operation(
                 "text completion",
                 "CompletionBody",
                 json_(ref("Completion")) | {"text/event-stream": _event_stream("CompletionChunk")},
@@ -329,7 +239,7 @@ def build_openapi(
             )
         },
         "/v1/chat/completions": {
-            "post": _operation(
+            "post": operation(
                 "chat completion",
                 "ChatBody",
                 json_(ref("ChatCompletion"))
@@ -339,7 +249,7 @@ def build_openapi(
             )
         },
         "/tokenize": {
-            "post": _operation(
+            "post": operation(
                 "text or messages to token ids",
                 "TokenizeBody",
                 json_(
@@ -357,7 +267,7 @@ def build_openapi(
             )
         },
         "/detokenize": {
-            "post": _operation(
+            "post": operation(
                 "token ids to text",
                 "DetokenizeBody",
                 json_(object_of({"prompt": {"type": "string"}}, ["prompt"])),
@@ -365,9 +275,9 @@ def build_openapi(
                 {"model": model, "tokens": [0]},
             )
         },
-        "/health": {"get": _operation("one 1-token generation", None, json_(status), [])},
+        "/health": {"get": operation("one 1-token generation", None, json_(status), [])},
         "/version": {
-            "get": _operation(
+            "get": operation(
                 "the loomllm version",
                 None,
                 json_(object_of({"version": {"type": "string"}}, ["version"])),
@@ -378,7 +288,7 @@ def build_openapi(
     if pooling is not None:
         for path in ("/v1/completions", "/v1/chat/completions"):
             del paths[path]
-        paths |= _pooling_paths(pooling, body_errors, json_)
+        paths |= pooling_paths(pooling, body_errors)
     paths["/health"]["get"]["responses"]["503"] = {
         "description": "unhealthy",
         "content": json_(status),
@@ -399,35 +309,13 @@ def build_openapi(
                 pooling,
             )
             | _responses(answer_model, reasoning)
-            | _pooling_responses(answer_model)
+            | pooling_responses(answer_model)
         },
     }
     if needs_api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, item in paths.items():
             if path not in open_paths:
-                for operation in item.values():
-                    operation["security"] = [{"bearer": []}]
+                for op in item.values():
+                    op["security"] = [{"bearer": []}]
     return doc
-
-
-def _pooling_paths(pooling: Pooling, errors: list[str], json_: Any) -> dict[str, Schema]:
-    """A pooling model's routes: a classifier's classify, an embedder's embeddings; both
-    score and rerank."""
-    text = "Say this is a test"
-
-    def post(summary: str, request: str, answer: str, example: Any) -> Schema:
-        return {"post": _operation(summary, request, json_(ref(answer)), errors, example)}
-
-    score = post("pair scores", "ScoreBody", "Scores", {"text_1": text, "text_2": [text]})
-    rerank = post(
-        "documents by relevance", "RerankBody", "Rerank", {"query": text, "documents": [text]}
-    )
-    paths = {"/v1/score": score, "/score": score, "/v1/rerank": rerank, "/rerank": rerank}
-    if pooling.method == "classify":
-        paths["/classify"] = post(
-            "class probabilities", "ClassifyBody", "Classifications", {"input": text}
-        )
-    else:
-        paths["/v1/embeddings"] = post("embeddings", "EmbeddingBody", "Embeddings", {"input": text})
-    return paths
