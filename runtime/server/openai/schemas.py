@@ -18,7 +18,12 @@ from loomllm.protocols.sampling import (
     replace_checked,
 )
 from loomllm.server.bodies.openai_bodies import ChatBody, CompletionBody, raw_messages
-from loomllm.server.bodies.sampling_fields import GUIDED_FIELDS, SamplingBody, engine_fields
+from loomllm.server.bodies.sampling_fields import (
+    GUIDED_FIELDS,
+    JsonSchemaFormat,
+    SamplingBody,
+    engine_fields,
+)
 from loomllm.server.openai.api_error import ApiError, bad
 from loomllm.server.openai.chat_template_fields import (
     TemplateFields,
@@ -71,10 +76,10 @@ def structured_outputs(body: SamplingBody) -> tuple[StructuredOutputsParams | No
     fields (one of them at most), and the field that asked."""
     asked: list[tuple[str, dict[str, Any]]] = []
     response_format = body.response_format
-    if response_format is not None and response_format.type == "json_object":
+    if isinstance(response_format, JsonSchemaFormat):
+        asked.append(("response_format", {"json": response_format.json_schema.schema_}))
+    elif response_format is not None and response_format.type == "json_object":
         asked.append(("response_format", {"json_object": True}))
-    elif response_format is not None and response_format.type == "json_schema":
-        asked.append(("response_format", {"json": response_format.json_schema.schema_}))  # type: ignore[union-attr]
     if body.structured_outputs is not None:
         asked.append(("structured_outputs", body.structured_outputs.model_dump(by_alias=True)))
     for name, key in GUIDED_FIELDS.items():

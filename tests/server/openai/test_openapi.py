@@ -58,20 +58,17 @@ def labels(doc: dict) -> set[str]:
     return {result.ok().label for result in schema.get_all_operations()}
 
 
+def guarded(model: str, manager, loop: str, *args: str) -> Iterator[str]:
+    """The base URL of a `loom serve` of `model` with the API key and MAX_MODEL_LEN, on a
+    free loopback port; SIGTERM at the end (exit 0)."""
+    flags = ("--api-key", KEY, "--max-model-len", str(MAX_MODEL_LEN), *args)
+    with loom_serve(model, manager.socket, NAME, loop, *flags) as running:
+        yield running.base_url
+
+
 @pytest.fixture(scope="module")
 def guarded_server(chat_model, shared_manager) -> Iterator[str]:
-    """The base URL of a `loom serve` on a free loopback port; SIGTERM at the end (exit 0)."""
-    with loom_serve(
-        chat_model,
-        shared_manager.socket,
-        NAME,
-        "asyncio",
-        "--api-key",
-        KEY,
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-    ) as running:
-        yield running.base_url
+    yield from guarded(chat_model, shared_manager, "asyncio")
 
 
 def test_built_document_is_valid_openapi_with_the_servers_limits():
@@ -200,19 +197,7 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(
 def pooling_server(tmp_path_factory, shared_manager) -> Iterator[str]:
     """A `loom serve --runner pooling` of a tiny embedding model, with the API key."""
     model = make_pooling_model(tmp_path_factory.mktemp("pooling"), "qwen3", "mean_tokens")
-    with loom_serve(
-        model,
-        shared_manager.socket,
-        NAME,
-        "trio",
-        "--runner",
-        "pooling",
-        "--api-key",
-        KEY,
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-    ) as running:
-        yield running.base_url
+    yield from guarded(model, shared_manager, "trio", "--runner", "pooling")
 
 
 def test_schemathesis_fuzzes_the_pooling_routes(pooling_server, tmp_path):
